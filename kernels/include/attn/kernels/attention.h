@@ -1,0 +1,103 @@
+// The narrow public interface of the attention kernels: plain argument structs and a small
+// status type. Nothing here knows about gRPC, protobuf or metrics, and nothing here throws.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace attn::kernels {
+
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+constexpr size_t DTypeSize(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+const char* DTypeName(DType t);
+
+enum class StatusCode : uint8_t {
+  kOk = 0,
+  kInvalidArgument,   // the arguments can never be run as given
+  kUnimplemented,     // valid, but this backend has no kernel for it (head dim, dtype)
+  kResourceExhausted, // workspace or device memory too small
+  kInternal,          // a device error
+};
+
+// A status without exceptions or dependencies; the server turns it into absl::Status.
+class Status {
+ public:
+  Status() = default;
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  static Status Ok() { return {}; }
+
+  bool ok() const { return code_ == StatusCode::kOk; }
+  StatusCode code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+// Forward attention over a packed varlen batch.
+//
+// Layouts (row-major, contiguous):
+//   q, o  [total_q, num_heads,    head_dim]
+//   k, v  [total_k, num_kv_heads, head_dim]
+//   lse   [num_heads, total_q] float32, natural log; optional (nullptr)
+//   cu_seqlens_q/k [batch + 1] int32, cu[0] == 0, non-decreasing, cu[batch] == total.
+// Sequence b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows likewise.
+// All pointers live where the backend computes: host memory for the CPU backend, device memory
+// for the CUDA backend (cu_seqlens included).
+//
+// Masking, for query i of a sequence with s_q queries and s_k keys, aligned bottom-right:
+// the query sits at key position p = i + s_k - s_q, and sees key j when
+//   causal:        j <= p
+//   window_left:   j >= p - window_left   (when window_left  >= 0)
+//   window_right:  j <= p + window_right  (when window_right >= 0)
+// A query row that sees no key gets o = 0 and lse = -inf.
+// GQA/MQA: query head h reads KV head h / (num_heads / num_kv_heads).
+struct AttentionArgs {
+  DType dtype = DType::kBFloat16;  // of q, k, v and o
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int32_t batch = 1;
+  int32_t total_q = 0;
+  int32_t total_k = 0;
+  // Upper bounds on any one sequence's length; the CUDA backend sizes its grid with these.
+  int32_t max_seqlen_q = 0;
+  int32_t max_seqlen_k = 0;
+
+  int32_t num_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+
+  float softmax_scale = 0.0f;  // 0 means 1/sqrt(head_dim)
+  bool causal = false;
+  int32_t window_left = -1;    // -1: unbounded
+  int32_t window_right = -1;   // -1: unbounded
+};
+
+// The scale actually applied: softmax_scale, or 1/sqrt(head_dim) when it is 0.
+float EffectiveSoftmaxScale(const AttentionArgs& args);
+
+// Checks what every backend needs: positive sizes, num_heads % num_kv_heads == 0, non-null
+// pointers, window values >= -1. It does not read cu_seqlens (they may be device memory).
+Status ValidateCommon(const AttentionArgs& args);
+
+// Checks host-side cu_seqlens against batch and totals, and that the declared max lengths bound
+// every sequence.
+Status ValidateCuSeqlens(const int32_t* cu_seqlens, int32_t batch, int32_t total,
+                         int32_t max_seqlen, const char* name);
+
+// FLOPs as FlashAttention's benchmarks count them: 4 * s_q * s_k * d per head, over the keys each
+// query actually sees for causal (so a square causal problem counts half).
+double AttentionFlops(const AttentionArgs& args, const int32_t* host_cu_seqlens_q,
+                      const int32_t* host_cu_seqlens_k);
+
+}  // namespace attn::kernels

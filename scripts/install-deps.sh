@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs, from Debian 12 packages, whatever attnd needs to build, test and run that is missing.
+# Idempotent: a second run installs nothing. Needs root (or sudo).
+set -euo pipefail
+
+build_pkgs=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev prometheus-cpp-dev libssl-dev zlib1g-dev libcurl4-openssl-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+# Tools the tests use: promtool and a real Prometheus, openssl for TLS certificates, yamllint,
+# clang for the fuzzer and sanitizer builds, curl for scraping.
+test_pkgs=(prometheus openssl yamllint clang libclang-rt-14-dev curl)
+
+want=("${build_pkgs[@]}")
+[ "${ATTN_DEPS_BUILD_ONLY:-0}" = 1 ] || want+=("${test_pkgs[@]}")
+
+missing=()
+# Node.js may come from elsewhere than Debian; only its command matters (npm-based linters).
+if [ "${ATTN_DEPS_BUILD_ONLY:-0}" != 1 ] && ! command -v npm >/dev/null; then
+  want+=(nodejs npm)
+fi
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: everything is installed"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+sudo=""
+[ "$(id -u)" = 0 ] || sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
