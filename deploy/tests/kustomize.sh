@@ -43,7 +43,7 @@ expect gpu-prometheus-operator '^kind: ServiceMonitor$' "no ServiceMonitor"
 expect gpu-prometheus-operator 'prometheus.io/scrape: "false"' "annotation scrape not turned off"
 for n in gpu gpu-prometheus-operator; do
   [ "$(count 'nvidia.com/gpu: 1$' "$out/$n.yaml")" = 2 ] || fail "$n: nvidia.com/gpu: 1 not in requests and limits"
-  expect "$n" 'key: nvidia.com/gpu' "no nvidia.com/gpu toleration"
+  expect "$n" 'key: nvidia.com/gpu$' "no nvidia.com/gpu toleration"
   expect "$n" 'nvidia.com/gpu.present: "true"' "no GPU nodeSelector"
   expect "$n" '^kind: HorizontalPodAutoscaler$' "no HPA"
   expect "$n" 'name: attn_queue_duration_seconds_p90' "HPA does not use attn_queue_duration_seconds_p90"
