@@ -1,27 +1,26 @@
-// CPU backend of attention forward: tiled, online softmax, fp32 accumulation, multithreaded.
-// It is the no-GPU fallback of the server.
+// CPU backend of attention forward: tiled, online softmax, fp32 accumulation, multithreaded
+// over (sequence, head, query tile). The no-GPU fallback of the server.
 #pragma once
 
 #include <cstddef>
 
 #include "attn/kernels/attention.h"
+#include "attn/kernels/cpu_thread_pool.h"
 
 namespace attn::kernels::cpu {
 
-struct RunOptions {
-  // Worker threads for one call; 0 means std::thread::hardware_concurrency().
-  int num_threads = 0;
-};
+// Largest head dim this backend runs.
+constexpr int kMaxHeadDim = 512;
 
-// OK when this backend can run args (any head dim from 1 to 512, every dtype).
-// Reads cu_seqlens, which must be host memory here.
+// OK when this backend can run args (head dims 1..kMaxHeadDim, every dtype). Reads cu_seqlens,
+// which must be host memory here.
 Status CanImplement(const AttentionArgs& args);
 
-// Bytes of scratch Run needs for args with the given thread count.
-size_t WorkspaceBytes(const AttentionArgs& args, const RunOptions& options = {});
+// Bytes of scratch Run needs for args when run on a pool of num_workers workers.
+size_t WorkspaceBytes(const AttentionArgs& args, int num_workers);
 
-// Computes args.o (and args.lse when set). workspace must hold WorkspaceBytes(args, options)
-// bytes, 64-byte aligned. Never allocates beyond its threads' stacks.
-Status Run(const AttentionArgs& args, void* workspace, const RunOptions& options = {});
+// Computes args.o (and args.lse when set). workspace holds WorkspaceBytes(args, workers) bytes,
+// where workers is pool->NumWorkers() (1 when pool is null: runs on the calling thread).
+Status Run(const AttentionArgs& args, void* workspace, CpuThreadPool* pool);
 
 }  // namespace attn::kernels::cpu

@@ -1,0 +1,95 @@
+// The C++ client library of attnd: a blocking, thread-safe wrapper over the attn.v1 stubs that
+// takes and returns plain tensors.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attn/v1/attention.grpc.pb.h"
+
+namespace attn::client {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+size_t DTypeBytes(DType t);
+// "fp32"/"float32", "fp16"/"float16", "bf16"/"bfloat16".
+absl::StatusOr<DType> ParseDType(const std::string& name);
+
+// A dense row-major tensor as raw little-endian bytes.
+struct Tensor {
+  DType dtype = DType::kBFloat16;
+  std::vector<int64_t> shape;
+  std::string data;
+
+  int64_t NumElements() const;
+  // Builds a tensor of dtype from floats (rounded to nearest even).
+  static Tensor FromFloats(DType dtype, std::vector<int64_t> shape, const std::vector<float>& v);
+  std::vector<float> ToFloats() const;
+};
+
+struct AttendOptions {
+  std::vector<int32_t> cu_seqlens_q;  // empty: one sequence
+  std::vector<int32_t> cu_seqlens_k;
+  bool causal = false;
+  float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
+  int32_t window_left = -1;
+  int32_t window_right = -1;
+  bool return_lse = false;
+  bool high_priority = false;
+  std::chrono::milliseconds timeout{0};  // 0: none
+};
+
+struct AttendResult {
+  Tensor o;
+  std::optional<Tensor> lse;  // float32 [num_heads, total_q]
+  v1::ServerTiming timing;
+};
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";
+  int64_t max_message_bytes = 256ll << 20;
+  std::string bearer_token;     // sent as "authorization: Bearer <token>" when set
+  std::string tls_ca_pem;       // TLS when set: the CA that signed the server's certificate
+  std::string tls_cert_pem;     // client certificate, for mTLS
+  std::string tls_key_pem;
+  std::string tls_server_name;  // override of the name checked in the server's certificate
+};
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
+
+  absl::StatusOr<AttendResult> Attend(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const AttendOptions& options = {});
+  absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+  // The grpc.health.v1 status of service ("" is the whole server): true when SERVING.
+  absl::StatusOr<bool> Health(const std::string& service = "");
+  // Sends payload through the Echo RPC and returns what came back.
+  absl::StatusOr<std::string> Echo(const std::string& payload);
+
+  // The request message Attend would send; for callers that drive the stubs themselves.
+  static v1::AttendRequest BuildAttendRequest(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const AttendOptions& options);
+  static absl::StatusOr<AttendResult> ParseAttendResponse(const v1::AttendResponse& response);
+
+  v1::Attention::Stub* stub() { return stub_.get(); }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  // Sets the bearer token and deadline on a context for a direct stub call.
+  void PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const;
+
+ private:
+  Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+};
+
+// grpc::Status -> absl::Status (same codes).
+absl::Status FromGrpc(const grpc::Status& status);
+
+}  // namespace attn::client

@@ -1,0 +1,217 @@
+#include "attn/client/client.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "attn/kernels/dtype_convert.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace attn::client {
+namespace {
+
+v1::DType ToWire(DType t) {
+  switch (t) {
+    case DType::kFloat32: return v1::DTYPE_FLOAT32;
+    case DType::kFloat16: return v1::DTYPE_FLOAT16;
+    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromWire(v1::DType t) {
+  switch (t) {
+    case v1::DTYPE_FLOAT32: return DType::kFloat32;
+    case v1::DTYPE_FLOAT16: return DType::kFloat16;
+    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    default: return absl::InternalError(absl::StrCat("server sent unknown dtype ", t));
+  }
+}
+
+void ToWireTensor(const Tensor& t, v1::Tensor* out) {
+  out->set_dtype(ToWire(t.dtype));
+  for (int64_t s : t.shape) out->add_shape(s);
+  out->set_data(t.data);
+}
+
+absl::StatusOr<Tensor> FromWireTensor(const v1::Tensor& t) {
+  Tensor out;
+  auto dtype = FromWire(t.dtype());
+  if (!dtype.ok()) return dtype.status();
+  out.dtype = *dtype;
+  out.shape.assign(t.shape().begin(), t.shape().end());
+  out.data = t.data();
+  if (static_cast<int64_t>(out.data.size()) != out.NumElements() * int64_t(DTypeBytes(out.dtype))) {
+    return absl::InternalError("server sent a tensor whose byte length does not match its shape");
+  }
+  return out;
+}
+
+}  // namespace
+
+size_t DTypeBytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+absl::StatusOr<DType> ParseDType(const std::string& name) {
+  if (name == "fp32" || name == "float32") return DType::kFloat32;
+  if (name == "fp16" || name == "float16") return DType::kFloat16;
+  if (name == "bf16" || name == "bfloat16") return DType::kBFloat16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown dtype '", name, "': use fp32, fp16 or bf16"));
+}
+
+int64_t Tensor::NumElements() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Tensor Tensor::FromFloats(DType dtype, std::vector<int64_t> shape, const std::vector<float>& v) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.data.resize(v.size() * DTypeBytes(dtype));
+  if (dtype == DType::kFloat32) {
+    std::memcpy(t.data.data(), v.data(), t.data.size());
+    return t;
+  }
+  auto* out = reinterpret_cast<uint16_t*>(t.data.data());
+  for (size_t i = 0; i < v.size(); ++i) {
+    out[i] = dtype == DType::kFloat16 ? kernels::cpu::FloatToHalfBits(v[i])
+                                      : kernels::cpu::FloatToBf16Bits(v[i]);
+  }
+  return t;
+}
+
+std::vector<float> Tensor::ToFloats() const {
+  const size_t n = data.size() / DTypeBytes(dtype);
+  std::vector<float> v(n);
+  if (dtype == DType::kFloat32) {
+    std::memcpy(v.data(), data.data(), n * 4);
+    return v;
+  }
+  const auto* in = reinterpret_cast<const uint16_t*>(data.data());
+  for (size_t i = 0; i < n; ++i) {
+    v[i] = dtype == DType::kFloat16 ? kernels::cpu::HalfBitsToFloat(in[i])
+                                    : kernels::cpu::Bf16BitsToFloat(in[i]);
+  }
+  return v;
+}
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("target is empty");
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (!options.tls_ca_pem.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_ca_pem;
+    ssl.pem_cert_chain = options.tls_cert_pem;
+    ssl.pem_private_key = options.tls_key_pem;
+    creds = grpc::SslCredentials(ssl);
+  } else {
+    creds = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  if (!options.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  auto channel = grpc::CreateCustomChannel(options.target, creds, args);
+  return std::unique_ptr<Client>(new Client(options, std::move(channel)));
+}
+
+Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::Attention::NewStub(channel_)) {}
+
+void Client::PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {
+  if (!options_.bearer_token.empty()) {
+    ctx->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
+  if (timeout.count() > 0) ctx->set_deadline(std::chrono::system_clock::now() + timeout);
+}
+
+v1::AttendRequest Client::BuildAttendRequest(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const AttendOptions& o) {
+  v1::AttendRequest r;
+  ToWireTensor(q, r.mutable_q());
+  ToWireTensor(k, r.mutable_k());
+  ToWireTensor(v, r.mutable_v());
+  r.mutable_cu_seqlens_q()->Assign(o.cu_seqlens_q.begin(), o.cu_seqlens_q.end());
+  r.mutable_cu_seqlens_k()->Assign(o.cu_seqlens_k.begin(), o.cu_seqlens_k.end());
+  r.set_causal(o.causal);
+  r.set_softmax_scale(o.softmax_scale);
+  if (o.window_left >= 0 || o.window_right >= 0) {
+    r.mutable_window()->set_left(o.window_left);
+    r.mutable_window()->set_right(o.window_right);
+  }
+  r.set_return_lse(o.return_lse);
+  r.set_priority(o.high_priority ? v1::PRIORITY_HIGH : v1::PRIORITY_NORMAL);
+  return r;
+}
+
+absl::StatusOr<AttendResult> Client::ParseAttendResponse(const v1::AttendResponse& response) {
+  AttendResult result;
+  auto o = FromWireTensor(response.o());
+  if (!o.ok()) return o.status();
+  result.o = std::move(*o);
+  if (response.has_lse()) {
+    auto lse = FromWireTensor(response.lse());
+    if (!lse.ok()) return lse.status();
+    result.lse = std::move(*lse);
+  }
+  result.timing = response.timing();
+  return result;
+}
+
+absl::StatusOr<AttendResult> Client::Attend(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const AttendOptions& options) {
+  const v1::AttendRequest request = BuildAttendRequest(q, k, v, options);
+  v1::AttendResponse response;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, options.timeout);
+  grpc::Status st = stub_->Attend(&ctx, request, &response);
+  if (!st.ok()) return FromGrpc(st);
+  return ParseAttendResponse(response);
+}
+
+absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
+  v1::GetServerInfoResponse response;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, std::chrono::milliseconds(10000));
+  grpc::Status st = stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &response);
+  if (!st.ok()) return FromGrpc(st);
+  return response;
+}
+
+absl::StatusOr<bool> Client::Health(const std::string& service) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, std::chrono::milliseconds(5000));
+  grpc::Status st = health->Check(&ctx, request, &response);
+  if (!st.ok()) return FromGrpc(st);
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+absl::StatusOr<std::string> Client::Echo(const std::string& payload) {
+  v1::EchoRequest request;
+  request.set_payload(payload);
+  v1::EchoResponse response;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, std::chrono::milliseconds(60000));
+  grpc::Status st = stub_->Echo(&ctx, request, &response);
+  if (!st.ok()) return FromGrpc(st);
+  return std::move(*response.mutable_payload());
+}
+
+}  // namespace attn::client

@@ -1,0 +1,84 @@
+#include "attn/kernels/attention.h"
+
+#include <cmath>
+#include <string>
+
+namespace attn::kernels {
+
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+float EffectiveSoftmaxScale(const AttentionArgs& args) {
+  if (args.softmax_scale != 0.0f) return args.softmax_scale;
+  return 1.0f / std::sqrt(static_cast<float>(args.head_dim));
+}
+
+namespace {
+Status Invalid(std::string msg) { return {StatusCode::kInvalidArgument, std::move(msg)}; }
+}  // namespace
+
+Status ValidateCommon(const AttentionArgs& a) {
+  if (a.batch < 1) return Invalid("batch must be >= 1, got " + std::to_string(a.batch));
+  if (a.total_q < 1 || a.total_k < 1) {
+    return Invalid("total_q and total_k must be >= 1, got " + std::to_string(a.total_q) + " and " +
+                   std::to_string(a.total_k));
+  }
+  if (a.num_heads < 1 || a.num_kv_heads < 1 || a.head_dim < 1) {
+    return Invalid("num_heads, num_kv_heads and head_dim must be >= 1");
+  }
+  if (a.num_heads % a.num_kv_heads != 0) {
+    return Invalid("num_heads (" + std::to_string(a.num_heads) + ") must be a multiple of " +
+                   "num_kv_heads (" + std::to_string(a.num_kv_heads) + ")");
+  }
+  if (a.max_seqlen_q < 1 || a.max_seqlen_k < 1) {
+    return Invalid("max_seqlen_q and max_seqlen_k must be >= 1");
+  }
+  if (a.window_left < -1 || a.window_right < -1) {
+    return Invalid("window_left and window_right must be >= -1");
+  }
+  if (!std::isfinite(a.softmax_scale)) return Invalid("softmax_scale must be finite");
+  if (!a.q || !a.k || !a.v || !a.o || !a.cu_seqlens_q || !a.cu_seqlens_k) {
+    return Invalid("q, k, v, o, cu_seqlens_q and cu_seqlens_k must be set");
+  }
+  return Status::Ok();
+}
+
+Status ValidateCuSeqlens(const int32_t* cu, int32_t batch, int32_t total, int32_t max_seqlen,
+                         const char* name) {
+  if (cu[0] != 0) return Invalid(std::string(name) + "[0] must be 0, got " + std::to_string(cu[0]));
+  for (int32_t b = 0; b < batch; ++b) {
+    const int64_t len = static_cast<int64_t>(cu[b + 1]) - cu[b];
+    if (len < 0) {
+      return Invalid(std::string(name) + " must not decrease: " + name + "[" +
+                     std::to_string(b + 1) + "] = " + std::to_string(cu[b + 1]) + " < " +
+                     std::to_string(cu[b]));
+    }
+    if (len > max_seqlen) {
+      return Invalid(std::string(name) + ": sequence " + std::to_string(b) + " has " +
+                     std::to_string(len) + " tokens, more than max_seqlen " +
+                     std::to_string(max_seqlen));
+    }
+  }
+  if (cu[batch] != total) {
+    return Invalid(std::string(name) + " must end at " + std::to_string(total) + ", got " +
+                   std::to_string(cu[batch]));
+  }
+  return Status::Ok();
+}
+
+double AttentionFlops(const AttentionArgs& a, const int32_t* cu_q, const int32_t* cu_k) {
+  double pairs = 0;
+  for (int32_t b = 0; b < a.batch; ++b) {
+    pairs += static_cast<double>(cu_q[b + 1] - cu_q[b]) * (cu_k[b + 1] - cu_k[b]);
+  }
+  const double f = 4.0 * pairs * a.num_heads * a.head_dim;
+  return a.causal ? f / 2 : f;
+}
+
+}  // namespace attn::kernels

@@ -1,0 +1,275 @@
+// Tiled forward attention on the CPU. Each work item is one (sequence, head, query tile): it
+// walks the visible key tiles with an online softmax, so no score matrix larger than one tile
+// exists. Inner loops run over contiguous floats so that the compiler vectorizes them.
+#include "attn/kernels/cpu_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attn/kernels/dtype_convert.h"
+
+namespace attn::kernels::cpu {
+namespace {
+
+constexpr int kBlockM = 32;  // query rows per work item
+constexpr int kBlockN = 64;  // keys per tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Per-worker scratch, carved out of the caller's workspace.
+struct Scratch {
+  float* q;    // [kBlockM][d], pre-scaled by scale * log2(e)
+  float* kt;   // [d][kBlockN]: the key tile transposed
+  float* v;    // [kBlockN][d]
+  float* s;    // [kBlockM][kBlockN]
+  float* acc;  // [kBlockM][d]
+  float* m;    // [kBlockM] running max (log2 units)
+  float* l;    // [kBlockM] running sum
+};
+
+size_t Align64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+size_t ScratchBytes(int d) {
+  return Align64(sizeof(float) * kBlockM * d) + Align64(sizeof(float) * d * kBlockN) +
+         Align64(sizeof(float) * kBlockN * d) + Align64(sizeof(float) * kBlockM * kBlockN) +
+         Align64(sizeof(float) * kBlockM * d) + 2 * Align64(sizeof(float) * kBlockM);
+}
+
+Scratch CarveScratch(char* base, int d) {
+  Scratch s;
+  auto take = [&](size_t floats) {
+    float* p = reinterpret_cast<float*>(base);
+    base += Align64(sizeof(float) * floats);
+    return p;
+  };
+  s.q = take(size_t(kBlockM) * d);
+  s.kt = take(size_t(d) * kBlockN);
+  s.v = take(size_t(kBlockN) * d);
+  s.s = take(size_t(kBlockM) * kBlockN);
+  s.acc = take(size_t(kBlockM) * d);
+  s.m = take(kBlockM);
+  s.l = take(kBlockM);
+  return s;
+}
+
+// Keys [lo, hi] (inclusive, clipped to the sequence) that query row i sees.
+struct KeyRange {
+  int64_t lo, hi;
+};
+KeyRange VisibleKeys(const AttentionArgs& a, int64_t i, int64_t sq, int64_t sk) {
+  const int64_t p = i + sk - sq;
+  int64_t lo = 0, hi = sk - 1;
+  if (a.causal) hi = std::min(hi, p);
+  if (a.window_right >= 0) hi = std::min(hi, p + a.window_right);
+  if (a.window_left >= 0) lo = std::max(lo, p - a.window_left);
+  return {lo, hi};
+}
+
+// S[r][0..n) += q_r[c] * kt[c][0..n) over c: vectorizes over the key index.
+ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q, const float* __restrict kt,
+                                  float* __restrict s, int rows, int n, int d) {
+  for (int r = 0; r < rows; ++r) {
+    float* __restrict sr = s + r * kBlockN;
+    for (int j = 0; j < kBlockN; ++j) sr[j] = 0.0f;
+    const float* __restrict qr = q + r * d;
+    for (int c = 0; c < d; ++c) {
+      const float qc = qr[c];
+      const float* __restrict kc = kt + c * kBlockN;
+      for (int j = 0; j < kBlockN; ++j) sr[j] += qc * kc[j];
+    }
+  }
+  (void)n;
+}
+
+// acc[r][0..d) = acc[r] * alpha_r + sum_j p[r][j] * v[j][0..d).
+ATTN_CPU_VECTORIZE void AccumulateTile(const float* __restrict p, const float* __restrict v,
+                                       float* __restrict acc, const float* __restrict alpha,
+                                       int rows, int n, int d) {
+  for (int r = 0; r < rows; ++r) {
+    float* __restrict ar = acc + r * d;
+    const float al = alpha[r];
+    for (int c = 0; c < d; ++c) ar[c] *= al;
+    const float* __restrict pr = p + r * kBlockN;
+    for (int j = 0; j < n; ++j) {
+      const float pj = pr[j];
+      if (pj == 0.0f) continue;
+      const float* __restrict vj = v + j * d;
+      for (int c = 0; c < d; ++c) ar[c] += pj * vj[c];
+    }
+  }
+}
+
+struct WorkItem {
+  int32_t seq;
+  int32_t head;
+  int64_t row0;  // first query row of the tile, inside the sequence
+};
+
+class Runner {
+ public:
+  Runner(const AttentionArgs& a, char* workspace, int workers)
+      : a_(a), d_(a.head_dim), group_(a.num_heads / a.num_kv_heads),
+        scale_log2_(EffectiveSoftmaxScale(a) * kLog2e) {
+    tile_prefix_ = reinterpret_cast<int64_t*>(workspace);
+    scratch_base_ = workspace + Align64(sizeof(int64_t) * (a.batch + 1));
+    tile_prefix_[0] = 0;
+    for (int32_t b = 0; b < a.batch; ++b) {
+      const int64_t sq = a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b];
+      tile_prefix_[b + 1] = tile_prefix_[b] + (sq + kBlockM - 1) / kBlockM;
+    }
+    (void)workers;
+  }
+
+  int64_t NumItems() const { return tile_prefix_[a_.batch] * a_.num_heads; }
+
+  void RunItem(int64_t item, int worker) {
+    Scratch s = CarveScratch(scratch_base_ + size_t(worker) * ScratchBytes(d_), d_);
+    ComputeTile(Decode(item), s);
+  }
+
+ private:
+  WorkItem Decode(int64_t item) const {
+    const int64_t tile = item / a_.num_heads;
+    const int32_t head = static_cast<int32_t>(item % a_.num_heads);
+    const int64_t* it = std::upper_bound(tile_prefix_, tile_prefix_ + a_.batch + 1, tile);
+    const int32_t seq = static_cast<int32_t>(it - tile_prefix_ - 1);
+    return {seq, head, (tile - tile_prefix_[seq]) * kBlockM};
+  }
+
+  void ComputeTile(const WorkItem& w, const Scratch& s) const {
+    const int64_t q0 = a_.cu_seqlens_q[w.seq], sq = a_.cu_seqlens_q[w.seq + 1] - q0;
+    const int64_t k0 = a_.cu_seqlens_k[w.seq], sk = a_.cu_seqlens_k[w.seq + 1] - k0;
+    const int rows = static_cast<int>(std::min<int64_t>(kBlockM, sq - w.row0));
+    const int kv_head = w.head / group_;
+    const int64_t q_stride = int64_t(a_.num_heads) * d_;
+    const int64_t kv_stride = int64_t(a_.num_kv_heads) * d_;
+
+    for (int r = 0; r < rows; ++r) {
+      const int64_t src = (q0 + w.row0 + r) * q_stride + int64_t(w.head) * d_;
+      LoadRow(a_.dtype, a_.q, src, d_, s.q + r * d_, scale_log2_);
+      s.m[r] = kNegInf;
+      s.l[r] = 0.0f;
+    }
+    std::fill(s.acc, s.acc + size_t(rows) * d_, 0.0f);
+
+    // Key tiles any row of this tile sees.
+    const KeyRange first = VisibleKeys(a_, w.row0, sq, sk);
+    const KeyRange last = VisibleKeys(a_, w.row0 + rows - 1, sq, sk);
+    const int64_t lo = std::max<int64_t>(0, first.lo), hi = std::min(sk - 1, last.hi);
+    for (int64_t j0 = (lo / kBlockN) * kBlockN; j0 <= hi; j0 += kBlockN) {
+      const int n = static_cast<int>(std::min<int64_t>(kBlockN, sk - j0));
+      LoadKeyTile(k0 + j0, n, kv_head, kv_stride, s);
+      ScoreTile(s.q, s.kt, s.s, rows, n, d_);
+      float alpha[kBlockM];
+      for (int r = 0; r < rows; ++r) {
+        alpha[r] = SoftmaxRow(VisibleKeys(a_, w.row0 + r, sq, sk), j0, n, s.s + r * kBlockN,
+                              &s.m[r], &s.l[r]);
+      }
+      AccumulateTile(s.s, s.v, s.acc, alpha, rows, n, d_);
+    }
+    WriteOutput(w, q0, rows, s);
+  }
+
+  void LoadKeyTile(int64_t key0, int n, int kv_head, int64_t kv_stride, const Scratch& s) const {
+    float row[kMaxHeadDim];
+    for (int j = 0; j < n; ++j) {
+      const int64_t src = (key0 + j) * kv_stride + int64_t(kv_head) * d_;
+      LoadRow(a_.dtype, a_.k, src, d_, row, 1.0f);
+      for (int c = 0; c < d_; ++c) s.kt[c * kBlockN + j] = row[c];
+      LoadRow(a_.dtype, a_.v, src, d_, s.v + j * d_, 1.0f);
+    }
+    for (int j = n; j < kBlockN; ++j) {
+      for (int c = 0; c < d_; ++c) s.kt[c * kBlockN + j] = 0.0f;
+    }
+  }
+
+  // Masks row scores outside the visible keys, folds the tile into the running max and sum,
+  // turns scores into probabilities (relative to the new max) and returns the factor by which
+  // the accumulated output must be rescaled.
+  static float SoftmaxRow(KeyRange vis, int64_t j0, int n, float* sr, float* m, float* l) {
+    float tile_max = kNegInf;
+    for (int j = 0; j < n; ++j) {
+      const int64_t key = j0 + j;
+      if (key < vis.lo || key > vis.hi) sr[j] = kNegInf;
+      tile_max = std::max(tile_max, sr[j]);
+    }
+    const float m_new = std::max(*m, tile_max);
+    if (m_new == kNegInf) {  // nothing visible yet
+      for (int j = 0; j < n; ++j) sr[j] = 0.0f;
+      return 1.0f;
+    }
+    const float alpha = std::exp2(*m - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      sr[j] = std::exp2(sr[j] - m_new);
+      sum += sr[j];
+    }
+    *l = *l * alpha + sum;
+    *m = m_new;
+    return alpha;
+  }
+
+  void WriteOutput(const WorkItem& w, int64_t q0, int rows, const Scratch& s) const {
+    const int64_t q_stride = int64_t(a_.num_heads) * d_;
+    for (int r = 0; r < rows; ++r) {
+      const float l = s.l[r];
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      float* ar = s.acc + r * d_;
+      for (int c = 0; c < d_; ++c) ar[c] *= inv;
+      const int64_t row = q0 + w.row0 + r;
+      StoreRow(a_.dtype, ar, d_, a_.o, row * q_stride + int64_t(w.head) * d_);
+      if (a_.lse) {
+        a_.lse[int64_t(w.head) * a_.total_q + row] =
+            l > 0.0f ? (s.m[r] + std::log2(l)) / kLog2e : kNegInf;
+      }
+    }
+  }
+
+  const AttentionArgs& a_;
+  const int d_;
+  const int group_;
+  const float scale_log2_;
+  int64_t* tile_prefix_;
+  char* scratch_base_;
+};
+
+}  // namespace
+
+Status CanImplement(const AttentionArgs& args) {
+  Status st = ValidateCommon(args);
+  if (!st.ok()) return st;
+  if (args.head_dim > kMaxHeadDim) {
+    return {StatusCode::kUnimplemented, "head_dim " + std::to_string(args.head_dim) +
+                                            " is over the CPU backend's limit of " +
+                                            std::to_string(kMaxHeadDim)};
+  }
+  st = ValidateCuSeqlens(args.cu_seqlens_q, args.batch, args.total_q, args.max_seqlen_q,
+                         "cu_seqlens_q");
+  if (!st.ok()) return st;
+  return ValidateCuSeqlens(args.cu_seqlens_k, args.batch, args.total_k, args.max_seqlen_k,
+                           "cu_seqlens_k");
+}
+
+size_t WorkspaceBytes(const AttentionArgs& args, int num_workers) {
+  return Align64(sizeof(int64_t) * (size_t(std::max(args.batch, 0)) + 1)) +
+         size_t(std::max(num_workers, 1)) * ScratchBytes(std::max(args.head_dim, 1));
+}
+
+Status Run(const AttentionArgs& args, void* workspace, CpuThreadPool* pool) {
+  Status st = CanImplement(args);
+  if (!st.ok()) return st;
+  if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
+  const int workers = pool ? pool->NumWorkers() : 1;
+  Runner runner(args, static_cast<char*>(workspace), workers);
+  const int64_t items = runner.NumItems();
+  if (pool) {
+    pool->ParallelFor(items, [&](int64_t item, int worker) { runner.RunItem(item, worker); });
+  } else {
+    for (int64_t i = 0; i < items; ++i) runner.RunItem(i, 0);
+  }
+  return Status::Ok();
+}
+
+}  // namespace attn::kernels::cpu

@@ -1,0 +1,68 @@
+#include "attn/kernels/cpu_thread_pool.h"
+
+namespace attn::kernels::cpu {
+
+std::unique_ptr<CpuThreadPool> CpuThreadPool::Create(int num_threads) {
+  if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
+  if (num_threads <= 0) num_threads = 1;
+  return std::unique_ptr<CpuThreadPool>(new CpuThreadPool(num_threads));
+}
+
+CpuThreadPool::CpuThreadPool(int num_threads) {
+  for (int w = 1; w < num_threads; ++w) threads_.emplace_back([this, w] { WorkerLoop(w); });
+}
+
+CpuThreadPool::~CpuThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void CpuThreadPool::Drain(int worker) {
+  for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i, worker);
+}
+
+void CpuThreadPool::WorkerLoop(int worker) {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      ++busy_;
+    }
+    Drain(worker);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--busy_ == 0) done_cv_.notify_all();
+    }
+  }
+}
+
+void CpuThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int)>& fn) {
+  if (n <= 0) return;
+  std::lock_guard<std::mutex> call_lock(call_mu_);
+  if (threads_.empty() || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn_ = &fn;
+    n_ = n;
+    next_.store(0);
+    ++generation_;
+  }
+  work_cv_.notify_all();
+  Drain(0);
+  // Workers that woke late find no items left; wait until none still runs an item.
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return busy_ == 0; });
+  fn_ = nullptr;
+}
+
+}  // namespace attn::kernels::cpu

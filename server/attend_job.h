@@ -1,0 +1,70 @@
+// One Attend request on its way through the server: the validated view of the request, where
+// its answer goes, and when it must be done. Created by the service reactor, owned by the
+// batcher while queued, then by the backend until `done` is called, exactly once.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attn/kernels/attention.h"
+#include "attn/v1/attention.pb.h"
+
+namespace attn {
+
+using Clock = std::chrono::steady_clock;
+
+// Requests that share a key can be packed into one varlen launch.
+struct BatchKey {
+  kernels::DType wire_dtype = kernels::DType::kBFloat16;
+  int32_t num_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  bool causal = false;
+  int32_t window_left = -1;
+  int32_t window_right = -1;
+  float softmax_scale = 0.0f;  // effective scale
+  bool operator==(const BatchKey&) const = default;
+};
+
+struct AttendJob {
+  // Borrowed from the reactor, which outlives the job: it calls Finish only from `done`.
+  const v1::AttendRequest* request = nullptr;
+  v1::AttendResponse* response = nullptr;
+
+  BatchKey key;
+  // Sequence lengths of this request (host), [batch + 1] each.
+  std::vector<int32_t> cu_seqlens_q;
+  std::vector<int32_t> cu_seqlens_k;
+  int32_t total_q = 0;
+  int32_t total_k = 0;
+  int32_t max_seqlen_q = 0;
+  int32_t max_seqlen_k = 0;
+  bool return_lse = false;
+  bool high_priority = false;
+
+  Clock::time_point arrival;
+  Clock::time_point deadline = Clock::time_point::max();
+  // True once the caller has gone away; queued work is then dropped.
+  std::function<bool()> is_cancelled;
+
+  // Filled by the batcher and the backend, then copied into response->timing.
+  double queue_us = 0;
+  double transfer_us = 0;
+  double compute_us = 0;
+  int32_t batch_requests = 0;
+  int64_t batch_tokens = 0;
+
+  // Completes the request. Called exactly once, from any thread, never while a lock of the
+  // batcher or backend is held.
+  std::function<void(absl::Status)> done;
+
+  int64_t Tokens() const { return total_q; }
+  // The argument struct for this request alone: host pointers into the request's bytes and the
+  // response's output buffers, which must already be sized (see PrepareAttendResponse).
+  kernels::AttentionArgs HostArgs() const;
+};
+
+}  // namespace attn

@@ -1,0 +1,236 @@
+#include "attend_validation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "status_util.h"
+
+namespace attn {
+namespace {
+
+absl::Status Invalid(const std::string& msg) { return absl::InvalidArgumentError(msg); }
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+// Checks one rank-3 tensor: dtype, sizes, element limit and byte length.
+absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits) {
+  if (t.dtype() != v1::DTYPE_FLOAT16 && t.dtype() != v1::DTYPE_BFLOAT16 &&
+      t.dtype() != v1::DTYPE_FLOAT32) {
+    return Invalid(absl::StrCat(name, ".dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or ",
+                                "DTYPE_FLOAT32, got ", v1::DType_Name(t.dtype()).empty()
+                                    ? std::to_string(t.dtype())
+                                    : v1::DType_Name(t.dtype())));
+  }
+  if (t.shape_size() != 3) {
+    return Invalid(absl::StrCat(name, ".shape must have 3 dimensions [tokens, heads, head_dim], ",
+                                "got ", ShapeString(t)));
+  }
+  int64_t elements = 1;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t n = t.shape(i);
+    if (n <= 0) {
+      return Invalid(absl::StrCat(name, ".shape[", i, "] must be > 0, got ", n, " (shape ",
+                                  ShapeString(t), ")"));
+    }
+    if (n > limits.max_tensor_elements || elements > limits.max_tensor_elements / n) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(name, " has more than max_tensor_elements (", limits.max_tensor_elements,
+                       ") elements: shape ", ShapeString(t)));
+    }
+    elements *= n;
+  }
+  const int64_t want = elements * static_cast<int64_t>(kernels::DTypeSize(ToKernelDType(t.dtype())));
+  if (static_cast<int64_t>(t.data().size()) != want) {
+    return Invalid(absl::StrCat(name, ".data has ", t.data().size(), " bytes, but shape ",
+                                ShapeString(t), " of ", v1::DType_Name(t.dtype()), " needs ",
+                                want));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCuSeqlens(const google::protobuf::RepeatedField<int32_t>& cu, const char* name,
+                            int64_t total, std::vector<int32_t>* out, int32_t* max_len) {
+  if (cu.size() < 2) {
+    return Invalid(absl::StrCat(name, " must have at least 2 entries (0 and the total ", total,
+                                "), got ", cu.size()));
+  }
+  if (cu[0] != 0) return Invalid(absl::StrCat(name, "[0] must be 0, got ", cu[0]));
+  *max_len = 0;
+  for (int i = 1; i < cu.size(); ++i) {
+    if (cu[i] < cu[i - 1]) {
+      return Invalid(absl::StrCat(name, " must not decrease, but ", name, "[", i, "] = ", cu[i],
+                                  " < ", name, "[", i - 1, "] = ", cu[i - 1]));
+    }
+    *max_len = std::max(*max_len, cu[i] - cu[i - 1]);
+  }
+  if (cu[cu.size() - 1] != total) {
+    return Invalid(absl::StrCat(name, " must end at the token count ", total, ", but its last ",
+                                "entry is ", cu[cu.size() - 1]));
+  }
+  out->assign(cu.begin(), cu.end());
+  return absl::OkStatus();
+}
+
+absl::Status CheckShapes(const v1::AttendRequest& r, const RequestLimits& limits) {
+  RETURN_IF_ERROR(CheckTensor(r.q(), "q", limits));
+  RETURN_IF_ERROR(CheckTensor(r.k(), "k", limits));
+  RETURN_IF_ERROR(CheckTensor(r.v(), "v", limits));
+  if (r.k().dtype() != r.q().dtype() || r.v().dtype() != r.q().dtype()) {
+    return Invalid(absl::StrCat("k.dtype and v.dtype must equal q.dtype (",
+                                v1::DType_Name(r.q().dtype()), "), got ",
+                                v1::DType_Name(r.k().dtype()), " and ",
+                                v1::DType_Name(r.v().dtype())));
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (r.v().shape(i) != r.k().shape(i)) {
+      return Invalid(absl::StrCat("v.shape must equal k.shape ", ShapeString(r.k()), ", got ",
+                                  ShapeString(r.v())));
+    }
+  }
+  const int64_t d = r.q().shape(2);
+  if (r.k().shape(2) != d) {
+    return Invalid(absl::StrCat("k.shape[2] (head_dim) must equal q.shape[2] = ", d, ", got ",
+                                r.k().shape(2)));
+  }
+  if (std::find(limits.head_dims.begin(), limits.head_dims.end(), d) == limits.head_dims.end()) {
+    return Invalid(absl::StrCat("head_dim ", d, " (q.shape[2]) is not supported; supported: ",
+                                absl::StrJoin(limits.head_dims, ", ")));
+  }
+  const int64_t hq = r.q().shape(1), hkv = r.k().shape(1);
+  if (hq % hkv != 0) {
+    return Invalid(absl::StrCat("num_heads (q.shape[1] = ", hq, ") must be a multiple of ",
+                                "num_kv_heads (k.shape[1] = ", hkv, ")"));
+  }
+  constexpr int64_t kMaxTokens = int64_t{1} << 30;
+  if (r.q().shape(0) > kMaxTokens || r.k().shape(0) > kMaxTokens) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("at most ", kMaxTokens, " tokens per tensor (q.shape[0], k.shape[0])"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+kernels::DType ToKernelDType(v1::DType t) {
+  switch (t) {
+    case v1::DTYPE_FLOAT16: return kernels::DType::kFloat16;
+    case v1::DTYPE_FLOAT32: return kernels::DType::kFloat32;
+    default: return kernels::DType::kBFloat16;
+  }
+}
+
+v1::DType ToWireDType(kernels::DType t) {
+  switch (t) {
+    case kernels::DType::kFloat16: return v1::DTYPE_FLOAT16;
+    case kernels::DType::kFloat32: return v1::DTYPE_FLOAT32;
+    case kernels::DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::AttendRequest& r,
+                                                                 const RequestLimits& limits) {
+  if (!r.has_q() || !r.has_k() || !r.has_v()) {
+    return Invalid("q, k and v must all be set");
+  }
+  RETURN_IF_ERROR(CheckShapes(r, limits));
+  auto job = std::make_unique<AttendJob>();
+  job->request = &r;
+  job->total_q = static_cast<int32_t>(r.q().shape(0));
+  job->total_k = static_cast<int32_t>(r.k().shape(0));
+
+  const bool has_q = r.cu_seqlens_q_size() > 0, has_k = r.cu_seqlens_k_size() > 0;
+  if (has_q != has_k) {
+    return Invalid("cu_seqlens_q and cu_seqlens_k must be given together (or both left empty)");
+  }
+  if (has_q) {
+    if (r.cu_seqlens_q_size() != r.cu_seqlens_k_size()) {
+      return Invalid(absl::StrCat("cu_seqlens_q and cu_seqlens_k must have the same number of ",
+                                  "entries (batch + 1), got ", r.cu_seqlens_q_size(), " and ",
+                                  r.cu_seqlens_k_size()));
+    }
+    RETURN_IF_ERROR(CheckCuSeqlens(r.cu_seqlens_q(), "cu_seqlens_q", job->total_q,
+                                   &job->cu_seqlens_q, &job->max_seqlen_q));
+    RETURN_IF_ERROR(CheckCuSeqlens(r.cu_seqlens_k(), "cu_seqlens_k", job->total_k,
+                                   &job->cu_seqlens_k, &job->max_seqlen_k));
+  } else {
+    job->cu_seqlens_q = {0, job->total_q};
+    job->cu_seqlens_k = {0, job->total_k};
+    job->max_seqlen_q = job->total_q;
+    job->max_seqlen_k = job->total_k;
+  }
+
+  if (!std::isfinite(r.softmax_scale())) {
+    return Invalid(absl::StrCat("softmax_scale must be finite, got ", r.softmax_scale()));
+  }
+  BatchKey& key = job->key;
+  key.wire_dtype = ToKernelDType(r.q().dtype());
+  key.num_heads = static_cast<int32_t>(r.q().shape(1));
+  key.num_kv_heads = static_cast<int32_t>(r.k().shape(1));
+  key.head_dim = static_cast<int32_t>(r.q().shape(2));
+  key.causal = r.causal();
+  if (r.has_window()) {
+    if (r.window().left() < -1 || r.window().right() < -1) {
+      return Invalid(absl::StrCat("window.left and window.right must be >= -1 (-1: unbounded), ",
+                                  "got ", r.window().left(), " and ", r.window().right()));
+    }
+    key.window_left = r.window().left();
+    key.window_right = r.window().right();
+  }
+  kernels::AttentionArgs scale_args;
+  scale_args.head_dim = key.head_dim;
+  scale_args.softmax_scale = r.softmax_scale();
+  key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
+  job->return_lse = r.return_lse();
+  job->high_priority = r.priority() == v1::PRIORITY_HIGH;
+  return job;
+}
+
+void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response) {
+  const v1::Tensor& q = job.request->q();
+  v1::Tensor* o = response->mutable_o();
+  o->set_dtype(q.dtype());
+  o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
+  o->mutable_data()->resize(q.data().size());
+  if (job.return_lse) {
+    v1::Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::DTYPE_FLOAT32);
+    lse->add_shape(job.key.num_heads);
+    lse->add_shape(job.total_q);
+    lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
+  }
+  response->set_request_id(job.request->request_id());
+}
+
+kernels::AttentionArgs AttendJob::HostArgs() const {
+  kernels::AttentionArgs a;
+  a.dtype = key.wire_dtype;
+  a.q = request->q().data().data();
+  a.k = request->k().data().data();
+  a.v = request->v().data().data();
+  a.o = response->mutable_o()->mutable_data()->data();
+  a.lse = return_lse ? reinterpret_cast<float*>(response->mutable_lse()->mutable_data()->data())
+                     : nullptr;
+  a.cu_seqlens_q = cu_seqlens_q.data();
+  a.cu_seqlens_k = cu_seqlens_k.data();
+  a.batch = static_cast<int32_t>(cu_seqlens_q.size()) - 1;
+  a.total_q = total_q;
+  a.total_k = total_k;
+  a.max_seqlen_q = std::max(max_seqlen_q, 1);
+  a.max_seqlen_k = std::max(max_seqlen_k, 1);
+  a.num_heads = key.num_heads;
+  a.num_kv_heads = key.num_kv_heads;
+  a.head_dim = key.head_dim;
+  a.softmax_scale = key.softmax_scale;
+  a.causal = key.causal;
+  a.window_left = key.window_left;
+  a.window_right = key.window_right;
+  return a;
+}
+
+}  // namespace attn

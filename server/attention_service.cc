@@ -1,0 +1,293 @@
+#include "attention_service.h"
+
+#include <deque>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "batcher.h"
+#include "metrics.h"
+#include "status_util.h"
+
+namespace attn {
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+// The call's deadline on the steady clock (max when it has none).
+Clock::time_point SteadyDeadline(const grpc::CallbackServerContext* ctx) {
+  const auto deadline = ctx->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return Clock::time_point::max();
+  const auto left = deadline - std::chrono::system_clock::now();
+  if (left > std::chrono::hours(24 * 365)) return Clock::time_point::max();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+}
+
+void FillTiming(const AttendJob& job, Clock::time_point arrival, v1::ServerTiming* t) {
+  t->set_queue_us(job.queue_us);
+  t->set_transfer_us(job.transfer_us);
+  t->set_compute_us(job.compute_us);
+  t->set_batch_requests(job.batch_requests);
+  t->set_batch_tokens(job.batch_tokens);
+  t->set_total_us(Micros(Clock::now() - arrival));
+}
+
+constexpr char kSessionsUnimplemented[] =
+    "KV-cache sessions (CreateSession, Step, BatchStep, CloseSession) are not available in this "
+    "version of attnd; use Attend with whole tensors";
+
+}  // namespace
+
+AttentionService::AttentionService(Options options, Batcher* batcher, const Backend* backend,
+                                   Metrics* metrics)
+    : options_(std::move(options)), batcher_(batcher), backend_(backend), metrics_(metrics) {}
+
+void AttentionService::FinishUnary(grpc::ServerUnaryReactor* reactor, Rpc rpc,
+                                   Clock::time_point start, const absl::Status& st,
+                                   int64_t received, int64_t sent) {
+  const grpc::Status gst = ToGrpcStatus(st);
+  if (metrics_) {
+    metrics_->ObserveRequest(rpc, gst.error_code(), Seconds(Clock::now() - start), received,
+                             st.ok() ? sent : 0);
+  }
+  reactor->Finish(gst);
+}
+
+absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
+                                            const v1::AttendRequest* request,
+                                            v1::AttendResponse* response,
+                                            Clock::time_point arrival,
+                                            std::function<void(absl::Status)> on_done) {
+  if (draining_.load()) {
+    return absl::UnavailableError("attnd is shutting down; retry on another replica");
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
+                   ValidateAttendRequest(*request, options_.limits));
+  job->response = response;
+  job->arrival = arrival;
+  job->deadline = SteadyDeadline(ctx);
+  job->is_cancelled = [ctx] { return ctx->IsCancelled(); };
+  PrepareAttendResponse(*job, response);
+  AttendJob* raw = job.get();
+  job->done = [raw, arrival, response, on_done = std::move(on_done)](absl::Status st) {
+    if (st.ok()) {
+      FillTiming(*raw, arrival, response->mutable_timing());
+    } else {
+      response->clear_o();
+      response->clear_lse();
+    }
+    on_done(std::move(st));
+  };
+  return batcher_->Submit(job);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* ctx,
+                                                   const v1::AttendRequest* request,
+                                                   v1::AttendResponse* response) {
+  const auto arrival = Clock::now();
+  auto* reactor = ctx->DefaultReactor();
+  const int64_t received = static_cast<int64_t>(request->ByteSizeLong());
+  absl::Status st = SubmitAttend(
+      ctx, request, response, arrival, [this, reactor, arrival, received, response](absl::Status s) {
+        const int64_t sent = s.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0;
+        FinishUnary(reactor, Rpc::kAttend, arrival, s, received, sent);
+      });
+  if (!st.ok()) FinishUnary(reactor, Rpc::kAttend, arrival, st, received, 0);
+  return reactor;
+}
+
+// One AttendStream call. Reads requests one at a time, keeps up to kMaxInFlight of them in the
+// batcher, and writes responses as they complete (one write outstanding at a time). Owns the
+// requests and responses of its items until each is written; deletes itself in OnDone, which
+// gRPC calls only after Finish, which is called only once no item is in flight.
+class AttendStreamReactor final
+    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+ public:
+  AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx), start_(Clock::now()) {
+    StartNextRead();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!ok) {
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    Item* item = reading_.release();
+    ++in_flight_;
+    lock.unlock();
+    Submit(item);
+    lock.lock();
+    if (in_flight_ < kMaxInFlight && !reads_done_) {
+      StartNextReadLocked();
+    } else {
+      read_paused_ = true;
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    write_queue_.pop_front();
+    if (!ok) write_failed_ = true;
+    WriteNextLocked();
+    MaybeFinishLocked();
+  }
+
+  void OnDone() override {
+    if (service_->metrics_) {
+      const grpc::StatusCode code = final_status_.error_code();
+      service_->metrics_->ObserveRequest(Rpc::kAttendStream, code, Seconds(Clock::now() - start_),
+                                         received_, sent_);
+    }
+    delete this;
+  }
+
+ private:
+  static constexpr int kMaxInFlight = 64;
+  struct Item {
+    v1::AttendRequest request;
+    v1::AttendResponse response;
+  };
+
+  void StartNextRead() {
+    std::lock_guard<std::mutex> lock(mu_);
+    StartNextReadLocked();
+  }
+  void StartNextReadLocked() {
+    read_paused_ = false;
+    reading_ = std::make_unique<Item>();
+    StartRead(&reading_->request);
+  }
+
+  void Submit(Item* item) {
+    const auto arrival = Clock::now();
+    received_ += static_cast<int64_t>(item->request.ByteSizeLong());
+    absl::Status st = service_->SubmitAttend(ctx_, &item->request, &item->response, arrival,
+                                             [this, item](absl::Status s) { Complete(item, s); });
+    if (!st.ok()) Complete(item, st);
+  }
+
+  // Queues item's response for writing; any thread.
+  void Complete(Item* item, const absl::Status& st) {
+    item->response.set_request_id(item->request.request_id());
+    item->response.set_status_code(static_cast<int32_t>(st.code()));
+    if (!st.ok()) item->response.set_status_message(std::string(st.message()));
+    std::lock_guard<std::mutex> lock(mu_);
+    --in_flight_;
+    write_queue_.emplace_back(item);
+    WriteNextLocked();
+    if (read_paused_ && !reads_done_ && in_flight_ < kMaxInFlight) StartNextReadLocked();
+    MaybeFinishLocked();
+  }
+
+  void WriteNextLocked() {
+    if (writing_ || write_queue_.empty()) return;
+    if (write_failed_) {  // the client is gone: drop what is left
+      write_queue_.clear();
+      return;
+    }
+    writing_ = true;
+    sent_ += static_cast<int64_t>(write_queue_.front()->response.ByteSizeLong());
+    StartWrite(&write_queue_.front()->response);
+  }
+
+  void MaybeFinishLocked() {
+    if (finished_ || !reads_done_ || in_flight_ > 0 || writing_ || !write_queue_.empty()) return;
+    finished_ = true;
+    final_status_ = ctx_->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")
+                                        : grpc::Status::OK;
+    Finish(final_status_);
+  }
+
+  AttentionService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const Clock::time_point start_;
+  std::mutex mu_;
+  std::unique_ptr<Item> reading_;
+  std::deque<std::unique_ptr<Item>> write_queue_;
+  int in_flight_ = 0;
+  bool reads_done_ = false;
+  bool read_paused_ = false;
+  bool writing_ = false;
+  bool write_failed_ = false;
+  bool finished_ = false;
+  grpc::Status final_status_;
+  std::atomic<int64_t> received_{0};
+  int64_t sent_ = 0;
+};
+
+grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
+    grpc::CallbackServerContext* ctx) {
+  return new AttendStreamReactor(this, ctx);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Unimplemented(grpc::CallbackServerContext* ctx,
+                                                          Rpc rpc, int64_t received) {
+  auto* reactor = ctx->DefaultReactor();
+  FinishUnary(reactor, rpc, Clock::now(), absl::UnimplementedError(kSessionsUnimplemented),
+              received, 0);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerContext* ctx,
+                                                          const v1::CreateSessionRequest* request,
+                                                          v1::CreateSessionResponse*) {
+  return Unimplemented(ctx, Rpc::kCreateSession, static_cast<int64_t>(request->ByteSizeLong()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ctx,
+                                                 const v1::StepRequest* request,
+                                                 v1::StepResponse*) {
+  return Unimplemented(ctx, Rpc::kStep, static_cast<int64_t>(request->ByteSizeLong()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContext* ctx,
+                                                      const v1::BatchStepRequest* request,
+                                                      v1::BatchStepResponse*) {
+  return Unimplemented(ctx, Rpc::kBatchStep, static_cast<int64_t>(request->ByteSizeLong()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                         const v1::CloseSessionRequest* request,
+                                                         v1::CloseSessionResponse*) {
+  return Unimplemented(ctx, Rpc::kCloseSession, static_cast<int64_t>(request->ByteSizeLong()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                          const v1::GetServerInfoRequest*,
+                                                          v1::GetServerInfoResponse* response) {
+  const auto start = Clock::now();
+  const BackendInfo& info = backend_->Info();
+  response->set_version(options_.version);
+  response->set_backend(info.name);
+  response->set_device_name(info.device_name);
+  response->set_compute_units(info.compute_units);
+  response->set_device_memory_bytes(info.device_memory_bytes);
+  response->set_compute_capability(info.compute_capability);
+  for (int32_t d : info.head_dims) response->add_head_dims(d);
+  response->add_dtypes(v1::DTYPE_FLOAT16);
+  response->add_dtypes(v1::DTYPE_BFLOAT16);
+  response->add_dtypes(v1::DTYPE_FLOAT32);
+  *response->mutable_limits() = options_.advertised_limits;
+  response->set_build_info(info.build_info);
+  auto* reactor = ctx->DefaultReactor();
+  FinishUnary(reactor, Rpc::kGetServerInfo, start, absl::OkStatus(), 0,
+              static_cast<int64_t>(response->ByteSizeLong()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,
+                                                 const v1::EchoRequest* request,
+                                                 v1::EchoResponse* response) {
+  const auto start = Clock::now();
+  response->set_payload(request->payload());
+  const int64_t n = static_cast<int64_t>(request->payload().size());
+  auto* reactor = ctx->DefaultReactor();
+  FinishUnary(reactor, Rpc::kEcho, start, absl::OkStatus(), n, n);
+  return reactor;
+}
+
+}  // namespace attn

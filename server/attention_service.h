@@ -1,0 +1,73 @@
+// The attn.v1.Attention service on gRPC's callback API. Reactors validate, then hand work to
+// the batcher and return; Finish is called from the job's completion, never blocking here.
+#pragma once
+
+#include <atomic>
+#include <memory>
+
+#include "attend_validation.h"
+#include "attn/v1/attention.grpc.pb.h"
+#include "backend.h"
+#include "metrics.h"
+
+namespace attn {
+
+class Batcher;
+class Metrics;
+
+class AttentionService final : public v1::Attention::CallbackService {
+ public:
+  struct Options {
+    RequestLimits limits;
+    v1::ServerLimits advertised_limits;
+    std::string version;
+  };
+  // batcher, backend and metrics must outlive the service.
+  AttentionService(Options options, Batcher* batcher, const Backend* backend, Metrics* metrics);
+
+  // New calls get UNAVAILABLE from now on; calls already accepted complete.
+  void StartDraining() { draining_.store(true); }
+
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
+                                   const v1::AttendRequest* request,
+                                   v1::AttendResponse* response) override;
+  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
+                                          const v1::CreateSessionRequest* request,
+                                          v1::CreateSessionResponse* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* request,
+                                 v1::StepResponse* response) override;
+  grpc::ServerUnaryReactor* BatchStep(grpc::CallbackServerContext* ctx,
+                                      const v1::BatchStepRequest* request,
+                                      v1::BatchStepResponse* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* request,
+                                         v1::CloseSessionResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response) override;
+  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* request,
+                                 v1::EchoResponse* response) override;
+
+ private:
+  // Finishes a unary call and records it.
+  void FinishUnary(grpc::ServerUnaryReactor* reactor, Rpc rpc, Clock::time_point start,
+                   const absl::Status& st, int64_t received, int64_t sent);
+  grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, Rpc rpc,
+                                          int64_t received);
+  // Validates request and queues it; on success `on_done` runs once the response is filled.
+  absl::Status SubmitAttend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* request,
+                            v1::AttendResponse* response, Clock::time_point arrival,
+                            std::function<void(absl::Status)> on_done);
+
+  friend class AttendStreamReactor;
+
+  const Options options_;
+  Batcher* const batcher_;
+  const Backend* const backend_;
+  Metrics* const metrics_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace attn

@@ -1,0 +1,178 @@
+#include "attn_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server_builder.h>
+
+#include <future>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "attention_service.h"
+#include "batcher.h"
+#include "cpu_backend.h"
+#include "metrics.h"
+#include "status_util.h"
+#include "version.h"
+#ifdef ATTN_HAVE_CUDA
+#include "cuda_backend.h"
+#endif
+
+namespace attn {
+namespace {
+
+constexpr char kServiceName[] = "attn.v1.Attention";
+
+void Log(const std::string& msg) { std::cerr << "attnd: " << msg << std::endl; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& options) {
+  const std::string& want = options.backend;
+  if (want != "auto" && want != "cpu" && want != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be auto, cpu or cuda, got '", want, "'"));
+  }
+  if (want != "cpu") {
+#ifdef ATTN_HAVE_CUDA
+    CudaBackend::Options cuda_options;
+    cuda_options.streams = options.streams;
+    cuda_options.device_pool_bytes = options.device_pool_bytes;
+    cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
+    cuda_options.max_batch_tokens = options.max_batch_tokens;
+    auto cuda = CudaBackend::Create(cuda_options);
+    if (cuda.ok()) return std::unique_ptr<Backend>(std::move(*cuda));
+    if (want == "cuda") return cuda.status();
+    Log(absl::StrCat("no usable GPU (", cuda.status().message(), "); using the CPU backend"));
+#else
+    if (want == "cuda") {
+      return absl::FailedPreconditionError(
+          "--backend=cuda, but this attnd was built without CUDA kernels");
+    }
+    Log("built without CUDA kernels; using the CPU backend");
+#endif
+  }
+  CpuBackend::Options cpu_options;
+  cpu_options.threads = options.threads;
+  ASSIGN_OR_RETURN(auto cpu, CpuBackend::Create(cpu_options));
+  return std::unique_ptr<Backend>(std::move(cpu));
+}
+
+absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
+  if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError("--max_message_bytes must be in [1024, 2^31 - 1]");
+  }
+  std::unique_ptr<AttnServer> s(new AttnServer());
+  s->options_ = options;
+  ASSIGN_OR_RETURN(s->backend_, CreateBackend(options));
+  const BackendInfo& info = s->backend_->Info();
+  Log(absl::StrCat("backend ", info.name, " on ", info.device_name));
+
+  Metrics::Options mo;
+  mo.listen = options.metrics_listen;
+  mo.version = kVersion;
+  mo.backend = info.name;
+  mo.device = info.device_name;
+  ASSIGN_OR_RETURN(s->metrics_, Metrics::Create(mo));
+  s->metrics_->SetMaxQueueSize(options.max_queue_size);
+
+  Batcher::Options bo;
+  bo.max_batch_tokens = options.max_batch_tokens;
+  bo.max_queue_delay_us = options.max_queue_delay_us;
+  bo.max_queue_size = options.max_queue_size;
+  ASSIGN_OR_RETURN(s->batcher_, Batcher::Create(bo, s->backend_.get(), s->metrics_.get()));
+
+  AttentionService::Options so;
+  so.limits.max_tensor_elements = options.max_tensor_elements;
+  so.limits.head_dims = info.head_dims;
+  so.advertised_limits.set_max_message_bytes(options.max_message_bytes);
+  so.advertised_limits.set_max_batch_tokens(options.max_batch_tokens);
+  so.advertised_limits.set_max_queue_size(options.max_queue_size);
+  so.advertised_limits.set_max_sessions(0);
+  so.advertised_limits.set_max_tensor_elements(options.max_tensor_elements);
+  so.version = kVersion;
+  s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
+                                                   s->metrics_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  auto* health = s->server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+  RETURN_IF_ERROR(s->WarmUp());
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(true);
+  Log(absl::StrCat("serving attn.v1 on port ", s->port_,
+                   s->metrics_->port() ? absl::StrCat(", metrics on port ", s->metrics_->port())
+                                       : std::string(", metrics not served")));
+  return s;
+}
+
+// Runs one small request through the backend so that the first caller does not pay for
+// module loading and allocation; health stays NOT_SERVING until it succeeds.
+absl::Status AttnServer::WarmUp() {
+  v1::AttendRequest request;
+  v1::AttendResponse response;
+  const int d = backend_->Info().head_dims.front();
+  for (v1::Tensor* t : {request.mutable_q(), request.mutable_k(), request.mutable_v()}) {
+    t->set_dtype(v1::DTYPE_BFLOAT16);
+    t->add_shape(16);
+    t->add_shape(1);
+    t->add_shape(d);
+    t->mutable_data()->assign(16 * d * 2, '\x3c');  // bf16 0x3c3c ~ 0.0115
+  }
+  RequestLimits limits;
+  limits.head_dims = backend_->Info().head_dims;
+  ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job, ValidateAttendRequest(request, limits));
+  job->response = &response;
+  job->arrival = Clock::now();
+  PrepareAttendResponse(*job, &response);
+  std::promise<absl::Status> result;
+  job->done = [&result](absl::Status st) { result.set_value(std::move(st)); };
+  Batch batch;
+  batch.push_back(std::move(job));
+  std::promise<void> finished;
+  backend_->RunBatch(std::move(batch), [&finished](const BatchReport&) { finished.set_value(); });
+  absl::Status st = result.get_future().get();
+  finished.get_future().wait();
+  if (!st.ok()) return absl::Status(st.code(), absl::StrCat("backend warm-up failed: ", st.message()));
+  return absl::OkStatus();
+}
+
+int AttnServer::metrics_port() const { return metrics_->port(); }
+
+void AttnServer::Drain() {
+  Log("draining: health NOT_SERVING, finishing accepted requests");
+  server_->GetHealthCheckService()->Shutdown();
+  service_->StartDraining();
+  batcher_->Drain();
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(options_.drain_timeout_s * 1000));
+  server_->Shutdown(deadline);
+  Log("drained");
+}
+
+void AttnServer::Wait() { server_->Wait(); }
+
+AttnServer::~AttnServer() {
+  // Queued jobs finish first: a reactor that never finishes would keep Shutdown waiting.
+  if (service_) service_->StartDraining();
+  if (batcher_) batcher_->Drain();
+  if (server_) {
+    server_->Shutdown(std::chrono::system_clock::now());
+    server_->Wait();
+  }
+  // The batcher drains and stops before the backend and metrics it uses go away.
+  batcher_.reset();
+}
+
+}  // namespace attn

@@ -1,0 +1,51 @@
+// attnd assembled: backend, metrics, batcher, service, gRPC server with health and reflection.
+// Owns all of them; tests create one in-process on port 0.
+#pragma once
+
+#include <grpcpp/server.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server_options.h"
+
+namespace attn {
+
+class Backend;
+class Batcher;
+class Metrics;
+class AttentionService;
+
+class AttnServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<AttnServer>> Create(const ServerOptions& options);
+  ~AttnServer();
+
+  int port() const { return port_; }
+  int metrics_port() const;
+  const Backend& backend() const { return *backend_; }
+
+  // Health goes NOT_SERVING, new calls get UNAVAILABLE, queued and running requests finish,
+  // then the gRPC server shuts down (calls still open after drain_timeout are cancelled).
+  void Drain();
+  // Blocks until the gRPC server has shut down.
+  void Wait();
+
+ private:
+  AttnServer() = default;
+  absl::Status WarmUp();
+
+  ServerOptions options_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// Creates the backend that options.backend names ("auto" prefers CUDA when a GPU is usable).
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& options);
+
+}  // namespace attn

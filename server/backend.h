@@ -1,0 +1,52 @@
+// The compute backend behind the batcher: CpuBackend or CudaBackend.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attend_job.h"
+
+namespace attn {
+
+struct BackendInfo {
+  std::string name;         // "cpu" or "cuda"
+  std::string device_name;  // GPU or CPU model
+  int32_t compute_units = 0;
+  int64_t device_memory_bytes = 0;
+  int32_t compute_capability = 0;
+  std::vector<int32_t> head_dims;
+  std::string build_info;
+};
+
+// What one finished batch did, for metrics.
+struct BatchReport {
+  int32_t requests = 0;
+  int64_t tokens = 0;
+  double compute_seconds = 0;
+  double transfer_seconds = 0;
+  double flops = 0;
+  double bytes = 0;  // q, k, v read and o written by the kernel
+};
+
+using Batch = std::vector<std::unique_ptr<AttendJob>>;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const BackendInfo& Info() const = 0;
+
+  // Most batches the backend runs at once; the batcher holds back the next batch until one of
+  // them finishes.
+  virtual int MaxInFlightBatches() const = 0;
+
+  // Runs a batch of jobs that share one BatchKey. Takes ownership of the jobs; calls each job's
+  // done (exactly once), then on_finished with the batch's report, from any thread. May return
+  // before the work is done.
+  virtual void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) = 0;
+};
+
+}  // namespace attn

@@ -1,0 +1,182 @@
+#include "batcher.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "metrics.h"
+
+namespace attn {
+namespace {
+
+// How often queued jobs are checked for cancellation while nothing else wakes the dispatcher.
+constexpr auto kSweepInterval = std::chrono::milliseconds(5);
+
+double MicrosSince(Clock::time_point t, Clock::time_point now) {
+  return std::chrono::duration<double, std::micro>(now - t).count();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
+                                                         Backend* backend, Metrics* metrics) {
+  if (options.max_batch_tokens < 1) return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
+  if (options.max_queue_delay_us < 0) {
+    return absl::InvalidArgumentError("max_queue_delay_us must be >= 0");
+  }
+  if (options.max_queue_size < 1) return absl::InvalidArgumentError("max_queue_size must be >= 1");
+  if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
+  return std::unique_ptr<Batcher>(new Batcher(options, backend, metrics));
+}
+
+Batcher::Batcher(const Options& options, Backend* backend, Metrics* metrics)
+    : options_(options), backend_(backend), metrics_(metrics) {
+  dispatcher_ = std::thread([this] { DispatchLoop(); });
+}
+
+Batcher::~Batcher() {
+  Drain();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  dispatcher_.join();
+}
+
+absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) return absl::UnavailableError("attnd is shutting down; retry on another replica");
+    if (queued_ >= options_.max_queue_size) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "request queue is full (max_queue_size ", options_.max_queue_size, "); retry later"));
+    }
+    (job->high_priority ? high_ : normal_).push_back(std::move(job));
+    ++queued_;
+    UpdatePendingLocked();
+  }
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+void Batcher::Drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  draining_ = true;
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return queued_ == 0 && in_flight_batches_ == 0; });
+}
+
+int64_t Batcher::Pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queued_ + running_jobs_;
+}
+
+void Batcher::UpdatePendingLocked() {
+  if (metrics_) metrics_->SetPendingRequests(queued_ + running_jobs_);
+}
+
+void Batcher::TakeDeadJobs(Clock::time_point now, Batch* cancelled, Batch* expired) {
+  for (auto* q : {&high_, &normal_}) {
+    for (auto it = q->begin(); it != q->end();) {
+      AttendJob& job = **it;
+      if (job.is_cancelled && job.is_cancelled()) {
+        cancelled->push_back(std::move(*it));
+      } else if (job.deadline <= now) {
+        expired->push_back(std::move(*it));
+      } else {
+        ++it;
+        continue;
+      }
+      it = q->erase(it);
+      --queued_;
+    }
+  }
+}
+
+Batch Batcher::TakeReadyBatch(Clock::time_point now, Clock::time_point* wake) {
+  std::deque<std::unique_ptr<AttendJob>>* head_queue = !high_.empty() ? &high_ : &normal_;
+  if (head_queue->empty()) return {};
+  const AttendJob& head = *head_queue->front();
+  // Tokens of jobs that could join head's batch, to see whether the batch is already full.
+  int64_t tokens = 0;
+  for (auto* q : {&high_, &normal_}) {
+    for (const auto& job : *q) {
+      if (job->key == head.key) tokens += job->Tokens();
+    }
+  }
+  const auto flush_at = head.arrival + std::chrono::microseconds(options_.max_queue_delay_us);
+  if (tokens < options_.max_batch_tokens && now < flush_at && !draining_) {
+    *wake = std::min(*wake, flush_at);
+    return {};
+  }
+  const BatchKey key = head.key;
+  Batch batch;
+  int64_t batch_tokens = 0;
+  for (auto* q : {&high_, &normal_}) {
+    for (auto it = q->begin(); it != q->end();) {
+      const int64_t t = (*it)->Tokens();
+      if ((*it)->key == key && (batch.empty() || batch_tokens + t <= options_.max_batch_tokens)) {
+        batch_tokens += t;
+        batch.push_back(std::move(*it));
+        it = q->erase(it);
+        --queued_;
+      } else {
+        ++it;
+      }
+    }
+  }
+  return batch;
+}
+
+void Batcher::DispatchLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    const auto now = Clock::now();
+    Batch cancelled, expired;
+    TakeDeadJobs(now, &cancelled, &expired);
+    Batch batch;
+    auto wake = now + kSweepInterval;
+    if (in_flight_batches_ < backend_->MaxInFlightBatches()) batch = TakeReadyBatch(now, &wake);
+    if (!batch.empty()) {
+      ++in_flight_batches_;
+      running_jobs_ += static_cast<int64_t>(batch.size());
+    }
+    if (!cancelled.empty() || !expired.empty() || !batch.empty()) UpdatePendingLocked();
+    if (cancelled.empty() && expired.empty() && batch.empty()) {
+      if (queued_ == 0 && in_flight_batches_ == 0) cv_.notify_all();  // wakes Drain
+      if (queued_ == 0) {
+        cv_.wait(lock);
+      } else {
+        cv_.wait_until(lock, wake);
+      }
+      continue;
+    }
+    lock.unlock();
+    for (auto& job : cancelled) job->done(absl::CancelledError("request cancelled while queued"));
+    for (auto& job : expired) {
+      job->done(absl::DeadlineExceededError("deadline expired while the request was queued"));
+    }
+    if (!batch.empty()) {
+      for (auto& job : batch) {
+        job->queue_us = MicrosSince(job->arrival, now);
+        if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
+      }
+      backend_->RunBatch(std::move(batch), [this](const BatchReport& r) { FinishBatch(r); });
+    }
+    lock.lock();
+  }
+}
+
+void Batcher::FinishBatch(const BatchReport& report) {
+  if (metrics_) metrics_->ObserveBatch(report);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --in_flight_batches_;
+    running_jobs_ -= report.requests;
+    UpdatePendingLocked();
+  }
+  cv_.notify_all();
+}
+
+}  // namespace attn

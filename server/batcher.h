@@ -1,0 +1,69 @@
+// Dynamic batcher: queues validated Attend jobs and packs those that share a BatchKey into one
+// backend launch, up to max_batch_tokens or max_queue_delay, whichever comes first. Owns the
+// queued jobs; hands each batch (and its jobs) to the backend.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attend_job.h"
+#include "backend.h"
+
+namespace attn {
+
+class Metrics;
+
+class Batcher {
+ public:
+  struct Options {
+    int64_t max_batch_tokens = 16384;
+    int64_t max_queue_delay_us = 500;
+    int64_t max_queue_size = 1024;
+  };
+  // backend and metrics (nullable) must outlive the batcher.
+  static absl::StatusOr<std::unique_ptr<Batcher>> Create(const Options& options, Backend* backend,
+                                                         Metrics* metrics);
+  ~Batcher();  // Drains, then stops.
+
+  // Queues a job. On error the job is not taken and its done is not called: RESOURCE_EXHAUSTED
+  // when the queue is full, UNAVAILABLE once draining started.
+  absl::Status Submit(std::unique_ptr<AttendJob>& job);
+
+  // Stops accepting work and returns once every queued and running job is done.
+  void Drain();
+
+  int64_t Pending() const;
+
+ private:
+  Batcher(const Options& options, Backend* backend, Metrics* metrics);
+  void DispatchLoop();
+  // Pulls cancelled and expired jobs out of the queues; the caller completes them unlocked.
+  void TakeDeadJobs(Clock::time_point now, Batch* dead_cancelled, Batch* dead_expired);
+  // The next batch, or an empty one when nothing is ready yet; *wake says until when to wait.
+  Batch TakeReadyBatch(Clock::time_point now, Clock::time_point* wake);
+  void FinishBatch(const BatchReport& report);
+  void UpdatePendingLocked();
+
+  const Options options_;
+  Backend* const backend_;
+  Metrics* const metrics_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<AttendJob>> high_;
+  std::deque<std::unique_ptr<AttendJob>> normal_;
+  int in_flight_batches_ = 0;
+  int64_t queued_ = 0;
+  int64_t running_jobs_ = 0;
+  bool draining_ = false;
+  bool stop_ = false;
+  std::thread dispatcher_;
+};
+
+}  // namespace attn

@@ -1,0 +1,79 @@
+#include "cpu_backend.h"
+
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "attn/kernels/cpu_attention.h"
+#include "status_util.h"
+
+namespace attn {
+namespace {
+
+std::string CpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  }
+  return "cpu";
+}
+
+double Micros(Clock::duration d) {
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& options) {
+  if (options.threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
+  auto pool = kernels::cpu::CpuThreadPool::Create(options.threads);
+  BackendInfo info;
+  info.name = "cpu";
+  info.device_name = CpuModelName();
+  info.compute_units = pool->NumWorkers();
+  info.head_dims = options.head_dims;
+  info.build_info = absl::StrCat("attn_kernels cpu, ", pool->NumWorkers(), " threads");
+  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(info), std::move(pool)));
+}
+
+CpuBackend::CpuBackend(BackendInfo info, std::unique_ptr<kernels::cpu::CpuThreadPool> pool)
+    : info_(std::move(info)), pool_(std::move(pool)) {}
+
+absl::Status CpuBackend::RunJob(AttendJob& job) {
+  const kernels::AttentionArgs args = job.HostArgs();
+  const size_t need = kernels::cpu::WorkspaceBytes(args, pool_->NumWorkers()) + 64;
+  if (workspace_.size() < need) workspace_.resize(need);
+  void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace_.data()) + 63) &
+                                     ~uintptr_t{63});
+  return FromKernelStatus(kernels::cpu::Run(args, ws, pool_.get()));
+}
+
+void CpuBackend::RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) {
+  BatchReport report;
+  report.requests = static_cast<int32_t>(batch.size());
+  for (auto& job : batch) report.tokens += job->Tokens();
+  for (auto& job : batch) {
+    const auto start = Clock::now();
+    absl::Status st = RunJob(*job);
+    const auto elapsed = Clock::now() - start;
+    job->compute_us = Micros(elapsed);
+    job->batch_requests = report.requests;
+    job->batch_tokens = report.tokens;
+    if (st.ok()) {
+      const kernels::AttentionArgs args = job->HostArgs();
+      report.flops += kernels::AttentionFlops(args, args.cu_seqlens_q, args.cu_seqlens_k);
+      const double elem = kernels::DTypeSize(args.dtype);
+      report.bytes += elem * args.head_dim *
+                      (2.0 * args.total_q * args.num_heads + 2.0 * args.total_k * args.num_kv_heads);
+    }
+    report.compute_seconds += std::chrono::duration<double>(elapsed).count();
+    job->done(st);
+  }
+  on_finished(report);
+}
+
+}  // namespace attn

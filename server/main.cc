@@ -1,0 +1,95 @@
+// attnd: the attention compute service.
+#include <csignal>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "attn/util/flag_names.h"
+#include "attn_server.h"
+#include "version.h"
+
+namespace {
+const attn::ServerOptions kDefaults;
+}  // namespace
+
+ABSL_FLAG(std::string, listen, kDefaults.listen, "gRPC listen address, host:port");
+ABSL_FLAG(std::string, metrics_listen, kDefaults.metrics_listen,
+          "Prometheus /metrics address, host:port; empty disables it");
+ABSL_FLAG(std::string, backend, kDefaults.backend, "auto, cpu or cuda");
+ABSL_FLAG(int, threads, kDefaults.threads, "CPU backend worker threads; 0: one per core");
+ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
+          "Largest request or response message, bytes");
+ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.max_batch_tokens,
+          "Most query tokens packed into one batch");
+ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.max_queue_delay_us,
+          "Longest a request waits for others to batch with, microseconds");
+ABSL_FLAG(int64_t, max_queue_size, kDefaults.max_queue_size,
+          "Most queued requests; beyond it RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_tensor_elements, kDefaults.max_tensor_elements,
+          "Most elements of any one request tensor");
+ABSL_FLAG(int, streams, kDefaults.streams, "CUDA streams (CUDA backend)");
+ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
+          "Device memory pool bound, bytes (CUDA backend)");
+ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
+          "Pinned host staging pool bound, bytes (CUDA backend)");
+ABSL_FLAG(double, drain_timeout_s, kDefaults.drain_timeout_s,
+          "On SIGTERM/SIGINT, how long open calls get to finish, seconds");
+
+namespace {
+
+attn::ServerOptions OptionsFromFlags() {
+  attn::ServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.backend = absl::GetFlag(FLAGS_backend);
+  o.threads = absl::GetFlag(FLAGS_threads);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  o.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  o.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  o.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
+  o.streams = absl::GetFlag(FLAGS_streams);
+  o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
+  o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
+  o.drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("attnd: attention compute service (attn.v1 over gRPC)");
+  std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);
+  std::vector<char*> argp = attn::util::ArgvOf(args);
+  absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+
+  // Signals are taken by one thread with sigwait, so that no handler runs inside gRPC.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  std::cerr << "attnd " << attn::kVersion << " starting" << std::endl;
+  auto server = attn::AttnServer::Create(OptionsFromFlags());
+  if (!server.ok()) {
+    std::cerr << "attnd: " << server.status() << std::endl;
+    return 1;
+  }
+  std::thread signal_thread([&signals, s = server->get()] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    std::cerr << "attnd: received " << strsignal(sig) << std::endl;
+    s->Drain();
+  });
+  (*server)->Wait();
+  signal_thread.join();
+  server->reset();
+  std::cerr << "attnd: exiting" << std::endl;
+  return 0;
+}

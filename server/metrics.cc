@@ -1,0 +1,202 @@
+#include "metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <cmath>
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "status_util.h"
+
+namespace attn {
+namespace {
+
+// base * factor^i for i in [0, n).
+prometheus::Histogram::BucketBoundaries Exponential(double base, double factor, int n) {
+  prometheus::Histogram::BucketBoundaries b;
+  double v = base;
+  for (int i = 0; i < n; ++i, v *= factor) b.push_back(v);
+  return b;
+}
+
+// 10 us .. ~42 s, doubling: suits a small decode step and a long prefill alike.
+prometheus::Histogram::BucketBoundaries LatencyBuckets() { return Exponential(10e-6, 2.0, 23); }
+
+}  // namespace
+
+const char* RpcName(Rpc rpc) {
+  switch (rpc) {
+    case Rpc::kAttend: return "Attend";
+    case Rpc::kAttendStream: return "AttendStream";
+    case Rpc::kCreateSession: return "CreateSession";
+    case Rpc::kStep: return "Step";
+    case Rpc::kBatchStep: return "BatchStep";
+    case Rpc::kCloseSession: return "CloseSession";
+    case Rpc::kGetServerInfo: return "GetServerInfo";
+    case Rpc::kEcho: return "Echo";
+    case Rpc::kCount: break;
+  }
+  return "unknown";
+}
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const Options& options) {
+  std::unique_ptr<Metrics> m(new Metrics());
+  m->Build(options);
+  if (!options.listen.empty()) {
+    try {
+      m->exposer_ = std::make_unique<prometheus::Exposer>(options.listen);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve metrics on ", options.listen, ": ", e.what()));
+    }
+    m->exposer_->RegisterCollectable(m->registry_);
+    const auto ports = m->exposer_->GetListeningPorts();
+    if (!ports.empty()) m->port_ = ports.front();
+  }
+  return m;
+}
+
+Metrics::~Metrics() = default;
+
+Metrics::PoolGauges Metrics::BuildPool(const std::string& name, const std::string& help) {
+  auto& fam = prometheus::BuildGauge().Name(name).Help(help).Register(*registry_);
+  return {&fam.Add({{"state", "used"}}), &fam.Add({{"state", "reserved"}}),
+          &fam.Add({{"state", "limit"}})};
+}
+
+void Metrics::Build(const Options& o) {
+  registry_ = std::make_shared<prometheus::Registry>();
+  auto& r = *registry_;
+  requests_family_ = &prometheus::BuildCounter()
+                          .Name("attn_requests_total")
+                          .Help("RPCs finished, by method and gRPC status code")
+                          .Register(r);
+  auto& duration = prometheus::BuildHistogram()
+                       .Name("attn_request_duration_seconds")
+                       .Help("Server-side RPC latency, from arrival to response ready")
+                       .Register(r);
+  auto& received = prometheus::BuildCounter()
+                       .Name("attn_received_bytes_total")
+                       .Help("Request message bytes received")
+                       .Register(r);
+  auto& sent = prometheus::BuildCounter()
+                   .Name("attn_sent_bytes_total")
+                   .Help("Response message bytes sent")
+                   .Register(r);
+  for (int i = 0; i < static_cast<int>(Rpc::kCount); ++i) {
+    const std::string name = RpcName(static_cast<Rpc>(i));
+    rpcs_[i].duration = &duration.Add({{"rpc", name}}, LatencyBuckets());
+    rpcs_[i].received = &received.Add({{"rpc", name}});
+    rpcs_[i].sent = &sent.Add({{"rpc", name}});
+  }
+  auto hist = [&](const char* name, const char* help, prometheus::Histogram::BucketBoundaries b) {
+    return &prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, std::move(b));
+  };
+  queue_ = hist("attn_queue_duration_seconds", "Time a request waited in the batcher's queue",
+                LatencyBuckets());
+  compute_ = hist("attn_compute_duration_seconds", "Kernel time of one batch", LatencyBuckets());
+  transfer_ = hist("attn_transfer_duration_seconds",
+                   "Host-device copy time of one batch (GPU backend)", LatencyBuckets());
+  batch_requests_ = hist("attn_batch_requests", "Requests packed into one batch",
+                         Exponential(1, 2, 11));
+  batch_tokens_ = hist("attn_batch_tokens", "Query tokens packed into one batch",
+                       Exponential(16, 2, 17));
+  bandwidth_ = hist("attn_kernel_memory_bandwidth_bytes_per_second",
+                    "Achieved kernel memory bandwidth per launch (q, k, v read, o written)",
+                    Exponential(1e9, 2, 14));
+  flops_ = hist("attn_kernel_flops_per_second", "Achieved kernel FLOP/s per launch",
+                Exponential(1e9, 2, 21));
+  auto gauge = [&](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(r).Add({});
+  };
+  pending_ = gauge("attn_pending_requests", "Requests queued or running");
+  max_queue_size_ = gauge("attn_max_queue_size", "Configured bound of the request queue");
+  device_pool_ = BuildPool("attn_device_pool_bytes", "Device memory pool bytes");
+  pinned_pool_ = BuildPool("attn_pinned_pool_bytes", "Pinned host buffer pool bytes");
+  auto& kv = prometheus::BuildGauge()
+                 .Name("attn_kv_cache_pages")
+                 .Help("Paged KV cache pages")
+                 .Register(r);
+  kv_used_ = &kv.Add({{"state", "used"}});
+  kv_free_ = &kv.Add({{"state", "free"}});
+  sessions_ = gauge("attn_sessions", "Open KV-cache sessions");
+  auto& gpu = prometheus::BuildGauge()
+                  .Name("attn_gpu_memory_bytes")
+                  .Help("GPU memory as the driver reports it")
+                  .Register(r);
+  gpu_used_ = &gpu.Add({{"state", "used"}});
+  gpu_free_ = &gpu.Add({{"state", "free"}});
+  gpu_total_ = &gpu.Add({{"state", "total"}});
+  prometheus::BuildGauge()
+      .Name("attn_build_info")
+      .Help("attnd version, backend and device; always 1")
+      .Register(r)
+      .Add({{"version", o.version}, {"backend", o.backend}, {"device", o.device}})
+      .Set(1);
+}
+
+void Metrics::ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds,
+                             int64_t received_bytes, int64_t sent_bytes) {
+  PerRpc& p = rpcs_[static_cast<int>(rpc)];
+  const int c = static_cast<int>(code);
+  if (c >= 0 && c < kNumCodes) {
+    prometheus::Counter* counter = p.requests[c].load(std::memory_order_acquire);
+    if (counter == nullptr) {
+      // Family::Add returns the same series for the same labels, so a race here is harmless.
+      counter = &requests_family_->Add({{"rpc", RpcName(rpc)}, {"code", GrpcCodeName(code)}});
+      p.requests[c].store(counter, std::memory_order_release);
+    }
+    counter->Increment();
+  }
+  p.duration->Observe(seconds);
+  if (received_bytes > 0) p.received->Increment(static_cast<double>(received_bytes));
+  if (sent_bytes > 0) p.sent->Increment(static_cast<double>(sent_bytes));
+}
+
+void Metrics::ObserveQueueSeconds(double seconds) { queue_->Observe(seconds); }
+
+void Metrics::ObserveBatch(const BatchReport& report) {
+  if (report.requests == 0) return;
+  batch_requests_->Observe(report.requests);
+  batch_tokens_->Observe(static_cast<double>(report.tokens));
+  compute_->Observe(report.compute_seconds);
+  if (report.transfer_seconds > 0) transfer_->Observe(report.transfer_seconds);
+  if (report.compute_seconds > 0 && report.flops > 0) {
+    flops_->Observe(report.flops / report.compute_seconds);
+    bandwidth_->Observe(report.bytes / report.compute_seconds);
+  }
+}
+
+void Metrics::SetPendingRequests(int64_t n) { pending_->Set(static_cast<double>(n)); }
+void Metrics::SetMaxQueueSize(int64_t n) { max_queue_size_->Set(static_cast<double>(n)); }
+
+void Metrics::SetDevicePool(const PoolBytes& b) {
+  device_pool_.used->Set(b.used);
+  device_pool_.reserved->Set(b.reserved);
+  device_pool_.limit->Set(b.limit);
+}
+
+void Metrics::SetPinnedPool(const PoolBytes& b) {
+  pinned_pool_.used->Set(b.used);
+  pinned_pool_.reserved->Set(b.reserved);
+  pinned_pool_.limit->Set(b.limit);
+}
+
+void Metrics::SetKvCachePages(int64_t used, int64_t free) {
+  kv_used_->Set(used);
+  kv_free_->Set(free);
+}
+
+void Metrics::SetSessions(int64_t n) { sessions_->Set(static_cast<double>(n)); }
+
+void Metrics::SetGpuMemory(int64_t used, int64_t free, int64_t total) {
+  gpu_used_->Set(used);
+  gpu_free_->Set(free);
+  gpu_total_->Set(total);
+}
+
+}  // namespace attn

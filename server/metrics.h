@@ -1,0 +1,116 @@
+// Prometheus metrics of attnd. The only file pair that includes prometheus-cpp. Families are
+// built once at start-up; label values are bound once (lazily for rpc x code).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/statusor.h"
+#include "backend.h"
+
+namespace prometheus {
+class Registry;
+class Exposer;
+class Counter;
+class Gauge;
+class Histogram;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace attn {
+
+enum class Rpc : int {
+  kAttend = 0,
+  kAttendStream,
+  kCreateSession,
+  kStep,
+  kBatchStep,
+  kCloseSession,
+  kGetServerInfo,
+  kEcho,
+  kCount,
+};
+const char* RpcName(Rpc rpc);
+
+struct PoolBytes {
+  int64_t used = 0;
+  int64_t reserved = 0;
+  int64_t limit = 0;
+};
+
+class Metrics {
+ public:
+  struct Options {
+    std::string listen;  // host:port for /metrics; empty: not served (still recorded)
+    std::string version;
+    std::string backend;
+    std::string device;
+  };
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const Options& options);
+  ~Metrics();
+
+  // The port /metrics is served on (useful with port 0), or 0.
+  int port() const { return port_; }
+
+  void ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds, int64_t received_bytes,
+                      int64_t sent_bytes);
+  void ObserveQueueSeconds(double seconds);
+  void ObserveBatch(const BatchReport& report);
+  void SetPendingRequests(int64_t n);
+  void SetMaxQueueSize(int64_t n);
+  void SetDevicePool(const PoolBytes& bytes);
+  void SetPinnedPool(const PoolBytes& bytes);
+  void SetKvCachePages(int64_t used, int64_t free);
+  void SetSessions(int64_t n);
+  void SetGpuMemory(int64_t used, int64_t free, int64_t total);
+
+ private:
+  static constexpr int kNumCodes = 17;
+  struct PerRpc {
+    prometheus::Histogram* duration = nullptr;
+    prometheus::Counter* received = nullptr;
+    prometheus::Counter* sent = nullptr;
+    std::array<std::atomic<prometheus::Counter*>, kNumCodes> requests{};
+  };
+  struct PoolGauges {
+    prometheus::Gauge* used = nullptr;
+    prometheus::Gauge* reserved = nullptr;
+    prometheus::Gauge* limit = nullptr;
+  };
+
+  Metrics() = default;
+  void Build(const Options& options);
+  PoolGauges BuildPool(const std::string& name, const std::string& help);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+
+  prometheus::Family<prometheus::Counter>* requests_family_ = nullptr;
+  std::array<PerRpc, static_cast<int>(Rpc::kCount)> rpcs_;
+  prometheus::Histogram* queue_ = nullptr;
+  prometheus::Histogram* compute_ = nullptr;
+  prometheus::Histogram* transfer_ = nullptr;
+  prometheus::Histogram* batch_requests_ = nullptr;
+  prometheus::Histogram* batch_tokens_ = nullptr;
+  prometheus::Histogram* bandwidth_ = nullptr;
+  prometheus::Histogram* flops_ = nullptr;
+  prometheus::Gauge* pending_ = nullptr;
+  prometheus::Gauge* max_queue_size_ = nullptr;
+  PoolGauges device_pool_;
+  PoolGauges pinned_pool_;
+  prometheus::Gauge* kv_used_ = nullptr;
+  prometheus::Gauge* kv_free_ = nullptr;
+  prometheus::Gauge* sessions_ = nullptr;
+  prometheus::Gauge* gpu_used_ = nullptr;
+  prometheus::Gauge* gpu_free_ = nullptr;
+  prometheus::Gauge* gpu_total_ = nullptr;
+};
+
+}  // namespace attn

@@ -1,0 +1,48 @@
+#include "status_util.h"
+
+#include <string>
+
+namespace attn {
+
+absl::Status FromKernelStatus(const kernels::Status& st) {
+  switch (st.code()) {
+    case kernels::StatusCode::kOk: return absl::OkStatus();
+    case kernels::StatusCode::kInvalidArgument: return absl::InvalidArgumentError(st.message());
+    case kernels::StatusCode::kUnimplemented: return absl::InvalidArgumentError(st.message());
+    case kernels::StatusCode::kResourceExhausted:
+      return absl::ResourceExhaustedError(st.message());
+    case kernels::StatusCode::kInternal: return absl::InternalError(st.message());
+  }
+  return absl::UnknownError(st.message());
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& st) {
+  if (st.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbers.
+  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+}
+
+const char* GrpcCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+}  // namespace attn

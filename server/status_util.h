@@ -1,0 +1,35 @@
+// absl::Status helpers: early-return macros and conversions at the edges (kernels -> absl,
+// absl -> grpc). grpc::Status appears only at the service edge.
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attn/kernels/attention.h"
+
+#define ATTN_STATUS_CONCAT_INNER(a, b) a##b
+#define ATTN_STATUS_CONCAT(a, b) ATTN_STATUS_CONCAT_INNER(a, b)
+
+// Returns from the enclosing function when expr yields a non-OK absl::Status.
+#define RETURN_IF_ERROR(expr)                         \
+  do {                                                \
+    if (absl::Status _st = (expr); !_st.ok()) return _st; \
+  } while (0)
+
+// lhs = value of a StatusOr expression, or return its status.
+#define ASSIGN_OR_RETURN(lhs, expr) \
+  ASSIGN_OR_RETURN_IMPL(ATTN_STATUS_CONCAT(_status_or_, __LINE__), lhs, expr)
+#define ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                          \
+  if (!tmp.ok()) return tmp.status();         \
+  lhs = std::move(*tmp)
+
+namespace attn {
+
+absl::Status FromKernelStatus(const kernels::Status& st);
+grpc::Status ToGrpcStatus(const absl::Status& st);
+// Name of a gRPC code as Prometheus labels and logs spell it: "OK", "INVALID_ARGUMENT", ...
+const char* GrpcCodeName(grpc::StatusCode code);
+
+}  // namespace attn
