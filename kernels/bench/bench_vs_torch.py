@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""attnd flash forward vs PyTorch SDPA (flash and cuDNN backends) on one GPU.
+
+Usage: python3 bench_vs_torch.py --lib path/to/libattn_kernels_capi.so --out table.md
+Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; causal off/on.
+FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events, median over repeats after warm-up.
+"""
+import argparse
+import ctypes
+import datetime
+import statistics
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+
+
+def load_lib(path):
+    lib = ctypes.CDLL(path)
+    fn = lib.attn_flash_fwd
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_size_t]
+    return fn
+
+
+def time_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--out", required=True, help="markdown table output path")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    args = ap.parse_args()
+
+    fn = load_lib(args.lib)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    rows = []
+    for dname in args.dtypes.split(","):
+        dtype = torch.bfloat16 if dname == "bf16" else torch.float16
+        dcode = 2 if dname == "bf16" else 1
+        for causal in (False, True):
+            for d in [int(x) for x in args.dims.split(",")]:
+                h = 2048 // d
+                for s in [int(x) for x in args.seqlens.split(",")]:
+                    b = max(1, args.tokens // s)
+                    q = torch.randn(b * s, h, d, device=dev, dtype=dtype)
+                    k = torch.randn(b * s, h, d, device=dev, dtype=dtype)
+                    v = torch.randn(b * s, h, d, device=dev, dtype=dtype)
+                    o = torch.full_like(q, float("nan"))
+                    cu = (torch.arange(b + 1, device=dev, dtype=torch.int32) * s).contiguous()
+                    stream = torch.cuda.current_stream().cuda_stream
+                    # torch wants [B, H, S, D]: transposed views of the same packed data.
+                    qt = q.view(b, s, h, d).transpose(1, 2)
+                    kt = k.view(b, s, h, d).transpose(1, 2)
+                    vt = v.view(b, s, h, d).transpose(1, 2)
+
+                    def ours():
+                        rc = fn(dcode, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
+                                cu.data_ptr(), cu.data_ptr(), b, b * s, b * s, s, s, h, h, d, 0.0,
+                                int(causal), -1, -1, stream)
+                        if rc != 0:
+                            raise RuntimeError(f"attn_flash_fwd returned {rc}")
+
+                    def torch_backend(backend):
+                        def run():
+                            with sdpa_kernel(backend):
+                                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        return run
+
+                    flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+                    t_ours = time_ms(ours, args.warmup, args.reps)
+                    res = {}
+                    ref = None
+                    for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                        try:
+                            r = torch_backend(be)
+                            out = r()
+                            if ref is None and name == "flash":
+                                ref = out
+                            res[name] = time_ms(r, args.warmup, args.reps)
+                        except Exception as e:  # backend not available for this shape
+                            print(f"# {name} failed for {dname} causal={causal} d={d} s={s}: {e}",
+                                  file=sys.stderr)
+                            res[name] = None
+                    ours()
+                    torch.cuda.synchronize()
+                    if ref is None:
+                        with sdpa_kernel(SDPBackend.MATH):
+                            ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(),
+                                                                 is_causal=causal)
+                    ref_p = ref.transpose(1, 2).reshape(b * s, h, d).float()
+                    err = ((o.float() - ref_p).norm() / ref_p.norm()).item()
+                    tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
+                    row = dict(dtype=dname, causal=causal, d=d, s=s, ours=tf(t_ours),
+                               flash=tf(res["flash"]), cudnn=tf(res["cudnn"]), err=err)
+                    rows.append(row)
+                    fmt = lambda x: f"{x:.1f}" if x is not None else "n/a"
+                    rat = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
+                    print(f"{dname} causal={int(causal)} d={d:3d} s={s:5d}: ours {fmt(row['ours'])} "
+                          f"flash {fmt(row['flash'])} cudnn {fmt(row['cudnn'])} "
+                          f"ours/flash {rat(row['ours'], row['flash'])} "
+                          f"ours/cudnn {rat(row['ours'], row['cudnn'])} err {err:.2e}", flush=True)
+                    del q, k, v, o, qt, kt, vt, ref, ref_p
+                    torch.cuda.empty_cache()
+
+    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"date {datetime.date.today().isoformat()}, tokens/batch {args.tokens}, H*D = 2048, "
+             f"median of {args.reps} after {args.warmup} warm-up (CUDA events). TFLOP/s.", "",
+             "| dtype | causal | d | s | ours | flash | cudnn | ours/flash | ours/cudnn | rel err vs torch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = lambda x: f"{x:.1f}" if x is not None else "n/a"
+        q = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
+        lines.append(f"| {r['dtype']} | {int(r['causal'])} | {r['d']} | {r['s']} | {f(r['ours'])} | "
+                     f"{f(r['flash'])} | {f(r['cudnn'])} | {q(r['ours'], r['flash'])} | "
+                     f"{q(r['ours'], r['cudnn'])} | {r['err']:.2e} |")
+    lines.append("")
+    for key in ("flash", "cudnn"):
+        ratios = [r["ours"] / r[key] for r in rows if r["s"] >= 1024 and r[key]]
+        if ratios:
+            lines.append(f"ours/{key} for s>=1k: min {min(ratios):.3f}, median "
+                         f"{statistics.median(ratios):.3f} (n={len(ratios)})")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+// Launcher template for the flash forward kernel; explicitly instantiated once per
+// (dtype, head dim) in instantiations/.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flash_fwd_kernel.cuh"
+#include "flash_params.h"
+#include "flash_traits.cuh"
+
+namespace attn::kernels::cuda {
+
+template <typename T, int D>
+cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
+  using Tr = FlashTraits<D, T>;
+  auto kernel = &FlashFwdKernel<Tr>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, params.num_heads,
+                  params.batch);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
+  kernel<<<grid, Tr::kNThreads, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace attn::kernels::cuda
