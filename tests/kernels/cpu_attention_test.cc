@@ -1,0 +1,243 @@
+// The CPU backend against the float64 reference, on fresh random inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <tuple>
+
+#include "attn/kernels/cpu_attention.h"
+#include "common/reference.h"
+
+namespace attn {
+namespace {
+
+using kernels::AttentionArgs;
+using kernels::DType;
+using testing::CuSeqlens;
+using testing::HostTensor;
+
+// Tolerances on ||o - ref|| / ||ref||: fp32 accumulation everywhere, so what remains is the
+// rounding of the output to its dtype (bf16: 8 bits of mantissa, fp16: 11).
+double OutputTolerance(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 2e-6;
+    case DType::kFloat16: return 1e-3;
+    case DType::kBFloat16: return 6e-3;
+  }
+  return 0;
+}
+// LSE is float32 in every case: absolute tolerance on values of magnitude ~log(s_k).
+constexpr double kLseTolerance = 1e-4;
+
+struct Problem {
+  DType dtype = DType::kBFloat16;
+  std::vector<int32_t> len_q;
+  std::vector<int32_t> len_k;
+  int heads = 4;
+  int kv_heads = 4;
+  int head_dim = 64;
+  bool causal = false;
+  int window_left = -1;
+  int window_right = -1;
+  float scale = 0.0f;
+};
+
+struct Outcome {
+  testing::ErrorStats o;
+  testing::ErrorStats lse;
+};
+
+Outcome RunAndCompare(const Problem& p, uint64_t seed, kernels::cpu::CpuThreadPool* pool) {
+  std::mt19937_64 rng(seed);
+  const auto cu_q = CuSeqlens(p.len_q), cu_k = CuSeqlens(p.len_k);
+  const int32_t total_q = cu_q.back(), total_k = cu_k.back();
+  HostTensor q = HostTensor::Random(p.dtype, int64_t(total_q) * p.heads * p.head_dim, rng);
+  HostTensor k = HostTensor::Random(p.dtype, int64_t(total_k) * p.kv_heads * p.head_dim, rng);
+  HostTensor v = HostTensor::Random(p.dtype, int64_t(total_k) * p.kv_heads * p.head_dim, rng);
+  // Poison: NaN everywhere, so an unwritten element fails the comparison.
+  HostTensor o = HostTensor::Filled(p.dtype, q.elements, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> lse(size_t(p.heads) * total_q, std::numeric_limits<float>::quiet_NaN());
+
+  AttentionArgs a;
+  a.dtype = p.dtype;
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.o = o.data();
+  a.lse = lse.data();
+  a.cu_seqlens_q = cu_q.data();
+  a.cu_seqlens_k = cu_k.data();
+  a.batch = static_cast<int32_t>(p.len_q.size());
+  a.total_q = total_q;
+  a.total_k = total_k;
+  a.max_seqlen_q = *std::max_element(p.len_q.begin(), p.len_q.end());
+  a.max_seqlen_k = *std::max_element(p.len_k.begin(), p.len_k.end());
+  a.num_heads = p.heads;
+  a.num_kv_heads = p.kv_heads;
+  a.head_dim = p.head_dim;
+  a.softmax_scale = p.scale;
+  a.causal = p.causal;
+  a.window_left = p.window_left;
+  a.window_right = p.window_right;
+
+  std::vector<char> ws(kernels::cpu::WorkspaceBytes(a, pool ? pool->NumWorkers() : 1) + 64);
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) & ~63ull);
+  kernels::Status st = kernels::cpu::Run(a, aligned, pool);
+  EXPECT_TRUE(st.ok()) << st.message();
+
+  const auto ref = testing::ReferenceAttention(a, q.ToDouble(), k.ToDouble(), v.ToDouble(), cu_q,
+                                               cu_k);
+  return {testing::CompareTo(ref.o, o), testing::CompareLse(ref.lse, lse)};
+}
+
+void ExpectClose(const Problem& p, const Outcome& r) {
+  EXPECT_EQ(r.o.non_finite, 0) << "unwritten or non-finite outputs";
+  EXPECT_LE(r.o.rel_l2, OutputTolerance(p.dtype));
+  EXPECT_EQ(r.lse.non_finite, 0) << "LSE differs in which rows see no key, or is non-finite";
+  EXPECT_LE(r.lse.max_abs, kLseTolerance);
+}
+
+class CpuAttentionTest : public ::testing::Test {
+ protected:
+  void SetUp() override { pool_ = kernels::cpu::CpuThreadPool::Create(3); }
+  uint64_t Seed() { return std::random_device{}() ^ (uint64_t(++counter_) << 32); }
+  std::unique_ptr<kernels::cpu::CpuThreadPool> pool_;
+  int counter_ = 0;
+};
+
+// dtype x causal x GQA x head dim, on a small ragged batch.
+using Combo = std::tuple<DType, bool, std::pair<int, int>, int>;
+class CpuAttentionComboTest : public CpuAttentionTest,
+                              public ::testing::WithParamInterface<Combo> {};
+
+TEST_P(CpuAttentionComboTest, MatchesFloat64Reference) {
+  const auto [dtype, causal, heads, d] = GetParam();
+  Problem p;
+  p.dtype = dtype;
+  p.causal = causal;
+  p.heads = heads.first;
+  p.kv_heads = heads.second;
+  p.head_dim = d;
+  p.len_q = {1, 17, 70};
+  p.len_k = {1, 17, 70};
+  ExpectClose(p, RunAndCompare(p, Seed(), pool_.get()));
+}
+
+std::string ComboName(const ::testing::TestParamInfo<Combo>& info) {
+  const auto [dtype, causal, heads, d] = info.param;
+  return std::string(kernels::DTypeName(dtype)) + (causal ? "_causal" : "_full") + "_h" +
+         std::to_string(heads.first) + "kv" + std::to_string(heads.second) + "_d" +
+         std::to_string(d);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllCombos, CpuAttentionComboTest,
+    ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                       ::testing::Bool(),
+                       ::testing::Values(std::make_pair(4, 4), std::make_pair(4, 2),
+                                         std::make_pair(4, 1)),
+                       ::testing::Values(32, 64, 96, 128, 256)),
+    ComboName);
+
+TEST_F(CpuAttentionTest, RaggedVarlenWithLongSequence) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    Problem p;
+    p.dtype = dtype;
+    p.heads = 2;
+    p.kv_heads = 1;
+    p.head_dim = 64;
+    p.len_q = {1, 17, 1000, 3};
+    p.len_k = {1, 17, 1000, 3};
+    ExpectClose(p, RunAndCompare(p, Seed(), pool_.get()));
+  }
+}
+
+TEST_F(CpuAttentionTest, QueriesFewerThanKeysCausalIsBottomRightAligned) {
+  Problem p;
+  p.len_q = {5, 1, 64};
+  p.len_k = {300, 129, 1000};
+  p.causal = true;
+  p.head_dim = 128;
+  ExpectClose(p, RunAndCompare(p, Seed(), pool_.get()));
+}
+
+TEST_F(CpuAttentionTest, QueriesMoreThanKeysCausalLeavesEarlyRowsEmpty) {
+  // s_q > s_k with the bottom-right causal mask: the first s_q - s_k rows see no key and must
+  // come out as o = 0, lse = -inf (the reference says so too).
+  Problem p;
+  p.dtype = DType::kFloat32;
+  p.len_q = {40, 17};
+  p.len_k = {10, 16};
+  p.causal = true;
+  const Outcome r = RunAndCompare(p, Seed(), pool_.get());
+  ExpectClose(p, r);
+}
+
+TEST_F(CpuAttentionTest, NonCausalDifferentLengths) {
+  Problem p;
+  p.dtype = DType::kFloat16;
+  p.len_q = {33, 200};
+  p.len_k = {100, 7};
+  ExpectClose(p, RunAndCompare(p, Seed(), pool_.get()));
+}
+
+TEST_F(CpuAttentionTest, SlidingWindow) {
+  for (auto [left, right, causal] : {std::tuple{16, 0, true}, std::tuple{50, 20, false},
+                                     std::tuple{0, 0, false}, std::tuple{-1, 5, false},
+                                     std::tuple{100, -1, false}}) {
+    Problem p;
+    p.len_q = {130, 1, 64};
+    p.len_k = {130, 9, 200};
+    p.window_left = left;
+    p.window_right = right;
+    p.causal = causal;
+    SCOPED_TRACE(std::to_string(left) + "," + std::to_string(right));
+    ExpectClose(p, RunAndCompare(p, Seed(), pool_.get()));
+  }
+}
+
+TEST_F(CpuAttentionTest, CustomScaleAndSingleThread) {
+  Problem p;
+  p.dtype = DType::kBFloat16;
+  p.len_q = {77};
+  p.len_k = {77};
+  p.scale = 0.37f;
+  p.heads = 8;
+  p.kv_heads = 2;
+  ExpectClose(p, RunAndCompare(p, Seed(), nullptr));
+}
+
+TEST_F(CpuAttentionTest, ZeroLengthSequencesInsideBatch) {
+  Problem p;
+  p.len_q = {0, 5, 0, 9};
+  p.len_k = {3, 5, 0, 0};  // sequence 3 has queries but no keys: o = 0, lse = -inf
+  ExpectClose(p, RunAndCompare(p, Seed(), pool_.get()));
+}
+
+TEST_F(CpuAttentionTest, RejectsBadArguments) {
+  const std::vector<int32_t> cu = {0, 4};
+  const std::vector<int32_t> bad_cu = {1, 4};
+  std::vector<uint16_t> buf(4 * 4 * 64);
+  AttentionArgs a;
+  a.q = a.k = a.v = buf.data();
+  a.o = buf.data();
+  a.cu_seqlens_q = cu.data();
+  a.cu_seqlens_k = cu.data();
+  a.total_q = a.total_k = a.max_seqlen_q = a.max_seqlen_k = 4;
+  a.num_heads = 4;
+  a.num_kv_heads = 3;
+  a.head_dim = 64;
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
+  a.num_kv_heads = 2;
+  EXPECT_TRUE(kernels::cpu::CanImplement(a).ok());
+  a.cu_seqlens_k = bad_cu.data();
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
+  a.cu_seqlens_k = cu.data();
+  a.head_dim = kernels::cpu::kMaxHeadDim + 1;
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace attn

@@ -1,0 +1,163 @@
+#include "test_util.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "common/reference.h"
+#include <gtest/gtest.h>
+
+namespace attn::testing {
+
+LoopbackServer StartLoopbackServer(ServerOptions options) {
+  options.listen = "127.0.0.1:0";
+  if (options.metrics_listen == ServerOptions().metrics_listen) options.metrics_listen = "127.0.0.1:0";
+  options.backend = "cpu";
+  if (options.threads == 0) options.threads = 2;
+  LoopbackServer s;
+  auto server = AttnServer::Create(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return s;
+  s.server = std::move(*server);
+  s.target = "127.0.0.1:" + std::to_string(s.server->port());
+  client::ClientOptions co;
+  co.target = s.target;
+  co.max_message_bytes = 1ll << 30;  // let oversize requests reach the server's own check
+  s.client = std::move(*client::Client::Create(co));
+  return s;
+}
+
+RandomRequest MakeRandomRequest(const RequestShape& s, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  auto random = [&](int64_t tokens, int heads) {
+    std::vector<float> v(size_t(tokens) * heads * s.head_dim);
+    for (float& x : v) x = dist(rng);
+    return client::Tensor::FromFloats(s.dtype, {tokens, heads, s.head_dim}, v);
+  };
+  RandomRequest r;
+  r.q = random(int64_t(s.batch) * s.seq_q, s.heads);
+  r.k = random(int64_t(s.batch) * s.seq_k, s.kv_heads);
+  r.v = random(int64_t(s.batch) * s.seq_k, s.kv_heads);
+  for (int b = 0; b <= s.batch; ++b) {
+    r.options.cu_seqlens_q.push_back(b * s.seq_q);
+    r.options.cu_seqlens_k.push_back(b * s.seq_k);
+  }
+  r.options.causal = s.causal;
+  return r;
+}
+
+double ToleranceFor(client::DType dtype) {
+  switch (dtype) {
+    case client::DType::kFloat32: return 1e-5;
+    case client::DType::kFloat16: return 1e-3;
+    case client::DType::kBFloat16: return 6e-3;
+  }
+  return 0;
+}
+
+double ErrorAgainstReference(const RandomRequest& r, const client::Tensor& o) {
+  if (o.shape != r.q.shape || o.dtype != r.q.dtype) return INFINITY;
+  kernels::AttentionArgs a;
+  a.num_heads = static_cast<int32_t>(r.q.shape[1]);
+  a.num_kv_heads = static_cast<int32_t>(r.k.shape[1]);
+  a.head_dim = static_cast<int32_t>(r.q.shape[2]);
+  a.causal = r.options.causal;
+  a.window_left = r.options.window_left;
+  a.window_right = r.options.window_right;
+  a.softmax_scale = r.options.softmax_scale;
+  auto to_double = [](const client::Tensor& t) {
+    std::vector<float> f = t.ToFloats();
+    return std::vector<double>(f.begin(), f.end());
+  };
+  const auto ref = ReferenceAttention(a, to_double(r.q), to_double(r.k), to_double(r.v),
+                                      r.options.cu_seqlens_q, r.options.cu_seqlens_k);
+  const std::vector<float> got = o.ToFloats();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.o.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - ref.o[i]) * (got[i] - ref.o[i]);
+    den += ref.o[i] * ref.o[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::unique_ptr<AttndProcess> AttndProcess::Start(const std::vector<std::string>& flags) {
+  auto p = std::unique_ptr<AttndProcess>(new AttndProcess());
+  char tmpl[] = "/tmp/attnd-test-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  if (fd < 0) return nullptr;
+  p->log_path_ = tmpl;
+  std::vector<std::string> args = {ATTND_PATH, "--listen=127.0.0.1:0",
+                                   "--metrics_listen=127.0.0.1:0", "--backend=cpu",
+                                   "--threads=2"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fd, 1);
+    dup2(fd, 2);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fd);
+  p->pid_ = pid;
+  // attnd logs its ports once it serves.
+  const std::regex serving("serving attn.v1 on port ([0-9]+)(, metrics on port ([0-9]+))?");
+  for (int i = 0; i < 300; ++i) {
+    std::smatch m;
+    const std::string log = p->Log();
+    if (std::regex_search(log, m, serving)) {
+      p->port_ = std::stoi(m[1]);
+      if (m[3].matched) p->metrics_port_ = std::stoi(m[3]);
+      return p;
+    }
+    if (waitpid(pid, nullptr, WNOHANG) == pid) {
+      p->pid_ = -1;
+      ADD_FAILURE() << "attnd exited at start:\n" << log;
+      return nullptr;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ADD_FAILURE() << "attnd did not start serving within 15 s:\n" << p->Log();
+  return nullptr;
+}
+
+AttndProcess::~AttndProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  if (!log_path_.empty()) unlink(log_path_.c_str());
+}
+
+int AttndProcess::SignalAndWait(int sig, int timeout_ms) {
+  if (pid_ <= 0) return -1;
+  kill(pid_, sig);
+  for (int waited = 0; waited < timeout_ms; waited += 10) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return -1;
+}
+
+std::string AttndProcess::Log() const {
+  std::ifstream in(log_path_);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace attn::testing

@@ -1,0 +1,64 @@
+// Helpers for server tests: an in-process attnd on loopback, random requests, a subprocess
+// attnd for end-to-end tests.
+#pragma once
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attn/client/client.h"
+#include "attn_server.h"
+
+namespace attn::testing {
+
+// An AttnServer on 127.0.0.1 with an OS-chosen port, CPU backend, and a client for it.
+struct LoopbackServer {
+  std::unique_ptr<AttnServer> server;
+  std::unique_ptr<client::Client> client;
+  std::string target;
+};
+LoopbackServer StartLoopbackServer(ServerOptions options = {});
+
+struct RequestShape {
+  int batch = 1;
+  int seq_q = 32;
+  int seq_k = 32;
+  int heads = 4;
+  int kv_heads = 2;
+  int head_dim = 64;
+  client::DType dtype = client::DType::kBFloat16;
+  bool causal = false;
+};
+
+struct RandomRequest {
+  client::Tensor q, k, v;
+  client::AttendOptions options;
+};
+RandomRequest MakeRandomRequest(const RequestShape& shape, std::mt19937_64& rng);
+
+// Relative L2 error of o against the float64 reference of the request, or +inf when o has the
+// wrong size or non-finite values.
+double ErrorAgainstReference(const RandomRequest& r, const client::Tensor& o);
+double ToleranceFor(client::DType dtype);
+
+// attnd as a child process, started with extra flags on 127.0.0.1 and ports it picks itself.
+class AttndProcess {
+ public:
+  static std::unique_ptr<AttndProcess> Start(const std::vector<std::string>& flags);
+  ~AttndProcess();
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  // Sends sig and waits for the exit status (-1 on a timeout).
+  int SignalAndWait(int sig, int timeout_ms);
+  std::string Log() const;
+
+ private:
+  int pid_ = -1;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  std::string log_path_;
+};
+
+}  // namespace attn::testing
