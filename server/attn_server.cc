@@ -39,7 +39,6 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& opti
     cuda_options.streams = options.streams;
     cuda_options.device_pool_bytes = options.device_pool_bytes;
     cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
-    cuda_options.max_batch_tokens = options.max_batch_tokens;
     auto cuda = CudaBackend::Create(cuda_options);
     if (cuda.ok()) return std::unique_ptr<Backend>(std::move(*cuda));
     if (want == "cuda") return cuda.status();
@@ -105,6 +104,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (!s->server_ || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
   }
+  s->memory_reporter_ = std::thread([server = s.get()] { server->ReportMemoryLoop(); });
   auto* health = s->server_->GetHealthCheckService();
   health->SetServingStatus(false);
   RETURN_IF_ERROR(s->WarmUp());
@@ -149,6 +149,17 @@ absl::Status AttnServer::WarmUp() {
 
 int AttnServer::metrics_port() const { return metrics_->port(); }
 
+// Pool and GPU memory gauges, refreshed every 500 ms.
+void AttnServer::ReportMemoryLoop() {
+  std::unique_lock<std::mutex> lock(memory_mu_);
+  do {
+    const BackendMemory m = backend_->Memory();
+    metrics_->SetDevicePool(m.device_pool);
+    metrics_->SetPinnedPool(m.pinned_pool);
+    metrics_->SetGpuMemory(m.gpu_used, m.gpu_free, m.gpu_total);
+  } while (!memory_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return stopping_; }));
+}
+
 void AttnServer::Drain() {
   Log("draining: health NOT_SERVING, finishing accepted requests");
   server_->GetHealthCheckService()->Shutdown();
@@ -171,6 +182,12 @@ AttnServer::~AttnServer() {
     server_->Shutdown(std::chrono::system_clock::now());
     server_->Wait();
   }
+  {
+    std::lock_guard<std::mutex> lock(memory_mu_);
+    stopping_ = true;
+  }
+  memory_cv_.notify_all();
+  if (memory_reporter_.joinable()) memory_reporter_.join();
   // The batcher drains and stops before the backend and metrics it uses go away.
   batcher_.reset();
 }

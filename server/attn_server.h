@@ -4,8 +4,11 @@
 
 #include <grpcpp/server.h>
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "server_options.h"
@@ -35,6 +38,7 @@ class AttnServer {
  private:
   AttnServer() = default;
   absl::Status WarmUp();
+  void ReportMemoryLoop();
 
   ServerOptions options_;
   std::unique_ptr<Backend> backend_;
@@ -43,6 +47,10 @@ class AttnServer {
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  std::mutex memory_mu_;
+  std::condition_variable memory_cv_;
+  bool stopping_ = false;
+  std::thread memory_reporter_;
 };
 
 // Creates the backend that options.backend names ("auto" prefers CUDA when a GPU is usable).

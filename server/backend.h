@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "attend_job.h"
+#include "memory_bytes.h"
 
 namespace attn {
 
@@ -34,6 +35,15 @@ struct BatchReport {
 
 using Batch = std::vector<std::unique_ptr<AttendJob>>;
 
+// Memory a backend holds, for metrics; zeros where it has none of a kind.
+struct BackendMemory {
+  MemoryBytes device_pool;
+  MemoryBytes pinned_pool;
+  int64_t gpu_used = 0;
+  int64_t gpu_free = 0;
+  int64_t gpu_total = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -47,6 +57,8 @@ class Backend {
   // done (exactly once), then on_finished with the batch's report, from any thread. May return
   // before the work is done.
   virtual void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) = 0;
+
+  virtual BackendMemory Memory() const { return {}; }
 };
 
 }  // namespace attn

@@ -174,13 +174,13 @@ void Metrics::ObserveBatch(const BatchReport& report) {
 void Metrics::SetPendingRequests(int64_t n) { pending_->Set(static_cast<double>(n)); }
 void Metrics::SetMaxQueueSize(int64_t n) { max_queue_size_->Set(static_cast<double>(n)); }
 
-void Metrics::SetDevicePool(const PoolBytes& b) {
+void Metrics::SetDevicePool(const MemoryBytes& b) {
   device_pool_.used->Set(b.used);
   device_pool_.reserved->Set(b.reserved);
   device_pool_.limit->Set(b.limit);
 }
 
-void Metrics::SetPinnedPool(const PoolBytes& b) {
+void Metrics::SetPinnedPool(const MemoryBytes& b) {
   pinned_pool_.used->Set(b.used);
   pinned_pool_.reserved->Set(b.reserved);
   pinned_pool_.limit->Set(b.limit);

@@ -38,12 +38,6 @@ enum class Rpc : int {
 };
 const char* RpcName(Rpc rpc);
 
-struct PoolBytes {
-  int64_t used = 0;
-  int64_t reserved = 0;
-  int64_t limit = 0;
-};
-
 class Metrics {
  public:
   struct Options {
@@ -64,8 +58,8 @@ class Metrics {
   void ObserveBatch(const BatchReport& report);
   void SetPendingRequests(int64_t n);
   void SetMaxQueueSize(int64_t n);
-  void SetDevicePool(const PoolBytes& bytes);
-  void SetPinnedPool(const PoolBytes& bytes);
+  void SetDevicePool(const MemoryBytes& bytes);
+  void SetPinnedPool(const MemoryBytes& bytes);
   void SetKvCachePages(int64_t used, int64_t free);
   void SetSessions(int64_t n);
   void SetGpuMemory(int64_t used, int64_t free, int64_t total);
