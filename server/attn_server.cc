@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention_service.h"
+#include "auth.h"
 #include "batcher.h"
 #include "cpu_backend.h"
 #include "metrics.h"
@@ -61,8 +62,17 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{1} << 31) - 1) {
     return absl::InvalidArgumentError("--max_message_bytes must be in [1024, 2^31 - 1]");
   }
+  if (options.max_pending_per_client < 0) {
+    return absl::InvalidArgumentError("--max_pending_per_client must be >= 0 (0: unlimited)");
+  }
   std::unique_ptr<AttnServer> s(new AttnServer());
   s->options_ = options;
+  // Credentials and tokens first: a bad file fails start-up before any backend work.
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   MakeServerCredentials(options));
+  if (!options.auth_token_file.empty()) {
+    ASSIGN_OR_RETURN(s->authenticator_, Authenticator::FromFile(options.auth_token_file));
+  }
   ASSIGN_OR_RETURN(s->backend_, CreateBackend(options));
   const BackendInfo& info = s->backend_->Info();
   Log(absl::StrCat("backend ", info.name, " on ", info.device_name));
@@ -79,6 +89,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   bo.max_batch_tokens = options.max_batch_tokens;
   bo.max_queue_delay_us = options.max_queue_delay_us;
   bo.max_queue_size = options.max_queue_size;
+  bo.max_inflight_bytes = options.max_inflight_bytes;
   ASSIGN_OR_RETURN(s->batcher_, Batcher::Create(bo, s->backend_.get(), s->metrics_.get()));
 
   AttentionService::Options so;
@@ -90,13 +101,15 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.advertised_limits.set_max_sessions(0);
   so.advertised_limits.set_max_tensor_elements(options.max_tensor_elements);
   so.version = kVersion;
+  so.authenticator = s->authenticator_.get();
+  so.max_pending_per_client = options.max_pending_per_client;
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
                                                    s->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(options.listen, credentials, &s->port_);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
@@ -110,6 +123,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   RETURN_IF_ERROR(s->WarmUp());
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
+  Log(absl::StrCat(
+      "security: ",
+      options.tls_cert.empty()        ? "plaintext"
+      : options.tls_client_ca.empty() ? "TLS"
+                                      : "mTLS (client certificates required)",
+      s->authenticator_ ? absl::StrCat(", bearer tokens (", s->authenticator_->size(), ")")
+                        : std::string(", no bearer tokens"),
+      ", max_pending_per_client ", options.max_pending_per_client));
   Log(absl::StrCat("serving attn.v1 on port ", s->port_,
                    s->metrics_->port() ? absl::StrCat(", metrics on port ", s->metrics_->port())
                                        : std::string(", metrics not served")));
@@ -148,6 +169,8 @@ absl::Status AttnServer::WarmUp() {
 }
 
 int AttnServer::metrics_port() const { return metrics_->port(); }
+
+int64_t AttnServer::PendingPerClientTotal() const { return service_->PendingPerClientTotal(); }
 
 // Pool and GPU memory gauges, refreshed every 500 ms.
 void AttnServer::ReportMemoryLoop() {

@@ -12,6 +12,16 @@ namespace {
 // How often queued jobs are checked for cancellation while nothing else wakes the dispatcher.
 constexpr auto kSweepInterval = std::chrono::milliseconds(5);
 
+// Tensor bytes a job holds while it is in the server: its inputs and its sized outputs.
+int64_t JobBytes(const AttendJob& job) {
+  const v1::AttendRequest& r = *job.request;
+  int64_t bytes = static_cast<int64_t>(r.q().data().size() + r.k().data().size() +
+                                       r.v().data().size());
+  bytes += static_cast<int64_t>(r.q().data().size());  // o
+  if (job.return_lse) bytes += int64_t{4} * job.key.num_heads * job.total_q;
+  return bytes;
+}
+
 double MicrosSince(Clock::time_point t, Clock::time_point now) {
   return std::chrono::duration<double, std::micro>(now - t).count();
 }
@@ -25,6 +35,9 @@ absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
     return absl::InvalidArgumentError("max_queue_delay_us must be >= 0");
   }
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("max_queue_size must be >= 1");
+  if (options.max_inflight_bytes < 1) {
+    return absl::InvalidArgumentError("max_inflight_bytes must be >= 1");
+  }
   if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
   return std::unique_ptr<Batcher>(new Batcher(options, backend, metrics));
 }
@@ -45,6 +58,7 @@ Batcher::~Batcher() {
 }
 
 absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
+  const int64_t bytes = JobBytes(*job);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_) return absl::UnavailableError("attnd is shutting down; retry on another replica");
@@ -52,6 +66,21 @@ absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "request queue is full (max_queue_size ", options_.max_queue_size, "); retry later"));
     }
+    if (inflight_bytes_ + bytes > options_.max_inflight_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "request memory exhausted: this request needs ", bytes, " bytes, ", inflight_bytes_,
+          " of ", options_.max_inflight_bytes, " are held by requests in flight ",
+          "(max_inflight_bytes); retry later"));
+    }
+    inflight_bytes_ += bytes;
+    // The bytes are given back when the job completes, whichever path completes it.
+    job->done = [this, bytes, done = std::move(job->done)](absl::Status st) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        inflight_bytes_ -= bytes;
+      }
+      done(std::move(st));
+    };
     (job->high_priority ? high_ : normal_).push_back(std::move(job));
     ++queued_;
     UpdatePendingLocked();
@@ -65,6 +94,11 @@ void Batcher::Drain() {
   draining_ = true;
   cv_.notify_all();
   cv_.wait(lock, [&] { return queued_ == 0 && in_flight_batches_ == 0; });
+}
+
+int64_t Batcher::InflightBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return inflight_bytes_;
 }
 
 int64_t Batcher::Pending() const {

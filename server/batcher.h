@@ -25,6 +25,8 @@ class Batcher {
     int64_t max_batch_tokens = 16384;
     int64_t max_queue_delay_us = 500;
     int64_t max_queue_size = 1024;
+    // Bound on the tensor bytes (inputs and outputs) of all queued and running requests.
+    int64_t max_inflight_bytes = int64_t{4} << 30;
   };
   // backend and metrics (nullable) must outlive the batcher.
   static absl::StatusOr<std::unique_ptr<Batcher>> Create(const Options& options, Backend* backend,
@@ -32,13 +34,15 @@ class Batcher {
   ~Batcher();  // Drains, then stops.
 
   // Queues a job. On error the job is not taken and its done is not called: RESOURCE_EXHAUSTED
-  // when the queue is full, UNAVAILABLE once draining started.
+  // when the queue is full or the request bytes in flight would pass max_inflight_bytes,
+  // UNAVAILABLE once draining started.
   absl::Status Submit(std::unique_ptr<AttendJob>& job);
 
   // Stops accepting work and returns once every queued and running job is done.
   void Drain();
 
   int64_t Pending() const;
+  int64_t InflightBytes() const;
 
  private:
   Batcher(const Options& options, Backend* backend, Metrics* metrics);
@@ -60,6 +64,7 @@ class Batcher {
   std::deque<std::unique_ptr<AttendJob>> normal_;
   int in_flight_batches_ = 0;
   int64_t queued_ = 0;
+  int64_t inflight_bytes_ = 0;
   int64_t running_jobs_ = 0;
   bool draining_ = false;
   bool stop_ = false;

@@ -32,6 +32,9 @@ ABSL_FLAG(int64_t, max_queue_size, kDefaults.max_queue_size,
           "Most queued requests; beyond it RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_tensor_elements, kDefaults.max_tensor_elements,
           "Most elements of any one request tensor");
+ABSL_FLAG(int64_t, max_inflight_bytes, kDefaults.max_inflight_bytes,
+          "Most tensor bytes (inputs and outputs) held by queued and running requests; beyond "
+          "it RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, streams, kDefaults.streams, "CUDA streams (CUDA backend)");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
@@ -39,6 +42,18 @@ ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
           "Pinned host staging pool bound, bytes (CUDA backend)");
 ABSL_FLAG(double, drain_timeout_s, kDefaults.drain_timeout_s,
           "On SIGTERM/SIGINT, how long open calls get to finish, seconds");
+ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert,
+          "PEM server certificate (chain) file; with --tls_key, serves TLS");
+ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key file of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,
+          "PEM CA file; when set, clients must present a certificate it signed (mTLS)");
+ABSL_FLAG(std::string, auth_token_file, kDefaults.auth_token_file,
+          "File of accepted bearer tokens, one per line ('#' comments); when set, attn.v1 "
+          "calls without a valid 'authorization: Bearer <token>' get UNAUTHENTICATED "
+          "(health is exempt)");
+ABSL_FLAG(int64_t, max_pending_per_client, kDefaults.max_pending_per_client,
+          "Most pending Attend calls and AttendStream items per client (its token, else its "
+          "address); beyond it RESOURCE_EXHAUSTED; 0: unlimited");
 
 namespace {
 
@@ -53,10 +68,16 @@ attn::ServerOptions OptionsFromFlags() {
   o.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   o.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   o.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
+  o.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   o.streams = absl::GetFlag(FLAGS_streams);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
   o.drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  o.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  o.max_pending_per_client = absl::GetFlag(FLAGS_max_pending_per_client);
   return o;
 }
 

@@ -16,10 +16,21 @@ struct ServerOptions {
   int64_t max_queue_delay_us = 500;
   int64_t max_queue_size = 1024;
   int64_t max_tensor_elements = int64_t{1} << 28;
+  int64_t max_inflight_bytes = int64_t{4} << 30;  // tensor bytes of queued + running requests
   int streams = 2;                               // CUDA streams
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
   double drain_timeout_s = 30;
+  // Security (server/auth.h). TLS when tls_cert and tls_key (PEM file paths) are set; mTLS
+  // (client certificates required and verified against this CA) when tls_client_ca is set too.
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  // Bearer tokens, one per line; when set, every attn.v1 call needs one (health is exempt).
+  std::string auth_token_file;
+  // Most Attend calls plus in-flight AttendStream items of one client (its token, or its peer
+  // host without tokens); 0: unlimited.
+  int64_t max_pending_per_client = 256;
 };
 
 }  // namespace attn
