@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -57,14 +58,35 @@ int Fail(const absl::Status& st) {
   return 2;
 }
 
-std::string ReadFile(const std::string& path) {
+// The file's contents ("" when path is empty); exits 2 with a message when it cannot be read,
+// rather than silently going without TLS or a token.
+std::string ReadFile(const std::string& flag, const std::string& path) {
   if (path.empty()) return "";
   std::ifstream in(path);
+  if (!in) {
+    std::cerr << "attnctl: --" << flag << ": cannot read '" << path << "'" << std::endl;
+    std::exit(2);
+  }
   std::stringstream ss;
   ss << in.rdbuf();
-  std::string s = ss.str();
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
-  return s;
+  return ss.str();
+}
+
+// The first token of a token file: its first line that is neither blank nor a '#' comment.
+std::string ReadToken(const std::string& path) {
+  std::stringstream ss(ReadFile("token_file", path));
+  std::string line;
+  while (std::getline(ss, line)) {
+    const size_t b = line.find_first_not_of(" \t\r");
+    if (b == std::string::npos || line[b] == '#') continue;
+    const size_t e = line.find_last_not_of(" \t\r");
+    return line.substr(b, e - b + 1);
+  }
+  if (!path.empty()) {
+    std::cerr << "attnctl: --token_file: '" << path << "' holds no token" << std::endl;
+    std::exit(2);
+  }
+  return "";
 }
 
 int Info(Client& client) {
@@ -219,10 +241,10 @@ int main(int argc, char** argv) {
   }
   attn::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
-  options.bearer_token = ReadFile(absl::GetFlag(FLAGS_token_file));
-  options.tls_ca_pem = ReadFile(absl::GetFlag(FLAGS_tls_ca));
-  options.tls_cert_pem = ReadFile(absl::GetFlag(FLAGS_tls_cert));
-  options.tls_key_pem = ReadFile(absl::GetFlag(FLAGS_tls_key));
+  options.bearer_token = ReadToken(absl::GetFlag(FLAGS_token_file));
+  options.tls_ca_pem = ReadFile("tls_ca", absl::GetFlag(FLAGS_tls_ca));
+  options.tls_cert_pem = ReadFile("tls_cert", absl::GetFlag(FLAGS_tls_cert));
+  options.tls_key_pem = ReadFile("tls_key", absl::GetFlag(FLAGS_tls_key));
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   auto client = Client::Create(options);
   if (!client.ok()) return Fail(client.status());

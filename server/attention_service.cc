@@ -40,7 +40,17 @@ constexpr char kSessionsUnimplemented[] =
 
 AttentionService::AttentionService(Options options, Batcher* batcher, const Backend* backend,
                                    Metrics* metrics)
-    : options_(std::move(options)), batcher_(batcher), backend_(backend), metrics_(metrics) {}
+    : options_(std::move(options)),
+      batcher_(batcher),
+      backend_(backend),
+      metrics_(metrics),
+      pending_(options_.max_pending_per_client) {}
+
+absl::StatusOr<std::string> AttentionService::Identify(
+    const grpc::CallbackServerContext* ctx) const {
+  if (options_.authenticator != nullptr) return options_.authenticator->Authenticate(*ctx);
+  return PeerHost(ctx->peer());
+}
 
 void AttentionService::FinishUnary(grpc::ServerUnaryReactor* reactor, Rpc rpc,
                                    Clock::time_point start, const absl::Status& st,
@@ -54,6 +64,7 @@ void AttentionService::FinishUnary(grpc::ServerUnaryReactor* reactor, Rpc rpc,
 }
 
 absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
+                                            const std::string& client,
                                             const v1::AttendRequest* request,
                                             v1::AttendResponse* response,
                                             Clock::time_point arrival,
@@ -67,9 +78,13 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);
   job->is_cancelled = [ctx] { return ctx->IsCancelled(); };
+  // Held until done runs (or, should the job be dropped without it, until it is destroyed);
+  // Release is idempotent, so the count goes back exactly once on every path.
+  ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
   PrepareAttendResponse(*job, response);
   AttendJob* raw = job.get();
-  job->done = [raw, arrival, response, on_done = std::move(on_done)](absl::Status st) {
+  job->done = [raw, arrival, response, slot, on_done = std::move(on_done)](absl::Status st) {
+    slot->Release();
     if (st.ok()) {
       FillTiming(*raw, arrival, response->mutable_timing());
     } else {
@@ -78,7 +93,9 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
     }
     on_done(std::move(st));
   };
-  return batcher_->Submit(job);
+  absl::Status st = batcher_->Submit(job);
+  if (!st.ok()) slot->Release();  // not taken: done will not run
+  return st;
 }
 
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* ctx,
@@ -87,8 +104,14 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
   const auto arrival = Clock::now();
   auto* reactor = ctx->DefaultReactor();
   const int64_t received = static_cast<int64_t>(request->ByteSizeLong());
+  absl::StatusOr<std::string> client = Identify(ctx);
+  if (!client.ok()) {
+    FinishUnary(reactor, Rpc::kAttend, arrival, client.status(), received, 0);
+    return reactor;
+  }
   absl::Status st = SubmitAttend(
-      ctx, request, response, arrival, [this, reactor, arrival, received, response](absl::Status s) {
+      ctx, *client, request, response, arrival,
+      [this, reactor, arrival, received, response](absl::Status s) {
         const int64_t sent = s.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0;
         FinishUnary(reactor, Rpc::kAttend, arrival, s, received, sent);
       });
@@ -103,8 +126,9 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 class AttendStreamReactor final
     : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
  public:
-  AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx), start_(Clock::now()) {
+  AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx,
+                      std::string client)
+      : service_(service), ctx_(ctx), client_(std::move(client)), start_(Clock::now()) {
     StartNextRead();
   }
 
@@ -165,8 +189,9 @@ class AttendStreamReactor final
   void Submit(Item* item) {
     const auto arrival = Clock::now();
     received_ += static_cast<int64_t>(item->request.ByteSizeLong());
-    absl::Status st = service_->SubmitAttend(ctx_, &item->request, &item->response, arrival,
-                                             [this, item](absl::Status s) { Complete(item, s); });
+    absl::Status st =
+        service_->SubmitAttend(ctx_, client_, &item->request, &item->response, arrival,
+                               [this, item](absl::Status s) { Complete(item, s); });
     if (!st.ok()) Complete(item, st);
   }
 
@@ -204,6 +229,7 @@ class AttendStreamReactor final
 
   AttentionService* const service_;
   grpc::CallbackServerContext* const ctx_;
+  const std::string client_;
   const Clock::time_point start_;
   std::mutex mu_;
   std::unique_ptr<Item> reading_;
@@ -219,15 +245,41 @@ class AttendStreamReactor final
   int64_t sent_ = 0;
 };
 
+// A stream refused as a whole (no valid bearer token): finished at once, nothing read.
+class RejectedStreamReactor final
+    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+ public:
+  RejectedStreamReactor(AttentionService* service, const absl::Status& st)
+      : service_(service), start_(Clock::now()), status_(ToGrpcStatus(st)) {
+    Finish(status_);
+  }
+  void OnDone() override {
+    if (service_->metrics_) {
+      service_->metrics_->ObserveRequest(Rpc::kAttendStream, status_.error_code(),
+                                         Seconds(Clock::now() - start_), 0, 0);
+    }
+    delete this;
+  }
+
+ private:
+  AttentionService* const service_;
+  const Clock::time_point start_;
+  const grpc::Status status_;
+};
+
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
     grpc::CallbackServerContext* ctx) {
-  return new AttendStreamReactor(this, ctx);
+  absl::StatusOr<std::string> client = Identify(ctx);
+  if (!client.ok()) return new RejectedStreamReactor(this, client.status());
+  return new AttendStreamReactor(this, ctx, std::move(*client));
 }
 
 grpc::ServerUnaryReactor* AttentionService::Unimplemented(grpc::CallbackServerContext* ctx,
                                                           Rpc rpc, int64_t received) {
   auto* reactor = ctx->DefaultReactor();
-  FinishUnary(reactor, rpc, Clock::now(), absl::UnimplementedError(kSessionsUnimplemented),
+  absl::StatusOr<std::string> client = Identify(ctx);
+  FinishUnary(reactor, rpc, Clock::now(),
+              client.ok() ? absl::UnimplementedError(kSessionsUnimplemented) : client.status(),
               received, 0);
   return reactor;
 }
@@ -260,6 +312,11 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
                                                           const v1::GetServerInfoRequest*,
                                                           v1::GetServerInfoResponse* response) {
   const auto start = Clock::now();
+  if (absl::StatusOr<std::string> client = Identify(ctx); !client.ok()) {
+    auto* reactor = ctx->DefaultReactor();
+    FinishUnary(reactor, Rpc::kGetServerInfo, start, client.status(), 0, 0);
+    return reactor;
+  }
   const BackendInfo& info = backend_->Info();
   response->set_version(options_.version);
   response->set_backend(info.name);
@@ -283,6 +340,12 @@ grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ct
                                                  const v1::EchoRequest* request,
                                                  v1::EchoResponse* response) {
   const auto start = Clock::now();
+  if (absl::StatusOr<std::string> client = Identify(ctx); !client.ok()) {
+    auto* reactor = ctx->DefaultReactor();
+    FinishUnary(reactor, Rpc::kEcho, start, client.status(),
+                static_cast<int64_t>(request->payload().size()), 0);
+    return reactor;
+  }
   response->set_payload(request->payload());
   const int64_t n = static_cast<int64_t>(request->payload().size());
   auto* reactor = ctx->DefaultReactor();

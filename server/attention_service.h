@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "attend_validation.h"
+#include "auth.h"
 #include "attn/v1/attention.grpc.pb.h"
 #include "backend.h"
 #include "metrics.h"
@@ -21,12 +22,20 @@ class AttentionService final : public v1::Attention::CallbackService {
     RequestLimits limits;
     v1::ServerLimits advertised_limits;
     std::string version;
+    // Bearer tokens every attn.v1 call must carry (checked before anything else); null: none.
+    // Must outlive the service.
+    const Authenticator* authenticator = nullptr;
+    // Most pending Attend calls plus in-flight AttendStream items per client identity (its
+    // token when tokens are on, else its peer host); 0: unlimited.
+    int64_t max_pending_per_client = 0;
   };
   // batcher, backend and metrics must outlive the service.
   AttentionService(Options options, Batcher* batcher, const Backend* backend, Metrics* metrics);
 
   // New calls get UNAVAILABLE from now on; calls already accepted complete.
   void StartDraining() { draining_.store(true); }
+  // Requests currently counted against max_pending_per_client, over all clients.
+  int64_t PendingPerClientTotal() const { return pending_.TotalPending(); }
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
                                    const v1::AttendRequest* request,
@@ -56,18 +65,25 @@ class AttentionService final : public v1::Attention::CallbackService {
                    const absl::Status& st, int64_t received, int64_t sent);
   grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, Rpc rpc,
                                           int64_t received);
-  // Validates request and queues it; on success `on_done` runs once the response is filled.
-  absl::Status SubmitAttend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* request,
+  // The caller's identity for the per-client limit ("token:<i>" or its peer host), or
+  // UNAUTHENTICATED when tokens are on and the call has no valid one.
+  absl::StatusOr<std::string> Identify(const grpc::CallbackServerContext* ctx) const;
+  // Validates request and queues it, counted against client's pending limit; on success
+  // `on_done` runs once the response is filled (the count is released just before).
+  absl::Status SubmitAttend(grpc::CallbackServerContext* ctx, const std::string& client,
+                            const v1::AttendRequest* request,
                             v1::AttendResponse* response, Clock::time_point arrival,
                             std::function<void(absl::Status)> on_done);
 
   friend class AttendStreamReactor;
+  friend class RejectedStreamReactor;
 
   const Options options_;
   Batcher* const batcher_;
   const Backend* const backend_;
   Metrics* const metrics_;
   std::atomic<bool> draining_{false};
+  PendingLimiter pending_;
 };
 
 }  // namespace attn

@@ -19,6 +19,7 @@ class Backend;
 class Batcher;
 class Metrics;
 class AttentionService;
+class Authenticator;
 
 class AttnServer {
  public:
@@ -27,6 +28,8 @@ class AttnServer {
 
   int port() const { return port_; }
   int metrics_port() const;
+  // Attend calls plus in-flight AttendStream items counted against --max_pending_per_client.
+  int64_t PendingPerClientTotal() const;
   const Backend& backend() const { return *backend_; }
 
   // Health goes NOT_SERVING, new calls get UNAVAILABLE, queued and running requests finish,
@@ -43,6 +46,7 @@ class AttnServer {
   ServerOptions options_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Authenticator> authenticator_;  // null: no bearer tokens
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;

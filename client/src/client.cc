@@ -106,8 +106,12 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target is empty");
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError("tls_cert_pem and tls_key_pem must be given together");
+  }
   std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (!options.tls_ca_pem.empty()) {
+  // TLS when any TLS option is set; an empty CA means the system's roots.
+  if (!options.tls_ca_pem.empty() || !options.tls_cert_pem.empty()) {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = options.tls_ca_pem;
     ssl.pem_cert_chain = options.tls_cert_pem;

@@ -1,11 +1,15 @@
 #include "test_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -32,6 +36,60 @@ LoopbackServer StartLoopbackServer(ServerOptions options) {
   co.max_message_bytes = 1ll << 30;  // let oversize requests reach the server's own check
   s.client = std::move(*client::Client::Create(co));
   return s;
+}
+
+LoopbackServer StartLoopbackServerWithClient(ServerOptions options,
+                                             client::ClientOptions client_options) {
+  LoopbackServer s = StartLoopbackServer(std::move(options));
+  if (!s.server) return s;
+  client_options.target = s.target;
+  auto c = client::Client::Create(client_options);
+  EXPECT_TRUE(c.ok()) << c.status();
+  s.client = c.ok() ? std::move(*c) : nullptr;
+  return s;
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request =
+      "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  size_t off = 0;
+  while (off < request.size()) {
+    const ssize_t n = send(fd, request.data() + off, request.size() - off, 0);
+    if (n <= 0) break;
+    off += static_cast<size_t>(n);
+  }
+  std::string response;
+  char buf[8192];
+  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) response.append(buf, size_t(n));
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+double MetricValue(const std::string& exposition, const std::string& name,
+                   const std::vector<std::string>& labels) {
+  double sum = 0;
+  std::istringstream in(exposition);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(name, 0) != 0 || line.size() <= name.size()) continue;
+    if (line[name.size()] != '{' && line[name.size()] != ' ') continue;
+    bool all = true;
+    for (const std::string& l : labels) all = all && line.find(l) != std::string::npos;
+    if (!all) continue;
+    const size_t space = line.rfind(' ');
+    if (space != std::string::npos) sum += std::strtod(line.c_str() + space + 1, nullptr);
+  }
+  return sum;
 }
 
 RandomRequest MakeRandomRequest(const RequestShape& s, std::mt19937_64& rng) {

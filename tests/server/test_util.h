@@ -19,6 +19,16 @@ struct LoopbackServer {
   std::string target;
 };
 LoopbackServer StartLoopbackServer(ServerOptions options = {});
+// The same, with its client made from client_options (target is filled in): for TLS and tokens.
+LoopbackServer StartLoopbackServerWithClient(ServerOptions options,
+                                             client::ClientOptions client_options);
+
+// GET http://127.0.0.1:port<path> over a plain socket: the response body, or "" on failure.
+std::string HttpGet(int port, const std::string& path);
+// Sum of the samples of a Prometheus counter/gauge whose line has every one of the labels
+// (e.g. {"code=\"UNAUTHENTICATED\"", "rpc=\"Attend\""}) in the text exposition format.
+double MetricValue(const std::string& exposition, const std::string& name,
+                   const std::vector<std::string>& labels);
 
 struct RequestShape {
   int batch = 1;
