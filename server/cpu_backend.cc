@@ -41,7 +41,40 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& op
 }
 
 CpuBackend::CpuBackend(BackendInfo info, std::unique_ptr<kernels::cpu::CpuThreadPool> pool)
-    : info_(std::move(info)), pool_(std::move(pool)) {}
+    : info_(std::move(info)), pool_(std::move(pool)) {
+  worker_ = std::thread([this] { WorkerLoop(); });
+}
+
+CpuBackend::~CpuBackend() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+void CpuBackend::RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.emplace_back(std::move(batch), std::move(on_finished));
+  }
+  cv_.notify_one();
+}
+
+void CpuBackend::WorkerLoop() {
+  for (;;) {
+    std::pair<Batch, std::function<void(const BatchReport&)>> work;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      work = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    Compute(work.first, work.second);
+  }
+}
 
 absl::Status CpuBackend::RunJob(AttendJob& job) {
   const kernels::AttentionArgs args = job.HostArgs();
@@ -52,7 +85,7 @@ absl::Status CpuBackend::RunJob(AttendJob& job) {
   return FromKernelStatus(kernels::cpu::Run(args, ws, pool_.get()));
 }
 
-void CpuBackend::RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) {
+void CpuBackend::Compute(Batch& batch, const std::function<void(const BatchReport&)>& on_finished) {
   BatchReport report;
   report.requests = static_cast<int32_t>(batch.size());
   for (auto& job : batch) report.tokens += job->Tokens();

@@ -1,8 +1,13 @@
 // The CPU backend: runs each request of a batch in place (no copies) on a shared thread pool.
+// Batches run on a worker thread of its own, so that RunBatch returns at once and the batcher
+// keeps sweeping its queue (deadlines, cancellations) while a batch computes.
 #pragma once
 
+#include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -18,6 +23,7 @@ class CpuBackend : public Backend {
     std::vector<int32_t> head_dims = {32, 64, 96, 128, 256};
   };
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const Options& options);
+  ~CpuBackend() override;
 
   const BackendInfo& Info() const override { return info_; }
   int MaxInFlightBatches() const override { return 1; }
@@ -26,10 +32,18 @@ class CpuBackend : public Backend {
  private:
   CpuBackend(BackendInfo info, std::unique_ptr<kernels::cpu::CpuThreadPool> pool);
   absl::Status RunJob(AttendJob& job);
+  void Compute(Batch& batch, const std::function<void(const BatchReport&)>& on_finished);
+  void WorkerLoop();
 
   BackendInfo info_;
   std::unique_ptr<kernels::cpu::CpuThreadPool> pool_;
-  std::vector<char> workspace_;  // grown on demand; only the batcher's one thread calls in
+  std::vector<char> workspace_;  // grown on demand; used by the worker thread only
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<Batch, std::function<void(const BatchReport&)>>> queue_;
+  bool stop_ = false;
+  std::thread worker_;
 };
 
 }  // namespace attn

@@ -1,0 +1,307 @@
+// Batcher unit tests against a fake backend: packing, delay, limits, deadlines, cancellation,
+// priority, draining and the routing of results.
+#include "batcher.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "attend_validation.h"
+
+namespace attn {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Records every batch; can hold batches back until released.
+class FakeBackend : public Backend {
+ public:
+  explicit FakeBackend(int max_in_flight = 1) : max_in_flight_(max_in_flight) {
+    info_.name = "fake";
+    info_.head_dims = {64};
+  }
+  const BackendInfo& Info() const override { return info_; }
+  int MaxInFlightBatches() const override { return max_in_flight_; }
+
+  ~FakeBackend() override {
+    for (auto& t : workers_) t.join();
+  }
+
+  // Like the real backends, returns at once and completes the batch on another thread.
+  void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) override {
+    std::lock_guard<std::mutex> lock(workers_mu_);
+    workers_.emplace_back([this, b = std::move(batch), f = std::move(on_finished)]() mutable {
+      Run(std::move(b), std::move(f));
+    });
+  }
+
+  void Run(Batch batch, std::function<void(const BatchReport&)> on_finished) {
+    std::vector<uint64_t> ids;
+    for (auto& job : batch) ids.push_back(job->request->request_id());
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      batches_.push_back(ids);
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return !hold_; });
+    }
+    BatchReport report;
+    report.requests = static_cast<int32_t>(batch.size());
+    for (auto& job : batch) {
+      // The answer names the request it belongs to.
+      job->response->set_request_id(job->request->request_id() + 1000);
+      job->done(absl::OkStatus());
+    }
+    on_finished(report);
+  }
+
+  void Hold(bool hold) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = hold;
+    cv_.notify_all();
+  }
+  // Waits until n batches have been started.
+  bool WaitForBatches(size_t n, std::chrono::milliseconds timeout = 5000ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return batches_.size() >= n; });
+  }
+  std::vector<std::vector<uint64_t>> Batches() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return batches_;
+  }
+
+ private:
+  BackendInfo info_;
+  const int max_in_flight_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_ = false;
+  std::vector<std::vector<uint64_t>> batches_;
+  std::mutex workers_mu_;
+  std::vector<std::thread> workers_;
+};
+
+// A request and response that live as long as the test, and the job made from them.
+struct Call {
+  v1::AttendRequest request;
+  v1::AttendResponse response;
+  std::promise<absl::Status> result;
+  std::future<absl::Status> future = result.get_future();
+  std::atomic<int> done_calls{0};
+};
+
+class BatcherTest : public ::testing::Test {
+ protected:
+  void Make(Batcher::Options options, int max_in_flight = 1) {
+    backend_ = std::make_unique<FakeBackend>(max_in_flight);
+    auto b = Batcher::Create(options, backend_.get(), nullptr);
+    ASSERT_TRUE(b.ok()) << b.status();
+    batcher_ = std::move(*b);
+  }
+
+  // Submits a request of `tokens` query tokens; heads selects the batch key.
+  absl::Status Submit(uint64_t id, int tokens, int heads = 1, bool high = false,
+                      Clock::time_point deadline = Clock::time_point::max(),
+                      std::function<bool()> cancelled = nullptr) {
+    auto call = std::make_unique<Call>();
+    for (v1::Tensor* t : {call->request.mutable_q(), call->request.mutable_k(),
+                          call->request.mutable_v()}) {
+      t->set_dtype(v1::DTYPE_BFLOAT16);
+      t->add_shape(tokens);
+      t->add_shape(heads);
+      t->add_shape(64);
+      t->mutable_data()->resize(size_t(tokens) * heads * 64 * 2);
+    }
+    call->request.set_request_id(id);
+    call->request.set_priority(high ? v1::PRIORITY_HIGH : v1::PRIORITY_NORMAL);
+    RequestLimits limits;
+    limits.head_dims = {64};
+    auto job = ValidateAttendRequest(call->request, limits);
+    EXPECT_TRUE(job.ok()) << job.status();
+    (*job)->response = &call->response;
+    (*job)->arrival = Clock::now();
+    (*job)->deadline = deadline;
+    (*job)->is_cancelled = std::move(cancelled);
+    Call* raw = call.get();
+    (*job)->done = [raw](absl::Status st) {
+      if (raw->done_calls.fetch_add(1) == 0) raw->result.set_value(st);
+    };
+    std::unique_ptr<AttendJob> owned = std::move(*job);
+    absl::Status st = batcher_->Submit(owned);
+    calls_[id] = std::move(call);
+    return st;
+  }
+
+  absl::Status ResultOf(uint64_t id) {
+    auto& f = calls_.at(id)->future;
+    if (f.wait_for(5s) != std::future_status::ready) return absl::UnknownError("never completed");
+    return f.get();
+  }
+
+  std::unique_ptr<FakeBackend> backend_;
+  std::unique_ptr<Batcher> batcher_;
+  std::map<uint64_t, std::unique_ptr<Call>> calls_;
+};
+
+TEST_F(BatcherTest, PacksRequestsThatArriveWithinTheDelay) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 200000, .max_queue_size = 100});
+  for (uint64_t i = 0; i < 5; ++i) ASSERT_TRUE(Submit(i, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
+  for (uint64_t i = 0; i < 5; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  const auto batches = backend_->Batches();
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{0, 1, 2, 3, 4}));
+}
+
+TEST_F(BatcherTest, FullBatchGoesAtOnceAndRespectsTokenLimit) {
+  // 30 tokens per batch at most: jobs of 10 tokens go in threes, without waiting the delay.
+  Make({.max_batch_tokens = 30, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
+  backend_->Hold(true);
+  for (uint64_t i = 0; i < 7; ++i) ASSERT_TRUE(Submit(i, 10).ok());
+  const auto start = Clock::now();
+  backend_->Hold(false);
+  for (uint64_t i = 0; i < 6; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  EXPECT_LT(Clock::now() - start, 2s) << "full batches must not wait for the delay";
+  const auto batches = backend_->Batches();
+  ASSERT_GE(batches.size(), 2u);
+  for (const auto& b : batches) EXPECT_LE(b.size(), 3u);
+  batcher_->Drain();  // the last job of 10 tokens is flushed by draining
+  EXPECT_TRUE(ResultOf(6).ok());
+}
+
+TEST_F(BatcherTest, LoneRequestWaitsAboutTheDelay) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 50000, .max_queue_size = 100});
+  const auto start = Clock::now();
+  ASSERT_TRUE(Submit(1, 10).ok());
+  EXPECT_TRUE(ResultOf(1).ok());
+  const auto waited = Clock::now() - start;
+  EXPECT_GE(waited, 50ms);
+  EXPECT_LT(waited, 1s);
+}
+
+TEST_F(BatcherTest, DifferentKeysGoToDifferentBatches) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 100000, .max_queue_size = 100});
+  ASSERT_TRUE(Submit(1, 10, /*heads=*/1).ok());
+  ASSERT_TRUE(Submit(2, 10, /*heads=*/2).ok());
+  ASSERT_TRUE(Submit(3, 10, /*heads=*/1).ok());
+  for (uint64_t i = 1; i <= 3; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  const auto batches = backend_->Batches();
+  ASSERT_EQ(batches.size(), 2u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{1, 3}));
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{2}));
+}
+
+TEST_F(BatcherTest, FullQueueIsResourceExhaustedAtOnce) {
+  Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 3});
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(0, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));  // job 0 is running, the queue is empty
+  for (uint64_t i = 1; i <= 3; ++i) ASSERT_TRUE(Submit(i, 10).ok());
+  const absl::Status st = Submit(4, 10);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("max_queue_size"), std::string::npos);
+  EXPECT_EQ(calls_.at(4)->done_calls.load(), 0) << "a refused job must not be completed";
+  backend_->Hold(false);
+  for (uint64_t i = 0; i <= 3; ++i) EXPECT_TRUE(ResultOf(i).ok());
+}
+
+TEST_F(BatcherTest, InflightBytesBound) {
+  // Each job of 10 tokens x 64 bf16 holds q, k, v and o: 4 * 1280 bytes.
+  Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 100,
+        .max_inflight_bytes = 3 * 4 * 1280});
+  backend_->Hold(true);
+  for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(Submit(i, 10).ok());
+  const absl::Status st = Submit(3, 10);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("max_inflight_bytes"), std::string::npos);
+  backend_->Hold(false);
+  for (uint64_t i = 0; i < 3; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  EXPECT_EQ(batcher_->InflightBytes(), 0);
+  EXPECT_TRUE(Submit(4, 10).ok()) << "bytes are given back when requests complete";
+  EXPECT_TRUE(ResultOf(4).ok());
+}
+
+TEST_F(BatcherTest, ExpiredDeadlineInQueueIsNotComputed) {
+  Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 100});
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(0, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
+  ASSERT_TRUE(Submit(1, 10, 1, false, Clock::now() + 30ms).ok());
+  EXPECT_EQ(ResultOf(1).code(), absl::StatusCode::kDeadlineExceeded);
+  backend_->Hold(false);
+  EXPECT_TRUE(ResultOf(0).ok());
+  batcher_->Drain();
+  for (const auto& b : backend_->Batches()) {
+    EXPECT_EQ(std::count(b.begin(), b.end(), 1u), 0) << "expired job reached the backend";
+  }
+}
+
+TEST_F(BatcherTest, CancelledRequestIsDropped) {
+  Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 100});
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(0, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
+  std::atomic<bool> cancelled{false};
+  ASSERT_TRUE(Submit(1, 10, 1, false, Clock::time_point::max(), [&] { return cancelled.load(); }).ok());
+  cancelled = true;
+  EXPECT_EQ(ResultOf(1).code(), absl::StatusCode::kCancelled);
+  backend_->Hold(false);
+  EXPECT_TRUE(ResultOf(0).ok());
+  batcher_->Drain();
+  EXPECT_EQ(backend_->Batches().size(), 1u);
+}
+
+TEST_F(BatcherTest, HighPriorityGoesFirst) {
+  Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 100});
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(0, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
+  ASSERT_TRUE(Submit(1, 10).ok());
+  ASSERT_TRUE(Submit(2, 10).ok());
+  ASSERT_TRUE(Submit(3, 10, 1, /*high=*/true).ok());
+  backend_->Hold(false);
+  for (uint64_t i = 0; i <= 3; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  const auto batches = backend_->Batches();
+  ASSERT_EQ(batches.size(), 4u);
+  EXPECT_EQ(batches[1], std::vector<uint64_t>{3});
+  EXPECT_EQ(batches[2], std::vector<uint64_t>{1});
+  EXPECT_EQ(batches[3], std::vector<uint64_t>{2});
+}
+
+TEST_F(BatcherTest, EveryResultReachesItsOwnRequestExactlyOnce) {
+  Make({.max_batch_tokens = 64, .max_queue_delay_us = 2000, .max_queue_size = 10000}, 3);
+  constexpr int kThreads = 4, kPerThread = 100;
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        std::lock_guard<std::mutex> lock(mu);  // calls_ is a plain map
+        ASSERT_TRUE(Submit(t * kPerThread + i, 1 + (i % 7), 1 + (i % 2)).ok());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (uint64_t id = 0; id < kThreads * kPerThread; ++id) {
+    EXPECT_TRUE(ResultOf(id).ok());
+    EXPECT_EQ(calls_.at(id)->response.request_id(), id + 1000);
+  }
+  batcher_->Drain();
+  for (auto& [id, call] : calls_) EXPECT_EQ(call->done_calls.load(), 1) << id;
+  EXPECT_EQ(batcher_->Pending(), 0);
+}
+
+TEST_F(BatcherTest, DrainFinishesQueuedWorkThenRefuses) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
+  for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(Submit(i, 10).ok());
+  batcher_->Drain();
+  for (uint64_t i = 0; i < 3; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  EXPECT_EQ(Submit(9, 10).code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace attn
