@@ -346,10 +346,15 @@ grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ct
                 static_cast<int64_t>(request->payload().size()), 0);
     return reactor;
   }
-  response->set_payload(request->payload());
-  const int64_t n = static_cast<int64_t>(request->payload().size());
+  const std::string& payload = request->payload();
+  const size_t back = request->response_bytes() > 0
+                          ? std::min(payload.size(), static_cast<size_t>(request->response_bytes()))
+                          : payload.size();
+  response->set_payload(payload.data(), back);
   auto* reactor = ctx->DefaultReactor();
-  FinishUnary(reactor, Rpc::kEcho, start, absl::OkStatus(), n, n);
+  FinishUnary(reactor, Rpc::kEcho, start, absl::OkStatus(),
+              static_cast<int64_t>(request->ByteSizeLong()),
+              static_cast<int64_t>(response->ByteSizeLong()));
   return reactor;
 }
 

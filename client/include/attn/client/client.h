@@ -57,6 +57,9 @@ struct ClientOptions {
   std::string tls_cert_pem;     // client certificate, for mTLS
   std::string tls_key_pem;
   std::string tls_server_name;  // override of the name checked in the server's certificate
+  // A connection of this client's own instead of one shared with other channels to the same
+  // target (load generators want one per worker).
+  bool unique_channel = false;
 };
 
 class Client {

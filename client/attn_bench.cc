@@ -1,0 +1,411 @@
+// attn-bench: a load generator for attnd (in the spirit of Triton's perf_analyzer).
+//
+//   attn-bench --target HOST:PORT --concurrency 1,4,16,64 --duration_s 10 --warmup_s 2 \
+//              --seq 128 --heads 16 --head-dim 128 --dtype bf16 [--mode unary|stream|echo]
+//              [--rate R] [--csv out.csv] [--json out.json]
+//
+// For each concurrency level (closed loop: each worker sends its next request when the last one
+// is answered) or at a fixed request rate (open loop, latency counted from the scheduled send
+// time), it prints throughput, latency percentiles and the server-side split of the time taken
+// from the responses. --mode=echo sends the same bytes each way through the Echo RPC, which
+// does no work: the transport's own ceiling, measured in the same run.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "attn/client/client.h"
+#include "attn/util/flag_names.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
+ABSL_FLAG(std::string, mode, "unary", "unary (Attend), stream (AttendStream) or echo");
+ABSL_FLAG(std::string, concurrency, "1", "Comma-separated concurrency levels to sweep");
+ABSL_FLAG(double, rate, 0, "Fixed request rate, requests/s (open loop); 0: closed loop");
+ABSL_FLAG(double, duration_s, 10, "Measured seconds per level");
+ABSL_FLAG(double, warmup_s, 2, "Unmeasured seconds before each level");
+ABSL_FLAG(int64_t, max_requests, 0, "Stop a level after this many measured requests (0: none)");
+ABSL_FLAG(int, stream_depth, 4, "stream mode: requests in flight per stream");
+ABSL_FLAG(int, seq, 128, "Query tokens per sequence");
+ABSL_FLAG(int, kv_seq, 0, "Key tokens per sequence (0: --seq)");
+ABSL_FLAG(int, batch, 1, "Sequences per request");
+ABSL_FLAG(int, heads, 16, "Query heads");
+ABSL_FLAG(int, kv_heads, 0, "KV heads (0: --heads)");
+ABSL_FLAG(int, head_dim, 128, "Head dimension");
+ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32");
+ABSL_FLAG(bool, causal, false, "Causal mask");
+ABSL_FLAG(int, channels, 0, "gRPC channels shared by the workers (0: one per worker)");
+ABSL_FLAG(std::string, csv, "", "Append one row per level to this CSV file");
+ABSL_FLAG(std::string, json, "", "Write all levels to this JSON file");
+ABSL_FLAG(std::string, label, "", "Free text stored with each row (e.g. server flags)");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using attn::client::Client;
+
+struct Sample {
+  double latency_us;
+  double queue_us, transfer_us, compute_us;
+  int32_t batch_requests;
+};
+
+struct LevelResult {
+  std::string mode;
+  int concurrency = 0;
+  double offered_rate = 0;
+  int64_t requests = 0;
+  int64_t errors = 0;
+  std::string first_error;
+  double seconds = 0;
+  double request_bytes = 0;
+  double response_bytes = 0;
+  double tokens_per_request = 0;
+  std::vector<Sample> samples;
+
+  double Throughput() const { return requests / seconds; }
+  double Percentile(double p) const {
+    if (samples.empty()) return 0;
+    std::vector<double> l;
+    for (const auto& s : samples) l.push_back(s.latency_us);
+    const size_t k = std::min(l.size() - 1, static_cast<size_t>(p * l.size()));
+    std::nth_element(l.begin(), l.begin() + k, l.end());
+    return l[k];
+  }
+  double Mean(double Sample::*field) const {
+    if (samples.empty()) return 0;
+    double s = 0;
+    for (const auto& x : samples) s += x.*field;
+    return s / samples.size();
+  }
+  double MeanBatch() const {
+    if (samples.empty()) return 0;
+    double s = 0;
+    for (const auto& x : samples) s += x.batch_requests;
+    return s / samples.size();
+  }
+};
+
+// The request every worker sends (random data drawn once).
+struct Payload {
+  attn::v1::AttendRequest attend;
+  attn::v1::EchoRequest echo;
+  double tokens = 0;
+};
+
+Payload BuildPayload() {
+  auto dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) {
+    std::cerr << dtype.status() << std::endl;
+    std::exit(64);
+  }
+  const int s_q = absl::GetFlag(FLAGS_seq), b = absl::GetFlag(FLAGS_batch);
+  const int s_k = absl::GetFlag(FLAGS_kv_seq) > 0 ? absl::GetFlag(FLAGS_kv_seq) : s_q;
+  const int h = absl::GetFlag(FLAGS_heads);
+  const int h_kv = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : h;
+  const int d = absl::GetFlag(FLAGS_head_dim);
+  std::mt19937_64 rng(42);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  auto random = [&](int64_t tokens, int heads) {
+    std::vector<float> v(size_t(tokens) * heads * d);
+    for (float& x : v) x = dist(rng);
+    return attn::client::Tensor::FromFloats(*dtype, {tokens, heads, d}, v);
+  };
+  attn::client::AttendOptions o;
+  for (int i = 0; i <= b; ++i) {
+    o.cu_seqlens_q.push_back(i * s_q);
+    o.cu_seqlens_k.push_back(i * s_k);
+  }
+  o.causal = absl::GetFlag(FLAGS_causal);
+  Payload p;
+  p.attend = Client::BuildAttendRequest(random(int64_t(b) * s_q, h), random(int64_t(b) * s_k, h_kv),
+                                        random(int64_t(b) * s_k, h_kv), o);
+  p.tokens = double(b) * s_q;
+  // Echo: the serialized Attend request out, an output-sized payload back.
+  p.attend.SerializeToString(p.echo.mutable_payload());
+  p.echo.set_response_bytes(static_cast<int64_t>(p.attend.q().data().size()));
+  return p;
+}
+
+std::vector<std::unique_ptr<Client>> MakeClients(int n) {
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < n; ++i) {
+    attn::client::ClientOptions o;
+    o.target = absl::GetFlag(FLAGS_target);
+    o.max_message_bytes = 1ll << 30;
+    o.unique_channel = true;
+    auto c = Client::Create(o);
+    if (!c.ok()) {
+      std::cerr << c.status() << std::endl;
+      std::exit(1);
+    }
+    clients.push_back(std::move(*c));
+  }
+  return clients;
+}
+
+// Collects samples from the workers of one level.
+class Recorder {
+ public:
+  Recorder(Clock::time_point measure_from, Clock::time_point end, int64_t max_requests)
+      : from_(measure_from), end_(end), max_(max_requests) {}
+  bool Running() const { return Clock::now() < end_ && !(max_ > 0 && measured_.load() >= max_); }
+  void Record(Clock::time_point sent, Clock::time_point done, const attn::v1::ServerTiming* t,
+              const grpc::Status& st) {
+    if (sent < from_ || done > end_) return;
+    ++measured_;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!st.ok()) {
+      ++errors_;
+      if (first_error_.empty()) first_error_ = st.error_message();
+      return;
+    }
+    Sample s{std::chrono::duration<double, std::micro>(done - sent).count(), 0, 0, 0, 0};
+    if (t) {
+      s.queue_us = t->queue_us();
+      s.transfer_us = t->transfer_us();
+      s.compute_us = t->compute_us();
+      s.batch_requests = t->batch_requests();
+    }
+    samples_.push_back(s);
+  }
+  void RecordStreamError(const grpc::Status& st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++errors_;
+    if (first_error_.empty()) first_error_ = "stream: " + st.error_message();
+  }
+  void Into(LevelResult* r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    r->samples = std::move(samples_);
+    r->requests = static_cast<int64_t>(r->samples.size());
+    r->errors = errors_;
+    r->first_error = first_error_;
+  }
+
+ private:
+  const Clock::time_point from_, end_;
+  const int64_t max_;
+  std::atomic<int64_t> measured_{0};
+  std::mutex mu_;
+  std::vector<Sample> samples_;
+  int64_t errors_ = 0;
+  std::string first_error_;
+};
+
+// One closed- or open-loop worker on unary calls (Attend or Echo).
+void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, double interval_s,
+                 Clock::time_point start) {
+  attn::v1::AttendResponse attend_response;
+  attn::v1::EchoResponse echo_response;
+  for (int64_t k = 0; rec->Running(); ++k) {
+    Clock::time_point sent = Clock::now();
+    if (interval_s > 0) {  // open loop: send at the scheduled time, count latency from it
+      sent = start + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(k * interval_s));
+      std::this_thread::sleep_until(sent);
+      if (!rec->Running()) break;
+    }
+    grpc::ClientContext ctx;
+    client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
+    grpc::Status st = echo ? client->stub()->Echo(&ctx, p.echo, &echo_response)
+                           : client->stub()->Attend(&ctx, p.attend, &attend_response);
+    rec->Record(sent, Clock::now(), echo || !st.ok() ? nullptr : &attend_response.timing(), st);
+  }
+}
+
+// One AttendStream with up to `depth` requests in flight; latency per item.
+void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth) {
+  grpc::ClientContext ctx;
+  client->PrepareContext(&ctx, std::chrono::milliseconds(0));
+  auto stream = client->stub()->AttendStream(&ctx);
+  std::mutex mu;
+  std::vector<Clock::time_point> sent_at;
+  std::atomic<int> in_flight{0};
+  std::thread reader([&] {
+    attn::v1::AttendResponse r;
+    while (stream->Read(&r)) {
+      Clock::time_point sent;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        sent = sent_at[r.request_id()];
+      }
+      const grpc::Status st = r.status_code() == 0
+                                  ? grpc::Status::OK
+                                  : grpc::Status(static_cast<grpc::StatusCode>(r.status_code()),
+                                                 r.status_message());
+      rec->Record(sent, Clock::now(), &r.timing(), st);
+      --in_flight;
+    }
+  });
+  attn::v1::AttendRequest request = p.attend;
+  for (uint64_t id = 0; rec->Running(); ++id) {
+    while (in_flight.load() >= depth && rec->Running()) std::this_thread::yield();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      sent_at.push_back(Clock::now());
+    }
+    request.set_request_id(id);
+    ++in_flight;
+    if (!stream->Write(request)) break;
+  }
+  stream->WritesDone();
+  reader.join();
+  const grpc::Status st = stream->Finish();
+  if (!st.ok()) rec->RecordStreamError(st);
+}
+
+LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency) {
+  const int channels = absl::GetFlag(FLAGS_channels) > 0 ? absl::GetFlag(FLAGS_channels) : concurrency;
+  auto clients = MakeClients(std::min(channels, concurrency));
+  const auto start = Clock::now();
+  const auto measure_from = start + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(absl::GetFlag(FLAGS_warmup_s)));
+  const auto end = measure_from + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(absl::GetFlag(FLAGS_duration_s)));
+  Recorder rec(measure_from, end, absl::GetFlag(FLAGS_max_requests));
+  const double rate = absl::GetFlag(FLAGS_rate);
+  const double interval = rate > 0 ? concurrency / rate : 0;
+  std::vector<std::thread> workers;
+  for (int i = 0; i < concurrency; ++i) {
+    Client* c = clients[i % clients.size()].get();
+    // Spread the open-loop schedules of the workers evenly.
+    const auto worker_start = start + std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double>(interval * i / concurrency));
+    if (mode == "stream") {
+      workers.emplace_back(StreamWorker, c, std::cref(p), &rec, absl::GetFlag(FLAGS_stream_depth));
+    } else {
+      workers.emplace_back(UnaryWorker, c, std::cref(p), mode == "echo", &rec, interval, worker_start);
+    }
+  }
+  for (auto& w : workers) w.join();
+  const double measured_s =
+      std::chrono::duration<double>(std::min(Clock::now(), end) - measure_from).count();
+  LevelResult r;
+  r.mode = mode;
+  r.concurrency = concurrency;
+  r.offered_rate = rate;
+  r.seconds = std::max(measured_s, 1e-6);
+  r.tokens_per_request = p.tokens;
+  if (mode == "echo") {
+    r.request_bytes = static_cast<double>(p.echo.ByteSizeLong());
+    r.response_bytes = static_cast<double>(p.echo.response_bytes());
+  } else {
+    r.request_bytes = static_cast<double>(p.attend.ByteSizeLong());
+    r.response_bytes = static_cast<double>(p.attend.q().data().size());
+  }
+  rec.Into(&r);
+  return r;
+}
+
+void PrintHeader() {
+  std::printf("%-6s %5s %9s %7s %10s %10s %9s %9s %9s %9s %10s %10s %10s %7s\n", "mode", "conc",
+              "requests", "errors", "req/s", "tokens/s", "GB/s", "p50_ms", "p90_ms", "p99_ms",
+              "queue_us", "xfer_us", "compute_us", "batch");
+}
+
+void PrintRow(const LevelResult& r) {
+  const double gbps = r.Throughput() * (r.request_bytes + r.response_bytes) / 1e9;
+  std::printf("%-6s %5d %9lld %7lld %10.1f %10.0f %9.3f %9.3f %9.3f %9.3f %10.1f %10.1f %10.1f %7.2f\n",
+              r.mode.c_str(), r.concurrency, static_cast<long long>(r.requests),
+              static_cast<long long>(r.errors), r.Throughput(), r.Throughput() * r.tokens_per_request,
+              gbps, r.Percentile(0.5) / 1e3, r.Percentile(0.9) / 1e3, r.Percentile(0.99) / 1e3,
+              r.Mean(&Sample::queue_us), r.Mean(&Sample::transfer_us), r.Mean(&Sample::compute_us),
+              r.MeanBatch());
+  if (r.errors > 0) std::printf("       first error: %s\n", r.first_error.c_str());
+  std::fflush(stdout);
+}
+
+std::string CsvRow(const LevelResult& r, const std::string& label) {
+  std::ostringstream s;
+  s << r.mode << "," << r.concurrency << "," << r.offered_rate << "," << r.requests << ","
+    << r.errors << "," << r.Throughput() << "," << r.Throughput() * r.tokens_per_request << ","
+    << r.Throughput() * (r.request_bytes + r.response_bytes) / 1e9 << ","
+    << r.Percentile(0.5) / 1e3 << "," << r.Percentile(0.9) / 1e3 << ","
+    << r.Percentile(0.99) / 1e3 << "," << r.Mean(&Sample::queue_us) << ","
+    << r.Mean(&Sample::transfer_us) << "," << r.Mean(&Sample::compute_us) << ","
+    << r.MeanBatch() << ",\"" << label << "\"";
+  return s.str();
+}
+
+std::string JsonLevel(const LevelResult& r, const std::string& label) {
+  std::ostringstream s;
+  s << "{\"mode\":\"" << r.mode << "\",\"concurrency\":" << r.concurrency
+    << ",\"rate\":" << r.offered_rate << ",\"requests\":" << r.requests
+    << ",\"errors\":" << r.errors << ",\"requests_per_s\":" << r.Throughput()
+    << ",\"tokens_per_s\":" << r.Throughput() * r.tokens_per_request
+    << ",\"bytes_per_s\":" << r.Throughput() * (r.request_bytes + r.response_bytes)
+    << ",\"p50_ms\":" << r.Percentile(0.5) / 1e3 << ",\"p90_ms\":" << r.Percentile(0.9) / 1e3
+    << ",\"p99_ms\":" << r.Percentile(0.99) / 1e3
+    << ",\"server_queue_us\":" << r.Mean(&Sample::queue_us)
+    << ",\"server_transfer_us\":" << r.Mean(&Sample::transfer_us)
+    << ",\"server_compute_us\":" << r.Mean(&Sample::compute_us)
+    << ",\"batch_requests\":" << r.MeanBatch() << ",\"label\":\"" << label << "\"}";
+  return s.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("attn-bench: load generator for attnd (see the file's header)");
+  std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);
+  std::vector<char*> argp = attn::util::ArgvOf(args);
+  absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode != "unary" && mode != "stream" && mode != "echo") {
+    std::cerr << "attn-bench: --mode must be unary, stream or echo" << std::endl;
+    return 64;
+  }
+  std::vector<int> levels;
+  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',')) {
+    int c = 0;
+    if (!absl::SimpleAtoi(part, &c) || c < 1) {
+      std::cerr << "attn-bench: bad --concurrency entry '" << part << "'" << std::endl;
+      return 64;
+    }
+    levels.push_back(c);
+  }
+  const Payload payload = BuildPayload();
+  const std::string label = absl::GetFlag(FLAGS_label);
+  std::printf("attn-bench: %s to %s, request %.2f MB (%g query tokens), response %.2f MB\n",
+              mode.c_str(), absl::GetFlag(FLAGS_target).c_str(),
+              payload.attend.ByteSizeLong() / 1e6, payload.tokens,
+              payload.attend.q().data().size() / 1e6);
+  PrintHeader();
+  std::vector<LevelResult> results;
+  int64_t errors = 0;
+  for (int c : levels) {
+    results.push_back(RunLevel(payload, mode, c));
+    PrintRow(results.back());
+    errors += results.back().errors;
+  }
+  if (const std::string csv = absl::GetFlag(FLAGS_csv); !csv.empty()) {
+    const bool fresh = !std::ifstream(csv).good();
+    std::ofstream out(csv, std::ios::app);
+    if (fresh) {
+      out << "mode,concurrency,rate,requests,errors,requests_per_s,tokens_per_s,gb_per_s,p50_ms,"
+             "p90_ms,p99_ms,server_queue_us,server_transfer_us,server_compute_us,batch_requests,"
+             "label\n";
+    }
+    for (const auto& r : results) out << CsvRow(r, label) << "\n";
+  }
+  if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) {
+    std::ofstream out(json);
+    out << "[";
+    for (size_t i = 0; i < results.size(); ++i) out << (i ? ",\n" : "\n") << JsonLevel(results[i], label);
+    out << "\n]\n";
+  }
+  return errors > 0 ? 1 : 0;
+}
