@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "auth.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "test_util.h"
 
@@ -462,6 +463,43 @@ TEST_F(SecurityTest, BadSecurityOptionsFailStartUpWithAMessage) {
   std::tie(rc, out) = Shell(attnd + " --auth_token_file=" + pki_->path("empty-tokens.txt"));
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("--auth_token_file"), std::string::npos) << out;
+}
+
+TEST(AuthUnitTest, TokensPeerHostsAndSlots) {
+  auto auth = Authenticator::FromTokens({"abc", "xyz"});
+  ASSERT_TRUE(auth.ok());
+  EXPECT_EQ((*auth)->Check("Bearer abc").value(), "token:0");
+  EXPECT_EQ((*auth)->Check("bearer   xyz").value(), "token:1");
+  for (const char* bad :
+       {"", "Bearer", "Bearer ", "Bearer ab", "Bearer abcd", "abc", "Basic abc"}) {
+    EXPECT_EQ((*auth)->Check(bad).status().code(), absl::StatusCode::kUnauthenticated) << bad;
+  }
+  EXPECT_FALSE(Authenticator::FromTokens({}).ok());
+  EXPECT_FALSE(Authenticator::FromTokens({"has space"}).ok());
+
+  EXPECT_EQ(PeerHost("ipv4:127.0.0.1:5555"), "ipv4:127.0.0.1");
+  EXPECT_EQ(PeerHost("ipv6:[::1]:5555"), "ipv6:[::1]");
+  EXPECT_EQ(PeerHost("ipv6:%5B::1%5D:5555"), "ipv6:%5B::1%5D");
+  EXPECT_EQ(PeerHost("unix:/tmp/attnd.sock"), "unix:/tmp/attnd.sock");
+
+  PendingLimiter limiter(2);
+  auto a = limiter.Acquire("a");
+  auto b = limiter.Acquire("a");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(limiter.Acquire("a").status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(limiter.Acquire("b").ok());  // released at once: the slot is dropped
+  EXPECT_EQ(limiter.TotalPending(), 2);
+  (*a)->Release();
+  (*a)->Release();  // a second release does nothing
+  EXPECT_EQ(limiter.Pending("a"), 1);
+  a->reset();       // nor does destruction after a release
+  EXPECT_EQ(limiter.Pending("a"), 1);
+  b->reset();       // destruction releases an unreleased slot
+  EXPECT_EQ(limiter.TotalPending(), 0);
+  PendingLimiter unlimited(0);
+  std::vector<std::shared_ptr<PendingLimiter::Slot>> many;
+  for (int i = 0; i < 1000; ++i) many.push_back(*unlimited.Acquire("a"));
+  EXPECT_EQ(unlimited.TotalPending(), 0);
 }
 
 // attnd and attnctl as processes: TLS, mTLS and a token from files, end to end.
