@@ -190,12 +190,17 @@ class Runner {
   // the accumulated output must be rescaled.
   static float SoftmaxRow(KeyRange vis, int64_t j0, int n, float* sr, float* m, float* l) {
     float tile_max = kNegInf;
+    bool nan = false;
     for (int j = 0; j < n; ++j) {
       const int64_t key = j0 + j;
       if (key < vis.lo || key > vis.hi) sr[j] = kNegInf;
       tile_max = std::max(tile_max, sr[j]);
+      nan |= sr[j] != sr[j];
     }
-    const float m_new = std::max(*m, tile_max);
+    // std::max drops NaN; a NaN score (NaN in q or in a visible key) must reach o and lse rather
+    // than make the row look like one that sees no key.
+    const float m_new = nan || *m != *m ? std::numeric_limits<float>::quiet_NaN()
+                                        : std::max(*m, tile_max);
     if (m_new == kNegInf) {  // nothing visible yet
       for (int j = 0; j < n; ++j) sr[j] = 0.0f;
       return 1.0f;
@@ -215,14 +220,14 @@ class Runner {
     const int64_t q_stride = int64_t(a_.num_heads) * d_;
     for (int r = 0; r < rows; ++r) {
       const float l = s.l[r];
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const float inv = l != 0.0f ? 1.0f / l : 0.0f;  // l is NaN in a row that read a NaN
       float* ar = s.acc + r * d_;
       for (int c = 0; c < d_; ++c) ar[c] *= inv;
       const int64_t row = q0 + w.row0 + r;
       StoreRow(a_.dtype, ar, d_, a_.o, row * q_stride + int64_t(w.head) * d_);
       if (a_.lse) {
         a_.lse[int64_t(w.head) * a_.total_q + row] =
-            l > 0.0f ? (s.m[r] + std::log2(l)) / kLog2e : kNegInf;
+            l != 0.0f ? (s.m[r] + std::log2(l)) / kLog2e : kNegInf;
       }
     }
   }

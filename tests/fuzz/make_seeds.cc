@@ -1,0 +1,116 @@
+// Writes the fuzzer's seed corpus: small valid AttendRequests covering every dtype, causal,
+// GQA/MQA, packed batches (zero-length sequences included), windows, scales and LSE.
+//   make_attend_seeds <dir>
+// The checked-in tests/fuzz/corpus/ was written by it; scripts/fuzz.sh refreshes it.
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attn/kernels/dtype_convert.h"
+#include "attn/v1/attention.pb.h"
+
+namespace {
+
+using attn::v1::AttendRequest;
+using attn::v1::DType;
+
+struct Seed {
+  const char* name;
+  DType dtype;
+  std::vector<int32_t> seq_q, seq_k;  // per sequence; cu_seqlens are sent when > 1 sequence
+  int heads, kv_heads, head_dim;
+  bool causal = false;
+  int window_left = -2, window_right = -2;  // -2: no window message
+  float scale = 0;
+  bool lse = false;
+  bool high = false;
+};
+
+void Fill(attn::v1::Tensor* t, DType dtype, int64_t tokens, int heads, int d, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  t->set_dtype(dtype);
+  t->add_shape(tokens);
+  t->add_shape(heads);
+  t->add_shape(d);
+  const int64_t n = tokens * heads * d;
+  std::string& bytes = *t->mutable_data();
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = dist(rng);
+    if (dtype == attn::v1::DTYPE_FLOAT32) {
+      bytes.append(reinterpret_cast<const char*>(&f), 4);
+    } else {
+      const uint16_t h = dtype == attn::v1::DTYPE_FLOAT16 ? attn::kernels::cpu::FloatToHalfBits(f)
+                                                          : attn::kernels::cpu::FloatToBf16Bits(f);
+      bytes.append(reinterpret_cast<const char*>(&h), 2);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s <dir>\n", argv[0]);
+    return 2;
+  }
+  const DType f32 = attn::v1::DTYPE_FLOAT32, f16 = attn::v1::DTYPE_FLOAT16,
+              bf16 = attn::v1::DTYPE_BFLOAT16;
+  const std::vector<Seed> seeds = {
+      {"plain_f32", f32, {4}, {4}, 1, 1, 8},
+      {"plain_f16", f16, {5}, {7}, 2, 2, 8},
+      {"plain_bf16", bf16, {3}, {6}, 2, 1, 16},
+      {"causal_f32", f32, {6}, {6}, 2, 1, 4, true},
+      {"causal_bottom_right", bf16, {3}, {9}, 1, 1, 8, true},
+      {"causal_more_q_than_k", f16, {8}, {3}, 1, 1, 4, true},
+      {"gqa", bf16, {4}, {5}, 4, 2, 8},
+      {"mqa", f16, {4}, {4}, 4, 1, 8, true},
+      {"varlen", f32, {2, 5, 1}, {3, 4, 6}, 2, 1, 4},
+      {"varlen_causal", bf16, {1, 4}, {6, 4}, 2, 2, 8, true},
+      {"varlen_zero_len", f16, {3, 0, 2}, {0, 4, 2}, 1, 1, 4},
+      {"window", f32, {8}, {8}, 1, 1, 4, false, 2, 1},
+      {"window_left_only", bf16, {6}, {10}, 2, 1, 8, true, 3, -1},
+      {"window_zero", f16, {5}, {5}, 1, 1, 2, false, 0, 0},
+      {"scale", f32, {4}, {6}, 1, 1, 3, false, -2, -2, 0.25f},
+      {"negative_scale_lse", bf16, {4}, {4}, 2, 2, 8, false, -2, -2, -1.5f, true},
+      {"lse", f32, {5}, {3}, 2, 1, 4, true, -2, -2, 0, true, true},
+      {"head_dim_32", bf16, {2}, {3}, 1, 1, 32},
+      {"head_dim_64_lse", f16, {2}, {2}, 1, 1, 64, true, -2, -2, 0, true},
+  };
+  std::mt19937 rng(1234);
+  for (const Seed& s : seeds) {
+    AttendRequest r;
+    int64_t tq = 0, tk = 0;
+    for (int32_t n : s.seq_q) tq += n;
+    for (int32_t n : s.seq_k) tk += n;
+    Fill(r.mutable_q(), s.dtype, tq, s.heads, s.head_dim, rng);
+    Fill(r.mutable_k(), s.dtype, tk, s.kv_heads, s.head_dim, rng);
+    Fill(r.mutable_v(), s.dtype, tk, s.kv_heads, s.head_dim, rng);
+    if (s.seq_q.size() > 1) {
+      int32_t cq = 0, ck = 0;
+      r.add_cu_seqlens_q(0);
+      r.add_cu_seqlens_k(0);
+      for (size_t b = 0; b < s.seq_q.size(); ++b) {
+        r.add_cu_seqlens_q(cq += s.seq_q[b]);
+        r.add_cu_seqlens_k(ck += s.seq_k[b]);
+      }
+    }
+    r.set_causal(s.causal);
+    if (s.window_left != -2) {
+      r.mutable_window()->set_left(s.window_left);
+      r.mutable_window()->set_right(s.window_right);
+    }
+    r.set_softmax_scale(s.scale);
+    r.set_return_lse(s.lse);
+    if (s.high) r.set_priority(attn::v1::PRIORITY_HIGH);
+    r.set_request_id(7);
+    std::ofstream out(std::string(argv[1]) + "/" + s.name + ".pb", std::ios::binary);
+    out << r.SerializeAsString();
+    if (!out) {
+      std::fprintf(stderr, "cannot write %s/%s.pb\n", argv[1], s.name);
+      return 1;
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,627 @@
+// The bad-input matrix: every field of AttendRequest wrong in every way we could think of, each
+// with its exact status code and a message that names the field, on unary Attend and midway
+// through an AttendStream; after each one a good request must be answered correctly. Also the
+// defined behaviour of the valid edge cases: zero-length sequences, NaN/Inf inputs, unknown
+// session ids (UNIMPLEMENTED in this version) and oversize messages.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <limits>
+#include <map>
+#include <thread>
+
+#include "common/reference.h"
+#include "test_util.h"
+
+namespace attn {
+namespace {
+
+using grpc::StatusCode;
+using testing::MakeRandomRequest;
+using testing::RequestShape;
+
+constexpr int64_t kInt64Min = std::numeric_limits<int64_t>::min();
+constexpr int32_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int32_t kInt32Min = std::numeric_limits<int32_t>::min();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct BadCase {
+  std::string name;
+  std::function<void(v1::AttendRequest&)> corrupt;
+  StatusCode code;
+  std::string message_part;  // the message must contain this (it names the field)
+};
+
+// Resizes t's data to match its (new) shape.
+void FitData(v1::Tensor* t) {
+  int64_t n = 2;  // bf16
+  for (int64_t s : t->shape()) n *= s;
+  t->mutable_data()->resize(n);
+}
+
+void SetHeadDim(v1::AttendRequest& r, int64_t d) {
+  for (auto* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
+    t->set_shape(2, d);
+    FitData(t);
+  }
+}
+
+// The good request every case starts from: q [64, 4, 64], k/v [64, 2, 64], bf16,
+// cu_seqlens_q = cu_seqlens_k = {0, 32, 64}.
+std::vector<BadCase> BadCases() {
+  const auto RE = StatusCode::RESOURCE_EXHAUSTED;
+  const auto IA = StatusCode::INVALID_ARGUMENT;
+  return {
+      // Missing tensors.
+      {"QMissing", [](auto& r) { r.clear_q(); }, IA, "q, k and v must all be set"},
+      {"KMissing", [](auto& r) { r.clear_k(); }, IA, "q, k and v must all be set"},
+      {"VMissing", [](auto& r) { r.clear_v(); }, IA, "q, k and v must all be set"},
+      // Ranks.
+      {"QRank2", [](auto& r) { r.mutable_q()->mutable_shape()->RemoveLast(); }, IA,
+       "q.shape must have 3 dimensions"},
+      {"KRank4", [](auto& r) { r.mutable_k()->add_shape(1); }, IA,
+       "k.shape must have 3 dimensions"},
+      {"VRank0", [](auto& r) { r.mutable_v()->clear_shape(); }, IA,
+       "v.shape must have 3 dimensions"},
+      // Sizes: zero, negative, overflowing, larger than the data.
+      {"QTokensZero", [](auto& r) { r.mutable_q()->set_shape(0, 0); r.mutable_q()->clear_data(); },
+       IA, "q.shape[0] must be > 0"},
+      {"KHeadsNegative", [](auto& r) { r.mutable_k()->set_shape(1, -2); }, IA,
+       "k.shape[1] must be > 0"},
+      {"VHeadDimZero", [](auto& r) { r.mutable_v()->set_shape(2, 0); }, IA,
+       "v.shape[2] must be > 0"},
+      {"QTokensInt64Min", [](auto& r) { r.mutable_q()->set_shape(0, kInt64Min); }, IA,
+       "q.shape[0] must be > 0"},
+      {"QHugeTokensSmallData", [](auto& r) { r.mutable_q()->set_shape(0, int64_t{1} << 40); }, RE,
+       "q has more than max_tensor_elements"},
+      {"KHugeHeadsSmallData", [](auto& r) { r.mutable_k()->set_shape(1, int64_t{1} << 20); }, RE,
+       "k has more than max_tensor_elements"},
+      {"VProductOverflowsInt64", [](auto& r) {
+         for (int i = 0; i < 3; ++i) r.mutable_v()->set_shape(i, int64_t{1} << 62);
+       }, RE, "v has more than max_tensor_elements"},
+      {"QDeclaredLargerThanData", [](auto& r) { r.mutable_q()->set_shape(0, 1000); }, IA,
+       "q.data has 32768 bytes, but shape [1000, 4, 64]"},
+      // Byte lengths.
+      {"QDataOneByteShort", [](auto& r) { r.mutable_q()->mutable_data()->pop_back(); }, IA,
+       "q.data has 32767 bytes"},
+      {"KDataTwoBytesLong", [](auto& r) { r.mutable_k()->mutable_data()->append("xx"); }, IA,
+       "k.data has 16386 bytes"},
+      {"VDataEmpty", [](auto& r) { r.mutable_v()->clear_data(); }, IA, "v.data has 0 bytes"},
+      {"QFloat32WithBf16Bytes", [](auto& r) { r.mutable_q()->set_dtype(v1::DTYPE_FLOAT32); }, IA,
+       "q.data has 32768 bytes, but shape [64, 4, 64] of DTYPE_FLOAT32 needs 65536"},
+      // Dtypes.
+      {"QDtypeUnspecified", [](auto& r) { r.mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); }, IA,
+       "q.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT32, got DTYPE_UNSPECIFIED"},
+      {"KDtypeUnknownValue", [](auto& r) { r.mutable_k()->set_dtype(static_cast<v1::DType>(42)); },
+       IA, "k.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT32, got 42"},
+      {"VDtypeNegative", [](auto& r) { r.mutable_v()->set_dtype(static_cast<v1::DType>(-1)); },
+       IA, "v.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT32, got -1"},
+      {"KDtypeDiffers", [](auto& r) { r.mutable_k()->set_dtype(v1::DTYPE_FLOAT16); }, IA,
+       "k.dtype and v.dtype must equal q.dtype (DTYPE_BFLOAT16), got DTYPE_FLOAT16 and "
+       "DTYPE_BFLOAT16"},
+      {"VDtypeFloat32Differs", [](auto& r) {
+         r.mutable_v()->set_dtype(v1::DTYPE_FLOAT32);
+         r.mutable_v()->mutable_data()->append(r.v().data());
+       }, IA, "got DTYPE_BFLOAT16 and DTYPE_FLOAT32"},
+      // Shapes that disagree with each other.
+      {"VTokensDiffer", [](auto& r) { r.mutable_v()->set_shape(0, 63); FitData(r.mutable_v()); },
+       IA, "v.shape must equal k.shape [64, 2, 64], got [63, 2, 64]"},
+      {"VHeadsDiffer", [](auto& r) { r.mutable_v()->set_shape(1, 1); FitData(r.mutable_v()); },
+       IA, "v.shape must equal k.shape"},
+      {"KHeadDimDiffers", [](auto& r) {
+         for (auto* t : {r.mutable_k(), r.mutable_v()}) { t->set_shape(2, 32); FitData(t); }
+       }, IA, "k.shape[2] (head_dim) must equal q.shape[2] = 64, got 32"},
+      {"HeadDim80Unsupported", [](auto& r) { SetHeadDim(r, 80); }, IA,
+       "head_dim 80 (q.shape[2]) is not supported"},
+      {"HeadDim16Unsupported", [](auto& r) { SetHeadDim(r, 16); }, IA, "head_dim 16"},
+      {"HeadDim512Unsupported", [](auto& r) { SetHeadDim(r, 512); }, IA, "head_dim 512"},
+      {"HeadsNotMultipleOfKvHeads", [](auto& r) {
+         for (auto* t : {r.mutable_k(), r.mutable_v()}) { t->set_shape(1, 3); FitData(t); }
+       }, IA, "num_heads (q.shape[1] = 4) must be a multiple of num_kv_heads (k.shape[1] = 3)"},
+      {"KvHeadsMoreThanHeads", [](auto& r) {
+         for (auto* t : {r.mutable_k(), r.mutable_v()}) { t->set_shape(1, 8); FitData(t); }
+       }, IA, "must be a multiple of num_kv_heads (k.shape[1] = 8)"},
+      // cu_seqlens.
+      {"CuQNotFromZero", [](auto& r) { r.set_cu_seqlens_q(0, 1); }, IA,
+       "cu_seqlens_q[0] must be 0, got 1"},
+      {"CuKStartsNegative", [](auto& r) { r.set_cu_seqlens_k(0, -1); }, IA,
+       "cu_seqlens_k[0] must be 0, got -1"},
+      {"CuQNegativeEntry", [](auto& r) { r.set_cu_seqlens_q(1, -5); }, IA,
+       "cu_seqlens_q must not decrease, but cu_seqlens_q[1] = -5 < cu_seqlens_q[0] = 0"},
+      {"CuKDecreasing", [](auto& r) { r.set_cu_seqlens_k(1, 40); r.set_cu_seqlens_k(2, 30); }, IA,
+       "cu_seqlens_k must not decrease"},
+      {"CuQMiddleOverTotal", [](auto& r) { r.set_cu_seqlens_q(1, 100); }, IA,
+       "cu_seqlens_q[2] = 64 < cu_seqlens_q[1] = 100"},
+      {"CuQLastBelowTotal", [](auto& r) { r.set_cu_seqlens_q(2, 63); }, IA,
+       "cu_seqlens_q must end at the token count 64, but its last entry is 63"},
+      {"CuKLastAboveTotal", [](auto& r) { r.set_cu_seqlens_k(2, 65); }, IA,
+       "cu_seqlens_k must end at the token count 64, but its last entry is 65"},
+      {"CuQLastInt32Max", [](auto& r) { r.set_cu_seqlens_q(2, kInt32Max); }, IA,
+       "cu_seqlens_q must end at the token count 64"},
+      {"CuOnlyQGiven", [](auto& r) { r.clear_cu_seqlens_k(); }, IA,
+       "cu_seqlens_q and cu_seqlens_k must be given together"},
+      {"CuOnlyKGiven", [](auto& r) { r.clear_cu_seqlens_q(); }, IA,
+       "cu_seqlens_q and cu_seqlens_k must be given together"},
+      {"CuCountsDiffer", [](auto& r) { r.add_cu_seqlens_k(64); }, IA,
+       "cu_seqlens_q and cu_seqlens_k must have the same number of entries (batch + 1), got 3 "
+       "and 4"},
+      {"CuSingleEntry", [](auto& r) {
+         r.mutable_cu_seqlens_q()->Resize(1, 0);
+         r.mutable_cu_seqlens_k()->Resize(1, 0);
+       }, IA, "cu_seqlens_q must have at least 2 entries"},
+      // softmax_scale.
+      {"ScaleNaN", [](auto& r) { r.set_softmax_scale(kNaN); }, IA, "softmax_scale must be finite"},
+      {"ScalePlusInf", [](auto& r) { r.set_softmax_scale(kInf); }, IA,
+       "softmax_scale must be finite, got inf"},
+      {"ScaleMinusInf", [](auto& r) { r.set_softmax_scale(-kInf); }, IA,
+       "softmax_scale must be finite, got -inf"},
+      // window.
+      {"WindowLeftMinusFive", [](auto& r) { r.mutable_window()->set_left(-5); }, IA,
+       "window.left and window.right must be >= -1"},
+      {"WindowRightMinusTwo", [](auto& r) { r.mutable_window()->set_right(-2); }, IA,
+       "window.right must be >= -1 (-1: unbounded), got 0 and -2"},
+      {"WindowLeftInt32Min", [](auto& r) { r.mutable_window()->set_left(kInt32Min); }, IA,
+       "got -2147483648 and 0"},
+  };
+}
+
+// One in-process server for the whole suite, with a 4 MiB message limit.
+class BadInputMatrixTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    options.max_message_bytes = 4 << 20;
+    server_ = new testing::LoopbackServer(testing::StartLoopbackServer(options));
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+
+  testing::RandomRequest Good() {
+    RequestShape shape;
+    shape.batch = 2;
+    return MakeRandomRequest(shape, rng_);
+  }
+
+  void ExpectGoodRequestAnswered(const std::string& after) {
+    const auto good = Good();
+    auto result = server_->client->Attend(good.q, good.k, good.v, good.options);
+    ASSERT_TRUE(result.ok()) << "after " << after << ": " << result.status();
+    EXPECT_LE(testing::ErrorAgainstReference(good, result->o),
+              testing::ToleranceFor(good.q.dtype))
+        << "after " << after;
+  }
+
+  static testing::LoopbackServer* server_;
+  std::mt19937_64 rng_{20240611};
+};
+testing::LoopbackServer* BadInputMatrixTest::server_ = nullptr;
+
+TEST_F(BadInputMatrixTest, TableHasAtLeastFortyCases) { EXPECT_GE(BadCases().size(), 40u); }
+
+TEST_F(BadInputMatrixTest, EveryCaseOnUnaryAttend) {
+  for (const BadCase& c : BadCases()) {
+    SCOPED_TRACE(c.name);
+    const auto good = Good();
+    v1::AttendRequest request =
+        client::Client::BuildAttendRequest(good.q, good.k, good.v, good.options);
+    c.corrupt(request);
+    v1::AttendResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    const grpc::Status st = server_->client->stub()->Attend(&ctx, request, &response);
+    EXPECT_EQ(st.error_code(), c.code) << st.error_message();
+    EXPECT_NE(st.error_message().find(c.message_part), std::string::npos)
+        << "message: " << st.error_message() << "\nwanted: " << c.message_part;
+    EXPECT_FALSE(response.has_o());
+    ExpectGoodRequestAnswered(c.name);
+  }
+}
+
+// All cases on one stream, each between two good items: each bad item gets its own
+// status_code/status_message, the good ones are answered correctly, the stream ends OK.
+TEST_F(BadInputMatrixTest, EveryCaseMidwayThroughOneStream) {
+  const auto cases = BadCases();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto stream = server_->client->stub()->AttendStream(&ctx);
+  std::map<uint64_t, testing::RandomRequest> goods;
+  std::map<uint64_t, const BadCase*> bads;
+  uint64_t id = 0;
+  auto write_good = [&] {
+    auto g = Good();
+    v1::AttendRequest req = client::Client::BuildAttendRequest(g.q, g.k, g.v, g.options);
+    req.set_request_id(++id);
+    goods.emplace(id, std::move(g));
+    return stream->Write(req);
+  };
+  std::thread writer([&] {
+    for (const BadCase& c : cases) {
+      if (!write_good()) return;
+      auto g = Good();
+      v1::AttendRequest req = client::Client::BuildAttendRequest(g.q, g.k, g.v, g.options);
+      c.corrupt(req);
+      req.set_request_id(++id);
+      bads.emplace(id, &c);
+      if (!stream->Write(req)) return;
+    }
+    write_good();
+    stream->WritesDone();
+  });
+  std::map<uint64_t, v1::AttendResponse> received;
+  v1::AttendResponse response;
+  while (stream->Read(&response)) received[response.request_id()] = response;
+  writer.join();
+  const grpc::Status st = stream->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(received.size(), goods.size() + bads.size());
+  for (const auto& [rid, c] : bads) {
+    const v1::AttendResponse& r = received.at(rid);
+    EXPECT_EQ(r.status_code(), c->code) << c->name << ": " << r.status_message();
+    EXPECT_NE(r.status_message().find(c->message_part), std::string::npos)
+        << c->name << ": " << r.status_message();
+    EXPECT_FALSE(r.has_o()) << c->name;
+  }
+  for (const auto& [rid, g] : goods) {
+    const v1::AttendResponse& r = received.at(rid);
+    ASSERT_EQ(r.status_code(), 0) << "item " << rid << ": " << r.status_message();
+    auto parsed = client::Client::ParseAttendResponse(r);
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_LE(testing::ErrorAgainstReference(g, parsed->o), testing::ToleranceFor(g.q.dtype))
+        << "item " << rid;
+  }
+}
+
+TEST_F(BadInputMatrixTest, OversizeUnaryMessageIsResourceExhausted) {
+  RequestShape shape;  // about 6 MiB against the 4 MiB limit
+  shape.seq_q = shape.seq_k = 8192;
+  shape.heads = shape.kv_heads = 2;
+  const auto big = MakeRandomRequest(shape, rng_);
+  auto result = server_->client->Attend(big.q, big.k, big.v, big.options);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted) << result.status();
+  EXPECT_NE(result.status().message().find("larger than max"), std::string::npos)
+      << result.status();
+  ExpectGoodRequestAnswered("oversize unary");
+}
+
+// An oversize item cannot be read, so gRPC ends the whole stream with RESOURCE_EXHAUSTED; the
+// items before it were answered and the server goes on serving.
+TEST_F(BadInputMatrixTest, OversizeStreamItemEndsThatStreamOnly) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = server_->client->stub()->AttendStream(&ctx);
+  const auto g = Good();
+  v1::AttendRequest good = client::Client::BuildAttendRequest(g.q, g.k, g.v, g.options);
+  good.set_request_id(1);
+  ASSERT_TRUE(stream->Write(good));
+  v1::AttendResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.status_code(), 0) << response.status_message();
+  RequestShape shape;
+  shape.seq_q = shape.seq_k = 8192;
+  shape.heads = shape.kv_heads = 2;
+  const auto big = MakeRandomRequest(shape, rng_);
+  v1::AttendRequest oversize = client::Client::BuildAttendRequest(big.q, big.k, big.v, big.options);
+  stream->Write(oversize);  // may or may not report the failure here
+  stream->WritesDone();
+  while (stream->Read(&response)) {
+  }
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  ExpectGoodRequestAnswered("oversize stream item");
+}
+
+// CreateSession/Step/BatchStep/CloseSession, with unknown or made-up session ids, answer
+// UNIMPLEMENTED with this exact message in this version.
+TEST_F(BadInputMatrixTest, SessionRpcsWithUnknownIdsAreUnimplemented) {
+  const std::string kMessage =
+      "KV-cache sessions (CreateSession, Step, BatchStep, CloseSession) are not available in "
+      "this version of attnd; use Attend with whole tensors";
+  auto* stub = server_->client->stub();
+  auto check = [&](const char* what, const grpc::Status& st) {
+    EXPECT_EQ(st.error_code(), StatusCode::UNIMPLEMENTED) << what;
+    EXPECT_EQ(st.error_message(), kMessage) << what;
+  };
+  {
+    grpc::ClientContext ctx;
+    v1::CreateSessionRequest req;
+    req.set_num_layers(-1);
+    req.set_head_dim(64);
+    v1::CreateSessionResponse resp;
+    check("CreateSession", stub->CreateSession(&ctx, req, &resp));
+  }
+  const std::vector<std::string> ids = {"", "no-such-session", std::string(4096, 'x'),
+                                        "00000000-0000-0000-0000-000000000000"};
+  for (const std::string& id : ids) {
+    {
+      grpc::ClientContext ctx;
+      v1::StepRequest req;
+      req.set_session_id(id);
+      req.set_layer(-3);
+      v1::StepResponse resp;
+      check("Step", stub->Step(&ctx, req, &resp));
+    }
+    {
+      grpc::ClientContext ctx;
+      v1::BatchStepRequest req;
+      req.add_steps()->set_session_id(id);
+      v1::BatchStepResponse resp;
+      check("BatchStep", stub->BatchStep(&ctx, req, &resp));
+    }
+    {
+      grpc::ClientContext ctx;
+      v1::CloseSessionRequest req;
+      req.set_session_id(id);
+      v1::CloseSessionResponse resp;
+      check("CloseSession", stub->CloseSession(&ctx, req, &resp));
+    }
+  }
+  // A session id that is not UTF-8 makes the message unparseable (proto3 strings must be
+  // UTF-8): gRPC fails the call before attnd's handler sees the request (this gRPC version
+  // reports it as UNIMPLEMENTED with an empty message).
+  {
+    grpc::ClientContext ctx;
+    v1::CloseSessionRequest req;
+    req.set_session_id(std::string("\0\xff\xfe", 3));
+    v1::CloseSessionResponse resp;
+    const grpc::Status st = stub->CloseSession(&ctx, req, &resp);
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.error_message(), kMessage);
+  }
+  ExpectGoodRequestAnswered("session RPCs");
+}
+
+// Valid edge values that must be accepted (and computed right).
+TEST_F(BadInputMatrixTest, ValidEdgeValuesAreAccepted) {
+  struct Edge {
+    std::string name;
+    std::function<void(testing::RandomRequest&, v1::AttendRequest&)> change;
+  };
+  const std::vector<Edge> edges = {
+      {"UnknownPriorityIsNormal", [](auto&, auto& r) { r.set_priority(static_cast<v1::Priority>(7)); }},
+      {"WindowInt32Max", [](auto& g, auto& r) {
+         g.options.window_left = g.options.window_right = kInt32Max;
+         r.mutable_window()->set_left(kInt32Max);
+         r.mutable_window()->set_right(kInt32Max);
+       }},
+      {"WindowZeroZero", [](auto& g, auto& r) {
+         g.options.window_left = g.options.window_right = 0;
+         r.mutable_window()->set_left(0);
+         r.mutable_window()->set_right(0);
+       }},
+      {"NegativeScale", [](auto& g, auto& r) {
+         g.options.softmax_scale = -0.5f;
+         r.set_softmax_scale(-0.5f);
+       }},
+      {"TinyScale", [](auto& g, auto& r) {
+         g.options.softmax_scale = 1e-30f;
+         r.set_softmax_scale(1e-30f);
+       }},
+      {"NoCuSeqlens", [](auto& g, auto& r) {
+         g.options.cu_seqlens_q = {0, 64};
+         g.options.cu_seqlens_k = {0, 64};
+         r.clear_cu_seqlens_q();
+         r.clear_cu_seqlens_k();
+       }},
+  };
+  for (const Edge& e : edges) {
+    SCOPED_TRACE(e.name);
+    auto g = Good();
+    v1::AttendRequest request = client::Client::BuildAttendRequest(g.q, g.k, g.v, g.options);
+    e.change(g, request);
+    v1::AttendResponse response;
+    grpc::ClientContext ctx;
+    const grpc::Status st = server_->client->stub()->Attend(&ctx, request, &response);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    auto parsed = client::Client::ParseAttendResponse(response);
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_LE(testing::ErrorAgainstReference(g, parsed->o), testing::ToleranceFor(g.q.dtype));
+  }
+}
+
+// A batch with zero-length sequences is valid: a sequence with queries but no keys gets o = 0
+// and lse = -inf for its rows; one with keys but no queries contributes nothing.
+TEST_F(BadInputMatrixTest, ZeroLengthSequencesAreValid) {
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    RequestShape shape;
+    shape.seq_q = shape.seq_k = 64;
+    shape.dtype = client::DType::kFloat32;
+    auto g = MakeRandomRequest(shape, rng_);
+    g.options.cu_seqlens_q = {0, 20, 20, 50, 64, 64};
+    g.options.cu_seqlens_k = {0, 0, 30, 64, 64, 64};
+    g.options.causal = causal;
+    g.options.return_lse = true;
+    auto result = server_->client->Attend(g.q, g.k, g.v, g.options);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_LE(testing::ErrorAgainstReference(g, result->o), testing::ToleranceFor(g.q.dtype));
+    const std::vector<float> o = result->o.ToFloats();
+    const std::vector<float> lse = result->lse->ToFloats();
+    const int64_t row = shape.heads * shape.head_dim;
+    auto keyless = [](int64_t t) { return t < 20 || t >= 50; };  // sequences 0 and 3
+    for (int64_t t = 0; t < 64; ++t) {
+      for (int64_t i = 0; i < row; ++i) {
+        if (keyless(t)) ASSERT_EQ(o[t * row + i], 0.0f) << "token " << t;
+      }
+      for (int h = 0; h < shape.heads; ++h) {
+        const float x = lse[h * 64 + t];
+        if (keyless(t)) {
+          EXPECT_EQ(x, -kInf) << "token " << t;
+        } else {
+          EXPECT_TRUE(std::isfinite(x)) << "token " << t;
+        }
+      }
+    }
+  }
+  // All sequences keyless but one query each: o is all zeros.
+  RequestShape shape;
+  shape.seq_q = 3;
+  shape.seq_k = 1;
+  auto g = MakeRandomRequest(shape, rng_);
+  g.options.cu_seqlens_q = {0, 1, 2, 3};
+  g.options.cu_seqlens_k = {0, 0, 0, 1};
+  auto result = server_->client->Attend(g.q, g.k, g.v, g.options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_LE(testing::ErrorAgainstReference(g, result->o), testing::ToleranceFor(g.q.dtype));
+  ExpectGoodRequestAnswered("zero-length sequences");
+}
+
+// NaN/Inf inside the tensors are not rejected: the server computes what IEEE arithmetic gives.
+// A NaN reaches exactly the output rows that read it; every other row, and every other request
+// of the same batch, is unaffected.
+class NonFiniteInputTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    options.max_queue_delay_us = 300000;  // so that concurrent requests share one batch
+    server_ = new testing::LoopbackServer(testing::StartLoopbackServer(options));
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+
+  // 2 sequences of 32 queries/keys, 4 query heads over 2 KV heads, d 64, fp32 (exact values).
+  testing::RandomRequest Request(bool causal) {
+    RequestShape shape;
+    shape.batch = 2;
+    shape.dtype = client::DType::kFloat32;
+    shape.causal = causal;
+    return MakeRandomRequest(shape, rng_);
+  }
+
+  static void Poison(client::Tensor& t, int64_t token, int64_t head, int64_t c, float value) {
+    const int64_t i = (token * t.shape[1] + head) * t.shape[2] + c;
+    std::memcpy(t.data.data() + 4 * i, &value, 4);
+  }
+
+  // Row (token, head) is affected when affected(token, head); those rows must be all NaN (when
+  // expect_nan) and every other row must match the float64 reference of the same inputs.
+  static void Check(const testing::RandomRequest& r, const client::Tensor& o,
+                    const std::function<bool(int64_t, int64_t)>& affected, bool expect_nan) {
+    kernels::AttentionArgs a;
+    a.num_heads = static_cast<int32_t>(r.q.shape[1]);
+    a.num_kv_heads = static_cast<int32_t>(r.k.shape[1]);
+    a.head_dim = static_cast<int32_t>(r.q.shape[2]);
+    a.causal = r.options.causal;
+    auto to_double = [](const client::Tensor& t) {
+      std::vector<float> f = t.ToFloats();
+      return std::vector<double>(f.begin(), f.end());
+    };
+    const auto ref = testing::ReferenceAttention(a, to_double(r.q), to_double(r.k),
+                                                 to_double(r.v), r.options.cu_seqlens_q,
+                                                 r.options.cu_seqlens_k);
+    const std::vector<float> got = o.ToFloats();
+    int64_t nan_rows = 0;
+    for (int64_t t = 0; t < r.q.shape[0]; ++t) {
+      for (int64_t h = 0; h < a.num_heads; ++h) {
+        const int64_t base = (t * a.num_heads + h) * a.head_dim;
+        if (affected(t, h)) {
+          if (expect_nan) {
+            for (int c = 0; c < a.head_dim; ++c) {
+              ASSERT_TRUE(std::isnan(got[base + c])) << "row " << t << " head " << h;
+            }
+            ++nan_rows;
+          }
+          continue;
+        }
+        for (int c = 0; c < a.head_dim; ++c) {
+          ASSERT_TRUE(std::isfinite(got[base + c])) << "row " << t << " head " << h;
+          ASSERT_NEAR(got[base + c], ref.o[base + c], 1e-4) << "row " << t << " head " << h;
+        }
+      }
+    }
+    if (expect_nan) EXPECT_GT(nan_rows, 0);
+  }
+
+  static testing::LoopbackServer* server_;
+  std::mt19937_64 rng_{77};
+};
+testing::LoopbackServer* NonFiniteInputTest::server_ = nullptr;
+
+TEST_F(NonFiniteInputTest, NaNInQReachesOnlyThatRowAndHead) {
+  auto r = Request(false);
+  Poison(r.q, 5, 1, 3, kNaN);
+  auto result = server_->client->Attend(r.q, r.k, r.v, r.options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  Check(r, result->o, [](int64_t t, int64_t h) { return t == 5 && h == 1; }, true);
+}
+
+// Key 40 (sequence 1) of KV head 0 is NaN: query heads 0 and 1 of sequence 1 read it.
+TEST_F(NonFiniteInputTest, NaNInKReachesTheRowsThatSeeThatKey) {
+  auto r = Request(false);
+  Poison(r.k, 40, 0, 0, kNaN);
+  auto result = server_->client->Attend(r.q, r.k, r.v, r.options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  Check(r, result->o, [](int64_t t, int64_t h) { return t >= 32 && h < 2; }, true);
+}
+
+// Causal: value row 45 (sequence 1, position 13) of KV head 1 is NaN; queries of sequence 1 at
+// positions >= 13 see it (heads 2 and 3); earlier queries mask it out and stay finite.
+TEST_F(NonFiniteInputTest, NaNInVUnderACausalMaskReachesOnlyQueriesThatSeeIt) {
+  auto r = Request(true);
+  Poison(r.v, 45, 1, 7, kNaN);
+  r.options.return_lse = true;
+  auto result = server_->client->Attend(r.q, r.k, r.v, r.options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  // A NaN in v leaves the scores alone: the row's lse stays finite, only o turns NaN (column 7
+  // at least; the other columns are finite).
+  const std::vector<float> o = result->o.ToFloats();
+  for (int64_t t = 0; t < 64; ++t) {
+    for (int64_t h = 0; h < 4; ++h) {
+      const bool sees = t >= 45 && h >= 2;
+      const float x = o[(t * 4 + h) * 64 + 7];
+      EXPECT_EQ(std::isnan(x), sees) << "row " << t << " head " << h;
+    }
+  }
+  for (float x : result->lse->ToFloats()) EXPECT_TRUE(std::isfinite(x));
+  Check(r, result->o, [](int64_t t, int64_t h) { return t >= 45 && h >= 2; }, false);
+}
+
+// +Inf in k gives what IEEE arithmetic gives in the rows that see it (here NaN or not, the
+// server does not care); other rows are exact.
+TEST_F(NonFiniteInputTest, InfInKStaysInItsRows) {
+  auto r = Request(false);
+  Poison(r.k, 3, 1, 0, kInf);
+  auto result = server_->client->Attend(r.q, r.k, r.v, r.options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  Check(r, result->o, [](int64_t t, int64_t h) { return t < 32 && h >= 2; }, false);
+}
+
+// A NaN request and clean requests computed in the same batch: only the NaN rows of the NaN
+// request are affected.
+TEST_F(NonFiniteInputTest, OtherRequestsInTheSameBatchAreUnaffected) {
+  auto poisoned = Request(false);
+  for (int64_t t = 0; t < 64; ++t) Poison(poisoned.q, t, 0, 0, kNaN);
+  std::vector<testing::RandomRequest> clean;
+  for (int i = 0; i < 3; ++i) clean.push_back(Request(false));
+  auto bad_future = std::async(std::launch::async, [&] {
+    return server_->client->Attend(poisoned.q, poisoned.k, poisoned.v, poisoned.options);
+  });
+  std::vector<std::future<absl::StatusOr<client::AttendResult>>> futures;
+  for (auto& c : clean) {
+    futures.push_back(std::async(std::launch::async, [&] {
+      return server_->client->Attend(c.q, c.k, c.v, c.options);
+    }));
+  }
+  auto bad = bad_future.get();
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  Check(poisoned, bad->o, [](int64_t, int64_t h) { return h == 0; }, true);
+  int max_batch = bad->timing.batch_requests();
+  for (size_t i = 0; i < clean.size(); ++i) {
+    auto res = futures[i].get();
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_LE(testing::ErrorAgainstReference(clean[i], res->o), 1e-5);
+    max_batch = std::max(max_batch, res->timing.batch_requests());
+  }
+  EXPECT_GE(max_batch, 2) << "the requests were expected to share a batch";
+}
+
+}  // namespace
+}  // namespace attn
