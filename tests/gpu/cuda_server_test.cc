@@ -1,0 +1,216 @@
+// attnd on the CUDA backend, in-process on loopback: answers checked against the float64
+// reference, batching under concurrency, device-pool exhaustion. Skips where no GPU is found.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <thread>
+
+#include "backend.h"
+#include "common/reference.h"
+#include "test_util.h"
+
+namespace attn {
+namespace {
+
+using testing::MakeRandomRequest;
+using testing::RequestShape;
+
+bool HaveGpu(std::string* why) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess || n == 0) {
+    *why = err != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(err)
+                              : "no CUDA device found";
+    return false;
+  }
+  return true;
+}
+
+struct CudaServer {
+  std::unique_ptr<AttnServer> server;
+  std::unique_ptr<client::Client> client;
+};
+
+CudaServer StartCudaServer(ServerOptions options = {}) {
+  options.listen = "127.0.0.1:0";
+  options.metrics_listen = "";
+  options.backend = "cuda";
+  CudaServer s;
+  auto server = AttnServer::Create(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return s;
+  s.server = std::move(*server);
+  client::ClientOptions co;
+  co.target = "127.0.0.1:" + std::to_string(s.server->port());
+  co.max_message_bytes = 1ll << 30;
+  s.client = std::move(*client::Client::Create(co));
+  return s;
+}
+
+class CudaServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!HaveGpu(&why)) GTEST_SKIP() << why;
+  }
+  std::mt19937_64 rng_{std::random_device{}()};
+};
+
+// Checks the LSE of a response against the float64 reference.
+double LseError(const testing::RandomRequest& r, const client::Tensor& lse) {
+  kernels::AttentionArgs a;
+  a.num_heads = static_cast<int32_t>(r.q.shape[1]);
+  a.num_kv_heads = static_cast<int32_t>(r.k.shape[1]);
+  a.head_dim = static_cast<int32_t>(r.q.shape[2]);
+  a.causal = r.options.causal;
+  auto to_double = [](const client::Tensor& t) {
+    std::vector<float> f = t.ToFloats();
+    return std::vector<double>(f.begin(), f.end());
+  };
+  const auto ref = testing::ReferenceAttention(a, to_double(r.q), to_double(r.k), to_double(r.v),
+                                               r.options.cu_seqlens_q, r.options.cu_seqlens_k);
+  const std::vector<float> got = lse.ToFloats();
+  const auto e = testing::CompareLse(ref.lse, got);
+  return e.non_finite ? INFINITY : e.max_abs;
+}
+
+TEST_F(CudaServerTest, ReportsTheDevice) {
+  auto s = StartCudaServer();
+  ASSERT_NE(s.server, nullptr);
+  auto info = s.client->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cuda");
+  EXPECT_FALSE(info->device_name().empty());
+  EXPECT_GT(info->compute_units(), 0);
+  EXPECT_GT(info->device_memory_bytes(), 0);
+  EXPECT_GE(info->compute_capability(), 80);
+  std::printf("device: %s, %d SMs, cc %d, head dims %d\n", info->device_name().c_str(),
+              info->compute_units(), info->compute_capability(), info->head_dims_size());
+}
+
+TEST_F(CudaServerTest, AnswersMatchTheReferenceForEveryDtype) {
+  auto s = StartCudaServer();
+  ASSERT_NE(s.server, nullptr);
+  for (client::DType dtype :
+       {client::DType::kFloat32, client::DType::kFloat16, client::DType::kBFloat16}) {
+    for (bool causal : {false, true}) {
+      for (int d : {64, 128}) {
+        RequestShape shape;
+        shape.dtype = dtype;
+        shape.causal = causal;
+        shape.batch = 3;
+        shape.seq_q = 129;
+        shape.seq_k = causal ? 300 : 77;
+        shape.heads = 8;
+        shape.kv_heads = 2;
+        shape.head_dim = d;
+        auto r = MakeRandomRequest(shape, rng_);
+        r.options.return_lse = true;
+        auto result = s.client->Attend(r.q, r.k, r.v, r.options);
+        ASSERT_TRUE(result.ok()) << result.status();
+        // fp32 requests compute in fp16 on the GPU: the fp16 tolerance applies.
+        const double tol = dtype == client::DType::kBFloat16 ? 1e-2 : 2e-3;
+        EXPECT_LE(testing::ErrorAgainstReference(r, result->o), tol)
+            << "dtype " << int(dtype) << " causal " << causal << " d " << d;
+        ASSERT_TRUE(result->lse.has_value());
+        EXPECT_LE(LseError(r, *result->lse), 2e-2);
+        EXPECT_GT(result->timing.compute_us(), 0);
+        EXPECT_GT(result->timing.transfer_us(), 0);
+      }
+    }
+  }
+}
+
+TEST_F(CudaServerTest, ConcurrentClientsAreBatchedAndEachAnswerIsRight) {
+  ServerOptions options;
+  options.max_queue_delay_us = 2000;
+  options.streams = 2;
+  auto s = StartCudaServer(options);
+  ASSERT_NE(s.server, nullptr);
+  constexpr int kClients = 32, kEach = 8;
+  std::atomic<int> wrong{0}, failed{0}, batched{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      std::mt19937_64 rng(c * 7919 + 1);
+      for (int i = 0; i < kEach; ++i) {
+        RequestShape shape;
+        shape.seq_q = 1 + (c * 13 + i * 7) % 200;
+        shape.seq_k = shape.seq_q + (i % 3) * 17;
+        shape.heads = 8;
+        shape.kv_heads = 4;
+        shape.head_dim = 128;
+        shape.causal = true;
+        auto r = MakeRandomRequest(shape, rng);
+        auto result = s.client->Attend(r.q, r.k, r.v, r.options);
+        if (!result.ok()) {
+          ++failed;
+          continue;
+        }
+        if (!(testing::ErrorAgainstReference(r, result->o) <= 1e-2)) ++wrong;
+        if (result->timing.batch_requests() > 1) ++batched;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(batched.load(), 0) << "no request shared a batch with another";
+  std::printf("%d of %d requests were computed in a batch of several\n", batched.load(),
+              kClients * kEach);
+}
+
+TEST_F(CudaServerTest, DevicePoolExhaustionFailsOnlyTheRequestThatDoesNotFit) {
+  ServerOptions options;
+  options.device_pool_bytes = 8 << 20;
+  auto s = StartCudaServer(options);
+  ASSERT_NE(s.server, nullptr);
+  RequestShape big;
+  big.seq_q = big.seq_k = 8192;
+  big.heads = big.kv_heads = 4;
+  big.head_dim = 64;  // 4 MiB per tensor in bf16: q, k, v and o do not fit in 8 MiB
+  auto r_big = MakeRandomRequest(big, rng_);
+  auto result = s.client->Attend(r_big.q, r_big.k, r_big.v, r_big.options);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted) << result.status();
+  EXPECT_NE(result.status().message().find("device_pool_bytes"), std::string::npos);
+  RequestShape small;
+  auto r_small = MakeRandomRequest(small, rng_);
+  auto ok = s.client->Attend(r_small.q, r_small.k, r_small.v, r_small.options);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_LE(testing::ErrorAgainstReference(r_small, ok->o), 1e-2);
+  const BackendMemory m = s.server->backend().Memory();
+  EXPECT_EQ(m.device_pool.used, 0);
+  EXPECT_EQ(m.pinned_pool.used, 0);
+  EXPECT_GT(m.gpu_total, 0);
+}
+
+TEST_F(CudaServerTest, LargeRequestsOnFourStreams) {
+  ServerOptions options;
+  options.streams = 4;
+  options.max_queue_delay_us = 0;
+  auto s = StartCudaServer(options);
+  ASSERT_NE(s.server, nullptr);
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int c = 0; c < 6; ++c) {
+    threads.emplace_back([&, c] {
+      std::mt19937_64 rng(c + 100);
+      RequestShape shape;
+      shape.seq_q = shape.seq_k = 1024 + 97 * c;
+      shape.heads = 4;
+      shape.kv_heads = 1;
+      shape.head_dim = 128;
+      auto r = MakeRandomRequest(shape, rng);
+      auto result = s.client->Attend(r.q, r.k, r.v, r.options);
+      if (!result.ok() || !(testing::ErrorAgainstReference(r, result->o) <= 1e-2)) ++bad;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(bad.load(), 0);
+}
+
+}  // namespace
+}  // namespace attn
