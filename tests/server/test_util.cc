@@ -218,4 +218,19 @@ std::string AttndProcess::Log() const {
   return ss.str();
 }
 
+int64_t VmRssKiB(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoll(line.c_str() + 6, nullptr, 10);
+  }
+  return -1;
+}
+
+double ScrapeMetric(int metrics_port, const std::string& name,
+                    const std::vector<std::string>& labels) {
+  const std::string body = HttpGet(metrics_port, "/metrics");
+  if (body.empty()) return std::nan("");
+  return MetricValue(body, name, labels);
+}
+
 }  // namespace attn::testing

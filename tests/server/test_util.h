@@ -63,6 +63,8 @@ class AttndProcess {
   // Sends sig and waits for the exit status (-1 on a timeout).
   int SignalAndWait(int sig, int timeout_ms);
   std::string Log() const;
+  // The attnd process id (-1 once it has exited and been waited for).
+  int pid() const { return pid_; }
 
  private:
   int pid_ = -1;
@@ -70,5 +72,12 @@ class AttndProcess {
   int metrics_port_ = 0;
   std::string log_path_;
 };
+
+// Resident memory (VmRSS) of process pid from /proc/<pid>/status, in KiB; -1 when unreadable.
+int64_t VmRssKiB(int pid);
+// GETs /metrics from port and returns the value of one sample (summed over lines with all the
+// labels, see MetricValue); NaN when the scrape fails.
+double ScrapeMetric(int metrics_port, const std::string& name,
+                    const std::vector<std::string>& labels = {});
 
 }  // namespace attn::testing
