@@ -2,6 +2,8 @@
 """attnd flash forward vs PyTorch SDPA (flash and cuDNN backends) on one GPU.
 
 Usage: python3 bench_vs_torch.py --lib path/to/libattn_kernels_capi.so --out table.md
+       python3 bench_vs_torch.py --lib v1=a.so,v2=b.so --out table.md   (variants side by side;
+       the first is "ours" in the summary lines, each gets its own ratio columns and summary)
 Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; causal off/on.
 FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events, median over repeats after warm-up.
 """
@@ -43,7 +45,8 @@ def time_ms(fn, warmup, reps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", required=True)
+    ap.add_argument("--lib", required=True,
+                    help="library path, or comma-separated NAME=PATH list of variants")
     ap.add_argument("--out", required=True, help="markdown table output path")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
@@ -51,16 +54,25 @@ def main():
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--backends", default="flash,cudnn")
     args = ap.parse_args()
 
-    fn = load_lib(args.lib)
+    libs = []
+    for i, item in enumerate(args.lib.split(",")):
+        name, path = item.split("=", 1) if "=" in item else (f"v{i}", item)
+        libs.append((name, load_lib(path)))
+    multi = len(libs) > 1
+    backends = [x for x in (("flash", SDPBackend.FLASH_ATTENTION),
+                            ("cudnn", SDPBackend.CUDNN_ATTENTION))
+                if x[0] in args.backends.split(",")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
     for dname in args.dtypes.split(","):
         dtype = torch.bfloat16 if dname == "bf16" else torch.float16
         dcode = 2 if dname == "bf16" else 1
-        for causal in (False, True):
+        for causal in [bool(int(x)) for x in args.causal.split(",")]:
             for d in [int(x) for x in args.dims.split(",")]:
                 h = 2048 // d
                 for s in [int(x) for x in args.seqlens.split(",")]:
@@ -76,12 +88,14 @@ def main():
                     kt = k.view(b, s, h, d).transpose(1, 2)
                     vt = v.view(b, s, h, d).transpose(1, 2)
 
-                    def ours():
+                    def make_ours(fn):
+                      def ours():
                         rc = fn(dcode, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
                                 cu.data_ptr(), cu.data_ptr(), b, b * s, b * s, s, s, h, h, d, 0.0,
                                 int(causal), -1, -1, stream)
                         if rc != 0:
                             raise RuntimeError(f"attn_flash_fwd returned {rc}")
+                      return ours
 
                     def torch_backend(backend):
                         def run():
@@ -90,11 +104,12 @@ def main():
                         return run
 
                     flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
-                    t_ours = time_ms(ours, args.warmup, args.reps)
-                    res = {}
+                    t_var = {name: time_ms(make_ours(fn), args.warmup, args.reps)
+                             for name, fn in libs}
+                    t_ours = t_var[libs[0][0]]
+                    res = {"flash": None, "cudnn": None}
                     ref = None
-                    for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
-                                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    for name, be in backends:
                         try:
                             r = torch_backend(be)
                             out = r()
@@ -105,20 +120,33 @@ def main():
                             print(f"# {name} failed for {dname} causal={causal} d={d} s={s}: {e}",
                                   file=sys.stderr)
                             res[name] = None
-                    ours()
-                    torch.cuda.synchronize()
                     if ref is None:
                         with sdpa_kernel(SDPBackend.MATH):
                             ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(),
                                                                  is_causal=causal)
                     ref_p = ref.transpose(1, 2).reshape(b * s, h, d).float()
-                    err = ((o.float() - ref_p).norm() / ref_p.norm()).item()
+                    errs = {}
+                    for name, fn in libs:
+                        o.fill_(float("nan"))
+                        make_ours(fn)()
+                        torch.cuda.synchronize()
+                        errs[name] = ((o.float() - ref_p).norm() / ref_p.norm()).item()
+                    err = errs[libs[0][0]]
                     tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
                     row = dict(dtype=dname, causal=causal, d=d, s=s, ours=tf(t_ours),
-                               flash=tf(res["flash"]), cudnn=tf(res["cudnn"]), err=err)
+                               flash=tf(res["flash"]), cudnn=tf(res["cudnn"]), err=err,
+                               var={n: tf(t) for n, t in t_var.items()}, errs=errs)
                     rows.append(row)
                     fmt = lambda x: f"{x:.1f}" if x is not None else "n/a"
                     rat = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
+                    if multi:
+                        print(f"{dname} causal={int(causal)} d={d:3d} s={s:5d}: flash "
+                              f"{fmt(row['flash'])} cudnn {fmt(row['cudnn'])} | " + " | ".join(
+                                  f"{n} {fmt(row['var'][n])} x{rat(row['var'][n], row['flash'])} "
+                                  f"err {errs[n]:.1e}" for n, _ in libs), flush=True)
+                        del q, k, v, o, qt, kt, vt, ref, ref_p
+                        torch.cuda.empty_cache()
+                        continue
                     print(f"{dname} causal={int(causal)} d={d:3d} s={s:5d}: ours {fmt(row['ours'])} "
                           f"flash {fmt(row['flash'])} cudnn {fmt(row['cudnn'])} "
                           f"ours/flash {rat(row['ours'], row['flash'])} "
@@ -126,6 +154,9 @@ def main():
                     del q, k, v, o, qt, kt, vt, ref, ref_p
                     torch.cuda.empty_cache()
 
+    if multi:
+        write_multi(args, libs, rows)
+        return
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"date {datetime.date.today().isoformat()}, tokens/batch {args.tokens}, H*D = 2048, "
              f"median of {args.reps} after {args.warmup} warm-up (CUDA events). TFLOP/s.", "",
@@ -143,6 +174,35 @@ def main():
         if ratios:
             lines.append(f"ours/{key} for s>=1k: min {min(ratios):.3f}, median "
                          f"{statistics.median(ratios):.3f} (n={len(ratios)})")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+
+
+def write_multi(args, libs, rows):
+    names = [n for n, _ in libs]
+    f = lambda x: f"{x:.1f}" if x is not None else "n/a"
+    q = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
+    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"date {datetime.date.today().isoformat()}, tokens/batch {args.tokens}, H*D = 2048, "
+             f"median of {args.reps} after {args.warmup} warm-up (CUDA events). TFLOP/s; "
+             f"variants: {', '.join(names)}.", "",
+             "| dtype | causal | d | s | flash | cudnn | " +
+             " | ".join(f"{n} | {n}/flash | {n} err" for n in names) + " |",
+             "|---" * (6 + 3 * len(names)) + "|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {int(r['causal'])} | {r['d']} | {r['s']} | "
+                     f"{f(r['flash'])} | {f(r['cudnn'])} | " + " | ".join(
+                         f"{f(r['var'][n])} | {q(r['var'][n], r['flash'])} | {r['errs'][n]:.2e}"
+                         for n in names) + " |")
+    lines.append("")
+    for n in names:
+        for key in ("flash", "cudnn"):
+            ratios = [r["var"][n] / r[key] for r in rows if r["s"] >= 1024 and r[key]]
+            if ratios:
+                lines.append(f"{n}/{key} for s>=1k: min {min(ratios):.3f}, median "
+                             f"{statistics.median(ratios):.3f} (n={len(ratios)})")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "w") as fh:
