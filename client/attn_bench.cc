@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -232,8 +233,10 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth) {
   client->PrepareContext(&ctx, std::chrono::milliseconds(0));
   auto stream = client->stub()->AttendStream(&ctx);
   std::mutex mu;
+  std::condition_variable slot_free;
   std::vector<Clock::time_point> sent_at;
-  std::atomic<int> in_flight{0};
+  int in_flight = 0;
+  bool reader_done = false;
   std::thread reader([&] {
     attn::v1::AttendResponse r;
     while (stream->Read(&r)) {
@@ -247,18 +250,30 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth) {
                                   : grpc::Status(static_cast<grpc::StatusCode>(r.status_code()),
                                                  r.status_message());
       rec->Record(sent, Clock::now(), &r.timing(), st);
+      std::lock_guard<std::mutex> lock(mu);
       --in_flight;
+      slot_free.notify_one();
     }
+    std::lock_guard<std::mutex> lock(mu);
+    reader_done = true;
+    slot_free.notify_one();
   });
   attn::v1::AttendRequest request = p.attend;
   for (uint64_t id = 0; rec->Running(); ++id) {
-    while (in_flight.load() >= depth && rec->Running()) std::this_thread::yield();
     {
-      std::lock_guard<std::mutex> lock(mu);
+      // Blocks (no spinning) until a response frees a slot or the level's time is up.
+      std::unique_lock<std::mutex> lock(mu);
+      slot_free.wait_for(lock, std::chrono::milliseconds(50),
+                         [&] { return in_flight < depth || reader_done; });
+      if (reader_done) break;
+      if (in_flight >= depth) {
+        --id;
+        continue;
+      }
       sent_at.push_back(Clock::now());
+      ++in_flight;
     }
     request.set_request_id(id);
-    ++in_flight;
     if (!stream->Write(request)) break;
   }
   stream->WritesDone();
