@@ -398,7 +398,9 @@ TEST(ClientProcessFault, ClientKilledMidStream) {
 // --- SIGTERM with many clients and streams in flight ---------------------------------------
 
 TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
-  auto attnd = testing::AttndProcess::Start({"--max_queue_delay_us=2000", "--drain_timeout_s=20"});
+  // All clients share one identity (127.0.0.1): no per-client limit, this test is about SIGTERM.
+  auto attnd = testing::AttndProcess::Start(
+      {"--max_queue_delay_us=2000", "--drain_timeout_s=20", "--max_pending_per_client=0"});
   ASSERT_NE(attnd, nullptr);
   const std::string target = attnd->target();
   constexpr int kUnary = 8, kStreams = 4;

@@ -252,8 +252,15 @@ TEST(Soak, MixedTrafficNoUnexpectedErrorsFlatMemoryAndPending) {
   EXPECT_LE(pending_max, g_clients);
   EXPECT_EQ(pending_end, 0);
   // Flat: after the warm-up, RSS may move with allocator caching but must not keep growing.
-  EXPECT_LE(rss_last - rss_mid, 32 * 1024) << "attnd's RSS grows in the second half of the run";
-  EXPECT_LE(rss_last - rss_warm, 64 * 1024) << "attnd's RSS grows after the warm-up";
+  // Not under sanitizers: ASan's quarantine holds up to 256 MiB of freed memory by design (its
+  // leak checker at attnd's exit, which must be 0, covers leaks there).
+  const char* sanitizer = std::getenv("ATTN_SANITIZER");
+  if (sanitizer == nullptr || *sanitizer == '\0') {
+    EXPECT_LE(rss_last - rss_mid, 32 * 1024) << "attnd's RSS grows in the second half of the run";
+    EXPECT_LE(rss_last - rss_warm, 64 * 1024) << "attnd's RSS grows after the warm-up";
+  } else {
+    std::printf("soak: RSS not checked under the %s sanitizer\n", sanitizer);
+  }
   EXPECT_EQ(attnd->SignalAndWait(SIGTERM, 30000), 0) << attnd->Log();
 }
 
