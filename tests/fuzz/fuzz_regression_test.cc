@@ -13,8 +13,10 @@
 
 namespace {
 
+// Regular files under dir, sorted; none when dir does not exist (git keeps no empty folder).
 std::vector<std::filesystem::path> FilesUnder(const std::string& dir) {
   std::vector<std::filesystem::path> files;
+  if (!std::filesystem::is_directory(dir)) return files;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     if (e.is_regular_file() && e.path().filename().string()[0] != '.') files.push_back(e.path());
   }
