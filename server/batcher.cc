@@ -204,12 +204,12 @@ void Batcher::DispatchLoop() {
 
 void Batcher::FinishBatch(const BatchReport& report) {
   if (metrics_) metrics_->ObserveBatch(report);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    --in_flight_batches_;
-    running_jobs_ -= report.requests;
-    UpdatePendingLocked();
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  --in_flight_batches_;
+  running_jobs_ -= report.requests;
+  UpdatePendingLocked();
+  // Notified under the lock: once Drain sees the last batch finish, ~Batcher may destroy cv_,
+  // which must not happen while this thread is still inside notify_all (found by TSan).
   cv_.notify_all();
 }
 
