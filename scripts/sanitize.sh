@@ -6,7 +6,7 @@
 #   scripts/sanitize.sh address         # one of them
 #
 # Any sanitizer report fails the test that caused it (halt_on_error=1, exit code 66/67).
-# TSan runs a subset (kernels, server, batcher, end-to-end) to stay inside the CI budget;
+# TSan runs the tests that do not go through gRPC (kernels, batcher, fuzz path; see below);
 # ATTN_TSAN_TESTS (a ctest -R regex) changes it. Extra cmake arguments: ATTN_SANITIZE_CMAKE_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +19,7 @@ jobs=${ATTN_JOBS:-$(nproc)}
 test_jobs=${ATTN_TEST_JOBS:-2}
 
 # TSan builds only what its test subset needs; ASan builds everything (every test in ctest).
-tsan_targets=(cpu_attention_test batcher_test attnd_e2e_test fault_test soak_test
-              fuzz_regression_test attnd attnctl)
+tsan_targets=(cpu_attention_test batcher_test fuzz_regression_test)
 
 for kind in "${kinds[@]}"; do
   start=$(date +%s)
@@ -33,9 +32,12 @@ for kind in "${kinds[@]}"; do
     thread)
       dir=${ATTN_TSAN_BUILD_DIR:-build-tsan}
       san=thread
-      # The TSan run is the slowest (5-15x); the parametrized bad-input tables add nothing a
-      # race detector would find that the other server tests do not, so they are left out.
-      regex=${ATTN_TSAN_TESTS:-^(CpuAttention|Batcher|AttndEndToEnd|.*Fault|FaultChild|soak_short|FuzzRegression)}
+      # Only tests whose threads do not run through gRPC: Debian's gRPC (and its Abseil) is not
+      # built with -fsanitize=thread, so TSan cannot see its synchronization and reports
+      # thousands of races inside gRPC's call, arena and transport code in any test that makes
+      # calls (measured: >2000 reports over the server tests). The batcher (real threads, a fake
+      # backend), the CPU kernel's thread pool and the fuzz code path are covered.
+      regex=${ATTN_TSAN_TESTS:-^(CpuAttention|Batcher|FuzzRegression)}
       ;;
     *) echo "sanitize.sh: unknown sanitizer '$kind' (address or thread)" >&2; exit 2 ;;
   esac
