@@ -7,16 +7,7 @@ bin=$1; out=$2; secs=${3:-6}
 mkdir -p "$out"
 csv=$out/batching_ceiling.csv
 port=50152
-start_attnd() {
-  "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen= "$@" >>"$out/attnd.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 200); do
-    "$bin/attnctl" --target 127.0.0.1:$port health >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  return 1
-}
-stop_attnd() { kill -TERM $pid; wait $pid; }
+. "$(dirname "$0")/attnd_lib.sh"
 small=(--seq 128 --heads 16 --head-dim 128 --dtype bf16)
 run() { local label=$1; shift; echo "== $label"
   "$bin/attn-bench" --target 127.0.0.1:$port --duration_s "$secs" --warmup_s 2 --csv "$csv" \

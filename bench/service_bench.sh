@@ -10,17 +10,8 @@ bin=$1; out=$2; secs=${3:-6}
 mkdir -p "$out"
 csv=$out/service_bench.csv
 port=50151
+. "$(dirname "$0")/attnd_lib.sh"
 
-start_attnd() {  # flags...
-  "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen= "$@" >>"$out/attnd.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 200); do
-    "$bin/attnctl" --target 127.0.0.1:$port health >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  echo "attnd did not become healthy" >&2; return 1
-}
-stop_attnd() { kill -TERM $pid; wait $pid; }
 bench() {  # label, attn-bench flags...
   local label=$1; shift
   echo "== $label"

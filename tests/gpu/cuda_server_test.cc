@@ -28,25 +28,10 @@ bool HaveGpu(std::string* why) {
   return true;
 }
 
-struct CudaServer {
-  std::unique_ptr<AttnServer> server;
-  std::unique_ptr<client::Client> client;
-};
-
-CudaServer StartCudaServer(ServerOptions options = {}) {
-  options.listen = "127.0.0.1:0";
-  options.metrics_listen = "";
+testing::LoopbackServer StartCudaServer(ServerOptions options = {}) {
   options.backend = "cuda";
-  CudaServer s;
-  auto server = AttnServer::Create(options);
-  EXPECT_TRUE(server.ok()) << server.status();
-  if (!server.ok()) return s;
-  s.server = std::move(*server);
-  client::ClientOptions co;
-  co.target = "127.0.0.1:" + std::to_string(s.server->port());
-  co.max_message_bytes = 1ll << 30;
-  s.client = std::move(*client::Client::Create(co));
-  return s;
+  options.metrics_listen = "";
+  return testing::StartLoopbackServer(options);
 }
 
 class CudaServerTest : public ::testing::Test {

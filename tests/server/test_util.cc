@@ -23,7 +23,7 @@ namespace attn::testing {
 LoopbackServer StartLoopbackServer(ServerOptions options) {
   options.listen = "127.0.0.1:0";
   if (options.metrics_listen == ServerOptions().metrics_listen) options.metrics_listen = "127.0.0.1:0";
-  options.backend = "cpu";
+  if (options.backend == "auto") options.backend = "cpu";
   if (options.threads == 0) options.threads = 2;
   LoopbackServer s;
   auto server = AttnServer::Create(options);

@@ -12,7 +12,8 @@
 
 namespace attn::testing {
 
-// An AttnServer on 127.0.0.1 with an OS-chosen port, CPU backend, and a client for it.
+// An AttnServer on 127.0.0.1 with an OS-chosen port and a client for it; the backend is the
+// CPU one unless options name another.
 struct LoopbackServer {
   std::unique_ptr<AttnServer> server;
   std::unique_ptr<client::Client> client;

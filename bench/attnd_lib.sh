@@ -1,0 +1,15 @@
+# Shared by the service benchmarks: start and stop attnd on loopback.
+# Needs: bin (folder of attnd/attnctl/attn-bench), out (log folder), port.
+
+start_attnd() {  # flags...; sets pid
+  "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen= "$@" >>"$out/attnd.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 200); do
+    "$bin/attnctl" --target 127.0.0.1:$port health >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "attnd did not become healthy" >&2
+  return 1
+}
+
+stop_attnd() { kill -TERM "$pid"; wait "$pid"; }
