@@ -134,6 +134,17 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// Waits for the stream when it goes out of scope, so that pinned staging buffers are not handed
+// back to the pool while a copy that failed to complete its batch may still read or write them.
+class StreamSyncOnExit {
+ public:
+  explicit StreamSyncOnExit(cudaStream_t s) : s_(s) {}
+  ~StreamSyncOnExit() { cudaStreamSynchronize(s_); }
+
+ private:
+  cudaStream_t s_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
@@ -310,6 +321,7 @@ absl::Status CudaBackend::Process(Lane& lane, Batch& batch, BatchReport* report)
   RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
 
   cudaStream_t s = lane.stream;
+  const StreamSyncOnExit sync_on_exit(s);  // destroyed before the pinned buffers
   cudaEvent_t* ev = lane.events;
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], s));
   RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in.get(), in, layout.in_bytes,
