@@ -505,33 +505,23 @@ class NonFiniteInputTest : public ::testing::Test {
   // expect_nan) and every other row must match the float64 reference of the same inputs.
   static void Check(const testing::RandomRequest& r, const client::Tensor& o,
                     const std::function<bool(int64_t, int64_t)>& affected, bool expect_nan) {
-    kernels::AttentionArgs a;
-    a.num_heads = static_cast<int32_t>(r.q.shape[1]);
-    a.num_kv_heads = static_cast<int32_t>(r.k.shape[1]);
-    a.head_dim = static_cast<int32_t>(r.q.shape[2]);
-    a.causal = r.options.causal;
-    auto to_double = [](const client::Tensor& t) {
-      std::vector<float> f = t.ToFloats();
-      return std::vector<double>(f.begin(), f.end());
-    };
-    const auto ref = testing::ReferenceAttention(a, to_double(r.q), to_double(r.k),
-                                                 to_double(r.v), r.options.cu_seqlens_q,
-                                                 r.options.cu_seqlens_k);
+    const auto ref = testing::ReferenceFor(r);
     const std::vector<float> got = o.ToFloats();
+    const int64_t heads = r.q.shape[1], head_dim = r.q.shape[2];
     int64_t nan_rows = 0;
     for (int64_t t = 0; t < r.q.shape[0]; ++t) {
-      for (int64_t h = 0; h < a.num_heads; ++h) {
-        const int64_t base = (t * a.num_heads + h) * a.head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t base = (t * heads + h) * head_dim;
         if (affected(t, h)) {
           if (expect_nan) {
-            for (int c = 0; c < a.head_dim; ++c) {
+            for (int c = 0; c < head_dim; ++c) {
               ASSERT_TRUE(std::isnan(got[base + c])) << "row " << t << " head " << h;
             }
             ++nan_rows;
           }
           continue;
         }
-        for (int c = 0; c < a.head_dim; ++c) {
+        for (int c = 0; c < head_dim; ++c) {
           ASSERT_TRUE(std::isfinite(got[base + c])) << "row " << t << " head " << h;
           ASSERT_NEAR(got[base + c], ref.o[base + c], 1e-4) << "row " << t << " head " << h;
         }

@@ -120,8 +120,7 @@ double ToleranceFor(client::DType dtype) {
   return 0;
 }
 
-double ErrorAgainstReference(const RandomRequest& r, const client::Tensor& o) {
-  if (o.shape != r.q.shape || o.dtype != r.q.dtype) return INFINITY;
+ReferenceResult ReferenceFor(const RandomRequest& r) {
   kernels::AttentionArgs a;
   a.num_heads = static_cast<int32_t>(r.q.shape[1]);
   a.num_kv_heads = static_cast<int32_t>(r.k.shape[1]);
@@ -134,8 +133,13 @@ double ErrorAgainstReference(const RandomRequest& r, const client::Tensor& o) {
     std::vector<float> f = t.ToFloats();
     return std::vector<double>(f.begin(), f.end());
   };
-  const auto ref = ReferenceAttention(a, to_double(r.q), to_double(r.k), to_double(r.v),
-                                      r.options.cu_seqlens_q, r.options.cu_seqlens_k);
+  return ReferenceAttention(a, to_double(r.q), to_double(r.k), to_double(r.v),
+                            r.options.cu_seqlens_q, r.options.cu_seqlens_k);
+}
+
+double ErrorAgainstReference(const RandomRequest& r, const client::Tensor& o) {
+  if (o.shape != r.q.shape || o.dtype != r.q.dtype) return INFINITY;
+  const ReferenceResult ref = ReferenceFor(r);
   const std::vector<float> got = o.ToFloats();
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.o.size(); ++i) {

@@ -9,6 +9,7 @@
 
 #include "attn/client/client.h"
 #include "attn_server.h"
+#include "common/reference.h"
 
 namespace attn::testing {
 
@@ -47,6 +48,9 @@ struct RandomRequest {
   client::AttendOptions options;
 };
 RandomRequest MakeRandomRequest(const RequestShape& shape, std::mt19937_64& rng);
+
+// The float64 reference (o and lse) of a request, with its mask, window and scale.
+ReferenceResult ReferenceFor(const RandomRequest& r);
 
 // Relative L2 error of o against the float64 reference of the request, or +inf when o has the
 // wrong size or non-finite values.
