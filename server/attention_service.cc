@@ -123,6 +123,8 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 // batcher, and writes responses as they complete (one write outstanding at a time). Owns the
 // requests and responses of its items until each is written; deletes itself in OnDone, which
 // gRPC calls only after Finish, which is called only once no item is in flight.
+// Finish is called with mu_ released and is the last thing that touches this object: when it is
+// called from a backend thread (Complete), OnDone may run and delete it before Finish returns.
 class AttendStreamReactor final
     : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
  public:
@@ -136,7 +138,9 @@ class AttendStreamReactor final
     std::unique_lock<std::mutex> lock(mu_);
     if (!ok) {
       reads_done_ = true;
-      MaybeFinishLocked();
+      const bool finish = ReadyToFinishLocked();
+      lock.unlock();
+      if (finish) Finish(final_status_);
       return;
     }
     Item* item = reading_.release();
@@ -152,12 +156,16 @@ class AttendStreamReactor final
   }
 
   void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    writing_ = false;
-    write_queue_.pop_front();
-    if (!ok) write_failed_ = true;
-    WriteNextLocked();
-    MaybeFinishLocked();
+    bool finish;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
+      write_queue_.pop_front();
+      if (!ok) write_failed_ = true;
+      WriteNextLocked();
+      finish = ReadyToFinishLocked();
+    }
+    if (finish) Finish(final_status_);
   }
 
   void OnDone() override {
@@ -200,12 +208,16 @@ class AttendStreamReactor final
     item->response.set_request_id(item->request.request_id());
     item->response.set_status_code(static_cast<int32_t>(st.code()));
     if (!st.ok()) item->response.set_status_message(std::string(st.message()));
-    std::lock_guard<std::mutex> lock(mu_);
-    --in_flight_;
-    write_queue_.emplace_back(item);
-    WriteNextLocked();
-    if (read_paused_ && !reads_done_ && in_flight_ < kMaxInFlight) StartNextReadLocked();
-    MaybeFinishLocked();
+    bool finish;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --in_flight_;
+      write_queue_.emplace_back(item);
+      WriteNextLocked();
+      if (read_paused_ && !reads_done_ && in_flight_ < kMaxInFlight) StartNextReadLocked();
+      finish = ReadyToFinishLocked();
+    }
+    if (finish) Finish(final_status_);  // may delete this
   }
 
   void WriteNextLocked() {
@@ -219,12 +231,16 @@ class AttendStreamReactor final
     StartWrite(&write_queue_.front()->response);
   }
 
-  void MaybeFinishLocked() {
-    if (finished_ || !reads_done_ || in_flight_ > 0 || writing_ || !write_queue_.empty()) return;
+  // True exactly once: when nothing is left to read, compute or write. The caller then calls
+  // Finish(final_status_) after releasing mu_; nothing else can touch final_status_ by then.
+  bool ReadyToFinishLocked() {
+    if (finished_ || !reads_done_ || in_flight_ > 0 || writing_ || !write_queue_.empty()) {
+      return false;
+    }
     finished_ = true;
     final_status_ = ctx_->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")
                                         : grpc::Status::OK;
-    Finish(final_status_);
+    return true;
   }
 
   AttentionService* const service_;

@@ -141,6 +141,7 @@ void Client::PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds 
     ctx->AddMetadata("authorization", "Bearer " + options_.bearer_token);
   }
   if (timeout.count() > 0) ctx->set_deadline(std::chrono::system_clock::now() + timeout);
+  if (options_.wait_for_ready) ctx->set_wait_for_ready(true);
 }
 
 v1::AttendRequest Client::BuildAttendRequest(const Tensor& q, const Tensor& k, const Tensor& v,

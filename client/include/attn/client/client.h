@@ -60,6 +60,10 @@ struct ClientOptions {
   // A connection of this client's own instead of one shared with other channels to the same
   // target (load generators want one per worker).
   bool unique_channel = false;
+  // Calls wait (up to their deadline) while the channel connects or reconnects instead of failing
+  // at once with UNAVAILABLE; for callers that may start before the server is reachable or open
+  // many connections at once. Off: a server that is down fails calls fast.
+  bool wait_for_ready = false;
 };
 
 class Client {
