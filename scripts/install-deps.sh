@@ -10,8 +10,8 @@ build_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 # Tools the tests use: promtool and a real Prometheus, openssl for TLS certificates, yamllint,
-# clang for the fuzzer and sanitizer builds, curl for scraping.
-test_pkgs=(prometheus openssl yamllint clang libclang-rt-14-dev curl)
+# clang for the fuzzer and sanitizer builds, curl for scraping, python3 for the TSan triage.
+test_pkgs=(prometheus openssl yamllint clang libclang-rt-14-dev curl python3)
 
 want=("${build_pkgs[@]}")
 [ "${ATTN_DEPS_BUILD_ONLY:-0}" = 1 ] || want+=("${test_pkgs[@]}")

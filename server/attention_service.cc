@@ -7,6 +7,7 @@
 #include "batcher.h"
 #include "metrics.h"
 #include "status_util.h"
+#include "tsan_annotations.h"
 
 namespace attn {
 namespace {
@@ -102,6 +103,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
                                                    const v1::AttendRequest* request,
                                                    v1::AttendResponse* response) {
   const auto arrival = Clock::now();
+  OnCallArrived(arrival);
   auto* reactor = ctx->DefaultReactor();
   const int64_t received = static_cast<int64_t>(request->ByteSizeLong());
   absl::StatusOr<std::string> client = Identify(ctx);
@@ -135,12 +137,13 @@ class AttendStreamReactor final
   }
 
   void OnReadDone(bool ok) override {
+    TakeBackFromGrpc(this);
     std::unique_lock<std::mutex> lock(mu_);
     if (!ok) {
       reads_done_ = true;
       const bool finish = ReadyToFinishLocked();
       lock.unlock();
-      if (finish) Finish(final_status_);
+      if (finish) FinishCall();
       return;
     }
     Item* item = reading_.release();
@@ -156,6 +159,7 @@ class AttendStreamReactor final
   }
 
   void OnWriteDone(bool ok) override {
+    TakeBackFromGrpc(this);
     bool finish;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -165,10 +169,11 @@ class AttendStreamReactor final
       WriteNextLocked();
       finish = ReadyToFinishLocked();
     }
-    if (finish) Finish(final_status_);
+    if (finish) FinishCall();
   }
 
   void OnDone() override {
+    TakeBackFromGrpc(this);
     if (service_->metrics_) {
       const grpc::StatusCode code = final_status_.error_code();
       service_->metrics_->ObserveRequest(Rpc::kAttendStream, code, Seconds(Clock::now() - start_),
@@ -191,11 +196,13 @@ class AttendStreamReactor final
   void StartNextReadLocked() {
     read_paused_ = false;
     reading_ = std::make_unique<Item>();
+    HandOffToGrpc(this);
     StartRead(&reading_->request);
   }
 
   void Submit(Item* item) {
     const auto arrival = Clock::now();
+    service_->OnCallArrived(arrival);
     received_ += static_cast<int64_t>(item->request.ByteSizeLong());
     absl::Status st =
         service_->SubmitAttend(ctx_, client_, &item->request, &item->response, arrival,
@@ -217,7 +224,7 @@ class AttendStreamReactor final
       if (read_paused_ && !reads_done_ && in_flight_ < kMaxInFlight) StartNextReadLocked();
       finish = ReadyToFinishLocked();
     }
-    if (finish) Finish(final_status_);  // may delete this
+    if (finish) FinishCall();  // may delete this
   }
 
   void WriteNextLocked() {
@@ -228,11 +235,12 @@ class AttendStreamReactor final
     }
     writing_ = true;
     sent_ += static_cast<int64_t>(write_queue_.front()->response.ByteSizeLong());
+    HandOffToGrpc(this);
     StartWrite(&write_queue_.front()->response);
   }
 
   // True exactly once: when nothing is left to read, compute or write. The caller then calls
-  // Finish(final_status_) after releasing mu_; nothing else can touch final_status_ by then.
+  // FinishCall after releasing mu_; nothing else can touch final_status_ by then.
   bool ReadyToFinishLocked() {
     if (finished_ || !reads_done_ || in_flight_ > 0 || writing_ || !write_queue_.empty()) {
       return false;
@@ -241,6 +249,12 @@ class AttendStreamReactor final
     final_status_ = ctx_->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")
                                         : grpc::Status::OK;
     return true;
+  }
+
+  // The last thing to touch this object: OnDone may delete it before Finish returns.
+  void FinishCall() {
+    HandOffToGrpc(this);
+    Finish(final_status_);
   }
 
   AttentionService* const service_;
@@ -267,9 +281,11 @@ class RejectedStreamReactor final
  public:
   RejectedStreamReactor(AttentionService* service, const absl::Status& st)
       : service_(service), start_(Clock::now()), status_(ToGrpcStatus(st)) {
+    HandOffToGrpc(this);
     Finish(status_);
   }
   void OnDone() override {
+    TakeBackFromGrpc(this);
     if (service_->metrics_) {
       service_->metrics_->ObserveRequest(Rpc::kAttendStream, status_.error_code(),
                                          Seconds(Clock::now() - start_), 0, 0);
@@ -285,6 +301,7 @@ class RejectedStreamReactor final
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
     grpc::CallbackServerContext* ctx) {
+  OnCallArrived(Clock::now());
   absl::StatusOr<std::string> client = Identify(ctx);
   if (!client.ok()) return new RejectedStreamReactor(this, client.status());
   return new AttendStreamReactor(this, ctx, std::move(*client));
@@ -292,6 +309,7 @@ grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService
 
 grpc::ServerUnaryReactor* AttentionService::Unimplemented(grpc::CallbackServerContext* ctx,
                                                           Rpc rpc, int64_t received) {
+  OnCallArrived(Clock::now());
   auto* reactor = ctx->DefaultReactor();
   absl::StatusOr<std::string> client = Identify(ctx);
   FinishUnary(reactor, rpc, Clock::now(),
@@ -328,6 +346,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
                                                           const v1::GetServerInfoRequest*,
                                                           v1::GetServerInfoResponse* response) {
   const auto start = Clock::now();
+  OnCallArrived(start);
   if (absl::StatusOr<std::string> client = Identify(ctx); !client.ok()) {
     auto* reactor = ctx->DefaultReactor();
     FinishUnary(reactor, Rpc::kGetServerInfo, start, client.status(), 0, 0);
@@ -356,6 +375,7 @@ grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ct
                                                  const v1::EchoRequest* request,
                                                  v1::EchoResponse* response) {
   const auto start = Clock::now();
+  OnCallArrived(start);
   if (absl::StatusOr<std::string> client = Identify(ctx); !client.ok()) {
     auto* reactor = ctx->DefaultReactor();
     FinishUnary(reactor, Rpc::kEcho, start, client.status(),

@@ -10,6 +10,7 @@
 #include "attn/v1/attention.grpc.pb.h"
 #include "backend.h"
 #include "metrics.h"
+#include "tsan_annotations.h"
 
 namespace attn {
 
@@ -34,6 +35,10 @@ class AttentionService final : public v1::Attention::CallbackService {
 
   // New calls get UNAVAILABLE from now on; calls already accepted complete.
   void StartDraining() { draining_.store(true); }
+  // True when no call (nor AttendStream item) has arrived after t.
+  bool NoCallSince(Clock::time_point t) const {
+    return last_arrival_ns_.load() <= t.time_since_epoch().count();
+  }
   // Requests currently counted against max_pending_per_client, over all clients.
   int64_t PendingPerClientTotal() const { return pending_.TotalPending(); }
 
@@ -82,7 +87,15 @@ class AttentionService final : public v1::Attention::CallbackService {
   Batcher* const batcher_;
   const Backend* const backend_;
   Metrics* const metrics_;
+  // Where every handler (and every AttendStream item) starts: takes the service over from gRPC's
+  // thread (for TSan, tsan_annotations.h) and records the arrival (for NoCallSince).
+  void OnCallArrived(Clock::time_point t) {
+    TakeBackFromGrpc(this);
+    last_arrival_ns_.store(t.time_since_epoch().count());
+  }
+
   std::atomic<bool> draining_{false};
+  std::atomic<Clock::rep> last_arrival_ns_{0};
   PendingLimiter pending_;
 };
 

@@ -6,6 +6,7 @@
 
 #include <future>
 #include <iostream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "attention_service.h"
@@ -14,6 +15,7 @@
 #include "cpu_backend.h"
 #include "metrics.h"
 #include "status_util.h"
+#include "tsan_annotations.h"
 #include "version.h"
 #ifdef ATTN_HAVE_CUDA
 #include "cuda_backend.h"
@@ -113,6 +115,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  HandOffToGrpc(s->service_.get());  // its handlers run on gRPC's threads from now on
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
@@ -184,15 +187,30 @@ void AttnServer::ReportMemoryLoop() {
 }
 
 void AttnServer::Drain() {
-  Log("draining: health NOT_SERVING, finishing accepted requests");
+  Log("draining: health NOT_SERVING, new calls UNAVAILABLE, finishing accepted requests");
   server_->GetHealthCheckService()->Shutdown();
   service_->StartDraining();
+  WaitUntilQuiet();
   batcher_->Drain();
   const auto deadline =
       std::chrono::system_clock::now() +
       std::chrono::milliseconds(static_cast<int64_t>(options_.drain_timeout_s * 1000));
   server_->Shutdown(deadline);
   Log("drained");
+}
+
+// The lame-duck part of the drain. gRPC's Shutdown cancels (CANCELLED, which clients do not
+// retry) a call that is on the wire but not yet handed to the service; refusing calls with
+// UNAVAILABLE until they stop coming keeps that window empty for clients that move on.
+void AttnServer::WaitUntilQuiet() {
+  constexpr auto kQuietPeriod = std::chrono::milliseconds(200);
+  const auto until = Clock::now() + std::chrono::milliseconds(
+                                        static_cast<int64_t>(options_.drain_grace_s * 1000));
+  while (Clock::now() < until) {
+    if (batcher_->Pending() == 0 && service_->NoCallSince(Clock::now() - kQuietPeriod)) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  Log("drain grace over with calls still arriving");
 }
 
 void AttnServer::Wait() { server_->Wait(); }

@@ -32,8 +32,9 @@ class AttnServer {
   int64_t PendingPerClientTotal() const;
   const Backend& backend() const { return *backend_; }
 
-  // Health goes NOT_SERVING, new calls get UNAVAILABLE, queued and running requests finish,
-  // then the gRPC server shuts down (calls still open after drain_timeout are cancelled).
+  // Health goes NOT_SERVING and new calls get UNAVAILABLE until the server is quiet (at most
+  // drain_grace_s), queued and running requests finish, then the gRPC server shuts down (calls
+  // still open after drain_timeout are cancelled).
   void Drain();
   // Blocks until the gRPC server has shut down.
   void Wait();
@@ -41,6 +42,7 @@ class AttnServer {
  private:
   AttnServer() = default;
   absl::Status WarmUp();
+  void WaitUntilQuiet();
   void ReportMemoryLoop();
 
   ServerOptions options_;

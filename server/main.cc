@@ -40,6 +40,10 @@ ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
           "Pinned host staging pool bound, bytes (CUDA backend)");
+ABSL_FLAG(double, drain_grace_s, kDefaults.drain_grace_s,
+          "On SIGTERM/SIGINT, the longest time new calls are refused with UNAVAILABLE (so clients "
+          "go elsewhere) before the listener closes; ends early once no call has arrived for "
+          "200 ms and nothing is queued or running");
 ABSL_FLAG(double, drain_timeout_s, kDefaults.drain_timeout_s,
           "On SIGTERM/SIGINT, how long open calls get to finish, seconds");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert,
@@ -72,6 +76,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.streams = absl::GetFlag(FLAGS_streams);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
+  o.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);
   o.drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);

@@ -132,17 +132,24 @@ TEST(AttndEndToEnd, SigtermDrainsInFlightRequestsAndExitsZero) {
   constexpr int kClients = 6;
   std::vector<testing::RandomRequest> requests;
   for (int i = 0; i < kClients; ++i) requests.push_back(MakeRandomRequest(shape, rng));
-  std::atomic<int> started{0};
   std::vector<std::future<absl::StatusOr<client::AttendResult>>> results;
   for (int i = 0; i < kClients; ++i) {
     results.push_back(std::async(std::launch::async, [&, i] {
       auto c = ClientFor(*attnd);
-      ++started;
       return c->Attend(requests[i].q, requests[i].k, requests[i].v, requests[i].options);
     }));
   }
-  while (started.load() < kClients) std::this_thread::yield();
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  // SIGTERM once every request has reached attnd (queued, running or answered), bounded; at
+  // least one is still in flight then unless the host is very fast.
+  const auto arrived = [&] {
+    const int port = attnd->metrics_port();
+    return testing::ScrapeMetric(port, "attn_pending_requests") +
+           testing::ScrapeMetric(port, "attn_requests_total", {"rpc=\"Attend\""});
+  };
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (arrived() < kClients && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
   const int exit_code = attnd->SignalAndWait(SIGTERM, 60000);
   int ok = 0;
   for (int i = 0; i < kClients; ++i) {

@@ -87,7 +87,8 @@ testing::RandomRequest Small(std::mt19937_64& rng) {
 // A request that takes a noticeable time on the CPU backend (~0.1-0.5 s).
 testing::RandomRequest Large(std::mt19937_64& rng) {
   RequestShape shape;
-  shape.seq_q = shape.seq_k = 1024;
+  // Under TSan the float64 reference of each answer is slow; the test is about bytes, not time.
+  shape.seq_q = shape.seq_k = Slowdown() >= 8 ? 256 : 1024;
   shape.heads = shape.kv_heads = 4;
   return MakeRandomRequest(shape, rng);
 }
@@ -200,7 +201,7 @@ TEST_F(QueuedFaultTest, DeadlineExpiresInQueueAndIsNotComputed) {
   const double batches = Batches(port_);
   const auto r = Small(rng_);
   auto opts = r.options;
-  opts.timeout = 300ms;
+  opts.timeout = Scaled(300ms);
   const auto start = std::chrono::steady_clock::now();
   auto result = s_.client->Attend(r.q, r.k, r.v, opts);
   ASSERT_FALSE(result.ok());
@@ -238,17 +239,18 @@ TEST_F(ImmediateFaultTest, DeadlineExpiresDuringCompute) {
   shape.heads = shape.kv_heads = 4;
   const auto big = MakeRandomRequest(shape, rng_);
   // ~4.3 GFLOP: over a second on two idle cores of a 2020s x86 server, far more than the
-  // 300 ms timeout; with no batching delay its compute starts within a few ms of arrival.
+  // 300 ms timeout (sanitized builds: timeout and work scaled up); with no batching delay its
+  // compute starts within a few ms of arrival.
   ExpectAnswered(*s_.client, Small(rng_), "warm-up");
   ASSERT_TRUE(WaitIdle(port_, idle_));  // the warm-up's batch is counted once pending is 0
   auto opts = big.options;
-  opts.timeout = 300ms;
+  opts.timeout = Scaled(300ms);
   const double batches = Batches(port_);
   const auto start = std::chrono::steady_clock::now();
   auto result = s_.client->Attend(big.q, big.k, big.v, opts);
   const auto elapsed = std::chrono::steady_clock::now() - start;
   ASSERT_FALSE(result.ok()) << "answered in " << std::chrono::duration<double>(elapsed).count()
-                            << " s, within its 300 ms timeout";
+                            << " s, within its timeout";
   EXPECT_EQ(result.status().code(), absl::StatusCode::kDeadlineExceeded) << result.status();
   EXPECT_LT(elapsed, Scaled(1500ms));  // the client was not kept waiting for the compute
   EXPECT_TRUE(WaitIdle(port_, idle_, 60s));
@@ -323,7 +325,7 @@ TEST(FaultChild, StreamForever) {
   auto stream = c->stub()->AttendStream(&ctx);
   std::mt19937_64 rng(4);
   RequestShape shape;
-  shape.seq_q = shape.seq_k = 256;
+  shape.seq_q = shape.seq_k = 64;  // small: the dead stream's last batch must not take long
   const auto r = MakeRandomRequest(shape, rng);
   v1::AttendRequest req = client::Client::BuildAttendRequest(r.q, r.k, r.v, r.options);
   std::thread writer([&] {
@@ -399,17 +401,17 @@ TEST(ClientProcessFault, ClientKilledMidStream) {
 
 TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
   // All clients share one identity (127.0.0.1): no per-client limit, this test is about SIGTERM.
-  auto attnd = testing::AttndProcess::Start(
-      {"--max_queue_delay_us=2000", "--drain_timeout_s=20", "--max_pending_per_client=0"});
+  // A grace long enough for every client to see UNAVAILABLE and stop, so that the quiet rule,
+  // not the cap, is what ends it (checked in the log below).
+  auto attnd = testing::AttndProcess::Start({"--max_queue_delay_us=2000", "--drain_grace_s=60",
+                                             "--drain_timeout_s=20", "--max_pending_per_client=0"});
   ASSERT_NE(attnd, nullptr);
   const std::string target = attnd->target();
   constexpr int kUnary = 8, kStreams = 4;
   std::atomic<bool> stop{false};
-  std::atomic<bool> sigterm_sent{false};
   std::atomic<int> answered_before{0};
   struct Tally {
     int ok = 0, unavailable = 0, other = 0;
-    int cancelled_at_shutdown = 0;  // see below
     std::string others;
   };
   auto unary = [&](int id) {
@@ -417,33 +419,31 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
     std::mt19937_64 rng(100 + id);
     auto c = ClientFor(target);
     RequestShape shape;
-    shape.seq_q = shape.seq_k = 128 + 32 * id;
+    shape.seq_q = shape.seq_k = 64 + 16 * id;
     shape.causal = id % 2;
+    // Answers are checked after the loop: a client that pauses between calls longer than the
+    // drain's quiet period (200 ms) could send its next call just as the listener closes.
+    std::vector<std::pair<testing::RandomRequest, client::Tensor>> answers;
     while (!stop.load()) {
-      const auto r = MakeRandomRequest(shape, rng);
+      auto r = MakeRandomRequest(shape, rng);
       auto opts = r.options;
       opts.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(Scaled(60s));
-      const bool after_sigterm = sigterm_sent.load();
       auto res = c->Attend(r.q, r.k, r.v, opts);
       if (res.ok()) {
         ++t.ok;
         ++answered_before;
-        EXPECT_LE(testing::ErrorAgainstReference(r, res->o), testing::ToleranceFor(r.q.dtype));
+        answers.emplace_back(std::move(r), std::move(res->o));
       } else if (res.status().code() == absl::StatusCode::kUnavailable) {
         ++t.unavailable;
         break;  // the server is going away; later calls would only be refused too
-      } else if (after_sigterm && res.status().code() == absl::StatusCode::kCancelled &&
-                 res.status().message() == "CANCELLED") {
-        // Known gap: a call that reaches the transport at the instant gRPC's Shutdown starts
-        // (after the drain) is cancelled by gRPC core before attnd's handler sees it. Only calls
-        // sent after SIGTERM can hit it; every call sent before SIGTERM must complete.
-        ++t.cancelled_at_shutdown;
-        break;
       } else {
         ++t.other;
         t.others += res.status().ToString() + "\n";
         break;
       }
+    }
+    for (const auto& [request, o] : answers) {
+      EXPECT_LE(testing::ErrorAgainstReference(request, o), testing::ToleranceFor(o.dtype));
     }
     return t;
   };
@@ -470,7 +470,7 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
           sent.emplace(i, std::move(r));
         }
         if (!stream->Write(req)) break;
-        std::this_thread::sleep_for(5ms);
+        std::this_thread::sleep_for(Scaled(20ms));  // an offered load the build can keep up with
       }
       stream->WritesDone();
     });
@@ -510,7 +510,6 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
     std::this_thread::sleep_for(10ms);
   }
   std::this_thread::sleep_for(200ms);
-  sigterm_sent = true;
   const int exit_code = attnd->SignalAndWait(SIGTERM, static_cast<int>(Scaled(60s).count()));
   stop = true;
   Tally total;
@@ -520,16 +519,15 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
     total.ok += t.ok;
     total.unavailable += t.unavailable;
     total.other += t.other;
-    total.cancelled_at_shutdown += t.cancelled_at_shutdown;
     total.others += t.others;
   }
   EXPECT_EQ(exit_code, 0) << attnd->Log();
   EXPECT_EQ(total.other, 0) << total.others;
   EXPECT_GT(total.ok, 0);
   std::cout << "SIGTERM under load: " << total.ok << " answered, " << total.unavailable
-            << " UNAVAILABLE, " << total.cancelled_at_shutdown
-            << " sent after SIGTERM and cancelled by gRPC's shutdown\n";
+            << " UNAVAILABLE, nothing else\n";
   EXPECT_NE(attnd->Log().find("drained"), std::string::npos) << attnd->Log();
+  EXPECT_EQ(attnd->Log().find("drain grace over"), std::string::npos) << attnd->Log();
 }
 
 }  // namespace

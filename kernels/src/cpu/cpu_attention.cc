@@ -67,8 +67,18 @@ KeyRange VisibleKeys(const AttentionArgs& a, int64_t i, int64_t sq, int64_t sk) 
   return {lo, hi};
 }
 
+// The two tile products read and write only the calling worker's own scratch. Under TSan their
+// inner loops are left uninstrumented: instrumenting them makes the kernel ~100x slower and can
+// find nothing there. What fills the scratch (LoadRow, LoadKeyTile), the softmax and the output
+// stores stay instrumented, so two workers sharing scratch or output are still caught.
+#if defined(__SANITIZE_THREAD__)
+#define ATTN_SCRATCH_ONLY __attribute__((no_sanitize("thread")))
+#else
+#define ATTN_SCRATCH_ONLY
+#endif
+
 // S[r][0..n) += q_r[c] * kt[c][0..n) over c: vectorizes over the key index.
-ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q, const float* __restrict kt,
+ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q, const float* __restrict kt,
                                   float* __restrict s, int rows, int n, int d) {
   for (int r = 0; r < rows; ++r) {
     float* __restrict sr = s + r * kBlockN;
@@ -84,7 +94,7 @@ ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q, const float* __rest
 }
 
 // acc[r][0..d) = acc[r] * alpha_r + sum_j p[r][j] * v[j][0..d).
-ATTN_CPU_VECTORIZE void AccumulateTile(const float* __restrict p, const float* __restrict v,
+ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void AccumulateTile(const float* __restrict p, const float* __restrict v,
                                        float* __restrict acc, const float* __restrict alpha,
                                        int rows, int n, int d) {
   for (int r = 0; r < rows; ++r) {

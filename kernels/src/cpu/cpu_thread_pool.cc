@@ -21,24 +21,27 @@ CpuThreadPool::~CpuThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-void CpuThreadPool::Drain(int worker) {
-  for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i, worker);
+void CpuThreadPool::Drain(const std::function<void(int64_t, int)>& fn, int64_t n, int worker) {
+  for (int64_t i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) fn(i, worker);
 }
 
 void CpuThreadPool::WorkerLoop(int worker) {
   uint64_t seen = 0;
   for (;;) {
+    const std::function<void(int64_t, int)>* fn;
+    int64_t n;
     {
       std::unique_lock<std::mutex> lock(mu_);
       work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
-      ++busy_;
+      fn = fn_;
+      n = n_;
     }
-    Drain(worker);
+    Drain(*fn, n, worker);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--busy_ == 0) done_cv_.notify_all();
+      if (--unfinished_workers_ == 0) done_cv_.notify_all();
     }
   }
 }
@@ -55,13 +58,15 @@ void CpuThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int
     fn_ = &fn;
     n_ = n;
     next_.store(0);
+    unfinished_workers_ = static_cast<int>(threads_.size());
     ++generation_;
   }
   work_cv_.notify_all();
-  Drain(0);
-  // Workers that woke late find no items left; wait until none still runs an item.
+  Drain(fn, n, 0);
+  // Every worker checks in for every call, even one that wakes after the items ran out: one that
+  // came late to this call must not find the next call's state half written.
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return busy_ == 0; });
+  done_cv_.wait(lock, [&] { return unfinished_workers_ == 0; });
   fn_ = nullptr;
 }
 

@@ -32,7 +32,7 @@ class CpuThreadPool {
  private:
   explicit CpuThreadPool(int num_threads);
   void WorkerLoop(int worker);
-  void Drain(int worker);
+  void Drain(const std::function<void(int64_t, int)>& fn, int64_t n, int worker);
 
   std::mutex call_mu_;  // one ParallelFor at a time
   std::mutex mu_;
@@ -42,7 +42,7 @@ class CpuThreadPool {
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
   uint64_t generation_ = 0;
-  int busy_ = 0;
+  int unfinished_workers_ = 0;  // workers yet to finish the current call
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };
