@@ -37,13 +37,14 @@ def is_skipped(func, path):
 
 class Triage:
     def __init__(self, src):
-        self.src = os.path.realpath(src) + "/"
+        # The compiler may have seen the tree by its physical or its logical (symlinked) path.
+        self.roots = {os.path.realpath(src) + "/", os.path.abspath(src) + "/"}
 
     def is_ours(self, path):
-        if not path.startswith(self.src):
-            return False
-        rel = path[len(self.src):]
-        return not rel.startswith("build")
+        for root in self.roots:
+            if path.startswith(root):
+                return not path[len(root):].startswith("build")
+        return False
 
     def owner(self, frames):
         """'ours', 'theirs' or None (no frame with a file)."""
