@@ -31,7 +31,7 @@ ACCESS = re.compile(r"^  (Previous )?(atomic )?(read|write|Read|Write|Atomic rea
 
 
 def is_skipped(func, path):
-    return ("/libsanitizer/" in path or path.startswith("/usr/include/c++/")
+    return ("/libsanitizer/" in path or re.match(r"/usr/include/(\w+-linux-gnu/)?c\+\+/", path)
             or func.startswith("operator new") or func.startswith("operator delete"))
 
 
