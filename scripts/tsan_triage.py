@@ -55,33 +55,24 @@ class Triage:
         return None
 
     def classify(self, report):
-        lines = report.splitlines()
         kind_match = re.search(r"WARNING: ThreadSanitizer: ([^(\n]+)", report)
         kind = kind_match.group(1).strip() if kind_match else "unknown"
-        stacks, current, in_access = [], None, False
-        for line in lines:
+        # The report's stacks in order, each as (is it a racing access, its frames).
+        stacks = []
+        for line in report.splitlines():
             if line.startswith("  ") and not line.startswith("    "):
-                in_access = bool(ACCESS.match(line))
-                current = [] if in_access else None
-                if current is not None:
-                    stacks.append(current)
+                stacks.append((bool(ACCESS.match(line)), []))
                 continue
             m = FRAME.match(line)
-            if m and current is not None:
-                current.append((m.group("func"), m.group("file") or ""))
+            if m:
+                if not stacks:  # frames right under the WARNING line
+                    stacks.append((False, []))
+                stacks[-1][1].append((m.group("func"), m.group("file") or ""))
         if kind.startswith("data race"):
-            owners = [self.owner(s) for s in stacks]
-            ours = len(owners) >= 2 and all(o == "ours" for o in owners)
-        else:
-            first = []
-            for line in lines:
-                m = FRAME.match(line)
-                if m:
-                    first.append((m.group("func"), m.group("file") or ""))
-                elif first:
-                    break
-            ours = self.owner(first) == "ours"
-        return kind, ours
+            owners = [self.owner(frames) for is_access, frames in stacks if is_access]
+            return kind, len(owners) >= 2 and all(o == "ours" for o in owners)
+        first = next((frames for _, frames in stacks if frames), [])
+        return kind, self.owner(first) == "ours"
 
 
 def main():

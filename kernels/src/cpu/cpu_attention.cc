@@ -78,8 +78,9 @@ KeyRange VisibleKeys(const AttentionArgs& a, int64_t i, int64_t sq, int64_t sk) 
 #endif
 
 // S[r][0..n) += q_r[c] * kt[c][0..n) over c: vectorizes over the key index.
-ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q, const float* __restrict kt,
-                                  float* __restrict s, int rows, int n, int d) {
+ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q,
+                                                    const float* __restrict kt,
+                                                    float* __restrict s, int rows, int n, int d) {
   for (int r = 0; r < rows; ++r) {
     float* __restrict sr = s + r * kBlockN;
     for (int j = 0; j < kBlockN; ++j) sr[j] = 0.0f;
@@ -94,9 +95,11 @@ ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q, c
 }
 
 // acc[r][0..d) = acc[r] * alpha_r + sum_j p[r][j] * v[j][0..d).
-ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void AccumulateTile(const float* __restrict p, const float* __restrict v,
-                                       float* __restrict acc, const float* __restrict alpha,
-                                       int rows, int n, int d) {
+ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void AccumulateTile(const float* __restrict p,
+                                                         const float* __restrict v,
+                                                         float* __restrict acc,
+                                                         const float* __restrict alpha, int rows,
+                                                         int n, int d) {
   for (int r = 0; r < rows; ++r) {
     float* __restrict ar = acc + r * d;
     const float al = alpha[r];
