@@ -2,13 +2,16 @@
 # End to end: a real attnd (CPU backend) scraped by a real Prometheus that runs the shipped scrape
 # config (job attnd; target, scrape and evaluation interval replaced) and the shipped rules.
 # Sends N good and B bad Attend requests with attnctl, then checks through the Prometheus HTTP API
-# that the counters, the latency histogram and a recording rule reflect exactly that traffic.
+# that the counters are exact, and (prom_exact.py) that histogram_quantile and the p50, error-ratio
+# and request-rate recording rules equal, within 1e-6 relative, what the raw samples read back at
+# fixed times imply (promql's bucket interpolation and rate() extrapolation re-computed), and
+# that the error ratio is B/(N+B).
 #   prometheus_e2e.sh DEPLOY_DIR ATTND ATTNCTL
 # Exit 77 (skip) only when no prometheus binary can be found.
 . "$(dirname "$0")/lib.sh"
 deploy="$(cd "$1" && pwd)"; attnd="$2"; attnctl="$3"
-N="${ATTN_E2E_REQUESTS:-25}"   # successful Attend requests
-B="${ATTN_E2E_BAD:-3}"         # INVALID_ARGUMENT Attend requests
+N="${ATTN_E2E_REQUESTS:-25}"   # successful Attend requests (a multiple of 5)
+B="${ATTN_E2E_BAD:-5}"         # INVALID_ARGUMENT Attend requests (a multiple of 5)
 
 command -v prometheus >/dev/null 2>&1 || skip "prometheus not found (Debian package prometheus; scripts/install-deps.sh installs it)"
 need curl
@@ -93,9 +96,14 @@ poll() {
 poll 30 "target up" 'up{job="attnd"}' 'v == 1'
 
 # --- traffic -----------------------------------------------------------------------------------
-# A counter series is born on its first increment; Prometheus computes no rate from a series'
-# first sample, so one good and one bad request go first, and the rest once those are scraped.
-[ "$N" -ge 2 ] && [ "$B" -ge 2 ] || fail "ATTN_E2E_REQUESTS and ATTN_E2E_BAD must be >= 2"
+# A counter series is born on its first increment, and rate() extrapolates each series by its own
+# first sample (promql extrapolatedRate): the error ratio is exactly B/(N+B) only when the OK and
+# INVALID_ARGUMENT series are first scraped together with first values in the proportion N:B.
+# So a priming batch of N/K good and B/K bad requests goes out right after a scrape (both land
+# before the next one), and the rest once those are scraped.
+K=5
+[ "$N" -ge "$K" ] && [ "$B" -ge "$K" ] && [ $((N % K)) = 0 ] && [ $((B % K)) = 0 ] ||
+  fail "ATTN_E2E_REQUESTS and ATTN_E2E_BAD must be positive multiples of $K"
 good() {
   "$attnctl" --target "127.0.0.1:$P" attend --seq 64 --heads 4 --head-dim 64 --dtype bf16 --count "$1" \
     >"$work/attnctl.log" 2>&1 || { cat "$work/attnctl.log"; fail "attnctl attend failed"; }
@@ -109,14 +117,23 @@ bad() {
     grep -q INVALID_ARGUMENT "$work/bad.log" || { cat "$work/bad.log"; fail "bad request did not get INVALID_ARGUMENT"; }
   done
 }
-echo "sending 1 Attend request and 1 bad one"
-good 1
-bad 1
-poll 30 "first Attend OK scraped" 'attn_requests_total{job="attnd",rpc="Attend",code="OK"}' "v == 1"
-poll 30 "first INVALID_ARGUMENT scraped" 'attn_requests_total{job="attnd",rpc="Attend",code="INVALID_ARGUMENT"}' "v == 1"
-echo "sending $((N - 1)) more Attend requests and $((B - 1)) more bad ones"
-good $((N - 1))
-bad $((B - 1))
+# Wait for the moment 50 ms after the next scrape (scrapes come every 1 s at a fixed phase).
+after_next_scrape() {
+  local last now
+  last="$(query 'timestamp(up{job="attnd"})')"
+  now="$(date +%s.%N)"
+  python3 -c 'import math,sys,time; last,now=map(float,sys.argv[1:]); k=max(1,math.ceil(now-last+0.05)); time.sleep(max(0,last+k+0.05-now))' "$last" "$now"
+}
+after_next_scrape
+echo "priming: $((N / K)) Attend requests and $((B / K)) bad ones right after a scrape"
+good $((N / K))
+bad $((B / K))
+poll 30 "priming Attend OK scraped" 'attn_requests_total{job="attnd",rpc="Attend",code="OK"}' "v == $((N / K))"
+poll 30 "priming INVALID_ARGUMENT scraped" \
+  'attn_requests_total{job="attnd",rpc="Attend",code="INVALID_ARGUMENT"}' "v == $((B / K))"
+echo "sending $((N - N / K)) more Attend requests and $((B - B / K)) more bad ones"
+good $((N - N / K))
+bad $((B - B / K))
 
 # --- what Prometheus saw -------------------------------------------------------------------------
 poll 30 "Attend OK count" 'attn_requests_total{job="attnd",rpc="Attend",code="OK"}' "v == $N"
@@ -124,25 +141,15 @@ poll 30 "Attend INVALID_ARGUMENT count" \
   'attn_requests_total{job="attnd",rpc="Attend",code="INVALID_ARGUMENT"}' "v == $B"
 poll 30 "Attend latency observations" \
   'sum(attn_request_duration_seconds_count{job="attnd",rpc="Attend"})' "v == $N + $B"
-# The slowest observed request lies below the first bucket whose count reaches the total.
-maxobs=$(curl -fsS "$api/query" --data-urlencode 'query=attn_request_duration_seconds_bucket{job="attnd",rpc="Attend"}' |
-  python3 -c '
-import json, sys
-r = json.load(sys.stdin)["data"]["result"]
-b = sorted((float(s["metric"]["le"]), float(s["value"][1])) for s in r)
-total = b[-1][1]
-print(next(le for le, c in b if c >= total))')
-echo "slowest Attend request <= $maxobs s (its bucket bound)"
-poll 20 "p50 Attend latency (histogram_quantile)" \
-  'histogram_quantile(0.5, sum by (le) (attn_request_duration_seconds_bucket{job="attnd",rpc="Attend"}))' \
-  "math.isfinite(v) and 0 < v <= $maxobs"
-# Recording rules evaluated by this Prometheus (evaluation_interval 1s).
-poll 30 "recording rule job:attn_requests:rate5m" 'job:attn_requests:rate5m{job="attnd"}' 'math.isfinite(v) and v > 0'
+# Recording rules evaluated by this Prometheus (evaluation_interval 1s) on the final counts.
 poll 30 "recording rule job_rpc_code:attn_requests:rate5m (INVALID_ARGUMENT)" \
   'job_rpc_code:attn_requests:rate5m{job="attnd",rpc="Attend",code="INVALID_ARGUMENT"}' 'math.isfinite(v) and v > 0'
-poll 30 "recording rule job:attn_request_errors:ratio_rate5m" 'job:attn_request_errors:ratio_rate5m{job="attnd"}' \
-  'math.isfinite(v) and 0 < v < 1'
-poll 30 "recording rule job_rpc:attn_request_duration_seconds:p50_rate5m" \
-  'job_rpc:attn_request_duration_seconds:p50_rate5m{job="attnd",rpc="Attend"}' "math.isfinite(v) and 0 < v <= $maxobs"
+poll 30 "error ratio rule sees the final counts" \
+  'job:attn_request_errors:ratio_rate5m{job="attnd"} and on (job) (min_over_time(sum by (job) (attn_requests_total{job="attnd"})[3s:1s]) == '"$((N + B))"')' \
+  'math.isfinite(v)'
+# A few more evaluations on the final counts, then the exact checks (raw samples read back at
+# fixed times with time=, histogram_quantile and rate() re-computed; see prom_exact.py).
+sleep 4
+timeout 60 python3 "$(dirname "$0")/prom_exact.py" "$api" "$N" "$B" || fail "exact checks"
 poll 10 "attn_build_info" 'attn_build_info{job="attnd"}' 'v == 1'
 echo "prometheus e2e: ok"
