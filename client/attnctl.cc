@@ -1,5 +1,5 @@
 // attnctl: talk to attnd from the command line.
-//   attnctl [--target HOST:PORT] info
+//   attnctl [--target HOST:PORT] [--lb round_robin] info
 //   attnctl [--target HOST:PORT] health [--service NAME]
 //   attnctl [--target HOST:PORT] attend [--seq S] [--kv-seq SK] [--batch B] [--heads H]
 //           [--kv-heads HKV] [--head-dim D] [--dtype bf16|fp16|fp32] [--causal] [--lse]
@@ -24,6 +24,10 @@
 #include "attn/util/flag_names.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
+ABSL_FLAG(std::string, lb, "",
+          "gRPC load-balancing policy: round_robin spreads calls over every address of --target "
+          "(e.g. dns:///attnd-headless.NS.svc.cluster.local:50051 or ipv4:HOST1:P1,HOST2:P2); "
+          "'' = gRPC's default (pick_first)");
 ABSL_FLAG(std::string, token_file, "", "File holding a bearer token to send");
 ABSL_FLAG(std::string, tls_ca, "", "PEM file of the CA that signed the server's certificate");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
@@ -241,6 +245,7 @@ int main(int argc, char** argv) {
   }
   attn::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
+  options.lb_policy = absl::GetFlag(FLAGS_lb);
   options.bearer_token = ReadToken(absl::GetFlag(FLAGS_token_file));
   options.tls_ca_pem = ReadFile("tls_ca", absl::GetFlag(FLAGS_tls_ca));
   options.tls_cert_pem = ReadFile("tls_cert", absl::GetFlag(FLAGS_tls_cert));

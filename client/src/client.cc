@@ -3,6 +3,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include <cctype>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -120,7 +121,22 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   } else {
     creds = grpc::InsecureChannelCredentials();
   }
+  if (!options.lb_policy.empty()) {
+    // A policy name is an identifier (round_robin, pick_first, ...): checked here so that it can
+    // go into the JSON as it is.
+    for (char c : options.lb_policy) {
+      if (!(std::islower(static_cast<unsigned char>(c)) || std::isdigit(static_cast<unsigned char>(c)) ||
+            c == '_')) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "lb_policy '", options.lb_policy, "': expected a gRPC policy name such as round_robin"));
+      }
+    }
+  }
   grpc::ChannelArguments args;
+  if (!options.lb_policy.empty()) {
+    args.SetServiceConfigJSON(
+        absl::StrCat(R"({"loadBalancingConfig":[{")", options.lb_policy, R"(":{}}]})"));
+  }
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   if (options.unique_channel) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

@@ -64,6 +64,12 @@ struct ClientOptions {
   // at once with UNAVAILABLE; for callers that may start before the server is reachable or open
   // many connections at once. Off: a server that is down fails calls fast.
   bool wait_for_ready = false;
+  // gRPC load-balancing policy of the channel, set as its default service config
+  // {"loadBalancingConfig":[{"<lb_policy>":{}}]}: "round_robin" spreads calls over every address
+  // the target resolves to (a headless Service's DNS name, or "ipv4:10.0.0.1:50051,10.0.0.2:50051");
+  // "pick_first" (gRPC's default) keeps one connection. Empty: gRPC's default (or the resolver's
+  // service config). A service config served by the resolver (DNS TXT) overrides this one.
+  std::string lb_policy;
 };
 
 class Client {
