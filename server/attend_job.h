@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -26,7 +28,16 @@ struct BatchKey {
   int32_t window_left = -1;
   int32_t window_right = -1;
   float softmax_scale = 0.0f;  // effective scale
+  // The 16-bit type a backend staged the inputs in, where one wire dtype can compute in either
+  // (the CUDA backend runs fp32 requests in fp16 when every value fits it, else in bf16). Set by
+  // Backend::Prepare; unset on backends that compute in the wire dtype.
+  std::optional<kernels::DType> staged_dtype;
   bool operator==(const BatchKey&) const = default;
+};
+
+// What a backend keeps for one job between Prepare and the job's completion (pinned staging).
+struct BackendJobState {
+  virtual ~BackendJobState() = default;
 };
 
 struct AttendJob {
@@ -56,6 +67,9 @@ struct AttendJob {
   double compute_us = 0;
   int32_t batch_requests = 0;
   int64_t batch_tokens = 0;
+
+  // Owned by the job; released with it, after done has run.
+  std::unique_ptr<BackendJobState> backend_state;
 
   // Completes the request. Called exactly once, from any thread, never while a lock of the
   // batcher or backend is held.

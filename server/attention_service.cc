@@ -39,7 +39,7 @@ constexpr char kSessionsUnimplemented[] =
 
 }  // namespace
 
-AttentionService::AttentionService(Options options, Batcher* batcher, const Backend* backend,
+AttentionService::AttentionService(Options options, Batcher* batcher, Backend* backend,
                                    Metrics* metrics)
     : options_(std::move(options)),
       batcher_(batcher),
@@ -83,6 +83,7 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
   // Release is idempotent, so the count goes back exactly once on every path.
   ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
   PrepareAttendResponse(*job, response);
+  RETURN_IF_ERROR(backend_->Prepare(*job));  // on error, slot is released as it goes out of scope
   AttendJob* raw = job.get();
   job->done = [raw, arrival, response, slot, on_done = std::move(on_done)](absl::Status st) {
     slot->Release();

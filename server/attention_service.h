@@ -31,7 +31,7 @@ class AttentionService final : public v1::Attention::CallbackService {
     int64_t max_pending_per_client = 0;
   };
   // batcher, backend and metrics must outlive the service.
-  AttentionService(Options options, Batcher* batcher, const Backend* backend, Metrics* metrics);
+  AttentionService(Options options, Batcher* batcher, Backend* backend, Metrics* metrics);
 
   // New calls get UNAVAILABLE from now on; calls already accepted complete.
   void StartDraining() { draining_.store(true); }
@@ -85,7 +85,7 @@ class AttentionService final : public v1::Attention::CallbackService {
 
   const Options options_;
   Batcher* const batcher_;
-  const Backend* const backend_;
+  Backend* const backend_;
   Metrics* const metrics_;
   // Where every handler (and every AttendStream item) starts: takes the service over from gRPC's
   // thread (for TSan, tsan_annotations.h) and records the arrival (for NoCallSince).

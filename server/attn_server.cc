@@ -159,6 +159,7 @@ absl::Status AttnServer::WarmUp() {
   job->response = &response;
   job->arrival = Clock::now();
   PrepareAttendResponse(*job, &response);
+  RETURN_IF_ERROR(backend_->Prepare(*job));
   std::promise<absl::Status> result;
   job->done = [&result](absl::Status st) { result.set_value(std::move(st)); };
   Batch batch;

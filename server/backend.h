@@ -53,9 +53,15 @@ class Backend {
   // them finishes.
   virtual int MaxInFlightBatches() const = 0;
 
-  // Runs a batch of jobs that share one BatchKey. Takes ownership of the jobs; calls each job's
-  // done (exactly once), then on_finished with the batch's report, from any thread. May return
-  // before the work is done.
+  // Runs on the submitting (gRPC) thread before the job is queued, so that per-request host
+  // work such as staging the inputs into pinned memory runs in parallel across callers. An error
+  // fails this request only; the job is then not queued.
+  virtual absl::Status Prepare(AttendJob& /*job*/) { return absl::OkStatus(); }
+
+  // Runs a batch of prepared jobs that share one BatchKey. Takes ownership of the jobs; calls
+  // each job's done exactly once, from any thread. Calls on_finished with the batch's report
+  // once it can take another batch, which may be before every done has run. May return before
+  // the work is done.
   virtual void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) = 0;
 
   virtual BackendMemory Memory() const { return {}; }

@@ -73,13 +73,17 @@ absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
           "(max_inflight_bytes); retry later"));
     }
     inflight_bytes_ += bytes;
-    // The bytes are given back when the job completes, whichever path completes it.
+    ++outstanding_;
+    // The job counts as pending, and its bytes as held, until its done has returned, whichever
+    // path completes it; Drain waits for that.
     job->done = [this, bytes, done = std::move(job->done)](absl::Status st) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        inflight_bytes_ -= bytes;
-      }
       done(std::move(st));
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_bytes_ -= bytes;
+      --outstanding_;
+      UpdatePendingLocked();
+      // Under the lock: once Drain sees the count reach zero, ~Batcher may destroy cv_.
+      cv_.notify_all();
     };
     (job->high_priority ? high_ : normal_).push_back(std::move(job));
     ++queued_;
@@ -93,7 +97,7 @@ void Batcher::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
   draining_ = true;
   cv_.notify_all();
-  cv_.wait(lock, [&] { return queued_ == 0 && in_flight_batches_ == 0; });
+  cv_.wait(lock, [&] { return outstanding_ == 0 && in_flight_batches_ == 0; });
 }
 
 int64_t Batcher::InflightBytes() const {
@@ -103,21 +107,22 @@ int64_t Batcher::InflightBytes() const {
 
 int64_t Batcher::Pending() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return queued_ + running_jobs_;
+  return outstanding_;
 }
 
 void Batcher::UpdatePendingLocked() {
-  if (metrics_) metrics_->SetPendingRequests(queued_ + running_jobs_);
+  if (metrics_) metrics_->SetPendingRequests(outstanding_);
 }
 
 void Batcher::TakeDeadJobs(Clock::time_point now, Batch* cancelled, Batch* expired) {
   for (auto* q : {&high_, &normal_}) {
     for (auto it = q->begin(); it != q->end();) {
       AttendJob& job = **it;
-      if (job.is_cancelled && job.is_cancelled()) {
-        cancelled->push_back(std::move(*it));
-      } else if (job.deadline <= now) {
+      // The deadline first: gRPC also cancels a call whose deadline has passed.
+      if (job.deadline <= now) {
         expired->push_back(std::move(*it));
+      } else if (job.is_cancelled && job.is_cancelled()) {
+        cancelled->push_back(std::move(*it));
       } else {
         ++it;
         continue;
@@ -172,13 +177,8 @@ void Batcher::DispatchLoop() {
     Batch batch;
     auto wake = now + kSweepInterval;
     if (in_flight_batches_ < backend_->MaxInFlightBatches()) batch = TakeReadyBatch(now, &wake);
-    if (!batch.empty()) {
-      ++in_flight_batches_;
-      running_jobs_ += static_cast<int64_t>(batch.size());
-    }
-    if (!cancelled.empty() || !expired.empty() || !batch.empty()) UpdatePendingLocked();
+    if (!batch.empty()) ++in_flight_batches_;
     if (cancelled.empty() && expired.empty() && batch.empty()) {
-      if (queued_ == 0 && in_flight_batches_ == 0) cv_.notify_all();  // wakes Drain
       if (queued_ == 0) {
         cv_.wait(lock);
       } else {
@@ -206,8 +206,6 @@ void Batcher::FinishBatch(const BatchReport& report) {
   if (metrics_) metrics_->ObserveBatch(report);
   std::lock_guard<std::mutex> lock(mu_);
   --in_flight_batches_;
-  running_jobs_ -= report.requests;
-  UpdatePendingLocked();
   // Notified under the lock: once Drain sees the last batch finish, ~Batcher may destroy cv_,
   // which must not happen while this thread is still inside notify_all (found by TSan).
   cv_.notify_all();

@@ -38,9 +38,10 @@ class Batcher {
   // UNAVAILABLE once draining started.
   absl::Status Submit(std::unique_ptr<AttendJob>& job);
 
-  // Stops accepting work and returns once every queued and running job is done.
+  // Stops accepting work and returns once every accepted job's done has returned.
   void Drain();
 
+  // Accepted jobs whose done has not returned: queued, running or being completed.
   int64_t Pending() const;
   int64_t InflightBytes() const;
 
@@ -65,7 +66,7 @@ class Batcher {
   int in_flight_batches_ = 0;
   int64_t queued_ = 0;
   int64_t inflight_bytes_ = 0;
-  int64_t running_jobs_ = 0;
+  int64_t outstanding_ = 0;  // accepted jobs whose done has not returned yet
   bool draining_ = false;
   bool stop_ = false;
   std::thread dispatcher_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -25,18 +26,29 @@ absl::Status CudaError(const char* what, cudaError_t err) {
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// Where each part of a packed batch lives inside the input and output buffers.
+// One request's inputs, staged by Prepare in the compute dtype (q, k and v back to back), and the
+// pinned buffer its outputs come back into (o, then lse as [num_heads, total_q] fp32).
+struct CudaJobState : BackendJobState {
+  PinnedBuffer in;
+  PinnedBuffer out;
+  size_t q_bytes = 0, kv_bytes = 0, o_bytes = 0;
+};
+
+CudaJobState& StateOf(const AttendJob& job) { return static_cast<CudaJobState&>(*job.backend_state); }
+
+// Where each part of a packed launch lives inside the device input and output buffers.
 struct PackedLayout {
   int32_t total_q = 0, total_k = 0, num_seqs = 0, max_q = 0, max_k = 0;
   size_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, in_bytes = 0;  // offsets into the input
-  size_t o = 0, lse = 0, out_bytes = 0;                           // offsets into the output
+  size_t cu_region = 0;                                            // cu_q and cu_k, together
+  size_t o = 0, lse = 0, out_bytes = 0;                            // offsets into the output
   bool any_lse = false;
 };
 
-PackedLayout PlanLayout(const Batch& batch) {
+PackedLayout PlanLayout(std::span<const std::unique_ptr<AttendJob>> jobs) {
   PackedLayout l;
-  const BatchKey& key = batch.front()->key;
-  for (const auto& job : batch) {
+  const BatchKey& key = jobs.front()->key;
+  for (const auto& job : jobs) {
     l.total_q += job->total_q;
     l.total_k += job->total_k;
     l.num_seqs += static_cast<int32_t>(job->cu_seqlens_q.size()) - 1;
@@ -46,13 +58,14 @@ PackedLayout PlanLayout(const Batch& batch) {
   }
   const size_t q_bytes = size_t(l.total_q) * key.num_heads * key.head_dim * 2;
   const size_t kv_bytes = size_t(l.total_k) * key.num_kv_heads * key.head_dim * 2;
-  const size_t cu_bytes = sizeof(int32_t) * (size_t(l.num_seqs) + 1);
+  const size_t cu_bytes = AlignUp(sizeof(int32_t) * (size_t(l.num_seqs) + 1));
   l.q = 0;
   l.k = AlignUp(q_bytes);
   l.v = l.k + AlignUp(kv_bytes);
   l.cu_q = l.v + AlignUp(kv_bytes);
-  l.cu_k = l.cu_q + AlignUp(cu_bytes);
-  l.in_bytes = l.cu_k + AlignUp(cu_bytes);
+  l.cu_k = l.cu_q + cu_bytes;
+  l.cu_region = 2 * cu_bytes;
+  l.in_bytes = l.cu_k + cu_bytes;
   l.o = 0;
   l.lse = AlignUp(q_bytes);
   l.out_bytes = l.lse + (l.any_lse ? sizeof(float) * key.num_heads * size_t(l.total_q) : 0);
@@ -60,16 +73,13 @@ PackedLayout PlanLayout(const Batch& batch) {
 }
 
 // fp32 requests run in fp16 when every value fits it, else in bf16.
-kernels::DType ComputeDType(const Batch& batch) {
-  const kernels::DType wire = batch.front()->key.wire_dtype;
-  if (wire != kernels::DType::kFloat32) return wire;
-  for (const auto& job : batch) {
-    for (const v1::Tensor* t : {&job->request->q(), &job->request->k(), &job->request->v()}) {
-      const float* p = reinterpret_cast<const float*>(t->data().data());
-      const size_t n = t->data().size() / 4;
-      for (size_t i = 0; i < n; ++i) {
-        if (!(std::fabs(p[i]) <= 60000.0f)) return kernels::DType::kBFloat16;
-      }
+kernels::DType ComputeDType(const AttendJob& job) {
+  if (job.key.wire_dtype != kernels::DType::kFloat32) return job.key.wire_dtype;
+  for (const v1::Tensor* t : {&job.request->q(), &job.request->k(), &job.request->v()}) {
+    const float* p = reinterpret_cast<const float*>(t->data().data());
+    const size_t n = t->data().size() / 4;
+    for (size_t i = 0; i < n; ++i) {
+      if (!(std::fabs(p[i]) <= 60000.0f)) return kernels::DType::kBFloat16;
     }
   }
   return kernels::DType::kFloat16;
@@ -106,6 +116,18 @@ void UnstageTensor(const char* src, size_t elements, kernels::DType wire, kernel
   }
 }
 
+// Copies a finished job's outputs from its pinned buffer into its response.
+void UnstageOutputs(const AttendJob& job) {
+  const CudaJobState& state = StateOf(job);
+  const char* out = static_cast<const char*>(state.out.data());
+  UnstageTensor(out, state.o_bytes / 2, job.key.wire_dtype, *job.key.staged_dtype,
+                job.response->mutable_o()->mutable_data());
+  if (job.return_lse) {
+    std::string* lse = job.response->mutable_lse()->mutable_data();
+    std::memcpy(lse->data(), out + state.o_bytes, lse->size());
+  }
+}
+
 float ElapsedMs(cudaEvent_t a, cudaEvent_t b) {
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
@@ -134,16 +156,69 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-// Waits for the stream when it goes out of scope, so that pinned staging buffers are not handed
-// back to the pool while a copy that failed to complete its batch may still read or write them.
-class StreamSyncOnExit {
+// Waits for the stream when it goes out of scope on an error path, so that no buffer is handed
+// back (pinned staging to its pool, a job to its caller) while an enqueued copy may still use it.
+class SyncStreamUnlessDone {
  public:
-  explicit StreamSyncOnExit(cudaStream_t s) : s_(s) {}
-  ~StreamSyncOnExit() { cudaStreamSynchronize(s_); }
+  explicit SyncStreamUnlessDone(cudaStream_t s) : s_(s) {}
+  ~SyncStreamUnlessDone() {
+    if (!done_) cudaStreamSynchronize(s_);
+  }
+  void Done() { done_ = true; }
 
  private:
   cudaStream_t s_;
+  bool done_ = false;
 };
+
+// Gathers the jobs' staged inputs into the packed device layout (async, on s).
+absl::Status CopyInputs(std::span<std::unique_ptr<AttendJob>> jobs,
+                        const PackedLayout& layout, const PinnedBuffer& host_cu, char* dev_in, cudaStream_t s) {
+  size_t q_at = layout.q, k_at = layout.k, v_at = layout.v;
+  for (const auto& job : jobs) {
+    const CudaJobState& state = StateOf(*job);
+    const char* in = static_cast<const char*>(state.in.data());
+    RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in + q_at, in, state.q_bytes,
+                                                     cudaMemcpyHostToDevice, s));
+    RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in + k_at, in + state.q_bytes,
+                                                     state.kv_bytes, cudaMemcpyHostToDevice, s));
+    RETURN_IF_CUDA_ERROR("H2D copy",
+                         cudaMemcpyAsync(dev_in + v_at, in + state.q_bytes + state.kv_bytes,
+                                         state.kv_bytes, cudaMemcpyHostToDevice, s));
+    q_at += state.q_bytes;
+    k_at += state.kv_bytes;
+    v_at += state.kv_bytes;
+  }
+  RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in + layout.cu_q, host_cu.data(),
+                                                   layout.cu_region, cudaMemcpyHostToDevice, s));
+  return absl::OkStatus();
+}
+
+// Scatters the packed outputs back into each job's pinned output buffer (async, on s). The lse
+// of the launch is [num_heads, total_q]; a job's part is a strided block of it.
+absl::Status CopyOutputs(std::span<std::unique_ptr<AttendJob>> jobs,
+                         const PackedLayout& layout, const char* dev_out, cudaStream_t s) {
+  const int32_t heads = jobs.front()->key.num_heads;
+  size_t o_at = layout.o;
+  int32_t q_offset = 0;
+  for (const auto& job : jobs) {
+    const CudaJobState& state = StateOf(*job);
+    char* out = static_cast<char*>(state.out.data());
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(out, dev_out + o_at, state.o_bytes,
+                                                     cudaMemcpyDeviceToHost, s));
+    if (job->return_lse && job->total_q > 0) {
+      const size_t row = sizeof(float) * job->total_q;
+      RETURN_IF_CUDA_ERROR(
+          "D2H copy", cudaMemcpy2DAsync(out + state.o_bytes, row,
+                                        dev_out + layout.lse + sizeof(float) * q_offset,
+                                        sizeof(float) * layout.total_q, row, heads,
+                                        cudaMemcpyDeviceToHost, s));
+    }
+    o_at += state.o_bytes;
+    q_offset += job->total_q;
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -208,10 +283,13 @@ absl::Status CudaBackend::Init() {
     RETURN_IF_CUDA_ERROR("cudaStreamCreate",
                          cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking));
     for (cudaEvent_t& e : lane->events) {
-      RETURN_IF_CUDA_ERROR("cudaEventCreate", cudaEventCreate(&e));
+      // The lane waits on the last one: block in the driver instead of spinning on a busy host.
+      const unsigned flags = &e == &lane->events[3] ? cudaEventBlockingSync : cudaEventDefault;
+      RETURN_IF_CUDA_ERROR("cudaEventCreate", cudaEventCreateWithFlags(&e, flags));
     }
     lanes_.push_back(std::move(lane));
   }
+  completions_ = std::make_unique<CompletionPool>(options_.completion_threads);
   for (auto& lane : lanes_) lane->thread = std::thread([this, l = lane.get()] { LaneLoop(l); });
   return absl::OkStatus();
 }
@@ -224,11 +302,35 @@ CudaBackend::~CudaBackend() {
   cv_.notify_all();
   for (auto& lane : lanes_) {
     if (lane->thread.joinable()) lane->thread.join();
+  }
+  // Completes what the lanes handed over; its jobs return their pinned buffers to the pool.
+  completions_.reset();
+  for (auto& lane : lanes_) {
     for (cudaEvent_t e : lane->events) {
       if (e) cudaEventDestroy(e);
     }
     if (lane->stream) cudaStreamDestroy(lane->stream);
   }
+}
+
+absl::Status CudaBackend::Prepare(AttendJob& job) {
+  const BatchKey& key = job.key;
+  const kernels::DType compute = ComputeDType(job);
+  auto state = std::make_unique<CudaJobState>();
+  state->q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
+  state->kv_bytes = size_t(job.total_k) * key.num_kv_heads * key.head_dim * 2;
+  state->o_bytes = state->q_bytes;
+  const size_t lse_bytes = job.return_lse ? sizeof(float) * key.num_heads * size_t(job.total_q) : 0;
+  ASSIGN_OR_RETURN(state->in, pinned_pool_->Acquire(state->q_bytes + 2 * state->kv_bytes));
+  ASSIGN_OR_RETURN(state->out, pinned_pool_->Acquire(state->o_bytes + lse_bytes));
+  char* in = static_cast<char*>(state->in.data());
+  const v1::AttendRequest& r = *job.request;
+  StageTensor(r.q().data(), key.wire_dtype, compute, in);
+  StageTensor(r.k().data(), key.wire_dtype, compute, in + state->q_bytes);
+  StageTensor(r.v().data(), key.wire_dtype, compute, in + state->q_bytes + state->kv_bytes);
+  job.key.staged_dtype = compute;
+  job.backend_state = std::move(state);
+  return absl::OkStatus();
 }
 
 void CudaBackend::RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) {
@@ -253,35 +355,49 @@ void CudaBackend::LaneLoop(Lane* lane) {
     BatchReport report;
     report.requests = static_cast<int32_t>(work.batch.size());
     for (const auto& job : work.batch) report.tokens += job->Tokens();
-    const absl::Status st = Process(*lane, work.batch, &report);
-    for (auto& job : work.batch) {
-      job->batch_requests = report.requests;
-      job->batch_tokens = report.tokens;
-      job->done(st);
+    std::vector<absl::Status> status(work.batch.size());
+    RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+    // The results are in pinned memory now; copying them into the responses and finishing the
+    // calls runs on the completion pool while this lane takes the next batch.
+    for (size_t i = 0; i < work.batch.size(); ++i) {
+      std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
+      completions_->Post([job, st = std::move(status[i])] {
+        if (st.ok()) UnstageOutputs(*job);
+        job->backend_state.reset();  // pinned buffers back to the pool before the caller hears
+        job->done(st);
+      });
     }
     work.on_finished(report);
   }
 }
 
-absl::Status CudaBackend::Process(Lane& lane, Batch& batch, BatchReport* report) {
-  const BatchKey& key = batch.front()->key;
-  const PackedLayout layout = PlanLayout(batch);
-  const kernels::DType compute = ComputeDType(batch);
+void CudaBackend::RunSplittingOnExhaustion(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                                           std::span<absl::Status> status, BatchReport* report) {
+  absl::Status st = Launch(lane, jobs, report);
+  if (absl::IsResourceExhausted(st) && jobs.size() > 1) {
+    // Together they do not fit in the device pool: run the halves one after the other, so that
+    // only a request that does not fit on its own fails.
+    const size_t half = jobs.size() / 2;
+    RunSplittingOnExhaustion(lane, jobs.first(half), status.first(half), report);
+    RunSplittingOnExhaustion(lane, jobs.subspan(half), status.subspan(half), report);
+    return;
+  }
+  std::fill(status.begin(), status.end(), st);
+}
 
-  ASSIGN_OR_RETURN(PinnedBuffer host_in, pinned_pool_->Acquire(layout.in_bytes));
-  ASSIGN_OR_RETURN(PinnedBuffer host_out, pinned_pool_->Acquire(layout.out_bytes));
-  char* in = static_cast<char*>(host_in.data());
-  int32_t* cu_q = reinterpret_cast<int32_t*>(in + layout.cu_q);
-  int32_t* cu_k = reinterpret_cast<int32_t*>(in + layout.cu_k);
-  const size_t q_row = size_t(key.num_heads) * key.head_dim * 2;
-  const size_t kv_row = size_t(key.num_kv_heads) * key.head_dim * 2;
+absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                                 BatchReport* report) {
+  const BatchKey& key = jobs.front()->key;
+  const PackedLayout layout = PlanLayout(jobs);
+
+  // Sequence offsets of the packed launch, staged next to each other as on the device.
+  ASSIGN_OR_RETURN(PinnedBuffer host_cu, pinned_pool_->Acquire(layout.cu_region));
+  int32_t* cu_q = static_cast<int32_t*>(host_cu.data());
+  int32_t* cu_k = reinterpret_cast<int32_t*>(static_cast<char*>(host_cu.data()) +
+                                             (layout.cu_k - layout.cu_q));
   int32_t q_tokens = 0, k_tokens = 0, seq = 0;
   cu_q[0] = cu_k[0] = 0;
-  for (const auto& job : batch) {
-    const v1::AttendRequest& r = *job->request;
-    StageTensor(r.q().data(), key.wire_dtype, compute, in + layout.q + q_tokens * q_row);
-    StageTensor(r.k().data(), key.wire_dtype, compute, in + layout.k + k_tokens * kv_row);
-    StageTensor(r.v().data(), key.wire_dtype, compute, in + layout.v + k_tokens * kv_row);
+  for (const auto& job : jobs) {
     for (size_t i = 1; i < job->cu_seqlens_q.size(); ++i) {
       ++seq;
       cu_q[seq] = q_tokens + job->cu_seqlens_q[i];
@@ -296,7 +412,7 @@ absl::Status CudaBackend::Process(Lane& lane, Batch& batch, BatchReport* report)
   RETURN_IF_ERROR(dev_out.Allocate(layout.out_bytes));
 
   kernels::AttentionArgs args;
-  args.dtype = compute;
+  args.dtype = *key.staged_dtype;
   args.q = dev_in.get() + layout.q;
   args.k = dev_in.get() + layout.k;
   args.v = dev_in.get() + layout.v;
@@ -321,44 +437,30 @@ absl::Status CudaBackend::Process(Lane& lane, Batch& batch, BatchReport* report)
   RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
 
   cudaStream_t s = lane.stream;
-  const StreamSyncOnExit sync_on_exit(s);  // destroyed before the pinned buffers
+  SyncStreamUnlessDone sync_on_error(s);  // destroyed before the staging buffers go back
   cudaEvent_t* ev = lane.events;
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], s));
-  RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in.get(), in, layout.in_bytes,
-                                                   cudaMemcpyHostToDevice, s));
+  RETURN_IF_ERROR(CopyInputs(jobs, layout, host_cu, dev_in.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], s));
   RETURN_IF_CUDA_ERROR("attention kernel", kernels::cuda::Run(args, workspace.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], s));
-  RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(host_out.data(), dev_out.get(),
-                                                   layout.out_bytes, cudaMemcpyDeviceToHost, s));
+  RETURN_IF_ERROR(CopyOutputs(jobs, layout, dev_out.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], s));
   RETURN_IF_CUDA_ERROR("batch completion", cudaEventSynchronize(ev[3]));
+  sync_on_error.Done();
 
   const double h2d_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);
   const double d2h_ms = ElapsedMs(ev[2], ev[3]);
-  report->compute_seconds = kernel_ms * 1e-3;
-  report->transfer_seconds = (h2d_ms + d2h_ms) * 1e-3;
-  report->flops = kernels::AttentionFlops(args, cu_q, cu_k);
-  report->bytes = 2.0 * key.head_dim *
-                  (2.0 * layout.total_q * key.num_heads + 2.0 * layout.total_k * key.num_kv_heads);
-
-  const char* out = static_cast<const char*>(host_out.data());
-  const float* lse = reinterpret_cast<const float*>(out + layout.lse);
-  int32_t q_offset = 0;
-  for (const auto& job : batch) {
-    const size_t elements = size_t(job->total_q) * key.num_heads * key.head_dim;
-    UnstageTensor(out + layout.o + q_offset * q_row, elements, key.wire_dtype, compute,
-                  job->response->mutable_o()->mutable_data());
-    if (job->return_lse) {
-      float* dst = reinterpret_cast<float*>(job->response->mutable_lse()->mutable_data()->data());
-      for (int h = 0; h < key.num_heads; ++h) {
-        std::memcpy(dst + size_t(h) * job->total_q, lse + size_t(h) * layout.total_q + q_offset,
-                    sizeof(float) * job->total_q);
-      }
-    }
+  report->compute_seconds += kernel_ms * 1e-3;
+  report->transfer_seconds += (h2d_ms + d2h_ms) * 1e-3;
+  report->flops += kernels::AttentionFlops(args, cu_q, cu_k);
+  report->bytes += 2.0 * key.head_dim *
+                   (2.0 * layout.total_q * key.num_heads + 2.0 * layout.total_k * key.num_kv_heads);
+  for (const auto& job : jobs) {
     job->transfer_us = (h2d_ms + d2h_ms) * 1e3;
     job->compute_us = kernel_ms * 1e3;
-    q_offset += job->total_q;
+    job->batch_requests = static_cast<int32_t>(jobs.size());
+    job->batch_tokens = layout.total_q;
   }
   return absl::OkStatus();
 }

@@ -1,20 +1,25 @@
-// The CUDA backend: each batch is packed into pinned staging, copied to the device, computed by
-// one varlen launch of the fused kernel, copied back and scattered to its requests. Runs up to
-// `streams` batches at once, one per lane (a CUDA stream with its own host thread), so that the
-// staging and copies of one batch overlap the kernel of another.
+// The CUDA backend. Prepare stages each request into pinned memory on its caller's thread. A
+// batch is then gathered into one packed device buffer (async copies), computed by one varlen
+// launch of the fused kernel, and its outputs copied back into each request's pinned buffer; the
+// completion pool copies them into the responses and finishes the calls. Runs up to `streams`
+// batches at once, one per lane (a CUDA stream with its own host thread), so that the copies of
+// one batch overlap the kernel of another.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "backend.h"
+#include "completion_pool.h"
 #include "device_pool.h"
 #include "pinned_pool.h"
 
@@ -27,6 +32,8 @@ class CudaBackend : public Backend {
     int streams = 2;
     int64_t device_pool_bytes = 8ll << 30;
     int64_t pinned_pool_bytes = 2ll << 30;
+    // Threads that copy results into responses and finish calls.
+    int completion_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
   };
   // UNAVAILABLE when no usable GPU or no kernels are compiled in.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);
@@ -34,6 +41,8 @@ class CudaBackend : public Backend {
 
   const BackendInfo& Info() const override { return info_; }
   int MaxInFlightBatches() const override { return static_cast<int>(lanes_.size()); }
+  // Stages the job's inputs into pinned memory; RESOURCE_EXHAUSTED when the pinned pool is full.
+  absl::Status Prepare(AttendJob& job) override;
   void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) override;
   BackendMemory Memory() const override;
 
@@ -51,14 +60,20 @@ class CudaBackend : public Backend {
   explicit CudaBackend(const Options& options) : options_(options) {}
   absl::Status Init();
   void LaneLoop(Lane* lane);
-  // Runs one batch on lane; fills timings into the jobs and report.
-  absl::Status Process(Lane& lane, Batch& batch, BatchReport* report);
+  // Runs jobs as one launch, or, when the device pool cannot hold them together, as smaller
+  // launches; fills one status per job.
+  void RunSplittingOnExhaustion(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                                std::span<absl::Status> status, BatchReport* report);
+  // One packed launch of jobs on lane, waited for; adds its timings to the jobs and report.
+  absl::Status Launch(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs, BatchReport* report);
+
 
   const Options options_;
   BackendInfo info_;
   std::unique_ptr<DevicePool> device_pool_;
   std::unique_ptr<PinnedPool> pinned_pool_;
   std::vector<std::unique_ptr<Lane>> lanes_;
+  std::unique_ptr<CompletionPool> completions_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -1,6 +1,8 @@
 // Device memory for transient tensors: CUDA's stream-ordered allocator (a cudaMemPool_t of our
 // own with a release threshold, so freed memory stays reserved for reuse) plus a hard bound on
-// bytes in use. Exhaustion is RESOURCE_EXHAUSTED for the one request, never a crash.
+// bytes in use. Exhaustion is RESOURCE_EXHAUSTED for the one request, never a crash. The bound is
+// exact for bytes in use; bytes reserved can pass it for a moment, when one stream allocates
+// while memory freed on another is not yet reusable, and fall back under it at the next sync.
 // The paged KV cache of sessions is meant to sit beside it, carved from the same bound.
 #pragma once
 

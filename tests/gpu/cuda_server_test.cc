@@ -160,6 +160,83 @@ TEST_F(CudaServerTest, DevicePoolExhaustionFailsOnlyTheRequestThatDoesNotFit) {
   EXPECT_GT(m.gpu_total, 0);
 }
 
+TEST_F(CudaServerTest, PinnedPoolExhaustionFailsOnlyTheRequestThatDoesNotFit) {
+  ServerOptions options;
+  options.pinned_pool_bytes = 4 << 20;
+  auto s = StartCudaServer(options);
+  ASSERT_NE(s.server, nullptr);
+  RequestShape big;
+  big.seq_q = big.seq_k = 8192;
+  big.heads = big.kv_heads = 4;
+  big.head_dim = 64;  // 12 MiB of inputs to stage
+  auto r_big = MakeRandomRequest(big, rng_);
+  auto result = s.client->Attend(r_big.q, r_big.k, r_big.v, r_big.options);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted) << result.status();
+  EXPECT_NE(result.status().message().find("pinned_pool_bytes"), std::string::npos);
+  auto r_small = MakeRandomRequest(RequestShape{}, rng_);
+  auto ok = s.client->Attend(r_small.q, r_small.k, r_small.v, r_small.options);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_LE(testing::ErrorAgainstReference(r_small, ok->o), 1e-2);
+  EXPECT_EQ(s.server->backend().Memory().pinned_pool.used, 0);
+}
+
+TEST_F(CudaServerTest, BatchThatDoesNotFitTheDevicePoolRunsInParts) {
+  // Each request needs 4 MiB of device memory (q, k, v and o of 1 MiB each); the pool holds 6.
+  ServerOptions options;
+  options.device_pool_bytes = 6 << 20;
+  options.max_queue_delay_us = 300000;  // the four requests are queued together
+  auto s = StartCudaServer(options);
+  ASSERT_NE(s.server, nullptr);
+  constexpr int kRequests = 4;
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0}, alone{0};
+  for (int c = 0; c < kRequests; ++c) {
+    threads.emplace_back([&, c] {
+      std::mt19937_64 rng(c + 500);
+      RequestShape shape;
+      shape.seq_q = shape.seq_k = 2048;
+      shape.heads = shape.kv_heads = 4;
+      shape.head_dim = 64;
+      auto r = MakeRandomRequest(shape, rng);
+      auto result = s.client->Attend(r.q, r.k, r.v, r.options);
+      if (!result.ok()) {
+        ADD_FAILURE() << result.status();
+        ++bad;
+        return;
+      }
+      if (!(testing::ErrorAgainstReference(r, result->o) <= 1e-2)) ++bad;
+      if (result->timing.batch_requests() == 1) ++alone;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(alone.load(), kRequests) << "each launch should have held one request";
+  EXPECT_EQ(s.server->backend().Memory().device_pool.used, 0);
+}
+
+TEST_F(CudaServerTest, DevicePoolMemoryIsReused) {
+  auto s = StartCudaServer();
+  ASSERT_NE(s.server, nullptr);
+  RequestShape shape;
+  shape.seq_q = shape.seq_k = 1024;
+  shape.heads = 8;
+  shape.kv_heads = 2;
+  shape.head_dim = 128;
+  int64_t reserved_after_first = 0;
+  for (int i = 0; i < 6; ++i) {
+    auto r = MakeRandomRequest(shape, rng_);
+    auto result = s.client->Attend(r.q, r.k, r.v, r.options);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_LE(testing::ErrorAgainstReference(r, result->o), 1e-2);
+    const BackendMemory m = s.server->backend().Memory();
+    EXPECT_EQ(m.device_pool.used, 0);
+    EXPECT_GT(m.device_pool.reserved, 0);
+    if (i == 0) reserved_after_first = m.device_pool.reserved;
+    EXPECT_EQ(m.device_pool.reserved, reserved_after_first) << "request " << i;
+  }
+}
+
 TEST_F(CudaServerTest, LargeRequestsOnFourStreams) {
   ServerOptions options;
   options.streams = 4;

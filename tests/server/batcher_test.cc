@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <future>
@@ -51,12 +52,32 @@ class FakeBackend : public Backend {
     }
     BatchReport report;
     report.requests = static_cast<int32_t>(batch.size());
+    // Like the CUDA backend, which completes its jobs on other threads after it reports the
+    // batch finished.
+    if (finish_before_done_) {
+      on_finished(report);
+      std::unique_lock<std::mutex> lock(mu_);
+      ++finished_;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return !hold_done_; });
+    }
     for (auto& job : batch) {
       // The answer names the request it belongs to.
       job->response->set_request_id(job->request->request_id() + 1000);
       job->done(absl::OkStatus());
     }
-    on_finished(report);
+    if (!finish_before_done_) on_finished(report);
+  }
+
+  void FinishBeforeDone(bool hold_done) {
+    std::lock_guard<std::mutex> lock(mu_);
+    finish_before_done_ = true;
+    hold_done_ = hold_done;
+    cv_.notify_all();
+  }
+  bool WaitForFinished(int n, std::chrono::milliseconds timeout = 5000ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return finished_ >= n; });
   }
 
   void Hold(bool hold) {
@@ -80,6 +101,9 @@ class FakeBackend : public Backend {
   std::mutex mu_;
   std::condition_variable cv_;
   bool hold_ = false;
+  bool finish_before_done_ = false;
+  bool hold_done_ = false;
+  int finished_ = 0;
   std::vector<std::vector<uint64_t>> batches_;
   std::mutex workers_mu_;
   std::vector<std::thread> workers_;
@@ -107,6 +131,19 @@ class BatcherTest : public ::testing::Test {
   absl::Status Submit(uint64_t id, int tokens, int heads = 1, bool high = false,
                       Clock::time_point deadline = Clock::time_point::max(),
                       std::function<bool()> cancelled = nullptr) {
+    return SubmitEdited(id, tokens, heads, [&](v1::AttendRequest& r, AttendJob* job) {
+      if (job == nullptr) {
+        r.set_priority(high ? v1::PRIORITY_HIGH : v1::PRIORITY_NORMAL);
+        return;
+      }
+      job->deadline = deadline;
+      job->is_cancelled = std::move(cancelled);
+    });
+  }
+
+  // edit is called with the request before validation (job null), then with the job.
+  absl::Status SubmitEdited(uint64_t id, int tokens, int heads,
+                            const std::function<void(v1::AttendRequest&, AttendJob*)>& edit) {
     auto call = std::make_unique<Call>();
     for (v1::Tensor* t : {call->request.mutable_q(), call->request.mutable_k(),
                           call->request.mutable_v()}) {
@@ -117,15 +154,15 @@ class BatcherTest : public ::testing::Test {
       t->mutable_data()->resize(size_t(tokens) * heads * 64 * 2);
     }
     call->request.set_request_id(id);
-    call->request.set_priority(high ? v1::PRIORITY_HIGH : v1::PRIORITY_NORMAL);
+    edit(call->request, nullptr);
     RequestLimits limits;
     limits.head_dims = {64};
     auto job = ValidateAttendRequest(call->request, limits);
     EXPECT_TRUE(job.ok()) << job.status();
+    if (!job.ok()) return job.status();
     (*job)->response = &call->response;
     (*job)->arrival = Clock::now();
-    (*job)->deadline = deadline;
-    (*job)->is_cancelled = std::move(cancelled);
+    edit(call->request, job->get());
     Call* raw = call.get();
     (*job)->done = [raw](absl::Status st) {
       if (raw->done_calls.fetch_add(1) == 0) raw->result.set_value(st);
@@ -195,6 +232,45 @@ TEST_F(BatcherTest, DifferentKeysGoToDifferentBatches) {
   EXPECT_EQ(batches[1], (std::vector<uint64_t>{2}));
 }
 
+TEST_F(BatcherTest, EveryFieldOfTheKeySeparatesBatches) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 100000, .max_queue_size = 100});
+  using Edit = std::function<void(v1::AttendRequest&, AttendJob*)>;
+  const std::vector<Edit> edits = {
+      [](v1::AttendRequest&, AttendJob*) {},  // the plain request
+      [](v1::AttendRequest& r, AttendJob* job) {
+        if (job) return;
+        for (auto* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
+          t->set_dtype(v1::DTYPE_FLOAT16);
+        }
+      },
+      [](v1::AttendRequest& r, AttendJob* job) {
+        if (!job) r.set_causal(true);
+      },
+      [](v1::AttendRequest& r, AttendJob* job) {
+        if (!job) r.mutable_window()->set_left(3);
+      },
+      [](v1::AttendRequest& r, AttendJob* job) {
+        if (!job) r.set_softmax_scale(0.5f);
+      },
+      [](v1::AttendRequest&, AttendJob* job) {
+        if (job) job->key.staged_dtype = kernels::DType::kFloat16;
+      },
+  };
+  // Two requests of each kind, interleaved: each kind must make one batch of its own two.
+  for (int round = 0; round < 2; ++round) {
+    for (size_t e = 0; e < edits.size(); ++e) {
+      ASSERT_TRUE(SubmitEdited(e * 10 + round, 5, 1, edits[e]).ok()) << e;
+    }
+  }
+  for (const auto& [id, call] : calls_) EXPECT_TRUE(ResultOf(id).ok()) << id;
+  auto batches = backend_->Batches();
+  std::sort(batches.begin(), batches.end());
+  ASSERT_EQ(batches.size(), edits.size());
+  for (size_t e = 0; e < edits.size(); ++e) {
+    EXPECT_EQ(batches[e], (std::vector<uint64_t>{e * 10, e * 10 + 1}));
+  }
+}
+
 TEST_F(BatcherTest, FullQueueIsResourceExhaustedAtOnce) {
   Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 3});
   backend_->Hold(true);
@@ -253,6 +329,37 @@ TEST_F(BatcherTest, CancelledRequestIsDropped) {
   EXPECT_TRUE(ResultOf(0).ok());
   batcher_->Drain();
   EXPECT_EQ(backend_->Batches().size(), 1u);
+}
+
+TEST_F(BatcherTest, ExpiredAndCancelledInQueueIsDeadlineExceeded) {
+  // gRPC cancels a call whose deadline passed; the caller must still learn it was the deadline.
+  Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 100});
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(0, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
+  const auto deadline = Clock::now() + 30ms;
+  ASSERT_TRUE(Submit(1, 10, 1, false, deadline, [deadline] { return Clock::now() >= deadline; })
+                  .ok());
+  EXPECT_EQ(ResultOf(1).code(), absl::StatusCode::kDeadlineExceeded);
+  backend_->Hold(false);
+  EXPECT_TRUE(ResultOf(0).ok());
+}
+
+TEST_F(BatcherTest, JobIsPendingUntilItsDoneReturnsAndDrainWaitsForIt) {
+  Make({.max_batch_tokens = 10, .max_queue_delay_us = 0, .max_queue_size = 100});
+  backend_->FinishBeforeDone(/*hold_done=*/true);
+  ASSERT_TRUE(Submit(0, 10).ok());
+  ASSERT_TRUE(backend_->WaitForFinished(1));  // the batch is reported finished, done not run
+  EXPECT_EQ(batcher_->Pending(), 1);
+  EXPECT_GT(batcher_->InflightBytes(), 0);
+  auto drained = std::async(std::launch::async, [&] { batcher_->Drain(); });
+  EXPECT_EQ(drained.wait_for(100ms), std::future_status::timeout)
+      << "Drain returned while a request was still being completed";
+  backend_->FinishBeforeDone(/*hold_done=*/false);
+  EXPECT_EQ(drained.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(ResultOf(0).ok());
+  EXPECT_EQ(batcher_->Pending(), 0);
+  EXPECT_EQ(batcher_->InflightBytes(), 0);
 }
 
 TEST_F(BatcherTest, HighPriorityGoesFirst) {
