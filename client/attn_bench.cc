@@ -2,19 +2,27 @@
 //
 //   attn-bench --target HOST:PORT --concurrency 1,4,16,64 --duration_s 10 --warmup_s 2 \
 //              --seq 128 --heads 16 --head-dim 128 --dtype bf16 [--mode unary|stream|echo]
-//              [--rate R] [--csv out.csv] [--json out.json]
+//              [--rate R] [--compare_echo] [--lb round_robin] [--csv out.csv] [--json out.json]
 //
 // For each concurrency level (closed loop: each worker sends its next request when the last one
 // is answered) or at a fixed request rate (open loop, latency counted from the scheduled send
 // time), it prints throughput, latency percentiles and the server-side split of the time taken
 // from the responses. --mode=echo sends the same bytes each way through the Echo RPC, which
-// does no work: the transport's own ceiling, measured in the same run.
+// does no work: the transport's own ceiling. --compare_echo runs, at each concurrency level, the
+// chosen mode and then Echo with the same bytes in the same process, and prints the ratios
+// (req/s and p50 of the mode over Echo's).
+//
+// --rate in stream mode: each of the `concurrency` streams writes on its own schedule
+// (rate/concurrency per stream, staggered); a write whose slot is not free yet (--stream_depth
+// in flight) waits for one, and its latency still counts from the scheduled time.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <limits>
+#include <cmath>
 #include <iostream>
 #include <mutex>
 #include <numeric>
@@ -33,6 +41,13 @@
 #include "attn/util/flag_names.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
+ABSL_FLAG(std::string, lb, "",
+          "gRPC load-balancing policy of each channel: round_robin spreads calls over every "
+          "address of --target (dns:///headless-service:50051, ipv4:H1:P1,H2:P2); '' = gRPC's "
+          "default (pick_first)");
+ABSL_FLAG(bool, compare_echo, false,
+          "At each concurrency level also run Echo with the same bytes and print the ratio of "
+          "--mode to Echo (req/s and p50)");
 ABSL_FLAG(std::string, mode, "unary", "unary (Attend), stream (AttendStream) or echo");
 ABSL_FLAG(std::string, concurrency, "1", "Comma-separated concurrency levels to sweep");
 ABSL_FLAG(double, rate, 0, "Fixed request rate, requests/s (open loop); 0: closed loop");
@@ -76,6 +91,10 @@ struct LevelResult {
   double response_bytes = 0;
   double tokens_per_request = 0;
   std::vector<Sample> samples;
+  // --compare_echo: this level's req/s and p50 over those of Echo at the same concurrency
+  // (NaN when not measured).
+  double echo_rps_ratio = std::numeric_limits<double>::quiet_NaN();
+  double echo_p50_ratio = std::numeric_limits<double>::quiet_NaN();
 
   double Throughput() const { return requests / seconds; }
   double Percentile(double p) const {
@@ -148,6 +167,7 @@ std::vector<std::unique_ptr<Client>> MakeClients(int n) {
     o.target = absl::GetFlag(FLAGS_target);
     o.max_message_bytes = 1ll << 30;
     o.unique_channel = true;
+    o.lb_policy = absl::GetFlag(FLAGS_lb);
     auto c = Client::Create(o);
     if (!c.ok()) {
       std::cerr << c.status() << std::endl;
@@ -227,8 +247,11 @@ void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, dou
   }
 }
 
-// One AttendStream with up to `depth` requests in flight; latency per item.
-void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth) {
+// One AttendStream with up to `depth` requests in flight; latency per item. interval_s > 0:
+// open loop, request k is due at start + k * interval_s and its latency counts from then (also
+// when it had to wait for a free slot).
+void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth, double interval_s,
+                  Clock::time_point start) {
   grpc::ClientContext ctx;
   client->PrepareContext(&ctx, std::chrono::milliseconds(0));
   auto stream = client->stub()->AttendStream(&ctx);
@@ -260,6 +283,16 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth) {
   });
   attn::v1::AttendRequest request = p.attend;
   for (uint64_t id = 0; rec->Running(); ++id) {
+    Clock::time_point due{};
+    if (interval_s > 0) {
+      due = start + std::chrono::duration_cast<Clock::duration>(
+                        std::chrono::duration<double>(double(id) * interval_s));
+      // Sleep in short steps so that the end of the level is noticed.
+      while (rec->Running() && Clock::now() < due) {
+        std::this_thread::sleep_until(std::min(due, Clock::now() + std::chrono::milliseconds(50)));
+      }
+      if (!rec->Running()) break;
+    }
     {
       // Blocks (no spinning) until a response frees a slot or the level's time is up.
       std::unique_lock<std::mutex> lock(mu);
@@ -267,10 +300,10 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth) {
                          [&] { return in_flight < depth || reader_done; });
       if (reader_done) break;
       if (in_flight >= depth) {
-        --id;
+        --id;  // the same request (and schedule slot) again
         continue;
       }
-      sent_at.push_back(Clock::now());
+      sent_at.push_back(interval_s > 0 ? due : Clock::now());
       ++in_flight;
     }
     request.set_request_id(id);
@@ -300,7 +333,8 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
     const auto worker_start = start + std::chrono::duration_cast<Clock::duration>(
                                           std::chrono::duration<double>(interval * i / concurrency));
     if (mode == "stream") {
-      workers.emplace_back(StreamWorker, c, std::cref(p), &rec, absl::GetFlag(FLAGS_stream_depth));
+      workers.emplace_back(StreamWorker, c, std::cref(p), &rec, absl::GetFlag(FLAGS_stream_depth),
+                           interval, worker_start);
     } else {
       workers.emplace_back(UnaryWorker, c, std::cref(p), mode == "echo", &rec, interval, worker_start);
     }
@@ -326,21 +360,48 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
 }
 
 void PrintHeader() {
-  std::printf("%-6s %5s %9s %7s %10s %10s %9s %9s %9s %9s %10s %10s %10s %7s\n", "mode", "conc",
+  std::printf("%-6s %5s %9s %7s %10s %10s %9s %9s %9s %9s %10s %10s %10s %7s", "mode", "conc",
               "requests", "errors", "req/s", "tokens/s", "GB/s", "p50_ms", "p90_ms", "p99_ms",
               "queue_us", "xfer_us", "compute_us", "batch");
+  if (absl::GetFlag(FLAGS_compare_echo)) std::printf(" %9s %9s", "rps/echo", "p50/echo");
+  std::printf("\n");
 }
 
 void PrintRow(const LevelResult& r) {
   const double gbps = r.Throughput() * (r.request_bytes + r.response_bytes) / 1e9;
-  std::printf("%-6s %5d %9lld %7lld %10.1f %10.0f %9.3f %9.3f %9.3f %9.3f %10.1f %10.1f %10.1f %7.2f\n",
+  std::printf("%-6s %5d %9lld %7lld %10.1f %10.0f %9.3f %9.3f %9.3f %9.3f %10.1f %10.1f %10.1f %7.2f",
               r.mode.c_str(), r.concurrency, static_cast<long long>(r.requests),
               static_cast<long long>(r.errors), r.Throughput(), r.Throughput() * r.tokens_per_request,
               gbps, r.Percentile(0.5) / 1e3, r.Percentile(0.9) / 1e3, r.Percentile(0.99) / 1e3,
               r.Mean(&Sample::queue_us), r.Mean(&Sample::transfer_us), r.Mean(&Sample::compute_us),
               r.MeanBatch());
+  if (absl::GetFlag(FLAGS_compare_echo)) {
+    if (std::isnan(r.echo_rps_ratio)) {
+      std::printf(" %9s %9s", "-", "-");
+    } else {
+      std::printf(" %9.3f %9.3f", r.echo_rps_ratio, r.echo_p50_ratio);
+    }
+  }
+  std::printf("\n");
   if (r.errors > 0) std::printf("       first error: %s\n", r.first_error.c_str());
   std::fflush(stdout);
+}
+
+// A ratio for the CSV: empty when not measured (or not finite).
+std::string Ratio(double v) {
+  if (!std::isfinite(v)) return "";
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// Fills the --compare_echo ratios of r (a level of the chosen mode) from echo (Echo at the same
+// concurrency). A ratio is left NaN when Echo measured nothing.
+void SetEchoRatios(LevelResult* r, const LevelResult& echo) {
+  if (echo.requests > 0 && echo.Throughput() > 0) r->echo_rps_ratio = r->Throughput() / echo.Throughput();
+  if (echo.requests > 0 && echo.Percentile(0.5) > 0 && r->requests > 0) {
+    r->echo_p50_ratio = r->Percentile(0.5) / echo.Percentile(0.5);
+  }
 }
 
 std::string CsvRow(const LevelResult& r, const std::string& label) {
@@ -351,7 +412,8 @@ std::string CsvRow(const LevelResult& r, const std::string& label) {
     << r.Percentile(0.5) / 1e3 << "," << r.Percentile(0.9) / 1e3 << ","
     << r.Percentile(0.99) / 1e3 << "," << r.Mean(&Sample::queue_us) << ","
     << r.Mean(&Sample::transfer_us) << "," << r.Mean(&Sample::compute_us) << ","
-    << r.MeanBatch() << ",\"" << label << "\"";
+    << r.MeanBatch() << "," << Ratio(r.echo_rps_ratio) << "," << Ratio(r.echo_p50_ratio) << ",\""
+    << label << "\"";
   return s.str();
 }
 
@@ -367,7 +429,11 @@ std::string JsonLevel(const LevelResult& r, const std::string& label) {
     << ",\"server_queue_us\":" << r.Mean(&Sample::queue_us)
     << ",\"server_transfer_us\":" << r.Mean(&Sample::transfer_us)
     << ",\"server_compute_us\":" << r.Mean(&Sample::compute_us)
-    << ",\"batch_requests\":" << r.MeanBatch() << ",\"label\":\"" << label << "\"}";
+    << ",\"batch_requests\":" << r.MeanBatch();
+  if (!std::isnan(r.echo_rps_ratio)) {
+    s << ",\"echo_rps_ratio\":" << r.echo_rps_ratio << ",\"echo_p50_ratio\":" << r.echo_p50_ratio;
+  }
+  s << ",\"label\":\"" << label << "\"}";
   return s.str();
 }
 
@@ -399,21 +465,43 @@ int main(int argc, char** argv) {
               payload.attend.ByteSizeLong() / 1e6, payload.tokens,
               payload.attend.q().data().size() / 1e6);
   PrintHeader();
+  const bool compare_echo = absl::GetFlag(FLAGS_compare_echo) && mode != "echo";
+  if (absl::GetFlag(FLAGS_compare_echo) && mode == "echo") {
+    std::cerr << "attn-bench: --compare_echo with --mode=echo compares Echo with itself; ignored"
+              << std::endl;
+  }
   std::vector<LevelResult> results;
   int64_t errors = 0;
   for (int c : levels) {
-    results.push_back(RunLevel(payload, mode, c));
-    PrintRow(results.back());
-    errors += results.back().errors;
+    LevelResult r = RunLevel(payload, mode, c);
+    errors += r.errors;
+    if (compare_echo) {
+      // The same bytes through Echo at the same concurrency (and --rate), right after.
+      LevelResult echo = RunLevel(payload, "echo", c);
+      errors += echo.errors;
+      SetEchoRatios(&r, echo);
+      PrintRow(r);
+      PrintRow(echo);
+      results.push_back(std::move(r));
+      results.push_back(std::move(echo));
+    } else {
+      PrintRow(r);
+      results.push_back(std::move(r));
+    }
   }
   if (const std::string csv = absl::GetFlag(FLAGS_csv); !csv.empty()) {
-    const bool fresh = !std::ifstream(csv).good();
-    std::ofstream out(csv, std::ios::app);
-    if (fresh) {
-      out << "mode,concurrency,rate,requests,errors,requests_per_s,tokens_per_s,gb_per_s,p50_ms,"
-             "p90_ms,p99_ms,server_queue_us,server_transfer_us,server_compute_us,batch_requests,"
-             "label\n";
+    const std::string header =
+        "mode,concurrency,rate,requests,errors,requests_per_s,tokens_per_s,gb_per_s,p50_ms,"
+        "p90_ms,p99_ms,server_queue_us,server_transfer_us,server_compute_us,batch_requests,"
+        "echo_rps_ratio,echo_p50_ratio,label";
+    std::string first_line;
+    const bool fresh = !std::getline(std::ifstream(csv) >> std::ws, first_line);
+    if (!fresh && first_line != header) {
+      std::cerr << "attn-bench: " << csv << " has another header (an older attn-bench?); "
+                << "appending rows with the columns " << header << std::endl;
     }
+    std::ofstream out(csv, std::ios::app);
+    if (fresh) out << header << "\n";
     for (const auto& r : results) out << CsvRow(r, label) << "\n";
   }
   if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) {

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# attn-bench against a real attnd (CPU backend, loopback): --rate holds the offered rate in
+# stream mode (and unary), --compare_echo adds an Echo row per level and the ratio columns
+# (table, CSV, JSON), --lb round_robin is accepted.
+#   attn_bench_test.sh ATTND ATTN_BENCH ATTNCTL
+set -euo pipefail
+attnd="$1"; bench="$2"; attnctl="$3"
+work="$(mktemp -d "${TMPDIR:-/tmp}/attn-bench-test.XXXXXX")"
+pid=""
+cleanup() {
+  local rc=$?
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
+  [ "$rc" = 0 ] || { echo "--- attnd log"; tail -n 20 "$work/attnd.log" || true; }
+  rm -rf "$work"
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+P=$(free_port); M=$(free_port)
+"$attnd" --listen="127.0.0.1:$P" --metrics_listen="127.0.0.1:$M" --backend=cpu --threads=2 >"$work/attnd.log" 2>&1 &
+pid=$!
+for i in $(seq 150); do
+  "$attnctl" --target "127.0.0.1:$P" health >/dev/null 2>&1 && break
+  [ "$i" = 150 ] && fail "attnd did not become healthy"
+  sleep 0.2
+done
+shape=(--seq 16 --heads 2 --head-dim 64 --dtype bf16)
+
+# --rate in stream mode: 2 streams, 40 requests/s in all, over 3 s. The closed loop (no --rate)
+# runs far faster than that on this shape, so a rate near 40/s shows the schedule is kept.
+for mode in stream unary; do
+  "$bench" --target "127.0.0.1:$P" --mode $mode --rate 40 --concurrency 2 --duration_s 3 \
+    --warmup_s 0.5 "${shape[@]}" --json "$work/rate-$mode.json"
+  python3 - "$work/rate-$mode.json" "$mode" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))[0]
+assert r["mode"] == sys.argv[2] and r["rate"] == 40 and r["errors"] == 0, r
+assert 34 <= r["requests_per_s"] <= 46, f"{sys.argv[2]} --rate 40 gave {r['requests_per_s']} req/s"
+print(f"ok: {sys.argv[2]} --rate 40 -> {r['requests_per_s']} req/s")
+PY
+done
+"$bench" --target "127.0.0.1:$P" --mode stream --concurrency 2 --duration_s 1 --warmup_s 0.3 \
+  "${shape[@]}" --json "$work/closed.json"
+python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))[0]
+assert r["requests_per_s"] > 100, r
+print("ok: stream closed loop", r["requests_per_s"], "req/s")' "$work/closed.json"
+
+# --compare_echo: per level the mode row, then Echo; ratios = mode over Echo (req/s, p50).
+"$bench" --target "ipv4:127.0.0.1:$P" --lb round_robin --mode unary --concurrency 1,2 \
+  --duration_s 1 --warmup_s 0.3 "${shape[@]}" --compare_echo --csv "$work/cmp.csv" \
+  --json "$work/cmp.json" | tee "$work/cmp.txt"
+grep -q 'rps/echo' "$work/cmp.txt" || fail "no rps/echo column in the table"
+python3 - "$work/cmp.json" "$work/cmp.csv" <<'PY'
+import csv, json, math, sys
+rows = json.load(open(sys.argv[1]))
+assert [(r["mode"], r["concurrency"]) for r in rows] == [("unary", 1), ("echo", 1), ("unary", 2), ("echo", 2)], rows
+for a, e in zip(rows[0::2], rows[1::2]):
+    assert a["errors"] == 0 and e["errors"] == 0 and e["requests"] > 0, (a, e)
+    assert math.isclose(a["echo_rps_ratio"], a["requests_per_s"] / e["requests_per_s"], rel_tol=1e-4), (a, e)
+    assert math.isclose(a["echo_p50_ratio"], a["p50_ms"] / e["p50_ms"], rel_tol=1e-4), (a, e)
+    assert "echo_rps_ratio" not in e
+c = list(csv.DictReader(open(sys.argv[2])))
+assert [r["mode"] for r in c] == ["unary", "echo", "unary", "echo"], c
+for r, j in zip(c, rows):
+    if r["mode"] == "unary":
+        assert math.isclose(float(r["echo_rps_ratio"]), j["echo_rps_ratio"], rel_tol=1e-4), (r, j)
+        assert math.isclose(float(r["echo_p50_ratio"]), j["echo_p50_ratio"], rel_tol=1e-4), (r, j)
+    else:
+        assert r["echo_rps_ratio"] == "" and r["echo_p50_ratio"] == "", r
+print("ok: --compare_echo rows and ratios (table, CSV, JSON)")
+PY
