@@ -24,15 +24,21 @@ for f in "$out"/*.yaml; do
   expect "$n" 'readOnlyRootFilesystem: true' "readOnlyRootFilesystem missing"
   expect "$n" 'allowPrivilegeEscalation: false' "allowPrivilegeEscalation not false"
   grep -A2 -E '^ +capabilities:' "$f" | grep -q -- '- ALL' || fail "$n: capabilities do not drop ALL"
-  # terminationGracePeriodSeconds must exceed the preStop sleep plus attnd's drain timeout.
+  # terminationGracePeriodSeconds must cover the preStop sleep, attnd's lame-duck period
+  # (--drain_grace_s: NOT_SERVING but still answering) and its drain (--drain_timeout_s).
   grace=$(sed -n -E 's/^ +terminationGracePeriodSeconds: ([0-9]+)$/\1/p' "$f")
   drain=$(sed -n -E 's/^ +--drain_timeout_s=([0-9]+)$/\1/p' "$f")
+  lame=$(sed -n -E 's/^ +--drain_grace_s=([0-9]+)$/\1/p' "$f")
   sleep_s=$(grep -A4 -E '^ +preStop:' "$f" | sed -n -E 's/^ +- "?([0-9]+)"?$/\1/p')
-  [ -n "$grace" ] && [ -n "$drain" ] && [ -n "$sleep_s" ] ||
-    fail "$n: grace period ($grace), --drain_timeout_s ($drain) or preStop sleep ($sleep_s) not found"
-  [ "$grace" -gt $((drain + sleep_s)) ] ||
-    fail "$n: terminationGracePeriodSeconds $grace <= preStop $sleep_s s + drain $drain s"
-  echo "$n: ok (grace ${grace}s > preStop ${sleep_s}s + drain ${drain}s)"
+  [ -n "$grace" ] && [ -n "$drain" ] && [ -n "$lame" ] && [ -n "$sleep_s" ] ||
+    fail "$n: grace period ($grace), --drain_grace_s ($lame), --drain_timeout_s ($drain) or preStop sleep ($sleep_s) not found"
+  [ "$grace" -ge $((sleep_s + lame + drain)) ] ||
+    fail "$n: terminationGracePeriodSeconds $grace < preStop $sleep_s s + drain_grace $lame s + drain $drain s"
+  # Read-only root filesystem: the CUDA JIT cache must point into the /tmp emptyDir.
+  expect "$n" '^ +- mountPath: /tmp$|^ +mountPath: /tmp$' "no /tmp mount"
+  grep -A1 -E '^ +- name: CUDA_CACHE_PATH$' "$f" | grep -q -E '^ +value: /tmp/' ||
+    fail "$n: CUDA_CACHE_PATH is not under the /tmp emptyDir"
+  echo "$n: ok (grace ${grace}s >= preStop ${sleep_s}s + drain_grace ${lame}s + drain ${drain}s)"
 done
 # Base applies without prometheus-operator CRDs; the ServiceMonitor is opt-in.
 for n in base gpu cpu; do
@@ -48,6 +54,8 @@ for n in gpu gpu-prometheus-operator; do
   expect "$n" '^kind: HorizontalPodAutoscaler$' "no HPA"
   expect "$n" 'name: attn_queue_duration_seconds_p90' "HPA does not use attn_queue_duration_seconds_p90"
   expect "$n" '--backend=cuda' "not on the CUDA backend"
+  # The HPA owns the replica count: the Deployment must not pin it.
+  [ "$(count '^  replicas:' "$out/$n.yaml")" = 0 ] || fail "$n: Deployment sets spec.replicas next to the HPA"
 done
 [ "$(count 'nvidia.com/gpu' "$out/cpu.yaml")" = 0 ] || fail "cpu overlay asks for GPUs"
 expect cpu '--backend=cpu' "not on the CPU backend"
