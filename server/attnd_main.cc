@@ -1,6 +1,9 @@
 // attnd: the attention compute service.
+#include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -9,6 +12,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 #include "attn/util/flag_names.h"
 #include "attn_server.h"
 #include "version.h"
@@ -86,15 +92,39 @@ attn::ServerOptions OptionsFromFlags() {
   return o;
 }
 
+// `attnd --help` lists the flags of this file. Abseil's default filter takes flags only from a
+// file named after the program (attnd.cc, attnd-main.cc or attnd_main.cc, by argv[0]), which
+// this file's name matches; the filter below also matches it when the binary is renamed or run
+// through a link of another name.
+bool IsAttndMain(absl::string_view file) {
+  return absl::EndsWith(file, "/attnd_main.cc") || file == "attnd_main.cc";
+}
+
+void SetUsageConfig() {
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = IsAttndMain;
+  config.contains_helpshort_flags = IsAttndMain;
+  // Flags are listed under "server/attnd_main.cc", not the build machine's absolute path;
+  // other files as Abseil's default does (leading slashes dropped).
+  config.normalize_filename = [](absl::string_view file) {
+    if (IsAttndMain(file)) return std::string("server/attnd_main.cc");
+    const size_t start = file.find_first_not_of('/');
+    return std::string(start == absl::string_view::npos ? file : file.substr(start));
+  };
+  config.version_string = [] { return std::string("attnd ") + attn::kVersion + "\n"; };
+  absl::SetFlagsUsageConfig(config);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  SetUsageConfig();
   absl::SetProgramUsageMessage("attnd: attention compute service (attn.v1 over gRPC)");
   std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);
   std::vector<char*> argp = attn::util::ArgvOf(args);
   absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
 
-  // Signals are taken by one thread with sigwait, so that no handler runs inside gRPC.
+  // Signals are taken by one thread with sigtimedwait, so that no handler runs inside gRPC.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -107,14 +137,34 @@ int main(int argc, char** argv) {
     std::cerr << "attnd: " << server.status() << std::endl;
     return 1;
   }
-  std::thread signal_thread([&signals, s = server->get()] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    std::cerr << "attnd: received " << strsignal(sig) << std::endl;
-    s->Drain();
+  // The first SIGINT/SIGTERM drains (on its own thread: Drain blocks until open calls are
+  // done); a second one during the drain exits at once with 128 + the signal number, leaving
+  // open calls unanswered (the operator asked twice).
+  std::atomic<bool> done{false};
+  std::thread drainer;
+  std::thread signal_thread([&signals, &done, &drainer, s = server->get()] {
+    bool draining = false;
+    while (!done.load()) {
+      const timespec poll = {0, 100'000'000};
+      const int sig = sigtimedwait(&signals, nullptr, &poll);
+      if (sig < 0) continue;  // the poll timed out (or EINTR): look at done again
+      if (!draining) {
+        draining = true;
+        std::cerr << "attnd: received " << strsignal(sig)
+                  << "; draining (send SIGINT or SIGTERM again to exit at once)" << std::endl;
+        drainer = std::thread([s] { s->Drain(); });
+      } else {
+        std::cerr << "attnd: received " << strsignal(sig)
+                  << " again while draining; exiting at once, open calls unanswered"
+                  << std::endl;
+        std::_Exit(128 + sig);
+      }
+    }
   });
   (*server)->Wait();
+  done = true;
   signal_thread.join();
+  if (drainer.joinable()) drainer.join();
   server->reset();
   std::cerr << "attnd: exiting" << std::endl;
   return 0;

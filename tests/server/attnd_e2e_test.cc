@@ -1,12 +1,22 @@
 // attnd as a real process on loopback, called through the client library.
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/dynamic_message.h>
+#include <google/protobuf/message.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <future>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "common/reference.h"
@@ -120,50 +130,211 @@ TEST(AttndEndToEnd, AttendStreamAnswersEveryItemAndReportsBadOnes) {
   }
 }
 
-TEST(AttndEndToEnd, SigtermDrainsInFlightRequestsAndExitsZero) {
+// Sends sig while requests are in flight: every request that reached attnd before the signal
+// completes OK and correct, at least one of them was still unanswered when the signal was sent,
+// and attnd exits 0 after draining.
+void ExpectSignalDrainsInFlightRequests(int sig) {
   auto attnd = AttndProcess::Start({"--max_queue_delay_us=0"});
   ASSERT_NE(attnd, nullptr);
   std::mt19937_64 rng(std::random_device{}());
-  // Requests large enough (~0.1-0.3 s each on the CPU backend) to be in flight at SIGTERM.
+  // Requests large enough (~0.1-0.3 s each on the CPU backend with 2 threads) that the last one
+  // to arrive is still being computed when the signal follows its arrival.
   RequestShape shape;
   shape.seq_q = shape.seq_k = 1024;
   shape.heads = shape.kv_heads = 4;
   shape.head_dim = 64;
   constexpr int kClients = 6;
+  using Clock = std::chrono::steady_clock;
   std::vector<testing::RandomRequest> requests;
   for (int i = 0; i < kClients; ++i) requests.push_back(MakeRandomRequest(shape, rng));
+  std::vector<Clock::time_point> answered(kClients);
   std::vector<std::future<absl::StatusOr<client::AttendResult>>> results;
   for (int i = 0; i < kClients; ++i) {
     results.push_back(std::async(std::launch::async, [&, i] {
       auto c = ClientFor(*attnd);
-      return c->Attend(requests[i].q, requests[i].k, requests[i].v, requests[i].options);
+      auto r = c->Attend(requests[i].q, requests[i].k, requests[i].v, requests[i].options);
+      answered[i] = Clock::now();
+      return r;
     }));
   }
-  // SIGTERM once every request has reached attnd (queued, running or answered), bounded; at
-  // least one is still in flight then unless the host is very fast.
+  // Signal once every request has reached attnd (queued, running or answered).
   const auto arrived = [&] {
     const int port = attnd->metrics_port();
     return testing::ScrapeMetric(port, "attn_pending_requests") +
            testing::ScrapeMetric(port, "attn_requests_total", {"rpc=\"Attend\""});
   };
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (arrived() < kClients && std::chrono::steady_clock::now() < until) {
+  const auto until = Clock::now() + std::chrono::seconds(60);
+  while (arrived() < kClients && Clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  const int exit_code = attnd->SignalAndWait(SIGTERM, 60000);
-  int ok = 0;
+  const double pending = testing::ScrapeMetric(attnd->metrics_port(), "attn_pending_requests");
+  const auto signalled = Clock::now();
+  const int exit_code = attnd->SignalAndWait(sig, 60000);
+  EXPECT_GE(pending, 1) << "no request was queued or running just before the signal";
+  int in_flight_at_signal = 0;
   for (int i = 0; i < kClients; ++i) {
-    auto r = results[i].get();  // none may hang: each completes or is refused
-    if (r.ok()) {
-      ++ok;
-      EXPECT_LE(testing::ErrorAgainstReference(requests[i], r->o), 6e-3);
-    } else {
-      EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
-    }
+    auto r = results[i].get();  // none may hang
+    ASSERT_TRUE(r.ok()) << "request " << i << " reached attnd before " << strsignal(sig)
+                        << " and must complete: " << r.status();
+    EXPECT_LE(testing::ErrorAgainstReference(requests[i], r->o), 6e-3);
+    in_flight_at_signal += answered[i] > signalled;
   }
-  EXPECT_GT(ok, 0) << "requests in flight at SIGTERM should complete";
+  EXPECT_GE(in_flight_at_signal, 1)
+      << "every request was answered before the signal, so the drain was not exercised";
   EXPECT_EQ(exit_code, 0) << attnd->Log();
   EXPECT_NE(attnd->Log().find("draining"), std::string::npos);
+}
+
+TEST(AttndEndToEnd, SigtermDrainsInFlightRequestsAndExitsZero) {
+  ExpectSignalDrainsInFlightRequests(SIGTERM);
+}
+
+TEST(AttndEndToEnd, SigintDrainsInFlightRequestsAndExitsZero) {
+  ExpectSignalDrainsInFlightRequests(SIGINT);
+}
+
+// A second SIGINT/SIGTERM during the drain ends attnd at once with 128 + that signal. Echo calls
+// keep arriving on an open channel, so that the drain stays in its grace period
+// (--drain_grace_s=60) until the second signal.
+TEST(AttndEndToEnd, SecondSignalDuringDrainExitsAtOnceNonZero) {
+  for (auto [first, second] : {std::pair{SIGTERM, SIGINT}, std::pair{SIGINT, SIGTERM}}) {
+    SCOPED_TRACE(std::string(strsignal(first)) + " then " + strsignal(second));
+    auto attnd = AttndProcess::Start({"--drain_grace_s=60", "--drain_timeout_s=60"});
+    ASSERT_NE(attnd, nullptr);
+    auto client = ClientFor(*attnd);
+    ASSERT_TRUE(client->Echo("connect").ok());  // the channel is up before the drain starts
+    std::atomic<bool> stop{false};
+    std::thread caller([&] {
+      while (!stop.load()) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+        v1::EchoRequest request;
+        v1::EchoResponse response;
+        client->stub()->Echo(&ctx, request, &response);  // OK (Echo is served while draining)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+    ASSERT_EQ(kill(attnd->pid(), first), 0);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (attnd->Log().find("draining:") == std::string::npos &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const std::string before = attnd->Log();
+    EXPECT_NE(before.find("draining:"), std::string::npos) << before;
+    EXPECT_EQ(before.find("drained"), std::string::npos) << "the drain ended by itself:\n"
+                                                         << before;
+    const auto sent = std::chrono::steady_clock::now();
+    const int exit_code = attnd->SignalAndWait(second, 5000);
+    const auto took = std::chrono::steady_clock::now() - sent;
+    stop = true;
+    caller.join();
+    EXPECT_EQ(exit_code, 128 + second) << attnd->Log();
+    EXPECT_LT(took, std::chrono::seconds(2));
+    EXPECT_NE(attnd->Log().find("again while draining"), std::string::npos) << attnd->Log();
+  }
+}
+
+// `attnd --help` lists attnd's own flags (Abseil lists only those of the main file by default).
+TEST(AttndEndToEnd, HelpListsAttndFlags) {
+  // The attnd binary under test: the one AttndProcess runs.
+  std::string path;
+  {
+    auto attnd = AttndProcess::Start({});
+    ASSERT_NE(attnd, nullptr);
+    char buf[4096];
+    const ssize_t n = readlink(("/proc/" + std::to_string(attnd->pid()) + "/exe").c_str(), buf,
+                               sizeof(buf) - 1);
+    ASSERT_GT(n, 0);
+    path.assign(buf, n);
+  }
+  FILE* f = popen(("'" + path + "' --help 2>&1").c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::string out;
+  char chunk[4096];
+  for (size_t n; (n = fread(chunk, 1, sizeof(chunk), f)) > 0;) out.append(chunk, n);
+  const int status = pclose(f);
+  ASSERT_TRUE(WIFEXITED(status)) << out;  // Abseil's --help exits 1 after printing
+  EXPECT_EQ(out.find("No flags matched"), std::string::npos) << out;
+  for (const char* flag : {"--listen", "--metrics_listen", "--backend", "--max_message_bytes",
+                           "--max_inflight_bytes", "--max_tensor_elements", "--drain_grace_s",
+                           "--drain_timeout_s", "--auth_token_file", "--max_pending_per_client"}) {
+    EXPECT_NE(out.find(std::string(flag) + " ("), std::string::npos) << flag << " not in:\n" << out;
+  }
+}
+
+// gRPC server reflection (what grpcurl uses) lists attn.v1.Attention and grpc.health.v1.Health.
+// The request and response are built from the reflection proto's descriptors that
+// grpc++_reflection (linked into attnd's server library) registers, and sent on
+// ServerReflectionInfo through a generic stub.
+TEST(AttndEndToEnd, ReflectionListsAttentionAndHealth) {
+  auto attnd = AttndProcess::Start({});
+  ASSERT_NE(attnd, nullptr);
+  namespace pb = google::protobuf;
+  const pb::DescriptorPool* pool = pb::DescriptorPool::generated_pool();
+  const pb::Descriptor* request_type =
+      pool->FindMessageTypeByName("grpc.reflection.v1alpha.ServerReflectionRequest");
+  const pb::Descriptor* response_type =
+      pool->FindMessageTypeByName("grpc.reflection.v1alpha.ServerReflectionResponse");
+  ASSERT_NE(request_type, nullptr) << "grpc++_reflection's descriptors are not linked in";
+  ASSERT_NE(response_type, nullptr);
+  pb::MessageFactory* factory = pb::MessageFactory::generated_factory();
+  std::unique_ptr<pb::Message> request(factory->GetPrototype(request_type)->New());
+  request->GetReflection()->SetString(request.get(), request_type->FindFieldByName("list_services"),
+                                      "*");
+  std::string request_bytes;
+  ASSERT_TRUE(request->SerializeToString(&request_bytes));
+
+  auto channel = grpc::CreateChannel(attnd->target(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(
+      &ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  ASSERT_NE(call, nullptr);
+  const auto step = [&cq](intptr_t tag) {
+    void* got = nullptr;
+    bool ok = false;
+    return cq.Next(&got, &ok) && got == reinterpret_cast<void*>(tag) && ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(step(1));
+  grpc::Slice slice(request_bytes);
+  call->Write(grpc::ByteBuffer(&slice, 1), reinterpret_cast<void*>(2));
+  ASSERT_TRUE(step(2));
+  call->WritesDone(reinterpret_cast<void*>(3));
+  ASSERT_TRUE(step(3));
+  grpc::ByteBuffer response_buffer;
+  call->Read(&response_buffer, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(step(4));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  ASSERT_TRUE(step(5));
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  cq.Shutdown();
+
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response_buffer.Dump(&slices).ok());
+  std::string response_bytes;
+  for (const auto& s : slices) response_bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  std::unique_ptr<pb::Message> response(factory->GetPrototype(response_type)->New());
+  ASSERT_TRUE(response->ParseFromString(response_bytes));
+  const pb::FieldDescriptor* list_field = response_type->FindFieldByName("list_services_response");
+  ASSERT_TRUE(response->GetReflection()->HasField(*response, list_field))
+      << response->DebugString();
+  const pb::Message& list = response->GetReflection()->GetMessage(*response, list_field);
+  const pb::FieldDescriptor* service_field = list.GetDescriptor()->FindFieldByName("service");
+  std::set<std::string> names;
+  for (int i = 0; i < list.GetReflection()->FieldSize(list, service_field); ++i) {
+    const pb::Message& service = list.GetReflection()->GetRepeatedMessage(list, service_field, i);
+    names.insert(service.GetReflection()->GetString(
+        service, service.GetDescriptor()->FindFieldByName("name")));
+  }
+  EXPECT_TRUE(names.count("attn.v1.Attention")) << response->DebugString();
+  EXPECT_TRUE(names.count("grpc.health.v1.Health")) << response->DebugString();
+  EXPECT_EQ(attnd->SignalAndWait(SIGTERM, 20000), 0) << attnd->Log();
 }
 
 }  // namespace
