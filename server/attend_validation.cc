@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -40,7 +41,8 @@ absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLim
     if (n > limits.max_tensor_elements || elements > limits.max_tensor_elements / n) {
       return absl::ResourceExhaustedError(
           absl::StrCat(name, " has more than max_tensor_elements (", limits.max_tensor_elements,
-                       ") elements: shape ", ShapeString(t)));
+                       ") elements: shape ", ShapeString(t),
+                       "; the limit is attnd's --max_tensor_elements flag"));
     }
     elements *= n;
   }
@@ -136,7 +138,14 @@ v1::DType ToWireDType(kernels::DType t) {
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::AttendRequest& r,
                                                                  const RequestLimits& limits) {
   if (!r.has_q() || !r.has_k() || !r.has_v()) {
-    return Invalid("q, k and v must all be set");
+    std::vector<std::string> missing;
+    if (!r.has_q()) missing.push_back("q");
+    if (!r.has_k()) missing.push_back("k");
+    if (!r.has_v()) missing.push_back("v");
+    const std::string names = missing.size() == 3 ? "q, k and v" : absl::StrJoin(missing, " and ");
+    return Invalid(absl::StrCat(missing.size() == 1 ? "tensor " : "tensors ", names,
+                                missing.size() == 1 ? " is" : " are",
+                                " not set; q, k and v must all be set"));
   }
   RETURN_IF_ERROR(CheckShapes(r, limits));
   auto job = std::make_unique<AttendJob>();
