@@ -77,10 +77,13 @@ KeyRange VisibleKeys(const AttentionArgs& a, int64_t i, int64_t sq, int64_t sk) 
 #define ATTN_SCRATCH_ONLY
 #endif
 
-// S[r][0..n) += q_r[c] * kt[c][0..n) over c: vectorizes over the key index.
+// S[r][0..kBlockN) = sum over c of q_r[c] * kt[c][0..kBlockN): vectorizes over the key index.
+// Always the whole tile width (a fixed trip count keeps the loop vectorizable): LoadKeyTile
+// zero-fills the columns past the tile's last key, and SoftmaxRow and AccumulateTile read only
+// the first n columns.
 ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q,
                                                     const float* __restrict kt,
-                                                    float* __restrict s, int rows, int n, int d) {
+                                                    float* __restrict s, int rows, int d) {
   for (int r = 0; r < rows; ++r) {
     float* __restrict sr = s + r * kBlockN;
     for (int j = 0; j < kBlockN; ++j) sr[j] = 0.0f;
@@ -91,7 +94,6 @@ ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void ScoreTile(const float* __restrict q,
       for (int j = 0; j < kBlockN; ++j) sr[j] += qc * kc[j];
     }
   }
-  (void)n;
 }
 
 // acc[r][0..d) = acc[r] * alpha_r + sum_j p[r][j] * v[j][0..d).
@@ -122,7 +124,7 @@ struct WorkItem {
 
 class Runner {
  public:
-  Runner(const AttentionArgs& a, char* workspace, int workers)
+  Runner(const AttentionArgs& a, char* workspace)
       : a_(a), d_(a.head_dim), group_(a.num_heads / a.num_kv_heads),
         scale_log2_(EffectiveSoftmaxScale(a) * kLog2e) {
     tile_prefix_ = reinterpret_cast<int64_t*>(workspace);
@@ -132,7 +134,6 @@ class Runner {
       const int64_t sq = a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b];
       tile_prefix_[b + 1] = tile_prefix_[b] + (sq + kBlockM - 1) / kBlockM;
     }
-    (void)workers;
   }
 
   int64_t NumItems() const { return tile_prefix_[a_.batch] * a_.num_heads; }
@@ -174,7 +175,7 @@ class Runner {
     for (int64_t j0 = (lo / kBlockN) * kBlockN; j0 <= hi; j0 += kBlockN) {
       const int n = static_cast<int>(std::min<int64_t>(kBlockN, sk - j0));
       LoadKeyTile(k0 + j0, n, kv_head, kv_stride, s);
-      ScoreTile(s.q, s.kt, s.s, rows, n, d_);
+      ScoreTile(s.q, s.kt, s.s, rows, d_);
       float alpha[kBlockM];
       for (int r = 0; r < rows; ++r) {
         alpha[r] = SoftmaxRow(VisibleKeys(a_, w.row0 + r, sq, sk), j0, n, s.s + r * kBlockN,
@@ -279,8 +280,7 @@ Status Run(const AttentionArgs& args, void* workspace, CpuThreadPool* pool) {
   Status st = CanImplement(args);
   if (!st.ok()) return st;
   if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
-  const int workers = pool ? pool->NumWorkers() : 1;
-  Runner runner(args, static_cast<char*>(workspace), workers);
+  Runner runner(args, static_cast<char*>(workspace));
   const int64_t items = runner.NumItems();
   if (pool) {
     pool->ParallelFor(items, [&](int64_t item, int worker) { runner.RunItem(item, worker); });
