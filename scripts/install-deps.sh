@@ -3,6 +3,7 @@
 # Idempotent: a second run installs nothing. Needs root (or sudo).
 set -euo pipefail
 
+# libbenchmark-dev: Google Benchmark, for kernels/bench/dtype_convert_bench.
 build_pkgs=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
