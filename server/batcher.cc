@@ -74,12 +74,16 @@ absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
     }
     inflight_bytes_ += bytes;
     ++outstanding_;
-    // The job counts as pending, and its bytes as held, until its done has returned, whichever
-    // path completes it; Drain waits for that.
+    // Whichever path completes the job: its bytes are given back before the caller hears (so a
+    // caller's next request finds them free), and it counts as pending until its done has
+    // returned, which Drain waits for.
     job->done = [this, bytes, done = std::move(job->done)](absl::Status st) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        inflight_bytes_ -= bytes;
+      }
       done(std::move(st));
       std::lock_guard<std::mutex> lock(mu_);
-      inflight_bytes_ -= bytes;
       --outstanding_;
       UpdatePendingLocked();
       // Under the lock: once Drain sees the count reach zero, ~Batcher may destroy cv_.
