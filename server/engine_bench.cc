@@ -21,6 +21,7 @@
 #include "attn/kernels/dtype_convert.h"
 #include "batcher.h"
 #include "cuda_backend.h"
+#include "status_util.h"
 
 ABSL_FLAG(std::string, compare, "batching",
           "batching: max_batch_tokens 16384 vs one request per launch; "
@@ -141,7 +142,8 @@ absl::StatusOr<Result> Measure(const Config& config,
   ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(bo));
   Batcher::Options o;
   o.max_batch_tokens = config.max_batch_tokens;
-  ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher, Batcher::Create(o, backend.get(), nullptr));
+  ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher,
+                   Batcher::Create(o, backend.get(), nullptr));
   RequestLimits limits;
   limits.head_dims = backend->Info().head_dims;
 
