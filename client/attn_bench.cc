@@ -39,6 +39,7 @@
 #include "absl/strings/str_split.h"
 #include "attn/client/client.h"
 #include "attn/util/flag_names.h"
+#include "attn/util/usage.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
 ABSL_FLAG(std::string, lb, "",
@@ -440,6 +441,7 @@ std::string JsonLevel(const LevelResult& r, const std::string& label) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  attn::util::SetUsageConfigForMain("client/attn_bench.cc", "attn-bench (attnd tools)");
   absl::SetProgramUsageMessage("attn-bench: load generator for attnd (see the file's header)");
   std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);
   std::vector<char*> argp = attn::util::ArgvOf(args);

@@ -22,6 +22,7 @@
 #include "attn/client/client.h"
 #include "attn/kernels/cpu_attention.h"
 #include "attn/util/flag_names.h"
+#include "attn/util/usage.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
 ABSL_FLAG(std::string, lb, "",
@@ -233,6 +234,7 @@ int Attend(Client& client) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  attn::util::SetUsageConfigForMain("client/attnctl.cc", "attnctl (attnd tools)");
   absl::SetProgramUsageMessage(
       "attnctl [--target HOST:PORT] info | health | attend [shape flags] [--check]");
   std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);

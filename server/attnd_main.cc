@@ -12,10 +12,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
-#include "absl/strings/string_view.h"
 #include "attn/util/flag_names.h"
+#include "attn/util/usage.h"
 #include "attn_server.h"
 #include "version.h"
 
@@ -92,33 +90,10 @@ attn::ServerOptions OptionsFromFlags() {
   return o;
 }
 
-// `attnd --help` lists the flags of this file. Abseil's default filter takes flags only from a
-// file named after the program (attnd.cc, attnd-main.cc or attnd_main.cc, by argv[0]), which
-// this file's name matches; the filter below also matches it when the binary is renamed or run
-// through a link of another name.
-bool IsAttndMain(absl::string_view file) {
-  return absl::EndsWith(file, "/attnd_main.cc") || file == "attnd_main.cc";
-}
-
-void SetUsageConfig() {
-  absl::FlagsUsageConfig config;
-  config.contains_help_flags = IsAttndMain;
-  config.contains_helpshort_flags = IsAttndMain;
-  // Flags are listed under "server/attnd_main.cc", not the build machine's absolute path;
-  // other files as Abseil's default does (leading slashes dropped).
-  config.normalize_filename = [](absl::string_view file) {
-    if (IsAttndMain(file)) return std::string("server/attnd_main.cc");
-    const size_t start = file.find_first_not_of('/');
-    return std::string(start == absl::string_view::npos ? file : file.substr(start));
-  };
-  config.version_string = [] { return std::string("attnd ") + attn::kVersion + "\n"; };
-  absl::SetFlagsUsageConfig(config);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  SetUsageConfig();
+  attn::util::SetUsageConfigForMain("server/attnd_main.cc", std::string("attnd ") + attn::kVersion);
   absl::SetProgramUsageMessage("attnd: attention compute service (attn.v1 over gRPC)");
   std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);
   std::vector<char*> argp = attn::util::ArgvOf(args);

@@ -18,6 +18,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "attend_validation.h"
+#include "attn/util/usage.h"
 #include "attn/kernels/dtype_convert.h"
 #include "batcher.h"
 #include "cuda_backend.h"
@@ -232,6 +233,7 @@ int Main() {
 }  // namespace attn
 
 int main(int argc, char** argv) {
+  attn::util::SetUsageConfigForMain("server/engine_bench.cc", "attn-engine-bench (attnd tools)");
   absl::SetProgramUsageMessage(
       "attn-engine-bench: batcher and CUDA backend without the network; --compare batching|streams");
   absl::ParseCommandLine(argc, argv);

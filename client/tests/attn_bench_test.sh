@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # attn-bench against a real attnd (CPU backend, loopback): --rate holds the offered rate in
 # stream mode (and unary), --compare_echo adds an Echo row per level and the ratio columns
-# (table, CSV, JSON), --lb round_robin is accepted.
+# (table, CSV, JSON), --lb round_robin is accepted; --help of attn-bench and attnctl lists
+# their own flags.
 #   attn_bench_test.sh ATTND ATTN_BENCH ATTNCTL
 set -euo pipefail
 attnd="$1"; bench="$2"; attnctl="$3"
@@ -16,6 +17,16 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
+# --help prints to stdout and exits 1 (Abseil); the flags must be the program's own.
+help_lists() {  # program, flags...
+  local prog=$1; shift
+  local out; out=$("$prog" --help 2>&1 || true)
+  for f in "$@"; do
+    grep -q -- "--$f " <<<"$out" || fail "$(basename "$prog") --help does not list --$f"
+  done
+}
+help_lists "$bench" target mode concurrency compare_echo rate lb
+help_lists "$attnctl" target check lb
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 P=$(free_port); M=$(free_port)
 "$attnd" --listen="127.0.0.1:$P" --metrics_listen="127.0.0.1:$M" --backend=cpu --threads=2 >"$work/attnd.log" 2>&1 &
