@@ -5,8 +5,12 @@ Usage: python3 bench_vs_torch.py --lib path/to/libattn_kernels_capi.so --out tab
        python3 bench_vs_torch.py --lib v1=a.so,v2=b.so --out table.md   (variants side by side;
        the first is "ours" in the summary lines, each gets its own ratio columns and summary)
 Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; causal off/on.
-FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events, median over repeats after warm-up.
+FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events around N back-to-back launches
+(N chosen per function so that one timing covers >= --min-ms, default 20 ms), divided by N;
+median over --reps such timings after warm-up. torch's sdpa_kernel backend context is entered
+outside the timed region, so neither it nor a single launch's host overhead is counted.
 """
+import math
 import argparse
 import ctypes
 import datetime
@@ -27,20 +31,28 @@ def load_lib(path):
     return fn
 
 
-def time_ms(fn, warmup, reps):
+def events_ms(fn, n):
+    """Device time of n back-to-back calls of fn, between two CUDA events."""
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def time_ms(fn, warmup, reps, min_ms):
+    """Median per-call time (ms) and the launches per timing N."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    one = events_ms(fn, 1)
+    n = max(1, min(1000, math.ceil(min_ms / max(one, 1e-3))))
+    events_ms(fn, n)  # fill the launch queue once at this N before timing
+    times = [events_ms(fn, n) / n for _ in range(reps)]
+    return statistics.median(times), n
 
 
 def main():
@@ -50,6 +62,8 @@ def main():
     ap.add_argument("--out", required=True, help="markdown table output path")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--min-ms", type=float, default=20.0,
+                    help="each timing covers N back-to-back launches, N >= min-ms / one launch")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--dims", default="64,128")
@@ -97,25 +111,25 @@ def main():
                             raise RuntimeError(f"attn_flash_fwd returned {rc}")
                       return ours
 
-                    def torch_backend(backend):
-                        def run():
-                            with sdpa_kernel(backend):
-                                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                        return run
+                    def sdpa():
+                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
                     flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
-                    t_var = {name: time_ms(make_ours(fn), args.warmup, args.reps)
-                             for name, fn in libs}
+                    t_var = {}
+                    n_var = {}
+                    for name, fn in libs:
+                        t_var[name], n_var[name] = time_ms(make_ours(fn), args.warmup, args.reps,
+                                                           args.min_ms)
                     t_ours = t_var[libs[0][0]]
                     res = {"flash": None, "cudnn": None}
                     ref = None
                     for name, be in backends:
                         try:
-                            r = torch_backend(be)
-                            out = r()
-                            if ref is None and name == "flash":
-                                ref = out
-                            res[name] = time_ms(r, args.warmup, args.reps)
+                            with sdpa_kernel(be):  # outside the timed region
+                                out = sdpa()
+                                if ref is None and name == "flash":
+                                    ref = out
+                                res[name], _ = time_ms(sdpa, args.warmup, args.reps, args.min_ms)
                         except Exception as e:  # backend not available for this shape
                             print(f"# {name} failed for {dname} causal={causal} d={d} s={s}: {e}",
                                   file=sys.stderr)
@@ -135,22 +149,25 @@ def main():
                     tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
                     row = dict(dtype=dname, causal=causal, d=d, s=s, ours=tf(t_ours),
                                flash=tf(res["flash"]), cudnn=tf(res["cudnn"]), err=err,
-                               var={n: tf(t) for n, t in t_var.items()}, errs=errs)
+                               var={n: tf(t) for n, t in t_var.items()}, errs=errs,
+                               n_launch=n_var[libs[0][0]])
                     rows.append(row)
                     fmt = lambda x: f"{x:.1f}" if x is not None else "n/a"
                     rat = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
                     if multi:
                         print(f"{dname} causal={int(causal)} d={d:3d} s={s:5d}: flash "
-                              f"{fmt(row['flash'])} cudnn {fmt(row['cudnn'])} | " + " | ".join(
+                              f"{fmt(row['flash'])} cudnn {fmt(row['cudnn'])} N {row['n_launch']} | " + " | ".join(
                                   f"{n} {fmt(row['var'][n])} x{rat(row['var'][n], row['flash'])} "
-                                  f"err {errs[n]:.1e}" for n, _ in libs), flush=True)
+                                  f"c{rat(row['var'][n], row['cudnn'])} err {errs[n]:.1e}"
+                                  for n, _ in libs), flush=True)
                         del q, k, v, o, qt, kt, vt, ref, ref_p
                         torch.cuda.empty_cache()
                         continue
                     print(f"{dname} causal={int(causal)} d={d:3d} s={s:5d}: ours {fmt(row['ours'])} "
                           f"flash {fmt(row['flash'])} cudnn {fmt(row['cudnn'])} "
                           f"ours/flash {rat(row['ours'], row['flash'])} "
-                          f"ours/cudnn {rat(row['ours'], row['cudnn'])} err {err:.2e}", flush=True)
+                          f"ours/cudnn {rat(row['ours'], row['cudnn'])} err {err:.2e} N {row['n_launch']}",
+                          flush=True)
                     del q, k, v, o, qt, kt, vt, ref, ref_p
                     torch.cuda.empty_cache()
 
@@ -159,7 +176,8 @@ def main():
         return
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"date {datetime.date.today().isoformat()}, tokens/batch {args.tokens}, H*D = 2048, "
-             f"median of {args.reps} after {args.warmup} warm-up (CUDA events). TFLOP/s.", "",
+             f"median of {args.reps} timings after {args.warmup} warm-up, each timing N "
+             f"back-to-back launches >= {args.min_ms:g} ms (CUDA events). TFLOP/s.", "",
              "| dtype | causal | d | s | ours | flash | cudnn | ours/flash | ours/cudnn | rel err vs torch |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -186,15 +204,17 @@ def write_multi(args, libs, rows):
     q = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"date {datetime.date.today().isoformat()}, tokens/batch {args.tokens}, H*D = 2048, "
-             f"median of {args.reps} after {args.warmup} warm-up (CUDA events). TFLOP/s; "
+             f"median of {args.reps} timings after {args.warmup} warm-up, each timing N "
+             f"back-to-back launches >= {args.min_ms:g} ms (CUDA events). TFLOP/s; "
              f"variants: {', '.join(names)}.", "",
              "| dtype | causal | d | s | flash | cudnn | " +
-             " | ".join(f"{n} | {n}/flash | {n} err" for n in names) + " |",
-             "|---" * (6 + 3 * len(names)) + "|"]
+             " | ".join(f"{n} | {n}/flash | {n}/cudnn | {n} err" for n in names) + " |",
+             "|---" * (6 + 4 * len(names)) + "|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {int(r['causal'])} | {r['d']} | {r['s']} | "
                      f"{f(r['flash'])} | {f(r['cudnn'])} | " + " | ".join(
-                         f"{f(r['var'][n])} | {q(r['var'][n], r['flash'])} | {r['errs'][n]:.2e}"
+                         f"{f(r['var'][n])} | {q(r['var'][n], r['flash'])} | "
+                         f"{q(r['var'][n], r['cudnn'])} | {r['errs'][n]:.2e}"
                          for n in names) + " |")
     lines.append("")
     for n in names:
@@ -203,6 +223,16 @@ def write_multi(args, libs, rows):
             if ratios:
                 lines.append(f"{n}/{key} for s>=1k: min {min(ratios):.3f}, median "
                              f"{statistics.median(ratios):.3f} (n={len(ratios)})")
+    # Per head dim, every variant against the first (for choosing a config per head dim).
+    for d in sorted({r["d"] for r in rows}):
+        for key in names[1:] + ["flash"]:
+            ratios = [r["var"][names[0]] / (r["var"][key] if key in names else r[key])
+                      for r in rows if r["d"] == d and r["s"] >= 1024
+                      and (r["var"][key] if key in names else r[key])]
+            if ratios:
+                lines.append(f"d={d}: {names[0]}/{key} for s>=1k: min {min(ratios):.3f}, median "
+                             f"{statistics.median(ratios):.3f}, max {max(ratios):.3f} "
+                             f"(n={len(ratios)})")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "w") as fh:

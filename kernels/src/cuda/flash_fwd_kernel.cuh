@@ -2,7 +2,9 @@
 //
 // One block = BlockM query rows of one (sequence, head); 4 warps, each owning 16*kMTiles rows, so
 // softmax statistics never cross warps. K/V tiles of BlockN keys stream through shared memory with
-// cp.async (K and V alternate, each load overlapping the other's matrix product); S = Q K^T and
+// cp.async: a ring of kKVStages (K, V) tile pairs, the loads of tile j+S-1 in flight while tile j
+// is computed (or, with one stage, K and V alternating, each load overlapping the other's matrix
+// product; see flash_traits.cuh); S = Q K^T and
 // O += P V run on mma.sync m16n8k16 with fp32 accumulation; P stays in registers (the S
 // accumulator layout is the A-fragment layout of the PV product). Key tiles are visited from the
 // last to the first so the partial/diagonal tiles, the only ones that are masked, come first.
@@ -52,14 +54,14 @@ struct TileLoader {
   // As Load, with `gthr` = gmem + goff (this thread's first chunk) precomputed once by the caller,
   // so the main loop keeps one pointer per tensor live instead of base + 64-bit offset (this cut
   // the d=128 sm_90a spills from 80 to 16 bytes). Non-regular layouts fall back to Load.
-  __device__ __forceinline__ void LoadFrom(typename Tr::T* smem, const typename Tr::T* gthr,
+  // `base` is the shared-memory address of the destination tile.
+  __device__ __forceinline__ void LoadFrom(uint32_t base, const typename Tr::T* gthr,
                                            const typename Tr::T* gmem, int64_t stride, int row0,
                                            int limit, int tid) const {
     if constexpr (!kRegular) {
-      Load(smem, gmem, stride, row0, limit, tid);
+      Load(base, gmem, stride, row0, limit, tid);
       return;
     }
-    const uint32_t base = ptx::SmemAddr(smem);
     const int c = tid % kCPR;
     const int rem = limit - row0 - row;
     const typename Tr::T* src = gthr + int64_t(row0) * stride;
@@ -71,9 +73,8 @@ struct TileLoader {
     }
   }
 
-  __device__ __forceinline__ void Load(typename Tr::T* smem, const typename Tr::T* gmem,
-                                       int64_t stride, int row0, int limit, int tid) const {
-    const uint32_t base = ptx::SmemAddr(smem);
+  __device__ __forceinline__ void Load(uint32_t base, const typename Tr::T* gmem, int64_t stride,
+                                       int row0, int limit, int tid) const {
     if constexpr (kRegular) {
       const int c = tid % kCPR;
       const int rem = limit - row0 - row;  // copies with it*kRowStep < rem are in range
@@ -111,11 +112,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   constexpr int CPR = Tr::kChunksPerRow;
   constexpr int M = Tr::kSwzMask;
   constexpr int RPW = Tr::kRowsPerWarp;
+  constexpr int S = Tr::kKVStages;
+  constexpr uint32_t kStageBytes = Tr::kStageBytes;
+  constexpr uint32_t kVOff = Tr::kSmemKElems * 2;  // V_s after K_s
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + Tr::kSmemQElems;
-  T* sV = sK + Tr::kSmemKElems;
+  const uint32_t sK0 = ptx::SmemAddr(sQ + Tr::kSmemQElems);  // K of stage 0
 
   const int m_block = blockIdx.x;
   const int h = blockIdx.y;
@@ -173,22 +176,39 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1);
   const int v_y = ((lane >> 4) ^ swz_key) & M;
   const uint32_t sQ_addr = ptx::SmemAddr(sQ) + q_row * CPR * 16;
-  const uint32_t sK_addr = ptx::SmemAddr(sK) + k_row * CPR * 16;
-  const uint32_t sV_addr = ptx::SmemAddr(sV) + v_row * CPR * 16;
+  const uint32_t sK_addr = sK0 + k_row * CPR * 16;           // + stage offset
+  const uint32_t sV_addr = sK0 + kVOff + v_row * CPR * 16;   // + stage offset
 
   const TileLoader<Tr, BN> kv_loader(tid, p.k_row_stride);  // k and v rows share a stride
   const T* gk_thr = gk + kv_loader.goff;
   const T* gv_thr = gv + kv_loader.goff;
 
-  // Prologue: Q and the last K tile.
-  TileLoader<Tr, BM>(tid, p.q_row_stride).Load(sQ, gq, p.q_row_stride, m0, s_q, tid);
+  // Prologue: Q (one cp.async group), then the first key tiles, one group per tile, committed
+  // even when empty so that group counts stay fixed: S = 1: K of the first tile; S >= 2: K and V
+  // of the first S-1 tiles into stages 0..S-2. Tiles run from nb_max-1 down to nb_min; rows at or
+  // past s_k (the varlen tail of the first tile) are zero-filled.
+  TileLoader<Tr, BM>(tid, p.q_row_stride).Load(ptx::SmemAddr(sQ), gq, p.q_row_stride, m0, s_q, tid);
   ptx::CpAsyncCommit();
-  kv_loader.Load(sK, gk, p.k_row_stride, (nb_max - 1) * BN, s_k, tid);
-  ptx::CpAsyncCommit();
+  if constexpr (S == 1) {
+    kv_loader.Load(sK0, gk, p.k_row_stride, (nb_max - 1) * BN, s_k, tid);
+    ptx::CpAsyncCommit();
+  } else {
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+      const int nb = nb_max - 1 - st;
+      if (nb >= nb_min) {
+        kv_loader.LoadFrom(sK0 + st * kStageBytes, gk_thr, gk, p.k_row_stride, nb * BN, s_k, tid);
+        kv_loader.LoadFrom(sK0 + st * kStageBytes + kVOff, gv_thr, gv, p.v_row_stride, nb * BN, s_k,
+                           tid);
+      }
+      ptx::CpAsyncCommit();
+    }
+  }
+  constexpr int kPrologueKVGroups = S == 1 ? 1 : S - 1;
 
   uint32_t qf[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? KS : 1][4];
   if constexpr (Tr::kQInRegs) {
-    ptx::CpAsyncWait<1>();
+    ptx::CpAsyncWait<kPrologueKVGroups>();
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -213,12 +233,28 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   }
   const float sl2 = p.scale_log2;
 
+  uint32_t stage = 0;  // byte offset of the stage tile nb is in (S >= 2)
   for (int nb = nb_max - 1; nb >= nb_min; --nb) {
     const int n0 = nb * BN;
-    ptx::CpAsyncWait<0>();
-    __syncthreads();  // K(nb) visible to all; every warp is done with V(nb+1)
-    kv_loader.LoadFrom(sV, gv_thr, gv, p.v_row_stride, n0, s_k, tid);
-    ptx::CpAsyncCommit();
+    if constexpr (S == 1) {
+      ptx::CpAsyncWait<0>();
+      __syncthreads();  // K(nb) visible to all; every warp is done with V(nb+1)
+      kv_loader.LoadFrom(sK0 + kVOff, gv_thr, gv, p.v_row_stride, n0, s_k, tid);
+      ptx::CpAsyncCommit();
+    } else {
+      // Groups committed after tile nb's: S-2 (one per later tile, empty past the last).
+      ptx::CpAsyncWait<S - 2>();
+      __syncthreads();  // K(nb), V(nb) visible to all; every warp is done with the previous stage
+      // Refill the stage the previous tile used with tile nb-(S-1).
+      const uint32_t refill = stage == 0 ? (S - 1) * kStageBytes : stage - kStageBytes;
+      const int nb_next = nb - (S - 1);
+      if (nb_next >= nb_min) {
+        kv_loader.LoadFrom(sK0 + refill, gk_thr, gk, p.k_row_stride, nb_next * BN, s_k, tid);
+        kv_loader.LoadFrom(sK0 + refill + kVOff, gv_thr, gv, p.v_row_stride, nb_next * BN, s_k,
+                           tid);
+      }
+      ptx::CpAsyncCommit();
+    }
 
     // S = Q K^T
     float acc_s[MT][NT][4];
@@ -243,7 +279,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
 #pragma unroll
       for (int nt2 = 0; nt2 < NT / 2; ++nt2) {
         uint32_t kb[4];
-        ptx::LdMatrixX4(kb, sK_addr + nt2 * 16 * CPR * 16 + SwzChunk<M>(2 * ks, k_y) * 16);
+        ptx::LdMatrixX4(kb, sK_addr + stage + nt2 * 16 * CPR * 16 + SwzChunk<M>(2 * ks, k_y) * 16);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           ptx::Mma16816<T>(acc_s[mt][2 * nt2], qa[mt], kb[0], kb[1]);
@@ -273,11 +309,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
         }
     }
 
-    ptx::CpAsyncWait<0>();
-    __syncthreads();  // V(nb) visible; every warp is done with K(nb)
-    if (nb > nb_min) {
-      kv_loader.LoadFrom(sK, gk_thr, gk, p.k_row_stride, n0 - BN, s_k, tid);
-      ptx::CpAsyncCommit();
+    if constexpr (S == 1) {
+      ptx::CpAsyncWait<0>();
+      __syncthreads();  // V(nb) visible; every warp is done with K(nb)
+      if (nb > nb_min) {
+        kv_loader.LoadFrom(sK0, gk_thr, gk, p.k_row_stride, n0 - BN, s_k, tid);
+        ptx::CpAsyncCommit();
+      }
     }
 
     // Online softmax (log2 domain, scale folded in), P packed to T as the A operand of PV.
@@ -326,7 +364,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
 #pragma unroll
       for (int nd2 = 0; nd2 < DT / 2; ++nd2) {
         uint32_t vb[4];
-        ptx::LdMatrixX4Trans(vb, sV_addr + kk * 16 * CPR * 16 + SwzChunk<M>(2 * nd2, v_y) * 16);
+        ptx::LdMatrixX4Trans(vb,
+                             sV_addr + stage + kk * 16 * CPR * 16 + SwzChunk<M>(2 * nd2, v_y) * 16);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           ptx::Mma16816<T>(acc_o[mt][2 * nd2], pa[mt], vb[0], vb[1]);
@@ -334,6 +373,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
         }
       }
     }
+    if constexpr (S > 1) stage = stage == (S - 1) * kStageBytes ? 0 : stage + kStageBytes;
   }
 
   // Epilogue: normalise, write LSE, stage O through this warp's own Q rows in shared memory

@@ -20,6 +20,14 @@ cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
+  // The kernel reads global memory through cp.async.cg only (L1 bypassed): give shared memory the
+  // whole carveout so that two blocks per SM fit at 112 KB each (d=64, 3 stages). Measured on
+  // H200: +2.2% (d=64) and +1.4% (d=128) median over leaving the choice to the driver.
+  {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, params.num_heads,
                   params.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
