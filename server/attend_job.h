@@ -18,6 +18,10 @@ namespace attn {
 
 using Clock = std::chrono::steady_clock;
 
+inline double Micros(Clock::duration d) {
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+
 // Requests that share a key can be packed into one varlen launch.
 struct BatchKey {
   kernels::DType wire_dtype = kernels::DType::kBFloat16;
@@ -65,6 +69,7 @@ struct AttendJob {
   double queue_us = 0;
   double transfer_us = 0;
   double compute_us = 0;
+  double host_copy_us = 0;
   int32_t batch_requests = 0;
   int64_t batch_tokens = 0;
 

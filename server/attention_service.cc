@@ -13,7 +13,6 @@ namespace attn {
 namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
 // The call's deadline on the steady clock (max when it has none).
 Clock::time_point SteadyDeadline(const grpc::CallbackServerContext* ctx) {
@@ -28,6 +27,7 @@ void FillTiming(const AttendJob& job, Clock::time_point arrival, v1::ServerTimin
   t->set_queue_us(job.queue_us);
   t->set_transfer_us(job.transfer_us);
   t->set_compute_us(job.compute_us);
+  t->set_host_copy_us(job.host_copy_us);
   t->set_batch_requests(job.batch_requests);
   t->set_batch_tokens(job.batch_tokens);
   t->set_total_us(Micros(Clock::now() - arrival));

@@ -22,10 +22,6 @@ int64_t JobBytes(const AttendJob& job) {
   return bytes;
 }
 
-double MicrosSince(Clock::time_point t, Clock::time_point now) {
-  return std::chrono::duration<double, std::micro>(now - t).count();
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
@@ -197,7 +193,7 @@ void Batcher::DispatchLoop() {
     }
     if (!batch.empty()) {
       for (auto& job : batch) {
-        job->queue_us = MicrosSince(job->arrival, now);
+        job->queue_us = Micros(now - job->arrival);
         if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
       }
       backend_->RunBatch(std::move(batch), [this](const BatchReport& r) { FinishBatch(r); });

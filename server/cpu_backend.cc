@@ -22,10 +22,6 @@ std::string CpuModelName() {
   return "cpu";
 }
 
-double Micros(Clock::duration d) {
-  return std::chrono::duration<double, std::micro>(d).count();
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& options) {

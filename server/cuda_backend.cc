@@ -314,6 +314,7 @@ CudaBackend::~CudaBackend() {
 }
 
 absl::Status CudaBackend::Prepare(AttendJob& job) {
+  const auto start = Clock::now();
   const BatchKey& key = job.key;
   const kernels::DType compute = ComputeDType(job);
   auto state = std::make_unique<CudaJobState>();
@@ -329,6 +330,7 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   StageTensor(r.k().data(), key.wire_dtype, compute, in + state->q_bytes);
   StageTensor(r.v().data(), key.wire_dtype, compute, in + state->q_bytes + state->kv_bytes);
   job.key.staged_dtype = compute;
+  job.host_copy_us = Micros(Clock::now() - start);
   job.backend_state = std::move(state);
   return absl::OkStatus();
 }
@@ -362,7 +364,11 @@ void CudaBackend::LaneLoop(Lane* lane) {
     for (size_t i = 0; i < work.batch.size(); ++i) {
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
       completions_->Post([job, st = std::move(status[i])] {
-        if (st.ok()) UnstageOutputs(*job);
+        if (st.ok()) {
+          const auto start = Clock::now();
+          UnstageOutputs(*job);
+          job->host_copy_us += Micros(Clock::now() - start);
+        }
         job->backend_state.reset();  // pinned buffers back to the pool before the caller hears
         job->done(st);
       });

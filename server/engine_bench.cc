@@ -47,12 +47,17 @@ struct Config {
   int64_t max_batch_tokens = 16384;
 };
 
+// Per-request figures are means over the measured requests; a launch's kernel and transfer time
+// is shared among its requests.
 struct Result {
   double requests_per_s = 0;
-  double gb_per_s = 0;          // request bytes in and out
-  double kernel_us_per_request = 0;
-  double transfer_us_per_request = 0;
+  double gb_per_s = 0;  // request bytes in and out
+  double kernel_us = 0;
+  double transfer_us = 0;
+  double host_copy_us = 0;
+  double queue_us = 0;
   double requests_per_launch = 0;
+  double gpu_busy = 0;  // kernel and copy time of all launches / wall time
   int64_t errors = 0;
 };
 
@@ -93,14 +98,17 @@ class Caller {
         continue;
       }
       ++completed;
-      kernel_us += response.timing().compute_us() / response.timing().batch_requests();
-      transfer_us += response.timing().transfer_us() / response.timing().batch_requests();
-      per_launch += response.timing().batch_requests();
+      const v1::ServerTiming& t = response.timing();
+      kernel_us += t.compute_us() / t.batch_requests();
+      transfer_us += t.transfer_us() / t.batch_requests();
+      host_copy_us += t.host_copy_us();
+      queue_us += t.queue_us();
+      per_launch += t.batch_requests();
     }
   }
 
   int64_t completed = 0, errors = 0;
-  double kernel_us = 0, transfer_us = 0, per_launch = 0;
+  double kernel_us = 0, transfer_us = 0, host_copy_us = 0, queue_us = 0, per_launch = 0;
 
  private:
   absl::Status RunOne(v1::AttendResponse* response) {
@@ -116,9 +124,12 @@ class Caller {
     absl::Status result;
     AttendJob* raw = job->get();
     (*job)->done = [&, raw](absl::Status st) {
-      response->mutable_timing()->set_compute_us(raw->compute_us);
-      response->mutable_timing()->set_transfer_us(raw->transfer_us);
-      response->mutable_timing()->set_batch_requests(raw->batch_requests);
+      v1::ServerTiming* t = response->mutable_timing();
+      t->set_compute_us(raw->compute_us);
+      t->set_transfer_us(raw->transfer_us);
+      t->set_host_copy_us(raw->host_copy_us);
+      t->set_queue_us(raw->queue_us);
+      t->set_batch_requests(raw->batch_requests);
       std::lock_guard<std::mutex> lock(mu);
       result = std::move(st);
       finished = true;
@@ -168,22 +179,25 @@ absl::StatusOr<Result> Measure(const Config& config,
 
   Result r;
   int64_t completed = 0;
-  double kernel_us = 0, transfer_us = 0, per_launch = 0;
   for (const auto& c : callers) {
     completed += c->completed;
     r.errors += c->errors;
-    kernel_us += c->kernel_us;
-    transfer_us += c->transfer_us;
-    per_launch += c->per_launch;
+    r.kernel_us += c->kernel_us;
+    r.transfer_us += c->transfer_us;
+    r.host_copy_us += c->host_copy_us;
+    r.queue_us += c->queue_us;
+    r.requests_per_launch += c->per_launch;
   }
   const v1::AttendRequest& q = requests.front();
   const double bytes = double(q.q().data().size() * 2 + q.k().data().size() * 2);  // q,k,v in; o out
   r.requests_per_s = completed / elapsed;
   r.gb_per_s = r.requests_per_s * bytes * 1e-9;
+  r.gpu_busy = (r.kernel_us + r.transfer_us) * 1e-6 / elapsed;
   if (completed > 0) {
-    r.kernel_us_per_request = kernel_us / completed;
-    r.transfer_us_per_request = transfer_us / completed;
-    r.requests_per_launch = per_launch / completed;
+    for (double* v : {&r.kernel_us, &r.transfer_us, &r.host_copy_us, &r.queue_us,
+                      &r.requests_per_launch}) {
+      *v /= completed;
+    }
   }
   return r;
 }
@@ -209,8 +223,9 @@ int Main() {
               absl::GetFlag(FLAGS_seq), absl::GetFlag(FLAGS_heads),
               absl::GetFlag(FLAGS_kv_heads), absl::GetFlag(FLAGS_head_dim),
               absl::GetFlag(FLAGS_concurrency));
-  std::printf("%-38s %10s %8s %14s %16s %10s %7s\n", "configuration", "req/s", "GB/s",
-              "kernel us/req", "transfer us/req", "req/launch", "errors");
+  std::printf("%-38s %9s %7s %10s %12s %12s %10s %10s %9s %6s\n", "configuration", "req/s",
+              "GB/s", "kernel us", "transfer us", "host copy us", "queue us", "req/launch",
+              "GPU busy", "errors");
   std::vector<Result> results;
   for (const Config& c : configs) {
     auto r = Measure(c, requests);
@@ -218,9 +233,9 @@ int Main() {
       std::fprintf(stderr, "%s: %s\n", c.label.c_str(), std::string(r.status().message()).c_str());
       return 1;
     }
-    std::printf("%-38s %10.1f %8.2f %14.2f %16.2f %10.2f %7lld\n", c.label.c_str(),
-                r->requests_per_s, r->gb_per_s, r->kernel_us_per_request,
-                r->transfer_us_per_request, r->requests_per_launch,
+    std::printf("%-38s %9.1f %7.2f %10.2f %12.2f %12.1f %10.1f %10.2f %8.0f%% %6lld\n",
+                c.label.c_str(), r->requests_per_s, r->gb_per_s, r->kernel_us, r->transfer_us,
+                r->host_copy_us, r->queue_us, r->requests_per_launch, 100 * r->gpu_busy,
                 static_cast<long long>(r->errors));
     results.push_back(*r);
   }
