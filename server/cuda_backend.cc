@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attn/kernels/cuda_attention.h"
-#include "attn/kernels/dtype_convert.h"
 #include "status_util.h"
 
 namespace attn {
@@ -85,47 +84,35 @@ kernels::DType ComputeDType(const AttendJob& job) {
   return kernels::DType::kFloat16;
 }
 
-// Copies (or converts from fp32) a request tensor into the 16-bit staging area.
-void StageTensor(const std::string& src, kernels::DType wire, kernels::DType compute, char* dst) {
-  if (wire != kernels::DType::kFloat32) {
-    std::memcpy(dst, src.data(), src.size());
-    return;
-  }
-  const float* in = reinterpret_cast<const float*>(src.data());
-  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
-  const size_t n = src.size() / 4;
-  if (compute == kernels::DType::kFloat16) {
-    for (size_t i = 0; i < n; ++i) out[i] = kernels::cpu::FloatToHalfBits(in[i]);
-  } else {
-    for (size_t i = 0; i < n; ++i) out[i] = kernels::cpu::FloatToBf16Bits(in[i]);
-  }
+// The conversion from a request's wire dtype to the 16-bit type it is staged in, and back.
+ElementCast StagingCast(kernels::DType wire, kernels::DType compute) {
+  if (wire != kernels::DType::kFloat32) return ElementCast::kNone;
+  return compute == kernels::DType::kFloat16 ? ElementCast::kFloatToHalf : ElementCast::kFloatToBf16;
+}
+ElementCast UnstagingCast(kernels::DType wire, kernels::DType compute) {
+  if (wire != kernels::DType::kFloat32) return ElementCast::kNone;
+  return compute == kernels::DType::kFloat16 ? ElementCast::kHalfToFloat : ElementCast::kBf16ToFloat;
 }
 
-// The inverse of StageTensor for the output.
-void UnstageTensor(const char* src, size_t elements, kernels::DType wire, kernels::DType compute,
-                   std::string* dst) {
-  if (wire != kernels::DType::kFloat32) {
-    std::memcpy(dst->data(), src, elements * 2);
-    return;
-  }
-  const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
-  float* out = reinterpret_cast<float*>(dst->data());
-  for (size_t i = 0; i < elements; ++i) {
-    out[i] = compute == kernels::DType::kFloat16 ? kernels::cpu::HalfBitsToFloat(in[i])
-                                                 : kernels::cpu::Bf16BitsToFloat(in[i]);
-  }
+// One tensor of the request into its 16-bit staging area.
+HostCopy StagingCopy(const std::string& src, ElementCast cast, char* dst) {
+  const size_t elements = cast == ElementCast::kNone ? src.size() : src.size() / 4;
+  return {src.data(), dst, elements, cast};
 }
 
 // Copies a finished job's outputs from its pinned buffer into its response.
-void UnstageOutputs(const AttendJob& job) {
+void UnstageOutputs(const AttendJob& job, const HostCopier& copier) {
   const CudaJobState& state = StateOf(job);
   const char* out = static_cast<const char*>(state.out.data());
-  UnstageTensor(out, state.o_bytes / 2, job.key.wire_dtype, *job.key.staged_dtype,
-                job.response->mutable_o()->mutable_data());
+  const ElementCast cast = UnstagingCast(job.key.wire_dtype, *job.key.staged_dtype);
+  std::string* o = job.response->mutable_o()->mutable_data();
+  std::vector<HostCopy> copies = {
+      {out, o->data(), cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2, cast}};
   if (job.return_lse) {
     std::string* lse = job.response->mutable_lse()->mutable_data();
-    std::memcpy(lse->data(), out + state.o_bytes, lse->size());
+    copies.push_back({out + state.o_bytes, lse->data(), lse->size(), ElementCast::kNone});
   }
+  copier.Run(copies);
 }
 
 float ElapsedMs(cudaEvent_t a, cudaEvent_t b) {
@@ -290,6 +277,8 @@ absl::Status CudaBackend::Init() {
     lanes_.push_back(std::move(lane));
   }
   completions_ = std::make_unique<CompletionPool>(options_.completion_threads);
+  copy_pool_ = kernels::cpu::CpuThreadPool::Create(options_.copy_threads);
+  copier_ = std::make_unique<HostCopier>(copy_pool_.get());
   for (auto& lane : lanes_) lane->thread = std::thread([this, l = lane.get()] { LaneLoop(l); });
   return absl::OkStatus();
 }
@@ -326,9 +315,12 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   ASSIGN_OR_RETURN(state->out, pinned_pool_->Acquire(state->o_bytes + lse_bytes));
   char* in = static_cast<char*>(state->in.data());
   const v1::AttendRequest& r = *job.request;
-  StageTensor(r.q().data(), key.wire_dtype, compute, in);
-  StageTensor(r.k().data(), key.wire_dtype, compute, in + state->q_bytes);
-  StageTensor(r.v().data(), key.wire_dtype, compute, in + state->q_bytes + state->kv_bytes);
+  const ElementCast cast = StagingCast(key.wire_dtype, compute);
+  const HostCopy copies[] = {
+      StagingCopy(r.q().data(), cast, in),
+      StagingCopy(r.k().data(), cast, in + state->q_bytes),
+      StagingCopy(r.v().data(), cast, in + state->q_bytes + state->kv_bytes)};
+  copier_->Run(copies);
   job.key.staged_dtype = compute;
   job.host_copy_us = Micros(Clock::now() - start);
   job.backend_state = std::move(state);
@@ -363,10 +355,10 @@ void CudaBackend::LaneLoop(Lane* lane) {
     // calls runs on the completion pool while this lane takes the next batch.
     for (size_t i = 0; i < work.batch.size(); ++i) {
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
-      completions_->Post([job, st = std::move(status[i])] {
+      completions_->Post([this, job, st = std::move(status[i])] {
         if (st.ok()) {
           const auto start = Clock::now();
-          UnstageOutputs(*job);
+          UnstageOutputs(*job, *copier_);
           job->host_copy_us += Micros(Clock::now() - start);
         }
         job->backend_state.reset();  // pinned buffers back to the pool before the caller hears

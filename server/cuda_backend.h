@@ -19,7 +19,9 @@
 
 #include "absl/status/statusor.h"
 #include "backend.h"
+#include "attn/kernels/cpu_thread_pool.h"
 #include "completion_pool.h"
+#include "host_copy.h"
 #include "device_pool.h"
 #include "pinned_pool.h"
 
@@ -34,6 +36,8 @@ class CudaBackend : public Backend {
     int64_t pinned_pool_bytes = 2ll << 30;
     // Threads that copy results into responses and finish calls.
     int completion_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
+    // Threads (the caller counted) that share a large request's host copies.
+    int copy_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
   };
   // UNAVAILABLE when no usable GPU or no kernels are compiled in.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);
@@ -74,6 +78,8 @@ class CudaBackend : public Backend {
   std::unique_ptr<PinnedPool> pinned_pool_;
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::unique_ptr<CompletionPool> completions_;
+  std::unique_ptr<kernels::cpu::CpuThreadPool> copy_pool_;
+  std::unique_ptr<HostCopier> copier_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -1,0 +1,79 @@
+// HostCopier: every element copied or converted exactly once, on one thread or split in pieces
+// over the pool, for sizes that do and do not divide into pieces.
+#include "host_copy.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "attn/kernels/dtype_convert.h"
+
+namespace attn {
+namespace {
+
+namespace cpu = kernels::cpu;
+
+class HostCopyTest : public ::testing::TestWithParam<bool> {
+ protected:
+  // Parallel: pieces of 1000 bytes, split from 1 byte on, over 4 threads; else all inline.
+  HostCopier Copier() {
+    if (!GetParam()) return HostCopier(nullptr);
+    return HostCopier(pool_.get(), /*parallel_min_bytes=*/1, /*chunk_bytes=*/1000);
+  }
+  std::vector<float> RandomFloats(size_t n) {
+    std::normal_distribution<float> d(0.0f, 100.0f);
+    std::vector<float> v(n);
+    for (float& x : v) x = d(rng_);
+    return v;
+  }
+  std::unique_ptr<cpu::CpuThreadPool> pool_ = cpu::CpuThreadPool::Create(4);
+  std::mt19937_64 rng_{std::random_device{}()};
+};
+
+TEST_P(HostCopyTest, BytesAreCopiedExactly) {
+  for (size_t n : {size_t{1}, size_t{999}, size_t{1000}, size_t{123457}}) {
+    std::vector<uint8_t> src(n), dst(n + 16, 0xAB);
+    for (auto& b : src) b = static_cast<uint8_t>(rng_());
+    const HostCopy c{src.data(), dst.data() + 8, n, ElementCast::kNone};
+    Copier().Run({&c, 1});
+    EXPECT_EQ(std::memcmp(src.data(), dst.data() + 8, n), 0) << n;
+    for (int i = 0; i < 8; ++i) {
+      ASSERT_EQ(dst[i], 0xAB) << "wrote before the destination, n " << n;
+      ASSERT_EQ(dst[n + 8 + i], 0xAB) << "wrote past the destination, n " << n;
+    }
+  }
+}
+
+TEST_P(HostCopyTest, FloatsAreConvertedBothWays) {
+  const size_t n = 70001;  // not a multiple of the piece size in any element width
+  const std::vector<float> src = RandomFloats(n);
+  std::vector<uint16_t> half(n, 0xFFFF), bf16(n, 0xFFFF);
+  std::vector<float> back_half(n, -1.0f), back_bf16(n, -1.0f);
+  const HostCopy down[] = {{src.data(), half.data(), n, ElementCast::kFloatToHalf},
+                           {src.data(), bf16.data(), n, ElementCast::kFloatToBf16}};
+  Copier().Run(down);
+  const HostCopy up[] = {{half.data(), back_half.data(), n, ElementCast::kHalfToFloat},
+                         {bf16.data(), back_bf16.data(), n, ElementCast::kBf16ToFloat}};
+  Copier().Run(up);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(half[i], cpu::FloatToHalfBits(src[i])) << i;
+    ASSERT_EQ(bf16[i], cpu::FloatToBf16Bits(src[i])) << i;
+    ASSERT_EQ(back_half[i], cpu::HalfBitsToFloat(half[i])) << i;
+    ASSERT_EQ(back_bf16[i], cpu::Bf16BitsToFloat(bf16[i])) << i;
+  }
+}
+
+TEST_P(HostCopyTest, EmptyCopiesAreFine) {
+  const HostCopy c{nullptr, nullptr, 0, ElementCast::kFloatToHalf};
+  Copier().Run({&c, 1});
+  Copier().Run({});
+}
+
+INSTANTIATE_TEST_SUITE_P(InlineAndSplit, HostCopyTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Split" : "Inline"; });
+
+}  // namespace
+}  // namespace attn
