@@ -86,9 +86,14 @@ void HostCopier::Run(std::span<const HostCopy> copies) const {
       pieces.push_back({&c, first, std::min(step, c.elements - first)});
     }
   }
-  pool_->ParallelFor(static_cast<int64_t>(pieces.size()), [&](int64_t i, int) {
+  const auto copy_piece = [&](int64_t i, int) {
     CopyPart(*pieces[i].copy, pieces[i].first, pieces[i].count);
-  });
+  };
+  // While another request has the pool, this one copies on its own thread: with many requests in
+  // flight their callers' threads already share the work, and waiting in turn would only idle them.
+  if (!pool_->TryParallelFor(static_cast<int64_t>(pieces.size()), copy_piece)) {
+    for (size_t i = 0; i < pieces.size(); ++i) copy_piece(static_cast<int64_t>(i), 0);
+  }
 }
 
 }  // namespace attn

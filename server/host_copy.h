@@ -28,7 +28,8 @@ struct HostCopy {
 class HostCopier {
  public:
   // pool may be null (every copy on the calling thread). Copies of fewer than parallel_min_bytes
-  // in all run on the calling thread; larger ones in pieces of about chunk_bytes.
+  // in all run on the calling thread; larger ones in pieces of about chunk_bytes, over the pool
+  // when no other copy is using it, else on the calling thread.
   explicit HostCopier(kernels::cpu::CpuThreadPool* pool, size_t parallel_min_bytes = 4 << 20,
                       size_t chunk_bytes = 1 << 20)
       : pool_(pool), parallel_min_bytes_(parallel_min_bytes), chunk_bytes_(chunk_bytes) {}

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -64,6 +65,27 @@ TEST(CpuThreadPoolTest, SingleWorkerPoolRunsOnTheCaller) {
     ++ran;
   });
   EXPECT_EQ(ran, 5);
+}
+
+TEST(CpuThreadPoolTest, TryParallelForDeclinesWhileAnotherCallRuns) {
+  auto pool = CpuThreadPool::Create(3);
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::thread holder([&] {
+    pool->ParallelFor(1, [&](int64_t, int) {
+      entered.set_value();
+      released.wait();
+    });
+  });
+  entered.get_future().wait();
+  int ran = 0;
+  EXPECT_FALSE(pool->TryParallelFor(10, [&](int64_t, int) { ++ran; }));
+  EXPECT_EQ(ran, 0) << "a declined call must run nothing";
+  release.set_value();
+  holder.join();
+  std::atomic<int> items{0};
+  EXPECT_TRUE(pool->TryParallelFor(100, [&](int64_t, int) { items.fetch_add(1); }));
+  EXPECT_EQ(items.load(), 100);
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "attn/kernels/dtype_convert.h"
@@ -64,6 +66,25 @@ TEST_P(HostCopyTest, FloatsAreConvertedBothWays) {
     ASSERT_EQ(back_half[i], cpu::HalfBitsToFloat(half[i])) << i;
     ASSERT_EQ(back_bf16[i], cpu::Bf16BitsToFloat(bf16[i])) << i;
   }
+}
+
+TEST_P(HostCopyTest, CopiesOnTheCallerWhileThePoolIsBusy) {
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::thread holder([&] {
+    pool_->ParallelFor(1, [&](int64_t, int) {
+      entered.set_value();
+      released.wait();
+    });
+  });
+  entered.get_future().wait();
+  const std::vector<float> src = RandomFloats(5000);
+  std::vector<uint16_t> bf16(src.size(), 0xFFFF);
+  const HostCopy c{src.data(), bf16.data(), src.size(), ElementCast::kFloatToBf16};
+  Copier().Run({&c, 1});  // must neither wait for the holder nor skip the copy
+  release.set_value();
+  holder.join();
+  for (size_t i = 0; i < src.size(); ++i) ASSERT_EQ(bf16[i], cpu::FloatToBf16Bits(src[i])) << i;
 }
 
 TEST_P(HostCopyTest, EmptyCopiesAreFine) {

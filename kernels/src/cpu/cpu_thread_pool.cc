@@ -49,6 +49,17 @@ void CpuThreadPool::WorkerLoop(int worker) {
 void CpuThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int)>& fn) {
   if (n <= 0) return;
   std::lock_guard<std::mutex> call_lock(call_mu_);
+  RunLocked(n, fn);
+}
+
+bool CpuThreadPool::TryParallelFor(int64_t n, const std::function<void(int64_t, int)>& fn) {
+  std::unique_lock<std::mutex> call_lock(call_mu_, std::try_to_lock);
+  if (!call_lock.owns_lock()) return false;
+  if (n > 0) RunLocked(n, fn);
+  return true;
+}
+
+void CpuThreadPool::RunLocked(int64_t n, const std::function<void(int64_t, int)>& fn) {
   if (threads_.empty() || n == 1) {
     for (int64_t i = 0; i < n; ++i) fn(i, 0);
     return;

@@ -28,9 +28,13 @@ class CpuThreadPool {
   // scheduling; worker is in [0, NumWorkers()). Returns when all items are done. Calls from
   // several threads are serialized.
   void ParallelFor(int64_t n, const std::function<void(int64_t item, int worker)>& fn);
+  // The same when no other call is in progress; otherwise returns false at once, having run
+  // nothing (for callers that would rather do the work themselves than wait their turn).
+  bool TryParallelFor(int64_t n, const std::function<void(int64_t item, int worker)>& fn);
 
  private:
   explicit CpuThreadPool(int num_threads);
+  void RunLocked(int64_t n, const std::function<void(int64_t, int)>& fn);  // call_mu_ held
   void WorkerLoop(int worker);
   void Drain(const std::function<void(int64_t, int)>& fn, int64_t n, int worker);
 
