@@ -108,6 +108,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
                                                    s->metrics_.get());
 
+  // Warm before the port opens: gRPC's health service reports SERVING from the moment it
+  // starts, so any later warm-up would leave a window in which probes see SERVING too early.
+  RETURN_IF_ERROR(s->WarmUp());
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -122,8 +126,6 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   }
   s->memory_reporter_ = std::thread([server = s.get()] { server->ReportMemoryLoop(); });
   auto* health = s->server_->GetHealthCheckService();
-  health->SetServingStatus(false);
-  RETURN_IF_ERROR(s->WarmUp());
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
   Log(absl::StrCat(
@@ -141,7 +143,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
 }
 
 // Runs one small request through the backend so that the first caller does not pay for
-// module loading and allocation; health stays NOT_SERVING until it succeeds.
+// module loading and allocation; attnd listens only once it has succeeded.
 absl::Status AttnServer::WarmUp() {
   v1::AttendRequest request;
   v1::AttendResponse response;

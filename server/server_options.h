@@ -1,4 +1,4 @@
-// Everything attnd can be told at start-up; main.cc fills it from flags.
+// Everything attnd can be told at start-up; attnd_main.cc fills it from flags.
 #pragma once
 
 #include <cstdint>
