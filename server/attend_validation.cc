@@ -196,6 +196,19 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
   scale_args.softmax_scale = r.softmax_scale();
   key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
   job->return_lse = r.return_lse();
+  // o is as large as q; lse adds 4 bytes per (head, query token). A request that fits can still
+  // ask for an answer that would not: refuse it before any work rather than fail to send it.
+  constexpr int64_t kResponseOverhead = 1024;  // shapes, timing, ids
+  const int64_t response_bytes =
+      static_cast<int64_t>(r.q().data().size()) +
+      (job->return_lse ? int64_t{4} * key.num_heads * job->total_q : 0) + kResponseOverhead;
+  if (limits.max_response_bytes > 0 && response_bytes > limits.max_response_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the response (o", job->return_lse ? " and lse" : "", ") would be about ",
+        response_bytes, " bytes, over the ", limits.max_response_bytes,
+        "-byte message limit (attnd's --max_message_bytes); send fewer query tokens",
+        job->return_lse ? " or set return_lse false" : ""));
+  }
   job->high_priority = r.priority() == v1::PRIORITY_HIGH;
   return job;
 }

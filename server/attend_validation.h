@@ -14,6 +14,8 @@ namespace attn {
 struct RequestLimits {
   int64_t max_tensor_elements = int64_t{1} << 31;
   std::vector<int32_t> head_dims;  // supported by the backend
+  // Largest response gRPC may send (--max_message_bytes); 0: no bound.
+  int64_t max_response_bytes = 0;
 };
 
 kernels::DType ToKernelDType(v1::DType t);

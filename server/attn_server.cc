@@ -96,6 +96,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
 
   AttentionService::Options so;
   so.limits.max_tensor_elements = options.max_tensor_elements;
+  so.limits.max_response_bytes = options.max_message_bytes;
   so.limits.head_dims = info.head_dims;
   so.advertised_limits.set_max_message_bytes(options.max_message_bytes);
   so.advertised_limits.set_max_batch_tokens(options.max_batch_tokens);

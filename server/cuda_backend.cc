@@ -33,7 +33,9 @@ struct CudaJobState : BackendJobState {
   size_t q_bytes = 0, kv_bytes = 0, o_bytes = 0;
 };
 
-CudaJobState& StateOf(const AttendJob& job) { return static_cast<CudaJobState&>(*job.backend_state); }
+CudaJobState& StateOf(const AttendJob& job) {
+  return static_cast<CudaJobState&>(*job.backend_state);
+}
 
 // Where each part of a packed launch lives inside the device input and output buffers.
 struct PackedLayout {
@@ -87,11 +89,13 @@ kernels::DType ComputeDType(const AttendJob& job) {
 // The conversion from a request's wire dtype to the 16-bit type it is staged in, and back.
 ElementCast StagingCast(kernels::DType wire, kernels::DType compute) {
   if (wire != kernels::DType::kFloat32) return ElementCast::kNone;
-  return compute == kernels::DType::kFloat16 ? ElementCast::kFloatToHalf : ElementCast::kFloatToBf16;
+  return compute == kernels::DType::kFloat16 ? ElementCast::kFloatToHalf
+                                              : ElementCast::kFloatToBf16;
 }
 ElementCast UnstagingCast(kernels::DType wire, kernels::DType compute) {
   if (wire != kernels::DType::kFloat32) return ElementCast::kNone;
-  return compute == kernels::DType::kFloat16 ? ElementCast::kHalfToFloat : ElementCast::kBf16ToFloat;
+  return compute == kernels::DType::kFloat16 ? ElementCast::kHalfToFloat
+                                              : ElementCast::kBf16ToFloat;
 }
 
 // One tensor of the request into its 16-bit staging area.
@@ -160,7 +164,8 @@ class SyncStreamUnlessDone {
 
 // Gathers the jobs' staged inputs into the packed device layout (async, on s).
 absl::Status CopyInputs(std::span<std::unique_ptr<AttendJob>> jobs,
-                        const PackedLayout& layout, const PinnedBuffer& host_cu, char* dev_in, cudaStream_t s) {
+                        const PackedLayout& layout, const PinnedBuffer& host_cu, char* dev_in,
+                        cudaStream_t s) {
   size_t q_at = layout.q, k_at = layout.k, v_at = layout.v;
   for (const auto& job : jobs) {
     const CudaJobState& state = StateOf(*job);

@@ -189,7 +189,8 @@ absl::StatusOr<Result> Measure(const Config& config,
     r.requests_per_launch += c->per_launch;
   }
   const v1::AttendRequest& q = requests.front();
-  const double bytes = double(q.q().data().size() * 2 + q.k().data().size() * 2);  // q,k,v in; o out
+  // q, k and v in, o out
+  const double bytes = double(q.q().data().size() * 2 + q.k().data().size() * 2);
   r.requests_per_s = completed / elapsed;
   r.gb_per_s = r.requests_per_s * bytes * 1e-9;
   r.gpu_busy = (r.kernel_us + r.transfer_us) * 1e-6 / elapsed;
@@ -250,7 +251,8 @@ int Main() {
 int main(int argc, char** argv) {
   attn::util::SetUsageConfigForMain("server/engine_bench.cc", "attn-engine-bench (attnd tools)");
   absl::SetProgramUsageMessage(
-      "attn-engine-bench: batcher and CUDA backend without the network; --compare batching|streams");
+      "attn-engine-bench: batcher and CUDA backend without the network; "
+      "--compare batching|streams");
   absl::ParseCommandLine(argc, argv);
   return attn::Main();
 }

@@ -385,6 +385,29 @@ TEST_F(BadInputMatrixTest, OversizeUnaryMessageIsResourceExhausted) {
   ExpectGoodRequestAnswered("oversize unary");
 }
 
+// A request under the limit whose answer (o as large as q, plus lse) would be over it is refused
+// before any work, with a message that says why; without lse the same request is answered.
+TEST_F(BadInputMatrixTest, ResponseOverTheMessageLimitIsRefusedBeforeWork) {
+  RequestShape shape;  // q 3.86 MiB, k and v 512 bytes; o + lse 4.10 MiB, over the 4 MiB limit
+  shape.seq_q = 7900;
+  shape.seq_k = 1;
+  shape.heads = shape.kv_heads = 8;
+  shape.head_dim = 32;
+  auto r = MakeRandomRequest(shape, rng_);
+  r.options.return_lse = true;
+  auto refused = server_->client->Attend(r.q, r.k, r.v, r.options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  for (const char* word : {"--max_message_bytes", "return_lse"}) {
+    EXPECT_NE(refused.status().message().find(word), std::string::npos) << refused.status();
+  }
+  r.options.return_lse = false;
+  auto answered = server_->client->Attend(r.q, r.k, r.v, r.options);
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  EXPECT_LE(testing::ErrorAgainstReference(r, answered->o), testing::ToleranceFor(shape.dtype));
+  ExpectGoodRequestAnswered("response over the limit");
+}
+
 // An oversize item cannot be read, so gRPC ends the whole stream with RESOURCE_EXHAUSTED; the
 // items before it were answered and the server goes on serving.
 TEST_F(BadInputMatrixTest, OversizeStreamItemEndsThatStreamOnly) {
