@@ -125,10 +125,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (!s->server_ || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
   }
-  s->memory_reporter_ = std::thread([server = s.get()] { server->ReportMemoryLoop(); });
   auto* health = s->server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
+  s->monitor_ = std::thread([server = s.get()] { server->MonitorBackendLoop(); });
   Log(absl::StrCat(
       "security: ",
       options.tls_cert.empty()        ? "plaintext"
@@ -179,15 +179,24 @@ int AttnServer::metrics_port() const { return metrics_->port(); }
 
 int64_t AttnServer::PendingPerClientTotal() const { return service_->PendingPerClientTotal(); }
 
-// Pool and GPU memory gauges, refreshed every 500 ms.
-void AttnServer::ReportMemoryLoop() {
-  std::unique_lock<std::mutex> lock(memory_mu_);
+// Every 500 ms: the pool and GPU memory gauges, and health NOT_SERVING once the backend says it
+// cannot compute any more, so that probes (and Kubernetes' liveness probe) see it.
+void AttnServer::MonitorBackendLoop() {
+  bool reported_lost = false;
+  std::unique_lock<std::mutex> lock(monitor_mu_);
   do {
     const BackendMemory m = backend_->Memory();
     metrics_->SetDevicePool(m.device_pool);
     metrics_->SetPinnedPool(m.pinned_pool);
     metrics_->SetGpuMemory(m.gpu_used, m.gpu_free, m.gpu_total);
-  } while (!memory_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return stopping_; }));
+    if (const absl::Status health = backend_->Health(); !health.ok() && !reported_lost) {
+      reported_lost = true;
+      Log(absl::StrCat("health NOT_SERVING: ", health.message()));
+      auto* service = server_->GetHealthCheckService();
+      service->SetServingStatus(kServiceName, false);
+      service->SetServingStatus(false);
+    }
+  } while (!monitor_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return stopping_; }));
 }
 
 void AttnServer::Drain() {
@@ -228,11 +237,11 @@ AttnServer::~AttnServer() {
     server_->Wait();
   }
   {
-    std::lock_guard<std::mutex> lock(memory_mu_);
+    std::lock_guard<std::mutex> lock(monitor_mu_);
     stopping_ = true;
   }
-  memory_cv_.notify_all();
-  if (memory_reporter_.joinable()) memory_reporter_.join();
+  monitor_cv_.notify_all();
+  if (monitor_.joinable()) monitor_.join();
   // The batcher drains and stops before the backend and metrics it uses go away.
   batcher_.reset();
 }

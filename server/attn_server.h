@@ -43,7 +43,7 @@ class AttnServer {
   AttnServer() = default;
   absl::Status WarmUp();
   void WaitUntilQuiet();
-  void ReportMemoryLoop();
+  void MonitorBackendLoop();
 
   ServerOptions options_;
   std::unique_ptr<Backend> backend_;
@@ -53,10 +53,10 @@ class AttnServer {
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  std::mutex memory_mu_;
-  std::condition_variable memory_cv_;
+  std::mutex monitor_mu_;
+  std::condition_variable monitor_cv_;
   bool stopping_ = false;
-  std::thread memory_reporter_;
+  std::thread monitor_;
 };
 
 // Creates the backend that options.backend names ("auto" prefers CUDA when a GPU is usable).

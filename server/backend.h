@@ -65,6 +65,10 @@ class Backend {
   virtual void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) = 0;
 
   virtual BackendMemory Memory() const { return {}; }
+
+  // OK while the backend can compute; an error once it cannot without a restart (a sticky CUDA
+  // error leaves the device context unusable). attnd then reports NOT_SERVING.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
 };
 
 }  // namespace attn

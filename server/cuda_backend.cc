@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -21,6 +22,24 @@ absl::Status CudaError(const char* what, cudaError_t err) {
   do {                                                   \
     if (cudaError_t _e = (expr); _e != cudaSuccess) return CudaError(what, _e); \
   } while (0)
+
+// Errors after which every later call in the context fails: only a new process recovers.
+bool IsStickyError(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
 
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -308,6 +327,7 @@ CudaBackend::~CudaBackend() {
 }
 
 absl::Status CudaBackend::Prepare(AttendJob& job) {
+  RETURN_IF_ERROR(Health());
   const auto start = Clock::now();
   const BatchKey& key = job.key;
   const kernels::DType compute = ComputeDType(job);
@@ -377,6 +397,7 @@ void CudaBackend::LaneLoop(Lane* lane) {
 void CudaBackend::RunSplittingOnExhaustion(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
                                            std::span<absl::Status> status, BatchReport* report) {
   absl::Status st = Launch(lane, jobs, report);
+  if (!st.ok() && !absl::IsResourceExhausted(st)) NoteIfDeviceLost(lane);
   if (absl::IsResourceExhausted(st) && jobs.size() > 1) {
     // Together they do not fit in the device pool: run the halves one after the other, so that
     // only a request that does not fit on its own fails.
@@ -466,6 +487,24 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
     job->batch_tokens = layout.total_q;
   }
   return absl::OkStatus();
+}
+
+void CudaBackend::NoteIfDeviceLost(Lane& lane) {
+  const cudaError_t e = cudaStreamQuery(lane.stream);
+  if (!IsStickyError(e)) return;
+  int expected = cudaSuccess;
+  if (sticky_error_.compare_exchange_strong(expected, e)) {
+    std::fprintf(stderr, "attnd: the GPU context is unusable after %s: %s; restart attnd\n",
+                 cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+}
+
+absl::Status CudaBackend::Health() const {
+  const auto e = static_cast<cudaError_t>(sticky_error_.load());
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "the GPU context of this attnd is unusable after ", cudaGetErrorName(e), " (",
+      cudaGetErrorString(e), "); retry on another replica, this one must be restarted"));
 }
 
 BackendMemory CudaBackend::Memory() const {

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -49,6 +50,8 @@ class CudaBackend : public Backend {
   absl::Status Prepare(AttendJob& job) override;
   void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) override;
   BackendMemory Memory() const override;
+  // UNAVAILABLE once a sticky CUDA error has made the device context unusable.
+  absl::Status Health() const override;
 
  private:
   struct Lane {
@@ -68,6 +71,8 @@ class CudaBackend : public Backend {
   // launches; fills one status per job.
   void RunSplittingOnExhaustion(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
                                 std::span<absl::Status> status, BatchReport* report);
+  // After a failed launch: whether the error was one that leaves the context unusable.
+  void NoteIfDeviceLost(Lane& lane);
   // One packed launch of jobs on lane, waited for; adds its timings to the jobs and report.
   absl::Status Launch(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs, BatchReport* report);
 
@@ -80,6 +85,7 @@ class CudaBackend : public Backend {
   std::unique_ptr<CompletionPool> completions_;
   std::unique_ptr<kernels::cpu::CpuThreadPool> copy_pool_;
   std::unique_ptr<HostCopier> copier_;
+  std::atomic<int> sticky_error_{cudaSuccess};  // cudaError_t that made the context unusable
 
   std::mutex mu_;
   std::condition_variable cv_;
