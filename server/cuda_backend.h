@@ -19,11 +19,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "backend.h"
 #include "attn/kernels/cpu_thread_pool.h"
+#include "backend.h"
 #include "completion_pool.h"
-#include "host_copy.h"
 #include "device_pool.h"
+#include "host_copy.h"
 #include "pinned_pool.h"
 
 namespace attn {
@@ -71,11 +71,10 @@ class CudaBackend : public Backend {
   // launches; fills one status per job.
   void RunSplittingOnExhaustion(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
                                 std::span<absl::Status> status, BatchReport* report);
-  // After a failed launch: whether the error was one that leaves the context unusable.
+  // After a failed launch: records the error if it left the context unusable.
   void NoteIfDeviceLost(Lane& lane);
   // One packed launch of jobs on lane, waited for; adds its timings to the jobs and report.
   absl::Status Launch(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs, BatchReport* report);
-
 
   const Options options_;
   BackendInfo info_;
