@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -129,13 +128,14 @@ void UnstageOutputs(const AttendJob& job, const HostCopier& copier) {
   const char* out = static_cast<const char*>(state.out.data());
   const ElementCast cast = UnstagingCast(job.key.wire_dtype, *job.key.staged_dtype);
   std::string* o = job.response->mutable_o()->mutable_data();
-  std::vector<HostCopy> copies = {
+  HostCopy copies[2] = {
       {out, o->data(), cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2, cast}};
+  size_t n = 1;
   if (job.return_lse) {
     std::string* lse = job.response->mutable_lse()->mutable_data();
-    copies.push_back({out + state.o_bytes, lse->data(), lse->size(), ElementCast::kNone});
+    copies[n++] = {out + state.o_bytes, lse->data(), lse->size(), ElementCast::kNone};
   }
-  copier.Run(copies);
+  copier.Run({copies, n});
 }
 
 float ElapsedMs(cudaEvent_t a, cudaEvent_t b) {

@@ -17,6 +17,7 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
+. "$(dirname "$0")/../../tests/lib/attnd.sh"
 # --help prints to stdout and exits 1 (Abseil); the flags must be the program's own.
 help_lists() {  # program, flags...
   local prog=$1; shift
@@ -27,15 +28,9 @@ help_lists() {  # program, flags...
 }
 help_lists "$bench" target mode concurrency compare_echo rate lb
 help_lists "$attnctl" target check lb
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-P=$(free_port); M=$(free_port)
-"$attnd" --listen="127.0.0.1:$P" --metrics_listen="127.0.0.1:$M" --backend=cpu --threads=2 >"$work/attnd.log" 2>&1 &
-pid=$!
-for i in $(seq 150); do
-  "$attnctl" --target "127.0.0.1:$P" health >/dev/null 2>&1 && break
-  [ "$i" = 150 ] && fail "attnd did not become healthy"
-  sleep 0.2
-done
+start_cpu_attnd "$attnd" "$work/attnd.log" 2
+pid=$ATTND_PID
+attnd_healthy "$attnctl" || fail "attnd did not become healthy"
 shape=(--seq 16 --heads 2 --head-dim 64 --dtype bf16)
 
 # --rate in stream mode: 2 streams, 40 requests/s in all, over 3 s. The closed loop (no --rate)

@@ -5,6 +5,7 @@
 # rejected one) first, since some families (attn_requests_total) only appear after traffic.
 #   grafana.sh DEPLOY_DIR BUILD_DIR ATTND ATTNCTL
 . "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../../tests/lib/attnd.sh"
 deploy="$(cd "$1" && pwd)"; build="$2"; attnd="$3"; attnctl="$4"
 need promtool "Debian package prometheus"
 need python3
@@ -24,18 +25,9 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-P=$(free_port); M=$(free_port)
-"$attnd" --listen="127.0.0.1:$P" --metrics_listen="127.0.0.1:$M" --backend=cpu --threads=1 \
-  >"$work/attnd.log" 2>&1 &
-pid=$!
-for i in $(seq 150); do
-  "$attnctl" --target "127.0.0.1:$P" health >/dev/null 2>&1 && break
-  [ "$i" = 150 ] && fail "attnd did not become healthy in 30 s"
-  sleep 0.2
-done
+start_cpu_attnd "$attnd" "$work/attnd.log" 1
+pid=$ATTND_PID
+attnd_healthy "$attnctl" || fail "attnd did not become healthy in 30 s"
 "$attnctl" --target "127.0.0.1:$P" attend --seq 16 --heads 2 --head-dim 64 --count 1 >/dev/null ||
   fail "attnctl attend failed"
 "$attnctl" --target "127.0.0.1:$P" attend --seq 16 --heads 2 --head-dim 1000 >/dev/null 2>&1 &&

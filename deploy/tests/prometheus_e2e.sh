@@ -9,6 +9,7 @@
 #   prometheus_e2e.sh DEPLOY_DIR ATTND ATTNCTL
 # Exit 77 (skip) only when no prometheus binary can be found.
 . "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../../tests/lib/attnd.sh"
 deploy="$(cd "$1" && pwd)"; attnd="$2"; attnctl="$3"
 N="${ATTN_E2E_REQUESTS:-25}"   # successful Attend requests (a multiple of 5)
 B="${ATTN_E2E_BAD:-5}"         # INVALID_ARGUMENT Attend requests (a multiple of 5)
@@ -35,9 +36,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
 wait_for() {  # wait_for SECONDS WHAT CMD...
   local t="$1" what="$2"; shift 2
   for _ in $(seq $((t * 5))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
@@ -45,11 +43,9 @@ wait_for() {  # wait_for SECONDS WHAT CMD...
 }
 
 # --- attnd ------------------------------------------------------------------------------------
-P=$(free_port); M=$(free_port)
-"$attnd" --listen="127.0.0.1:$P" --metrics_listen="127.0.0.1:$M" --backend=cpu --threads=2 \
-  >"$work/attnd.log" 2>&1 &
-pids+=($!)
-wait_for 30 "attnd health" "$attnctl" --target "127.0.0.1:$P" health
+start_cpu_attnd "$attnd" "$work/attnd.log" 2
+pids+=("$ATTND_PID")
+attnd_healthy "$attnctl" || fail "timed out after 30s waiting for attnd health"
 wait_for 10 "attnd /metrics" curl -fsS "http://127.0.0.1:$M/metrics"
 
 # --- Prometheus with the shipped config and rules -----------------------------------------------

@@ -135,25 +135,31 @@ TEST_F(CudaServerTest, ConcurrentClientsAreBatchedAndEachAnswerIsRight) {
               kClients * kEach);
 }
 
-TEST_F(CudaServerTest, DevicePoolExhaustionFailsOnlyTheRequestThatDoesNotFit) {
-  ServerOptions options;
-  options.device_pool_bytes = 8 << 20;
-  auto s = StartCudaServer(options);
-  ASSERT_NE(s.server, nullptr);
+// Sends a request of 8192 tokens, 4 heads, d=64 (4 MiB per bf16 tensor), which must fail with
+// RESOURCE_EXHAUSTED naming `flag`, then a small one, which must be answered correctly.
+void ExpectOnlyTheBigRequestFails(const testing::LoopbackServer& s, const std::string& flag,
+                                  std::mt19937_64& rng) {
   RequestShape big;
   big.seq_q = big.seq_k = 8192;
   big.heads = big.kv_heads = 4;
-  big.head_dim = 64;  // 4 MiB per tensor in bf16: q, k, v and o do not fit in 8 MiB
-  auto r_big = MakeRandomRequest(big, rng_);
+  big.head_dim = 64;
+  auto r_big = MakeRandomRequest(big, rng);
   auto result = s.client->Attend(r_big.q, r_big.k, r_big.v, r_big.options);
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted) << result.status();
-  EXPECT_NE(result.status().message().find("device_pool_bytes"), std::string::npos);
-  RequestShape small;
-  auto r_small = MakeRandomRequest(small, rng_);
+  EXPECT_NE(result.status().message().find(flag), std::string::npos) << result.status();
+  auto r_small = MakeRandomRequest(RequestShape{}, rng);
   auto ok = s.client->Attend(r_small.q, r_small.k, r_small.v, r_small.options);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_LE(testing::ErrorAgainstReference(r_small, ok->o), 1e-2);
+}
+
+TEST_F(CudaServerTest, DevicePoolExhaustionFailsOnlyTheRequestThatDoesNotFit) {
+  ServerOptions options;
+  options.device_pool_bytes = 8 << 20;  // q, k, v and o of the big request do not fit
+  auto s = StartCudaServer(options);
+  ASSERT_NE(s.server, nullptr);
+  ExpectOnlyTheBigRequestFails(s, "device_pool_bytes", rng_);
   const BackendMemory m = s.server->backend().Memory();
   EXPECT_EQ(m.device_pool.used, 0);
   EXPECT_EQ(m.pinned_pool.used, 0);
@@ -162,22 +168,10 @@ TEST_F(CudaServerTest, DevicePoolExhaustionFailsOnlyTheRequestThatDoesNotFit) {
 
 TEST_F(CudaServerTest, PinnedPoolExhaustionFailsOnlyTheRequestThatDoesNotFit) {
   ServerOptions options;
-  options.pinned_pool_bytes = 4 << 20;
+  options.pinned_pool_bytes = 4 << 20;  // the big request's 12 MiB of inputs do not fit
   auto s = StartCudaServer(options);
   ASSERT_NE(s.server, nullptr);
-  RequestShape big;
-  big.seq_q = big.seq_k = 8192;
-  big.heads = big.kv_heads = 4;
-  big.head_dim = 64;  // 12 MiB of inputs to stage
-  auto r_big = MakeRandomRequest(big, rng_);
-  auto result = s.client->Attend(r_big.q, r_big.k, r_big.v, r_big.options);
-  ASSERT_FALSE(result.ok());
-  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted) << result.status();
-  EXPECT_NE(result.status().message().find("pinned_pool_bytes"), std::string::npos);
-  auto r_small = MakeRandomRequest(RequestShape{}, rng_);
-  auto ok = s.client->Attend(r_small.q, r_small.k, r_small.v, r_small.options);
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_LE(testing::ErrorAgainstReference(r_small, ok->o), 1e-2);
+  ExpectOnlyTheBigRequestFails(s, "pinned_pool_bytes", rng_);
   EXPECT_EQ(s.server->backend().Memory().pinned_pool.used, 0);
 }
 
