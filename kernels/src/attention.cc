@@ -25,7 +25,8 @@ Status Invalid(std::string msg) { return {StatusCode::kInvalidArgument, std::mov
 
 Status ValidateCommon(const AttentionArgs& a) {
   if (a.batch < 1) return Invalid("batch must be >= 1, got " + std::to_string(a.batch));
-  if (a.total_q < 1 || a.total_k < 1) {
+  const bool paged = IsPaged(a);
+  if (a.total_q < 1 || (!paged && a.total_k < 1)) {
     return Invalid("total_q and total_k must be >= 1, got " + std::to_string(a.total_q) + " and " +
                    std::to_string(a.total_k));
   }
@@ -43,8 +44,39 @@ Status ValidateCommon(const AttentionArgs& a) {
     return Invalid("window_left and window_right must be >= -1");
   }
   if (!std::isfinite(a.softmax_scale)) return Invalid("softmax_scale must be finite");
-  if (!a.q || !a.k || !a.v || !a.o || !a.cu_seqlens_q || !a.cu_seqlens_k) {
+  if (!a.q || !a.k || !a.v || !a.o || !a.cu_seqlens_q || (!paged && !a.cu_seqlens_k)) {
     return Invalid("q, k, v, o, cu_seqlens_q and cu_seqlens_k must be set");
+  }
+  if (a.paged.page_size < 0) return Invalid("paged.page_size must be >= 0");
+  if (paged && (a.paged.num_pages < 1 || !a.paged.page_indptr || !a.paged.page_indices ||
+                !a.paged.seqlens_k)) {
+    return Invalid("paged: num_pages must be >= 1 and page_indptr, page_indices, seqlens_k set");
+  }
+  return Status::Ok();
+}
+
+Status ValidatePageTable(const AttentionArgs& a) {
+  const PagedKv& p = a.paged;
+  if (p.page_indptr[0] != 0) return Invalid("paged.page_indptr[0] must be 0");
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int64_t len = p.seqlens_k[b];
+    if (len < 0 || len > a.max_seqlen_k) {
+      return Invalid("paged.seqlens_k[" + std::to_string(b) + "] = " + std::to_string(len) +
+                     " is outside [0, max_seqlen_k = " + std::to_string(a.max_seqlen_k) + "]");
+    }
+    const int64_t pages = static_cast<int64_t>(p.page_indptr[b + 1]) - p.page_indptr[b];
+    if (pages != (len + p.page_size - 1) / p.page_size) {
+      return Invalid("paged: sequence " + std::to_string(b) + " has " + std::to_string(pages) +
+                     " pages for " + std::to_string(len) + " keys of page_size " +
+                     std::to_string(p.page_size));
+    }
+    for (int32_t i = p.page_indptr[b]; i < p.page_indptr[b + 1]; ++i) {
+      if (p.page_indices[i] < 0 || p.page_indices[i] >= p.num_pages) {
+        return Invalid("paged.page_indices[" + std::to_string(i) + "] = " +
+                       std::to_string(p.page_indices[i]) + " is outside [0, num_pages = " +
+                       std::to_string(p.num_pages) + ")");
+      }
+    }
   }
   return Status::Ok();
 }
@@ -75,7 +107,8 @@ Status ValidateCuSeqlens(const int32_t* cu, int32_t batch, int32_t total, int32_
 double AttentionFlops(const AttentionArgs& a, const int32_t* cu_q, const int32_t* cu_k) {
   double pairs = 0;
   for (int32_t b = 0; b < a.batch; ++b) {
-    pairs += static_cast<double>(cu_q[b + 1] - cu_q[b]) * (cu_k[b + 1] - cu_k[b]);
+    const double keys = IsPaged(a) ? a.paged.seqlens_k[b] : cu_k[b + 1] - cu_k[b];
+    pairs += static_cast<double>(cu_q[b + 1] - cu_q[b]) * keys;
   }
   const double f = 4.0 * pairs * a.num_heads * a.head_dim;
   return a.causal ? f / 2 : f;

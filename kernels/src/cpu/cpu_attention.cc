@@ -259,6 +259,7 @@ class Runner {
 Status CanImplement(const AttentionArgs& args) {
   Status st = ValidateCommon(args);
   if (!st.ok()) return st;
+  if (IsPaged(args)) return {StatusCode::kUnimplemented, "CPU backend: paged K/V is not implemented"};
   if (args.head_dim > kMaxHeadDim) {
     return {StatusCode::kUnimplemented, "head_dim " + std::to_string(args.head_dim) +
                                             " is over the CPU backend's limit of " +

@@ -111,6 +111,7 @@ bool Compiled() { return true; }
 Status CanImplement(const AttentionArgs& args) {
   Status s = ValidateCommon(args);
   if (!s.ok()) return s;
+  if (IsPaged(args)) return {StatusCode::kUnimplemented, "CUDA backend: paged K/V is not implemented"};
   if (args.dtype != DType::kFloat16 && args.dtype != DType::kBFloat16) {
     return {StatusCode::kUnimplemented,
             std::string("CUDA backend: dtype ") + DTypeName(args.dtype) + " is not supported (fp16, bf16 only)"};

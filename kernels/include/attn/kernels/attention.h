@@ -38,6 +38,25 @@ class Status {
   std::string message_;
 };
 
+// K and V read through a page table instead of contiguous rows (the KV cache of sessions).
+//
+// The caches are pools of fixed-size pages, one pool for K and one for V with the same page
+// numbering; page p holds page_size token rows:
+//   k_pages, v_pages  [num_pages, page_size, num_kv_heads, head_dim]  (args.k / args.v point here)
+// Sequence b's keys are, in order, the rows of pages
+//   page_indices[page_indptr[b]] .. page_indices[page_indptr[b+1] - 1]
+// (a CSR page table), of which the first seqlens_k[b] rows are used: every page but the last is
+// full, so page_indptr[b+1] - page_indptr[b] == ceil(seqlens_k[b] / page_size). Pages may be in
+// any order and shared between sequences (a forked prefix). A sequence may have 0 keys.
+// Pointers follow the same memory rule as the rest of AttentionArgs.
+struct PagedKv {
+  int32_t page_size = 0;                 // tokens per page; 0: K/V are contiguous, not paged
+  int32_t num_pages = 0;                 // pages in each pool, for bounds checks
+  const int32_t* page_indptr = nullptr;  // [batch + 1], page_indptr[0] == 0
+  const int32_t* page_indices = nullptr; // [page_indptr[batch]], each in [0, num_pages)
+  const int32_t* seqlens_k = nullptr;    // [batch], keys of each sequence
+};
+
 // Forward attention over a packed varlen batch.
 //
 // Layouts (row-major, contiguous):
@@ -77,6 +96,10 @@ struct AttentionArgs {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
 
+  // When paged.page_size > 0, k and v are page pools read through paged; cu_seqlens_k and
+  // total_k are then not used (cu_seqlens_k may be null) and max_seqlen_k bounds seqlens_k.
+  PagedKv paged;
+
   float softmax_scale = 0.0f;  // 0 means 1/sqrt(head_dim)
   bool causal = false;
   int32_t window_left = -1;    // -1: unbounded
@@ -90,13 +113,22 @@ float EffectiveSoftmaxScale(const AttentionArgs& args);
 // pointers, window values >= -1. It does not read cu_seqlens (they may be device memory).
 Status ValidateCommon(const AttentionArgs& args);
 
+// True when args reads K/V through a page table.
+inline bool IsPaged(const AttentionArgs& args) { return args.paged.page_size > 0; }
+
+// Checks host-side page table arrays of a paged args: indptr starts at 0 and covers exactly
+// ceil(seqlens_k[b] / page_size) pages per sequence, every index is in [0, num_pages), and
+// max_seqlen_k bounds every seqlens_k[b] (>= 0).
+Status ValidatePageTable(const AttentionArgs& args);
+
 // Checks host-side cu_seqlens against batch and totals, and that the declared max lengths bound
 // every sequence.
 Status ValidateCuSeqlens(const int32_t* cu_seqlens, int32_t batch, int32_t total,
                          int32_t max_seqlen, const char* name);
 
 // FLOPs as FlashAttention's benchmarks count them: 4 * s_q * s_k * d per head, over the keys each
-// query actually sees for causal (so a square causal problem counts half).
+// query actually sees for causal (so a square causal problem counts half). For paged args the
+// key counts come from args.paged.seqlens_k (host memory then) and host_cu_seqlens_k is unused.
 double AttentionFlops(const AttentionArgs& args, const int32_t* host_cu_seqlens_q,
                       const int32_t* host_cu_seqlens_k);
 
