@@ -13,7 +13,7 @@ suppression language cannot say "both racing accesses are in library code", so t
   operator new/delete are skipped to find the first frame that says whose code it is;
 - a data race is attnd's own when both accesses are in attnd's code: then TSan can see every
   synchronization between them that matters (our mutexes, and the explicit hand-off
-  annotations at the gRPC boundary, server/tsan_annotations.h);
+  annotations at the gRPC boundary, server/common/tsan_annotations.h);
 - any other report (mutex misuse, lock-order inversion, thread leak, ...) is attnd's own when
   its first stack is.
 

@@ -14,7 +14,7 @@
 #include "absl/flags/usage.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
-#include "attn_server.h"
+#include "rpc/attn_server.h"
 #include "version.h"
 
 namespace {

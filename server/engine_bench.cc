@@ -17,12 +17,12 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
-#include "attend_validation.h"
+#include "rpc/attend_validation.h"
 #include "attn/util/usage.h"
 #include "attn/kernels/dtype_convert.h"
-#include "batcher.h"
-#include "cuda_backend.h"
-#include "status_util.h"
+#include "engine/batcher.h"
+#include "backends/cuda_backend.h"
+#include "common/status_util.h"
 
 ABSL_FLAG(std::string, compare, "batching",
           "batching: max_batch_tokens 16384 vs one request per launch; "

@@ -25,7 +25,7 @@ struct ServerOptions {
   // drain_timeout_s to finish.
   double drain_grace_s = 5;
   double drain_timeout_s = 30;
-  // Security (server/auth.h). TLS when tls_cert and tls_key (PEM file paths) are set; mTLS
+  // Security (server/rpc/auth.h). TLS when tls_cert and tls_key (PEM file paths) are set; mTLS
   // (client certificates required and verified against this CA) when tls_client_ca is set too.
   std::string tls_cert;
   std::string tls_key;

@@ -36,5 +36,5 @@ curl -fsS --max-time 10 "http://127.0.0.1:$M/metrics" > "$work/attnd.metrics" ||
 
 timeout 90 python3 "$deploy/tests/grafana_check.py" "$work/attnd.metrics" \
   "$deploy/grafana/attnd-dashboard.json" "$deploy/prometheus/rules" \
-  "$deploy/k8s/prometheus-adapter/values.yaml" "$deploy/../server/metrics.cc" "$work" ||
+  "$deploy/k8s/prometheus-adapter/values.yaml" "$deploy/../server/observability/metrics.cc" "$work" ||
   { rc=$?; [ "$rc" = "$SKIP" ] && exit "$SKIP"; fail "metric names / expressions check"; }

@@ -7,7 +7,7 @@ METRICS is the /metrics exposition of the built attnd (deploy/tests/grafana.sh s
 `attnd --backend=cpu` on free ports, sends it traffic so that the families that only appear after
 a request show up, and scrapes it). The real metric names are read from its `# TYPE` lines:
 counters and gauges as they are, histograms with _bucket/_sum/_count, summaries with
-_sum/_count. Names registered in server/metrics.cc (METRICS_CC) but absent from the scrape are
+_sum/_count. Names registered in server/observability/metrics.cc (METRICS_CC) but absent from the scrape are
 reported (the traffic did not reach them).
 
 Checked against those names (plus `up` and the recording rules of RULES_DIR):
@@ -84,7 +84,7 @@ def exposed_names(exposition):
 
 
 def registered_in_source(metrics_cc):
-    """Family names server/metrics.cc registers (.Name("x"), hist("x", gauge("x", BuildPool("x")."""
+    """Family names server/observability/metrics.cc registers (.Name("x"), hist("x", gauge("x", BuildPool("x")."""
     with open(metrics_cc) as f:
         src = f.read()
     return set(re.findall(r'(?:\.Name|\bhist|\bgauge|\bBuildPool)\(\s*"(attn_[A-Za-z0-9_]+)"', src))

@@ -1,6 +1,6 @@
 // Throughput of the dtype conversions on the host paths of attnd (Google Benchmark): float32 to
 // and from float16/bfloat16 over whole tensors, as the CUDA backend stages float32 requests
-// (StageTensor/UnstageTensor in server/cuda_backend.cc), and row by row as the CPU backend loads
+// (StageTensor/UnstageTensor in server/backends/cuda_backend.cc), and row by row as the CPU backend loads
 // its inputs and stores its output (LoadRow/StoreRow).
 //
 //   build/kernels/bench/dtype_convert_bench                       # all, 4 Ki..16 Mi elements

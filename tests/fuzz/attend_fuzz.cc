@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "attend_validation.h"
+#include "rpc/attend_validation.h"
 #include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/dtype_convert.h"
 #include "attn/v1/attention.pb.h"

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <thread>
 
-#include "backend.h"
+#include "engine/backend.h"
 #include "common/reference.h"
 #include "test_util.h"
 

@@ -1,6 +1,6 @@
 // Batcher unit tests against a fake backend: packing, delay, limits, deadlines, cancellation,
 // priority, draining and the routing of results.
-#include "batcher.h"
+#include "engine/batcher.h"
 
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 #include <mutex>
 #include <thread>
 
-#include "attend_validation.h"
+#include "rpc/attend_validation.h"
 
 namespace attn {
 namespace {

@@ -1,6 +1,6 @@
 // HostCopier: every element copied or converted exactly once, on one thread or split in pieces
 // over the pool, for sizes that do and do not divide into pieces.
-#include "host_copy.h"
+#include "backends/host_copy.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // PinnedPool logic with a counting malloc allocator: reuse, exhaustion, no leak.
-#include "pinned_pool.h"
+#include "memory/pinned_pool.h"
 
 #include <gtest/gtest.h>
 

@@ -13,7 +13,7 @@
 #include <sstream>
 #include <thread>
 
-#include "auth.h"
+#include "rpc/auth.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "test_util.h"
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "attn/client/client.h"
-#include "attn_server.h"
+#include "rpc/attn_server.h"
 #include "common/reference.h"
 
 namespace attn::testing {

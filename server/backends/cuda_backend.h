@@ -20,11 +20,11 @@
 
 #include "absl/status/statusor.h"
 #include "attn/kernels/cpu_thread_pool.h"
-#include "backend.h"
-#include "completion_pool.h"
-#include "device_pool.h"
-#include "host_copy.h"
-#include "pinned_pool.h"
+#include "engine/backend.h"
+#include "engine/completion_pool.h"
+#include "memory/device_pool.h"
+#include "backends/host_copy.h"
+#include "memory/pinned_pool.h"
 
 namespace attn {
 

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "attend_job.h"
-#include "memory_bytes.h"
+#include "engine/attend_job.h"
+#include "memory/memory_bytes.h"
 
 namespace attn {
 

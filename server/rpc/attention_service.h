@@ -5,12 +5,12 @@
 #include <atomic>
 #include <memory>
 
-#include "attend_validation.h"
-#include "auth.h"
+#include "rpc/attend_validation.h"
+#include "rpc/auth.h"
 #include "attn/v1/attention.grpc.pb.h"
-#include "backend.h"
-#include "metrics.h"
-#include "tsan_annotations.h"
+#include "engine/backend.h"
+#include "observability/metrics.h"
+#include "common/tsan_annotations.h"
 
 namespace attn {
 

@@ -13,7 +13,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "memory_bytes.h"
+#include "memory/memory_bytes.h"
 
 namespace attn {
 

@@ -1,10 +1,10 @@
-#include "batcher.h"
+#include "engine/batcher.h"
 
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "metrics.h"
+#include "observability/metrics.h"
 
 namespace attn {
 namespace {

@@ -1,4 +1,4 @@
-#include "completion_pool.h"
+#include "engine/completion_pool.h"
 
 #include <algorithm>
 

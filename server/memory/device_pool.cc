@@ -1,4 +1,4 @@
-#include "device_pool.h"
+#include "memory/device_pool.h"
 
 #include <cstdint>
 

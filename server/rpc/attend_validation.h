@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "attend_job.h"
+#include "engine/attend_job.h"
 #include "attn/v1/attention.pb.h"
 
 namespace attn {

@@ -1,4 +1,4 @@
-#include "cuda_backend.h"
+#include "backends/cuda_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attn/kernels/cuda_attention.h"
-#include "status_util.h"
+#include "common/status_util.h"
 
 namespace attn {
 namespace {

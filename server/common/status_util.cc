@@ -1,4 +1,4 @@
-#include "status_util.h"
+#include "common/status_util.h"
 
 #include <string>
 

@@ -1,11 +1,11 @@
-#include "cpu_backend.h"
+#include "backends/cpu_backend.h"
 
 #include <fstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "attn/kernels/cpu_attention.h"
-#include "status_util.h"
+#include "common/status_util.h"
 
 namespace attn {
 namespace {

@@ -1,4 +1,4 @@
-#include "pinned_pool.h"
+#include "memory/pinned_pool.h"
 
 #include "absl/strings/str_cat.h"
 

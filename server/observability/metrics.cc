@@ -1,4 +1,4 @@
-#include "metrics.h"
+#include "observability/metrics.h"
 
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
@@ -10,7 +10,7 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
-#include "status_util.h"
+#include "common/status_util.h"
 
 namespace attn {
 namespace {

@@ -1,4 +1,4 @@
-#include "attn_server.h"
+#include "rpc/attn_server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -9,16 +9,16 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "attention_service.h"
-#include "auth.h"
-#include "batcher.h"
-#include "cpu_backend.h"
-#include "metrics.h"
-#include "status_util.h"
-#include "tsan_annotations.h"
+#include "rpc/attention_service.h"
+#include "rpc/auth.h"
+#include "engine/batcher.h"
+#include "backends/cpu_backend.h"
+#include "observability/metrics.h"
+#include "common/status_util.h"
+#include "common/tsan_annotations.h"
 #include "version.h"
 #ifdef ATTN_HAVE_CUDA
-#include "cuda_backend.h"
+#include "backends/cuda_backend.h"
 #endif
 
 namespace attn {

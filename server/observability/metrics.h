@@ -11,7 +11,7 @@
 #include <grpcpp/support/status.h>
 
 #include "absl/status/statusor.h"
-#include "backend.h"
+#include "engine/backend.h"
 
 namespace prometheus {
 class Registry;

@@ -1,4 +1,4 @@
-#include "host_copy.h"
+#include "backends/host_copy.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "attn/kernels/cpu_thread_pool.h"
-#include "backend.h"
+#include "engine/backend.h"
 
 namespace attn {
 

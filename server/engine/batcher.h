@@ -12,8 +12,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "attend_job.h"
-#include "backend.h"
+#include "engine/attend_job.h"
+#include "engine/backend.h"
 
 namespace attn {
 

@@ -1,4 +1,4 @@
-#include "auth.h"
+#include "rpc/auth.h"
 
 #include <cerrno>
 #include <cstring>

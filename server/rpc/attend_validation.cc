@@ -1,4 +1,4 @@
-#include "attend_validation.h"
+#include "rpc/attend_validation.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "status_util.h"
+#include "common/status_util.h"
 
 namespace attn {
 namespace {

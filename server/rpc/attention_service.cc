@@ -1,13 +1,13 @@
-#include "attention_service.h"
+#include "rpc/attention_service.h"
 
 #include <deque>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "batcher.h"
-#include "metrics.h"
-#include "status_util.h"
-#include "tsan_annotations.h"
+#include "engine/batcher.h"
+#include "observability/metrics.h"
+#include "common/status_util.h"
+#include "common/tsan_annotations.h"
 
 namespace attn {
 namespace {
