@@ -1,5 +1,5 @@
-// Launcher template for the flash forward kernel; explicitly instantiated once per
-// (dtype, head dim) in instantiations/.
+// Launcher templates for the flash forward kernel (contiguous and paged K/V); explicitly
+// instantiated once per (dtype, head dim) in instantiations/flash_fwd_*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,10 +10,10 @@
 
 namespace attn::kernels::cuda {
 
-template <typename T, int D>
-cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
+template <typename T, int D, bool kPaged>
+cudaError_t LaunchFlashFwd(const FlashParams& params, cudaStream_t stream) {
   using Tr = FlashTraits<D, T>;
-  auto kernel = &FlashFwdKernel<Tr>;
+  auto kernel = &FlashFwdKernel<Tr, kPaged>;
   constexpr int kSmem = Tr::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     const cudaError_t err =
@@ -33,6 +33,16 @@ cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
   kernel<<<grid, Tr::kNThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
+  return LaunchFlashFwd<T, D, false>(params, stream);
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwdPaged(const FlashParams& params, cudaStream_t stream) {
+  return LaunchFlashFwd<T, D, true>(params, stream);
 }
 
 }  // namespace attn::kernels::cuda
