@@ -200,13 +200,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     }
   };
 
-  // Prologue: the first S-1 tiles, one group each (empty groups keep the counts fixed).
+  // Prologue: the first S-1 tiles, one group each (empty groups keep the counts fixed). The page
+  // numbers of the first S tiles are read together first (one page-table latency, not S).
+  int first_pages[S];
+#pragma unroll
+  for (int st = 0; st < S; ++st) first_pages[st] = (kPaged && st < my_tiles) ? page_of(st) : 0;
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < my_tiles) issue(st, page_of(st), sWarp + st * Tr::kStageBytes);
+    if (st < my_tiles) issue(st, first_pages[st], sWarp + st * Tr::kStageBytes);
     ptx::CpAsyncCommit();
   }
-  int next_page = (kPaged && S - 1 < my_tiles) ? page_of(S - 1) : 0;
+  int next_page = first_pages[S - 1];
 
   // Per-thread rows (lane/4 and lane/4 + 8) and the keys they see: [lo, hi].
   int lo[2], hi[2];

@@ -102,6 +102,25 @@ struct TileLoader {
     }
   }
 
+  // As LoadPaged, with the tile's pool row indices (page * ps + j % ps, or -1 past the sequence)
+  // already in shared memory (`rows`, one per tile row), computed an iteration ahead.
+  template <bool kTwo>
+  __device__ __forceinline__ void LoadRows(uint32_t base0, const typename Tr::T* g0, uint32_t base1,
+                                           const typename Tr::T* g1, int64_t stride,
+                                           const int32_t* rows, int tid) const {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = tid + it * Tr::kNThreads;
+      const int r = idx / kCPR;
+      const int c = idx % kCPR;
+      const int ri = rows[r];
+      const bool ok = ri >= 0;
+      const int64_t off = ok ? int64_t(ri) * stride + c * 8 : 0;
+      ptx::CpAsync16(base0 + Tr::Offset(r, c) * 2, g0 + off, ok);
+      if constexpr (kTwo) ptx::CpAsync16(base1 + Tr::Offset(r, c) * 2, g1 + off, ok);
+    }
+  }
+
   __device__ __forceinline__ void Load(uint32_t base, const typename Tr::T* gmem, int64_t stride,
                                        int row0, int limit, int tid) const {
     if constexpr (kRegular) {
@@ -265,6 +284,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
       ptx::CpAsyncCommit();
     }
   }
+  // Paged with a K/V ring: the pool row index of every row of the tile loaded next iteration is
+  // computed one iteration ahead (its page-table read in flight during the matrix products) into
+  // one of two shared-memory slots of BN entries after the ring (FlashPagedRowTableBytes).
+  constexpr bool kRowTable = kPaged && S >= 2;
+  int32_t* sRows = reinterpret_cast<int32_t*>(smem_raw + Tr::kSmemBytes);
+  auto row_of = [&](int j) -> int {
+    if (j >= s_k) return -1;
+    const int pg = __ldg(pages + (p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size)));
+    return pg * p.page_size + (p.page_shift >= 0 ? (j & (p.page_size - 1)) : (j % p.page_size));
+  };
+  if constexpr (kRowTable) {
+    const int nb_pre = nb_max - S;
+    if (nb_pre >= nb_min && tid < BN) sRows[(nb_pre & 1) * BN + tid] = row_of(nb_pre * BN + tid);
+  }
   constexpr int kPrologueKVGroups = S == 1 ? 1 : S - 1;
 
   uint32_t qf[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? KS : 1][4];
@@ -295,6 +328,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   const float sl2 = p.scale_log2;
 
   uint32_t stage = 0;  // byte offset of the stage tile nb is in (S >= 2)
+  int pending_row = -1;  // kRowTable: this thread's row index of tile nb - S, stored after compute
   for (int nb = nb_max - 1; nb >= nb_min; --nb) {
     const int n0 = nb * BN;
     if constexpr (S == 1) {
@@ -309,8 +343,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
       // Refill the stage the previous tile used with tile nb-(S-1).
       const uint32_t refill = stage == 0 ? (S - 1) * kStageBytes : stage - kStageBytes;
       const int nb_next = nb - (S - 1);
-      if (nb_next >= nb_min) load_kv(sK0 + refill, nb_next * BN);
+      if constexpr (kRowTable) {
+        if (nb_next >= nb_min) {
+          kv_loader.template LoadRows<true>(sK0 + refill, gk, sK0 + refill + kVOff, gv,
+                                            p.k_row_stride, sRows + (nb_next & 1) * BN, tid);
+        }
+      } else {
+        if (nb_next >= nb_min) load_kv(sK0 + refill, nb_next * BN);
+      }
       ptx::CpAsyncCommit();
+      if constexpr (kRowTable) {
+        if (nb_next - 1 >= nb_min && tid < BN) pending_row = row_of((nb_next - 1) * BN + tid);
+      }
     }
 
     // S = Q K^T
@@ -429,6 +473,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
           ptx::Mma16816<T>(acc_o[mt][2 * nd2 + 1], pa[mt], vb[2], vb[3]);
         }
       }
+    }
+    if constexpr (kRowTable) {
+      // Read by the refill after the next iteration's barrier; this slot was last read before
+      // this iteration's barrier.
+      const int nb_pre = nb - S;
+      if (nb_pre >= nb_min && tid < BN) sRows[(nb_pre & 1) * BN + tid] = pending_row;
     }
     if constexpr (S > 1) stage = stage == (S - 1) * kStageBytes ? 0 : stage + kStageBytes;
   }

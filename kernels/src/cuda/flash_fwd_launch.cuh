@@ -14,7 +14,9 @@ template <typename T, int D, bool kPaged>
 cudaError_t LaunchFlashFwd(const FlashParams& params, cudaStream_t stream) {
   using Tr = FlashTraits<D, T>;
   auto kernel = &FlashFwdKernel<Tr, kPaged>;
-  constexpr int kSmem = Tr::kSmemBytes;
+  // Paged with a K/V ring: two slots of kBlockN row indices after the ring (see the kernel).
+  constexpr int kSmem =
+      Tr::kSmemBytes + (kPaged && Tr::kKVStages >= 2 ? 2 * Tr::kBlockN * int(sizeof(int32_t)) : 0);
   if constexpr (kSmem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
