@@ -108,8 +108,6 @@ FlashParams MakeParams(const AttentionArgs& a) {
 struct DeviceInfo {
   int sms = 0;
   int major = 0;
-  size_t smem_per_sm = 0;
-  size_t smem_reserved_per_block = 0;
 };
 
 bool GetDeviceInfo(DeviceInfo* out) {
@@ -129,8 +127,6 @@ bool GetDeviceInfo(DeviceInfo* out) {
   DeviceInfo info;
   info.sms = prop.multiProcessorCount;
   info.major = prop.major;
-  info.smem_per_sm = prop.sharedMemPerMultiprocessor;
-  info.smem_reserved_per_block = prop.reservedSharedMemPerBlock;
   if (dev < kMaxDevices) {
     cache[dev] = info;
     have[dev] = true;
@@ -149,10 +145,13 @@ struct DecodePlan {
   bool pdl = false;
 };
 
-// Splits: none when the (sequence, KV head, row block) CTAs alone fill the GPU's CTA slots to
-// >= 90% of whole waves; else the fewest splits whose wave efficiency (CTAs / (waves * slots)) is
-// within 10% of the best, with at least 8 key tiles (2 per warp) per split and at most
-// kDecodeMaxSplits. ATTN_DECODE_SPLITS=<n> forces n (a measurement knob for benchmarks).
+// Splits: none when the (sequence, KV head, row block) CTAs number at least 90% of the SMs (two
+// CTAs fit per SM, so such a grid is resident at once or nearly); else the fewest splits whose
+// wave efficiency over one CTA per SM (CTAs / (waves * SMs)) is within 10% of the best, with at
+// least 8 key tiles (2 per warp) per split and at most kDecodeMaxSplits. Measured on the H200
+// (GQA 32/8, d=128, docs/PERF.md): one CTA per SM with no split beats two per SM with two splits
+// (16 x 4k: 4.21 vs 3.97 TB/s; 16 x 32k: 4.59 vs 4.45), and 1 x 4k peaks at 8-16 splits (1.19-1.23
+// TB/s) against 0.80 at 32. ATTN_DECODE_SPLITS=<n> forces n (a measurement knob for benchmarks).
 DecodePlan PlanDecode(const AttentionArgs& a) {
   DecodePlan plan;
   if (a.max_seqlen_q > kDecodeMaxSeqlenQ) return plan;
@@ -162,10 +161,7 @@ DecodePlan PlanDecode(const AttentionArgs& a) {
   DeviceInfo info;
   if (!GetDeviceInfo(&info)) return plan;  // Run reports the device error at launch
   plan.pdl = info.major >= 9;
-  const size_t per_cta = size_t(DecodeSmemBytes(a.head_dim)) + info.smem_reserved_per_block;
-  const int ctas_per_sm = std::max(
-      1, std::min<int>(DecodeMinBlocks(a.head_dim), static_cast<int>(info.smem_per_sm / per_cta)));
-  const double slots = double(info.sms) * ctas_per_sm;
+  const double slots = double(info.sms);
   const double base = double(a.batch) * a.num_kv_heads * plan.m_blocks;
   const int tiles = (a.max_seqlen_k + DecodeWarpN(a.head_dim) - 1) / DecodeWarpN(a.head_dim);
   const int max_splits = std::max(1, std::min(kDecodeMaxSplits, tiles / (2 * kDecodeWarps)));
@@ -174,7 +170,7 @@ DecodePlan PlanDecode(const AttentionArgs& a) {
     return ctas / (std::ceil(ctas / slots) * slots);
   };
   int splits = 1;
-  if (eff(1) < 0.9 && max_splits > 1) {
+  if (base < 0.9 * slots && max_splits > 1) {
     double best = 0;
     for (int s = 1; s <= max_splits; ++s) best = std::max(best, eff(s));
     for (int s = 1; s <= max_splits; ++s) {

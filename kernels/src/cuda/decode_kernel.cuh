@@ -74,7 +74,7 @@ __device__ __forceinline__ int SwzChunk(int c_even, int y) {
 
 // Page of key j (paged K/V), through the sequence's page list.
 __device__ __forceinline__ int PageOf(const int32_t* pages, int j, int page_size, int shift) {
-  return __ldg(pages + (shift >= 0 ? (j >> shift) : (j / page_size)));
+  return ptx::LdgEarly(pages + (shift >= 0 ? (j >> shift) : (j / page_size)));
 }
 __device__ __forceinline__ int InPage(int j, int page_size, int shift) {
   return shift >= 0 ? (j & (page_size - 1)) : (j % page_size);

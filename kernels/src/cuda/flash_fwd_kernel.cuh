@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   int32_t* sRows = reinterpret_cast<int32_t*>(smem_raw + Tr::kSmemBytes);
   auto row_of = [&](int j) -> int {
     if (j >= s_k) return -1;
-    const int pg = __ldg(pages + (p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size)));
+    const int pg = ptx::LdgEarly(pages + (p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size)));
     return pg * p.page_size + (p.page_shift >= 0 ? (j & (p.page_size - 1)) : (j % p.page_size));
   };
   if constexpr (kRowTable) {

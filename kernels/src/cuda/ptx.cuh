@@ -82,6 +82,16 @@ __device__ __forceinline__ uint32_t Pack2<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// A read-only 32-bit global load (ld.global.nc) that stays where it is written: asm volatile keeps
+// it ahead of the matrix products that follow (plain loads may be sunk next to their first use to
+// save a register, which puts their whole latency on the critical path). For page-table reads
+// whose value is needed only an iteration later.
+__device__ __forceinline__ int LdgEarly(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // One float -> T (round to nearest even).
 template <typename T>
 __device__ __forceinline__ T FromFloat(float x);
