@@ -276,6 +276,7 @@ absl::Status CudaBackend::Init() {
                                   "), ", options_.streams, " streams, head dims ",
                                   absl::StrJoin(info_.head_dims, ","));
 
+  RETURN_IF_ERROR(AllocateKvRegion());
   auto device_pool = DevicePool::Create(options_.device, options_.device_pool_bytes);
   if (!device_pool.ok()) return device_pool.status();
   device_pool_ = std::move(*device_pool);
@@ -307,6 +308,36 @@ absl::Status CudaBackend::Init() {
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::AllocateKvRegion() {
+  int64_t bytes = options_.kv_cache_bytes;
+  if (bytes == 0) {
+    size_t free = 0, total = 0;
+    RETURN_IF_CUDA_ERROR("cudaMemGetInfo", cudaMemGetInfo(&free, &total));
+    const int64_t left = static_cast<int64_t>(free) - options_.device_pool_bytes - (int64_t{1} << 30);
+    bytes = std::max<int64_t>(0, left / 5 * 4);
+  }
+  const int64_t page = options_.kv_page_bytes;
+  if (page < 1) return absl::InvalidArgumentError("KV page bytes must be >= 1");
+  const int64_t pages = std::min<int64_t>(bytes / (2 * page), INT32_MAX / 2);
+  if (pages < 1) {
+    std::fprintf(stderr, "attnd: no room for a KV cache (%lld bytes); sessions are off\n",
+                 static_cast<long long>(bytes));
+    return absl::OkStatus();
+  }
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, static_cast<size_t>(2 * pages * page)); e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the KV cache region of ", 2 * pages * page,
+        " bytes of device memory (--kv_cache_bytes): ", cudaGetErrorString(e)));
+  }
+  kv_.k = static_cast<char*>(p);
+  kv_.v = kv_.k + pages * page;
+  kv_.num_pages = pages;
+  kv_.page_bytes = page;
+  return absl::OkStatus();
+}
+
 CudaBackend::~CudaBackend() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -324,6 +355,7 @@ CudaBackend::~CudaBackend() {
     }
     if (lane->stream) cudaStreamDestroy(lane->stream);
   }
+  if (kv_.k) cudaFree(kv_.k);
 }
 
 absl::Status CudaBackend::Prepare(AttendJob& job) {
@@ -375,7 +407,11 @@ void CudaBackend::LaneLoop(Lane* lane) {
     report.requests = static_cast<int32_t>(work.batch.size());
     for (const auto& job : work.batch) report.tokens += job->Tokens();
     std::vector<absl::Status> status(work.batch.size());
-    RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+    if (work.batch.front()->step) {
+      RunSteps(*lane, work.batch, status, &report);
+    } else {
+      RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+    }
     // The results are in pinned memory now; copying them into the responses and finishing the
     // calls runs on the completion pool while this lane takes the next batch.
     for (size_t i = 0; i < work.batch.size(); ++i) {
@@ -487,6 +523,13 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
     job->batch_tokens = layout.total_q;
   }
   return absl::OkStatus();
+}
+
+void CudaBackend::RunSteps(Lane&, std::span<std::unique_ptr<AttendJob>> jobs,
+                           std::span<absl::Status> status, BatchReport*) {
+  (void)jobs;
+  std::fill(status.begin(), status.end(),
+            absl::UnimplementedError("session steps on the CUDA backend are not available yet"));
 }
 
 void CudaBackend::NoteIfDeviceLost(Lane& lane) {
