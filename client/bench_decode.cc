@@ -364,13 +364,13 @@ std::string Fixed(double v, int precision) {
 }
 
 void PrintHeader() {
-  std::printf("%-10s %5s %7s %6s %9s %7s %10s %10s %8s %8s %9s %10s %7s %8s %10s %9s\n", "mode", "sess",
-              "callers", "steps", "calls", "errors", "steps/s", "tokens/s", "p50_ms", "p99_ms", "queue_us",
+  std::printf("%-10s %5s %7s %8s %9s %7s %10s %10s %8s %8s %9s %10s %7s %8s %10s %9s\n", "mode", "sess",
+              "callers", "per_call", "calls", "errors", "steps/s", "tokens/s", "p50_ms", "p99_ms", "queue_us",
               "compute_us", "cache", "KV_GB/s", "steps/echo", "p50/echo");
 }
 
 void PrintRow(const Row& r, int layers) {
-  std::printf("%-10s %5d %7d %6.1f %9lld %7lld %10.1f %10.1f %8.3f %8.3f %9s %10s %7s %8s %10s %9s\n",
+  std::printf("%-10s %5d %7d %8.1f %9lld %7lld %10.1f %10.1f %8.3f %8.3f %9s %10s %7s %8s %10s %9s\n",
               r.mode.c_str(), r.sessions, r.callers, r.steps_per_call, static_cast<long long>(r.calls),
               static_cast<long long>(r.errors), r.StepsPerS(), r.StepsPerS() / layers, r.Percentile(0.5) / 1e3,
               r.Percentile(0.99) / 1e3, r.decode() ? Fixed(r.Mean(&CallSample::queue_us), 1).c_str() : "-",
@@ -385,6 +385,7 @@ void PrintRow(const Row& r, int layers) {
 std::string Num(double v) {
   if (!std::isfinite(v)) return "";
   std::ostringstream s;
+  s.precision(10);
   s << v;
   return s.str();
 }
@@ -396,6 +397,7 @@ const char* kCsvHeader =
 
 std::string CsvRow(const Row& r, const DecodeBenchOptions& o) {
   std::ostringstream s;
+  s.precision(10);
   s << r.mode << "," << r.sessions << "," << r.callers << "," << o.layers << "," << r.steps_per_call << ","
     << o.cache_tokens << "," << r.calls << "," << r.steps << "," << r.errors << "," << r.CallsPerS() << ","
     << r.StepsPerS() << "," << r.StepsPerS() / o.layers << "," << r.Percentile(0.5) / 1e3 << ","
@@ -409,6 +411,7 @@ std::string CsvRow(const Row& r, const DecodeBenchOptions& o) {
 
 std::string JsonRow(const Row& r, const DecodeBenchOptions& o) {
   std::ostringstream s;
+  s.precision(10);
   s << "{\"mode\":\"" << r.mode << "\",\"sessions\":" << r.sessions << ",\"callers\":" << r.callers
     << ",\"layers\":" << o.layers << ",\"steps_per_call\":" << r.steps_per_call
     << ",\"cache_tokens\":" << o.cache_tokens << ",\"calls\":" << r.calls << ",\"steps\":" << r.steps

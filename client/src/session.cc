@@ -250,15 +250,15 @@ absl::Status SessionClient::Refresh() {
   }
 
   // Clients of known addresses are kept: their connections, and calls in flight on them.
-  std::map<std::string, std::shared_ptr<Client>> known;
+  std::map<std::string, std::shared_ptr<Replica>> known;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& r : replicas_) known[r->info.endpoint] = r->client;
+    for (const auto& r : replicas_) known[r->info.endpoint] = r;
   }
   std::vector<std::shared_ptr<Client>> clients;
   for (const auto& e : endpoints) {
     if (auto it = known.find(e.address); it != known.end()) {
-      clients.push_back(it->second);
+      clients.push_back(it->second->client);
       continue;
     }
     ClientOptions o = options_.client;
@@ -283,13 +283,20 @@ absl::Status SessionClient::Refresh() {
                                       ": ", info.status().message()));
       continue;
     }
-    // Two addresses of one process (localhost as 127.0.0.1 and ::1) are one replica.
-    const bool dup = std::any_of(fresh.begin(), fresh.end(), [&](const std::shared_ptr<Replica>& r) {
-      return r->info.replica_id == info->replica_id();
-    });
+    // Two addresses of one process (localhost as 127.0.0.1 and ::1) are one replica. (A server
+    // that reports no id cannot be matched: each such address stays on its own.)
+    const bool dup = !info->replica_id().empty() &&
+                     std::any_of(fresh.begin(), fresh.end(), [&](const std::shared_ptr<Replica>& r) {
+                       return r->info.replica_id == info->replica_id();
+                     });
     if (dup) continue;
     auto r = std::make_shared<Replica>();
     r->info.replica_id = info->replica_id();
+    if (r->info.replica_id.empty()) {
+      // A server that does not say its id: keep the one its sessions' ids taught (CreateSession).
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = known.find(endpoints[i].address); it != known.end()) r->info.replica_id = it->second->info.replica_id;
+    }
     r->info.endpoint = endpoints[i].address;
     r->info.free_pages = info->kv_cache().free_pages();
     r->info.total_pages = info->kv_cache().total_pages();
@@ -394,6 +401,7 @@ absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec
   }
   struct Candidate {
     std::shared_ptr<Replica> replica;
+    std::string name;  // "<replica_id> at <endpoint>", for messages
     bool answered;
     int64_t free_pages, sessions;
     size_t rank;  // round-robin among equals
@@ -401,15 +409,16 @@ absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec
   std::vector<Candidate> candidates;
   for (size_t i = 0; i < replicas.size(); ++i) {
     auto info = answers[i].get();
-    Candidate c{replicas[i], info.ok(), 0, 0, (i + replicas.size() - turn % replicas.size()) % replicas.size()};
+    Candidate c{replicas[i], "", info.ok(), 0, 0, (i + replicas.size() - turn % replicas.size()) % replicas.size()};
+    std::lock_guard<std::mutex> lock(mu_);
     if (info.ok()) {
       c.free_pages = info->kv_cache().free_pages();
       c.sessions = info->kv_cache().sessions();
-      std::lock_guard<std::mutex> lock(mu_);
       replicas[i]->info.free_pages = c.free_pages;
       replicas[i]->info.total_pages = info->kv_cache().total_pages();
       replicas[i]->info.sessions = c.sessions;
     }
+    c.name = absl::StrCat(replicas[i]->info.replica_id, " at ", replicas[i]->info.endpoint);
     candidates.push_back(std::move(c));
   }
   std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
@@ -423,12 +432,15 @@ absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec
   for (const Candidate& c : candidates) {
     auto created = attn::client::CreateSession(*c.replica->client, spec, timeout);
     if (created.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
       created->endpoint = c.replica->info.endpoint;
+      // The id the session carries is the replica's own word: an address whose process restarted
+      // since it was last asked (or that did not say) is known by it from now on.
+      if (!created->replica_id.empty()) c.replica->info.replica_id = created->replica_id;
       return created;
     }
     last = created.status();
-    tried.push_back(absl::StrCat(c.replica->info.replica_id, " at ", c.replica->info.endpoint, ": ",
-                                 absl::StatusCodeToString(last.code()), ": ", last.message()));
+    tried.push_back(absl::StrCat(c.name, ": ", absl::StatusCodeToString(last.code()), ": ", last.message()));
     if (!PassOverOnCreate(last)) return last;
   }
   if (tried.size() <= 1) return last;
@@ -500,7 +512,10 @@ absl::StatusOr<SessionInfo> SessionClient::ForkSession(const std::string& sessio
   auto r = Route(session_id);
   if (!r.ok()) return r.status();
   auto forked = attn::client::ForkSession(*(*r)->client, session_id, timeout);
-  if (forked.ok()) forked->endpoint = (*r)->info.endpoint;
+  if (forked.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    forked->endpoint = (*r)->info.endpoint;
+  }
   return forked;
 }
 

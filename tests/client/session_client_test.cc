@@ -37,6 +37,8 @@ class FakeReplica final : public v1::Attention::Service {
 
   void set_free_pages(int64_t n) { free_pages_ = n; }
   void set_max_sessions(int64_t n) { max_sessions_ = n; }
+  // GetServerInfo without the replica id (as a server that does not fill it in).
+  void set_hide_id(bool hide) { hide_id_ = hide; }
   void set_replica_id(std::string id) {
     std::lock_guard<std::mutex> lock(mu_);
     id_ = std::move(id);
@@ -55,7 +57,7 @@ class FakeReplica final : public v1::Attention::Service {
                        v1::GetServerInfoResponse* r) override {
     std::lock_guard<std::mutex> lock(mu_);
     ++calls_["GetServerInfo"];
-    r->set_replica_id(id_);
+    if (!hide_id_) r->set_replica_id(id_);
     r->mutable_kv_cache()->set_free_pages(free_pages_);
     r->mutable_kv_cache()->set_total_pages(1000);
     r->mutable_kv_cache()->set_sessions(static_cast<int64_t>(tokens_.size()));
@@ -149,6 +151,7 @@ class FakeReplica final : public v1::Attention::Service {
   std::string id_;
   std::atomic<int64_t> free_pages_{100};
   std::atomic<int64_t> max_sessions_{-1};
+  std::atomic<bool> hide_id_{false};
   int next_ = 1;
   std::map<std::string, std::vector<int64_t>> tokens_;
   std::map<std::string, int> calls_;
@@ -558,6 +561,32 @@ TEST(SessionClientReplicas, OneAddressListedTwiceIsOneReplica) {
   auto client = MustCreate(OptionsFor({a.target(), "ipv4:" + a.target(), "dns:///" + a.target()}));
   ASSERT_NE(client, nullptr);
   EXPECT_EQ(client->Replicas().size(), 1u);
+}
+
+TEST(SessionClientReplicas, ReplicasThatDoNotSayTheirIdAreKnownByTheirSessions) {
+  RunningFake a = StartFake("quiet-a"), b = StartFake("quiet-b");
+  a.service->set_hide_id(true);
+  b.service->set_hide_id(true);
+  auto client = MustCreate(OptionsFor({a.target(), b.target()}));
+  ASSERT_NE(client, nullptr);
+  ASSERT_EQ(client->Replicas().size(), 2u);  // two addresses, not one replica with no id
+  std::mt19937_64 rng(2);
+  for (auto* fake : {&a, &b}) {
+    (fake == &a ? b : a).service->set_free_pages(0);
+    fake->service->set_free_pages(100);
+    auto s = client->CreateSession(SmallSpec());
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->replica_id, fake->service->replica_id());
+    auto r = client->Step(RandomStep(s->session_id, 0, 1, rng));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(fake->service->calls("Step"), 1);
+  }
+  EXPECT_NE(client->ClientForReplica("quiet-a"), nullptr);
+  EXPECT_NE(client->ClientForReplica("quiet-b"), nullptr);
+  // What the sessions taught survives a refresh that learns nothing.
+  ASSERT_TRUE(client->Refresh().ok());
+  EXPECT_NE(client->ClientForReplica("quiet-a"), nullptr);
+  EXPECT_NE(client->ClientForReplica("quiet-b"), nullptr);
 }
 
 TEST(SessionClientReplicas, ARefreshKeepsKnownReplicasWhenNoneAnswers) {
