@@ -343,7 +343,10 @@ absl::Status SessionClient::NoReplicaError(const std::string& session_id) const 
   std::vector<std::string> known;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& r : replicas_) known.push_back(absl::StrCat(r->info.replica_id, " at ", r->info.endpoint));
+    for (const auto& r : replicas_) {
+      known.push_back(absl::StrCat(r->info.replica_id.empty() ? "(id not known)" : r->info.replica_id, " at ",
+                                   r->info.endpoint));
+    }
   }
   const size_t dot = session_id.rfind('.');
   if (dot == std::string::npos || dot == 0) {

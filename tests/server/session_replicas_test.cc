@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -76,13 +77,17 @@ class SessionReplicasTest : public ::testing::Test {
     ASSERT_TRUE(c.ok()) << c.status();
     sessions_ = std::move(*c);
     ASSERT_EQ(sessions_->Replicas().size(), 2u);
+    // Each process by itself, for what is done by hand (not through the routing client).
+    for (auto* p : {a_.get(), b_.get()}) {
+      auto direct = client::Client::Create({.target = p->target()});
+      ASSERT_TRUE(direct.ok()) << direct.status();
+      direct_[p == a_.get() ? "replica-a" : "replica-b"] = std::move(*direct);
+    }
   }
 
+  client::Client& Direct(const std::string& replica) { return *direct_.at(replica); }
   int64_t FreePages(const std::string& replica) {
-    auto c = sessions_->ClientForReplica(replica);
-    EXPECT_NE(c, nullptr) << replica;
-    if (!c) return -1;
-    auto info = c->GetServerInfo();
+    auto info = Direct(replica).GetServerInfo();
     EXPECT_TRUE(info.ok()) << info.status();
     return info.ok() ? info->kv_cache().free_pages() : -1;
   }
@@ -97,6 +102,7 @@ class SessionReplicasTest : public ::testing::Test {
 
   std::unique_ptr<AttndProcess> a_, b_;
   std::unique_ptr<SessionClient> sessions_;
+  std::map<std::string, std::unique_ptr<client::Client>> direct_;
   std::mt19937_64 rng_{17};
 };
 
@@ -111,7 +117,7 @@ TEST_F(SessionReplicasTest, TheClientKnowsBothReplicasByTheirIds) {
 
 TEST_F(SessionReplicasTest, NewSessionsGoWhereMostPagesAreFree) {
   // A session on A (created there by hand) takes pages: A has fewer free pages than B.
-  auto on_a = client::CreateSession(*sessions_->ClientForReplica("replica-a"), Spec());
+  auto on_a = client::CreateSession(Direct("replica-a"), Spec());
   ASSERT_TRUE(on_a.ok()) << on_a.status();
   ASSERT_EQ(on_a->replica_id, "replica-a");
   Fill(on_a->session_id, 2, 200);
@@ -137,8 +143,8 @@ TEST_F(SessionReplicasTest, NewSessionsGoWhereMostPagesAreFree) {
 }
 
 TEST_F(SessionReplicasTest, EveryStepReachesTheReplicaThatHoldsTheSession) {
-  auto sa = client::CreateSession(*sessions_->ClientForReplica("replica-a"), Spec());
-  auto sb = client::CreateSession(*sessions_->ClientForReplica("replica-b"), Spec());
+  auto sa = client::CreateSession(Direct("replica-a"), Spec());
+  auto sb = client::CreateSession(Direct("replica-b"), Spec());
   ASSERT_TRUE(sa.ok() && sb.ok());
   const double a0 = StepCount(*a_), b0 = StepCount(*b_);
   // Interleaved, through the routing client: each session's cache grows on its own replica only.
@@ -180,17 +186,15 @@ TEST_F(SessionReplicasTest, EveryStepReachesTheReplicaThatHoldsTheSession) {
 TEST_F(SessionReplicasTest, AStepSentToTheWrongReplicaGetsItsClearStatus) {
   auto sb = sessions_->CreateSession(Spec());
   ASSERT_TRUE(sb.ok()) << sb.status();
-  const std::string other = sb->replica_id == "replica-a" ? "replica-b" : "replica-a";
-  auto wrong = sessions_->ClientForReplica(other);
-  ASSERT_NE(wrong, nullptr);
-  auto r = client::Step(*wrong, RandomStep(sb->session_id, 0, 1, rng_));
+  client::Client& wrong = Direct(sb->replica_id == "replica-a" ? "replica-b" : "replica-a");
+  auto r = client::Step(wrong, RandomStep(sb->session_id, 0, 1, rng_));
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   // The message names the replica that holds the session, so the caller can tell where to go.
   EXPECT_NE(r.status().message().find(sb->replica_id), std::string::npos) << r.status();
-  for (auto close : {client::CloseSession(*wrong, sb->session_id).status(),
-                     client::TruncateSession(*wrong, sb->session_id, 0).status(),
-                     client::ForkSession(*wrong, sb->session_id).status()}) {
+  for (auto close : {client::CloseSession(wrong, sb->session_id).status(),
+                     client::TruncateSession(wrong, sb->session_id, 0).status(),
+                     client::ForkSession(wrong, sb->session_id).status()}) {
     EXPECT_EQ(close.code(), absl::StatusCode::kFailedPrecondition) << close;
   }
   // Nothing changed on the right replica: the session is still there, empty.
