@@ -310,7 +310,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->add_dtypes(v1::DTYPE_FLOAT32);
   *response->mutable_limits() = options_.advertised_limits;
   response->set_build_info(info.build_info);
-  FillKvCacheInfo(response->mutable_kv_cache());
+  FillSessionInfo(response);
   auto* reactor = ctx->DefaultReactor();
   FinishUnary(reactor, Rpc::kGetServerInfo, start, absl::OkStatus(), 0,
               static_cast<int64_t>(response->ByteSizeLong()));

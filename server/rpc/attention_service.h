@@ -106,7 +106,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   void EnqueueSteps(std::vector<std::unique_ptr<AttendJob>> jobs);
   // Submits jobs that hold their layers; a job the batcher refuses is completed with the error.
   void StartSteps(std::vector<std::unique_ptr<AttendJob>> jobs);
-  void FillKvCacheInfo(v1::KvCacheInfo* info) const;
+  // replica_id and kv_cache of GetServerInfo.
+  void FillSessionInfo(v1::GetServerInfoResponse* response) const;
 
   friend class AttendStreamReactor;
   friend class RejectedStreamReactor;

@@ -37,10 +37,12 @@ grpc::ServerUnaryReactor* AttentionService::Unimplemented(grpc::CallbackServerCo
   return reactor;
 }
 
-void AttentionService::FillKvCacheInfo(v1::KvCacheInfo* info) const {
+void AttentionService::FillSessionInfo(v1::GetServerInfoResponse* response) const {
   if (sessions_ == nullptr) return;
   const KvPagePool& pool = sessions_->pool();
   const auto& o = sessions_->options();
+  response->set_replica_id(o.replica_id);
+  v1::KvCacheInfo* info = response->mutable_kv_cache();
   info->set_capacity_bytes(2 * pool.num_pages() * pool.page_bytes());
   info->set_page_tokens(sessions_->PageTokensFor(kReferenceKvRowBytes));
   info->set_total_pages(pool.num_pages());
