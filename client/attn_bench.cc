@@ -27,7 +27,8 @@
 //   cache      mean cache length after a step; KV_GB/s the K and V bytes the steps read per second
 //              (cache length x KV heads x head dim x 2 x dtype size, summed over the steps);
 //   steps/echo and p50/echo the decode row over the Echo row.
-// Until the server has sessions, CreateSession's UNIMPLEMENTED is printed and attn-bench exits 1.
+// A server that cannot serve sessions answers CreateSession (or Step) with UNIMPLEMENTED: attn-bench
+// prints that status and exits 1.
 //
 // --rate in stream mode: each of the `concurrency` streams writes on its own schedule
 // (rate/concurrency per stream, staggered); a write whose slot is not free yet (--stream_depth
