@@ -67,6 +67,38 @@ absl::StatusOr<v1::GetServerInfoResponse> AskInfo(Client& client, milliseconds t
   return response;
 }
 
+// GetServerInfo of every client at once: the answers, in order.
+std::vector<absl::StatusOr<v1::GetServerInfoResponse>> AskAll(const std::vector<std::shared_ptr<Client>>& clients,
+                                                              milliseconds timeout) {
+  std::vector<std::future<absl::StatusOr<v1::GetServerInfoResponse>>> calls;
+  for (const auto& c : clients) {
+    calls.push_back(std::async(std::launch::async, [c, timeout] { return AskInfo(*c, timeout); }));
+  }
+  std::vector<absl::StatusOr<v1::GetServerInfoResponse>> answers;
+  for (auto& f : calls) answers.push_back(f.get());
+  return answers;
+}
+
+// The addresses of all targets, each once, in order; a target that does not resolve adds its
+// error to problems.
+std::vector<internal::Endpoint> ResolveAll(const std::vector<std::string>& targets,
+                                           std::vector<std::string>* problems) {
+  std::vector<internal::Endpoint> endpoints;
+  for (const std::string& t : targets) {
+    auto resolved = internal::ResolveEndpoints(t);
+    if (!resolved.ok()) {
+      problems->push_back(std::string(resolved.status().message()));
+      continue;
+    }
+    for (auto& e : *resolved) {
+      const bool seen = std::any_of(endpoints.begin(), endpoints.end(),
+                                    [&](const internal::Endpoint& x) { return x.address == e.address; });
+      if (!seen) endpoints.push_back(std::move(e));
+    }
+  }
+  return endpoints;
+}
+
 bool PassOverOnCreate(const absl::Status& st) {
   return absl::IsResourceExhausted(st) || absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st);
 }
@@ -233,23 +265,10 @@ absl::Status SessionClient::Refresh() {
   std::vector<std::string> targets;
   if (!options_.client.target.empty()) targets.push_back(options_.client.target);
   targets.insert(targets.end(), options_.more_targets.begin(), options_.more_targets.end());
-
-  std::vector<internal::Endpoint> endpoints;
   std::vector<std::string> problems;
-  for (const std::string& t : targets) {
-    auto resolved = internal::ResolveEndpoints(t);
-    if (!resolved.ok()) {
-      problems.push_back(std::string(resolved.status().message()));
-      continue;
-    }
-    for (auto& e : *resolved) {
-      const bool seen = std::any_of(endpoints.begin(), endpoints.end(),
-                                    [&](const internal::Endpoint& x) { return x.address == e.address; });
-      if (!seen) endpoints.push_back(std::move(e));
-    }
-  }
+  const std::vector<internal::Endpoint> endpoints = ResolveAll(targets, &problems);
 
-  // Clients of known addresses are kept: their connections, and calls in flight on them.
+  // Replicas known now, by address: their clients (connections, calls in flight) are kept.
   std::map<std::string, std::shared_ptr<Replica>> known;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -257,27 +276,16 @@ absl::Status SessionClient::Refresh() {
   }
   std::vector<std::shared_ptr<Client>> clients;
   for (const auto& e : endpoints) {
-    if (auto it = known.find(e.address); it != known.end()) {
-      clients.push_back(it->second->client);
-      continue;
-    }
-    ClientOptions o = options_.client;
-    o.target = e.address;
-    const bool tls = !o.tls_ca_pem.empty() || !o.tls_cert_pem.empty();
-    // The certificate names the service, not each pod's address.
-    if (tls && o.tls_server_name.empty() && !e.host.empty()) o.tls_server_name = e.host;
-    auto c = Client::Create(o);
+    auto it = known.find(e.address);
+    auto c = it != known.end() ? absl::StatusOr<std::shared_ptr<Client>>(it->second->client) : ClientOf(e);
     if (!c.ok()) return c.status();
-    clients.push_back(std::shared_ptr<Client>(std::move(*c)));
+    clients.push_back(std::move(*c));
   }
+  auto answers = AskAll(clients, options_.info_timeout);
 
-  std::vector<std::future<absl::StatusOr<v1::GetServerInfoResponse>>> answers;
-  for (auto& c : clients) {
-    answers.push_back(std::async(std::launch::async, [&c, this] { return AskInfo(*c, options_.info_timeout); }));
-  }
   std::vector<std::shared_ptr<Replica>> fresh;
   for (size_t i = 0; i < endpoints.size(); ++i) {
-    auto info = answers[i].get();
+    const auto& info = answers[i];
     if (!info.ok()) {
       problems.push_back(absl::StrCat(endpoints[i].address, ": ", absl::StatusCodeToString(info.status().code()),
                                       ": ", info.status().message()));
@@ -314,6 +322,17 @@ absl::Status SessionClient::Refresh() {
   }
   replicas_ = std::move(fresh);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Client>> SessionClient::ClientOf(const internal::Endpoint& e) const {
+  ClientOptions o = options_.client;
+  o.target = e.address;
+  const bool tls = !o.tls_ca_pem.empty() || !o.tls_cert_pem.empty();
+  // The certificate names the service, not each pod's address.
+  if (tls && o.tls_server_name.empty() && !e.host.empty()) o.tls_server_name = e.host;
+  auto c = Client::Create(o);
+  if (!c.ok()) return c.status();
+  return std::shared_ptr<Client>(std::move(*c));
 }
 
 void SessionClient::RefreshIfOlder(milliseconds age) {
@@ -388,8 +407,7 @@ std::vector<ReplicaInfo> SessionClient::Replicas() const {
   return out;
 }
 
-absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec, milliseconds timeout) {
-  RefreshIfOlder(options_.refresh_interval);
+std::vector<SessionClient::Candidate> SessionClient::RankForCreate() {
   std::vector<std::shared_ptr<Replica>> replicas;
   uint64_t turn = 0;
   {
@@ -398,21 +416,14 @@ absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec
     turn = create_turn_++;
   }
   // Free pages now, not as of the last refresh: sessions come and go between creates.
-  std::vector<std::future<absl::StatusOr<v1::GetServerInfoResponse>>> answers;
-  for (auto& r : replicas) {
-    answers.push_back(std::async(std::launch::async, [&r, this] { return AskInfo(*r->client, options_.info_timeout); }));
-  }
-  struct Candidate {
-    std::shared_ptr<Replica> replica;
-    std::string name;  // "<replica_id> at <endpoint>", for messages
-    bool answered;
-    int64_t free_pages, sessions;
-    size_t rank;  // round-robin among equals
-  };
+  std::vector<std::shared_ptr<Client>> clients;
+  for (const auto& r : replicas) clients.push_back(r->client);
+  const auto answers = AskAll(clients, options_.info_timeout);
   std::vector<Candidate> candidates;
-  for (size_t i = 0; i < replicas.size(); ++i) {
-    auto info = answers[i].get();
-    Candidate c{replicas[i], "", info.ok(), 0, 0, (i + replicas.size() - turn % replicas.size()) % replicas.size()};
+  const size_t n = replicas.size();
+  for (size_t i = 0; i < n; ++i) {
+    const auto& info = answers[i];
+    Candidate c{replicas[i], "", info.ok(), 0, 0, (i + n - turn % n) % n};
     std::lock_guard<std::mutex> lock(mu_);
     if (info.ok()) {
       c.free_pages = info->kv_cache().free_pages();
@@ -430,9 +441,14 @@ absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec
     if (a.sessions != b.sessions) return a.sessions < b.sessions;
     return a.rank < b.rank;
   });
+  return candidates;
+}
+
+absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec, milliseconds timeout) {
+  RefreshIfOlder(options_.refresh_interval);
   absl::Status last = absl::UnavailableError("CreateSession: no replica is known");
   std::vector<std::string> tried;
-  for (const Candidate& c : candidates) {
+  for (const Candidate& c : RankForCreate()) {
     auto created = attn::client::CreateSession(*c.replica->client, spec, timeout);
     if (created.ok()) {
       std::lock_guard<std::mutex> lock(mu_);

@@ -26,6 +26,9 @@
 #include "attn/client/client.h"
 
 namespace attn::client {
+namespace internal {
+struct Endpoint;
+}  // namespace internal
 
 // The shape of a session's cache; see CreateSessionRequest.
 struct SessionSpec {
@@ -181,7 +184,20 @@ class SessionClient {
     ReplicaInfo info;
     std::shared_ptr<Client> client;
   };
+  // A replica as a place for a new session.
+  struct Candidate {
+    std::shared_ptr<Replica> replica;
+    std::string name;  // "<replica_id> at <endpoint>", for messages
+    bool answered;     // its GetServerInfo did
+    int64_t free_pages, sessions;
+    size_t rank;  // its turn among equals (round-robin over creates)
+  };
+  // The replicas in the order a CreateSession tries them: those that answer, most free pages
+  // first, then fewest sessions, then in turn.
+  std::vector<Candidate> RankForCreate();
   explicit SessionClient(SessionClientOptions options);
+  // A client of one address with this client's settings.
+  absl::StatusOr<std::shared_ptr<Client>> ClientOf(const internal::Endpoint& e) const;
   // The replica whose id, followed by '.', starts session_id (the longest such id).
   std::shared_ptr<Replica> FindReplica(const std::string& session_id) const;
   absl::StatusOr<std::shared_ptr<Replica>> Route(const std::string& session_id);
