@@ -1,5 +1,5 @@
-// Launcher template for the flash forward kernel; explicitly instantiated once per
-// (dtype, head dim) in instantiations/.
+// Launcher templates for the flash forward kernel (contiguous and paged K/V); explicitly
+// instantiated once per (dtype, head dim) in instantiations/flash_fwd_*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,11 +10,13 @@
 
 namespace attn::kernels::cuda {
 
-template <typename T, int D>
-cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
+template <typename T, int D, bool kPaged>
+cudaError_t LaunchFlashFwd(const FlashParams& params, cudaStream_t stream) {
   using Tr = FlashTraits<D, T>;
-  auto kernel = &FlashFwdKernel<Tr>;
-  constexpr int kSmem = Tr::kSmemBytes;
+  auto kernel = &FlashFwdKernel<Tr, kPaged>;
+  // Paged with a K/V ring: two slots of kBlockN row indices after the ring (see the kernel).
+  constexpr int kSmem =
+      Tr::kSmemBytes + (kPaged && Tr::kKVStages >= 2 ? 2 * Tr::kBlockN * int(sizeof(int32_t)) : 0);
   if constexpr (kSmem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -33,6 +35,16 @@ cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
   kernel<<<grid, Tr::kNThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
+  return LaunchFlashFwd<T, D, false>(params, stream);
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwdPaged(const FlashParams& params, cudaStream_t stream) {
+  return LaunchFlashFwd<T, D, true>(params, stream);
 }
 
 }  // namespace attn::kernels::cuda
