@@ -707,7 +707,10 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   report->transfer_seconds += (in_ms + out_ms) * 1e-3;
   report->step_launches += 1;
   report->tokens = l.total_q;
-  report->flops += kernels::AttentionFlops(args, l.cu_seqlens_q.data(), nullptr);
+  // FLOPs from the host copy of the page table (args' arrays are device pointers).
+  const kernels::AttentionArgs host_args =
+      StepLaunchArgs(key, l, static_cast<int32_t>(kv_.num_pages));
+  report->flops += kernels::AttentionFlops(host_args, l.cu_seqlens_q.data(), nullptr);
   report->kv_bytes_read += l.kv_bytes_read;
   report->bytes += l.kv_bytes_read + 2.0 * 2.0 * l.total_q * key.num_heads * key.head_dim;
   for (size_t i : l.members) {
