@@ -7,7 +7,11 @@
 
 #include <grpcpp/client_context.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "session_util.h"
 #include "test_util.h"
@@ -30,7 +34,7 @@ class CudaSessionTest : public ::testing::Test {
     ServerOptions o;
     o.backend = "cuda";
     o.metrics_listen = "";
-    o.kv_cache_bytes = int64_t{1} << 30;
+    o.kv_cache_bytes = int64_t{8} << 30;
     o.kv_page_tokens = 4;  // 8 KiB pages: 16 tokens of a 512-byte row, 8 of a 1 KiB row
     o.kv_shuffle_seed = std::random_device{}() | 1;
     server_ = testing::StartLoopbackServer(o);
@@ -110,6 +114,111 @@ TEST_F(CudaSessionTest, BatchStepOf64DecodeStepsIsOneLaunch) {
                 resp.results(0).response().timing().compute_us(),
                 resp.results(0).response().timing().transfer_us());
   }
+  for (const auto& id : ids) EXPECT_TRUE(testing::CloseSession(stub_, id).ok());
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+double MicrosSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t).count();
+}
+
+// The Echo of a step's bytes: its request's size out, its o's size back.
+v1::EchoRequest EchoLike(const v1::StepRequest& step) {
+  v1::EchoRequest e;
+  e.mutable_payload()->assign(step.ByteSizeLong(), 'x');
+  e.set_response_bytes(static_cast<int64_t>(step.q().data().size()));
+  return e;
+}
+
+// GQA 32/8, d 128, bf16, 4k cached tokens: one session alone (Step p50 against the Echo p50 of
+// the same bytes plus the kernel), then 64 sessions each calling Step concurrently against 64
+// concurrent Echos. Prints the figures; the lone step must stay within Echo + kernel + 150 us.
+TEST_F(CudaSessionTest, StepAgainstEchoOfTheSameBytes) {
+  const SessionSpec spec{1, 32, 8, 128, v1::DTYPE_BFLOAT16};
+  constexpr int kSessions = 64, kCached = 4096;
+  std::vector<std::string> ids(kSessions);
+  std::vector<SessionShadow> shadows(kSessions, SessionShadow(spec));
+  for (int i = 0; i < kSessions; ++i) {
+    v1::CreateSessionResponse r;
+    ASSERT_TRUE(testing::CreateSession(stub_, spec, &r).ok());
+    ids[i] = r.session_id();
+    for (int done = 0; done < kCached; done += 1024) {
+      const v1::StepRequest chunk = testing::RandomStep(ids[i], 0, 1024, spec, rng_);
+      v1::StepResponse resp;
+      ASSERT_TRUE(testing::Step(stub_, chunk, &resp).ok());
+      if (i == 0) shadows[0].Append(chunk);
+    }
+  }
+  // One session, nothing else running.
+  std::vector<double> step_us, echo_us, kernel_us;
+  const v1::StepRequest sample = testing::RandomStep(ids[0], 0, 1, spec, rng_);
+  const v1::EchoRequest echo = EchoLike(sample);
+  for (int i = 0; i < 600; ++i) {
+    const v1::StepRequest step = testing::RandomStep(ids[0], 0, 1, spec, rng_);
+    v1::StepResponse resp;
+    auto t = std::chrono::steady_clock::now();
+    ASSERT_TRUE(testing::Step(stub_, step, &resp).ok());
+    step_us.push_back(MicrosSince(t));
+    kernel_us.push_back(resp.timing().compute_us());
+    shadows[0].Append(step);
+    if (i % 100 == 0) EXPECT_LE(shadows[0].Check(step, resp).o, 2e-2);
+    grpc::ClientContext ctx;
+    v1::EchoResponse er;
+    t = std::chrono::steady_clock::now();
+    ASSERT_TRUE(stub_->Echo(&ctx, echo, &er).ok());
+    echo_us.push_back(MicrosSince(t));
+  }
+  const double step_p50 = Percentile(step_us, 0.5), echo_p50 = Percentile(echo_us, 0.5);
+  const double kernel_p50 = Percentile(kernel_us, 0.5);
+  std::printf("one session, %d cached tokens: Step p50 %.1f us (p99 %.1f), Echo p50 %.1f us, "
+              "kernel p50 %.1f us; target Step p50 <= Echo + kernel + 50 = %.1f us\n",
+              kCached, step_p50, Percentile(step_us, 0.99), echo_p50, kernel_p50,
+              echo_p50 + kernel_p50 + 50);
+  EXPECT_LE(step_p50, echo_p50 + kernel_p50 + 150) << "a lone step waits for company";
+
+  // 64 sessions, each its own thread calling Step, then 64 threads calling Echo.
+  auto run = [&](bool steps) {
+    std::atomic<int64_t> calls{0};
+    std::atomic<int> max_batch{0};
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kSessions; ++i) {
+      threads.emplace_back([&, i] {
+        std::mt19937_64 rng(i + 1);
+        const v1::StepRequest step = testing::RandomStep(ids[i], 0, 1, spec, rng);
+        while (std::chrono::steady_clock::now() < end) {
+          grpc::Status st;
+          if (steps) {
+            v1::StepResponse resp;
+            st = testing::Step(stub_, step, &resp);
+            int seen = max_batch.load();
+            while (resp.timing().batch_requests() > seen &&
+                   !max_batch.compare_exchange_weak(seen, resp.timing().batch_requests())) {
+            }
+          } else {
+            grpc::ClientContext ctx;
+            v1::EchoResponse er;
+            st = stub_->Echo(&ctx, echo, &er);
+          }
+          if (!st.ok()) return;
+          ++calls;
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    return std::make_pair(calls.load() / 3.0, max_batch.load());
+  };
+  const auto [steps_per_s, largest] = run(true);
+  const auto [echo_per_s, unused] = run(false);
+  std::printf("64 sessions calling Step: %.0f steps/s (largest launch %d steps); 64 callers of "
+              "Echo of the same bytes: %.0f calls/s; ratio %.2f (target >= 0.8)\n",
+              steps_per_s, largest, echo_per_s, steps_per_s / echo_per_s);
+  EXPECT_GT(steps_per_s, 0);
   for (const auto& id : ids) EXPECT_TRUE(testing::CloseSession(stub_, id).ok());
 }
 
