@@ -102,20 +102,27 @@ struct TileLoader {
     }
   }
 
-  // As LoadPaged, with the tile's pool row indices (page * ps + j % ps, or -1 past the sequence)
-  // already in shared memory (`rows`, one per tile row), computed an iteration ahead.
+  // As LoadPaged, with the page number of every row of the tile already in shared memory
+  // (`pg_rows`, one per tile row, copied there by cp.async a few iterations ahead).
   template <bool kTwo>
   __device__ __forceinline__ void LoadRows(uint32_t base0, const typename Tr::T* g0, uint32_t base1,
                                            const typename Tr::T* g1, int64_t stride,
-                                           const int32_t* rows, int tid) const {
+                                           const int32_t* pg_rows, int row0, int limit, int ps,
+                                           int shift, int tid) const {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-      const int idx = tid + it * Tr::kNThreads;
-      const int r = idx / kCPR;
-      const int c = idx % kCPR;
-      const int ri = rows[r];
-      const bool ok = ri >= 0;
-      const int64_t off = ok ? int64_t(ri) * stride + c * 8 : 0;
+      int r, c;
+      if constexpr (kRegular) {
+        r = row + it * kRowStep;
+        c = tid % kCPR;
+      } else {
+        r = (tid + it * Tr::kNThreads) / kCPR;
+        c = (tid + it * Tr::kNThreads) % kCPR;
+      }
+      const int j = row0 + r;
+      const bool ok = j < limit;
+      const int in_page = shift >= 0 ? (j & (ps - 1)) : (j % ps);
+      const int64_t off = ok ? int64_t(pg_rows[r] * ps + in_page) * stride + c * 8 : 0;
       ptx::CpAsync16(base0 + Tr::Offset(r, c) * 2, g0 + off, ok);
       if constexpr (kTwo) ptx::CpAsync16(base1 + Tr::Offset(r, c) * 2, g1 + off, ok);
     }
@@ -271,7 +278,33 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   // even when empty so that group counts stay fixed: S = 1: K of the first tile; S >= 2: K and V
   // of the first S-1 tiles into stages 0..S-2. Tiles run from nb_max-1 down to nb_min; rows at or
   // past s_k (the varlen tail of the first tile) are zero-filled.
+  // Paged with a K/V ring: the page numbers of the rows of tile t are copied by cp.async (4 bytes
+  // per row, no register held, no wait) into slot t % 4 of a shared-memory table after the ring
+  // (FlashPagedTableBytes), kLead = 2S-2 tiles ahead of the loop iteration, so they are in a group
+  // that `cp.async.wait_group S-2` has completed by the iteration that refills tile t (t + S - 1).
+  // A slot is rewritten (tile t - 4, at iteration t - 4 + kLead) only after that read, for S <= 4.
+  constexpr bool kPageTable = kPaged && S >= 2;
+  constexpr int kLead = 2 * S - 2;
+  static_assert(!kPageTable || S <= 4, "");
+  const uint32_t sPg = ptx::SmemAddr(smem_raw + Tr::kSmemBytes);
+  const int32_t* sPgPtr = reinterpret_cast<const int32_t*>(smem_raw + Tr::kSmemBytes);
+  auto copy_pages = [&](int t) {  // rows of tile t >= nb_min
+    if (tid < BN) {
+      const int j = t * BN + tid;
+      const bool ok = j < s_k;
+      const int32_t* src =
+          ok ? pages + (p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size)) : p.page_indices;
+      ptx::CpAsync4(sPg + ((t & 3) * BN + tid) * 4, src, ok);
+    }
+  };
   TileLoader<Tr, BM>(tid, p.q_row_stride).Load(ptx::SmemAddr(sQ), gq, p.q_row_stride, m0, s_q, tid);
+  if constexpr (kPageTable) {
+    // Pages of the tiles refilled before the loop's own copies arrive: nb_max-S .. nb_max-2S+2.
+#pragma unroll
+    for (int i = S; i <= kLead; ++i) {
+      if (nb_max - i >= nb_min) copy_pages(nb_max - i);
+    }
+  }
   ptx::CpAsyncCommit();
   if constexpr (S == 1) {
     load_k(sK0, (nb_max - 1) * BN);
@@ -283,20 +316,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
       if (nb >= nb_min) load_kv(sK0 + st * kStageBytes, nb * BN);
       ptx::CpAsyncCommit();
     }
-  }
-  // Paged with a K/V ring: the pool row index of every row of the tile loaded next iteration is
-  // computed one iteration ahead (its page-table read in flight during the matrix products) into
-  // one of two shared-memory slots of BN entries after the ring (FlashPagedRowTableBytes).
-  constexpr bool kRowTable = kPaged && S >= 2;
-  int32_t* sRows = reinterpret_cast<int32_t*>(smem_raw + Tr::kSmemBytes);
-  auto row_of = [&](int j) -> int {
-    if (j >= s_k) return -1;
-    const int pg = ptx::LdgEarly(pages + (p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size)));
-    return pg * p.page_size + (p.page_shift >= 0 ? (j & (p.page_size - 1)) : (j % p.page_size));
-  };
-  if constexpr (kRowTable) {
-    const int nb_pre = nb_max - S;
-    if (nb_pre >= nb_min && tid < BN) sRows[(nb_pre & 1) * BN + tid] = row_of(nb_pre * BN + tid);
   }
   constexpr int kPrologueKVGroups = S == 1 ? 1 : S - 1;
 
@@ -328,7 +347,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   const float sl2 = p.scale_log2;
 
   uint32_t stage = 0;  // byte offset of the stage tile nb is in (S >= 2)
-  int pending_row = -1;  // kRowTable: this thread's row index of tile nb - S, stored after compute
   for (int nb = nb_max - 1; nb >= nb_min; --nb) {
     const int n0 = nb * BN;
     if constexpr (S == 1) {
@@ -343,18 +361,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
       // Refill the stage the previous tile used with tile nb-(S-1).
       const uint32_t refill = stage == 0 ? (S - 1) * kStageBytes : stage - kStageBytes;
       const int nb_next = nb - (S - 1);
-      if constexpr (kRowTable) {
+      if constexpr (kPageTable) {
         if (nb_next >= nb_min) {
           kv_loader.template LoadRows<true>(sK0 + refill, gk, sK0 + refill + kVOff, gv,
-                                            p.k_row_stride, sRows + (nb_next & 1) * BN, tid);
+                                            p.k_row_stride, sPgPtr + (nb_next & 3) * BN,
+                                            nb_next * BN, s_k, p.page_size, p.page_shift, tid);
         }
+        if (nb - kLead >= nb_min) copy_pages(nb - kLead);
       } else {
         if (nb_next >= nb_min) load_kv(sK0 + refill, nb_next * BN);
       }
       ptx::CpAsyncCommit();
-      if constexpr (kRowTable) {
-        if (nb_next - 1 >= nb_min && tid < BN) pending_row = row_of((nb_next - 1) * BN + tid);
-      }
     }
 
     // S = Q K^T
@@ -473,12 +490,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
           ptx::Mma16816<T>(acc_o[mt][2 * nd2 + 1], pa[mt], vb[2], vb[3]);
         }
       }
-    }
-    if constexpr (kRowTable) {
-      // Read by the refill after the next iteration's barrier; this slot was last read before
-      // this iteration's barrier.
-      const int nb_pre = nb - S;
-      if (nb_pre >= nb_min && tid < BN) sRows[(nb_pre & 1) * BN + tid] = pending_row;
     }
     if constexpr (S > 1) stage = stage == (S - 1) * kStageBytes ? 0 : stage + kStageBytes;
   }

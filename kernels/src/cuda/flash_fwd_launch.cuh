@@ -10,13 +10,24 @@
 
 namespace attn::kernels::cuda {
 
+// Tile traits per (head dim, dtype, paged). Paged d=64 keeps two K/V stages instead of three: the
+// page table's 2 KB (4 slots x 128 rows) on top of 3 stages (112 KB) would leave one block per SM.
+template <int D, typename T, bool kPaged>
+struct FwdTraits {
+  using type = FlashTraits<D, T>;
+};
+template <typename T>
+struct FwdTraits<64, T, true> {
+  using type = FlashTraitsBase<64, 128, 128, 4, false, 2, T>;
+};
+
 template <typename T, int D, bool kPaged>
 cudaError_t LaunchFlashFwd(const FlashParams& params, cudaStream_t stream) {
-  using Tr = FlashTraits<D, T>;
+  using Tr = typename FwdTraits<D, T, kPaged>::type;
   auto kernel = &FlashFwdKernel<Tr, kPaged>;
-  // Paged with a K/V ring: two slots of kBlockN row indices after the ring (see the kernel).
+  // Paged with a K/V ring: 4 slots of kBlockN page numbers after the ring (see the kernel).
   constexpr int kSmem =
-      Tr::kSmemBytes + (kPaged && Tr::kKVStages >= 2 ? 2 * Tr::kBlockN * int(sizeof(int32_t)) : 0);
+      Tr::kSmemBytes + (kPaged && Tr::kKVStages >= 2 ? 4 * Tr::kBlockN * int(sizeof(int32_t)) : 0);
   if constexpr (kSmem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);

@@ -22,6 +22,13 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool pr
                : "memory");
 }
 
+// 4-byte global->shared copy through L1 (cp.async.ca); when !pred the destination is zero-filled.
+__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src, bool pred) {
+  const int src_size = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_size)
+               : "memory");
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 template <int N>
