@@ -623,6 +623,9 @@ void UnstageStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLa
   }
 }
 
+// Launches of at most this many steps are waited for by polling (WaitBriefly).
+constexpr size_t kPolledLaunchSteps = 4;
+
 // Polls the event for up to 300 us (a decode launch is done well within that, and waking from a
 // blocking wait costs tens of microseconds), then blocks.
 cudaError_t WaitBriefly(cudaEvent_t event) {
@@ -709,7 +712,11 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(host_out.data(), dev_out.get(),
                                                    layout.out_bytes, cudaMemcpyDeviceToHost, s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], s));
-  RETURN_IF_CUDA_ERROR("batch completion", WaitBriefly(ev[3]));
+  // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
+  // blocks, leaving the core to the transport.
+  RETURN_IF_CUDA_ERROR("batch completion", l.members.size() <= kPolledLaunchSteps
+                                               ? WaitBriefly(ev[3])
+                                               : cudaEventSynchronize(ev[3]));
   sync_on_error.Done();
 
   const auto start = Clock::now();
