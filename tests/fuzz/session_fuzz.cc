@@ -67,17 +67,27 @@ struct Model {
   std::map<std::string, std::vector<std::string>> k, v;  // per session: per layer, raw rows
 };
 
+std::vector<double> Decode(const std::string& bytes, kernels::DType dtype) {
+  std::vector<double> out(bytes.size() / 2);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = Element(bytes, dtype, i);
+  return out;
+}
+
 // The float64 answer of one step over the model's cache (after the append), compared with o;
-// a violation message, or "".
+// a violation message, or "". Skipped (no check) for NaN/Inf inputs, scores large enough to
+// overflow, and steps over 4M multiply-adds (to keep one run short).
 std::string CheckStep(const Session& s, const v1::StepRequest& r, const v1::StepResponse& resp,
                       const std::string& k_cache, const std::string& v_cache) {
   const SessionShape& shape = s.shape();
   const int64_t n = r.q().shape(0), heads = r.q().shape(1), d = shape.head_dim;
   const int64_t hkv = shape.num_kv_heads, len = static_cast<int64_t>(k_cache.size()) / (2 * hkv * d);
+  if (n * len * heads * d > (int64_t{4} << 20)) return "";
+  const std::vector<double> q = Decode(r.q().data(), shape.dtype), k = Decode(k_cache, shape.dtype),
+                            v = Decode(v_cache, shape.dtype);
+  const std::vector<double> o = Decode(resp.o().data(), shape.dtype);
   double max_in = 0;
-  for (const std::string* t : {&r.q().data(), &k_cache, &v_cache}) {
-    for (size_t i = 0; i < t->size() / 2; ++i) {
-      const double x = Element(*t, shape.dtype, i);
+  for (const auto* t : {&q, &k, &v}) {
+    for (double x : *t) {
       if (!std::isfinite(x)) return "";  // NaN/Inf: IEEE arithmetic, nothing to compare
       max_in = std::max(max_in, std::fabs(x));
     }
@@ -89,6 +99,7 @@ std::string CheckStep(const Session& s, const v1::StepRequest& r, const v1::Step
   if (max_in * max_in * d * std::fabs(scale) > 50) return "";  // scores too large to compare
   const int64_t wl = r.has_window() ? r.window().left() : -1;
   const int64_t wr = r.has_window() ? r.window().right() : -1;
+  std::vector<double> w;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = len - n + i;
     int64_t lo = 0, hi = p;
@@ -96,14 +107,13 @@ std::string CheckStep(const Session& s, const v1::StepRequest& r, const v1::Step
     if (wl >= 0) lo = std::max<int64_t>(0, p - wl);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t g = h / (heads / hkv);
-      std::vector<double> w;
+      const double* qr = &q[(i * heads + h) * d];
+      w.clear();
       double m = -INFINITY;
       for (int64_t j = lo; j <= hi; ++j) {
+        const double* kr = &k[(j * hkv + g) * d];
         double dot = 0;
-        for (int64_t c = 0; c < d; ++c) {
-          dot += Element(r.q().data(), shape.dtype, (i * heads + h) * d + c) *
-                 Element(k_cache, shape.dtype, (j * hkv + g) * d + c);
-        }
+        for (int64_t c = 0; c < d; ++c) dot += qr[c] * kr[c];
         w.push_back(dot * scale);
         m = std::max(m, w.back());
       }
@@ -111,10 +121,8 @@ std::string CheckStep(const Session& s, const v1::StepRequest& r, const v1::Step
       for (double& x : w) sum += (x = std::exp(x - m));
       for (int64_t c = 0; c < d; ++c) {
         double ref = 0;
-        for (int64_t j = lo; j <= hi; ++j) {
-          ref += w[j - lo] / sum * Element(v_cache, shape.dtype, (j * hkv + g) * d + c);
-        }
-        const double got = Element(resp.o().data(), shape.dtype, (i * heads + h) * d + c);
+        for (int64_t j = lo; j <= hi; ++j) ref += w[j - lo] / sum * v[(j * hkv + g) * d + c];
+        const double got = o[(i * heads + h) * d + c];
         if (std::fabs(got - ref) > 2e-2 * max_in + 1e-6) {
           return absl::StrCat("o[", i, ", ", h, ", ", c, "] = ", got, ", the float64 model says ",
                               ref, " (", len, " cached tokens)");
