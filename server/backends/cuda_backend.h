@@ -28,6 +28,8 @@
 
 namespace attn {
 
+struct StepLaunch;
+
 class CudaBackend : public Backend {
  public:
   struct Options {
@@ -80,6 +82,8 @@ class CudaBackend : public Backend {
   // A batch of session steps: one paged launch over the KV region; one status per job.
   void RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
                 std::span<absl::Status> status, BatchReport* report);
+  absl::Status LaunchSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                           const StepLaunch& launch, BatchReport* report);
   // After a failed launch: records the error if it left the context unusable.
   void NoteIfDeviceLost(Lane& lane);
   // One packed launch of jobs on lane, waited for; adds its timings to the jobs and report.

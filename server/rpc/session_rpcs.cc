@@ -94,8 +94,9 @@ absl::StatusOr<std::unique_ptr<AttendJob>> AttentionService::MakeStepJob(
   AttendJob* raw = job.get();
   // The job holds its layer from the moment it starts until here; the next step of the layer
   // may start (on this thread) before the caller hears.
-  job->done = [raw, arrival, response, on_done = std::move(on_done)](absl::Status st) {
+  job->done = [this, raw, arrival, response, on_done = std::move(on_done)](absl::Status st) {
     raw->step->session->ReleaseLayer(raw->step->layer);
+    sessions_->UpdateMetricsSometimes();
     if (st.ok()) {
       FillTiming(*raw, arrival, response->mutable_timing());
     } else {

@@ -270,6 +270,15 @@ int64_t SessionManager::OpenSessions() const {
   return static_cast<int64_t>(sessions_.size());
 }
 
+void SessionManager::UpdateMetricsSometimes() {
+  const Clock::rep now = Clock::now().time_since_epoch().count();
+  Clock::rep last = metrics_updated_.load();
+  const Clock::rep every =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(50)).count();
+  if (now - last < every || !metrics_updated_.compare_exchange_strong(last, now)) return;
+  UpdateMetrics();
+}
+
 void SessionManager::UpdateMetrics() {
   if (!metrics_) return;
   const int64_t free = pool_->FreePages();

@@ -6,6 +6,7 @@
 // and metrics are borrowed and must outlive it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -85,6 +86,8 @@ class SessionManager {
   int32_t PageTokensFor(int64_t row_bytes) const;
   // Sets the session and page gauges from the current state.
   void UpdateMetrics();
+  // The same at most every 50 ms (steps call it as they end; the expiry thread every sweep).
+  void UpdateMetricsSometimes();
 
  private:
   SessionManager(const Options& options, KvPagePool* pool, Metrics* metrics);
@@ -103,6 +106,7 @@ class SessionManager {
   std::unordered_map<std::string, const char*> gone_;  // id -> "closed" / "expired"
   std::deque<std::string> gone_order_;
   std::mt19937_64 rng_;
+  std::atomic<Clock::rep> metrics_updated_{0};
   std::condition_variable cv_;
   bool stop_ = false;
   std::thread expiry_;

@@ -97,17 +97,6 @@ class SessionTest : public ::testing::Test {
   std::mt19937_64 rng_{FreshSeed()};
 };
 
-// Random step options: LSE, a custom scale, a window, more query heads than KV heads.
-void RandomOptions(v1::StepRequest& r, std::mt19937_64& rng) {
-  std::uniform_int_distribution<int> pick(0, 9);
-  r.set_return_lse(pick(rng) < 5);
-  if (pick(rng) < 2) r.set_softmax_scale(0.05f + 0.1f * pick(rng));
-  if (pick(rng) < 2) {
-    r.mutable_window()->set_left(pick(rng) < 5 ? -1 : 3 * pick(rng));
-    r.mutable_window()->set_right(pick(rng) < 5 ? -1 : pick(rng));
-  }
-}
-
 TEST_F(SessionTest, RandomInterleavingsMatchTheReference) {
   Start();
   const std::vector<SessionSpec> specs = {
@@ -115,78 +104,9 @@ TEST_F(SessionTest, RandomInterleavingsMatchTheReference) {
       {2, 8, 1, 64, v1::DTYPE_FLOAT16},   // MQA, 16 tokens per page
       {2, 4, 4, 32, v1::DTYPE_BFLOAT16},  // MHA, 8 tokens per page
   };
-  std::map<std::string, SessionShadow> live;
-  auto create = [&](const SessionSpec& spec) { live.emplace(Create(spec), SessionShadow(spec)); };
-  for (const auto& s : specs) create(s);
-  const std::vector<int> chunks = {1, 1, 1, 1, 2, 3, 7, 8, 9, 16, 17, 33};
-  std::uniform_int_distribution<int> op(0, 99);
-  auto any_session = [&]() -> std::pair<const std::string, SessionShadow>& {
-    auto it = live.begin();
-    std::advance(it, std::uniform_int_distribution<size_t>(0, live.size() - 1)(rng_));
-    return *it;
-  };
-  int steps = 0, batch_items = 0, truncates = 0, forks = 0, closes = 0;
-  for (int i = 0; i < 220; ++i) {
-    const int o = op(rng_);
-    auto& [id, shadow] = any_session();
-    const int layer = std::uniform_int_distribution<int>(0, shadow.spec().layers - 1)(rng_);
-    const int n = chunks[std::uniform_int_distribution<size_t>(0, chunks.size() - 1)(rng_)];
-    if (o < 55) {
-      v1::StepRequest step = testing::RandomStep(id, layer, n, shadow.spec(), rng_);
-      RandomOptions(step, rng_);
-      StepAndCheck(shadow, step);
-      ++steps;
-    } else if (o < 70) {  // a BatchStep over several sessions and layers, repeats included
-      v1::BatchStepRequest req;
-      std::vector<SessionShadow*> owners;
-      const int items = std::uniform_int_distribution<int>(2, 7)(rng_);
-      for (int j = 0; j < items; ++j) {
-        auto& [sid, sh] = any_session();
-        const int l = std::uniform_int_distribution<int>(0, sh.spec().layers - 1)(rng_);
-        *req.add_steps() = testing::RandomStep(sid, l, n == 33 ? 1 : n, sh.spec(), rng_);
-        RandomOptions(*req.mutable_steps(j), rng_);
-        owners.push_back(&sh);
-      }
-      grpc::ClientContext ctx;
-      v1::BatchStepResponse resp;
-      const grpc::Status st = stub_->BatchStep(&ctx, req, &resp);
-      ASSERT_TRUE(st.ok()) << st.error_message();
-      ASSERT_EQ(resp.results_size(), items);
-      for (int j = 0; j < items; ++j) {  // items of one (session, layer) apply in order
-        ASSERT_EQ(resp.results(j).status_code(), 0) << resp.results(j).status_message();
-        owners[j]->Append(req.steps(j));
-        ExpectMatches(*owners[j], req.steps(j), resp.results(j).response());
-      }
-      batch_items += items;
-    } else if (o < 80) {
-      int64_t least = INT64_MAX;
-      for (int l = 0; l < shadow.spec().layers; ++l) least = std::min(least, shadow.Tokens(l));
-      const int64_t drop = std::uniform_int_distribution<int64_t>(0, least)(rng_);
-      v1::TruncateSessionResponse r;
-      ASSERT_TRUE(Truncate(id, drop, &r).ok());
-      shadow.Truncate(drop);
-      for (int l = 0; l < shadow.spec().layers; ++l) EXPECT_EQ(r.cached_tokens(l), shadow.Tokens(l));
-      ++truncates;
-    } else if (o < 90 && live.size() < 8) {
-      v1::ForkSessionResponse r;
-      ASSERT_TRUE(Fork(id, &r).ok());
-      EXPECT_EQ(r.replica_id(), "replica-a");
-      EXPECT_EQ(r.session_id().rfind("replica-a.", 0), 0u) << r.session_id();
-      SessionShadow copy = shadow;
-      live.emplace(r.session_id(), std::move(copy));
-      ++forks;
-    } else if (live.size() > 1) {
-      const SessionSpec spec = shadow.spec();
-      ASSERT_TRUE(testing::CloseSession(stub_, id).ok());
-      live.erase(id);
-      create(spec);
-      ++closes;
-    }
-  }
-  std::cout << steps << " steps, " << batch_items << " BatchStep items, " << truncates
-            << " truncates, " << forks << " forks, " << closes << " closes\n";
-  EXPECT_LT(FreePages(), total_pages_);
-  for (const auto& [id, shadow] : live) ASSERT_TRUE(testing::CloseSession(stub_, id).ok());
+  testing::WorkloadOptions o;
+  o.ops = 220;
+  std::cout << testing::RunRandomSessionWorkload(stub_, specs, o, rng_) << "\n";
   EXPECT_EQ(FreePages(), total_pages_) << "pages leaked";
 }
 

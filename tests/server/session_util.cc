@@ -1,6 +1,10 @@
 #include "session_util.h"
 
 #include <grpcpp/client_context.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <iterator>
 
 #include <chrono>
 #include <cmath>
@@ -157,6 +161,167 @@ grpc::Status GetKvCache(v1::Attention::Stub* stub, v1::KvCacheInfo* info) {
   grpc::Status st = stub->GetServerInfo(&ctx, {}, &r);
   *info = r.kv_cache();
   return st;
+}
+
+}  // namespace attn::testing
+
+namespace attn::testing {
+namespace {
+
+// Random step options: LSE, a custom scale, a window.
+void RandomOptions(v1::StepRequest& r, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> pick(0, 9);
+  r.set_return_lse(pick(rng) < 5);
+  if (pick(rng) < 2) r.set_softmax_scale(0.05f + 0.1f * pick(rng));
+  if (pick(rng) < 2) {
+    r.mutable_window()->set_left(pick(rng) < 5 ? -1 : 3 * pick(rng));
+    r.mutable_window()->set_right(pick(rng) < 5 ? -1 : pick(rng));
+  }
+}
+
+class Workload {
+ public:
+  Workload(v1::Attention::Stub* stub, const WorkloadOptions& o, std::mt19937_64& rng)
+      : stub_(stub), o_(o), rng_(rng) {}
+
+  void Create(const SessionSpec& spec) {
+    v1::CreateSessionResponse r;
+    const grpc::Status st = CreateSession(stub_, spec, &r);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    live_.emplace(r.session_id(), SessionShadow(spec));
+  }
+  void Expect(const SessionShadow& shadow, const v1::StepRequest& step,
+              const v1::StepResponse& response) {
+    EXPECT_EQ(response.cached_tokens(), shadow.Tokens(step.layer()));
+    const auto e = shadow.Check(step, response);
+    EXPECT_EQ(e.non_finite, 0);
+    const double tol = shadow.spec().dtype == v1::DTYPE_FLOAT16 ? o_.o_tolerance_fp16
+                                                                 : o_.o_tolerance_bf16;
+    EXPECT_LE(e.o, tol) << "layer " << step.layer() << ", " << step.q().shape(0)
+                        << " new tokens over a cache of " << shadow.Tokens(step.layer());
+    EXPECT_LE(e.lse, o_.lse_tolerance);
+  }
+  std::pair<const std::string, SessionShadow>& Any() {
+    auto it = live_.begin();
+    std::advance(it, Uniform(0, static_cast<int>(live_.size()) - 1));
+    return *it;
+  }
+  int Uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+  int Chunk() { return o_.chunks[Uniform(0, static_cast<int>(o_.chunks.size()) - 1)]; }
+
+  void StepOne() {
+    auto& [id, shadow] = Any();
+    v1::StepRequest step =
+        RandomStep(id, Uniform(0, shadow.spec().layers - 1), Chunk(), shadow.spec(), rng_);
+    RandomOptions(step, rng_);
+    v1::StepResponse response;
+    const grpc::Status st = Step(stub_, step, &response);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    shadow.Append(step);
+    Expect(shadow, step, response);
+    ++steps_;
+  }
+  void BatchStepSome() {
+    v1::BatchStepRequest req;
+    std::vector<SessionShadow*> owners;
+    const int items = Uniform(2, 7);
+    const int n = Uniform(0, 1) ? 1 : Chunk();
+    for (int j = 0; j < items; ++j) {
+      auto& [sid, sh] = Any();
+      *req.add_steps() = RandomStep(sid, Uniform(0, sh.spec().layers - 1), n, sh.spec(), rng_);
+      RandomOptions(*req.mutable_steps(j), rng_);
+      owners.push_back(&sh);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::BatchStepResponse resp;
+    const grpc::Status st = stub_->BatchStep(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_EQ(resp.results_size(), items);
+    for (int j = 0; j < items; ++j) {  // items of one (session, layer) apply in order
+      ASSERT_EQ(resp.results(j).status_code(), 0) << resp.results(j).status_message();
+      owners[j]->Append(req.steps(j));
+      Expect(*owners[j], req.steps(j), resp.results(j).response());
+    }
+    items_ += items;
+  }
+  void TruncateOne() {
+    auto& [id, shadow] = Any();
+    int64_t least = INT64_MAX;
+    for (int l = 0; l < shadow.spec().layers; ++l) least = std::min(least, shadow.Tokens(l));
+    const int64_t drop = Uniform(0, static_cast<int>(least));
+    grpc::ClientContext ctx;
+    v1::TruncateSessionRequest req;
+    req.set_session_id(id);
+    req.set_tokens(drop);
+    v1::TruncateSessionResponse r;
+    ASSERT_TRUE(stub_->TruncateSession(&ctx, req, &r).ok());
+    shadow.Truncate(drop);
+    for (int l = 0; l < shadow.spec().layers; ++l) EXPECT_EQ(r.cached_tokens(l), shadow.Tokens(l));
+    ++truncates_;
+  }
+  void ForkOne() {
+    auto& [id, shadow] = Any();
+    grpc::ClientContext ctx;
+    v1::ForkSessionRequest req;
+    req.set_session_id(id);
+    v1::ForkSessionResponse r;
+    ASSERT_TRUE(stub_->ForkSession(&ctx, req, &r).ok());
+    EXPECT_EQ(r.session_id().rfind(r.replica_id() + ".", 0), 0u) << r.session_id();
+    SessionShadow copy = shadow;
+    live_.emplace(r.session_id(), std::move(copy));
+    ++forks_;
+  }
+  void CloseAndReplaceOne() {
+    auto& [id, shadow] = Any();
+    const SessionSpec spec = shadow.spec();
+    ASSERT_TRUE(CloseSession(stub_, id).ok());
+    live_.erase(id);
+    Create(spec);
+    ++closes_;
+  }
+  void CloseAll() {
+    for (const auto& [id, shadow] : live_) EXPECT_TRUE(CloseSession(stub_, id).ok());
+    live_.clear();
+  }
+  size_t Live() const { return live_.size(); }
+  std::string Summary() const {
+    return std::to_string(steps_) + " steps, " + std::to_string(items_) + " BatchStep items, " +
+           std::to_string(truncates_) + " truncates, " + std::to_string(forks_) + " forks, " +
+           std::to_string(closes_) + " closes";
+  }
+
+ private:
+  v1::Attention::Stub* stub_;
+  const WorkloadOptions& o_;
+  std::mt19937_64& rng_;
+  std::map<std::string, SessionShadow> live_;
+  int steps_ = 0, items_ = 0, truncates_ = 0, forks_ = 0, closes_ = 0;
+};
+
+}  // namespace
+
+std::string RunRandomSessionWorkload(v1::Attention::Stub* stub,
+                                     const std::vector<SessionSpec>& specs,
+                                     const WorkloadOptions& options, std::mt19937_64& rng) {
+  Workload w(stub, options, rng);
+  for (const auto& s : specs) w.Create(s);
+  for (int i = 0; i < options.ops && !::testing::Test::HasFatalFailure(); ++i) {
+    const int op = w.Uniform(0, 99);
+    if (op < 55) {
+      w.StepOne();
+    } else if (op < 70) {
+      w.BatchStepSome();
+    } else if (op < 80) {
+      w.TruncateOne();
+    } else if (op < 90 && w.Live() < 8) {
+      w.ForkOne();
+    } else if (w.Live() > 1) {
+      w.CloseAndReplaceOne();
+    }
+  }
+  w.CloseAll();
+  return w.Summary();
 }
 
 }  // namespace attn::testing

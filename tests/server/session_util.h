@@ -64,3 +64,22 @@ grpc::Status CloseSession(v1::Attention::Stub* stub, const std::string& id,
 grpc::Status GetKvCache(v1::Attention::Stub* stub, v1::KvCacheInfo* info);
 
 }  // namespace attn::testing
+
+namespace attn::testing {
+
+// Random interleavings of Steps (decode and chunks, with LSE, scales and windows), BatchSteps
+// (repeats of one (session, layer) included), truncates, forks and closes over sessions of the
+// given specs, each answer checked against its shadow with gtest expectations; closes every
+// session at the end. Returns a one-line summary of what it did.
+struct WorkloadOptions {
+  int ops = 200;
+  double o_tolerance_bf16 = 1e-2;
+  double o_tolerance_fp16 = 2e-3;
+  double lse_tolerance = 2e-5;
+  std::vector<int> chunks = {1, 1, 1, 1, 2, 3, 7, 8, 9, 16, 17, 33};
+};
+std::string RunRandomSessionWorkload(v1::Attention::Stub* stub,
+                                     const std::vector<SessionSpec>& specs,
+                                     const WorkloadOptions& options, std::mt19937_64& rng);
+
+}  // namespace attn::testing
