@@ -5,8 +5,14 @@
 // tests/client/session_client_test.cc.)
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <map>
 #include <random>
 #include <string>
@@ -240,6 +246,78 @@ TEST(SessionReplicasByName, ADnsNameIsResolvedToItsAddresses) {
   auto r = (*c)->Step(RandomStep(s->session_id, 0, 3, rng));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->o.shape, (std::vector<int64_t>{3, kHeads, kHeadDim}));
+  EXPECT_TRUE((*c)->CloseSession(s->session_id).ok());
+}
+
+// A CA and a server certificate it signed for DNS:localhost only (no IP address), as a Service's
+// certificate names the Service and not each pod's address.
+class LocalhostPki {
+ public:
+  LocalhostPki() {
+    char tmpl[] = "/tmp/attn-session-tls-XXXXXX";
+    dir_ = mkdtemp(tmpl) ? tmpl : "";
+    const std::string script = R"sh(set -e
+ec="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+openssl req -x509 $ec -keyout ca.key -out ca.pem -days 2 -subj /CN=attn-test-ca \
+  -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
+openssl req $ec -keyout server.key -out server.csr -subj /CN=localhost
+printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' > server.ext
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile server.ext
+)sh";
+    std::ofstream(path("make.sh")) << script;
+    FILE* p = popen(("cd '" + dir_ + "' && sh make.sh 2>&1").c_str(), "r");
+    char buf[4096];
+    for (size_t n; p && (n = fread(buf, 1, sizeof(buf), p)) > 0;) log_.append(buf, n);
+    ok_ = p != nullptr && pclose(p) == 0;
+  }
+  ~LocalhostPki() {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  bool ok() const { return ok_; }
+  const std::string& log() const { return log_; }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string pem(const std::string& name) const {
+    std::ifstream in(path(name));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+ private:
+  std::string dir_, log_;
+  bool ok_ = false;
+};
+
+TEST(SessionReplicasTls, TheCertificateIsCheckedAgainstTheNameNotThePodAddress) {
+  LocalhostPki pki;
+  ASSERT_TRUE(pki.ok()) << "openssl failed:\n" << pki.log();
+  auto a = AttndProcess::Start({"--threads=1", "--replica_id=tls-a", "--tls_cert=" + pki.path("server.pem"),
+                                "--tls_key=" + pki.path("server.key")});
+  ASSERT_NE(a, nullptr);
+  const std::string port = std::to_string(a->port());
+  client::ClientOptions tls;
+  tls.tls_ca_pem = pki.pem("ca.pem");
+
+  // The control: the address alone does not match a certificate that names localhost.
+  tls.target = "ipv4:127.0.0.1:" + port;
+  auto by_address = client::Client::Create(tls);
+  ASSERT_TRUE(by_address.ok());
+  EXPECT_FALSE((*by_address)->GetServerInfo().ok()) << "the certificate should not match 127.0.0.1";
+
+  // Through the name: resolved to 127.0.0.1 (and maybe ::1), each address checked as localhost.
+  client::SessionClientOptions o;
+  o.client = tls;
+  o.client.target = "localhost:" + port;
+  auto c = SessionClient::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ((*c)->Replicas().size(), 1u);
+  EXPECT_EQ((*c)->Replicas()[0].endpoint, "ipv4:127.0.0.1:" + port);
+  auto s = (*c)->CreateSession(Spec(1));
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::mt19937_64 rng(4);
+  auto r = (*c)->Step(RandomStep(s->session_id, 0, 2, rng));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cached_tokens, 2);
   EXPECT_TRUE((*c)->CloseSession(s->session_id).ok());
 }
 
