@@ -20,6 +20,7 @@
 #include "common/tsan_annotations.h"
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
+#include "rpc/session_warmup.h"
 #include "version.h"
 #ifdef ATTN_HAVE_CUDA
 #include "backends/cuda_backend.h"
@@ -223,7 +224,7 @@ absl::Status AttnServer::WarmUp() {
   absl::Status st = result.get_future().get();
   finished.get_future().wait();
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("backend warm-up failed: ", st.message()));
-  return absl::OkStatus();
+  return sessions_ ? WarmUpSessionSteps(*backend_, *sessions_) : absl::OkStatus();
 }
 
 int AttnServer::metrics_port() const { return metrics_->port(); }
