@@ -38,7 +38,10 @@ class Batcher {
   // UNAVAILABLE once draining started.
   absl::Status Submit(std::unique_ptr<AttendJob>& job);
 
-  // Stops accepting work and returns once every accepted job's done has returned.
+  // Stops accepting work (Submit answers UNAVAILABLE) and dispatches queued jobs without waiting
+  // for batch partners: during a drain no more are coming. Returns at once.
+  void StartDraining();
+  // StartDraining, then returns once every accepted job's done has returned.
   void Drain();
 
   // Accepted jobs whose done has not returned: queued, running or being completed.
