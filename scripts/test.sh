@@ -41,7 +41,7 @@ step() {  # step <name> <command...>: runs it and records its result and duratio
 gpu_skip_summary() {
   local log="$build/Testing/Temporary/LastTest.log"
   [ -f "$log" ] || return 0
-  awk '/^[0-9]+\/[0-9]+ Test: / { gpu = ($3 ~ /^(Gpu|CudaServer|CudaDeviceLost)/) }
+  awk '/^[0-9]+\/[0-9]+ Test: / { gpu = ($3 ~ /(^|\/)(Gpu|CudaServer|CudaDeviceLost)/) }
        gpu && /: Skipped$/ { getline reason; n[reason]++ }
        END { for (r in n) printf "test.sh: %d GPU tests skipped: %s\n", n[r], r }' "$log"
 }

@@ -312,7 +312,8 @@ TEST(AttndEndToEnd, HelpListsAttndFlags) {
   EXPECT_EQ(out.find("No flags matched"), std::string::npos) << out;
   for (const char* flag : {"--listen", "--metrics_listen", "--backend", "--max_message_bytes",
                            "--max_inflight_bytes", "--max_tensor_elements", "--drain_grace_s",
-                           "--drain_timeout_s", "--auth_token_file", "--max_pending_per_client"}) {
+                           "--drain_quiet_ms", "--drain_timeout_s", "--auth_token_file",
+                           "--max_pending_per_client"}) {
     EXPECT_NE(out.find(std::string(flag) + " ("), std::string::npos) << flag << " not in:\n" << out;
   }
 }
