@@ -202,6 +202,9 @@ TEST(AttndEndToEnd, SigtermEndsOpenStreamsWithUnavailable) {
   const auto r = MakeRandomRequest(RequestShape{}, rng);
   const v1::AttendRequest item = client::Client::BuildAttendRequest(r.q, r.k, r.v, r.options);
   grpc::ClientContext idle_ctx, refused_ctx;
+  for (grpc::ClientContext* ctx : {&idle_ctx, &refused_ctx}) {  // a failure must not hang
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  }
   auto idle = client->stub()->AttendStream(&idle_ctx);
   auto refused = client->stub()->AttendStream(&refused_ctx);
   v1::AttendResponse response;
