@@ -1,8 +1,8 @@
 #include "rpc/attention_service.h"
 
 #include <deque>
-#include <vector>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/batcher.h"
@@ -347,7 +347,9 @@ grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService
   OnCallArrived(Clock::now());
   absl::StatusOr<std::string> client = Identify(ctx);
   if (!client.ok()) return new RejectedStreamReactor(this, client.status());
-  if (draining_.load()) return new RejectedStreamReactor(this, absl::UnavailableError(kShuttingDown));
+  if (draining_.load()) {
+    return new RejectedStreamReactor(this, absl::UnavailableError(kShuttingDown));
+  }
   return new AttendStreamReactor(this, ctx, std::move(*client));
 }
 

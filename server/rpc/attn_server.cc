@@ -64,7 +64,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{1} << 31) - 1) {
     return absl::InvalidArgumentError("--max_message_bytes must be in [1024, 2^31 - 1]");
   }
-  if (options.drain_quiet_ms < 0) return absl::InvalidArgumentError("--drain_quiet_ms must be >= 0");
+  if (options.drain_quiet_ms < 0) {
+    return absl::InvalidArgumentError("--drain_quiet_ms must be >= 0");
+  }
   if (options.max_pending_per_client < 0) {
     return absl::InvalidArgumentError("--max_pending_per_client must be >= 0 (0: unlimited)");
   }
