@@ -46,6 +46,7 @@ gpu_skip_summary() {
        END { for (r in n) printf "test.sh: %d GPU tests skipped: %s\n", n[r], r }' "$log"
 }
 
+ctest_ran=""
 cuda=()
 if [ -z "${ATTN_CUDA:-}" ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
   cuda=(-DATTN_CUDA=ON)
@@ -54,6 +55,7 @@ fi
 if step "install-deps" scripts/install-deps.sh; then
   if step "build" scripts/build.sh "${cuda[@]}" "$@"; then
     step "ctest" bash -c "cd '$build' && ctest --output-on-failure -j '${ATTN_TEST_JOBS:-2}' --timeout 600"
+    ctest_ran=1
   else
     record "ctest" SKIP 0 "the build failed"
   fi
@@ -72,7 +74,7 @@ fi
 echo
 echo "== test.sh: summary"
 printf 'test.sh: %s\n' "${summary[@]}"
-gpu_skip_summary
+[ -n "$ctest_ran" ] && gpu_skip_summary
 skipped_note=""
 [ "$skipped" -gt 0 ] && skipped_note=", $skipped skipped"
 echo "test.sh: $passed passed, $failed failed$skipped_note"
