@@ -35,7 +35,7 @@ done
 target=${listen/0.0.0.0/127.0.0.1}
 if [ -n "$metrics" ]; then metrics_note="metrics on http://${metrics}/metrics"; else metrics_note="metrics off"; fi
 
-# attnd parses flags left to right: the ones given here win over these defaults.
+# attnd takes the last value of a flag: those given to run.sh come later and win.
 "$attnd" --listen="$listen" --metrics_listen="$metrics" "$@" &
 pid=$!
 # SIGINT: attnd has it too (a terminal sends it to the whole foreground group) and drains, or
@@ -68,10 +68,10 @@ else
   "$attnctl" --target "$target" attend --batch 2 --seq 256 --heads 8 --kv-heads 2 \
     --head-dim 128 --dtype bf16 --causal --count 3 --check ||
     echo "run.sh: the first request failed (above)" >&2
+  echo "== attnd is serving on $target ($metrics_note); Ctrl-C drains and stops it, a second Ctrl-C at once"
+  echo "== clients: $build/client/attnctl --target $target info"
+  echo "            $build/client/attn-bench --target $target --concurrency 1,8"
 fi
-echo "== attnd is serving on $target ($metrics_note); Ctrl-C drains and stops it, a second Ctrl-C at once"
-echo "== clients: $build/client/attnctl --target $target info"
-echo "            $build/client/attn-bench --target $target --concurrency 1,8"
 rc=0
 wait_attnd || rc=$?
 exit "$rc"
