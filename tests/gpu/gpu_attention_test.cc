@@ -23,6 +23,11 @@
 #include "attn/kernels/cuda_attention.h"
 #include "common/reference.h"
 
+namespace attn::kernels {
+// gtest prints a DType inside a GetParam() tuple with this (else as a byte dump).
+void PrintTo(DType t, std::ostream* os) { *os << DTypeName(t); }
+}  // namespace attn::kernels
+
 namespace {
 
 using attn::kernels::AttentionArgs;
