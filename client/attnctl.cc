@@ -10,6 +10,7 @@
 // --target may name many replicas (ipv4:H1:P1,H2:P2, or a DNS name with many addresses such as
 // a Kubernetes headless Service): `session` creates its session on the one with the most free
 // KV pages and sends every call on it there.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -56,9 +57,12 @@ ABSL_FLAG(int, window_right, -1, "attend: sliding window, keys to the right (-1:
 ABSL_FLAG(bool, lse, false, "attend, session: ask for the log-sum-exp too");
 ABSL_FLAG(int, count, 1, "attend: requests to send, one after another");
 ABSL_FLAG(bool, check, false,
-          "attend: compare each answer with the CPU backend run locally; session: compare each step "
-          "with a float64 reference over the cache, and check the contract (token counts, NOT_FOUND "
-          "after close)");
+          "attend: compare each answer with the CPU backend run locally and print PASS or FAIL "
+          "(exit 3) against the dtype's tolerance; session: compare each step with a float64 "
+          "reference over the cache, and check the contract (token counts, NOT_FOUND after close)");
+ABSL_FLAG(double, check_tolerance, 0,
+          "attend --check: largest relative error that passes; 0: the dtype's (fp32 1e-4, fp16 "
+          "3e-3, bf16 1.5e-2)");
 ABSL_FLAG(uint64_t, seed, 0, "attend, session: random seed (0: from the clock)");
 ABSL_FLAG(int, timeout_ms, 60000, "Deadline of each call, milliseconds");
 ABSL_FLAG(int, layers, 2, "session: layers of the session");
@@ -223,9 +227,13 @@ int Attend(Client& client) {
   options.window_right = absl::GetFlag(FLAGS_window_right);
   options.return_lse = absl::GetFlag(FLAGS_lse);
   options.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
-  const double tolerance = *dtype == DType::kFloat32 ? 1e-4 : (*dtype == DType::kFloat16 ? 3e-3 : 1.5e-2);
+  const double tolerance =
+      absl::GetFlag(FLAGS_check_tolerance) > 0
+          ? absl::GetFlag(FLAGS_check_tolerance)
+          : (*dtype == DType::kFloat32 ? 1e-4 : (*dtype == DType::kFloat16 ? 3e-3 : 1.5e-2));
 
   const int count = absl::GetFlag(FLAGS_count);
+  double worst = 0;  // largest relative error seen with --check
   std::printf("%-6s %12s %12s %12s %12s %12s %s\n", "req", "client_us", "total_us", "queue_us",
               "transfer_us", "compute_us", absl::GetFlag(FLAGS_check) ? "rel_err" : "");
   for (int i = 0; i < count; ++i) {
@@ -245,13 +253,19 @@ int Attend(Client& client) {
       if (!err.ok()) return Fail(err.status());
       std::printf(" %.2e", *err);
       if (!(*err <= tolerance)) {
-        std::printf("\n");
-        std::cerr << "attnctl: answer differs from the CPU backend: relative error " << *err
-                  << " > " << tolerance << std::endl;
+        std::printf("\ncheck: FAIL: request %d differs from the CPU backend: relative error %.2e "
+                    "> tolerance %.1e (%s)\n",
+                    i, *err, tolerance, absl::GetFlag(FLAGS_dtype).c_str());
         return 3;
       }
+      worst = std::max(worst, *err);
     }
     std::printf("\n");
+  }
+  if (absl::GetFlag(FLAGS_check)) {
+    std::printf("check: PASS: %d answers agree with the CPU backend: largest relative error %.2e "
+                "<= tolerance %.1e (%s)\n",
+                count, worst, tolerance, absl::GetFlag(FLAGS_dtype).c_str());
   }
   return 0;
 }

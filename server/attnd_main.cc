@@ -47,7 +47,10 @@ ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
 ABSL_FLAG(double, drain_grace_s, kDefaults.drain_grace_s,
           "On SIGTERM/SIGINT, the longest time new calls are refused with UNAVAILABLE (so clients "
           "go elsewhere) before the listener closes; ends early once no call has arrived for "
-          "200 ms and nothing is queued or running");
+          "--drain_quiet_ms and nothing is queued or running");
+ABSL_FLAG(int64_t, drain_quiet_ms, kDefaults.drain_quiet_ms,
+          "On SIGTERM/SIGINT, the lame-duck phase ends once no call has arrived or been answered "
+          "for this long (milliseconds) and nothing is queued or running");
 ABSL_FLAG(double, drain_timeout_s, kDefaults.drain_timeout_s,
           "On SIGTERM/SIGINT, how long open calls get to finish, seconds");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert,
@@ -99,6 +102,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
   o.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);
+  o.drain_quiet_ms = absl::GetFlag(FLAGS_drain_quiet_ms);
   o.drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -125,6 +129,10 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
 
   // Signals are taken by one thread with sigtimedwait, so that no handler runs inside gRPC.
+  // A non-interactive shell starts background jobs with SIGINT ignored; attnd wants it anyway (a
+  // terminal's Ctrl-C reaches the whole foreground process group, scripts/run.sh included).
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);

@@ -20,10 +20,12 @@ struct ServerOptions {
   int streams = 2;                               // CUDA streams
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
-  // On SIGTERM: new calls get UNAVAILABLE until none has arrived for a moment and nothing is
-  // queued or running, for at most drain_grace_s; then the listener closes and open calls get
-  // drain_timeout_s to finish.
+  // On SIGTERM: new calls get UNAVAILABLE until none has arrived or been answered for
+  // drain_quiet_ms and nothing is queued or running, for at most drain_grace_s; then open
+  // AttendStreams end with UNAVAILABLE, the listener closes and open calls get drain_timeout_s
+  // to finish.
   double drain_grace_s = 5;
+  int64_t drain_quiet_ms = 200;
   double drain_timeout_s = 30;
   // Security (server/rpc/auth.h). TLS when tls_cert and tls_key (PEM file paths) are set; mTLS
   // (client certificates required and verified against this CA) when tls_client_ca is set too.

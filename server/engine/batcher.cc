@@ -113,6 +113,12 @@ absl::Status Batcher::SubmitLocked(std::unique_ptr<AttendJob>& job) {
   return absl::OkStatus();
 }
 
+void Batcher::StartDraining() {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_ = true;
+  cv_.notify_all();
+}
+
 void Batcher::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
   draining_ = true;

@@ -46,7 +46,10 @@ class Batcher {
   // (BatchStep); one status per job, each job taken or not as by Submit.
   std::vector<absl::Status> SubmitAll(std::span<std::unique_ptr<AttendJob>> jobs);
 
-  // Stops accepting work and returns once every accepted job's done has returned.
+  // Stops accepting work (Submit answers UNAVAILABLE) and dispatches queued jobs without waiting
+  // for batch partners: during a drain no more are coming. Returns at once.
+  void StartDraining();
+  // StartDraining, then returns once every accepted job's done has returned.
   void Drain();
 
   // Accepted jobs whose done has not returned: queued, running or being completed.

@@ -2,6 +2,7 @@
 
 #include <deque>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/batcher.h"
@@ -14,6 +15,9 @@ namespace attn {
 namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+
+constexpr char kShuttingDown[] = "attnd is shutting down; retry on another replica";
 
 }  // namespace
 
@@ -36,6 +40,7 @@ void AttentionService::FinishUnary(grpc::ServerUnaryReactor* reactor, Rpc rpc,
                                    Clock::time_point start, const absl::Status& st,
                                    int64_t received, int64_t sent) {
   const grpc::Status gst = ToGrpcStatus(st);
+  OnCallAnswered();
   if (metrics_) {
     metrics_->ObserveRequest(rpc, gst.error_code(), Seconds(Clock::now() - start), received,
                              st.ok() ? sent : 0);
@@ -49,9 +54,7 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
                                             v1::AttendResponse* response,
                                             Clock::time_point arrival,
                                             std::function<void(absl::Status)> on_done) {
-  if (draining_.load()) {
-    return absl::UnavailableError("attnd is shutting down; retry on another replica");
-  }
+  if (draining_.load()) return absl::UnavailableError(kShuttingDown);
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
                    ValidateAttendRequest(*request, options_.limits));
   job->response = response;
@@ -107,18 +110,51 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 // gRPC calls only after Finish, which is called only once no item is in flight.
 // Finish is called with mu_ released and is the last thing that touches this object: when it is
 // called from a backend thread (Complete), OnDone may run and delete it before Finish returns.
+// At the end of a drain (EndForDrain) it stops reading and finishes with UNAVAILABLE once its
+// items in flight are answered.
 class AttendStreamReactor final
     : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
  public:
   AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx,
                       std::string client)
       : service_(service), ctx_(ctx), client_(std::move(client)), start_(Clock::now()) {
+    if (service_->RegisterStream(this)) {  // the drain already ended open streams
+      ending_ = finished_ = true;
+      final_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+      FinishCall();
+      return;
+    }
     StartNextRead();
+  }
+
+  // Called by the service under its streams mutex; true when the caller must call FinishCall
+  // (after releasing that mutex).
+  bool EndForDrain() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ending_ = true;
+    return ReadyToFinishLocked();
+  }
+
+  // The last thing to touch this object: OnDone may delete it before Finish returns.
+  void FinishCall() {
+    HandOffToGrpc(this);
+    Finish(final_status_);
   }
 
   void OnReadDone(bool ok) override {
     TakeBackFromGrpc(this);
     std::unique_lock<std::mutex> lock(mu_);
+    if (ending_) {  // a read that completed as the drain ended this stream: not taken
+      if (ok) {
+        reading_.reset();  // unanswered: the stream's status (UNAVAILABLE) says so
+      } else {
+        reads_done_ = true;
+      }
+      const bool finish = ReadyToFinishLocked();
+      lock.unlock();
+      if (finish) FinishCall();
+      return;
+    }
     if (!ok) {
       reads_done_ = true;
       const bool finish = ReadyToFinishLocked();
@@ -131,7 +167,7 @@ class AttendStreamReactor final
     lock.unlock();
     Submit(item);
     lock.lock();
-    if (in_flight_ < kMaxInFlight && !reads_done_) {
+    if (in_flight_ < kMaxInFlight && !reads_done_ && !ending_) {
       StartNextReadLocked();
     } else {
       read_paused_ = true;
@@ -154,6 +190,7 @@ class AttendStreamReactor final
 
   void OnDone() override {
     TakeBackFromGrpc(this);
+    service_->UnregisterStream(this);
     if (service_->metrics_) {
       const grpc::StatusCode code = final_status_.error_code();
       service_->metrics_->ObserveRequest(Rpc::kAttendStream, code, Seconds(Clock::now() - start_),
@@ -174,6 +211,7 @@ class AttendStreamReactor final
     StartNextReadLocked();
   }
   void StartNextReadLocked() {
+    if (ending_) return;  // EndForDrain came first (possible while the constructor runs)
     read_paused_ = false;
     reading_ = std::make_unique<Item>();
     HandOffToGrpc(this);
@@ -195,13 +233,16 @@ class AttendStreamReactor final
     item->response.set_request_id(item->request.request_id());
     item->response.set_status_code(static_cast<int32_t>(st.code()));
     if (!st.ok()) item->response.set_status_message(std::string(st.message()));
+    service_->OnCallAnswered();
     bool finish;
     {
       std::lock_guard<std::mutex> lock(mu_);
       --in_flight_;
       write_queue_.emplace_back(item);
       WriteNextLocked();
-      if (read_paused_ && !reads_done_ && in_flight_ < kMaxInFlight) StartNextReadLocked();
+      if (read_paused_ && !reads_done_ && !ending_ && in_flight_ < kMaxInFlight) {
+        StartNextReadLocked();
+      }
       finish = ReadyToFinishLocked();
     }
     if (finish) FinishCall();  // may delete this
@@ -219,22 +260,23 @@ class AttendStreamReactor final
     StartWrite(&write_queue_.front()->response);
   }
 
-  // True exactly once: when nothing is left to read, compute or write. The caller then calls
-  // FinishCall after releasing mu_; nothing else can touch final_status_ by then.
+  // True exactly once: when nothing is left to read (or the drain ended the stream), compute or
+  // write. The caller then calls FinishCall after releasing mu_; nothing else can touch
+  // final_status_ by then.
   bool ReadyToFinishLocked() {
-    if (finished_ || !reads_done_ || in_flight_ > 0 || writing_ || !write_queue_.empty()) {
+    if (finished_ || !(reads_done_ || ending_) || in_flight_ > 0 || writing_ ||
+        !write_queue_.empty()) {
       return false;
     }
     finished_ = true;
-    final_status_ = ctx_->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")
-                                        : grpc::Status::OK;
+    if (ctx_->IsCancelled()) {
+      final_status_ = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    } else if (!reads_done_) {  // ended by the drain while the client could still send
+      final_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+    } else {
+      final_status_ = grpc::Status::OK;
+    }
     return true;
-  }
-
-  // The last thing to touch this object: OnDone may delete it before Finish returns.
-  void FinishCall() {
-    HandOffToGrpc(this);
-    Finish(final_status_);
   }
 
   AttentionService* const service_;
@@ -249,6 +291,7 @@ class AttendStreamReactor final
   bool read_paused_ = false;
   bool writing_ = false;
   bool write_failed_ = false;
+  bool ending_ = false;  // the drain ended this stream: no more reads
   bool finished_ = false;
   grpc::Status final_status_;
   std::atomic<int64_t> received_{0};
@@ -284,7 +327,35 @@ grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService
   OnCallArrived(Clock::now());
   absl::StatusOr<std::string> client = Identify(ctx);
   if (!client.ok()) return new RejectedStreamReactor(this, client.status());
+  if (draining_.load()) {
+    return new RejectedStreamReactor(this, absl::UnavailableError(kShuttingDown));
+  }
   return new AttendStreamReactor(this, ctx, std::move(*client));
+}
+
+bool AttentionService::RegisterStream(AttendStreamReactor* stream) {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_.insert(stream);
+  return ending_streams_;
+}
+
+void AttentionService::UnregisterStream(AttendStreamReactor* stream) {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_.erase(stream);
+}
+
+void AttentionService::EndOpenStreams() {
+  // A stream this claims cannot be deleted before its FinishCall below: gRPC calls OnDone only
+  // after Finish. FinishCall runs unlocked, since OnDone (which takes streams_mu_) may run inside.
+  std::vector<AttendStreamReactor*> finish;
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    ending_streams_ = true;
+    for (AttendStreamReactor* stream : streams_) {
+      if (stream->EndForDrain()) finish.push_back(stream);
+    }
+  }
+  for (AttendStreamReactor* stream : finish) stream->FinishCall();
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* ctx,

@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
+#include <unordered_set>
 
 #include "rpc/attend_validation.h"
 #include "rpc/auth.h"
@@ -17,6 +19,7 @@ namespace attn {
 class Batcher;
 class Metrics;
 class SessionManager;
+class AttendStreamReactor;
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
@@ -36,12 +39,18 @@ class AttentionService final : public v1::Attention::CallbackService {
   AttentionService(Options options, Batcher* batcher, Backend* backend, Metrics* metrics,
                    SessionManager* sessions = nullptr);
 
-  // New calls get UNAVAILABLE from now on; calls already accepted complete.
+  // New calls (and new AttendStream items) get UNAVAILABLE from now on; calls already accepted
+  // complete.
   void StartDraining() { draining_.store(true); }
-  // True when no call (nor AttendStream item) has arrived after t.
-  bool NoCallSince(Clock::time_point t) const {
-    return last_arrival_ns_.load() <= t.time_since_epoch().count();
+  // True when no call (nor AttendStream item) has arrived or been answered after t. An answer
+  // counts: its client's next call is about to come and must find the listener still open.
+  bool QuietSince(Clock::time_point t) const {
+    return last_activity_ns_.load() <= t.time_since_epoch().count();
   }
+  // The end of a drain's lame-duck phase: every open AttendStream finishes with UNAVAILABLE once
+  // its items in flight are answered (a stream left open would otherwise be cancelled by gRPC's
+  // Shutdown when drain_timeout runs out); streams opened later are refused the same way.
+  void EndOpenStreams();
   // Requests currently counted against max_pending_per_client, over all clients.
   int64_t PendingPerClientTotal() const { return pending_.TotalPending(); }
 
@@ -112,21 +121,31 @@ class AttentionService final : public v1::Attention::CallbackService {
   friend class AttendStreamReactor;
   friend class RejectedStreamReactor;
 
+  // Open AttendStreams, for EndOpenStreams. Register returns true when streams are already being
+  // ended (the new stream must finish at once).
+  bool RegisterStream(AttendStreamReactor* stream);
+  void UnregisterStream(AttendStreamReactor* stream);
+
   const Options options_;
   Batcher* const batcher_;
   Backend* const backend_;
   Metrics* const metrics_;
   SessionManager* const sessions_;
   // Where every handler (and every AttendStream item) starts: takes the service over from gRPC's
-  // thread (for TSan, tsan_annotations.h) and records the arrival (for NoCallSince).
+  // thread (for TSan, tsan_annotations.h) and records the arrival (for QuietSince).
   void OnCallArrived(Clock::time_point t) {
     TakeBackFromGrpc(this);
-    last_arrival_ns_.store(t.time_since_epoch().count());
+    last_activity_ns_.store(t.time_since_epoch().count());
   }
+  // Every answer (unary status or AttendStream item), for QuietSince.
+  void OnCallAnswered() { last_activity_ns_.store(Clock::now().time_since_epoch().count()); }
 
   std::atomic<bool> draining_{false};
-  std::atomic<Clock::rep> last_arrival_ns_{0};
+  std::atomic<Clock::rep> last_activity_ns_{0};
   PendingLimiter pending_;
+  std::mutex streams_mu_;
+  std::unordered_set<AttendStreamReactor*> streams_;  // guarded by streams_mu_
+  bool ending_streams_ = false;                       // guarded by streams_mu_
 };
 
 }  // namespace attn

@@ -79,6 +79,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{1} << 31) - 1) {
     return absl::InvalidArgumentError("--max_message_bytes must be in [1024, 2^31 - 1]");
   }
+  if (options.drain_quiet_ms < 0) {
+    return absl::InvalidArgumentError("--drain_quiet_ms must be >= 0");
+  }
   if (options.max_pending_per_client < 0) {
     return absl::InvalidArgumentError("--max_pending_per_client must be >= 0 (0: unlimited)");
   }
@@ -252,10 +255,13 @@ void AttnServer::MonitorBackendLoop() {
 }
 
 void AttnServer::Drain() {
-  Log("draining: health NOT_SERVING, new calls UNAVAILABLE, finishing accepted requests");
-  server_->GetHealthCheckService()->Shutdown();
   service_->StartDraining();
+  batcher_->StartDraining();  // queued requests go now: no batch partner is coming
+  server_->GetHealthCheckService()->Shutdown();
+  // Logged once it holds (tests wait for this line).
+  Log("draining: health NOT_SERVING, new calls UNAVAILABLE, finishing accepted requests");
   WaitUntilQuiet();
+  service_->EndOpenStreams();
   batcher_->Drain();
   const auto deadline =
       std::chrono::system_clock::now() +
@@ -265,15 +271,21 @@ void AttnServer::Drain() {
 }
 
 // The lame-duck part of the drain. gRPC's Shutdown cancels (CANCELLED, which clients do not
-// retry) a call that is on the wire but not yet handed to the service; refusing calls with
-// UNAVAILABLE until they stop coming keeps that window empty for clients that move on.
+// retry) every call that reaches it from then on, also one whose message is still arriving;
+// refusing calls with UNAVAILABLE until they stop coming keeps that window empty for clients
+// that move on. The quiet period runs from the last arrival or answer: a client answered during
+// the drain sends its next call right after, and that call must still find the listener open.
 void AttnServer::WaitUntilQuiet() {
-  constexpr auto kQuietPeriod = std::chrono::milliseconds(200);
+  const auto quiet = std::chrono::milliseconds(options_.drain_quiet_ms);
   const auto until = Clock::now() + std::chrono::milliseconds(
                                         static_cast<int64_t>(options_.drain_grace_s * 1000));
   while (Clock::now() < until) {
-    if (batcher_->Pending() == 0 && service_->NoCallSince(Clock::now() - kQuietPeriod)) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (batcher_->Pending() == 0 && service_->QuietSince(Clock::now() - quiet)) {
+      Log(absl::StrCat("drain: no call for ", options_.drain_quiet_ms,
+                       " ms and nothing queued or running; closing the listener"));
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   Log("drain grace over with calls still arriving");
 }
@@ -282,7 +294,10 @@ void AttnServer::Wait() { server_->Wait(); }
 
 AttnServer::~AttnServer() {
   // Queued jobs finish first: a reactor that never finishes would keep Shutdown waiting.
-  if (service_) service_->StartDraining();
+  if (service_) {
+    service_->StartDraining();
+    service_->EndOpenStreams();
+  }
   if (batcher_) batcher_->Drain();
   if (server_) {
     server_->Shutdown(std::chrono::system_clock::now());

@@ -23,6 +23,11 @@
 #include "attn/kernels/cuda_attention.h"
 #include "common/reference.h"
 
+namespace attn::kernels {
+// gtest prints a DType inside a GetParam() tuple with this (else as a byte dump).
+void PrintTo(DType t, std::ostream* os) { *os << DTypeName(t); }
+}  // namespace attn::kernels
+
 namespace {
 
 using attn::kernels::AttentionArgs;
@@ -268,6 +273,8 @@ std::string MatrixName(const ::testing::TestParamInfo<MatrixParam>& info) {
   return std::string(p.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" + std::to_string(p.head_dim) +
          (p.causal ? "_causal" : "_full") + (p.kv_div == 1 ? "_mha" : p.kv_div == 2 ? "_gqa" : "_mqa");
 }
+// gtest prints GetParam() with this (else as a byte dump) in listings and failures.
+void PrintTo(const MatrixParam& p, std::ostream* os) { *os << MatrixName({p, 0}); }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuMatrix, ::testing::ValuesIn(AllMatrix()), MatrixName);
 
@@ -287,9 +294,16 @@ TEST_P(GpuLong, LongRaggedBatch) {
   RunAndCheck(c);
 }
 
+std::string LongName(const ::testing::TestParamInfo<std::tuple<DType, int, bool>>& info) {
+  const auto& [dtype, head_dim, causal] = info.param;
+  return std::string(dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" + std::to_string(head_dim) +
+         (causal ? "_causal" : "_full");
+}
+
 INSTANTIATE_TEST_SUITE_P(All, GpuLong,
                          ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16),
-                                            ::testing::Values(64, 128), ::testing::Bool()));
+                                            ::testing::Values(64, 128), ::testing::Bool()),
+                         LongName);
 
 // ---- Causal with s_q != s_k (long), sliding windows ---------------------------------------
 TEST(GpuCausal, QueriesFewerThanKeys) {
@@ -352,11 +366,21 @@ TEST_P(GpuWindow, SlidingWindow) {
   }
 }
 
+// e.g. causal_left100_rightinf: a window side of -1 is unbounded.
+std::string WindowName(const ::testing::TestParamInfo<WindowParam>& info) {
+  const WindowParam& w = info.param;
+  const auto side = [](int n) { return n < 0 ? std::string("inf") : std::to_string(n); };
+  return std::string(w.causal ? "causal" : "full") + "_left" + side(w.left) + "_right" +
+         side(w.right);
+}
+void PrintTo(const WindowParam& w, std::ostream* os) { *os << WindowName({w, 0}); }
+
 INSTANTIATE_TEST_SUITE_P(All, GpuWindow,
                          ::testing::Values(WindowParam{true, 100, -1}, WindowParam{false, 64, 0},
                                            WindowParam{false, 33, 17}, WindowParam{false, -1, 5},
                                            WindowParam{false, 0, 0}, WindowParam{true, 0, -1},
-                                           WindowParam{false, 200, 300}, WindowParam{true, 5000, 3}));
+                                           WindowParam{false, 200, 300}, WindowParam{true, 5000, 3}),
+                         WindowName);
 
 TEST(GpuMisc, NoLseAndExplicitScale) {
   SKIP_WITHOUT_GPU();

@@ -130,17 +130,19 @@ TEST(AttndEndToEnd, AttendStreamAnswersEveryItemAndReportsBadOnes) {
   }
 }
 
-// Sends sig while requests are in flight: every request that reached attnd before the signal
-// completes OK and correct, at least one of them was still unanswered when the signal was sent,
-// and attnd exits 0 after draining.
-void ExpectSignalDrainsInFlightRequests(int sig) {
-  auto attnd = AttndProcess::Start({"--max_queue_delay_us=0"});
+// Sends sig while requests are queued: every one of them (counted in attn_pending_requests
+// when the signal goes) completes OK and correct after the signal, and attnd exits 0 after
+// draining. The requests wait in the queue for batch partners (a 60 s batching delay, a token
+// limit they do not reach), so the state the signal is sent in is fixed: all of them pending,
+// none computed; the drain must dispatch them without waiting out the delay. The lame-duck cap
+// is out of reach, so that the quiet rule ends it however slowly the requests compute.
+void ExpectSignalDrainsQueuedRequests(int sig) {
+  auto attnd = AttndProcess::Start({"--max_queue_delay_us=60000000", "--max_batch_tokens=65536",
+                                    "--drain_grace_s=600"});
   ASSERT_NE(attnd, nullptr);
   std::mt19937_64 rng(std::random_device{}());
-  // Requests large enough (~0.1-0.3 s each on the CPU backend with 2 threads) that the last one
-  // to arrive is still being computed when the signal follows its arrival.
   RequestShape shape;
-  shape.seq_q = shape.seq_k = 1024;
+  shape.seq_q = shape.seq_k = 256;
   shape.heads = shape.kv_heads = 4;
   shape.head_dim = 64;
   constexpr int kClients = 6;
@@ -157,40 +159,97 @@ void ExpectSignalDrainsInFlightRequests(int sig) {
       return r;
     }));
   }
-  // Signal once every request has reached attnd (queued, running or answered).
-  const auto arrived = [&] {
-    const int port = attnd->metrics_port();
-    return testing::ScrapeMetric(port, "attn_pending_requests") +
-           testing::ScrapeMetric(port, "attn_requests_total", {"rpc=\"Attend\""});
+  // One gauge from one scrape: a request counts once it is queued, and none can leave the queue
+  // before the signal.
+  const auto pending = [&] {
+    return testing::ScrapeMetric(attnd->metrics_port(), "attn_pending_requests");
   };
-  const auto until = Clock::now() + std::chrono::seconds(60);
-  while (arrived() < kClients && Clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const auto until = Clock::now() + std::chrono::seconds(120);
+  while (!(pending() == kClients) && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  const double pending = testing::ScrapeMetric(attnd->metrics_port(), "attn_pending_requests");
+  ASSERT_EQ(pending(), kClients) << "the requests did not all reach the queue:\n" << attnd->Log();
   const auto signalled = Clock::now();
-  const int exit_code = attnd->SignalAndWait(sig, 60000);
-  EXPECT_GE(pending, 1) << "no request was queued or running just before the signal";
-  int in_flight_at_signal = 0;
+  const int exit_code = attnd->SignalAndWait(sig, 120000);
   for (int i = 0; i < kClients; ++i) {
     auto r = results[i].get();  // none may hang
-    ASSERT_TRUE(r.ok()) << "request " << i << " reached attnd before " << strsignal(sig)
-                        << " and must complete: " << r.status();
+    ASSERT_TRUE(r.ok()) << "request " << i << " was pending when " << strsignal(sig)
+                        << " was sent and must complete: " << r.status();
     EXPECT_LE(testing::ErrorAgainstReference(requests[i], r->o), 6e-3);
-    in_flight_at_signal += answered[i] > signalled;
+    EXPECT_GT(answered[i], signalled) << "request " << i << " was answered before the signal";
+    EXPECT_LT(r->timing.queue_us(), 60e6) << "request " << i << " waited out the batching delay";
   }
-  EXPECT_GE(in_flight_at_signal, 1)
-      << "every request was answered before the signal, so the drain was not exercised";
   EXPECT_EQ(exit_code, 0) << attnd->Log();
-  EXPECT_NE(attnd->Log().find("draining"), std::string::npos);
+  EXPECT_NE(attnd->Log().find("draining"), std::string::npos) << attnd->Log();
+  EXPECT_NE(attnd->Log().find("closing the listener"), std::string::npos) << attnd->Log();
 }
 
 TEST(AttndEndToEnd, SigtermDrainsInFlightRequestsAndExitsZero) {
-  ExpectSignalDrainsInFlightRequests(SIGTERM);
+  ExpectSignalDrainsQueuedRequests(SIGTERM);
 }
 
 TEST(AttndEndToEnd, SigintDrainsInFlightRequestsAndExitsZero) {
-  ExpectSignalDrainsInFlightRequests(SIGINT);
+  ExpectSignalDrainsQueuedRequests(SIGINT);
+}
+
+// Streams during a drain: an item on an open stream is refused with UNAVAILABLE, a stream
+// opened during the drain is refused as a whole, and a stream the client keeps open without
+// sending ends with UNAVAILABLE when the lame-duck phase ends, so that attnd exits 0 without
+// waiting for --drain_timeout_s (which would end the stream CANCELLED).
+TEST(AttndEndToEnd, SigtermEndsOpenStreamsWithUnavailable) {
+  auto attnd = AttndProcess::Start({"--drain_quiet_ms=1000", "--drain_grace_s=600",
+                                    "--drain_timeout_s=600"});
+  ASSERT_NE(attnd, nullptr);
+  auto client = ClientFor(*attnd);
+  std::mt19937_64 rng(7);
+  const auto r = MakeRandomRequest(RequestShape{}, rng);
+  const v1::AttendRequest item = client::Client::BuildAttendRequest(r.q, r.k, r.v, r.options);
+  grpc::ClientContext idle_ctx, refused_ctx;
+  for (grpc::ClientContext* ctx : {&idle_ctx, &refused_ctx}) {  // a failure must not hang
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  }
+  auto idle = client->stub()->AttendStream(&idle_ctx);
+  auto refused = client->stub()->AttendStream(&refused_ctx);
+  v1::AttendResponse response;
+  ASSERT_TRUE(idle->Write(item));
+  ASSERT_TRUE(idle->Read(&response));
+  EXPECT_EQ(response.status_code(), 0) << response.status_message();
+  ASSERT_TRUE(refused->Write(item));
+  ASSERT_TRUE(refused->Read(&response));
+  EXPECT_EQ(response.status_code(), 0) << response.status_message();
+
+  ASSERT_EQ(kill(attnd->pid(), SIGTERM), 0);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (attnd->Log().find("draining:") == std::string::npos &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_NE(attnd->Log().find("draining:"), std::string::npos) << attnd->Log();
+  // An item on an open stream: refused, and the stream goes on.
+  ASSERT_TRUE(refused->Write(item));
+  ASSERT_TRUE(refused->Read(&response));
+  EXPECT_EQ(response.status_code(), grpc::StatusCode::UNAVAILABLE) << response.status_message();
+  refused->WritesDone();
+  EXPECT_FALSE(refused->Read(&response));
+  // OK (the client closed it first), or UNAVAILABLE should the lame-duck phase end before that.
+  const grpc::Status refused_status = refused->Finish();
+  EXPECT_TRUE(refused_status.ok() || refused_status.error_code() == grpc::StatusCode::UNAVAILABLE)
+      << refused_status.error_code() << " " << refused_status.error_message();
+  // A stream opened now: refused as a whole.
+  {
+    grpc::ClientContext ctx;
+    auto late = client->stub()->AttendStream(&ctx);
+    late->Write(item);  // may fail: the server can finish the call before reading anything
+    EXPECT_FALSE(late->Read(&response));
+    const grpc::Status st = late->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  }
+  // The idle stream ends with UNAVAILABLE once the drain has been quiet for 1 s.
+  EXPECT_FALSE(idle->Read(&response));
+  const grpc::Status idle_status = idle->Finish();
+  EXPECT_EQ(idle_status.error_code(), grpc::StatusCode::UNAVAILABLE) << idle_status.error_message();
+  EXPECT_EQ(attnd->SignalAndWait(0, 60000), 0) << attnd->Log();  // signal 0: only waits
+  EXPECT_NE(attnd->Log().find("closing the listener"), std::string::npos) << attnd->Log();
 }
 
 // A second SIGINT/SIGTERM during the drain ends attnd at once with 128 + that signal. Echo calls
@@ -259,7 +318,8 @@ TEST(AttndEndToEnd, HelpListsAttndFlags) {
   EXPECT_EQ(out.find("No flags matched"), std::string::npos) << out;
   for (const char* flag : {"--listen", "--metrics_listen", "--backend", "--max_message_bytes",
                            "--max_inflight_bytes", "--max_tensor_elements", "--drain_grace_s",
-                           "--drain_timeout_s", "--auth_token_file", "--max_pending_per_client"}) {
+                           "--drain_quiet_ms", "--drain_timeout_s", "--auth_token_file",
+                           "--max_pending_per_client"}) {
     EXPECT_NE(out.find(std::string(flag) + " ("), std::string::npos) << flag << " not in:\n" << out;
   }
 }

@@ -404,8 +404,12 @@ TEST(ClientProcessFault, ClientKilledMidStream) {
 TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
   // All clients share one identity (127.0.0.1): no per-client limit, this test is about SIGTERM.
   // A grace long enough for every client to see UNAVAILABLE and stop, so that the quiet rule,
-  // not the cap, is what ends it (checked in the log below).
-  auto attnd = testing::AttndProcess::Start({"--max_queue_delay_us=2000", "--drain_grace_s=60",
+  // not the cap, is what ends it (checked in the log below). The quiet period is what a client
+  // answered during the drain has to send its next call in (which must still find the listener
+  // open): 1 s, scaled for sanitizers, is far above a client's turnaround on a loaded machine.
+  const std::string quiet_ms = std::to_string(Scaled(1000ms).count());
+  auto attnd = testing::AttndProcess::Start({"--max_queue_delay_us=2000", "--drain_grace_s=120",
+                                             "--drain_quiet_ms=" + quiet_ms,
                                              "--drain_timeout_s=20", "--max_pending_per_client=0"});
   ASSERT_NE(attnd, nullptr);
   const std::string target = attnd->target();
@@ -414,6 +418,7 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
   std::atomic<int> answered_before{0};
   struct Tally {
     int ok = 0, unavailable = 0, other = 0;
+    int told = 0;  // clients that saw UNAVAILABLE (a unary status, a stream item or a stream's)
     std::string others;
   };
   auto unary = [&](int id) {
@@ -437,6 +442,7 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
         answers.emplace_back(std::move(r), std::move(res->o));
       } else if (res.status().code() == absl::StatusCode::kUnavailable) {
         ++t.unavailable;
+        t.told = 1;
         break;  // the server is going away; later calls would only be refused too
       } else {
         ++t.other;
@@ -489,6 +495,7 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
         }
       } else if (resp.status_code() == grpc::StatusCode::UNAVAILABLE) {
         ++t.unavailable;
+        t.told = 1;
         refused = true;
       } else {
         ++t.other;
@@ -497,7 +504,10 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
     }
     writer.join();
     const grpc::Status st = stream->Finish();
-    if (!st.ok() && st.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {  // ended by the drain
+      ++t.unavailable;
+      t.told = 1;
+    } else if (!st.ok()) {
       ++t.other;
       t.others += "stream: " + std::to_string(st.error_code()) + " " + st.error_message() + "\n";
     }
@@ -506,12 +516,16 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
   std::vector<std::future<Tally>> futures;
   for (int i = 0; i < kUnary; ++i) futures.push_back(std::async(std::launch::async, unary, i));
   for (int i = 0; i < kStreams; ++i) futures.push_back(std::async(std::launch::async, streaming, i));
-  // Let traffic flow, then SIGTERM in the middle of it.
-  const auto until = std::chrono::steady_clock::now() + Scaled(20s);
+  // Let traffic flow, then SIGTERM in the middle of it: with requests queued or running.
+  const auto until = std::chrono::steady_clock::now() + Scaled(60s);
   while (answered_before.load() < 3 * kUnary && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(10ms);
   }
-  std::this_thread::sleep_for(200ms);
+  ASSERT_GE(answered_before.load(), 3 * kUnary) << attnd->Log();
+  while (!(ScrapeMetric(attnd->metrics_port(), "attn_pending_requests") >= 1) &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(1ms);
+  }
   const int exit_code = attnd->SignalAndWait(SIGTERM, static_cast<int>(Scaled(60s).count()));
   stop = true;
   Tally total;
@@ -521,13 +535,18 @@ TEST(SigtermFault, ManyClientsAndStreamsEachCompleteOrUnavailableAndExitZero) {
     total.ok += t.ok;
     total.unavailable += t.unavailable;
     total.other += t.other;
+    total.told += t.told;
     total.others += t.others;
   }
+  std::cout << "SIGTERM under load: " << total.ok << " answered, " << total.unavailable
+            << " UNAVAILABLE, " << total.other << " with another outcome\n";
   EXPECT_EQ(exit_code, 0) << attnd->Log();
   EXPECT_EQ(total.other, 0) << total.others;
   EXPECT_GT(total.ok, 0);
-  std::cout << "SIGTERM under load: " << total.ok << " answered, " << total.unavailable
-            << " UNAVAILABLE, nothing else\n";
+  // Every client was told before the end: unary clients stop at their first UNAVAILABLE, stream
+  // writers at their first refused item.
+  EXPECT_EQ(total.told, kUnary + kStreams);
+  EXPECT_NE(attnd->Log().find("closing the listener"), std::string::npos) << attnd->Log();
   EXPECT_NE(attnd->Log().find("drained"), std::string::npos) << attnd->Log();
   EXPECT_EQ(attnd->Log().find("drain grace over"), std::string::npos) << attnd->Log();
 }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# attnctl attend --check against a real attnd (CPU backend, loopback): a verdict line with the
+# tolerance and the largest error, exit 0 on PASS; FAIL and exit 3 when an answer is over the
+# tolerance (forced here with --check_tolerance far below what bf16 can reach).
+#   attnctl_check_test.sh ATTND ATTNCTL
+set -euo pipefail
+attnd="$1"; attnctl="$2"
+work="$(mktemp -d "${TMPDIR:-/tmp}/attnctl-check-test.XXXXXX")"
+pid=""
+cleanup() {
+  local rc=$?
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
+  [ "$rc" = 0 ] || { echo "--- attnd log"; tail -n 20 "$work/attnd.log" || true; }
+  rm -rf "$work"
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+. "$(dirname "$0")/../../tests/lib/attnd.sh"
+start_cpu_attnd "$attnd" "$work/attnd.log" 2
+pid=$ATTND_PID
+attnd_healthy "$attnctl" || fail "attnd did not become healthy"
+attend=("$attnctl" --target "127.0.0.1:$P" attend --seq 64 --heads 4 --kv-heads 2 --head-dim 64
+        --dtype bf16 --causal --count 3 --check)
+
+rc=0
+"${attend[@]}" >"$work/pass.txt" 2>&1 || rc=$?
+cat "$work/pass.txt"
+[ "$rc" = 0 ] || fail "attend --check exited $rc on correct answers"
+grep -Eq '^check: PASS: 3 answers agree with the CPU backend: largest relative error [0-9.e+-]+ <= tolerance 1\.5e-02 \(bf16\)$' \
+  "$work/pass.txt" || fail "no PASS verdict with the bf16 tolerance"
+
+rc=0
+"${attend[@]}" --check_tolerance=1e-12 >"$work/fail.txt" 2>&1 || rc=$?
+cat "$work/fail.txt"
+[ "$rc" = 3 ] || fail "attend --check exited $rc on an answer over the tolerance, want 3"
+grep -Eq '^check: FAIL: request 0 differs from the CPU backend: relative error [0-9.e+-]+ > tolerance 1\.0e-12 \(bf16\)$' \
+  "$work/fail.txt" || fail "no FAIL verdict naming the error and the tolerance"
+grep -q 'check: PASS' "$work/fail.txt" && fail "PASS printed after a FAIL"
+echo "ok: attnctl attend --check prints PASS/FAIL with the tolerance"
