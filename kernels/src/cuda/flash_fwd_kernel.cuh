@@ -8,6 +8,9 @@
 // O += P V run on mma.sync m16n8k16 with fp32 accumulation; P stays in registers (the S
 // accumulator layout is the A-fragment layout of the PV product). Key tiles are visited from the
 // last to the first so the partial/diagonal tiles, the only ones that are masked, come first.
+// With kPaged, K/V rows come from page pools through the CSR page table (PagedKv in attention.h):
+// each copied row gets its own address (page * page_size + row in page); with a K/V ring the page
+// numbers of upcoming tiles are copied to shared memory by cp.async ahead of use (see kPageTable).
 #pragma once
 
 #include <cuda_runtime.h>
