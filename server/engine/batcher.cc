@@ -60,7 +60,10 @@ absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
     std::lock_guard<std::mutex> lock(mu_);
     st = SubmitLocked(job);
   }
-  if (st.ok()) cv_.notify_all();
+  if (st.ok()) {
+    DispatchStepsNow();
+    cv_.notify_all();
+  }
   return st;
 }
 
@@ -71,8 +74,31 @@ std::vector<absl::Status> Batcher::SubmitAll(std::span<std::unique_ptr<AttendJob
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& job : jobs) status.push_back(SubmitLocked(job));
   }
+  DispatchStepsNow();
   cv_.notify_all();
   return status;
+}
+
+void Batcher::DispatchStepsNow() {
+  const auto now = Clock::now();
+  Batch batch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (options_.max_step_delay_us != 0 || !high_.empty() || normal_.empty() ||
+        normal_.front()->key.page_tokens == 0 ||
+        in_flight_batches_ >= backend_->MaxInFlightBatches()) {
+      return;
+    }
+    auto wake = Clock::time_point::max();
+    batch = TakeReadyBatch(now, &wake);
+    if (batch.empty()) return;
+    ++in_flight_batches_;
+  }
+  for (auto& job : batch) {
+    job->queue_us = Micros(now - job->arrival);
+    if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
+  }
+  backend_->RunBatch(std::move(batch), [this](const BatchReport& r) { FinishBatch(r); });
 }
 
 absl::Status Batcher::SubmitLocked(std::unique_ptr<AttendJob>& job) {

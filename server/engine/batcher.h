@@ -59,6 +59,9 @@ class Batcher {
  private:
   Batcher(const Options& options, Backend* backend, Metrics* metrics);
   absl::Status SubmitLocked(std::unique_ptr<AttendJob>& job);  // mu_ held
+  // Session steps at the head of the queue that find a backend slot free go to the backend from
+  // the submitting thread, without waking the dispatcher (a lone step's latency).
+  void DispatchStepsNow();
   void DispatchLoop();
   // Pulls cancelled and expired jobs out of the queues; the caller completes them unlocked.
   void TakeDeadJobs(Clock::time_point now, Batch* dead_cancelled, Batch* dead_expired);

@@ -54,7 +54,24 @@ void Session::ReleaseLayer(int32_t layer) {
       if (closed_) ReleaseLayerPagesLocked(l);
     }
   }
-  if (next) next();  // it holds the layer now
+  if (!next) return;
+  // The started step holds the layer now. A start may end its step at once (refused by the
+  // batcher) and so call ReleaseLayer again: the outermost call on this thread runs those starts
+  // one after another instead of recursing, however many steps wait.
+  thread_local std::deque<std::function<void()>>* starts = nullptr;
+  if (starts != nullptr) {
+    starts->push_back(std::move(next));
+    return;
+  }
+  std::deque<std::function<void()>> local;
+  local.push_back(std::move(next));
+  starts = &local;
+  while (!local.empty()) {
+    std::function<void()> start = std::move(local.front());
+    local.pop_front();
+    start();
+  }
+  starts = nullptr;
 }
 
 absl::StatusOr<PendingAppend> Session::BeginAppend(int32_t layer, int64_t n) {

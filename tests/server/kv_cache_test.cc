@@ -84,6 +84,26 @@ TEST(SessionTest, StepsOfOneLayerRunInArrivalOrder) {
   EXPECT_FALSE(s->Busy());
 }
 
+// Steps that end as soon as they start (refused by a full or draining batcher) release the
+// layer from inside their start: a long FIFO must drain without recursing once per step.
+TEST(SessionTest, ManyWaitingStepsThatEndAtOnceDoNotRecurse) {
+  auto pool = Pool(16);
+  auto manager = Manager(pool.get());
+  auto s = *manager->CreateSession(Params(1), "");
+  ASSERT_TRUE(s->AcquireLayer(0, [] {}));
+  constexpr int kWaiting = 200000;
+  int started = 0;
+  for (int i = 0; i < kWaiting; ++i) {
+    EXPECT_FALSE(s->AcquireLayer(0, [&] {
+      ++started;
+      s->ReleaseLayer(0);  // ends at once
+    }));
+  }
+  s->ReleaseLayer(0);
+  EXPECT_EQ(started, kWaiting);
+  EXPECT_FALSE(s->Busy());
+}
+
 // Random operations with injected faults; checks the reference counts against the tables.
 class Model {
  public:
