@@ -141,13 +141,13 @@ absl::Status Batcher::SubmitLocked(std::unique_ptr<AttendJob>& job) {
 
 void Batcher::StartDraining() {
   std::lock_guard<std::mutex> lock(mu_);
-  draining_ = true;
+  flushing_ = true;
   cv_.notify_all();
 }
 
 void Batcher::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
-  draining_ = true;
+  flushing_ = draining_ = true;
   cv_.notify_all();
   cv_.wait(lock, [&] { return outstanding_ == 0 && in_flight_batches_ == 0; });
 }
@@ -201,7 +201,7 @@ Batch Batcher::TakeReadyBatch(Clock::time_point now, Clock::time_point* wake) {
   const int64_t delay_us =
       head.key.page_tokens > 0 ? options_.max_step_delay_us : options_.max_queue_delay_us;
   const auto flush_at = head.arrival + std::chrono::microseconds(delay_us);
-  if (tokens < options_.max_batch_tokens && now < flush_at && !draining_) {
+  if (tokens < options_.max_batch_tokens && now < flush_at && !flushing_) {
     *wake = std::min(*wake, flush_at);
     return {};
   }

@@ -46,10 +46,13 @@ class Batcher {
   // (BatchStep); one status per job, each job taken or not as by Submit.
   std::vector<absl::Status> SubmitAll(std::span<std::unique_ptr<AttendJob>> jobs);
 
-  // Stops accepting work (Submit answers UNAVAILABLE) and dispatches queued jobs without waiting
-  // for batch partners: during a drain no more are coming. Returns at once.
+  // Dispatches queued jobs without waiting for batch partners (during a drain none are coming),
+  // and new ones at once. It still takes jobs: the service refuses new calls itself, so what
+  // reaches the batcher during a drain belongs to calls already accepted (a session step that
+  // waited behind an earlier step of its layer), which must not be refused. Returns at once.
   void StartDraining();
-  // StartDraining, then returns once every accepted job's done has returned.
+  // StartDraining, stops taking work (Submit answers UNAVAILABLE), then returns once every
+  // accepted job's done has returned.
   void Drain();
 
   // Accepted jobs whose done has not returned: queued, running or being completed.
@@ -82,7 +85,8 @@ class Batcher {
   int64_t queued_ = 0;
   int64_t inflight_bytes_ = 0;
   int64_t outstanding_ = 0;  // accepted jobs whose done has not returned yet
-  bool draining_ = false;
+  bool draining_ = false;  // Submit refuses
+  bool flushing_ = false;  // no waiting for batch partners
   bool stop_ = false;
   std::thread dispatcher_;
 };

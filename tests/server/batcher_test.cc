@@ -431,6 +431,20 @@ TEST_F(BatcherTest, EveryResultReachesItsOwnRequestExactlyOnce) {
   EXPECT_EQ(batcher_->Pending(), 0);
 }
 
+// The start of a drain: queued jobs go without waiting out the delay, and a job submitted then
+// (a session step that waited for its layer, its call accepted before the drain) is taken and
+// goes at once too; only Drain refuses.
+TEST_F(BatcherTest, StartDrainingDispatchesAtOnceAndStillTakesJobs) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 60'000'000, .max_queue_size = 100});
+  ASSERT_TRUE(Submit(0, 10).ok());
+  batcher_->StartDraining();
+  EXPECT_TRUE(ResultOf(0).ok());
+  ASSERT_TRUE(Submit(1, 10).ok());
+  EXPECT_TRUE(ResultOf(1).ok());
+  batcher_->Drain();
+  EXPECT_EQ(Submit(2, 10).code(), absl::StatusCode::kUnavailable);
+}
+
 TEST_F(BatcherTest, DrainFinishesQueuedWorkThenRefuses) {
   Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
   for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(Submit(i, 10).ok());
