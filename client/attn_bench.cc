@@ -38,6 +38,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "attn/client/client.h"
+#include "attn/client/tcp_ceiling.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
 
@@ -68,6 +69,10 @@ ABSL_FLAG(int, channels, 0, "gRPC channels shared by the workers (0: one per wor
 ABSL_FLAG(std::string, csv, "", "Append one row per level to this CSV file");
 ABSL_FLAG(std::string, json, "", "Write all levels to this JSON file");
 ABSL_FLAG(std::string, label, "", "Free text stored with each row (e.g. server flags)");
+ABSL_FLAG(double, tcp_ceiling_s, 2,
+          "After each level, measure raw TCP on loopback in this process with the same request "
+          "and response bytes and the same concurrency (attn-tcp-ceiling) for this many seconds, "
+          "and print its GB/s and the level's share of it (columns tcp_GB/s, x_tcp); 0: off");
 
 namespace {
 
@@ -96,8 +101,11 @@ struct LevelResult {
   // (NaN when not measured).
   double echo_rps_ratio = std::numeric_limits<double>::quiet_NaN();
   double echo_p50_ratio = std::numeric_limits<double>::quiet_NaN();
+  // --tcp_ceiling_s: raw TCP loopback GB/s with the same bytes and concurrency (NaN: not run).
+  double tcp_gbps = std::numeric_limits<double>::quiet_NaN();
 
   double Throughput() const { return requests / seconds; }
+  double GigabytesPerSecond() const { return Throughput() * (request_bytes + response_bytes) / 1e9; }
   double Percentile(double p) const {
     if (samples.empty()) return 0;
     std::vector<double> l;
@@ -365,6 +373,7 @@ void PrintHeader() {
               "requests", "errors", "req/s", "tokens/s", "GB/s", "p50_ms", "p90_ms", "p99_ms",
               "queue_us", "xfer_us", "compute_us", "batch");
   if (absl::GetFlag(FLAGS_compare_echo)) std::printf(" %9s %9s", "rps/echo", "p50/echo");
+  if (absl::GetFlag(FLAGS_tcp_ceiling_s) > 0) std::printf(" %9s %7s", "tcp_GB/s", "x_tcp");
   std::printf("\n");
 }
 
@@ -381,6 +390,13 @@ void PrintRow(const LevelResult& r) {
       std::printf(" %9s %9s", "-", "-");
     } else {
       std::printf(" %9.3f %9.3f", r.echo_rps_ratio, r.echo_p50_ratio);
+    }
+  }
+  if (absl::GetFlag(FLAGS_tcp_ceiling_s) > 0) {
+    if (std::isnan(r.tcp_gbps)) {
+      std::printf(" %9s %7s", "-", "-");
+    } else {
+      std::printf(" %9.3f %7.3f", r.tcp_gbps, r.GigabytesPerSecond() / r.tcp_gbps);
     }
   }
   std::printf("\n");
@@ -405,6 +421,24 @@ void SetEchoRatios(LevelResult* r, const LevelResult& echo) {
   }
 }
 
+// Raw TCP on loopback with r's request and response bytes at r's concurrency, in GB/s (NaN when
+// --tcp_ceiling_s is 0 or the measurement fails, which is reported).
+double TcpCeiling(const LevelResult& r) {
+  const double seconds = absl::GetFlag(FLAGS_tcp_ceiling_s);
+  if (seconds <= 0 || r.request_bytes <= 0) return std::numeric_limits<double>::quiet_NaN();
+  attn::client::TcpCeilingOptions o;
+  o.request_bytes = static_cast<size_t>(r.request_bytes);
+  o.response_bytes = std::max<size_t>(static_cast<size_t>(r.response_bytes), 1);
+  o.connections = r.concurrency;
+  o.seconds = seconds;
+  auto t = attn::client::MeasureTcpCeiling(o);
+  if (!t.ok()) {
+    std::cerr << "attn-bench: tcp ceiling: " << t.status() << std::endl;
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  return t->GigabytesPerSecond(o);
+}
+
 std::string CsvRow(const LevelResult& r, const std::string& label) {
   std::ostringstream s;
   s << r.mode << "," << r.concurrency << "," << r.offered_rate << "," << r.requests << ","
@@ -414,7 +448,7 @@ std::string CsvRow(const LevelResult& r, const std::string& label) {
     << r.Percentile(0.99) / 1e3 << "," << r.Mean(&Sample::queue_us) << ","
     << r.Mean(&Sample::transfer_us) << "," << r.Mean(&Sample::compute_us) << ","
     << r.MeanBatch() << "," << Ratio(r.echo_rps_ratio) << "," << Ratio(r.echo_p50_ratio) << ",\""
-    << label << "\"";
+    << label << "\"," << Ratio(r.tcp_gbps);
   return s.str();
 }
 
@@ -434,6 +468,7 @@ std::string JsonLevel(const LevelResult& r, const std::string& label) {
   if (!std::isnan(r.echo_rps_ratio)) {
     s << ",\"echo_rps_ratio\":" << r.echo_rps_ratio << ",\"echo_p50_ratio\":" << r.echo_p50_ratio;
   }
+  if (!std::isnan(r.tcp_gbps)) s << ",\"tcp_gb_per_s\":" << r.tcp_gbps;
   s << ",\"label\":\"" << label << "\"}";
   return s.str();
 }
@@ -477,10 +512,12 @@ int main(int argc, char** argv) {
   for (int c : levels) {
     LevelResult r = RunLevel(payload, mode, c);
     errors += r.errors;
+    r.tcp_gbps = TcpCeiling(r);
     if (compare_echo) {
       // The same bytes through Echo at the same concurrency (and --rate), right after.
       LevelResult echo = RunLevel(payload, "echo", c);
       errors += echo.errors;
+      echo.tcp_gbps = r.tcp_gbps;  // the same bytes each way
       SetEchoRatios(&r, echo);
       PrintRow(r);
       PrintRow(echo);
@@ -495,7 +532,7 @@ int main(int argc, char** argv) {
     const std::string header =
         "mode,concurrency,rate,requests,errors,requests_per_s,tokens_per_s,gb_per_s,p50_ms,"
         "p90_ms,p99_ms,server_queue_us,server_transfer_us,server_compute_us,batch_requests,"
-        "echo_rps_ratio,echo_p50_ratio,label";
+        "echo_rps_ratio,echo_p50_ratio,label,tcp_gb_per_s";
     std::string first_line;
     const bool fresh = !std::getline(std::ifstream(csv) >> std::ws, first_line);
     if (!fresh && first_line != header) {

@@ -26,7 +26,7 @@ help_lists() {  # program, flags...
     grep -q -- "--$f " <<<"$out" || fail "$(basename "$prog") --help does not list --$f"
   done
 }
-help_lists "$bench" target mode concurrency compare_echo rate lb
+help_lists "$bench" target mode concurrency compare_echo rate lb tcp_ceiling_s
 help_lists "$attnctl" target check lb
 start_cpu_attnd "$attnd" "$work/attnd.log" 2
 pid=$ATTND_PID
@@ -35,9 +35,9 @@ shape=(--seq 16 --heads 2 --head-dim 64 --dtype bf16)
 
 # --rate in stream mode: 2 streams, 40 requests/s in all, over 3 s. The closed loop (no --rate)
 # runs far faster than that on this shape, so a rate near 40/s shows the schedule is kept.
-for mode in stream unary; do
+for mode in stream unary; do  # (no TCP ceiling: rates only)
   "$bench" --target "127.0.0.1:$P" --mode $mode --rate 40 --concurrency 2 --duration_s 3 \
-    --warmup_s 0.5 "${shape[@]}" --json "$work/rate-$mode.json"
+    --warmup_s 0.5 --tcp_ceiling_s 0 "${shape[@]}" --json "$work/rate-$mode.json"
   python3 - "$work/rate-$mode.json" "$mode" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))[0]
@@ -56,9 +56,10 @@ print("ok: stream closed loop", r["requests_per_s"], "req/s")' "$work/closed.jso
 
 # --compare_echo: per level the mode row, then Echo; ratios = mode over Echo (req/s, p50).
 "$bench" --target "ipv4:127.0.0.1:$P" --lb round_robin --mode unary --concurrency 1,2 \
-  --duration_s 1 --warmup_s 0.3 "${shape[@]}" --compare_echo --csv "$work/cmp.csv" \
+  --duration_s 1 --warmup_s 0.3 "${shape[@]}" --compare_echo --tcp_ceiling_s 0.3 --csv "$work/cmp.csv" \
   --json "$work/cmp.json" | tee "$work/cmp.txt"
 grep -q 'rps/echo' "$work/cmp.txt" || fail "no rps/echo column in the table"
+grep -q 'x_tcp' "$work/cmp.txt" || fail "no x_tcp (raw TCP ceiling) column in the table"
 python3 - "$work/cmp.json" "$work/cmp.csv" <<'PY'
 import csv, json, math, sys
 rows = json.load(open(sys.argv[1]))
@@ -68,6 +69,8 @@ for a, e in zip(rows[0::2], rows[1::2]):
     assert math.isclose(a["echo_rps_ratio"], a["requests_per_s"] / e["requests_per_s"], rel_tol=1e-4), (a, e)
     assert math.isclose(a["echo_p50_ratio"], a["p50_ms"] / e["p50_ms"], rel_tol=1e-4), (a, e)
     assert "echo_rps_ratio" not in e
+    # The raw TCP ceiling with the same bytes and concurrency, measured in the same run.
+    assert a["tcp_gb_per_s"] > 0 and e["tcp_gb_per_s"] == a["tcp_gb_per_s"], (a, e)
 c = list(csv.DictReader(open(sys.argv[2])))
 assert [r["mode"] for r in c] == ["unary", "echo", "unary", "echo"], c
 for r, j in zip(c, rows):
