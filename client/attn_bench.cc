@@ -65,7 +65,14 @@ ABSL_FLAG(int, kv_heads, 0, "KV heads (0: --heads)");
 ABSL_FLAG(int, head_dim, 128, "Head dimension");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32");
 ABSL_FLAG(bool, causal, false, "Causal mask");
-ABSL_FLAG(int, channels, 0, "gRPC channels shared by the workers (0: one per worker)");
+ABSL_FLAG(int, channels, 0, "Clients shared by the workers (0: one per worker)");
+ABSL_FLAG(int, connections, 1,
+          "HTTP/2 connections of each client (ClientOptions::connections; 0: the library's "
+          "default, min(4, hardware threads)); with --channels 1 all workers share one client "
+          "and its connections");
+ABSL_FLAG(std::vector<std::string>, channel_arg, {},
+          "Extra gRPC channel arguments of the clients, name=integer, comma-separated (e.g. "
+          "grpc.http2.max_frame_size=1048576)");
 ABSL_FLAG(std::string, csv, "", "Append one row per level to this CSV file");
 ABSL_FLAG(std::string, json, "", "Write all levels to this JSON file");
 ABSL_FLAG(std::string, label, "", "Free text stored with each row (e.g. server flags)");
@@ -169,6 +176,22 @@ Payload BuildPayload() {
   return p;
 }
 
+// --channel_arg as (name, value) pairs; exits 64 on a malformed entry.
+std::vector<std::pair<std::string, int>> ChannelArgs() {
+  std::vector<std::pair<std::string, int>> out;
+  for (const std::string& entry : absl::GetFlag(FLAGS_channel_arg)) {
+    const size_t eq = entry.find('=');
+    int value = 0;
+    if (eq == std::string::npos || !absl::SimpleAtoi(entry.substr(eq + 1), &value)) {
+      std::cerr << "attn-bench: --channel_arg entries are name=integer, got '" << entry << "'"
+                << std::endl;
+      std::exit(64);
+    }
+    out.emplace_back(entry.substr(0, eq), value);
+  }
+  return out;
+}
+
 std::vector<std::unique_ptr<Client>> MakeClients(int n) {
   std::vector<std::unique_ptr<Client>> clients;
   for (int i = 0; i < n; ++i) {
@@ -177,6 +200,8 @@ std::vector<std::unique_ptr<Client>> MakeClients(int n) {
     o.max_message_bytes = 1ll << 30;
     o.unique_channel = true;
     o.lb_policy = absl::GetFlag(FLAGS_lb);
+    o.connections = absl::GetFlag(FLAGS_connections);
+    o.channel_args = ChannelArgs();
     auto c = Client::Create(o);
     if (!c.ok()) {
       std::cerr << c.status() << std::endl;

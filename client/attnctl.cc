@@ -50,6 +50,9 @@ ABSL_FLAG(int, count, 1, "attend: requests to send, one after another");
 ABSL_FLAG(bool, check, false, "attend: compare each answer with the CPU backend run locally");
 ABSL_FLAG(uint64_t, seed, 0, "attend: random seed (0: from the clock)");
 ABSL_FLAG(int, timeout_ms, 60000, "Deadline of each call, milliseconds");
+ABSL_FLAG(int, connections, 1,
+          "HTTP/2 connections to --target (ClientOptions::connections; 0: min(4, hardware "
+          "threads)); attnctl sends one call at a time, so one is enough");
 
 namespace {
 
@@ -248,6 +251,7 @@ int main(int argc, char** argv) {
   attn::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.lb_policy = absl::GetFlag(FLAGS_lb);
+  options.connections = absl::GetFlag(FLAGS_connections);
   options.bearer_token = ReadToken(absl::GetFlag(FLAGS_token_file));
   options.tls_ca_pem = ReadFile("tls_ca", absl::GetFlag(FLAGS_tls_ca));
   options.tls_cert_pem = ReadFile("tls_cert", absl::GetFlag(FLAGS_tls_cert));
