@@ -70,6 +70,8 @@ ABSL_FLAG(int, connections, 1,
           "HTTP/2 connections of each client (ClientOptions::connections; 0: the library's "
           "default, min(4, hardware threads)); with --channels 1 all workers share one client "
           "and its connections");
+ABSL_FLAG(int, tcp_read_chunk_bytes, 0,
+          "ClientOptions::tcp_read_chunk_bytes: size of gRPC's TCP reads; 0: gRPC's default");
 ABSL_FLAG(std::vector<std::string>, channel_arg, {},
           "Extra gRPC channel arguments of the clients, name=integer, comma-separated (e.g. "
           "grpc.http2.max_frame_size=1048576)");
@@ -202,6 +204,7 @@ std::vector<std::unique_ptr<Client>> MakeClients(int n) {
     o.lb_policy = absl::GetFlag(FLAGS_lb);
     o.connections = absl::GetFlag(FLAGS_connections);
     o.channel_args = ChannelArgs();
+    o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
     auto c = Client::Create(o);
     if (!c.ok()) {
       std::cerr << c.status() << std::endl;

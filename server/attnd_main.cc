@@ -12,6 +12,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
 #include "rpc/attn_server.h"
@@ -63,7 +64,28 @@ ABSL_FLAG(int64_t, max_pending_per_client, kDefaults.max_pending_per_client,
           "Most pending Attend calls and AttendStream items per client (its token, else its "
           "address); beyond it RESOURCE_EXHAUSTED; 0: unlimited");
 
+ABSL_FLAG(int, tcp_read_chunk_bytes, kDefaults.tcp_read_chunk_bytes,
+          "Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's default (8 KiB, adaptive)");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "Extra gRPC server channel arguments, name=integer, comma-separated (e.g. "
+          "grpc.http2.max_frame_size=1048576); for measuring transport settings");
+
 namespace {
+
+// --grpc_arg as (name, value) pairs; exits 64 on a malformed entry.
+std::vector<std::pair<std::string, int>> GrpcArgsFromFlag() {
+  std::vector<std::pair<std::string, int>> out;
+  for (const std::string& entry : absl::GetFlag(FLAGS_grpc_arg)) {
+    const size_t eq = entry.find('=');
+    int value = 0;
+    if (eq == std::string::npos || !absl::SimpleAtoi(entry.substr(eq + 1), &value)) {
+      std::cerr << "attnd: --grpc_arg entries are name=integer, got '" << entry << "'" << std::endl;
+      std::exit(64);
+    }
+    out.emplace_back(entry.substr(0, eq), value);
+  }
+  return out;
+}
 
 attn::ServerOptions OptionsFromFlags() {
   attn::ServerOptions o;
@@ -87,6 +109,8 @@ attn::ServerOptions OptionsFromFlags() {
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   o.max_pending_per_client = absl::GetFlag(FLAGS_max_pending_per_client);
+  o.grpc_args = GrpcArgsFromFlag();
+  o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
   return o;
 }
 

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace attn {
 
@@ -35,6 +37,12 @@ struct ServerOptions {
   // Most Attend calls plus in-flight AttendStream items of one client (its token, or its peer
   // host without tokens); 0: unlimited.
   int64_t max_pending_per_client = 256;
+  // Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's own (8 KiB, adaptive). Off by
+  // default: no measured gain yet (docs/PERF.md, "Transport settings").
+  int tcp_read_chunk_bytes = 0;
+  // Extra gRPC server channel arguments (name, integer value), applied after attnd's own
+  // transport settings (rpc/transport_args.h), so that they can override them: --grpc_arg.
+  std::vector<std::pair<std::string, int>> grpc_args;
 };
 
 }  // namespace attn

@@ -145,6 +145,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   if (!options.tls_server_name.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name);
   }
+  if (options.tcp_read_chunk_bytes > 0) {
+    args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE,
+                std::min(options.tcp_read_chunk_bytes, (1 << 30) / 8) * 8);
+  }
   for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
   if (options.connections < 0) {
     return absl::InvalidArgumentError(

@@ -120,6 +120,13 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  if (options.tcp_read_chunk_bytes > 0) {
+    builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE,
+                               std::min(options.tcp_read_chunk_bytes, (1 << 30) / 8) * 8);
+  }
+  for (const auto& [name, value] : options.grpc_args) builder.AddChannelArgument(name, value);
   HandOffToGrpc(s->service_.get());  // its handlers run on gRPC's threads from now on
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {

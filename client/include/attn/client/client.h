@@ -78,6 +78,9 @@ struct ClientOptions {
   // own. 0: min(4, hardware threads). Calls of one thread run one at a time, so more connections
   // help only a client whose threads call concurrently.
   int connections = 0;
+  // Size of gRPC's TCP reads (they grow up to 8x it); 0: gRPC's default (8 KiB, adaptive). Off
+  // by default: no measured gain yet (docs/PERF.md, "Transport settings").
+  int tcp_read_chunk_bytes = 0;
   // Extra gRPC channel arguments (name, integer value), e.g. {"grpc.http2.max_frame_size",
   // 1 << 20}; for measuring transport settings (attn-bench --channel_arg).
   std::vector<std::pair<std::string, int>> channel_args;
