@@ -64,6 +64,16 @@ ABSL_FLAG(int64_t, max_pending_per_client, kDefaults.max_pending_per_client,
           "Most pending Attend calls and AttendStream items per client (its token, else its "
           "address); beyond it RESOURCE_EXHAUSTED; 0: unlimited");
 
+ABSL_FLAG(bool, allow_shared_memory, kDefaults.allow_shared_memory,
+          "Serve same-host clients through shared memory (the SharedMemory service and "
+          "Tensor.region): a Unix socket (--shm_socket) takes their sealed memfds");
+ABSL_FLAG(std::string, shm_socket, kDefaults.shm_socket,
+          "Path of the region socket with --allow_shared_memory; empty: $TMPDIR (or /tmp)"
+          "/attnd-<pid>.regions.sock. Clients find it with ListRegions");
+ABSL_FLAG(int64_t, shm_max_regions_per_client, kDefaults.shm_max_regions_per_client,
+          "Most shared-memory regions per client identity");
+ABSL_FLAG(int64_t, shm_max_bytes_per_client, kDefaults.shm_max_bytes_per_client,
+          "Most bytes of shared-memory regions mapped per client identity");
 ABSL_FLAG(int, tcp_read_chunk_bytes, kDefaults.tcp_read_chunk_bytes,
           "Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's default (8 KiB, adaptive)");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
@@ -111,6 +121,10 @@ attn::ServerOptions OptionsFromFlags() {
   o.max_pending_per_client = absl::GetFlag(FLAGS_max_pending_per_client);
   o.grpc_args = GrpcArgsFromFlag();
   o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
+  o.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
+  o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
+  o.shm_max_regions_per_client = absl::GetFlag(FLAGS_shm_max_regions_per_client);
+  o.shm_max_bytes_per_client = absl::GetFlag(FLAGS_shm_max_bytes_per_client);
   return o;
 }
 

@@ -37,6 +37,13 @@ struct ServerOptions {
   // Most Attend calls plus in-flight AttendStream items of one client (its token, or its peer
   // host without tokens); 0: unlimited.
   int64_t max_pending_per_client = 256;
+  // Same-host shared memory (transport/, the SharedMemory service): off unless allowed. The
+  // region socket's path ("" : $TMPDIR or /tmp, then attnd-<pid>.regions.sock) and the limits
+  // per client identity.
+  bool allow_shared_memory = false;
+  std::string shm_socket;
+  int64_t shm_max_regions_per_client = 64;
+  int64_t shm_max_bytes_per_client = int64_t{16} << 30;
   // Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's own (8 KiB, adaptive). Off by
   // default: no measured gain yet (docs/PERF.md, "Transport settings").
   int tcp_read_chunk_bytes = 0;

@@ -94,9 +94,9 @@ PackedLayout PlanLayout(std::span<const std::unique_ptr<AttendJob>> jobs) {
 // fp32 requests run in fp16 when every value fits it, else in bf16.
 kernels::DType ComputeDType(const AttendJob& job) {
   if (job.key.wire_dtype != kernels::DType::kFloat32) return job.key.wire_dtype;
-  for (const v1::Tensor* t : {&job.request->q(), &job.request->k(), &job.request->v()}) {
-    const float* p = reinterpret_cast<const float*>(t->data().data());
-    const size_t n = t->data().size() / 4;
+  for (std::string_view t : {job.q_bytes, job.k_bytes, job.v_bytes}) {
+    const float* p = reinterpret_cast<const float*>(t.data());
+    const size_t n = t.size() / 4;
     for (size_t i = 0; i < n; ++i) {
       if (!(std::fabs(p[i]) <= 60000.0f)) return kernels::DType::kBFloat16;
     }
@@ -117,7 +117,7 @@ ElementCast UnstagingCast(kernels::DType wire, kernels::DType compute) {
 }
 
 // One tensor of the request into its 16-bit staging area.
-HostCopy StagingCopy(const std::string& src, ElementCast cast, char* dst) {
+HostCopy StagingCopy(std::string_view src, ElementCast cast, char* dst) {
   const size_t elements = cast == ElementCast::kNone ? src.size() : src.size() / 4;
   return {src.data(), dst, elements, cast};
 }
@@ -127,13 +127,16 @@ void UnstageOutputs(const AttendJob& job, const HostCopier& copier) {
   const CudaJobState& state = StateOf(job);
   const char* out = static_cast<const char*>(state.out.data());
   const ElementCast cast = UnstagingCast(job.key.wire_dtype, *job.key.staged_dtype);
-  std::string* o = job.response->mutable_o()->mutable_data();
+  // Into the response, or straight into the caller's region (o_region, lse_region).
+  char* o = job.o_out != nullptr ? job.o_out : job.response->mutable_o()->mutable_data()->data();
   HostCopy copies[2] = {
-      {out, o->data(), cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2, cast}};
+      {out, o, cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2, cast}};
   size_t n = 1;
   if (job.return_lse) {
-    std::string* lse = job.response->mutable_lse()->mutable_data();
-    copies[n++] = {out + state.o_bytes, lse->data(), lse->size(), ElementCast::kNone};
+    const size_t lse_bytes = sizeof(float) * size_t(job.key.num_heads) * job.total_q;
+    char* lse = job.lse_out != nullptr ? job.lse_out
+                                       : job.response->mutable_lse()->mutable_data()->data();
+    copies[n++] = {out + state.o_bytes, lse, lse_bytes, ElementCast::kNone};
   }
   copier.Run({copies, n});
 }
@@ -339,12 +342,11 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   ASSIGN_OR_RETURN(state->in, pinned_pool_->Acquire(state->q_bytes + 2 * state->kv_bytes));
   ASSIGN_OR_RETURN(state->out, pinned_pool_->Acquire(state->o_bytes + lse_bytes));
   char* in = static_cast<char*>(state->in.data());
-  const v1::AttendRequest& r = *job.request;
   const ElementCast cast = StagingCast(key.wire_dtype, compute);
   const HostCopy copies[] = {
-      StagingCopy(r.q().data(), cast, in),
-      StagingCopy(r.k().data(), cast, in + state->q_bytes),
-      StagingCopy(r.v().data(), cast, in + state->q_bytes + state->kv_bytes)};
+      StagingCopy(job.q_bytes, cast, in),
+      StagingCopy(job.k_bytes, cast, in + state->q_bytes),
+      StagingCopy(job.v_bytes, cast, in + state->q_bytes + state->kv_bytes)};
   copier_->Run(copies);
   job.key.staged_dtype = compute;
   job.host_copy_us = Micros(Clock::now() - start);

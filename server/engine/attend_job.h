@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -75,6 +76,15 @@ struct AttendJob {
 
   // Owned by the job; released with it, after done has run.
   std::unique_ptr<BackendJobState> backend_state;
+
+  // Where q, k and v are read from: the request's data fields (set by ValidateAttendRequest), or
+  // slices of shared-memory regions (transport/tensor_source.h).
+  std::string_view q_bytes, k_bytes, v_bytes;
+  // Where o and lse are written: null means the response's data fields; else a region slice.
+  char* o_out = nullptr;
+  char* lse_out = nullptr;
+  // Keeps the regions those point into mapped until the job is gone (even if unregistered).
+  std::vector<std::shared_ptr<const void>> region_holds;
 
   // Completes the request. Called exactly once, from any thread, never while a lock of the
   // batcher or backend is held.

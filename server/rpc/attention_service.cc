@@ -8,6 +8,7 @@
 #include "observability/metrics.h"
 #include "common/status_util.h"
 #include "common/tsan_annotations.h"
+#include "transport/tensor_source.h"
 
 namespace attn {
 namespace {
@@ -75,6 +76,7 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
   }
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
                    ValidateAttendRequest(*request, options_.limits));
+  RETURN_IF_ERROR(ResolveAttendTensors(*request, client, options_.regions, job.get()));
   job->response = response;
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);

@@ -16,6 +16,7 @@ namespace attn {
 
 class Batcher;
 class Metrics;
+class RegionRegistry;
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
@@ -29,6 +30,9 @@ class AttentionService final : public v1::Attention::CallbackService {
     // Most pending Attend calls plus in-flight AttendStream items per client identity (its
     // token when tokens are on, else its peer host); 0: unlimited.
     int64_t max_pending_per_client = 0;
+    // Shared-memory regions requests may name (Tensor.region, o_region); null: shared memory
+    // is off. Must outlive the service.
+    const RegionRegistry* regions = nullptr;
   };
   // batcher, backend and metrics must outlive the service.
   AttentionService(Options options, Batcher* batcher, Backend* backend, Metrics* metrics);

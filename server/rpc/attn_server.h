@@ -20,6 +20,9 @@ class Batcher;
 class Metrics;
 class AttentionService;
 class Authenticator;
+class RegionRegistry;
+class RegionSocket;
+class RegionService;
 
 class AttnServer {
  public:
@@ -31,6 +34,8 @@ class AttnServer {
   // Attend calls plus in-flight AttendStream items counted against --max_pending_per_client.
   int64_t PendingPerClientTotal() const;
   const Backend& backend() const { return *backend_; }
+  // Shared-memory regions registered now, over all clients (0 when shared memory is off).
+  int64_t SharedMemoryRegions() const;
 
   // Health goes NOT_SERVING and new calls get UNAVAILABLE until the server is quiet (at most
   // drain_grace_s), queued and running requests finish, then the gRPC server shuts down (calls
@@ -42,6 +47,7 @@ class AttnServer {
  private:
   AttnServer() = default;
   absl::Status WarmUp();
+  absl::Status StartSharedMemory();
   void WaitUntilQuiet();
   void MonitorBackendLoop();
 
@@ -51,6 +57,10 @@ class AttnServer {
   std::unique_ptr<Authenticator> authenticator_;  // null: no bearer tokens
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
+  // Shared memory: null unless --allow_shared_memory (the service answers FAILED_PRECONDITION).
+  std::unique_ptr<RegionRegistry> regions_;
+  std::unique_ptr<RegionSocket> region_socket_;
+  std::unique_ptr<RegionService> region_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::mutex monitor_mu_;

@@ -1,0 +1,35 @@
+// One host shared-memory region as attnd holds it: a sealed memfd of a client's, mapped read-write
+// into attnd. Destroyed (unmapped) when the last holder lets go: the registry while it is
+// registered, and every request that reads or writes it (deferred unmapping).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+
+namespace attn {
+
+class SharedRegion {
+ public:
+  // Maps fd (not taken: the caller closes it) after checking that it is a memfd sealed against
+  // shrinking, of 1 to max_bytes bytes, opened read-write. The seal is what makes every later
+  // access safe: the file cannot lose pages under the mapping, so no access past its end (and no
+  // SIGBUS) can happen, whatever the client does with its own descriptor or mapping.
+  static absl::StatusOr<std::unique_ptr<SharedRegion>> MapMemfd(int fd, uint64_t max_bytes);
+  ~SharedRegion();
+  SharedRegion(const SharedRegion&) = delete;
+  SharedRegion& operator=(const SharedRegion&) = delete;
+
+  char* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  SharedRegion(char* data, uint64_t size) : data_(data), size_(size) {}
+
+  char* const data_;
+  const uint64_t size_;
+};
+
+}  // namespace attn
