@@ -39,6 +39,7 @@
 #include "absl/strings/str_split.h"
 #include "attn/client/client.h"
 #include "attn/client/tcp_ceiling.h"
+#include "bench_region.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
 
@@ -51,6 +52,13 @@ ABSL_FLAG(bool, compare_echo, false,
           "At each concurrency level also run Echo with the same bytes and print the ratio of "
           "--mode to Echo (req/s and p50)");
 ABSL_FLAG(std::string, mode, "unary", "unary (Attend), stream (AttendStream) or echo");
+ABSL_FLAG(std::string, transport, "grpc",
+          "unary mode: grpc (tensors in the messages) or shm (each worker's q, k, v and o in a "
+          "host shared-memory region of its own; attnd needs --allow_shared_memory and this "
+          "host)");
+ABSL_FLAG(bool, shm_write_inputs, true,
+          "--transport shm: copy q, k and v into the region before every call, as a client that "
+          "produces them must");
 ABSL_FLAG(std::string, concurrency, "1", "Comma-separated concurrency levels to sweep");
 ABSL_FLAG(double, rate, 0, "Fixed request rate, requests/s (open loop); 0: closed loop");
 ABSL_FLAG(double, duration_s, 10, "Measured seconds per level");
@@ -263,9 +271,11 @@ class Recorder {
   std::string first_error_;
 };
 
-// One closed- or open-loop worker on unary calls (Attend or Echo).
+// One closed- or open-loop worker on unary calls (Attend or Echo). region: --transport shm.
 void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, double interval_s,
-                 Clock::time_point start) {
+                 Clock::time_point start, attn::client::BenchRegion* region) {
+  const attn::v1::AttendRequest& attend = region != nullptr ? region->request() : p.attend;
+  const bool write_inputs = region != nullptr && absl::GetFlag(FLAGS_shm_write_inputs);
   attn::v1::AttendResponse attend_response;
   attn::v1::EchoResponse echo_response;
   for (int64_t k = 0; rec->Running(); ++k) {
@@ -276,10 +286,11 @@ void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, dou
       std::this_thread::sleep_until(sent);
       if (!rec->Running()) break;
     }
+    if (write_inputs) region->WriteInputs();
     grpc::ClientContext ctx;
     client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
     grpc::Status st = echo ? client->stub()->Echo(&ctx, p.echo, &echo_response)
-                           : client->stub()->Attend(&ctx, p.attend, &attend_response);
+                           : client->stub()->Attend(&ctx, attend, &attend_response);
     rec->Record(sent, Clock::now(), echo || !st.ok() ? nullptr : &attend_response.timing(), st);
   }
 }
@@ -352,6 +363,40 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth, do
   if (!st.ok()) rec->RecordStreamError(st);
 }
 
+// --transport shm: one region client per client (each holds a region socket connection) and one
+// region per worker; dropped (and so unregistered by attnd) at the end of the level.
+struct WorkerRegions {
+  std::vector<std::unique_ptr<attn::client::RegionClient>> clients;
+  std::vector<std::unique_ptr<attn::client::BenchRegion>> regions;
+};
+
+WorkerRegions MakeRegions(const std::vector<std::unique_ptr<Client>>& clients, int workers,
+                          const Payload& p) {
+  WorkerRegions w;
+  for (const auto& c : clients) {
+    auto rc = attn::client::RegionClient::Connect(c.get());
+    if (!rc.ok()) {
+      std::cerr << "attn-bench: --transport shm: " << rc.status() << std::endl;
+      std::exit(1);
+    }
+    w.clients.push_back(std::move(*rc));
+  }
+  static int level = 0;  // region names unique per level, as the last level's may linger
+  ++level;
+  for (int i = 0; i < workers; ++i) {
+    const std::string name = "bench-" + std::to_string(level) + "-" + std::to_string(i);
+    auto r = attn::client::BenchRegion::Create(w.clients[i % w.clients.size()].get(), name,
+                                               &p.attend);
+    if (!r.ok()) {
+      std::cerr << "attn-bench: --transport shm: region " << name << ": " << r.status()
+                << std::endl;
+      std::exit(1);
+    }
+    w.regions.push_back(std::move(*r));
+  }
+  return w;
+}
+
 LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency) {
   const int channels = absl::GetFlag(FLAGS_channels) > 0 ? absl::GetFlag(FLAGS_channels) : concurrency;
   auto clients = MakeClients(std::min(channels, concurrency));
@@ -363,6 +408,8 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
   Recorder rec(measure_from, end, absl::GetFlag(FLAGS_max_requests));
   const double rate = absl::GetFlag(FLAGS_rate);
   const double interval = rate > 0 ? concurrency / rate : 0;
+  const bool shm = absl::GetFlag(FLAGS_transport) == "shm" && mode == "unary";
+  auto regions = shm ? MakeRegions(clients, concurrency, p) : WorkerRegions{};
   std::vector<std::thread> workers;
   for (int i = 0; i < concurrency; ++i) {
     Client* c = clients[i % clients.size()].get();
@@ -373,19 +420,23 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
       workers.emplace_back(StreamWorker, c, std::cref(p), &rec, absl::GetFlag(FLAGS_stream_depth),
                            interval, worker_start);
     } else {
-      workers.emplace_back(UnaryWorker, c, std::cref(p), mode == "echo", &rec, interval, worker_start);
+      workers.emplace_back(UnaryWorker, c, std::cref(p), mode == "echo", &rec, interval, worker_start,
+                           shm ? regions.regions[i].get() : nullptr);
     }
   }
   for (auto& w : workers) w.join();
   const double measured_s =
       std::chrono::duration<double>(std::min(Clock::now(), end) - measure_from).count();
   LevelResult r;
-  r.mode = mode;
+  r.mode = shm ? "shm" : mode;
   r.concurrency = concurrency;
   r.offered_rate = rate;
   r.seconds = std::max(measured_s, 1e-6);
   r.tokens_per_request = p.tokens;
-  if (mode == "echo") {
+  if (shm) {  // the tensor bytes, which the region carries instead of the messages
+    r.request_bytes = static_cast<double>(p.attend.ByteSizeLong());
+    r.response_bytes = static_cast<double>(p.attend.q().data().size());
+  } else if (mode == "echo") {
     r.request_bytes = static_cast<double>(p.echo.ByteSizeLong());
     r.response_bytes = static_cast<double>(p.echo.response_bytes());
   } else {
@@ -514,6 +565,15 @@ int main(int argc, char** argv) {
     std::cerr << "attn-bench: --mode must be unary, stream or echo" << std::endl;
     return 64;
   }
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport != "grpc" && transport != "shm") {
+    std::cerr << "attn-bench: --transport must be grpc or shm" << std::endl;
+    return 64;
+  }
+  if (transport == "shm" && mode != "unary") {
+    std::cerr << "attn-bench: --transport shm needs --mode unary" << std::endl;
+    return 64;
+  }
   std::vector<int> levels;
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',')) {
     int c = 0;
@@ -540,7 +600,7 @@ int main(int argc, char** argv) {
   for (int c : levels) {
     LevelResult r = RunLevel(payload, mode, c);
     errors += r.errors;
-    r.tcp_gbps = TcpCeiling(r);
+    if (r.mode != "shm") r.tcp_gbps = TcpCeiling(r);
     if (compare_echo) {
       // The same bytes through Echo at the same concurrency (and --rate), right after.
       LevelResult echo = RunLevel(payload, "echo", c);

@@ -26,7 +26,7 @@ help_lists() {  # program, flags...
     grep -q -- "--$f " <<<"$out" || fail "$(basename "$prog") --help does not list --$f"
   done
 }
-help_lists "$bench" target mode concurrency compare_echo rate lb tcp_ceiling_s
+help_lists "$bench" target mode concurrency compare_echo rate lb tcp_ceiling_s transport connections
 help_lists "$attnctl" target check lb
 start_cpu_attnd "$attnd" "$work/attnd.log" 2
 pid=$ATTND_PID
@@ -81,3 +81,28 @@ for r, j in zip(c, rows):
         assert r["echo_rps_ratio"] == "" and r["echo_p50_ratio"] == "", r
 print("ok: --compare_echo rows and ratios (table, CSV, JSON)")
 PY
+
+# --transport shm: refused (with the reason) by this attnd, which does not allow shared memory;
+# served by one started with --allow_shared_memory.
+if "$bench" --target "127.0.0.1:$P" --transport shm --concurrency 1 --duration_s 0.5 \
+     --warmup_s 0.1 "${shape[@]}" >"$work/shm-off.txt" 2>&1; then
+  fail "--transport shm succeeded against an attnd without --allow_shared_memory"
+fi
+grep -q -- "--allow_shared_memory" "$work/shm-off.txt" || fail "no reason given: $(cat "$work/shm-off.txt")"
+P2=$(free_port)
+"$attnd" --listen="127.0.0.1:$P2" --metrics_listen= --backend=cpu --threads=2 \
+  --allow_shared_memory --shm_socket="$work/regions.sock" >"$work/attnd-shm.log" 2>&1 &
+pid2=$!
+trap 'kill $pid2 2>/dev/null || true; cleanup' EXIT
+P_SAVE=$P; P=$P2; attnd_healthy "$attnctl" || fail "attnd with shared memory did not start"; P=$P_SAVE
+"$bench" --target "127.0.0.1:$P2" --transport shm --concurrency 1,2 --duration_s 1 --warmup_s 0.3 \
+  "${shape[@]}" --json "$work/shm.json"
+python3 - "$work/shm.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+assert [(r["mode"], r["concurrency"]) for r in rows] == [("shm", 1), ("shm", 2)], rows
+for r in rows:
+    assert r["errors"] == 0 and r["requests"] > 10, r
+print("ok: --transport shm", [round(r["requests_per_s"]) for r in rows], "req/s")
+PY
+kill $pid2; wait $pid2 2>/dev/null || true
