@@ -53,9 +53,10 @@ ABSL_FLAG(bool, compare_echo, false,
           "--mode to Echo (req/s and p50)");
 ABSL_FLAG(std::string, mode, "unary", "unary (Attend), stream (AttendStream) or echo");
 ABSL_FLAG(std::string, transport, "grpc",
-          "unary mode: grpc (tensors in the messages) or shm (each worker's q, k, v and o in a "
-          "host shared-memory region of its own; attnd needs --allow_shared_memory and this "
-          "host)");
+          "unary mode: grpc (tensors in the messages), shm (each worker's q, k, v and o in a "
+          "host shared-memory region of its own) or cuda-ipc (in GPU memory of device 0 shared "
+          "with attnd by a CUDA IPC handle, written once); shm and cuda-ipc need attnd's "
+          "--allow_shared_memory and this host");
 ABSL_FLAG(bool, shm_write_inputs, true,
           "--transport shm: copy q, k and v into the region before every call, as a client that "
           "produces them must");
@@ -371,7 +372,9 @@ struct WorkerRegions {
 };
 
 WorkerRegions MakeRegions(const std::vector<std::unique_ptr<Client>>& clients, int workers,
-                          const Payload& p) {
+                          const Payload& p, const std::string& transport) {
+  const auto kind = transport == "shm" ? attn::client::BenchRegion::Kind::kHost
+                                       : attn::client::BenchRegion::Kind::kGpu;
   WorkerRegions w;
   for (const auto& c : clients) {
     auto rc = attn::client::RegionClient::Connect(c.get());
@@ -385,7 +388,7 @@ WorkerRegions MakeRegions(const std::vector<std::unique_ptr<Client>>& clients, i
   ++level;
   for (int i = 0; i < workers; ++i) {
     const std::string name = "bench-" + std::to_string(level) + "-" + std::to_string(i);
-    auto r = attn::client::BenchRegion::Create(w.clients[i % w.clients.size()].get(), name,
+    auto r = attn::client::BenchRegion::Create(w.clients[i % w.clients.size()].get(), kind, name,
                                                &p.attend);
     if (!r.ok()) {
       std::cerr << "attn-bench: --transport shm: region " << name << ": " << r.status()
@@ -408,8 +411,9 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
   Recorder rec(measure_from, end, absl::GetFlag(FLAGS_max_requests));
   const double rate = absl::GetFlag(FLAGS_rate);
   const double interval = rate > 0 ? concurrency / rate : 0;
-  const bool shm = absl::GetFlag(FLAGS_transport) == "shm" && mode == "unary";
-  auto regions = shm ? MakeRegions(clients, concurrency, p) : WorkerRegions{};
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  const bool shm = transport != "grpc" && mode == "unary";
+  auto regions = shm ? MakeRegions(clients, concurrency, p, transport) : WorkerRegions{};
   std::vector<std::thread> workers;
   for (int i = 0; i < concurrency; ++i) {
     Client* c = clients[i % clients.size()].get();
@@ -428,7 +432,7 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
   const double measured_s =
       std::chrono::duration<double>(std::min(Clock::now(), end) - measure_from).count();
   LevelResult r;
-  r.mode = shm ? "shm" : mode;
+  r.mode = shm ? transport : mode;
   r.concurrency = concurrency;
   r.offered_rate = rate;
   r.seconds = std::max(measured_s, 1e-6);
@@ -566,12 +570,17 @@ int main(int argc, char** argv) {
     return 64;
   }
   const std::string transport = absl::GetFlag(FLAGS_transport);
-  if (transport != "grpc" && transport != "shm") {
-    std::cerr << "attn-bench: --transport must be grpc or shm" << std::endl;
+  if (transport != "grpc" && transport != "shm" && transport != "cuda-ipc") {
+    std::cerr << "attn-bench: --transport must be grpc, shm or cuda-ipc" << std::endl;
     return 64;
   }
-  if (transport == "shm" && mode != "unary") {
-    std::cerr << "attn-bench: --transport shm needs --mode unary" << std::endl;
+  if (transport != "grpc" && mode != "unary") {
+    std::cerr << "attn-bench: --transport " << transport << " needs --mode unary" << std::endl;
+    return 64;
+  }
+  if (transport == "cuda-ipc" && !attn::client::BenchGpuRegionsAvailable()) {
+    std::cerr << "attn-bench: this attn-bench was built without CUDA: no --transport cuda-ipc"
+              << std::endl;
     return 64;
   }
   std::vector<int> levels;
@@ -600,7 +609,7 @@ int main(int argc, char** argv) {
   for (int c : levels) {
     LevelResult r = RunLevel(payload, mode, c);
     errors += r.errors;
-    if (r.mode != "shm") r.tcp_gbps = TcpCeiling(r);
+    if (r.mode == "unary" || r.mode == "stream" || r.mode == "echo") r.tcp_gbps = TcpCeiling(r);
     if (compare_echo) {
       // The same bytes through Echo at the same concurrency (and --rate), right after.
       LevelResult echo = RunLevel(payload, "echo", c);

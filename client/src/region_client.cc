@@ -102,6 +102,23 @@ absl::StatusOr<v1::RegionInfo> RegionClient::Register(const std::string& name,
   return response.region();
 }
 
+absl::StatusOr<v1::RegionInfo> RegionClient::RegisterCuda(const std::string& name,
+                                                          const std::string& ipc_handle,
+                                                          int32_t device_id, uint64_t bytes) {
+  v1::RegisterRegionRequest request;
+  request.set_name(name);
+  request.set_kind(v1::REGION_KIND_CUDA);
+  request.set_cuda_ipc_handle(ipc_handle);
+  request.set_device_id(device_id);
+  request.set_bytes(bytes);
+  v1::RegisterRegionResponse response;
+  grpc::ClientContext ctx;
+  client_->PrepareContext(&ctx, std::chrono::milliseconds(10000));
+  const grpc::Status st = stub_->RegisterRegion(&ctx, request, &response);
+  if (!st.ok()) return FromGrpc(st);
+  return response.region();
+}
+
 absl::Status RegionClient::Unregister(const std::string& name) {
   v1::UnregisterRegionRequest request;
   request.set_name(name);

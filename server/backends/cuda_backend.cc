@@ -1,5 +1,7 @@
 #include "backends/cuda_backend.h"
 
+#include <cuda.h>  // types of cuMemGetAddressRange only: it is looked up through the runtime
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -191,6 +193,18 @@ absl::Status CopyInputs(std::span<std::unique_ptr<AttendJob>> jobs,
   size_t q_at = layout.q, k_at = layout.k, v_at = layout.v;
   for (const auto& job : jobs) {
     const CudaJobState& state = StateOf(*job);
+    if (job->device_tensors) {  // from the client's GPU regions, on the device
+      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + q_at, job->q_bytes.data(),
+                                                       state.q_bytes, cudaMemcpyDeviceToDevice, s));
+      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + k_at, job->k_bytes.data(),
+                                                       state.kv_bytes, cudaMemcpyDeviceToDevice, s));
+      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + v_at, job->v_bytes.data(),
+                                                       state.kv_bytes, cudaMemcpyDeviceToDevice, s));
+      q_at += state.q_bytes;
+      k_at += state.kv_bytes;
+      v_at += state.kv_bytes;
+      continue;
+    }
     const char* in = static_cast<const char*>(state.in.data());
     RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in + q_at, in, state.q_bytes,
                                                      cudaMemcpyHostToDevice, s));
@@ -217,16 +231,18 @@ absl::Status CopyOutputs(std::span<std::unique_ptr<AttendJob>> jobs,
   int32_t q_offset = 0;
   for (const auto& job : jobs) {
     const CudaJobState& state = StateOf(*job);
-    char* out = static_cast<char*>(state.out.data());
-    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(out, dev_out + o_at, state.o_bytes,
-                                                     cudaMemcpyDeviceToHost, s));
+    // Into pinned staging, or straight into the client's GPU regions.
+    const bool device = job->device_tensors;
+    char* out = device ? job->o_out : static_cast<char*>(state.out.data());
+    char* lse_out = device ? job->lse_out : out + state.o_bytes;
+    const cudaMemcpyKind kind = device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(out, dev_out + o_at, state.o_bytes, kind, s));
     if (job->return_lse && job->total_q > 0) {
       const size_t row = sizeof(float) * job->total_q;
       RETURN_IF_CUDA_ERROR(
-          "D2H copy", cudaMemcpy2DAsync(out + state.o_bytes, row,
+          "D2H copy", cudaMemcpy2DAsync(lse_out, row,
                                         dev_out + layout.lse + sizeof(float) * q_offset,
-                                        sizeof(float) * layout.total_q, row, heads,
-                                        cudaMemcpyDeviceToHost, s));
+                                        sizeof(float) * layout.total_q, row, heads, kind, s));
     }
     o_at += state.o_bytes;
     q_offset += job->total_q;
@@ -333,6 +349,16 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   RETURN_IF_ERROR(Health());
   const auto start = Clock::now();
   const BatchKey& key = job.key;
+  if (job.device_tensors) {
+    // GPU regions: the launch copies q, k and v from them on the device; nothing to stage.
+    auto state = std::make_unique<CudaJobState>();
+    state->q_bytes = job.q_bytes.size();
+    state->kv_bytes = job.k_bytes.size();
+    state->o_bytes = state->q_bytes;
+    job.key.staged_dtype = key.wire_dtype;
+    job.backend_state = std::move(state);
+    return absl::OkStatus();
+  }
   const kernels::DType compute = ComputeDType(job);
   auto state = std::make_unique<CudaJobState>();
   state->q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
@@ -383,7 +409,7 @@ void CudaBackend::LaneLoop(Lane* lane) {
     for (size_t i = 0; i < work.batch.size(); ++i) {
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
       completions_->Post([this, job, st = std::move(status[i])] {
-        if (st.ok()) {
+        if (st.ok() && !job->device_tensors) {  // GPU regions got their outputs on the device
           const auto start = Clock::now();
           UnstageOutputs(*job, *copier_);
           job->host_copy_us += Micros(Clock::now() - start);
@@ -507,6 +533,57 @@ absl::Status CudaBackend::Health() const {
   return absl::UnavailableError(absl::StrCat(
       "the GPU context of this attnd is unusable after ", cudaGetErrorName(e), " (",
       cudaGetErrorString(e), "); retry on another replica, this one must be restarted"));
+}
+
+absl::StatusOr<GpuImport> CudaBackend::ImportIpcMemory(const std::string& handle,
+                                                       int32_t device_id, uint64_t bytes) {
+  if (device_id != options_.device) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id ", device_id, " is not attnd's GPU (",
+                                                   options_.device, ")"));
+  }
+  RETURN_IF_ERROR(Health());
+  cudaIpcMemHandle_t h;
+  static_assert(sizeof(h) == 64);
+  std::memcpy(&h, handle.data(), sizeof(h));
+  RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  void* ptr = nullptr;
+  if (cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+      e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_ipc_handle could not be opened (", cudaGetErrorString(e),
+        "): it must come from cudaIpcGetMemHandle in another process on this host, of memory "
+        "still allocated"));
+  }
+  // The allocation's extent, from the driver (through the runtime, so that attnd does not link
+  // libcuda): bytes must lie inside it, else a kernel could read past it.
+  using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  size_t extent = 0;
+  CUdeviceptr base = 0;
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess ||
+      reinterpret_cast<GetRange>(fn)(&base, &extent, reinterpret_cast<CUdeviceptr>(ptr)) !=
+          CUDA_SUCCESS) {
+    cudaIpcCloseMemHandle(ptr);
+    return absl::InternalError("cannot find the extent of the imported GPU memory");
+  }
+  const uint64_t usable = extent - (reinterpret_cast<CUdeviceptr>(ptr) - base);
+  if (bytes > usable) {
+    cudaIpcCloseMemHandle(ptr);
+    return absl::InvalidArgumentError(absl::StrCat("bytes ", bytes, " exceeds the ", usable,
+                                                   " bytes of the shared GPU allocation"));
+  }
+  GpuImport out;
+  out.data = static_cast<char*>(ptr);
+  out.bytes = bytes;
+  out.release = [ptr, device = options_.device] {
+    cudaSetDevice(device);
+    cudaIpcCloseMemHandle(ptr);
+  };
+  return out;
 }
 
 BackendMemory CudaBackend::Memory() const {

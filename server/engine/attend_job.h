@@ -83,6 +83,8 @@ struct AttendJob {
   // Where o and lse are written: null means the response's data fields; else a region slice.
   char* o_out = nullptr;
   char* lse_out = nullptr;
+  // q_bytes..lse_out are device addresses (GPU regions): never read or written on the host.
+  bool device_tensors = false;
   // Keeps the regions those point into mapped until the job is gone (even if unregistered).
   std::vector<std::shared_ptr<const void>> region_holds;
 

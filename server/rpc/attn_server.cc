@@ -172,6 +172,15 @@ absl::Status AttnServer::StartSharedMemory() {
     RegionRegistry::Options ro;
     ro.max_regions_per_client = options_.shm_max_regions_per_client;
     ro.max_bytes_per_client = options_.shm_max_bytes_per_client;
+    if (backend_->HasGpu()) {
+      // GPU regions: imported once here, at registration, and used by every request after.
+      ro.import_gpu = [backend = backend_.get()](const v1::RegisterRegionRequest& r)
+          -> absl::StatusOr<std::unique_ptr<SharedRegion>> {
+        ASSIGN_OR_RETURN(GpuImport g, backend->ImportIpcMemory(r.cuda_ipc_handle(),
+                                                                r.device_id(), r.bytes()));
+        return SharedRegion::Gpu(g.data, g.bytes, std::move(g.release));
+      };
+    }
     regions_ = std::make_unique<RegionRegistry>(ro);
     path = options_.shm_socket;
     if (path.empty()) {

@@ -60,7 +60,7 @@ absl::StatusOr<std::string> RegionRegistry::AddPending(std::shared_ptr<SharedReg
 v1::RegionInfo RegionRegistry::InfoOf(const std::string& name, const Entry& e) {
   v1::RegionInfo info;
   info.set_name(name);
-  info.set_kind(v1::REGION_KIND_HOST);
+  info.set_kind(e.region->on_gpu() ? v1::REGION_KIND_CUDA : v1::REGION_KIND_HOST);
   info.set_bytes(e.region->size());
   // The registry's own reference is not a request's.
   info.set_in_flight(e.region.use_count() - 1);
@@ -70,14 +70,10 @@ v1::RegionInfo RegionRegistry::InfoOf(const std::string& name, const Entry& e) {
 absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner,
                                                         const v1::RegisterRegionRequest& r) {
   if (absl::Status st = CheckRegionName(r.name(), "name"); !st.ok()) return st;
-  if (r.kind() == v1::REGION_KIND_CUDA) {
-    return absl::UnimplementedError(
-        "kind REGION_KIND_CUDA: GPU regions are not available in this version of attnd; use "
-        "REGION_KIND_HOST");
-  }
+  if (r.kind() == v1::REGION_KIND_CUDA) return RegisterGpu(owner, r);
   if (r.kind() != v1::REGION_KIND_HOST) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "kind must be REGION_KIND_HOST, got ", r.kind()));
+        "kind must be REGION_KIND_HOST or REGION_KIND_CUDA, got ", r.kind()));
   }
   if (r.handle().empty()) {
     return absl::InvalidArgumentError(
@@ -92,27 +88,77 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
         "handle is unknown, expired (60 s) or already claimed; pass the memfd over the region "
         "socket again");
   }
-  Owner& o = owners_[owner];
-  if (o.regions.count(r.name()) > 0) {
-    return absl::AlreadyExistsError(absl::StrCat("name: a region named '", r.name(),
+  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), p->second.region->size());
+      !st.ok()) {
+    return st;
+  }
+  Entry e{std::move(p->second.region), p->second.connection};
+  pending_.erase(p);
+  return InsertLocked(owner, r.name(), std::move(e));
+}
+
+absl::Status RegionRegistry::CheckRoomLocked(const Owner& o, const std::string& name,
+                                             uint64_t size) const {
+  if (o.regions.count(name) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("name: a region named '", name,
                                                  "' is already registered; unregister it first"));
   }
-  const uint64_t size = p->second.region->size();
   if (static_cast<int64_t>(o.regions.size()) >= options_.max_regions_per_client) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "this client has ", o.regions.size(), " regions, the most allowed "
         "(attnd's --shm_max_regions_per_client)"));
   }
-  if (o.bytes + size > static_cast<uint64_t>(options_.max_bytes_per_client)) {
+  if (size > static_cast<uint64_t>(options_.max_bytes_per_client) ||
+      o.bytes + size > static_cast<uint64_t>(options_.max_bytes_per_client)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "this client's regions would map ", o.bytes + size, " bytes, over the ",
+        "this client's regions would map ", o.bytes, " + ", size, " bytes, over the ",
         options_.max_bytes_per_client, "-byte limit (attnd's --shm_max_bytes_per_client)"));
   }
-  Entry e{std::move(p->second.region), p->second.connection};
-  pending_.erase(p);
-  o.bytes += size;
-  auto [it, inserted] = o.regions.emplace(r.name(), std::move(e));
+  return absl::OkStatus();
+}
+
+v1::RegionInfo RegionRegistry::InsertLocked(const std::string& owner, const std::string& name,
+                                            Entry e) {
+  Owner& o = owners_[owner];
+  o.bytes += e.region->size();
+  auto [it, inserted] = o.regions.emplace(name, std::move(e));
   return InfoOf(it->first, it->second);
+}
+
+// GPU regions come with their handle in the request (no socket step); importing one costs about
+// a millisecond, so it runs outside the lock, between a check of the room and a second one.
+absl::StatusOr<v1::RegionInfo> RegionRegistry::RegisterGpu(const std::string& owner,
+                                                           const v1::RegisterRegionRequest& r) {
+  if (r.cuda_ipc_handle().size() != 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_ipc_handle must be the 64 bytes of a cudaIpcMemHandle_t, got ",
+        r.cuda_ipc_handle().size()));
+  }
+  if (r.bytes() == 0) return absl::InvalidArgumentError("bytes must be > 0 for a GPU region");
+  if (r.device_id() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id must be >= 0, got ", r.device_id()));
+  }
+  if (!options_.import_gpu) {
+    return absl::FailedPreconditionError(
+        "kind REGION_KIND_CUDA: GPU regions need attnd's CUDA backend; this attnd has no GPU "
+        "(use REGION_KIND_HOST)");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto o = owners_.find(owner);
+    if (absl::Status st = CheckRoomLocked(o == owners_.end() ? Owner() : o->second, r.name(),
+                                          r.bytes());
+        !st.ok()) {
+      return st;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = options_.import_gpu(r);
+  if (!region.ok()) return region.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), (*region)->size()); !st.ok()) {
+    return st;  // another call took the name or the room meanwhile; the import is closed
+  }
+  return InsertLocked(owner, r.name(), Entry{std::move(*region), 0});
 }
 
 absl::Status RegionRegistry::Unregister(const std::string& owner, const std::string& name) {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -28,6 +29,10 @@ class RegionRegistry {
     std::chrono::seconds pending_ttl{60};
     // Most unclaimed handles per socket connection.
     int max_pending_per_connection = 64;
+    // Imports a REGION_KIND_CUDA region (its fields already checked) on the backend's GPU; null:
+    // the backend has no GPU, and such regions are refused.
+    std::function<absl::StatusOr<std::unique_ptr<SharedRegion>>(const v1::RegisterRegionRequest&)>
+        import_gpu;
   };
   explicit RegionRegistry(Options options) : options_(options) {}
 
@@ -70,6 +75,11 @@ class RegionRegistry {
   };
 
   void ExpirePendingLocked(std::chrono::steady_clock::time_point now);
+  // The checks of a new region under mu_: its name is free and the owner's limits hold with it.
+  absl::Status CheckRoomLocked(const Owner& o, const std::string& name, uint64_t size) const;
+  absl::StatusOr<v1::RegionInfo> RegisterGpu(const std::string& owner,
+                                             const v1::RegisterRegionRequest& request);
+  v1::RegionInfo InsertLocked(const std::string& owner, const std::string& name, Entry e);
   static v1::RegionInfo InfoOf(const std::string& name, const Entry& e);
 
   const Options options_;

@@ -42,9 +42,20 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::MapMemfd(int fd, uin
   if (p == MAP_FAILED) {
     return absl::InvalidArgumentError(absl::StrCat("mmap of the memfd: ", std::strerror(errno)));
   }
-  return std::unique_ptr<SharedRegion>(new SharedRegion(static_cast<char*>(p), size));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(static_cast<char*>(p), size, nullptr));
 }
 
-SharedRegion::~SharedRegion() { ::munmap(data_, size_); }
+std::unique_ptr<SharedRegion> SharedRegion::Gpu(char* device_data, uint64_t size,
+                                                std::function<void()> release) {
+  return std::unique_ptr<SharedRegion>(new SharedRegion(device_data, size, std::move(release)));
+}
+
+SharedRegion::~SharedRegion() {
+  if (release_) {
+    release_();
+  } else {
+    ::munmap(data_, size_);
+  }
+}
 
 }  // namespace attn

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/kernels/attention.h"
+#include "common/status_util.h"
 #include "transport/region_registry.h"
 
 namespace attn {
@@ -11,6 +12,34 @@ namespace {
 bool Overlap(const ResolvedBytes& a, const ResolvedBytes& b) {
   if (a.region == nullptr || a.region != b.region) return false;
   return a.data < b.data + b.bytes && b.data < a.data + a.bytes;
+}
+
+// GPU regions are all or nothing: the CUDA backend then moves the request only on the device, and
+// never reads it on the host (so float32, which it converts on the host, cannot use them).
+absl::Status CheckGpuUse(const v1::AttendRequest& r, const ResolvedBytes& q,
+                         const ResolvedBytes& k, const ResolvedBytes& v, const ResolvedBytes& o,
+                         const ResolvedBytes& lse) {
+  const bool any = q.on_gpu || k.on_gpu || v.on_gpu || o.on_gpu || lse.on_gpu;
+  if (!any) return absl::OkStatus();
+  const std::pair<const ResolvedBytes*, const char*> parts[] = {
+      {&q, "q.region"}, {&k, "k.region"}, {&v, "v.region"}, {&o, "o_region"}};
+  for (const auto& [part, name] : parts) {
+    if (!part->on_gpu) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " must name a GPU region (REGION_KIND_CUDA) too: a request that uses one has q, "
+          "k, v and o_region (and lse_region) all in GPU regions"));
+    }
+  }
+  if (r.return_lse() && !lse.on_gpu) {
+    return absl::InvalidArgumentError(
+        "lse_region must name a GPU region (REGION_KIND_CUDA) too: a request that uses one has "
+        "q, k, v and o_region (and lse_region) all in GPU regions");
+  }
+  if (r.q().dtype() == v1::DTYPE_FLOAT32) {
+    return absl::InvalidArgumentError(
+        "q.dtype DTYPE_FLOAT32 cannot be used with GPU regions; send float16 or bfloat16");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -43,6 +72,7 @@ absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const s
   out.data = (*region)->data() + slice.offset();
   out.bytes = slice.bytes();
   out.region = region->get();
+  out.on_gpu = (*region)->on_gpu();
   out.hold = std::move(*region);
   return out;
 }
@@ -104,6 +134,8 @@ absl::Status ResolveAttendTensors(const v1::AttendRequest& r, const std::string&
   if (Overlap(o, lse)) {
     return absl::InvalidArgumentError("o_region overlaps lse_region; outputs need bytes of their own");
   }
+  RETURN_IF_ERROR(CheckGpuUse(r, *q, *k, *v, o, lse));
+  job->device_tensors = q->on_gpu;
   job->q_bytes = {q->data, q->bytes};
   job->k_bytes = {k->data, k->bytes};
   job->v_bytes = {v->data, v->bytes};

@@ -26,6 +26,7 @@ struct ResolvedBytes {
   // The region the bytes lie in (null for bytes in the message): hold it while using them.
   std::shared_ptr<const void> hold;
   const void* region = nullptr;  // identity of that region, for overlap checks
+  bool on_gpu = false;           // data is a device address (a GPU region)
 };
 
 // The bytes a slice names. registry null: shared memory is off (FAILED_PRECONDITION). field is

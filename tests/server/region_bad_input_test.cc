@@ -215,15 +215,35 @@ TEST_F(RegionRpcBadInput, NameTaken) {
 }
 TEST_F(RegionRpcBadInput, KindUnspecified) {
   Expect(RegisterWith([](auto& r) { r.set_kind(v1::REGION_KIND_UNSPECIFIED); }),
-         absl::StatusCode::kInvalidArgument, "kind must be REGION_KIND_HOST");
+         absl::StatusCode::kInvalidArgument, "kind must be REGION_KIND_HOST or REGION_KIND_CUDA");
 }
 TEST_F(RegionRpcBadInput, KindUnknownNumber) {
   Expect(RegisterWith([](auto& r) { r.set_kind(static_cast<v1::RegionKind>(77)); }),
-         absl::StatusCode::kInvalidArgument, "kind must be REGION_KIND_HOST, got 77");
+         absl::StatusCode::kInvalidArgument, "REGION_KIND_CUDA, got 77");
 }
-TEST_F(RegionRpcBadInput, KindCudaNotAvailable) {
-  Expect(RegisterWith([](auto& r) { r.set_kind(v1::REGION_KIND_CUDA); }),
-         absl::StatusCode::kUnimplemented, "kind REGION_KIND_CUDA");
+// A GPU region's own fields are checked first, then whether this attnd has a GPU at all.
+void AsCuda(v1::RegisterRegionRequest& r) {
+  r.set_kind(v1::REGION_KIND_CUDA);
+  r.clear_handle();
+  r.set_cuda_ipc_handle(std::string(64, '\1'));
+  r.set_bytes(4096);
+}
+TEST_F(RegionRpcBadInput, CudaHandleWrongLength) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_cuda_ipc_handle("short"); }),
+         absl::StatusCode::kInvalidArgument,
+         "cuda_ipc_handle must be the 64 bytes of a cudaIpcMemHandle_t, got 5");
+}
+TEST_F(RegionRpcBadInput, CudaBytesZero) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_bytes(0); }),
+         absl::StatusCode::kInvalidArgument, "bytes must be > 0 for a GPU region");
+}
+TEST_F(RegionRpcBadInput, CudaDeviceNegative) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_device_id(-1); }),
+         absl::StatusCode::kInvalidArgument, "device_id must be >= 0, got -1");
+}
+TEST_F(RegionRpcBadInput, CudaOnTheCpuBackend) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); }), absl::StatusCode::kFailedPrecondition,
+         "GPU regions need attnd's CUDA backend");
 }
 TEST_F(RegionRpcBadInput, HandleEmpty) {
   Expect(RegisterWith([](auto& r) { r.set_handle(""); }), absl::StatusCode::kInvalidArgument,

@@ -32,6 +32,12 @@ class RegionClient {
 
   // Passes region's memfd to attnd and registers it under name.
   absl::StatusOr<v1::RegionInfo> Register(const std::string& name, const HostRegion& region);
+  // Registers GPU memory (on attnd's device) under name: ipc_handle is the 64 bytes of the
+  // cudaIpcMemHandle_t of a cudaMalloc allocation made by this process, bytes its size. The
+  // memory must stay allocated until it is unregistered.
+  absl::StatusOr<v1::RegionInfo> RegisterCuda(const std::string& name,
+                                              const std::string& ipc_handle, int32_t device_id,
+                                              uint64_t bytes);
   absl::Status Unregister(const std::string& name);
   absl::StatusOr<v1::ListRegionsResponse> List();
 
