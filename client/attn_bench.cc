@@ -400,6 +400,27 @@ WorkerRegions MakeRegions(const std::vector<std::unique_ptr<Client>>& clients, i
   return w;
 }
 
+// Before measuring through regions: one call inline and one through the region must give the
+// same o, else the level's numbers would mean nothing (exits 1).
+void CheckRegionAnswer(Client* client, const Payload& p, attn::client::BenchRegion* region) {
+  attn::v1::AttendResponse inline_response, region_response;
+  grpc::ClientContext a, b;
+  client->PrepareContext(&a, std::chrono::milliseconds(120000));
+  client->PrepareContext(&b, std::chrono::milliseconds(120000));
+  grpc::Status st = client->stub()->Attend(&a, p.attend, &inline_response);
+  if (st.ok()) st = client->stub()->Attend(&b, region->request(), &region_response);
+  if (!st.ok()) {
+    std::cerr << "attn-bench: region check: " << st.error_message() << std::endl;
+    std::exit(1);
+  }
+  auto o = region->ReadOutput();
+  if (!o.ok() || *o != inline_response.o().data()) {
+    std::cerr << "attn-bench: region check: o in the region differs from the inline answer"
+              << (o.ok() ? "" : " (" + std::string(o.status().message()) + ")") << std::endl;
+    std::exit(1);
+  }
+}
+
 LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency) {
   const int channels = absl::GetFlag(FLAGS_channels) > 0 ? absl::GetFlag(FLAGS_channels) : concurrency;
   auto clients = MakeClients(std::min(channels, concurrency));
@@ -414,6 +435,7 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
   const std::string transport = absl::GetFlag(FLAGS_transport);
   const bool shm = transport != "grpc" && mode == "unary";
   auto regions = shm ? MakeRegions(clients, concurrency, p, transport) : WorkerRegions{};
+  if (shm) CheckRegionAnswer(clients.front().get(), p, regions.regions.front().get());
   std::vector<std::thread> workers;
   for (int i = 0; i < concurrency; ++i) {
     Client* c = clients[i % clients.size()].get();

@@ -93,6 +93,24 @@ BenchRegion::~BenchRegion() {
 #endif
 }
 
+absl::StatusOr<std::string> BenchRegion::ReadOutput() const {
+  const v1::RegionSlice& o = request_.o_region();
+  std::string out(o.bytes(), '\0');
+  if (host_) {
+    std::memcpy(out.data(), host_->data() + o.offset(), o.bytes());
+    return out;
+  }
+#ifdef ATTN_BENCH_CUDA
+  if (cudaMemcpy(out.data(), static_cast<char*>(device_) + o.offset(), o.bytes(),
+                 cudaMemcpyDeviceToHost) != cudaSuccess) {
+    return absl::InternalError("cudaMemcpy of o out of the GPU region failed");
+  }
+  return out;
+#else
+  return absl::InternalError("no region");
+#endif
+}
+
 void BenchRegion::WriteInputs() {
   if (!host_) return;
   char* p = host_->data();

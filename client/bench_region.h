@@ -26,6 +26,8 @@ class BenchRegion {
   // Copies q, k and v into the region: the one copy a client that produces them on the host
   // pays (host regions; GPU regions are written once, as a model's tensors already live there).
   void WriteInputs();
+  // The o the last call wrote into the region.
+  absl::StatusOr<std::string> ReadOutput() const;
 
  private:
   explicit BenchRegion(const v1::AttendRequest* inline_request) : inline_(inline_request) {}
