@@ -59,6 +59,25 @@ absl::StatusOr<std::unique_ptr<RegionClient>> RegionClient::Connect(Client* clie
 
 RegionClient::~RegionClient() { ::close(socket_fd_); }
 
+absl::StatusOr<std::string> RegionClient::Lease() {
+  std::lock_guard<std::mutex> lock(socket_mu_);
+  if (::send(socket_fd_, "ATTNLS01", 8, MSG_NOSIGNAL) != 8) {
+    return absl::UnavailableError(absl::StrCat("region socket: ", std::strerror(errno)));
+  }
+  return ReadAnswer();
+}
+
+absl::StatusOr<std::string> RegionClient::ReadAnswer() {
+  char answer[512];
+  const ssize_t n = ::recv(socket_fd_, answer, sizeof(answer) - 1, 0);
+  if (n <= 0) return absl::UnavailableError("region socket closed by attnd");
+  std::string line(answer, static_cast<size_t>(n));
+  while (!line.empty() && line.back() == '\n') line.pop_back();
+  if (line.rfind("OK ", 0) == 0) return line.substr(3);
+  return absl::InvalidArgumentError(
+      absl::StrCat("attnd refused: ", line.rfind("ERR ", 0) == 0 ? line.substr(4) : line));
+}
+
 absl::StatusOr<std::string> RegionClient::SendDescriptor(int fd) {
   std::lock_guard<std::mutex> lock(socket_mu_);
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
@@ -76,14 +95,7 @@ absl::StatusOr<std::string> RegionClient::SendDescriptor(int fd) {
   if (::sendmsg(socket_fd_, &msg, MSG_NOSIGNAL) != 8) {
     return absl::UnavailableError(absl::StrCat("region socket: ", std::strerror(errno)));
   }
-  char answer[512];
-  const ssize_t n = ::recv(socket_fd_, answer, sizeof(answer) - 1, 0);
-  if (n <= 0) return absl::UnavailableError("region socket closed by attnd");
-  std::string line(answer, static_cast<size_t>(n));
-  while (!line.empty() && line.back() == '\n') line.pop_back();
-  if (line.rfind("OK ", 0) == 0) return line.substr(3);
-  return absl::InvalidArgumentError(
-      absl::StrCat("attnd refused the memfd: ", line.rfind("ERR ", 0) == 0 ? line.substr(4) : line));
+  return ReadAnswer();
 }
 
 absl::StatusOr<v1::RegionInfo> RegionClient::Register(const std::string& name,
@@ -105,9 +117,12 @@ absl::StatusOr<v1::RegionInfo> RegionClient::Register(const std::string& name,
 absl::StatusOr<v1::RegionInfo> RegionClient::RegisterCuda(const std::string& name,
                                                           const std::string& ipc_handle,
                                                           int32_t device_id, uint64_t bytes) {
+  absl::StatusOr<std::string> lease = Lease();
+  if (!lease.ok()) return lease.status();
   v1::RegisterRegionRequest request;
   request.set_name(name);
   request.set_kind(v1::REGION_KIND_CUDA);
+  request.set_handle(*lease);
   request.set_cuda_ipc_handle(ipc_handle);
   request.set_device_id(device_id);
   request.set_bytes(bytes);

@@ -88,6 +88,10 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
         "handle is unknown, expired (60 s) or already claimed; pass the memfd over the region "
         "socket again");
   }
+  if (p->second.region == nullptr) {
+    return absl::InvalidArgumentError(
+        "handle is a lease for a GPU region (kind REGION_KIND_CUDA), not a memfd's");
+  }
   if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), p->second.region->size());
       !st.ok()) {
     return st;
@@ -138,6 +142,22 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::RegisterGpu(const std::string& ow
   if (r.device_id() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("device_id must be >= 0, got ", r.device_id()));
   }
+  uint64_t connection = 0;  // none: kept until unregistered (or attnd exits)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ExpirePendingLocked(std::chrono::steady_clock::now());
+    if (!r.handle().empty()) {
+      // A lease from the region socket: the region goes when that connection closes.
+      auto p = pending_.find(r.handle());
+      if (p == pending_.end() || p->second.region != nullptr) {
+        return absl::InvalidArgumentError(
+            "handle is unknown, expired (60 s), already claimed or not a lease; ask the region "
+            "socket for a lease (ATTNLS01) or leave handle empty");
+      }
+      connection = p->second.connection;
+      pending_.erase(p);
+    }
+  }
   if (!options_.import_gpu) {
     return absl::FailedPreconditionError(
         "kind REGION_KIND_CUDA: GPU regions need attnd's CUDA backend; this attnd has no GPU "
@@ -158,7 +178,7 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::RegisterGpu(const std::string& ow
   if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), (*region)->size()); !st.ok()) {
     return st;  // another call took the name or the room meanwhile; the import is closed
   }
-  return InsertLocked(owner, r.name(), Entry{std::move(*region), 0});
+  return InsertLocked(owner, r.name(), Entry{std::move(*region), connection});
 }
 
 absl::Status RegionRegistry::Unregister(const std::string& owner, const std::string& name) {

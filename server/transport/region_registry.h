@@ -39,7 +39,8 @@ class RegionRegistry {
   const Options& options() const { return options_; }
 
   // Parks a mapped region under a fresh handle, tied to socket connection `connection` (for
-  // DropConnection). RESOURCE_EXHAUSTED past max_pending_per_connection.
+  // DropConnection). A null region makes a lease: a handle that ties a GPU region, registered
+  // with it, to the connection. RESOURCE_EXHAUSTED past max_pending_per_connection.
   absl::StatusOr<std::string> AddPending(std::shared_ptr<SharedRegion> region, uint64_t connection);
 
   // Claims `handle` as region `name` of `owner`. Errors name the field (name, handle, kind).

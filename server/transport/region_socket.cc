@@ -160,9 +160,16 @@ bool RegionSocket::Serve(int fd, uint64_t connection) {
     if (memfd >= 0) ::close(memfd);
     return false;
   }
+  if (n == 8 && std::memcmp(buf, kRegionSocketLease, 8) == 0) {
+    if (memfd >= 0) ::close(memfd);
+    auto lease = registry_->AddPending(nullptr, connection);
+    Reply(fd, lease.ok() ? absl::StrCat("OK ", *lease, "\n")
+                         : absl::StrCat("ERR ", lease.status().message(), "\n"));
+    return true;
+  }
   if (n != 8 || std::memcmp(buf, kRegionSocketMagic, 8) != 0) {
     if (memfd >= 0) ::close(memfd);
-    Reply(fd, "ERR each message must be the 8 bytes ATTNFD01 with one memfd\n");
+    Reply(fd, "ERR each message must be the 8 bytes ATTNFD01 with one memfd, or ATTNLS01\n");
     return true;
   }
   if (memfd == -2) {

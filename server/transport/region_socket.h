@@ -46,5 +46,8 @@ class RegionSocket {
 
 // The 8 bytes that go with each memfd sent to the region socket.
 inline constexpr char kRegionSocketMagic[] = "ATTNFD01";
+// The 8 bytes (no descriptor) that ask for a lease: a handle that ties a GPU region registered
+// with it to this connection.
+inline constexpr char kRegionSocketLease[] = "ATTNLS01";
 
 }  // namespace attn

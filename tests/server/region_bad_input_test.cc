@@ -92,7 +92,7 @@ std::vector<RegionCase> Cases() {
          *r.mutable_lse_region() = client::RegionSliceOf("out", 0, rig.lse_bytes());
        },
        IA, "o_region overlaps lse_region"},
-      {"RegionNameOfOtherKindOfField",  // the region name given as q's data: sizes mismatch
+      {"RegionClearedNoData",  // q neither in a region nor in the message: its data is empty
        [](auto& r, auto&) { r.mutable_q()->clear_region(); }, IA, "q.data has 0 bytes"},
   };
 }
@@ -253,6 +253,33 @@ TEST_F(RegionRpcBadInput, HandleUnknown) {
   Expect(RegisterWith([](auto& r) { r.set_handle("0123456789abcdef0123456789abcdef"); }),
          absl::StatusCode::kInvalidArgument, "handle is unknown");
 }
+// Leases (handles without a memfd, for GPU regions) and memfd handles are not interchangeable.
+TEST_F(RegionRpcBadInput, HostRegionWithALease) {
+  auto lease = rig_.regions().Lease();
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  Expect(RegisterWith([&](auto& r) { r.set_handle(*lease); }), absl::StatusCode::kInvalidArgument,
+         "handle is a lease for a GPU region");
+}
+TEST_F(RegionRpcBadInput, CudaRegionWithAMemfdHandle) {
+  // RegisterWith passes a memfd's handle; a GPU region wants a lease there.
+  Expect(RegisterWith([](auto& r) {
+           const std::string memfd_handle = r.handle();
+           AsCuda(r);
+           r.set_handle(memfd_handle);
+         }),
+         absl::StatusCode::kInvalidArgument, "handle is unknown, expired (60 s), already claimed or not a lease");
+}
+TEST_F(RegionRpcBadInput, CudaRegionWithUnknownLease) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_handle("00000000000000000000000000000000"); }),
+         absl::StatusCode::kInvalidArgument, "not a lease");
+}
+TEST_F(RegionRpcBadInput, CudaRegionWithALeaseOnTheCpuBackend) {
+  auto lease = rig_.regions().Lease();
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  Expect(RegisterWith([&](auto& r) { AsCuda(r); r.set_handle(*lease); }),
+         absl::StatusCode::kFailedPrecondition, "GPU regions need attnd's CUDA backend");
+}
+
 TEST_F(RegionRpcBadInput, UnregisterUnknown) {
   Expect(rig_.regions().Unregister("never"), absl::StatusCode::kNotFound,
          "name: no region named 'never'");

@@ -34,7 +34,8 @@ class RegionClient {
   absl::StatusOr<v1::RegionInfo> Register(const std::string& name, const HostRegion& region);
   // Registers GPU memory (on attnd's device) under name: ipc_handle is the 64 bytes of the
   // cudaIpcMemHandle_t of a cudaMalloc allocation made by this process, bytes its size. The
-  // memory must stay allocated until it is unregistered.
+  // memory must stay allocated until it is unregistered. Tied to this object's socket by a
+  // lease: attnd drops it when the socket closes.
   absl::StatusOr<v1::RegionInfo> RegisterCuda(const std::string& name,
                                               const std::string& ipc_handle, int32_t device_id,
                                               uint64_t bytes);
@@ -44,11 +45,16 @@ class RegionClient {
   // The first step of Register alone: hands fd to attnd over the socket and returns the
   // one-time handle (for callers that drive RegisterRegion themselves, and tests).
   absl::StatusOr<std::string> SendDescriptor(int fd);
+  // A lease (a handle that ties a GPU region registered with it to this socket).
+  absl::StatusOr<std::string> Lease();
   v1::SharedMemory::Stub* stub() { return stub_.get(); }
 
  private:
   RegionClient(Client* client, int socket_fd, std::unique_ptr<v1::SharedMemory::Stub> stub)
       : client_(client), socket_fd_(socket_fd), stub_(std::move(stub)) {}
+
+  // The socket's one-line answer: the handle after "OK ", or the reason after "ERR ".
+  absl::StatusOr<std::string> ReadAnswer();
 
   Client* const client_;
   const int socket_fd_;
