@@ -6,6 +6,10 @@
 // region_bad_input_test.cc. CPU backend, real attnd in-process on loopback.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -13,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <thread>
@@ -223,6 +228,52 @@ TEST(SharedMemoryTest, UnsafeDescriptorsAreRefused) {
   // The socket still serves after the refusals.
   auto ok = HostRegion::Create(4096);
   EXPECT_TRUE(rig.regions().SendDescriptor((*ok)->fd()).ok());
+}
+
+// In a child running as another user (nobody): connects to the region socket and reads its
+// answer. Exit 0: refused as expected_refusal says ("file": connect fails with EACCES, "peer":
+// attnd answers ERR naming its user rule); other codes: what went wrong.
+int ConnectAsNobody(const std::string& path, const std::string& expected_refusal) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(10);
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      _exit(expected_refusal == "file" && errno == EACCES ? 0 : 11);
+    }
+    if (expected_refusal == "file") _exit(12);  // the file system let it through
+    const timeval two_seconds{2, 0};  // a server that does not refuse sends nothing
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &two_seconds, sizeof(two_seconds));
+    char answer[256] = {};
+    const ssize_t n = recv(fd, answer, sizeof(answer) - 1, 0);
+    const char want[] = "ERR the region socket serves only processes of attnd's own user";
+    _exit(n > 0 && std::strncmp(answer, want, sizeof(want) - 1) == 0 ? 0 : 13);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Processes of another user cannot hand attnd memfds: the socket file is 0600, and with the file
+// opened up attnd still refuses them by SO_PEERCRED.
+TEST(SharedMemoryTest, OtherUsersAreRefused) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a child as another user";
+  RegionRig rig;
+  ASSERT_TRUE(rig.Start());
+  struct stat st{};
+  ASSERT_EQ(stat(rig.socket_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // The rig's directory (mkdtemp, 0700) must let nobody reach the socket file at all.
+  ASSERT_EQ(chmod(std::filesystem::path(rig.socket_path()).parent_path().c_str(), 0711), 0);
+  EXPECT_EQ(ConnectAsNobody(rig.socket_path(), "file"), 0);
+  ASSERT_EQ(chmod(rig.socket_path().c_str(), 0666), 0);
+  EXPECT_EQ(ConnectAsNobody(rig.socket_path(), "peer"), 0);
+  // The socket serves its own user on.
+  auto region = HostRegion::Create(4096);
+  EXPECT_TRUE(rig.regions().SendDescriptor((*region)->fd()).ok());
 }
 
 TEST(SharedMemoryTest, HandleIsClaimedOnce) {
