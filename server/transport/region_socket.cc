@@ -148,6 +148,12 @@ void RegionSocket::Accept() {
     ::close(fd);
     return;
   }
+  // Each connection holds a descriptor of attnd's: bounded, so that no client can exhaust them.
+  if (connections_.size() >= kMaxConnections) {
+    Reply(fd, "ERR attnd's region socket has too many connections; close unused ones\n");
+    ::close(fd);
+    return;
+  }
   connections_[fd] = next_connection_++;
 }
 

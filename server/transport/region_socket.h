@@ -39,6 +39,7 @@ class RegionSocket {
   const int wake_read_fd_;
   const int wake_write_fd_;
   RegionRegistry* const registry_;
+  static constexpr size_t kMaxConnections = 1024;
   std::map<int, uint64_t> connections_;  // fd -> connection id; used by the loop thread only
   uint64_t next_connection_ = 1;
   std::thread thread_;
