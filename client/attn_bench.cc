@@ -12,6 +12,24 @@
 // chosen mode and then Echo with the same bytes in the same process, and prints the ratios
 // (req/s and p50 of the mode over Echo's).
 //
+// --mode=decode drives KV-cache sessions: --sessions S (a comma-separated sweep, instead of
+// --concurrency) sessions of --layers L layers, each prefilled with --cache_tokens tokens per layer
+// (not timed), then decoded one token per layer per call: through Step (one caller per session) or,
+// with --batch_step N, through BatchStep (ceil(S/N) callers, each sending one step of each of its
+// N sessions per call, its sessions on one replica). --target may name many replicas (a DNS name
+// with many addresses, ipv4:H1:P1,H2:P2): sessions are placed by the client library on the replica
+// with the most free KV pages. Every --decode_window tokens a session is truncated back to
+// --cache_tokens (not timed), so the cache length holds however long the run. Per level it prints
+// two rows: the decode run and Echo of the same bytes (each call's serialized request out, its o
+// and lse bytes back) at the same concurrency, with
+//   steps/s    (session, layer) steps per second; tokens/s = steps/s / L (a token has passed every
+//              layer); p50/p99 per call; queue_us/compute_us the server's timing (mean per call);
+//   cache      mean cache length after a step; KV_GB/s the K and V bytes the steps read per second
+//              (cache length x KV heads x head dim x 2 x dtype size, summed over the steps);
+//   steps/echo and p50/echo the decode row over the Echo row.
+// A server that cannot serve sessions answers CreateSession (or Step) with UNIMPLEMENTED: attn-bench
+// prints that status and exits 1.
+//
 // --rate in stream mode: each of the `concurrency` streams writes on its own schedule
 // (rate/concurrency per stream, staggered); a write whose slot is not free yet (--stream_depth
 // in flight) waits for one, and its latency still counts from the scheduled time.
@@ -33,6 +51,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
@@ -42,6 +61,7 @@
 #include "bench_region.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
+#include "bench_decode.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
 ABSL_FLAG(std::string, lb, "",
@@ -51,7 +71,20 @@ ABSL_FLAG(std::string, lb, "",
 ABSL_FLAG(bool, compare_echo, false,
           "At each concurrency level also run Echo with the same bytes and print the ratio of "
           "--mode to Echo (req/s and p50)");
-ABSL_FLAG(std::string, mode, "unary", "unary (Attend), stream (AttendStream) or echo");
+ABSL_FLAG(std::string, mode, "unary",
+          "unary (Attend), stream (AttendStream), echo, or decode (KV-cache sessions through Step or "
+          "BatchStep, with Echo of the same bytes)");
+ABSL_FLAG(std::string, sessions, "1", "decode: comma-separated numbers of concurrent sessions to sweep");
+ABSL_FLAG(int, layers, 1, "decode: layers per session (each step is one layer's)");
+ABSL_FLAG(int64_t, cache_tokens, 1024, "decode: tokens per layer prefilled before the measured run (not timed)");
+ABSL_FLAG(int, prefill_chunk, 1024, "decode: tokens per prefill step");
+ABSL_FLAG(int, batch_step, 0,
+          "decode: 0 sends Step (one caller per session); N > 0 sends BatchStep with one step of each "
+          "of up to N sessions per call");
+ABSL_FLAG(int, decode_window, 64,
+          "decode: decode tokens a session gains before it is truncated back to --cache_tokens (not "
+          "timed)");
+ABSL_FLAG(bool, lse, false, "decode: ask for the log-sum-exp too");
 ABSL_FLAG(std::string, transport, "grpc",
           "unary mode: grpc (tensors in the messages), shm (each worker's q, k, v and o in a "
           "host shared-memory region of its own) or cuda-ipc (in GPU memory of device 0 shared "
@@ -578,6 +611,64 @@ std::string JsonLevel(const LevelResult& r, const std::string& label) {
   return s.str();
 }
 
+// Flags that mean nothing in decode mode: an error rather than silently ignored (when set to other
+// than their default; this Abseil does not say whether a flag was given).
+bool RejectFlagsOfOtherModes() {
+  for (const char* name : {"concurrency", "rate", "stream_depth", "seq", "kv_seq", "batch", "causal", "compare_echo"}) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    if (f != nullptr && f->CurrentValue() != f->DefaultValue()) {
+      std::cerr << "attn-bench: --" << name << " does not apply to --mode=decode (it takes --sessions, "
+                << "--layers, --cache_tokens, --batch_step; Echo rows are always printed)" << std::endl;
+      return true;
+    }
+  }
+  return false;
+}
+
+int Decode() {
+  if (RejectFlagsOfOtherModes()) return 64;
+  attn::client::DecodeBenchOptions o;
+  auto dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok() || *dtype == attn::client::DType::kFloat32) {
+    std::cerr << "attn-bench: decode: --dtype must be bf16 or fp16 (a session's cache dtype)" << std::endl;
+    return 64;
+  }
+  o.dtype = *dtype;
+  o.target = absl::GetFlag(FLAGS_target);
+  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_sessions), ',')) {
+    int s = 0;
+    if (!absl::SimpleAtoi(part, &s) || s < 1) {
+      std::cerr << "attn-bench: bad --sessions entry '" << part << "'" << std::endl;
+      return 64;
+    }
+    o.sessions.push_back(s);
+  }
+  o.layers = absl::GetFlag(FLAGS_layers);
+  o.heads = absl::GetFlag(FLAGS_heads);
+  o.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  if (o.kv_heads == 0) o.kv_heads = o.heads;
+  o.head_dim = absl::GetFlag(FLAGS_head_dim);
+  o.cache_tokens = absl::GetFlag(FLAGS_cache_tokens);
+  o.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  o.batch_step = absl::GetFlag(FLAGS_batch_step);
+  o.decode_window = absl::GetFlag(FLAGS_decode_window);
+  o.lse = absl::GetFlag(FLAGS_lse);
+  o.duration_s = absl::GetFlag(FLAGS_duration_s);
+  o.warmup_s = absl::GetFlag(FLAGS_warmup_s);
+  o.max_calls = absl::GetFlag(FLAGS_max_requests);
+  o.channels = absl::GetFlag(FLAGS_channels);
+  o.csv = absl::GetFlag(FLAGS_csv);
+  o.json = absl::GetFlag(FLAGS_json);
+  o.label = absl::GetFlag(FLAGS_label);
+  if (o.layers < 1 || o.heads < 1 || o.kv_heads < 1 || o.head_dim < 1 || o.cache_tokens < 0 ||
+      o.prefill_chunk < 1 || o.batch_step < 0 || o.decode_window < 1) {
+    std::cerr << "attn-bench: decode: --layers, --heads, --kv_heads, --head_dim, --prefill_chunk and "
+                 "--decode_window must be positive, --cache_tokens and --batch_step >= 0" << std::endl;
+    return 64;
+  }
+  return attn::client::RunDecodeBench(o);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -587,8 +678,8 @@ int main(int argc, char** argv) {
   std::vector<char*> argp = attn::util::ArgvOf(args);
   absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
   const std::string mode = absl::GetFlag(FLAGS_mode);
-  if (mode != "unary" && mode != "stream" && mode != "echo") {
-    std::cerr << "attn-bench: --mode must be unary, stream or echo" << std::endl;
+  if (mode != "unary" && mode != "stream" && mode != "echo" && mode != "decode") {
+    std::cerr << "attn-bench: --mode must be unary, stream, echo or decode" << std::endl;
     return 64;
   }
   const std::string transport = absl::GetFlag(FLAGS_transport);
@@ -605,6 +696,7 @@ int main(int argc, char** argv) {
               << std::endl;
     return 64;
   }
+  if (mode == "decode") return Decode();
   std::vector<int> levels;
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',')) {
     int c = 0;

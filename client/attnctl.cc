@@ -4,6 +4,12 @@
 //   attnctl [--target HOST:PORT] attend [--seq S] [--kv-seq SK] [--batch B] [--heads H]
 //           [--kv-heads HKV] [--head-dim D] [--dtype bf16|fp16|fp32] [--causal] [--lse]
 //           [--count N] [--check]
+//   attnctl [--target T] session demo [--layers L] [--kv-heads HKV] [--heads H] [--head-dim D]
+//           [--dtype bf16|fp16] [--prefill N] [--chunk C] [--decode N] [--truncate N] [--lse]
+//           [--check]
+// --target may name many replicas (ipv4:H1:P1,H2:P2, or a DNS name with many addresses such as
+// a Kubernetes headless Service): `session` creates its session on the one with the most free
+// KV pages and sends every call on it there.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -20,9 +26,11 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_join.h"
 #include "attn/client/client.h"
+#include "attn/client/session.h"
 #include "attn/kernels/cpu_attention.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
+#include "session_demo.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
 ABSL_FLAG(std::string, lb, "",
@@ -38,21 +46,31 @@ ABSL_FLAG(std::string, service, "", "health: the service to ask about ('' = whol
 ABSL_FLAG(int, seq, 128, "attend: query tokens per sequence");
 ABSL_FLAG(int, kv_seq, 0, "attend: key tokens per sequence (0: same as --seq)");
 ABSL_FLAG(int, batch, 1, "attend: sequences per request");
-ABSL_FLAG(int, heads, 8, "attend: query heads");
-ABSL_FLAG(int, kv_heads, 0, "attend: KV heads (0: same as --heads)");
-ABSL_FLAG(int, head_dim, 64, "attend: head dimension");
-ABSL_FLAG(std::string, dtype, "bf16", "attend: bf16, fp16 or fp32");
+ABSL_FLAG(int, heads, 8, "attend, session: query heads");
+ABSL_FLAG(int, kv_heads, 0, "attend, session: KV heads (0: same as --heads)");
+ABSL_FLAG(int, head_dim, 64, "attend, session: head dimension");
+ABSL_FLAG(std::string, dtype, "bf16", "attend: bf16, fp16 or fp32; session: bf16 or fp16");
 ABSL_FLAG(bool, causal, false, "attend: causal mask");
-ABSL_FLAG(int, window_left, -1, "attend: sliding window, keys to the left (-1: none)");
+ABSL_FLAG(int, window_left, -1, "attend, session: sliding window, keys to the left (-1: none)");
 ABSL_FLAG(int, window_right, -1, "attend: sliding window, keys to the right (-1: none)");
-ABSL_FLAG(bool, lse, false, "attend: ask for the log-sum-exp too");
+ABSL_FLAG(bool, lse, false, "attend, session: ask for the log-sum-exp too");
 ABSL_FLAG(int, count, 1, "attend: requests to send, one after another");
-ABSL_FLAG(bool, check, false, "attend: compare each answer with the CPU backend run locally");
-ABSL_FLAG(uint64_t, seed, 0, "attend: random seed (0: from the clock)");
+ABSL_FLAG(bool, check, false,
+          "attend: compare each answer with the CPU backend run locally; session: compare each step "
+          "with a float64 reference over the cache, and check the contract (token counts, NOT_FOUND "
+          "after close)");
+ABSL_FLAG(uint64_t, seed, 0, "attend, session: random seed (0: from the clock)");
 ABSL_FLAG(int, timeout_ms, 60000, "Deadline of each call, milliseconds");
 ABSL_FLAG(int, connections, 1,
           "HTTP/2 connections to --target (ClientOptions::connections; 0: min(4, hardware "
           "threads)); attnctl sends one call at a time, so one is enough");
+ABSL_FLAG(int, layers, 2, "session: layers of the session");
+ABSL_FLAG(int, prefill, 100, "session: prefill tokens per layer");
+ABSL_FLAG(int, chunk, 0, "session: prefill chunk, tokens per step (0: the whole prefill in one step)");
+ABSL_FLAG(int, decode, 20, "session: decode tokens (one step per layer each)");
+ABSL_FLAG(int, truncate, 4, "session: tokens dropped from every layer after the decode (0: none)");
+ABSL_FLAG(int, fork_decode, 2,
+          "session: after forking, decode tokens on the fork and on the parent each (0: no fork)");
 
 namespace {
 
@@ -110,6 +128,13 @@ int Info(Client& client) {
             << "max message:    " << info->limits().max_message_bytes() << " bytes\n"
             << "max batch:      " << info->limits().max_batch_tokens() << " tokens\n"
             << "max queue:      " << info->limits().max_queue_size() << " requests\n"
+            << "replica:        " << info->replica_id() << "\n"
+            << "kv cache:       " << info->kv_cache().capacity_bytes() << " bytes, "
+            << info->kv_cache().total_pages() << " pages of " << info->kv_cache().page_tokens()
+            << " tokens, " << info->kv_cache().free_pages() << " free\n"
+            << "sessions:       " << info->kv_cache().sessions() << " open, at most "
+            << info->limits().max_sessions() << ", " << info->limits().max_session_tokens()
+            << " tokens each, TTL " << info->kv_cache().session_ttl_seconds() << " s\n"
             << "build:          " << info->build_info() << std::endl;
   return 0;
 }
@@ -234,17 +259,61 @@ int Attend(Client& client) {
   return 0;
 }
 
+// attnctl session demo: see session_demo.h.
+int Session(const std::vector<std::string>& args, const attn::client::ClientOptions& client_options) {
+  if (args.size() != 1 || args[0] != "demo") {
+    std::cerr << "usage: attnctl [--target T] session demo [flags]" << std::endl;
+    return 64;
+  }
+  attn::client::SessionDemoOptions o;
+  auto dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Fail(dtype.status());
+  o.dtype = *dtype;
+  o.layers = absl::GetFlag(FLAGS_layers);
+  o.heads = absl::GetFlag(FLAGS_heads);
+  o.kv_heads = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : o.heads;
+  o.head_dim = absl::GetFlag(FLAGS_head_dim);
+  o.prefill = absl::GetFlag(FLAGS_prefill);
+  o.chunk = absl::GetFlag(FLAGS_chunk);
+  o.decode = absl::GetFlag(FLAGS_decode);
+  o.truncate = absl::GetFlag(FLAGS_truncate);
+  o.fork_decode = absl::GetFlag(FLAGS_fork_decode);
+  o.lse = absl::GetFlag(FLAGS_lse);
+  o.check = absl::GetFlag(FLAGS_check);
+  o.window_left = absl::GetFlag(FLAGS_window_left);
+  o.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  o.seed = absl::GetFlag(FLAGS_seed);
+  if (o.seed == 0) o.seed = std::chrono::steady_clock::now().time_since_epoch().count();
+  // The server checks what it is sent; these are what the local mirror of the cache relies on.
+  if (o.layers < 1 || o.heads < 1 || o.kv_heads < 1 || o.head_dim < 1 || o.prefill < 0 || o.chunk < 0 ||
+      o.decode < 0 || o.truncate < 0 || o.fork_decode < 0 || o.heads % o.kv_heads != 0) {
+    std::cerr << "attnctl: session: --layers, --heads, --kv-heads and --head-dim must be positive, "
+                 "--heads a multiple of --kv-heads, the token counts >= 0" << std::endl;
+    return 64;
+  }
+  if (o.prefill + o.decode == 0) {
+    std::cerr << "attnctl: session: --prefill and --decode are both 0: nothing to do" << std::endl;
+    return 64;
+  }
+  attn::client::SessionClientOptions so;
+  so.client = client_options;
+  auto sessions = attn::client::SessionClient::Create(so);
+  if (!sessions.ok()) return Fail(sessions.status());
+  return attn::client::RunSessionDemo(**sessions, o);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   attn::util::SetUsageConfigForMain("client/attnctl.cc", "attnctl (attnd tools)");
   absl::SetProgramUsageMessage(
-      "attnctl [--target HOST:PORT] info | health | attend [shape flags] [--check]");
+      "attnctl [--target HOST:PORT] info | health | attend [shape flags] [--check] | "
+      "session demo [shape flags] [--check]");
   std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);
   std::vector<char*> argp = attn::util::ArgvOf(args);
   std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
-  if (positional.size() != 2) {
-    std::cerr << "usage: attnctl [--target HOST:PORT] info | health | attend [flags]\n"
+  if (positional.size() < 2) {
+    std::cerr << "usage: attnctl [--target HOST:PORT] info | health | attend [flags] | session demo [flags]\n"
               << "       attnctl --help for all flags" << std::endl;
     return 64;
   }
@@ -260,9 +329,16 @@ int main(int argc, char** argv) {
   auto client = Client::Create(options);
   if (!client.ok()) return Fail(client.status());
   const std::string command = positional[1];
+  if (command == "session") {
+    return Session(std::vector<std::string>(positional.begin() + 2, positional.end()), options);
+  }
+  if (positional.size() != 2) {
+    std::cerr << "attnctl: '" << command << "' takes no arguments" << std::endl;
+    return 64;
+  }
   if (command == "info") return Info(**client);
   if (command == "health") return Health(**client);
   if (command == "attend") return Attend(**client);
-  std::cerr << "attnctl: unknown command '" << command << "' (info, health, attend)" << std::endl;
+  std::cerr << "attnctl: unknown command '" << command << "' (info, health, attend, session)" << std::endl;
   return 64;
 }

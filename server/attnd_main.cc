@@ -64,6 +64,23 @@ ABSL_FLAG(int64_t, max_pending_per_client, kDefaults.max_pending_per_client,
           "Most pending Attend calls and AttendStream items per client (its token, else its "
           "address); beyond it RESOURCE_EXHAUSTED; 0: unlimited");
 
+ABSL_FLAG(int64_t, kv_cache_bytes, kDefaults.kv_cache_bytes,
+          "KV cache region of sessions, bytes (keys and values); 0: CPU 256 MiB, CUDA 80% of the "
+          "device memory free at start after --device_pool_bytes and 1 GiB of headroom");
+ABSL_FLAG(int64_t, kv_page_tokens, kDefaults.kv_page_tokens,
+          "Tokens per KV page for a 2 KiB KV row (8 KV heads x head_dim 128 x 2 bytes); a page "
+          "holds page bytes / row tokens of other rows");
+ABSL_FLAG(int64_t, max_sessions, kDefaults.max_sessions, "Most open KV-cache sessions");
+ABSL_FLAG(int64_t, max_session_tokens, kDefaults.max_session_tokens,
+          "Most tokens one session may hold per layer");
+ABSL_FLAG(double, session_ttl_s, kDefaults.session_ttl_s,
+          "Idle seconds after which a session is closed and its pages freed");
+ABSL_FLAG(std::string, replica_id, kDefaults.replica_id,
+          "This process's replica id, the prefix of its session ids ([A-Za-z0-9_-]{1,64}); "
+          "empty: random per start");
+ABSL_FLAG(int64_t, max_step_delay_us, kDefaults.max_step_delay_us,
+          "Longest a session step waits for others to batch with while the backend is idle, "
+          "microseconds (steps that arrive while it is busy gather anyway)");
 ABSL_FLAG(bool, allow_shared_memory, kDefaults.allow_shared_memory,
           "Serve same-host clients through shared memory (the SharedMemory service and "
           "Tensor.region): a Unix socket (--shm_socket) takes their sealed memfds");
@@ -119,6 +136,13 @@ attn::ServerOptions OptionsFromFlags() {
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   o.max_pending_per_client = absl::GetFlag(FLAGS_max_pending_per_client);
+  o.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  o.kv_page_tokens = absl::GetFlag(FLAGS_kv_page_tokens);
+  o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  o.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
+  o.session_ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
+  o.replica_id = absl::GetFlag(FLAGS_replica_id);
+  o.max_step_delay_us = absl::GetFlag(FLAGS_max_step_delay_us);
   o.grpc_args = GrpcArgsFromFlag();
   o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
   o.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);

@@ -37,6 +37,21 @@ struct ServerOptions {
   // Most Attend calls plus in-flight AttendStream items of one client (its token, or its peer
   // host without tokens); 0: unlimited.
   int64_t max_pending_per_client = 256;
+
+  // KV-cache sessions. The cache region: 0 picks the default (CPU: 256 MiB of host memory;
+  // CUDA: 80% of the device memory free at start after the device pool's bound and 1 GiB of
+  // headroom). A page holds kv_page_tokens tokens of a 2 KiB KV row (8 KV heads x 128 x 2 bytes)
+  // of keys and as many of values; rows of other sizes fit page_bytes / row tokens.
+  int64_t kv_cache_bytes = 0;
+  int64_t kv_page_tokens = 16;
+  int64_t max_sessions = 1024;
+  int64_t max_session_tokens = 131072;  // per layer
+  double session_ttl_s = 600;
+  std::string replica_id;  // empty: random per start
+  // Session steps wait for company only while the backend is busy; this adds a delay (us).
+  int64_t max_step_delay_us = 0;
+  // Tests: shuffles the KV cache's free list so that page tables are not contiguous (0: off).
+  uint64_t kv_shuffle_seed = 0;
   // Same-host shared memory (transport/, the SharedMemory service): off unless allowed. The
   // region socket's path ("" : $TMPDIR or /tmp, then attnd-<pid>.regions.sock) and the limits
   // per client identity.

@@ -15,15 +15,6 @@
 namespace attn::client {
 namespace {
 
-v1::DType ToWire(DType t) {
-  switch (t) {
-    case DType::kFloat32: return v1::DTYPE_FLOAT32;
-    case DType::kFloat16: return v1::DTYPE_FLOAT16;
-    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
 absl::StatusOr<DType> FromWire(v1::DType t) {
   switch (t) {
     case v1::DTYPE_FLOAT32: return DType::kFloat32;
@@ -33,8 +24,19 @@ absl::StatusOr<DType> FromWire(v1::DType t) {
   }
 }
 
+}  // namespace
+
+v1::DType ToWireDType(DType t) {
+  switch (t) {
+    case DType::kFloat32: return v1::DTYPE_FLOAT32;
+    case DType::kFloat16: return v1::DTYPE_FLOAT16;
+    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
 void ToWireTensor(const Tensor& t, v1::Tensor* out) {
-  out->set_dtype(ToWire(t.dtype));
+  out->set_dtype(ToWireDType(t.dtype));
   for (int64_t s : t.shape) out->add_shape(s);
   out->set_data(t.data);
 }
@@ -51,8 +53,6 @@ absl::StatusOr<Tensor> FromWireTensor(const v1::Tensor& t) {
   }
   return out;
 }
-
-}  // namespace
 
 size_t DTypeBytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 

@@ -2,7 +2,9 @@
 # attn-bench against a real attnd (CPU backend, loopback): --rate holds the offered rate in
 # stream mode (and unary), --compare_echo adds an Echo row per level and the ratio columns
 # (table, CSV, JSON), --lb round_robin is accepted; --help of attn-bench and attnctl lists
-# their own flags.
+# their own flags. Sessions: `attnctl session demo --check` passes (and fails as it should on bad
+# input), `attn-bench --mode decode` through Step and BatchStep (rows, Echo twins, cache length
+# held by truncation, KV bandwidth).
 #   attn_bench_test.sh ATTND ATTN_BENCH ATTNCTL
 set -euo pipefail
 attnd="$1"; bench="$2"; attnctl="$3"
@@ -26,8 +28,8 @@ help_lists() {  # program, flags...
     grep -q -- "--$f " <<<"$out" || fail "$(basename "$prog") --help does not list --$f"
   done
 }
-help_lists "$bench" target mode concurrency compare_echo rate lb tcp_ceiling_s transport connections
-help_lists "$attnctl" target check lb
+help_lists "$bench" target mode concurrency compare_echo rate lb sessions layers cache_tokens batch_step tcp_ceiling_s transport connections
+help_lists "$attnctl" target check lb layers prefill decode truncate connections
 start_cpu_attnd "$attnd" "$work/attnd.log" 2
 pid=$ATTND_PID
 attnd_healthy "$attnctl" || fail "attnd did not become healthy"
@@ -82,6 +84,63 @@ for r, j in zip(c, rows):
 print("ok: --compare_echo rows and ratios (table, CSV, JSON)")
 PY
 
+# --- sessions ----------------------------------------------------------------------------------
+# The demo with every step checked against the float64 reference: bf16 with the lse, then fp16
+# with a chunked prefill and a sliding window.
+"$attnctl" --target "127.0.0.1:$P" session demo --layers 2 --kv-heads 2 --heads 8 --head-dim 64 \
+  --dtype bf16 --prefill 100 --decode 20 --lse --check --seed 5 | tee "$work/demo.txt"
+grep -q '^PASS: ' "$work/demo.txt" || fail "session demo did not print PASS"
+grep -q 'step after close: NOT_FOUND' "$work/demo.txt" || fail "session demo did not check NOT_FOUND after close"
+steps=$(grep -c -E '^(prefill|decode) ' "$work/demo.txt")
+# 2 layers x (1 prefill + 20 decode) on the parent, then 2 tokens x 2 layers on the fork and on it.
+[ "$steps" = 50 ] || fail "session demo made $steps steps, expected 50"
+"$attnctl" --target "127.0.0.1:$P" session demo --layers 1 --kv-heads 1 --heads 4 --head-dim 128 \
+  --dtype fp16 --prefill 70 --chunk 32 --decode 5 --window-left 16 --check | tee "$work/demo2.txt"
+grep -q '^PASS: ' "$work/demo2.txt" || fail "session demo (fp16, chunks, window) did not print PASS"
+[ "$(grep -c '^prefill ' "$work/demo2.txt")" = 3 ] || fail "a 70-token prefill in chunks of 32 is not 3 steps"
+# Bad input: refused by the server (exit 2, its code), or by attnctl before any call (64).
+rc=0; "$attnctl" --target "127.0.0.1:$P" session demo --head-dim 1000 --check >"$work/bad.txt" 2>&1 || rc=$?
+[ "$rc" = 2 ] && grep -q INVALID_ARGUMENT "$work/bad.txt" || { cat "$work/bad.txt"; fail "head dim 1000: rc $rc"; }
+rc=0; "$attnctl" --target "127.0.0.1:$P" session demo --heads 8 --kv-heads 3 >"$work/bad.txt" 2>&1 || rc=$?
+[ "$rc" = 64 ] || { cat "$work/bad.txt"; fail "--heads 8 --kv-heads 3: rc $rc, expected 64"; }
+rc=0; "$attnctl" --target "127.0.0.1:$P" session demo --prefill 3 --decode 0 --truncate 5 >"$work/bad.txt" 2>&1 || rc=$?
+[ "$rc" = 2 ] && grep -q INVALID_ARGUMENT "$work/bad.txt" || { cat "$work/bad.txt"; fail "truncate past the start: rc $rc"; }
+
+# attn-bench --mode decode: Step (one caller per session), then BatchStep (2 sessions per call).
+dshape=(--layers 2 --cache_tokens 64 --heads 8 --kv_heads 2 --head_dim 64 --dtype bf16 --decode_window 4)
+"$bench" --target "127.0.0.1:$P" --mode decode --sessions 2 "${dshape[@]}" --duration_s 1 --warmup_s 0.3 \
+  --json "$work/decode.json" --csv "$work/decode.csv" | tee "$work/decode.txt"
+"$bench" --target "127.0.0.1:$P" --mode decode --sessions 3 --batch_step 2 "${dshape[@]}" --duration_s 1 \
+  --warmup_s 0.3 --json "$work/decode-batch.json" --csv "$work/decode.csv"
+grep -q 'steps/echo' "$work/decode.txt" || fail "no steps/echo column in the decode table"
+python3 - "$work/decode.json" "$work/decode-batch.json" "$work/decode.csv" <<'PY'
+import csv, json, math, sys
+step, batch = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+assert [r["mode"] for r in step] == ["step", "echo"], step
+assert [r["mode"] for r in batch] == ["batch_step", "echo"], batch
+kv_bytes_per_token = 2 * 2 * 64 * 2  # K and V, 2 KV heads, head dim 64, bf16
+for (d, e), callers, per_call in ((step, 2, 1), (batch, 2, 1.5)):
+    assert d["errors"] == 0 and e["errors"] == 0, (d, e)
+    assert d["sessions"] == e["sessions"] and d["callers"] == e["callers"] == callers, (d, e)
+    assert math.isclose(d["steps_per_call"], per_call), d
+    assert d["steps"] > 20 and e["steps"] > 20, (d, e)
+    # Truncation every 4 decode tokens keeps each layer between 65 and 68 tokens after a step.
+    assert 65 <= d["mean_cache_tokens"] <= 68, d
+    assert math.isclose(d["kv_bytes_per_s"], d["steps_per_s"] * d["mean_cache_tokens"] * kv_bytes_per_token,
+                        rel_tol=1e-6), d
+    assert math.isclose(d["tokens_per_s"], d["steps_per_s"] / 2, rel_tol=1e-9), d
+    assert math.isclose(d["echo_steps_ratio"], d["steps_per_s"] / e["steps_per_s"], rel_tol=1e-4), (d, e)
+    assert math.isclose(d["echo_p50_ratio"], d["p50_ms"] / e["p50_ms"], rel_tol=1e-4), (d, e)
+    assert "echo_steps_ratio" not in e and "kv_bytes_per_s" not in e, e
+    assert d["request_bytes"] == e["request_bytes"] > 0 and d["response_bytes"] == e["response_bytes"] > 0
+    assert d["p50_ms"] > 0 and d["p99_ms"] >= d["p50_ms"] and d["server_compute_us"] > 0, d
+rows = list(csv.DictReader(open(sys.argv[3])))
+assert [r["mode"] for r in rows] == ["step", "echo", "batch_step", "echo"], rows
+assert rows[0]["kv_bytes_per_s"] != "" and rows[1]["kv_bytes_per_s"] == "", rows
+print("ok: decode rows (Step, BatchStep) with Echo twins, cache held at 65-68 tokens, KV bandwidth")
+PY
+rc=0; "$bench" --target "127.0.0.1:$P" --mode decode --concurrency 4 >"$work/bad.txt" 2>&1 || rc=$?
+[ "$rc" = 64 ] && grep -q -- '--concurrency does not apply' "$work/bad.txt" || fail "decode took --concurrency (rc $rc)"
 # --transport shm: refused (with the reason) by this attnd, which does not allow shared memory;
 # served by one started with --allow_shared_memory.
 if "$bench" --target "127.0.0.1:$P" --transport shm --concurrency 1 --duration_s 0.5 \

@@ -2,7 +2,8 @@
 # The metric names in the Grafana dashboard, the Prometheus rules and the prometheus-adapter values
 # are checked against the names the built attnd really exposes, and every expression parses
 # (promtool). attnd runs with the CPU backend on free loopback ports; one Attend request (and a
-# rejected one) first, since some families (attn_requests_total) only appear after traffic.
+# rejected one) and one KV-cache session first, since some families (attn_requests_total) only
+# appear after traffic.
 #   grafana.sh DEPLOY_DIR BUILD_DIR ATTND ATTNCTL
 . "$(dirname "$0")/lib.sh"
 . "$(dirname "$0")/../../tests/lib/attnd.sh"
@@ -32,6 +33,9 @@ attnd_healthy "$attnctl" || fail "attnd did not become healthy in 30 s"
   fail "attnctl attend failed"
 "$attnctl" --target "127.0.0.1:$P" attend --seq 16 --heads 2 --head-dim 1000 >/dev/null 2>&1 &&
   fail "attend with --head-dim 1000 succeeded"
+# A KV-cache session (create, steps, truncate, fork, close) for the session metrics.
+"$attnctl" --target "127.0.0.1:$P" session demo --layers 1 --kv-heads 1 --heads 2 --head-dim 64 \
+  --prefill 16 --decode 2 --check >/dev/null || fail "attnctl session demo failed"
 curl -fsS --max-time 10 "http://127.0.0.1:$M/metrics" > "$work/attnd.metrics" || fail "scraping attnd /metrics"
 
 timeout 90 python3 "$deploy/tests/grafana_check.py" "$work/attnd.metrics" \

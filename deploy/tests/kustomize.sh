@@ -17,6 +17,9 @@ for f in "$out"/*.yaml; do
   expect "$n" '^  name: attnd-headless$' "headless Service is not attnd-headless"
   expect "$n" '^kind: ConfigMap$' "no flag ConfigMap"
   expect "$n" '--flagfile=/etc/attnd/attnd.flags' "attnd does not read the flag ConfigMap"
+  expect "$n" '- --replica_id=\$\(POD_NAME\)$' "the replica id is not the pod name"
+  grep -A3 -E '^ +- name: POD_NAME$' "$f" | grep -q -E '^ +fieldPath: metadata.name$' ||
+    fail "$n: POD_NAME is not the pod's metadata.name"
   for p in startupProbe readinessProbe livenessProbe; do
     grep -A2 -E "^ +$p:" "$f" | grep -q -E '^ +grpc:' || fail "$n: $p is not a gRPC probe"
   done

@@ -10,7 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attn/kernels/cuda_attention.h"
+#include "backends/kv_copy.h"
 #include "common/status_util.h"
+#include "sessions/step_launch.h"
+#include "sessions/step_work.h"
 
 namespace attn {
 namespace {
@@ -295,6 +298,7 @@ absl::Status CudaBackend::Init() {
                                   "), ", options_.streams, " streams, head dims ",
                                   absl::StrJoin(info_.head_dims, ","));
 
+  RETURN_IF_ERROR(AllocateKvRegion());
   auto device_pool = DevicePool::Create(options_.device, options_.device_pool_bytes);
   if (!device_pool.ok()) return device_pool.status();
   device_pool_ = std::move(*device_pool);
@@ -326,6 +330,36 @@ absl::Status CudaBackend::Init() {
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::AllocateKvRegion() {
+  int64_t bytes = options_.kv_cache_bytes;
+  if (bytes == 0) {
+    size_t free = 0, total = 0;
+    RETURN_IF_CUDA_ERROR("cudaMemGetInfo", cudaMemGetInfo(&free, &total));
+    const int64_t left = static_cast<int64_t>(free) - options_.device_pool_bytes - (int64_t{1} << 30);
+    bytes = std::max<int64_t>(0, left / 5 * 4);
+  }
+  const int64_t page = options_.kv_page_bytes;
+  if (page < 1) return absl::InvalidArgumentError("KV page bytes must be >= 1");
+  const int64_t pages = std::min<int64_t>(bytes / (2 * page), INT32_MAX / 2);
+  if (pages < 1) {
+    std::fprintf(stderr, "attnd: no room for a KV cache (%lld bytes); sessions are off\n",
+                 static_cast<long long>(bytes));
+    return absl::OkStatus();
+  }
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, static_cast<size_t>(2 * pages * page)); e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the KV cache region of ", 2 * pages * page,
+        " bytes of device memory (--kv_cache_bytes): ", cudaGetErrorString(e)));
+  }
+  kv_.k = static_cast<char*>(p);
+  kv_.v = kv_.k + pages * page;
+  kv_.num_pages = pages;
+  kv_.page_bytes = page;
+  return absl::OkStatus();
+}
+
 CudaBackend::~CudaBackend() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -343,6 +377,7 @@ CudaBackend::~CudaBackend() {
     }
     if (lane->stream) cudaStreamDestroy(lane->stream);
   }
+  if (kv_.k) cudaFree(kv_.k);
 }
 
 absl::Status CudaBackend::Prepare(AttendJob& job) {
@@ -403,13 +438,22 @@ void CudaBackend::LaneLoop(Lane* lane) {
     report.requests = static_cast<int32_t>(work.batch.size());
     for (const auto& job : work.batch) report.tokens += job->Tokens();
     std::vector<absl::Status> status(work.batch.size());
-    RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+    if (work.batch.front()->step) {
+      RunSteps(*lane, work.batch, status, &report);
+    } else {
+      RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+    }
     // The results are in pinned memory now; copying them into the responses and finishing the
     // calls runs on the completion pool while this lane takes the next batch.
     for (size_t i = 0; i < work.batch.size(); ++i) {
+      if (work.batch[i]->step) {  // outputs are in the response already: no hand-off
+        work.batch[i]->done(status[i]);
+        continue;
+      }
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
       completions_->Post([this, job, st = std::move(status[i])] {
-        if (st.ok() && !job->device_tensors) {  // GPU regions got their outputs on the device
+        // Steps' outputs are in their responses already; GPU regions got theirs on the device.
+        if (st.ok() && !job->step && !job->device_tensors) {
           const auto start = Clock::now();
           UnstageOutputs(*job, *copier_);
           job->host_copy_us += Micros(Clock::now() - start);
@@ -513,6 +557,216 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
     job->compute_us = kernel_ms * 1e3;
     job->batch_requests = static_cast<int32_t>(jobs.size());
     job->batch_tokens = layout.total_q;
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Where each part of a step launch lives in its staging buffer (pinned) and its device copy, and
+// in the output buffer.
+struct StepLayout {
+  size_t q = 0, k = 0, v = 0;                           // packed q, k_new, v_new
+  size_t cu_q = 0, indptr = 0, indices = 0, seqlens = 0;  // int32 arrays
+  size_t copy_src = 0, copy_dst = 0, append = 0;          // int64 pool rows
+  size_t in_bytes = 0;
+  size_t o = 0, lse = 0, out_bytes = 0;
+  bool any_lse = false;
+};
+
+StepLayout PlanStepLayout(const BatchKey& key, const StepLaunch& l, bool any_lse) {
+  StepLayout s;
+  const size_t q_bytes = size_t(l.total_q) * key.num_heads * key.head_dim * 2;
+  const size_t kv_bytes = size_t(l.total_q) * key.num_kv_heads * key.head_dim * 2;
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t here = at;
+    at += AlignUp(bytes);
+    return here;
+  };
+  s.q = take(q_bytes);
+  s.k = take(kv_bytes);
+  s.v = take(kv_bytes);
+  s.cu_q = take(4 * l.cu_seqlens_q.size());
+  s.indptr = take(4 * l.page_indptr.size());
+  s.indices = take(4 * std::max<size_t>(l.page_indices.size(), 1));
+  s.seqlens = take(4 * l.seqlens_k.size());
+  s.copy_src = take(8 * l.copies.size());
+  s.copy_dst = take(8 * l.copies.size());
+  s.append = take(8 * l.append_rows.size());
+  s.in_bytes = at;
+  s.any_lse = any_lse;
+  s.o = 0;
+  s.lse = AlignUp(q_bytes);
+  s.out_bytes = s.lse + (any_lse ? sizeof(float) * key.num_heads * size_t(l.total_q) : 0);
+  return s;
+}
+
+// The launch's inputs, gathered on the host into its pinned staging buffer.
+void StageStepInputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
+                     const StepLayout& s, char* host) {
+  size_t q_at = s.q, k_at = s.k, v_at = s.v;
+  for (size_t i : l.members) {
+    const v1::StepRequest& r = *jobs[i]->step->request;
+    std::memcpy(host + q_at, r.q().data().data(), r.q().data().size());
+    std::memcpy(host + k_at, r.k_new().data().data(), r.k_new().data().size());
+    std::memcpy(host + v_at, r.v_new().data().data(), r.v_new().data().size());
+    q_at += r.q().data().size();
+    k_at += r.k_new().data().size();
+    v_at += r.v_new().data().size();
+  }
+  auto put = [host](size_t at, const auto& v) {
+    std::memcpy(host + at, v.data(), v.size() * sizeof(v[0]));
+  };
+  put(s.cu_q, l.cu_seqlens_q);
+  put(s.indptr, l.page_indptr);
+  put(s.indices, l.page_indices);
+  put(s.seqlens, l.seqlens_k);
+  std::vector<int64_t> src(l.copies.size()), dst(l.copies.size());
+  for (size_t i = 0; i < l.copies.size(); ++i) {
+    src[i] = l.copies[i].src_row;
+    dst[i] = l.copies[i].dst_row;
+  }
+  put(s.copy_src, src);
+  put(s.copy_dst, dst);
+  put(s.append, l.append_rows);
+}
+
+// Each member's o (and lse, a strided block of the launch's [num_heads, total_q]) from the
+// pinned output buffer into its response.
+void UnstageStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
+                        const StepLayout& s, const char* out, int32_t heads) {
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    AttendJob& job = *jobs[l.members[m]];
+    const int32_t q0 = l.cu_seqlens_q[m];
+    std::string* o = job.step->response->mutable_o()->mutable_data();
+    const size_t row = o->size() / size_t(job.total_q);
+    std::memcpy(o->data(), out + s.o + size_t(q0) * row, o->size());
+    if (!job.return_lse) continue;
+    float* lse = reinterpret_cast<float*>(job.step->response->mutable_lse()->mutable_data()->data());
+    const float* all = reinterpret_cast<const float*>(out + s.lse);
+    for (int32_t h = 0; h < heads; ++h) {
+      std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * l.total_q + q0,
+                  sizeof(float) * job.total_q);
+    }
+  }
+}
+
+// Launches of at most this many steps are waited for by polling (WaitBriefly).
+constexpr size_t kPolledLaunchSteps = 4;
+
+// Polls the event for up to 300 us (a decode launch is done well within that, and waking from a
+// blocking wait costs tens of microseconds), then blocks.
+cudaError_t WaitBriefly(cudaEvent_t event) {
+  const auto until = Clock::now() + std::chrono::microseconds(300);
+  cudaError_t e;
+  while ((e = cudaEventQuery(event)) == cudaErrorNotReady && Clock::now() < until) {
+  }
+  return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
+}
+
+}  // namespace
+
+void CudaBackend::RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                           std::span<absl::Status> status, BatchReport* report) {
+  if (absl::Status health = Health(); !health.ok()) {
+    std::fill(status.begin(), status.end(), health);
+    return;
+  }
+  const StepLaunch l = BeginStepLaunch(jobs, status);
+  report->decode = jobs.front()->key.decode;
+  absl::Status st;
+  if (!l.members.empty()) {
+    st = LaunchSteps(lane, jobs, l, report);
+    if (!st.ok() && !absl::IsResourceExhausted(st)) NoteIfDeviceLost(lane);
+  }
+  EndStepLaunch(jobs, l, status, st);
+  for (auto& job : jobs) {
+    job->batch_requests = static_cast<int32_t>(jobs.size());
+    job->batch_tokens = l.total_q;
+  }
+}
+
+// Stages the launch, appends into the KV region, runs the paged kernel and copies the outputs
+// into the responses; waits for the stream.
+absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                                      const StepLaunch& l, BatchReport* report) {
+  const BatchKey& key = jobs.front()->key;
+  bool any_lse = false;
+  for (size_t i : l.members) any_lse |= jobs[i]->return_lse;
+  const StepLayout layout = PlanStepLayout(key, l, any_lse);
+  ASSIGN_OR_RETURN(PinnedBuffer host_in, pinned_pool_->Acquire(layout.in_bytes));
+  ASSIGN_OR_RETURN(PinnedBuffer host_out, pinned_pool_->Acquire(layout.out_bytes));
+  StageStepInputs(jobs, l, layout, static_cast<char*>(host_in.data()));
+  DeviceBuffer dev_in(device_pool_.get(), lane.stream), dev_out(device_pool_.get(), lane.stream);
+  RETURN_IF_ERROR(dev_in.Allocate(layout.in_bytes));
+  RETURN_IF_ERROR(dev_out.Allocate(layout.out_bytes));
+  char* in = dev_in.get();
+
+  kernels::AttentionArgs args = StepLaunchArgs(key, l, static_cast<int32_t>(kv_.num_pages));
+  args.q = in + layout.q;
+  args.k = kv_.k;
+  args.v = kv_.v;
+  args.o = dev_out.get() + layout.o;
+  args.lse = any_lse ? reinterpret_cast<float*>(dev_out.get() + layout.lse) : nullptr;
+  args.cu_seqlens_q = reinterpret_cast<const int32_t*>(in + layout.cu_q);
+  args.paged.page_indptr = reinterpret_cast<const int32_t*>(in + layout.indptr);
+  args.paged.page_indices = reinterpret_cast<const int32_t*>(in + layout.indices);
+  args.paged.seqlens_k = reinterpret_cast<const int32_t*>(in + layout.seqlens);
+  RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
+  DeviceBuffer workspace(device_pool_.get(), lane.stream);
+  RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
+
+  const int64_t row = int64_t{key.num_kv_heads} * key.head_dim * 2;
+  cudaStream_t s = lane.stream;
+  SyncStreamUnlessDone sync_on_error(s);  // before pages or staging go back on an error
+  cudaEvent_t* ev = lane.events;
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], s));
+  RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(in, host_in.data(), layout.in_bytes,
+                                                   cudaMemcpyHostToDevice, s));
+  // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
+  RETURN_IF_CUDA_ERROR("KV copy-on-write",
+                       LaunchKvCopyRows(kv_.k, kv_.v,
+                                        reinterpret_cast<const int64_t*>(in + layout.copy_src),
+                                        kv_.k, kv_.v,
+                                        reinterpret_cast<const int64_t*>(in + layout.copy_dst),
+                                        static_cast<int64_t>(l.copies.size()), row, s));
+  RETURN_IF_CUDA_ERROR("KV append",
+                       LaunchKvCopyRows(in + layout.k, in + layout.v, nullptr, kv_.k, kv_.v,
+                                        reinterpret_cast<const int64_t*>(in + layout.append),
+                                        l.total_q, row, s));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], s));
+  RETURN_IF_CUDA_ERROR("attention kernel", kernels::cuda::Run(args, workspace.get(), s));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], s));
+  RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(host_out.data(), dev_out.get(),
+                                                   layout.out_bytes, cudaMemcpyDeviceToHost, s));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], s));
+  // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
+  // blocks, leaving the core to the transport.
+  RETURN_IF_CUDA_ERROR("batch completion", l.members.size() <= kPolledLaunchSteps
+                                               ? WaitBriefly(ev[3])
+                                               : cudaEventSynchronize(ev[3]));
+  sync_on_error.Done();
+
+  const auto start = Clock::now();
+  UnstageStepOutputs(jobs, l, layout, static_cast<const char*>(host_out.data()), key.num_heads);
+  const double host_us = Micros(Clock::now() - start);
+  const double in_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);
+  const double out_ms = ElapsedMs(ev[2], ev[3]);
+  report->compute_seconds += kernel_ms * 1e-3;
+  report->transfer_seconds += (in_ms + out_ms) * 1e-3;
+  report->step_launches += 1;
+  report->tokens = l.total_q;
+  // FLOPs from the host copy of the page table (args' arrays are device pointers).
+  const kernels::AttentionArgs host_args =
+      StepLaunchArgs(key, l, static_cast<int32_t>(kv_.num_pages));
+  report->flops += kernels::AttentionFlops(host_args, l.cu_seqlens_q.data(), nullptr);
+  report->kv_bytes_read += l.kv_bytes_read;
+  report->bytes += l.kv_bytes_read + 2.0 * 2.0 * l.total_q * key.num_heads * key.head_dim;
+  for (size_t i : l.members) {
+    jobs[i]->transfer_us = (in_ms + out_ms) * 1e3;
+    jobs[i]->compute_us = kernel_ms * 1e3;
+    jobs[i]->host_copy_us = host_us;
   }
   return absl::OkStatus();
 }

@@ -28,6 +28,8 @@
 
 namespace attn {
 
+struct StepLaunch;
+
 class CudaBackend : public Backend {
  public:
   struct Options {
@@ -35,6 +37,10 @@ class CudaBackend : public Backend {
     int streams = 2;
     int64_t device_pool_bytes = 8ll << 30;
     int64_t pinned_pool_bytes = 2ll << 30;
+    // KV cache region of sessions (device memory, keys and values); 0: 80% of the memory free
+    // at start after device_pool_bytes and 1 GiB of headroom.
+    int64_t kv_cache_bytes = 0;
+    int64_t kv_page_bytes = int64_t{32} << 10;
     // Threads that copy results into responses and finish calls.
     int completion_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
     // Threads (the caller counted) that share a large request's host copies.
@@ -50,6 +56,7 @@ class CudaBackend : public Backend {
   absl::Status Prepare(AttendJob& job) override;
   void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) override;
   BackendMemory Memory() const override;
+  KvRegion kv_region() const override { return kv_; }
   // UNAVAILABLE once a sticky CUDA error has made the device context unusable.
   absl::Status Health() const override;
   // cudaIpcOpenMemHandle on this backend's device, its extent checked with the driver's
@@ -71,11 +78,17 @@ class CudaBackend : public Backend {
 
   explicit CudaBackend(const Options& options) : options_(options) {}
   absl::Status Init();
+  absl::Status AllocateKvRegion();
   void LaneLoop(Lane* lane);
   // Runs jobs as one launch, or, when the device pool cannot hold them together, as smaller
   // launches; fills one status per job.
   void RunSplittingOnExhaustion(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
                                 std::span<absl::Status> status, BatchReport* report);
+  // A batch of session steps: one paged launch over the KV region; one status per job.
+  void RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                std::span<absl::Status> status, BatchReport* report);
+  absl::Status LaunchSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                           const StepLaunch& launch, BatchReport* report);
   // After a failed launch: records the error if it left the context unusable.
   void NoteIfDeviceLost(Lane& lane);
   // One packed launch of jobs on lane, waited for; adds its timings to the jobs and report.
@@ -89,6 +102,7 @@ class CudaBackend : public Backend {
   std::unique_ptr<CompletionPool> completions_;
   std::unique_ptr<kernels::cpu::CpuThreadPool> copy_pool_;
   std::unique_ptr<HostCopier> copier_;
+  KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::atomic<int> sticky_error_{cudaSuccess};  // cudaError_t that made the context unusable
 
   std::mutex mu_;

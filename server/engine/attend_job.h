@@ -1,6 +1,7 @@
-// One Attend request on its way through the server: the validated view of the request, where
-// its answer goes, and when it must be done. Created by the service reactor, owned by the
-// batcher while queued, then by the backend until `done` is called, exactly once.
+// One Attend request (or one Step of a KV-cache session) on its way through the server: the
+// validated view of the request, where its answer goes, and when it must be done. Created by the
+// service reactor, owned by the batcher while queued, then by the backend until `done` is
+// called, exactly once.
 #pragma once
 
 #include <chrono>
@@ -37,8 +38,15 @@ struct BatchKey {
   // (the CUDA backend runs fp32 requests in fp16 when every value fits it, else in bf16). Set by
   // Backend::Prepare; unset on backends that compute in the wire dtype.
   std::optional<kernels::DType> staged_dtype;
+  // Session steps (paged K/V): tokens per page of the sessions' KV row (0 for Attend), and
+  // whether every step has one new token (decode), so that decode steps and chunked prefills
+  // form separate launches.
+  int32_t page_tokens = 0;
+  bool decode = false;
   bool operator==(const BatchKey&) const = default;
 };
+
+struct StepWork;  // sessions/step_work.h
 
 // What a backend keeps for one job between Prepare and the job's completion (pinned staging).
 struct BackendJobState {
@@ -76,6 +84,11 @@ struct AttendJob {
 
   // Owned by the job; released with it, after done has run.
   std::unique_ptr<BackendJobState> backend_state;
+  // Set for a session step (then request and response are null): its session, layer, tensors.
+  std::shared_ptr<StepWork> step;
+  // Tensor bytes the job holds in the server (inputs and sized outputs); for the batcher's
+  // in-flight bound.
+  int64_t bytes = 0;
 
   // Where q, k and v are read from: the request's data fields (set by ValidateAttendRequest), or
   // slices of shared-memory regions (transport/tensor_source.h).

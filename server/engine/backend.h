@@ -32,6 +32,11 @@ struct BatchReport {
   double transfer_seconds = 0;
   double flops = 0;
   double bytes = 0;  // q, k, v read and o written by the kernel
+  // Session steps: launches the batch took (0 for Attend), whether they were decode steps (one
+  // new token each), and the K and V bytes they read from the KV cache.
+  int32_t step_launches = 0;
+  bool decode = false;
+  double kv_bytes_read = 0;
 };
 
 using Batch = std::vector<std::unique_ptr<AttendJob>>;
@@ -50,6 +55,16 @@ struct BackendMemory {
   int64_t gpu_used = 0;
   int64_t gpu_free = 0;
   int64_t gpu_total = 0;
+};
+
+// The KV cache region of sessions, in the memory the backend computes in (host for the CPU
+// backend, device for CUDA): num_pages pages of page_bytes of keys from k, and the values of
+// page p at the same offset from v. Owned by the backend.
+struct KvRegion {
+  char* k = nullptr;
+  char* v = nullptr;
+  int64_t num_pages = 0;
+  int64_t page_bytes = 0;
 };
 
 class Backend {
@@ -74,6 +89,9 @@ class Backend {
 
   virtual BackendMemory Memory() const { return {}; }
 
+  // The region the backend allocated for the KV cache at creation (none: no sessions). RunBatch
+  // computes batches of session steps (jobs with a StepWork, sessions/step_launch.h) over it.
+  virtual KvRegion kv_region() const { return {}; }
   // Imports GPU memory another process shared with a legacy CUDA IPC handle (the 64 bytes of a
   // cudaIpcMemHandle_t) on device device_id; bytes from its start must lie inside the
   // allocation. FAILED_PRECONDITION on backends without a GPU.

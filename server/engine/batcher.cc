@@ -14,6 +14,7 @@ constexpr auto kSweepInterval = std::chrono::milliseconds(5);
 
 // Tensor bytes a job holds while it is in the server: its inputs and its sized outputs.
 int64_t JobBytes(const AttendJob& job) {
+  if (job.request == nullptr) return job.bytes;  // a session step sizes itself
   const v1::AttendRequest& r = *job.request;
   int64_t bytes = static_cast<int64_t>(r.q().data().size() + r.k().data().size() +
                                        r.v().data().size());
@@ -54,9 +55,29 @@ Batcher::~Batcher() {
 }
 
 absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
-  const int64_t bytes = JobBytes(*job);
+  absl::Status st;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    st = SubmitLocked(job);
+  }
+  if (st.ok()) cv_.notify_all();
+  return st;
+}
+
+std::vector<absl::Status> Batcher::SubmitAll(std::span<std::unique_ptr<AttendJob>> jobs) {
+  std::vector<absl::Status> status;
+  status.reserve(jobs.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& job : jobs) status.push_back(SubmitLocked(job));
+  }
+  cv_.notify_all();
+  return status;
+}
+
+absl::Status Batcher::SubmitLocked(std::unique_ptr<AttendJob>& job) {
+  const int64_t bytes = JobBytes(*job);
+  {
     if (draining_) return absl::UnavailableError("attnd is shutting down; retry on another replica");
     if (queued_ >= options_.max_queue_size) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -89,7 +110,6 @@ absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
     ++queued_;
     UpdatePendingLocked();
   }
-  cv_.notify_all();
   return absl::OkStatus();
 }
 
@@ -144,7 +164,11 @@ Batch Batcher::TakeReadyBatch(Clock::time_point now, Clock::time_point* wake) {
       if (job->key == head.key) tokens += job->Tokens();
     }
   }
-  const auto flush_at = head.arrival + std::chrono::microseconds(options_.max_queue_delay_us);
+  // Session steps wait only while every backend slot is busy (continuous batching): whatever
+  // arrived meanwhile forms the next launch, and a lone step never waits for company.
+  const int64_t delay_us =
+      head.key.page_tokens > 0 ? options_.max_step_delay_us : options_.max_queue_delay_us;
+  const auto flush_at = head.arrival + std::chrono::microseconds(delay_us);
   if (tokens < options_.max_batch_tokens && now < flush_at && !draining_) {
     *wake = std::min(*wake, flush_at);
     return {};

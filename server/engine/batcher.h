@@ -8,6 +8,8 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
+#include <vector>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -24,6 +26,9 @@ class Batcher {
   struct Options {
     int64_t max_batch_tokens = 16384;
     int64_t max_queue_delay_us = 500;
+    // The same for session steps (BatchKey::page_tokens > 0). 0: a step goes into the next
+    // launch as soon as the backend can take one; steps that arrive while it is busy gather.
+    int64_t max_step_delay_us = 0;
     int64_t max_queue_size = 1024;
     // Bound on the tensor bytes (inputs and outputs) of all queued and running requests.
     int64_t max_inflight_bytes = int64_t{4} << 30;
@@ -37,6 +42,9 @@ class Batcher {
   // when the queue is full or the request bytes in flight would pass max_inflight_bytes,
   // UNAVAILABLE once draining started.
   absl::Status Submit(std::unique_ptr<AttendJob>& job);
+  // Submit for each job, all under one lock, so that jobs of one key are batched together
+  // (BatchStep); one status per job, each job taken or not as by Submit.
+  std::vector<absl::Status> SubmitAll(std::span<std::unique_ptr<AttendJob>> jobs);
 
   // Stops accepting work and returns once every accepted job's done has returned.
   void Drain();
@@ -47,6 +55,7 @@ class Batcher {
 
  private:
   Batcher(const Options& options, Backend* backend, Metrics* metrics);
+  absl::Status SubmitLocked(std::unique_ptr<AttendJob>& job);  // mu_ held
   void DispatchLoop();
   // Pulls cancelled and expired jobs out of the queues; the caller completes them unlocked.
   void TakeDeadJobs(Clock::time_point now, Batch* dead_cancelled, Batch* dead_expired);

@@ -36,6 +36,8 @@ const char* RpcName(Rpc rpc) {
     case Rpc::kStep: return "Step";
     case Rpc::kBatchStep: return "BatchStep";
     case Rpc::kCloseSession: return "CloseSession";
+    case Rpc::kTruncateSession: return "TruncateSession";
+    case Rpc::kForkSession: return "ForkSession";
     case Rpc::kGetServerInfo: return "GetServerInfo";
     case Rpc::kEcho: return "Echo";
     case Rpc::kCount: break;
@@ -123,7 +125,22 @@ void Metrics::Build(const Options& o) {
                  .Register(r);
   kv_used_ = &kv.Add({{"state", "used"}});
   kv_free_ = &kv.Add({{"state", "free"}});
+  kv_usage_ = gauge("attn_kv_cache_usage_ratio",
+                    "Used pages of the paged KV cache over its total pages (0 to 1)");
   sessions_ = gauge("attn_sessions", "Open KV-cache sessions");
+  evictions_ttl_ = &prometheus::BuildCounter()
+                        .Name("attn_session_evictions_total")
+                        .Help("Sessions closed by the server, by reason (ttl: idle past "
+                              "--session_ttl_s)")
+                        .Register(r)
+                        .Add({{"reason", "ttl"}});
+  step_tokens_ = hist("attn_step_tokens_per_launch",
+                      "New (query) tokens of the session steps computed in one launch",
+                      Exponential(1, 2, 15));
+  decode_bandwidth_ = hist("attn_decode_bandwidth_bytes_per_second",
+                           "K and V bytes read from the KV cache per decode launch over its "
+                           "kernel time",
+                           Exponential(1e9, 2, 14));
   auto& gpu = prometheus::BuildGauge()
                   .Name("attn_gpu_memory_bytes")
                   .Help("GPU memory as the driver reports it")
@@ -161,6 +178,12 @@ void Metrics::ObserveQueueSeconds(double seconds) { queue_->Observe(seconds); }
 
 void Metrics::ObserveBatch(const BatchReport& report) {
   if (report.requests == 0) return;
+  if (report.step_launches > 0) {
+    step_tokens_->Observe(static_cast<double>(report.tokens) / report.step_launches);
+    if (report.decode && report.compute_seconds > 0 && report.kv_bytes_read > 0) {
+      decode_bandwidth_->Observe(report.kv_bytes_read / report.compute_seconds);
+    }
+  }
   batch_requests_->Observe(report.requests);
   batch_tokens_->Observe(static_cast<double>(report.tokens));
   compute_->Observe(report.compute_seconds);
@@ -189,6 +212,11 @@ void Metrics::SetPinnedPool(const MemoryBytes& b) {
 void Metrics::SetKvCachePages(int64_t used, int64_t free) {
   kv_used_->Set(used);
   kv_free_->Set(free);
+  kv_usage_->Set(used + free > 0 ? static_cast<double>(used) / (used + free) : 0.0);
+}
+
+void Metrics::AddSessionEvictions(const char* reason, int64_t n) {
+  if (std::string(reason) == "ttl") evictions_ttl_->Increment(static_cast<double>(n));
 }
 
 void Metrics::SetSessions(int64_t n) { sessions_->Set(static_cast<double>(n)); }

@@ -32,6 +32,8 @@ enum class Rpc : int {
   kStep,
   kBatchStep,
   kCloseSession,
+  kTruncateSession,
+  kForkSession,
   kGetServerInfo,
   kEcho,
   kCount,
@@ -60,8 +62,11 @@ class Metrics {
   void SetMaxQueueSize(int64_t n);
   void SetDevicePool(const MemoryBytes& bytes);
   void SetPinnedPool(const MemoryBytes& bytes);
+  // attn_kv_cache_pages{state} and attn_kv_cache_usage_ratio (used / total).
   void SetKvCachePages(int64_t used, int64_t free);
   void SetSessions(int64_t n);
+  // attn_session_evictions_total{reason}; reason is "ttl" (idle past --session_ttl_s).
+  void AddSessionEvictions(const char* reason, int64_t n);
   void SetGpuMemory(int64_t used, int64_t free, int64_t total);
 
  private:
@@ -101,6 +106,10 @@ class Metrics {
   PoolGauges pinned_pool_;
   prometheus::Gauge* kv_used_ = nullptr;
   prometheus::Gauge* kv_free_ = nullptr;
+  prometheus::Gauge* kv_usage_ = nullptr;
+  prometheus::Counter* evictions_ttl_ = nullptr;
+  prometheus::Histogram* step_tokens_ = nullptr;
+  prometheus::Histogram* decode_bandwidth_ = nullptr;
   prometheus::Gauge* sessions_ = nullptr;
   prometheus::Gauge* gpu_used_ = nullptr;
   prometheus::Gauge* gpu_free_ = nullptr;

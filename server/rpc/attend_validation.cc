@@ -18,7 +18,8 @@ std::string ShapeString(const v1::Tensor& t) {
   return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
 }
 
-// Checks one rank-3 tensor: dtype, sizes, element limit and byte length.
+}  // namespace
+
 absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits) {
   if (t.dtype() != v1::DTYPE_FLOAT16 && t.dtype() != v1::DTYPE_BFLOAT16 &&
       t.dtype() != v1::DTYPE_FLOAT32) {
@@ -61,6 +62,8 @@ absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLim
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 absl::Status CheckCuSeqlens(const google::protobuf::RepeatedField<int32_t>& cu, const char* name,
                             int64_t total, std::vector<int32_t>* out, int32_t* max_len) {

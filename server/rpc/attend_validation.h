@@ -19,6 +19,8 @@ struct RequestLimits {
 };
 
 kernels::DType ToKernelDType(v1::DType t);
+// Checks one rank-3 tensor `name`: a known dtype, sizes > 0, the element limit, byte length.
+absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits);
 v1::DType ToWireDType(kernels::DType t);
 
 // Checks request against the limits and fills a job (key, sequence lengths, flags). The job

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/batcher.h"
+#include "rpc/call_timing.h"
 #include "observability/metrics.h"
 #include "common/status_util.h"
 #include "common/tsan_annotations.h"
@@ -15,37 +16,15 @@ namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// The call's deadline on the steady clock (max when it has none).
-Clock::time_point SteadyDeadline(const grpc::CallbackServerContext* ctx) {
-  const auto deadline = ctx->deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return Clock::time_point::max();
-  const auto left = deadline - std::chrono::system_clock::now();
-  if (left > std::chrono::hours(24 * 365)) return Clock::time_point::max();
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
-}
-
-void FillTiming(const AttendJob& job, Clock::time_point arrival, v1::ServerTiming* t) {
-  t->set_queue_us(job.queue_us);
-  t->set_transfer_us(job.transfer_us);
-  t->set_compute_us(job.compute_us);
-  t->set_host_copy_us(job.host_copy_us);
-  t->set_batch_requests(job.batch_requests);
-  t->set_batch_tokens(job.batch_tokens);
-  t->set_total_us(Micros(Clock::now() - arrival));
-}
-
-constexpr char kSessionsUnimplemented[] =
-    "KV-cache sessions (CreateSession, Step, BatchStep, CloseSession) are not available in this "
-    "version of attnd; use Attend with whole tensors";
-
 }  // namespace
 
 AttentionService::AttentionService(Options options, Batcher* batcher, Backend* backend,
-                                   Metrics* metrics)
+                                   Metrics* metrics, SessionManager* sessions)
     : options_(std::move(options)),
       batcher_(batcher),
       backend_(backend),
       metrics_(metrics),
+      sessions_(sessions),
       pending_(options_.max_pending_per_client) {}
 
 absl::StatusOr<std::string> AttentionService::Identify(
@@ -310,41 +289,6 @@ grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService
   return new AttendStreamReactor(this, ctx, std::move(*client));
 }
 
-grpc::ServerUnaryReactor* AttentionService::Unimplemented(grpc::CallbackServerContext* ctx,
-                                                          Rpc rpc, int64_t received) {
-  OnCallArrived(Clock::now());
-  auto* reactor = ctx->DefaultReactor();
-  absl::StatusOr<std::string> client = Identify(ctx);
-  FinishUnary(reactor, rpc, Clock::now(),
-              client.ok() ? absl::UnimplementedError(kSessionsUnimplemented) : client.status(),
-              received, 0);
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerContext* ctx,
-                                                          const v1::CreateSessionRequest* request,
-                                                          v1::CreateSessionResponse*) {
-  return Unimplemented(ctx, Rpc::kCreateSession, static_cast<int64_t>(request->ByteSizeLong()));
-}
-
-grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ctx,
-                                                 const v1::StepRequest* request,
-                                                 v1::StepResponse*) {
-  return Unimplemented(ctx, Rpc::kStep, static_cast<int64_t>(request->ByteSizeLong()));
-}
-
-grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContext* ctx,
-                                                      const v1::BatchStepRequest* request,
-                                                      v1::BatchStepResponse*) {
-  return Unimplemented(ctx, Rpc::kBatchStep, static_cast<int64_t>(request->ByteSizeLong()));
-}
-
-grpc::ServerUnaryReactor* AttentionService::CloseSession(grpc::CallbackServerContext* ctx,
-                                                         const v1::CloseSessionRequest* request,
-                                                         v1::CloseSessionResponse*) {
-  return Unimplemented(ctx, Rpc::kCloseSession, static_cast<int64_t>(request->ByteSizeLong()));
-}
-
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                           const v1::GetServerInfoRequest*,
                                                           v1::GetServerInfoResponse* response) {
@@ -368,6 +312,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->add_dtypes(v1::DTYPE_FLOAT32);
   *response->mutable_limits() = options_.advertised_limits;
   response->set_build_info(info.build_info);
+  FillSessionInfo(response);
   auto* reactor = ctx->DefaultReactor();
   FinishUnary(reactor, Rpc::kGetServerInfo, start, absl::OkStatus(), 0,
               static_cast<int64_t>(response->ByteSizeLong()));

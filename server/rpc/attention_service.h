@@ -16,6 +16,7 @@ namespace attn {
 
 class Batcher;
 class Metrics;
+class SessionManager;
 class RegionRegistry;
 
 class AttentionService final : public v1::Attention::CallbackService {
@@ -34,8 +35,10 @@ class AttentionService final : public v1::Attention::CallbackService {
     // is off. Must outlive the service.
     const RegionRegistry* regions = nullptr;
   };
-  // batcher, backend and metrics must outlive the service.
-  AttentionService(Options options, Batcher* batcher, Backend* backend, Metrics* metrics);
+  // batcher, backend, metrics and sessions must outlive the service; sessions may be null (the
+  // session RPCs then answer UNIMPLEMENTED).
+  AttentionService(Options options, Batcher* batcher, Backend* backend, Metrics* metrics,
+                   SessionManager* sessions = nullptr);
 
   // New calls get UNAVAILABLE from now on; calls already accepted complete.
   void StartDraining() { draining_.store(true); }
@@ -59,6 +62,12 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* BatchStep(grpc::CallbackServerContext* ctx,
                                       const v1::BatchStepRequest* request,
                                       v1::BatchStepResponse* response) override;
+  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* ctx,
+                                            const v1::TruncateSessionRequest* request,
+                                            v1::TruncateSessionResponse* response) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* ctx,
+                                        const v1::ForkSessionRequest* request,
+                                        v1::ForkSessionResponse* response) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const v1::CloseSessionRequest* request,
                                          v1::CloseSessionResponse* response) override;
@@ -84,6 +93,26 @@ class AttentionService final : public v1::Attention::CallbackService {
                             v1::AttendResponse* response, Clock::time_point arrival,
                             std::function<void(absl::Status)> on_done);
 
+  // Session RPCs (session_rpcs.cc). The owner of the caller's sessions: its identity when
+  // tokens are on, else "" (everyone).
+  std::string SessionOwner(const std::string& client) const {
+    return options_.authenticator != nullptr ? client : std::string();
+  }
+  // Looks up and validates one step and makes its job, whose done runs on_done after giving
+  // the layer back (the job holds the layer once started, see StartSteps).
+  absl::StatusOr<std::unique_ptr<AttendJob>> MakeStepJob(
+      grpc::CallbackServerContext* ctx, const std::string& owner, const v1::StepRequest& request,
+      v1::StepResponse* response, Clock::time_point arrival,
+      std::function<void(absl::Status)> on_done);
+  // Queues each job after the earlier steps of its (session, layer): those whose layer is free
+  // go to the batcher together (one launch where their keys agree), the others when their turn
+  // comes.
+  void EnqueueSteps(std::vector<std::unique_ptr<AttendJob>> jobs);
+  // Submits jobs that hold their layers; a job the batcher refuses is completed with the error.
+  void StartSteps(std::vector<std::unique_ptr<AttendJob>> jobs);
+  // replica_id and kv_cache of GetServerInfo.
+  void FillSessionInfo(v1::GetServerInfoResponse* response) const;
+
   friend class AttendStreamReactor;
   friend class RejectedStreamReactor;
 
@@ -91,6 +120,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   Batcher* const batcher_;
   Backend* const backend_;
   Metrics* const metrics_;
+  SessionManager* const sessions_;
   // Where every handler (and every AttendStream item) starts: takes the service over from gRPC's
   // thread (for TSan, tsan_annotations.h) and records the arrival (for NoCallSince).
   void OnCallArrived(Clock::time_point t) {

@@ -8,10 +8,12 @@
 
 #include <cstdlib>
 #include <future>
+#include <random>
 #include <iostream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "rpc/attention_service.h"
 #include "rpc/auth.h"
 #include "engine/batcher.h"
@@ -19,6 +21,9 @@
 #include "observability/metrics.h"
 #include "common/status_util.h"
 #include "common/tsan_annotations.h"
+#include "sessions/kv_page_pool.h"
+#include "sessions/session_manager.h"
+#include "rpc/session_warmup.h"
 #include "transport/region_registry.h"
 #include "transport/region_service.h"
 #include "transport/region_socket.h"
@@ -34,6 +39,12 @@ constexpr char kServiceName[] = "attn.v1.Attention";
 
 void Log(const std::string& msg) { std::cerr << "attnd: " << msg << std::endl; }
 
+// "r" and 8 random hex digits: the replica id when --replica_id is not given.
+std::string RandomReplicaId() {
+  std::random_device rd;
+  return absl::StrFormat("r%08x", rd());
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& options) {
@@ -48,6 +59,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& opti
     cuda_options.streams = options.streams;
     cuda_options.device_pool_bytes = options.device_pool_bytes;
     cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
+    cuda_options.kv_cache_bytes = options.kv_cache_bytes;
+    cuda_options.kv_page_bytes = options.kv_page_tokens * kReferenceKvRowBytes;
     auto cuda = CudaBackend::Create(cuda_options);
     if (cuda.ok()) return std::unique_ptr<Backend>(std::move(*cuda));
     if (want == "cuda") return cuda.status();
@@ -62,6 +75,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& opti
   }
   CpuBackend::Options cpu_options;
   cpu_options.threads = options.threads;
+  if (options.kv_cache_bytes > 0) cpu_options.kv_cache_bytes = options.kv_cache_bytes;
+  cpu_options.kv_page_bytes = options.kv_page_tokens * kReferenceKvRowBytes;
   ASSIGN_OR_RETURN(auto cpu, CpuBackend::Create(cpu_options));
   return std::unique_ptr<Backend>(std::move(cpu));
 }
@@ -93,7 +108,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   ASSIGN_OR_RETURN(s->metrics_, Metrics::Create(mo));
   s->metrics_->SetMaxQueueSize(options.max_queue_size);
 
+  RETURN_IF_ERROR(s->CreateSessions(info));
+
   Batcher::Options bo;
+  bo.max_step_delay_us = options.max_step_delay_us;
   bo.max_batch_tokens = options.max_batch_tokens;
   bo.max_queue_delay_us = options.max_queue_delay_us;
   bo.max_queue_size = options.max_queue_size;
@@ -107,7 +125,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.advertised_limits.set_max_message_bytes(options.max_message_bytes);
   so.advertised_limits.set_max_batch_tokens(options.max_batch_tokens);
   so.advertised_limits.set_max_queue_size(options.max_queue_size);
-  so.advertised_limits.set_max_sessions(0);
+  so.advertised_limits.set_max_sessions(options.max_sessions);
+  so.advertised_limits.set_max_session_tokens(options.max_session_tokens);
   so.advertised_limits.set_max_tensor_elements(options.max_tensor_elements);
   so.version = kVersion;
   so.authenticator = s->authenticator_.get();
@@ -115,7 +134,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   RETURN_IF_ERROR(s->StartSharedMemory());
   so.regions = s->regions_.get();
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
-                                                   s->metrics_.get());
+                                                   s->metrics_.get(), s->sessions_.get());
 
   // Warm before the port opens: gRPC's health service reports SERVING from the moment it
   // starts, so any later warm-up would leave a window in which probes see SERVING too early.
@@ -197,6 +216,39 @@ absl::Status AttnServer::StartSharedMemory() {
   return absl::OkStatus();
 }
 
+// The page pool over the backend's KV region and the session manager.
+absl::Status AttnServer::CreateSessions(const BackendInfo& info) {
+  if (options_.kv_page_tokens < 1 || options_.kv_page_tokens > (1 << 20)) {
+    return absl::InvalidArgumentError("--kv_page_tokens must be in [1, 2^20]");
+  }
+  const KvRegion region = backend_->kv_region();
+  if (region.num_pages == 0) {
+    Log("no KV cache region: session RPCs answer UNIMPLEMENTED");
+    return absl::OkStatus();
+  }
+  KvPagePool::Options po;
+  po.num_pages = region.num_pages;
+  po.page_bytes = region.page_bytes;
+  po.shuffle_seed = options_.kv_shuffle_seed;
+  ASSIGN_OR_RETURN(kv_pool_, KvPagePool::Create(po));
+  SessionManager::Options mo;
+  mo.replica_id = options_.replica_id.empty() ? RandomReplicaId() : options_.replica_id;
+  mo.max_sessions = options_.max_sessions;
+  mo.max_session_tokens = options_.max_session_tokens;
+  if (!(options_.session_ttl_s > 0) || options_.session_ttl_s > 1e7) {
+    return absl::InvalidArgumentError("--session_ttl_s must be in (0, 1e7]");
+  }
+  mo.ttl = std::chrono::milliseconds(static_cast<int64_t>(options_.session_ttl_s * 1000 + 0.5));
+  if (mo.ttl.count() < 1) mo.ttl = std::chrono::milliseconds(1);
+  mo.head_dims = info.head_dims;
+  ASSIGN_OR_RETURN(sessions_, SessionManager::Create(mo, kv_pool_.get(), metrics_.get()));
+  Log(absl::StrCat("replica ", mo.replica_id, ": KV cache of ", region.num_pages, " pages (",
+                   2 * region.num_pages * region.page_bytes, " bytes, ",
+                   options_.kv_page_tokens, " tokens of a 2 KiB row per page), max_sessions ",
+                   mo.max_sessions, ", session TTL ", options_.session_ttl_s, " s"));
+  return absl::OkStatus();
+}
+
 // Runs one small request through the backend so that the first caller does not pay for
 // module loading and allocation; attnd listens only once it has succeeded.
 absl::Status AttnServer::WarmUp() {
@@ -226,7 +278,7 @@ absl::Status AttnServer::WarmUp() {
   absl::Status st = result.get_future().get();
   finished.get_future().wait();
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("backend warm-up failed: ", st.message()));
-  return absl::OkStatus();
+  return sessions_ ? WarmUpSessionSteps(*backend_, *sessions_) : absl::OkStatus();
 }
 
 int AttnServer::metrics_port() const { return metrics_->port(); }

@@ -16,10 +16,13 @@
 namespace attn {
 
 class Backend;
+struct BackendInfo;
 class Batcher;
 class Metrics;
 class AttentionService;
 class Authenticator;
+class KvPagePool;
+class SessionManager;
 class RegionRegistry;
 class RegionSocket;
 class RegionService;
@@ -34,6 +37,9 @@ class AttnServer {
   // Attend calls plus in-flight AttendStream items counted against --max_pending_per_client.
   int64_t PendingPerClientTotal() const;
   const Backend& backend() const { return *backend_; }
+  // The sessions and their page pool (null when the backend has no KV region).
+  SessionManager* sessions() const { return sessions_.get(); }
+  KvPagePool* kv_pool() const { return kv_pool_.get(); }
   // Shared-memory regions registered now, over all clients (0 when shared memory is off).
   int64_t SharedMemoryRegions() const;
 
@@ -47,6 +53,7 @@ class AttnServer {
  private:
   AttnServer() = default;
   absl::Status WarmUp();
+  absl::Status CreateSessions(const BackendInfo& info);
   absl::Status StartSharedMemory();
   void WaitUntilQuiet();
   void MonitorBackendLoop();
@@ -55,6 +62,8 @@ class AttnServer {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> authenticator_;  // null: no bearer tokens
+  std::unique_ptr<KvPagePool> kv_pool_;
+  std::unique_ptr<SessionManager> sessions_;  // borrows kv_pool_ and metrics_
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
   // Shared memory: null unless --allow_shared_memory (the service answers FAILED_PRECONDITION).

@@ -1,5 +1,6 @@
 // Writes the fuzzer's seed corpus: small valid AttendRequests covering every dtype, causal,
-// GQA/MQA, packed batches (zero-length sequences included), windows, scales and LSE.
+// GQA/MQA, packed batches (zero-length sequences included), windows, scales and LSE; and
+// session programs (session_fuzz.h) over every session RPC.
 //   make_attend_seeds <dir>
 // The checked-in tests/fuzz/corpus/ was written by it; scripts/fuzz.sh refreshes it.
 #include <cstdio>
@@ -60,6 +61,71 @@ void Fill(attn::v1::Tensor* t, DType dtype, int64_t tokens, int heads, int d, st
       bytes.append(reinterpret_cast<const char*>(&h), 2);
     }
   }
+}
+
+// Session programs (session_fuzz.h): "SESS", then [op][length, 2 bytes LE][message] records.
+void Record(std::string* p, int op, const std::string& message) {
+  p->push_back(static_cast<char>(op));
+  p->push_back(static_cast<char>(message.size() & 0xff));
+  p->push_back(static_cast<char>(message.size() >> 8));
+  p->append(message);
+}
+
+attn::v1::StepRequest SeedStep(const char* id, int layer, int n, int heads, int kv_heads, int d,
+                               DType dtype, std::mt19937& rng) {
+  attn::v1::StepRequest r;
+  r.set_session_id(id);
+  r.set_layer(layer);
+  Fill(r.mutable_q(), dtype, n, heads, d, rng);
+  Fill(r.mutable_k_new(), dtype, n, kv_heads, d, rng);
+  Fill(r.mutable_v_new(), dtype, n, kv_heads, d, rng);
+  return r;
+}
+
+// Programs over every session op: prefill and decode, BatchSteps with repeats, fork then
+// copy-on-write, truncate, windows and LSE, close.
+std::vector<std::pair<std::string, std::string>> SessionSeeds(std::mt19937& rng) {
+  enum { kCreate = 0, kStep, kBatchStep, kTruncate, kFork, kClose };
+  std::vector<std::pair<std::string, std::string>> seeds;
+  for (DType dtype : {attn::v1::DTYPE_FLOAT16, attn::v1::DTYPE_BFLOAT16}) {
+    const bool f16 = dtype == attn::v1::DTYPE_FLOAT16;
+    std::string p = "SESS";
+    attn::v1::CreateSessionRequest c;
+    c.set_num_layers(2);
+    c.set_num_kv_heads(f16 ? 2 : 1);
+    c.set_head_dim(f16 ? 8 : 16);
+    c.set_dtype(dtype);
+    Record(&p, kCreate, c.SerializeAsString());
+    const int heads = f16 ? 4 : 2, kv = c.num_kv_heads(), d = c.head_dim();
+    Record(&p, kStep, SeedStep("#0", 0, 21, heads, kv, d, dtype, rng).SerializeAsString());
+    attn::v1::StepRequest decode = SeedStep("#0", 1, 1, heads, kv, d, dtype, rng);
+    decode.set_return_lse(true);
+    Record(&p, kStep, decode.SerializeAsString());
+    attn::v1::BatchStepRequest b;
+    *b.add_steps() = SeedStep("#0", 0, 1, heads, kv, d, dtype, rng);
+    *b.add_steps() = SeedStep("#0", 1, 4, heads, kv, d, dtype, rng);
+    *b.add_steps() = SeedStep("#0", 0, 2, heads, kv, d, dtype, rng);
+    b.mutable_steps(2)->mutable_window()->set_left(5);
+    b.mutable_steps(2)->mutable_window()->set_right(-1);
+    Record(&p, kBatchStep, b.SerializeAsString());
+    attn::v1::ForkSessionRequest f;
+    f.set_session_id("#0");
+    Record(&p, kFork, f.SerializeAsString());
+    Record(&p, kStep, SeedStep("#1", 0, 3, heads, kv, d, dtype, rng).SerializeAsString());
+    attn::v1::TruncateSessionRequest t;
+    t.set_session_id("#0");
+    t.set_tokens(2);
+    Record(&p, kTruncate, t.SerializeAsString());
+    attn::v1::StepRequest scaled = SeedStep("#0", 0, 1, heads, kv, d, dtype, rng);
+    scaled.set_softmax_scale(0.3f);
+    Record(&p, kStep, scaled.SerializeAsString());
+    attn::v1::CloseSessionRequest close;
+    close.set_session_id("#0");
+    Record(&p, kClose, close.SerializeAsString());
+    Record(&p, kStep, SeedStep("#1", 1, 2, heads, kv, d, dtype, rng).SerializeAsString());
+    seeds.emplace_back(f16 ? "session_program_f16" : "session_program_bf16", p);
+  }
+  return seeds;
 }
 
 }  // namespace
@@ -141,6 +207,14 @@ int main(int argc, char** argv) {
     out << r.SerializeAsString();
     if (!out) {
       std::fprintf(stderr, "cannot write %s/%s.pb\n", argv[1], s.name);
+      return 1;
+    }
+  }
+  for (const auto& [name, program] : SessionSeeds(rng)) {
+    std::ofstream out(std::string(argv[1]) + "/" + name + ".pb", std::ios::binary);
+    out << program;
+    if (!out) {
+      std::fprintf(stderr, "cannot write %s/%s.pb\n", argv[1], name.c_str());
       return 1;
     }
   }

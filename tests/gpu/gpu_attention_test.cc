@@ -180,8 +180,10 @@ void RunAndCheck(Case c) {
 
   const attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
   ASSERT_TRUE(st.ok()) << st.message();
-  ASSERT_EQ(attn::kernels::cuda::WorkspaceBytes(a), 0u);
-  const cudaError_t err = attn::kernels::cuda::Run(a, nullptr, nullptr);
+  const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);  // split-KV partials (decode)
+  DeviceBuffer dws(ws_bytes);
+  ASSERT_TRUE(dws.ptr);
+  const cudaError_t err = attn::kernels::cuda::Run(a, ws_bytes > 0 ? dws.ptr : nullptr, nullptr);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 

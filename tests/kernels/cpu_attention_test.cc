@@ -3,7 +3,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <limits>
+#include <numeric>
 #include <ostream>
 #include <string>
 #include <tuple>
@@ -282,6 +284,221 @@ TEST_F(CpuAttentionTest, RejectsBadArguments) {
   a.cu_seqlens_k = cu.data();
   a.head_dim = kernels::cpu::kMaxHeadDim + 1;
   EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kUnimplemented);
+}
+
+// Paged K/V: each sequence's keys and values are scattered over pages of a pool in shuffled
+// order (pages not contiguous, a sequence's pages not in pool order), with a partial last page,
+// empty and 1-token caches, and pages shared by two sequences (a forked prefix). The output must
+// equal the float64 reference over the same keys laid out contiguously; the pool's unused rows
+// are NaN, so a read outside the table shows up.
+struct PagedProblem {
+  DType dtype = DType::kBFloat16;
+  std::vector<int32_t> len_q;
+  std::vector<int32_t> len_k;  // keys in each sequence's cache (its new tokens included)
+  int page_size = 16;
+  int heads = 4;
+  int kv_heads = 2;
+  int head_dim = 64;
+  bool causal = true;
+  int window_left = -1;
+  int window_right = -1;
+  int extra_pages = 7;          // unused pages in the pool, NaN-filled
+  bool share_first_page = false;  // sequence 1 shares sequence 0's first (full) page
+};
+
+Outcome RunPagedAndCompare(const PagedProblem& p, uint64_t seed,
+                           kernels::cpu::CpuThreadPool* pool) {
+  std::mt19937_64 rng(seed);
+  const int32_t batch = static_cast<int32_t>(p.len_q.size());
+  const auto cu_q = CuSeqlens(p.len_q), cu_k = CuSeqlens(p.len_k);
+  const int64_t row = int64_t(p.kv_heads) * p.head_dim;
+  HostTensor q = HostTensor::Random(p.dtype, int64_t(cu_q.back()) * p.heads * p.head_dim, rng);
+  HostTensor k = HostTensor::Random(p.dtype, int64_t(cu_k.back()) * row, rng);
+  HostTensor v = HostTensor::Random(p.dtype, int64_t(cu_k.back()) * row, rng);
+  const size_t elem = kernels::DTypeSize(p.dtype);
+  const size_t row_bytes = row * elem;
+  if (p.share_first_page) {  // sequence 1's first page holds sequence 0's first keys
+    std::memcpy(k.bytes.data() + cu_k[1] * row_bytes, k.bytes.data(), p.page_size * row_bytes);
+    std::memcpy(v.bytes.data() + cu_k[1] * row_bytes, v.bytes.data(), p.page_size * row_bytes);
+  }
+  // Page ids: one per page of each sequence (the shared one once), plus unused ones, shuffled.
+  std::vector<int32_t> pages_of(batch);
+  int32_t num_pages = p.extra_pages;
+  for (int32_t b = 0; b < batch; ++b) {
+    pages_of[b] = (p.len_k[b] + p.page_size - 1) / p.page_size;
+    num_pages += pages_of[b] - (p.share_first_page && b == 1 ? 1 : 0);
+  }
+  std::vector<int32_t> ids(num_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  HostTensor k_pool = HostTensor::Filled(p.dtype, int64_t(num_pages) * p.page_size * row,
+                                         std::numeric_limits<float>::quiet_NaN());
+  HostTensor v_pool = k_pool;
+  std::vector<int32_t> indptr = {0}, indices, seqlens(p.len_k);
+  size_t next = 0;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t i = 0; i < pages_of[b]; ++i) {
+      const bool shared = p.share_first_page && b == 1 && i == 0;
+      const int32_t page = shared ? indices[0] : ids[next++];
+      indices.push_back(page);
+      const int32_t rows = std::min(p.page_size, p.len_k[b] - i * p.page_size);
+      const size_t src = (size_t(cu_k[b]) + size_t(i) * p.page_size) * row_bytes;
+      const size_t dst = size_t(page) * p.page_size * row_bytes;
+      std::memcpy(k_pool.bytes.data() + dst, k.bytes.data() + src, rows * row_bytes);
+      std::memcpy(v_pool.bytes.data() + dst, v.bytes.data() + src, rows * row_bytes);
+    }
+    indptr.push_back(static_cast<int32_t>(indices.size()));
+  }
+  if (indices.empty()) indices.push_back(0);  // keep the pointer non-null
+
+  HostTensor o = HostTensor::Filled(p.dtype, q.elements, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> lse(size_t(p.heads) * cu_q.back(), std::numeric_limits<float>::quiet_NaN());
+  AttentionArgs a;
+  a.dtype = p.dtype;
+  a.q = q.data();
+  a.k = k_pool.data();
+  a.v = v_pool.data();
+  a.o = o.data();
+  a.lse = lse.data();
+  a.cu_seqlens_q = cu_q.data();
+  a.batch = batch;
+  a.total_q = cu_q.back();
+  a.max_seqlen_q = *std::max_element(p.len_q.begin(), p.len_q.end());
+  a.max_seqlen_k = std::max(1, *std::max_element(p.len_k.begin(), p.len_k.end()));
+  a.num_heads = p.heads;
+  a.num_kv_heads = p.kv_heads;
+  a.head_dim = p.head_dim;
+  a.causal = p.causal;
+  a.window_left = p.window_left;
+  a.window_right = p.window_right;
+  a.paged.page_size = p.page_size;
+  a.paged.num_pages = num_pages;
+  a.paged.page_indptr = indptr.data();
+  a.paged.page_indices = indices.data();
+  a.paged.seqlens_k = seqlens.data();
+
+  std::vector<char> ws(kernels::cpu::WorkspaceBytes(a, pool ? pool->NumWorkers() : 1) + 64);
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) & ~63ull);
+  kernels::Status st = kernels::cpu::Run(a, aligned, pool);
+  EXPECT_TRUE(st.ok()) << st.message();
+
+  AttentionArgs contiguous = a;
+  contiguous.paged = {};
+  contiguous.total_k = cu_k.back();
+  const auto ref = testing::ReferenceAttention(contiguous, q.ToDouble(), k.ToDouble(),
+                                               v.ToDouble(), cu_q, cu_k);
+  return {testing::CompareTo(ref.o, o), testing::CompareLse(ref.lse, lse)};
+}
+
+void ExpectPagedClose(const PagedProblem& p, const Outcome& r) {
+  EXPECT_EQ(r.o.non_finite, 0) << "unwritten, non-finite, or read outside the page table";
+  EXPECT_LE(r.o.rel_l2, OutputTolerance(p.dtype));
+  EXPECT_EQ(r.lse.non_finite, 0);
+  EXPECT_LE(r.lse.max_abs, LseTolerance(p.dtype));
+}
+
+using PagedCombo = std::tuple<DType, int, std::pair<int, int>>;
+class CpuPagedAttentionTest : public CpuAttentionTest,
+                              public ::testing::WithParamInterface<PagedCombo> {};
+
+// Decode steps (one query each) and chunked prefills over shuffled pages, ragged lengths with
+// partial last pages, an empty cache and 1-token caches.
+TEST_P(CpuPagedAttentionTest, DecodeAndChunksMatchFloat64Reference) {
+  const auto [dtype, page_size, heads] = GetParam();
+  PagedProblem p;
+  p.dtype = dtype;
+  p.page_size = page_size;
+  p.heads = heads.first;
+  p.kv_heads = heads.second;
+  p.len_q = {1, 1, 1, 1, 7, 40};
+  p.len_k = {1, 37, 2 * page_size, 300, 7, 41};
+  ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+}
+
+std::string PagedComboName(const ::testing::TestParamInfo<PagedCombo>& info) {
+  const auto [dtype, page_size, heads] = info.param;
+  return std::string(kernels::DTypeName(dtype)) + "_page" + std::to_string(page_size) + "_h" +
+         std::to_string(heads.first) + "kv" + std::to_string(heads.second);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllPaged, CpuPagedAttentionTest,
+    ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                       ::testing::Values(1, 3, 16, 64),
+                       ::testing::Values(std::make_pair(4, 4), std::make_pair(8, 2),
+                                         std::make_pair(4, 1))),
+    PagedComboName);
+
+TEST_F(CpuAttentionTest, PagedEmptyCacheRowsSeeNoKey) {
+  PagedProblem p;
+  p.dtype = DType::kFloat32;
+  p.len_q = {3, 1, 2};
+  p.len_k = {0, 5, 0};  // queries over an empty cache: o = 0, lse = -inf
+  p.causal = false;
+  ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+  p.len_k = {0, 0, 0};  // no page at all in the table
+  ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+}
+
+TEST_F(CpuAttentionTest, PagedSharedPrefixPageAndWindow) {
+  PagedProblem p;
+  p.dtype = DType::kBFloat16;
+  p.page_size = 16;
+  p.len_q = {1, 5};
+  p.len_k = {20, 33};
+  p.share_first_page = true;
+  ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+  p.window_left = 9;
+  p.window_right = 0;
+  ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+  p.causal = false;
+  p.window_left = 4;
+  p.window_right = 2;
+  ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), nullptr));
+}
+
+TEST_F(CpuAttentionTest, PagedLongCacheManyThreads) {
+  PagedProblem p;
+  p.dtype = DType::kFloat16;
+  p.page_size = 32;
+  p.head_dim = 128;
+  p.heads = 8;
+  p.kv_heads = 2;
+  p.len_q = std::vector<int32_t>(16, 1);
+  p.len_k = {4000, 1, 2, 31, 32, 33, 1000, 17, 64, 65, 500, 2048, 3, 127, 128, 129};
+  ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+}
+
+TEST_F(CpuAttentionTest, PagedRejectsBadPageTables) {
+  std::vector<uint16_t> buf(4 * 16 * 2 * 64);
+  const std::vector<int32_t> cu_q = {0, 1};
+  std::vector<int32_t> indptr = {0, 2}, indices = {1, 0}, seqlens = {20};
+  AttentionArgs a;
+  a.q = a.k = a.v = buf.data();
+  a.o = buf.data();
+  a.cu_seqlens_q = cu_q.data();
+  a.total_q = a.max_seqlen_q = 1;
+  a.max_seqlen_k = 20;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  a.head_dim = 64;
+  a.paged = {16, 4, indptr.data(), indices.data(), seqlens.data()};
+  EXPECT_TRUE(kernels::cpu::CanImplement(a).ok()) << kernels::cpu::CanImplement(a).message();
+  indices = {1, 4};  // page out of the pool
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
+  indices = {1, -1};
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
+  indices = {1, 0};
+  seqlens = {33};  // 3 pages needed, 2 given (and over max_seqlen_k)
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
+  a.max_seqlen_k = 40;
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
+  seqlens = {16};  // 1 page needed, 2 given
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
+  seqlens = {17};
+  EXPECT_TRUE(kernels::cpu::CanImplement(a).ok());
+  indptr = {1, 2};
+  EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

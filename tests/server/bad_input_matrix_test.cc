@@ -2,8 +2,8 @@
 // with its exact status code and a message that names the field. Every case is its own test
 // (BadInputCase/Matrix.<Name>), on unary Attend and midway through an AttendStream; after each one
 // a good request must be answered correctly. Also the defined behaviour of the valid edge cases:
-// zero-length sequences, NaN/Inf inputs, unknown session ids (UNIMPLEMENTED in this version) and
-// oversize messages.
+// zero-length sequences, NaN/Inf inputs and oversize messages. The session RPCs have a
+// matrix of their own (SessionBadInput/Matrix.<Name>).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/reference.h"
+#include "session_util.h"
 #include "test_util.h"
 
 namespace attn {
@@ -461,64 +462,311 @@ TEST_F(BadInputMatrixTest, OversizeStreamItemEndsThatStreamOnly) {
   ExpectGoodRequestAnswered("oversize stream item");
 }
 
-// CreateSession/Step/BatchStep/CloseSession, with unknown or made-up session ids, answer
-// UNIMPLEMENTED with this exact message in this version.
-TEST_F(BadInputMatrixTest, SessionRpcsWithUnknownIdsAreUnimplemented) {
-  const std::string kMessage =
-      "KV-cache sessions (CreateSession, Step, BatchStep, CloseSession) are not available in "
-      "this version of attnd; use Attend with whole tensors";
-  auto* stub = server_->client->stub();
-  auto check = [&](const char* what, const grpc::Status& st) {
-    EXPECT_EQ(st.error_code(), StatusCode::UNIMPLEMENTED) << what;
-    EXPECT_EQ(st.error_message(), kMessage) << what;
+// The session RPCs: every field of CreateSession, Step, TruncateSession, ForkSession and
+// CloseSession wrong in the ways we could think of, each its own test
+// (SessionBadInput/Matrix.<Name>) with its exact code and a message naming the field. Each runs
+// against a live session holding 5 tokens in each of its 2 layers (bf16, 4 query heads over 2 KV
+// heads, head_dim 64, max_tokens 64); afterwards a good step on that session must be answered
+// and match the float64 reference over the cache as it was, so a failed call changed nothing.
+struct SessionCall {
+  std::string session_id;  // the live session
+  v1::Attention::Stub* stub = nullptr;
+  std::mt19937_64* rng = nullptr;
+  testing::SessionSpec spec;
+};
+struct SessionBadCase {
+  std::string name;
+  std::function<grpc::Status(const SessionCall&)> call;
+  StatusCode code;
+  std::string message_part;
+};
+void PrintTo(const SessionBadCase& c, std::ostream* os) { *os << c.name; }
+
+// A step of the live session, changed by `corrupt`, sent.
+std::function<grpc::Status(const SessionCall&)> BadStep(
+    std::function<void(v1::StepRequest&)> corrupt, int tokens = 1) {
+  return [corrupt, tokens](const SessionCall& c) {
+    v1::StepRequest r = testing::RandomStep(c.session_id, 0, tokens, c.spec, *c.rng);
+    corrupt(r);
+    v1::StepResponse response;
+    const grpc::Status st = testing::Step(c.stub, r, &response);
+    EXPECT_FALSE(response.has_o());
+    return st;
   };
-  {
+}
+std::function<grpc::Status(const SessionCall&)> BadCreate(
+    std::function<void(v1::CreateSessionRequest&)> corrupt) {
+  return [corrupt](const SessionCall& c) {
+    v1::CreateSessionRequest r;
+    r.set_num_layers(2);
+    r.set_num_kv_heads(2);
+    r.set_head_dim(64);
+    r.set_dtype(v1::DTYPE_BFLOAT16);
+    corrupt(r);
     grpc::ClientContext ctx;
-    v1::CreateSessionRequest req;
-    req.set_num_layers(-1);
-    req.set_head_dim(64);
-    v1::CreateSessionResponse resp;
-    check("CreateSession", stub->CreateSession(&ctx, req, &resp));
+    v1::CreateSessionResponse response;
+    const grpc::Status st = c.stub->CreateSession(&ctx, r, &response);
+    EXPECT_TRUE(response.session_id().empty());
+    return st;
+  };
+}
+grpc::Status TruncateCall(const SessionCall& c, const std::string& id, int64_t tokens) {
+  grpc::ClientContext ctx;
+  v1::TruncateSessionRequest r;
+  r.set_session_id(id);
+  r.set_tokens(tokens);
+  v1::TruncateSessionResponse response;
+  return c.stub->TruncateSession(&ctx, r, &response);
+}
+grpc::Status ForkCall(const SessionCall& c, const std::string& id) {
+  grpc::ClientContext ctx;
+  v1::ForkSessionRequest r;
+  r.set_session_id(id);
+  v1::ForkSessionResponse response;
+  return c.stub->ForkSession(&ctx, r, &response);
+}
+// A session created and closed again: its id.
+std::string ClosedSessionId(const SessionCall& c) {
+  v1::CreateSessionResponse r;
+  EXPECT_TRUE(testing::CreateSession(c.stub, c.spec, &r).ok());
+  EXPECT_TRUE(testing::CloseSession(c.stub, r.session_id()).ok());
+  return r.session_id();
+}
+
+void SetShapes(v1::StepRequest& r, int64_t q_heads, int64_t kv_heads, int64_t d) {
+  for (auto* t : {r.mutable_q(), r.mutable_k_new(), r.mutable_v_new()}) {
+    t->set_shape(1, t == r.mutable_q() ? q_heads : kv_heads);
+    t->set_shape(2, d);
+    FitData(t);
   }
-  const std::vector<std::string> ids = {"", "no-such-session", std::string(4096, 'x'),
-                                        "00000000-0000-0000-0000-000000000000"};
-  for (const std::string& id : ids) {
-    {
-      grpc::ClientContext ctx;
-      v1::StepRequest req;
-      req.set_session_id(id);
-      req.set_layer(-3);
-      v1::StepResponse resp;
-      check("Step", stub->Step(&ctx, req, &resp));
-    }
-    {
-      grpc::ClientContext ctx;
-      v1::BatchStepRequest req;
-      req.add_steps()->set_session_id(id);
-      v1::BatchStepResponse resp;
-      check("BatchStep", stub->BatchStep(&ctx, req, &resp));
-    }
-    {
-      grpc::ClientContext ctx;
-      v1::CloseSessionRequest req;
-      req.set_session_id(id);
-      v1::CloseSessionResponse resp;
-      check("CloseSession", stub->CloseSession(&ctx, req, &resp));
-    }
+}
+
+std::vector<SessionBadCase> SessionBadCases() {
+  const auto IA = StatusCode::INVALID_ARGUMENT;
+  const auto NF = StatusCode::NOT_FOUND;
+  const auto RE = StatusCode::RESOURCE_EXHAUSTED;
+  const auto FP = StatusCode::FAILED_PRECONDITION;
+  return {
+      // CreateSession.
+      {"CreateLayersZero", BadCreate([](auto& r) { r.set_num_layers(0); }), IA,
+       "num_layers must be in [1, 1024], got 0"},
+      {"CreateLayersTooMany", BadCreate([](auto& r) { r.set_num_layers(1025); }), IA,
+       "num_layers must be in [1, 1024], got 1025"},
+      {"CreateKvHeadsZero", BadCreate([](auto& r) { r.set_num_kv_heads(0); }), IA,
+       "num_kv_heads must be >= 1, got 0"},
+      {"CreateHeadDimUnsupported", BadCreate([](auto& r) { r.set_head_dim(80); }), IA,
+       "head_dim 80 is not supported"},
+      {"CreateDtypeFloat32", BadCreate([](auto& r) { r.set_dtype(v1::DTYPE_FLOAT32); }), IA,
+       "dtype must be DTYPE_FLOAT16 or DTYPE_BFLOAT16 (the cache's element type), got "
+       "DTYPE_FLOAT32"},
+      {"CreateDtypeUnspecified", BadCreate([](auto& r) { r.set_dtype(v1::DTYPE_UNSPECIFIED); }),
+       IA, "got DTYPE_UNSPECIFIED"},
+      {"CreateMaxTokensNegative", BadCreate([](auto& r) { r.set_max_tokens(-1); }), IA,
+       "max_tokens must be in [0, 131072]"},
+      {"CreateMaxTokensOverLimit", BadCreate([](auto& r) { r.set_max_tokens(131073); }), IA,
+       "(0: the server's limit, --max_session_tokens), got 131073"},
+      {"CreateRowNotDividingAPage", BadCreate([](auto& r) { r.set_num_kv_heads(3); }), IA,
+       "num_kv_heads (3) x head_dim (64) x 2 bytes = 384 bytes per token must divide the KV page"},
+      // Step: which session.
+      {"StepUnknownSession", BadStep([](auto& r) { r.set_session_id("nosuchreplica"); }), NF,
+       "no session nosuchreplica on replica bad-input"},
+      {"StepEmptySessionId", BadStep([](auto& r) { r.clear_session_id(); }), NF,
+       "no session '' on replica bad-input"},
+      {"StepUnknownIdOfThisReplica", BadStep([](auto& r) { r.set_session_id("bad-input.1"); }),
+       NF, "no session bad-input.1 on replica bad-input"},
+      {"StepOtherReplica", BadStep([](auto& r) { r.set_session_id("other.42"); }), FP,
+       "session other.42 belongs to replica other, but this is replica bad-input"},
+      {"StepClosedSession",
+       [](const SessionCall& c) {
+         SessionCall closed = c;
+         closed.session_id = ClosedSessionId(c);
+         return BadStep([](auto&) {})(closed);
+       },
+       NF, "was closed"},
+      // Step: layer and tensors.
+      {"StepLayerNegative", BadStep([](auto& r) { r.set_layer(-1); }), IA,
+       "layer -1 is out of range"},
+      {"StepLayerPastLast", BadStep([](auto& r) { r.set_layer(2); }), IA,
+       "layer 2 is out of range: session"},
+      {"StepQMissing", BadStep([](auto& r) { r.clear_q(); }), IA,
+       "tensor q is not set; q, k_new and v_new must all be set"},
+      {"StepKNewAndVNewMissing", BadStep([](auto& r) { r.clear_k_new(); r.clear_v_new(); }), IA,
+       "tensors k_new and v_new are not set"},
+      {"StepQDtypeNotTheSessions", BadStep([](auto& r) { r.mutable_q()->set_dtype(v1::DTYPE_FLOAT16); }),
+       IA, "q.dtype must be the session's dtype DTYPE_BFLOAT16, got DTYPE_FLOAT16"},
+      {"StepVNewFloat32", BadStep([](auto& r) {
+         r.mutable_v_new()->set_dtype(v1::DTYPE_FLOAT32);
+         r.mutable_v_new()->mutable_data()->append(r.v_new().data());
+       }), IA, "v_new.dtype must be the session's dtype DTYPE_BFLOAT16, got DTYPE_FLOAT32"},
+      {"StepKvHeadsNotTheSessions", BadStep([](auto& r) { SetShapes(r, 4, 4, 64); }), IA,
+       "k_new.shape[1] (num_kv_heads) must be the session's 2, got 4"},
+      {"StepHeadsNotAMultipleOfKvHeads", BadStep([](auto& r) { SetShapes(r, 3, 2, 64); }), IA,
+       "q.shape[1] (num_heads = 3) must be a multiple of the session's num_kv_heads (2)"},
+      {"StepHeadDimNotTheSessions", BadStep([](auto& r) { SetShapes(r, 4, 2, 32); }), IA,
+       "q.shape[2] (head_dim) must be the session's 64, got 32"},
+      {"StepKNewTokensDiffer", BadStep([](auto& r) {
+         for (auto* t : {r.mutable_k_new(), r.mutable_v_new()}) { t->set_shape(0, 2); FitData(t); }
+       }), IA, "k_new.shape[0] (new tokens) must equal q.shape[0] = 1, got 2"},
+      {"StepVNewShapeDiffers", BadStep([](auto& r) {
+         r.mutable_v_new()->set_shape(1, 1);
+         FitData(r.mutable_v_new());
+       }), IA, "v_new.shape must equal k_new.shape [1, 2, 64], got [1, 1, 64]"},
+      {"StepQDataShort", BadStep([](auto& r) { r.mutable_q()->mutable_data()->pop_back(); }), IA,
+       "q.data has 511 bytes"},
+      {"StepKNewRank2", BadStep([](auto& r) { r.mutable_k_new()->mutable_shape()->RemoveLast(); }),
+       IA, "k_new.shape must have 3 dimensions"},
+      {"StepQTokensZero", BadStep([](auto& r) { r.mutable_q()->set_shape(0, 0); r.mutable_q()->clear_data(); }),
+       IA, "q.shape[0] must be > 0"},
+      {"StepScaleNaN", BadStep([](auto& r) { r.set_softmax_scale(kNaN); }), IA,
+       "softmax_scale must be finite"},
+      {"StepWindowLeftBelowMinusOne", BadStep([](auto& r) { r.mutable_window()->set_left(-2); }),
+       IA, "window.left and window.right must be >= -1 (-1: unbounded), got -2 and 0"},
+      {"StepMoreTokensThanTheSessionHolds", BadStep([](auto&) {}, 65), RE,
+       "q.shape[0] (65 new tokens) is more than the session's limit of 64 tokens per layer"},
+      {"StepPastTheSessionLimit", BadStep([](auto&) {}, 60), RE,
+       "layer 0 holds 5 tokens; 60 more would make 65, over the session's limit of 64"},
+      // TruncateSession, ForkSession, CloseSession.
+      {"TruncatePastTheStart", [](const SessionCall& c) { return TruncateCall(c, c.session_id, 6); },
+       IA, "tokens (6) is more than layer 0 of session"},
+      {"TruncateNegative", [](const SessionCall& c) { return TruncateCall(c, c.session_id, -3); },
+       IA, "tokens must be >= 0, got -3"},
+      {"TruncateUnknownSession", [](const SessionCall& c) { return TruncateCall(c, "bad-input.7", 1); },
+       NF, "no session bad-input.7"},
+      {"TruncateClosedSession",
+       [](const SessionCall& c) { return TruncateCall(c, ClosedSessionId(c), 0); }, NF,
+       "was closed"},
+      {"ForkUnknownSession", [](const SessionCall& c) { return ForkCall(c, "xyz"); }, NF,
+       "no session xyz"},
+      {"ForkOtherReplica", [](const SessionCall& c) { return ForkCall(c, "r2.abc"); }, FP,
+       "belongs to replica r2"},
+      {"CloseUnknownSession",
+       [](const SessionCall& c) { return testing::CloseSession(c.stub, "bad-input.x"); }, NF,
+       "no session bad-input.x on replica bad-input"},
+      {"CloseTwice",
+       [](const SessionCall& c) { return testing::CloseSession(c.stub, ClosedSessionId(c)); }, NF,
+       "was closed"},
+      {"CloseLongGarbageId",
+       [](const SessionCall& c) { return testing::CloseSession(c.stub, std::string(4096, 'x')); },
+       NF, "no session xxxx"},
+  };
+}
+
+testing::LoopbackServer* SessionServer() {
+  static testing::LoopbackServer* server = [] {
+    ServerOptions options;
+    options.max_message_bytes = 4 << 20;
+    options.replica_id = "bad-input";
+    options.kv_cache_bytes = 16 << 20;
+    return new testing::LoopbackServer(testing::StartLoopbackServer(options));
+  }();
+  return server;
+}
+
+class SessionBadInput : public ::testing::TestWithParam<SessionBadCase> {
+ protected:
+  void SetUp() override {
+    server_ = SessionServer();
+    c_.stub = server_->client->stub();
+    c_.rng = &rng_;
+    c_.spec = {2, 4, 2, 64, v1::DTYPE_BFLOAT16};
+    v1::CreateSessionResponse r;
+    ASSERT_TRUE(testing::CreateSession(c_.stub, c_.spec, &r, 64).ok());
+    c_.session_id = r.session_id();
+    for (int layer : {0, 1}) GoodStep(layer, 5);
+  }
+  void TearDown() override { EXPECT_TRUE(testing::CloseSession(c_.stub, c_.session_id).ok()); }
+  void GoodStep(int layer, int tokens) {
+    const v1::StepRequest step = testing::RandomStep(c_.session_id, layer, tokens, c_.spec, rng_);
+    v1::StepResponse response;
+    const grpc::Status st = testing::Step(c_.stub, step, &response);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    shadow_.Append(step);
+    EXPECT_EQ(response.cached_tokens(), shadow_.Tokens(layer));
+    EXPECT_LE(shadow_.Check(step, response).o, testing::StepTolerance(c_.spec.dtype));
+  }
+
+  testing::LoopbackServer* server_ = nullptr;
+  SessionCall c_;
+  std::mt19937_64 rng_{std::random_device{}()};
+  testing::SessionShadow shadow_{{2, 4, 2, 64, v1::DTYPE_BFLOAT16}};
+};
+
+TEST_P(SessionBadInput, RefusedAndTheSessionGoesOn) {
+  const SessionBadCase& c = GetParam();
+  const grpc::Status st = c.call(c_);
+  EXPECT_EQ(st.error_code(), c.code) << st.error_message();
+  EXPECT_NE(st.error_message().find(c.message_part), std::string::npos)
+      << "message: " << st.error_message() << "\nwanted: " << c.message_part;
+  GoodStep(0, 1);
+  GoodStep(1, 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, SessionBadInput, ::testing::ValuesIn(SessionBadCases()),
+                         [](const ::testing::TestParamInfo<SessionBadCase>& info) {
+                           return info.param.name;
+                         });
+
+// The same bad steps as BatchStep items between good ones: each bad item gets its own code and
+// message, the good ones are computed.
+TEST_F(BadInputMatrixTest, BadStepsInsideABatchStepFailAlone) {
+  testing::LoopbackServer* server = SessionServer();
+  auto* stub = server->client->stub();
+  const testing::SessionSpec spec{1, 4, 2, 64, v1::DTYPE_BFLOAT16};
+  v1::CreateSessionResponse cr;
+  ASSERT_TRUE(testing::CreateSession(stub, spec, &cr).ok());
+  testing::SessionShadow shadow(spec);
+  v1::BatchStepRequest req;
+  std::vector<int> good;
+  *req.add_steps() = testing::RandomStep(cr.session_id(), 0, 3, spec, rng_);
+  good.push_back(0);
+  auto bad = testing::RandomStep(cr.session_id(), 0, 1, spec, rng_);
+  bad.mutable_q()->set_dtype(v1::DTYPE_FLOAT16);
+  *req.add_steps() = bad;
+  *req.add_steps() = testing::RandomStep("other.1", 0, 1, spec, rng_);
+  *req.add_steps() = testing::RandomStep(cr.session_id(), 0, 2, spec, rng_);
+  good.push_back(3);
+  grpc::ClientContext ctx;
+  v1::BatchStepResponse resp;
+  ASSERT_TRUE(stub->BatchStep(&ctx, req, &resp).ok());
+  ASSERT_EQ(resp.results_size(), 4);
+  EXPECT_EQ(resp.results(1).status_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(resp.results(1).status_message().find("q.dtype must be the session's dtype"),
+            std::string::npos);
+  EXPECT_EQ(resp.results(2).status_code(), StatusCode::FAILED_PRECONDITION);
+  for (int i : good) {
+    ASSERT_EQ(resp.results(i).status_code(), 0) << resp.results(i).status_message();
+    shadow.Append(req.steps(i));
+    EXPECT_LE(shadow.Check(req.steps(i), resp.results(i).response()).o,
+              testing::StepTolerance(spec.dtype));
   }
   // A session id that is not UTF-8 makes the message unparseable (proto3 strings must be
-  // UTF-8): gRPC fails the call before attnd's handler sees the request (this gRPC version
-  // reports it as UNIMPLEMENTED with an empty message).
-  {
-    grpc::ClientContext ctx;
-    v1::CloseSessionRequest req;
-    req.set_session_id(std::string("\0\xff\xfe", 3));
-    v1::CloseSessionResponse resp;
-    const grpc::Status st = stub->CloseSession(&ctx, req, &resp);
-    EXPECT_FALSE(st.ok());
-    EXPECT_NE(st.error_message(), kMessage);
-  }
+  // UTF-8): gRPC fails the call before attnd's handler sees the request.
+  grpc::ClientContext ctx2;
+  v1::CloseSessionRequest close;
+  close.set_session_id(std::string("\0\xff\xfe", 3));
+  v1::CloseSessionResponse closed;
+  EXPECT_FALSE(stub->CloseSession(&ctx2, close, &closed).ok());
+  EXPECT_TRUE(testing::CloseSession(stub, cr.session_id()).ok());
   ExpectGoodRequestAnswered("session RPCs");
+}
+
+// Every field of the session requests that can be wrong has a case whose message names it.
+TEST(BadInputMatrixTable, EverySessionFieldHasACaseNamingIt) {
+  const auto cases = SessionBadCases();
+  for (const google::protobuf::Descriptor* d :
+       {v1::CreateSessionRequest::descriptor(), v1::StepRequest::descriptor(),
+        v1::TruncateSessionRequest::descriptor()}) {
+    for (int i = 0; i < d->field_count(); ++i) {
+      std::string field = d->field(i)->name();
+      if (field == "return_lse" || field == "session_id") continue;  // any value / ids below
+      const std::regex word("(^|[^A-Za-z0-9_])" + field + "($|[^A-Za-z0-9_.])");
+      int named = 0;
+      for (const SessionBadCase& c : cases) named += std::regex_search(c.message_part, word);
+      if (field == "window") named += 1;  // named as window.left
+      EXPECT_GT(named, 0) << "no session bad case's message names " << d->name() << "." << field;
+    }
+  }
+  EXPECT_GE(cases.size(), 25u);
 }
 
 // Valid edge values that must be accepted (and computed right).

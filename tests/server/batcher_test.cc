@@ -194,6 +194,35 @@ TEST_F(BatcherTest, PacksRequestsThatArriveWithinTheDelay) {
   EXPECT_EQ(batches[0], (std::vector<uint64_t>{0, 1, 2, 3, 4}));
 }
 
+// Session steps (BatchKey::page_tokens > 0) do not wait max_queue_delay_us for company: a lone
+// step goes at once, and steps that arrive while the backend is busy form its next launch.
+TEST_F(BatcherTest, SessionStepsGoAtOnceAndGatherWhileTheBackendIsBusy) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
+  auto step = [](v1::AttendRequest&, AttendJob* job) {
+    if (job != nullptr) job->key.page_tokens = 16;
+  };
+  backend_->Hold(true);
+  const auto start = Clock::now();
+  ASSERT_TRUE(SubmitEdited(1, 1, 1, step).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1, 2000ms)) << "a lone step waited for company";
+  EXPECT_LT(Clock::now() - start, 1s);
+  for (uint64_t i = 2; i <= 4; ++i) ASSERT_TRUE(SubmitEdited(i, 1, 1, step).ok());
+  backend_->Hold(false);
+  for (uint64_t i = 1; i <= 4; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  const auto batches = backend_->Batches();
+  ASSERT_EQ(batches.size(), 2u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{1}));
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{2, 3, 4}));
+  // With max_step_delay_us set, a lone step waits for it like an Attend request.
+  batcher_.reset();
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 0, .max_step_delay_us = 300'000,
+        .max_queue_size = 100});
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(SubmitEdited(5, 1, 1, step).ok());
+  EXPECT_TRUE(ResultOf(5).ok());
+  EXPECT_GE(Clock::now() - t0, 250ms);
+}
+
 TEST_F(BatcherTest, FullBatchGoesAtOnceAndRespectsTokenLimit) {
   // 30 tokens per batch at most: jobs of 10 tokens go in threes, without waiting the delay.
   Make({.max_batch_tokens = 30, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});

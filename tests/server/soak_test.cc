@@ -1,8 +1,10 @@
 // Soak: N concurrent clients for T seconds against an attnd process, a mix of valid requests
 // (unary and AttendStream, every dtype, causal, GQA, varlen, windows; each answer checked against
-// the float64 reference) and invalid ones (each must get its exact code and message). Zero
-// unexpected results; attn_pending_requests never exceeds the clients' outstanding requests and
-// is 0 at the end; attnd's resident memory (VmRSS) stays flat after the warm-up.
+// the float64 reference) and invalid ones (each must get its exact code and message), and
+// KV-cache sessions (steps, BatchSteps, truncates, forks, closes and bad steps; each answer checked
+// against the float64 reference over the session's cache). Zero unexpected results;
+// attn_pending_requests never exceeds the clients' outstanding requests and is 0 at the end;
+// attnd's resident memory (VmRSS) stays flat after the warm-up; every KV page is free at the end.
 //
 //   build/tests/server/soak_test                              # CI: 8 clients, 20 s
 //   build/tests/server/soak_test --clients=16 --seconds=300   # the long run (docs/RELIABILITY.md)
@@ -18,6 +20,7 @@
 #include <mutex>
 #include <thread>
 
+#include "session_util.h"
 #include "test_util.h"
 
 namespace attn {
@@ -189,6 +192,98 @@ void StreamClient(const std::string& target, int id, std::chrono::steady_clock::
   if (!st.ok()) t.Unexpected("stream ended with " + st.error_message());
 }
 
+// Sessions one after another: created, stepped (prefill chunks, decode, BatchSteps), truncated,
+// forked, sent a bad step now and then, closed; every answer checked against the reference.
+void SessionClient(const std::string& target, int id, std::chrono::steady_clock::time_point end,
+                   Totals& t) {
+  client::ClientOptions o;
+  o.target = target;
+  auto c = std::move(*client::Client::Create(o));
+  auto* stub = c->stub();
+  std::mt19937_64 rng(3000 + id);
+  const testing::SessionSpec specs[] = {{2, 4, 2, 64, v1::DTYPE_BFLOAT16},
+                                        {1, 8, 1, 128, v1::DTYPE_FLOAT16}};
+  auto check = [&](const testing::SessionShadow& shadow, const v1::StepRequest& step,
+                   const v1::StepResponse& resp, const grpc::Status& st) {
+    ++t.requests;
+    if (!st.ok()) return t.Unexpected("step failed: " + st.error_message());
+    const auto e = shadow.Check(step, resp);
+    if (!(e.o <= testing::StepTolerance(shadow.spec().dtype)) || e.non_finite != 0) {
+      return t.Unexpected("wrong step answer: relative error " + std::to_string(e.o));
+    }
+    ++t.valid_ok;
+  };
+  while (std::chrono::steady_clock::now() < end) {
+    const testing::SessionSpec& spec = specs[rng() % 2];
+    v1::CreateSessionResponse cr;
+    if (!testing::CreateSession(stub, spec, &cr).ok()) {
+      t.Unexpected("CreateSession failed");
+      continue;
+    }
+    testing::SessionShadow shadow(spec);
+    for (int i = 0; i < 40 && std::chrono::steady_clock::now() < end; ++i) {
+      const int layer = static_cast<int>(rng() % spec.layers);
+      const int kind = static_cast<int>(rng() % 10);
+      if (kind < 6) {
+        v1::StepRequest step = testing::RandomStep(cr.session_id(), layer,
+                                                   i < 2 ? 1 + int(rng() % 64) : 1, spec, rng);
+        v1::StepResponse resp;
+        const grpc::Status st = testing::Step(stub, step, &resp);
+        if (st.ok()) shadow.Append(step);
+        check(shadow, step, resp, st);
+      } else if (kind < 8) {
+        v1::BatchStepRequest req;
+        for (int j = 0; j < 3; ++j) {
+          *req.add_steps() = testing::RandomStep(cr.session_id(), j % spec.layers, 1, spec, rng);
+        }
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + 120s);
+        v1::BatchStepResponse resp;
+        const grpc::Status st = stub->BatchStep(&ctx, req, &resp);
+        for (int j = 0; j < req.steps_size(); ++j) {
+          const bool ok = st.ok() && resp.results(j).status_code() == 0;
+          if (ok) shadow.Append(req.steps(j));
+          check(shadow, req.steps(j), ok ? resp.results(j).response() : v1::StepResponse(),
+                ok ? grpc::Status::OK : grpc::Status(grpc::StatusCode::INTERNAL, "item failed"));
+        }
+      } else if (kind == 8) {  // a bad step: its own status, the cache unchanged
+        v1::StepRequest step = testing::RandomStep(cr.session_id(), spec.layers, 1, spec, rng);
+        v1::StepResponse resp;
+        const grpc::Status st = testing::Step(stub, step, &resp);
+        ++t.requests;
+        if (st.error_code() != grpc::StatusCode::INVALID_ARGUMENT ||
+            st.error_message().find("is out of range") == std::string::npos) {
+          t.Unexpected("bad step: " + st.error_message());
+        } else {
+          ++t.invalid_ok;
+        }
+      } else {  // fork and close the fork, or truncate one token
+        grpc::ClientContext ctx;
+        if (rng() % 2) {
+          v1::ForkSessionRequest req;
+          req.set_session_id(cr.session_id());
+          v1::ForkSessionResponse resp;
+          if (!stub->ForkSession(&ctx, req, &resp).ok() ||
+              !testing::CloseSession(stub, resp.session_id()).ok()) {
+            t.Unexpected("fork or its close failed");
+          }
+        } else {
+          int64_t least = shadow.Tokens(0);
+          for (int l = 1; l < spec.layers; ++l) least = std::min(least, shadow.Tokens(l));
+          v1::TruncateSessionRequest req;
+          req.set_session_id(cr.session_id());
+          req.set_tokens(std::min<int64_t>(least, 1));
+          v1::TruncateSessionResponse resp;
+          if (!stub->TruncateSession(&ctx, req, &resp).ok()) t.Unexpected("truncate failed");
+          shadow.Truncate(req.tokens());
+        }
+        ++t.requests;
+      }
+    }
+    if (!testing::CloseSession(stub, cr.session_id()).ok()) t.Unexpected("CloseSession failed");
+  }
+}
+
 TEST(Soak, MixedTrafficNoUnexpectedErrorsFlatMemoryAndPending) {
   auto attnd = testing::AttndProcess::Start({});
   ASSERT_NE(attnd, nullptr);
@@ -199,9 +294,10 @@ TEST(Soak, MixedTrafficNoUnexpectedErrorsFlatMemoryAndPending) {
   Totals t;
   std::vector<std::thread> clients;
   for (int i = 0; i < g_clients; ++i) {
-    // One client in four keeps one AttendStream open for the whole run.
-    clients.emplace_back(i % 4 == 3 ? StreamClient : UnaryClient, attnd->target(), i, end,
-                         std::ref(t));
+    // One client in four keeps one AttendStream open for the whole run; one in four runs
+    // sessions.
+    clients.emplace_back(i % 4 == 3 ? StreamClient : i % 4 == 1 ? SessionClient : UnaryClient,
+                         attnd->target(), i, end, std::ref(t));
   }
   const int64_t rss_start = testing::VmRssKiB(pid);
   int64_t rss_warm = -1, rss_max = 0, rss_last = 0;
@@ -230,6 +326,10 @@ TEST(Soak, MixedTrafficNoUnexpectedErrorsFlatMemoryAndPending) {
     if (pending_end != 0) std::this_thread::sleep_for(50ms);
   }
   const int64_t rss_end = testing::VmRssKiB(pid);
+  const double kv_used = testing::ScrapeMetric(port, "attn_kv_cache_pages", {"state=\"used\""});
+  const double sessions = testing::ScrapeMetric(port, "attn_sessions");
+  EXPECT_EQ(kv_used, 0) << "KV pages still in use after every session was closed";
+  EXPECT_EQ(sessions, 0);
   // Growth over the second half of the run, which is what a leak would keep adding to.
   int64_t rss_mid = rss_warm;
   if (!rss_series.empty()) rss_mid = rss_series[rss_series.size() / 2].second;
@@ -238,18 +338,19 @@ TEST(Soak, MixedTrafficNoUnexpectedErrorsFlatMemoryAndPending) {
       "requests with their expected status, %lld unexpected\n"
       "soak: attnd VmRSS start %lld KiB, after warm-up %lld KiB, mid-run %lld KiB, max %lld KiB, "
       "end of load %lld KiB, idle %lld KiB: growth after warm-up %+lld KiB, second half %+lld KiB\n"
-      "soak: attn_pending_requests max %.0f, at the end %.0f\n",
+      "soak: attn_pending_requests max %.0f, at the end %.0f; KV pages used at the end %.0f\n",
       g_clients, seconds, (long long)t.requests.load(), t.requests.load() / seconds,
       (long long)t.valid_ok.load(), (long long)t.invalid_ok.load(), (long long)t.unexpected.load(),
       (long long)rss_start, (long long)rss_warm, (long long)rss_mid, (long long)rss_max,
       (long long)rss_last, (long long)rss_end, (long long)(rss_last - rss_warm),
-      (long long)(rss_last - rss_mid), pending_max, pending_end);
+      (long long)(rss_last - rss_mid), pending_max, pending_end, kv_used);
   for (const auto& s : t.samples) std::printf("soak: unexpected: %s\n", s.c_str());
   EXPECT_EQ(t.unexpected.load(), 0);
   EXPECT_GT(t.valid_ok.load(), 0);
   EXPECT_GT(t.invalid_ok.load(), 0);
-  // Each client has at most one request outstanding.
-  EXPECT_LE(pending_max, g_clients);
+  // Each client has at most one request outstanding; a session client's BatchStep, three.
+  const int session_clients = (g_clients + 2) / 4;
+  EXPECT_LE(pending_max, g_clients + 2 * session_clients);
   EXPECT_EQ(pending_end, 0);
   // Flat: after the warm-up, RSS may move with allocator caching but must not keep growing.
   // Not under sanitizers: ASan's quarantine holds up to 256 MiB of freed memory by design (its

@@ -1,6 +1,7 @@
 // Tiled forward attention on the CPU. Each work item is one (sequence, head, query tile): it
 // walks the visible key tiles with an online softmax, so no score matrix larger than one tile
-// exists. Inner loops run over contiguous floats so that the compiler vectorizes them.
+// exists. Inner loops run over contiguous floats so that the compiler vectorizes them. Paged K/V
+// (args.paged) differ only in where key row j of a sequence is read from (KeyRow).
 #include "attn/kernels/cpu_attention.h"
 
 #include <algorithm>
@@ -152,9 +153,23 @@ class Runner {
     return {seq, head, (tile - tile_prefix_[seq]) * kBlockM};
   }
 
+  // Keys of sequence seq.
+  int64_t SeqLenK(int32_t seq) const {
+    if (IsPaged(a_)) return a_.paged.seqlens_k[seq];
+    return a_.cu_seqlens_k[seq + 1] - a_.cu_seqlens_k[seq];
+  }
+
+  // Row index (in [tokens or page rows, num_kv_heads, head_dim] units) of key j of sequence seq.
+  int64_t KeyRow(int32_t seq, int64_t j) const {
+    if (!IsPaged(a_)) return a_.cu_seqlens_k[seq] + j;
+    const PagedKv& p = a_.paged;
+    const int32_t page = p.page_indices[p.page_indptr[seq] + j / p.page_size];
+    return int64_t(page) * p.page_size + j % p.page_size;
+  }
+
   void ComputeTile(const WorkItem& w, const Scratch& s) const {
     const int64_t q0 = a_.cu_seqlens_q[w.seq], sq = a_.cu_seqlens_q[w.seq + 1] - q0;
-    const int64_t k0 = a_.cu_seqlens_k[w.seq], sk = a_.cu_seqlens_k[w.seq + 1] - k0;
+    const int64_t sk = SeqLenK(w.seq);
     const int rows = static_cast<int>(std::min<int64_t>(kBlockM, sq - w.row0));
     const int kv_head = w.head / group_;
     const int64_t q_stride = int64_t(a_.num_heads) * d_;
@@ -174,7 +189,7 @@ class Runner {
     const int64_t lo = std::max<int64_t>(0, first.lo), hi = std::min(sk - 1, last.hi);
     for (int64_t j0 = (lo / kBlockN) * kBlockN; j0 <= hi; j0 += kBlockN) {
       const int n = static_cast<int>(std::min<int64_t>(kBlockN, sk - j0));
-      LoadKeyTile(k0 + j0, n, kv_head, kv_stride, s);
+      LoadKeyTile(w.seq, j0, n, kv_head, kv_stride, s);
       ScoreTile(s.q, s.kt, s.s, rows, d_);
       float alpha[kBlockM];
       for (int r = 0; r < rows; ++r) {
@@ -186,10 +201,11 @@ class Runner {
     WriteOutput(w, q0, rows, s);
   }
 
-  void LoadKeyTile(int64_t key0, int n, int kv_head, int64_t kv_stride, const Scratch& s) const {
+  void LoadKeyTile(int32_t seq, int64_t key0, int n, int kv_head, int64_t kv_stride,
+                   const Scratch& s) const {
     float row[kMaxHeadDim];
     for (int j = 0; j < n; ++j) {
-      const int64_t src = (key0 + j) * kv_stride + int64_t(kv_head) * d_;
+      const int64_t src = KeyRow(seq, key0 + j) * kv_stride + int64_t(kv_head) * d_;
       LoadRow(a_.dtype, a_.k, src, d_, row, 1.0f);
       for (int c = 0; c < d_; ++c) s.kt[c * kBlockN + j] = row[c];
       LoadRow(a_.dtype, a_.v, src, d_, s.v + j * d_, 1.0f);
@@ -259,7 +275,6 @@ class Runner {
 Status CanImplement(const AttentionArgs& args) {
   Status st = ValidateCommon(args);
   if (!st.ok()) return st;
-  if (IsPaged(args)) return {StatusCode::kUnimplemented, "CPU backend: paged K/V is not implemented"};
   if (args.head_dim > kMaxHeadDim) {
     return {StatusCode::kUnimplemented, "head_dim " + std::to_string(args.head_dim) +
                                             " is over the CPU backend's limit of " +
@@ -268,6 +283,7 @@ Status CanImplement(const AttentionArgs& args) {
   st = ValidateCuSeqlens(args.cu_seqlens_q, args.batch, args.total_q, args.max_seqlen_q,
                          "cu_seqlens_q");
   if (!st.ok()) return st;
+  if (IsPaged(args)) return ValidatePageTable(args);
   return ValidateCuSeqlens(args.cu_seqlens_k, args.batch, args.total_k, args.max_seqlen_k,
                            "cu_seqlens_k");
 }

@@ -1,13 +1,21 @@
-// The one runtime-to-template dispatch of the CUDA backend: AttentionArgs -> FlashParams ->
-// RunFlashFwd<T, D> for the (dtype, head dim) pairs compiled into this build (ATTN_HDIM_<d>).
+// The one runtime-to-template dispatch of the CUDA backend, for the (dtype, head dim) pairs
+// compiled into this build (ATTN_HDIM_<d>):
+//   max_seqlen_q <= kDecodeMaxSeqlenQ: AttentionArgs -> DecodeParams -> RunDecode<T, D> (split-KV,
+//     contiguous or paged K/V; the split count comes from PlanDecode, here, on the host);
+//   otherwise: AttentionArgs -> FlashParams -> RunFlashFwd<T, D> or RunFlashFwdPaged<T, D>.
 #include "attn/kernels/cuda_attention.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 
+#include "decode_params.h"
 #include "flash_params.h"
 
 namespace attn::kernels::cuda {
@@ -40,6 +48,13 @@ bool HeadDimCompiled(int d) {
   return false;
 }
 
+int Log2IfPow2(int x) {
+  if (x <= 0 || (x & (x - 1)) != 0) return -1;
+  int s = 0;
+  while ((1 << s) < x) ++s;
+  return s;
+}
+
 FlashParams MakeParams(const AttentionArgs& a) {
   FlashParams p;
   p.q = a.q;
@@ -49,6 +64,13 @@ FlashParams MakeParams(const AttentionArgs& a) {
   p.lse = a.lse;
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
+  if (IsPaged(a)) {
+    p.page_indptr = a.paged.page_indptr;
+    p.page_indices = a.paged.page_indices;
+    p.seqlens_k = a.paged.seqlens_k;
+    p.page_size = a.paged.page_size;
+    p.page_shift = Log2IfPow2(a.paged.page_size);
+  }
   p.batch = a.batch;
   p.total_q = a.total_q;
   p.total_k = a.total_k;
@@ -82,23 +104,177 @@ FlashParams MakeParams(const AttentionArgs& a) {
   return p;
 }
 
+// Per-device facts the planner needs, read once per device.
+struct DeviceInfo {
+  int sms = 0;
+  int major = 0;
+};
+
+bool GetDeviceInfo(DeviceInfo* out) {
+  constexpr int kMaxDevices = 64;
+  static std::mutex mu;
+  static DeviceInfo cache[kMaxDevices];
+  static bool have[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < kMaxDevices && have[dev]) {
+    *out = cache[dev];
+    return true;
+  }
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess) return false;
+  DeviceInfo info;
+  info.sms = prop.multiProcessorCount;
+  info.major = prop.major;
+  if (dev < kMaxDevices) {
+    cache[dev] = info;
+    have[dev] = true;
+  }
+  *out = info;
+  return true;
+}
+
+// The decode launch for args, from host-known values only (batch, heads, max lengths, the SM
+// count): whether the decode kernel runs, its row blocks and KV splits, and the workspace it needs.
+struct DecodePlan {
+  bool use = false;
+  int m_blocks = 1;
+  int splits = 1;
+  size_t workspace = 0;
+  bool pdl = false;
+};
+
+// Splits: none when the (sequence, KV head, row block) CTAs number at least 90% of the SMs (two
+// CTAs fit per SM, so such a grid is resident at once or nearly); else the fewest splits whose
+// wave efficiency over one CTA per SM (CTAs / (waves * SMs)) is within 10% of the best, with at
+// least 8 key tiles (2 per warp) per split and at most kDecodeMaxSplits. Measured on the H200
+// (GQA 32/8, d=128, docs/PERF.md): one CTA per SM with no split beats two per SM with two splits
+// (16 x 4k: 4.21 vs 3.97 TB/s; 16 x 32k: 4.59 vs 4.45), and 1 x 4k peaks at 8-16 splits (1.19-1.23
+// TB/s) against 0.80 at 32. ATTN_DECODE_SPLITS=<n> forces n (a measurement knob for benchmarks).
+DecodePlan PlanDecode(const AttentionArgs& a) {
+  DecodePlan plan;
+  if (a.max_seqlen_q > kDecodeMaxSeqlenQ) return plan;
+  plan.use = true;
+  const int group = a.num_heads / a.num_kv_heads;
+  plan.m_blocks = static_cast<int>((int64_t(a.max_seqlen_q) * group + kDecodeRows - 1) / kDecodeRows);
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info)) return plan;  // Run reports the device error at launch
+  plan.pdl = info.major >= 9;
+  const double slots = double(info.sms);
+  const double base = double(a.batch) * a.num_kv_heads * plan.m_blocks;
+  const int tiles = (a.max_seqlen_k + DecodeWarpN(a.head_dim) - 1) / DecodeWarpN(a.head_dim);
+  const int max_splits = std::max(1, std::min(kDecodeMaxSplits, tiles / (2 * kDecodeWarps)));
+  auto eff = [&](int s) {
+    const double ctas = base * s;
+    return ctas / (std::ceil(ctas / slots) * slots);
+  };
+  int splits = 1;
+  if (base < 0.9 * slots && max_splits > 1) {
+    double best = 0;
+    for (int s = 1; s <= max_splits; ++s) best = std::max(best, eff(s));
+    for (int s = 1; s <= max_splits; ++s) {
+      if (eff(s) >= 0.9 * best) {
+        splits = s;
+        break;
+      }
+    }
+  }
+  static const int forced = [] {
+    const char* e = std::getenv("ATTN_DECODE_SPLITS");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  if (forced > 0) splits = std::min(forced, kDecodeMaxSplits);
+  plan.splits = splits;
+  if (splits > 1) {
+    const size_t rows = size_t(a.total_q) * a.num_heads;
+    plan.workspace = size_t(splits) * rows * (size_t(a.head_dim) + 1) * sizeof(float);
+  }
+  return plan;
+}
+
+DecodeParams MakeDecodeParams(const AttentionArgs& a, const DecodePlan& plan, void* workspace) {
+  const FlashParams f = MakeParams(a);
+  DecodeParams p;
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.o = a.o;
+  p.lse = a.lse;
+  p.cu_seqlens_q = a.cu_seqlens_q;
+  p.cu_seqlens_k = a.cu_seqlens_k;
+  p.page_indptr = f.page_indptr;
+  p.page_indices = f.page_indices;
+  p.seqlens_k = f.seqlens_k;
+  p.page_size = f.page_size;
+  p.page_shift = f.page_shift;
+  p.batch = a.batch;
+  p.total_q = a.total_q;
+  p.num_heads = a.num_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.group = a.num_heads / a.num_kv_heads;
+  p.m_blocks = plan.m_blocks;
+  p.num_splits = plan.splits;
+  p.q_row_stride = f.q_row_stride;
+  p.o_row_stride = f.o_row_stride;
+  p.kv_row_stride = f.k_row_stride;
+  p.scale = f.scale;
+  p.scale_log2 = f.scale_log2;
+  p.has_left = f.has_left;
+  p.has_right = f.has_right;
+  p.left = f.left;
+  p.right = f.right;
+  if (plan.splits > 1) {
+    const size_t rows = size_t(a.total_q) * a.num_heads;
+    p.part_o = static_cast<float*>(workspace);
+    p.part_lse = p.part_o + size_t(plan.splits) * rows * a.head_dim;
+  }
+  p.pdl = plan.pdl;
+  return p;
+}
+
 template <typename T>
-cudaError_t RunTyped(const FlashParams& p, cudaStream_t stream) {
+cudaError_t RunTyped(const FlashParams& p, bool paged, cudaStream_t stream) {
   switch (p.head_dim) {
+#define ATTN_FWD_CASE(D) \
+  case D: return paged ? RunFlashFwdPaged<T, D>(p, stream) : RunFlashFwd<T, D>(p, stream);
 #ifdef ATTN_HDIM_32
-    case 32: return RunFlashFwd<T, 32>(p, stream);
+    ATTN_FWD_CASE(32)
 #endif
 #ifdef ATTN_HDIM_64
-    case 64: return RunFlashFwd<T, 64>(p, stream);
+    ATTN_FWD_CASE(64)
 #endif
 #ifdef ATTN_HDIM_96
-    case 96: return RunFlashFwd<T, 96>(p, stream);
+    ATTN_FWD_CASE(96)
 #endif
 #ifdef ATTN_HDIM_128
-    case 128: return RunFlashFwd<T, 128>(p, stream);
+    ATTN_FWD_CASE(128)
 #endif
 #ifdef ATTN_HDIM_256
-    case 256: return RunFlashFwd<T, 256>(p, stream);
+    ATTN_FWD_CASE(256)
+#endif
+#undef ATTN_FWD_CASE
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t RunDecodeTyped(const DecodeParams& p, int head_dim, bool paged, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef ATTN_HDIM_32
+    case 32: return RunDecode<T, 32>(p, paged, stream);
+#endif
+#ifdef ATTN_HDIM_64
+    case 64: return RunDecode<T, 64>(p, paged, stream);
+#endif
+#ifdef ATTN_HDIM_96
+    case 96: return RunDecode<T, 96>(p, paged, stream);
+#endif
+#ifdef ATTN_HDIM_128
+    case 128: return RunDecode<T, 128>(p, paged, stream);
+#endif
+#ifdef ATTN_HDIM_256
+    case 256: return RunDecode<T, 256>(p, paged, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
@@ -111,7 +287,10 @@ bool Compiled() { return true; }
 Status CanImplement(const AttentionArgs& args) {
   Status s = ValidateCommon(args);
   if (!s.ok()) return s;
-  if (IsPaged(args)) return {StatusCode::kUnimplemented, "CUDA backend: paged K/V is not implemented"};
+  if (IsPaged(args) && int64_t(args.paged.num_pages) * args.paged.page_size > INT32_MAX) {
+    return {StatusCode::kInvalidArgument,
+            "CUDA backend: paged.num_pages * paged.page_size must be < 2^31 (token rows per pool)"};
+  }
   if (args.dtype != DType::kFloat16 && args.dtype != DType::kBFloat16) {
     return {StatusCode::kUnimplemented,
             std::string("CUDA backend: dtype ") + DTypeName(args.dtype) + " is not supported (fp16, bf16 only)"};
@@ -120,19 +299,35 @@ Status CanImplement(const AttentionArgs& args) {
     return {StatusCode::kUnimplemented,
             "CUDA backend: head_dim " + std::to_string(args.head_dim) + " is not compiled into this build"};
   }
-  if (args.batch > 65535 || args.num_heads > 65535) {
+  if (args.batch > 65535 || args.num_heads > 65535 || args.num_kv_heads > 65535) {
     return {StatusCode::kInvalidArgument, "CUDA backend: batch and num_heads must be <= 65535 (grid limit)"};
   }
   return Status::Ok();
 }
 
-size_t WorkspaceBytes(const AttentionArgs&) { return 0; }
+size_t WorkspaceBytes(const AttentionArgs& args) {
+  if (!CanImplement(args).ok()) return 0;
+  return PlanDecode(args).workspace;
+}
 
-cudaError_t Run(const AttentionArgs& args, void* /*workspace*/, cudaStream_t stream) {
+bool UsesDecodeKernel(const AttentionArgs& args) { return PlanDecode(args).use; }
+
+cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream) {
   if (!CanImplement(args).ok()) return cudaErrorInvalidValue;
-  const FlashParams p = MakeParams(args);
-  cudaError_t err = args.dtype == DType::kFloat16 ? RunTyped<__half>(p, stream)
-                                                  : RunTyped<__nv_bfloat16>(p, stream);
+  const bool paged = IsPaged(args);
+  cudaError_t err;
+  const DecodePlan plan = PlanDecode(args);
+  if (plan.use) {
+    if (plan.workspace > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+    const DecodeParams p = MakeDecodeParams(args, plan, workspace);
+    err = args.dtype == DType::kFloat16
+              ? RunDecodeTyped<__half>(p, args.head_dim, paged, stream)
+              : RunDecodeTyped<__nv_bfloat16>(p, args.head_dim, paged, stream);
+  } else {
+    const FlashParams p = MakeParams(args);
+    err = args.dtype == DType::kFloat16 ? RunTyped<__half>(p, paged, stream)
+                                        : RunTyped<__nv_bfloat16>(p, paged, stream);
+  }
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }

@@ -8,6 +8,9 @@
 // O += P V run on mma.sync m16n8k16 with fp32 accumulation; P stays in registers (the S
 // accumulator layout is the A-fragment layout of the PV product). Key tiles are visited from the
 // last to the first so the partial/diagonal tiles, the only ones that are masked, come first.
+// With kPaged, K/V rows come from page pools through the CSR page table (PagedKv in attention.h):
+// each copied row gets its own address (page * page_size + row in page); with a K/V ring the page
+// numbers of upcoming tiles are copied to shared memory by cp.async ahead of use (see kPageTable).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -73,6 +76,61 @@ struct TileLoader {
     }
   }
 
+  // Paged K/V: row r of the tile is key j = row0 + r of the sequence, in page pages[j / ps] at
+  // row j % ps; rows at or past `limit` are zero-filled. The page numbers of all of a thread's rows
+  // are read first (independent loads, one latency), then the copies issued. kTwo: the same rows
+  // of a second tensor (V) into base1 as well. `g0`/`g1` point at the pool plus the head offset.
+  template <bool kTwo>
+  __device__ __forceinline__ void LoadPaged(uint32_t base0, const typename Tr::T* g0, uint32_t base1,
+                                            const typename Tr::T* g1, int64_t stride, int row0,
+                                            int limit, int tid, const int32_t* pages, int ps,
+                                            int shift) const {
+    int pg[kIters];
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int j = row0 + (tid + it * Tr::kNThreads) / kCPR;
+      pg[it] = j < limit ? __ldg(pages + (shift >= 0 ? (j >> shift) : (j / ps))) : 0;
+    }
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = tid + it * Tr::kNThreads;
+      const int r = idx / kCPR;
+      const int c = idx % kCPR;
+      const int j = row0 + r;
+      const bool ok = j < limit;
+      const int in_page = shift >= 0 ? (j & (ps - 1)) : (j % ps);
+      const int64_t off = ok ? int64_t(pg[it] * ps + in_page) * stride + c * 8 : 0;
+      ptx::CpAsync16(base0 + Tr::Offset(r, c) * 2, g0 + off, ok);
+      if constexpr (kTwo) ptx::CpAsync16(base1 + Tr::Offset(r, c) * 2, g1 + off, ok);
+    }
+  }
+
+  // As LoadPaged, with the page number of every row of the tile already in shared memory
+  // (`pg_rows`, one per tile row, copied there by cp.async a few iterations ahead).
+  template <bool kTwo>
+  __device__ __forceinline__ void LoadRows(uint32_t base0, const typename Tr::T* g0, uint32_t base1,
+                                           const typename Tr::T* g1, int64_t stride,
+                                           const int32_t* pg_rows, int row0, int limit, int ps,
+                                           int shift, int tid) const {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      int r, c;
+      if constexpr (kRegular) {
+        r = row + it * kRowStep;
+        c = tid % kCPR;
+      } else {
+        r = (tid + it * Tr::kNThreads) / kCPR;
+        c = (tid + it * Tr::kNThreads) % kCPR;
+      }
+      const int j = row0 + r;
+      const bool ok = j < limit;
+      const int in_page = shift >= 0 ? (j & (ps - 1)) : (j % ps);
+      const int64_t off = ok ? int64_t(pg_rows[r] * ps + in_page) * stride + c * 8 : 0;
+      ptx::CpAsync16(base0 + Tr::Offset(r, c) * 2, g0 + off, ok);
+      if constexpr (kTwo) ptx::CpAsync16(base1 + Tr::Offset(r, c) * 2, g1 + off, ok);
+    }
+  }
+
   __device__ __forceinline__ void Load(uint32_t base, const typename Tr::T* gmem, int64_t stride,
                                        int row0, int limit, int tid) const {
     if constexpr (kRegular) {
@@ -99,7 +157,9 @@ struct TileLoader {
   }
 };
 
-template <typename Tr>
+// kPaged: K/V rows are read through the page table (FlashParams::page_*), else contiguous rows of
+// cu_seqlens_k. Nothing else differs.
+template <typename Tr, bool kPaged>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_constant__ FlashParams p) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim;
@@ -127,8 +187,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   const int s_q = p.cu_seqlens_q[b + 1] - q_start;
   const int m0 = m_block * BM;
   if (m0 >= s_q) return;
-  const int k_start = p.cu_seqlens_k[b];
-  const int s_k = p.cu_seqlens_k[b + 1] - k_start;
+  int k_start = 0;
+  int s_k;
+  const int32_t* pages = nullptr;  // paged: this sequence's page list
+  if constexpr (kPaged) {
+    s_k = p.seqlens_k[b];
+    pages = p.page_indices + p.page_indptr[b];
+  } else {
+    k_start = p.cu_seqlens_k[b];
+    s_k = p.cu_seqlens_k[b + 1] - k_start;
+  }
   const int hk = h / p.heads_per_kv;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -182,25 +250,73 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
   const TileLoader<Tr, BN> kv_loader(tid, p.k_row_stride);  // k and v rows share a stride
   const T* gk_thr = gk + kv_loader.goff;
   const T* gv_thr = gv + kv_loader.goff;
+  // Tile loads of K, of V, or of both (K into dst, V into dst + kVOff), keys from n0.
+  auto load_k = [&](uint32_t dst, int n0) {
+    if constexpr (kPaged) {
+      kv_loader.template LoadPaged<false>(dst, gk, 0, nullptr, p.k_row_stride, n0, s_k, tid, pages,
+                                          p.page_size, p.page_shift);
+    } else {
+      kv_loader.LoadFrom(dst, gk_thr, gk, p.k_row_stride, n0, s_k, tid);
+    }
+  };
+  auto load_v = [&](uint32_t dst, int n0) {
+    if constexpr (kPaged) {
+      kv_loader.template LoadPaged<false>(dst, gv, 0, nullptr, p.v_row_stride, n0, s_k, tid, pages,
+                                          p.page_size, p.page_shift);
+    } else {
+      kv_loader.LoadFrom(dst, gv_thr, gv, p.v_row_stride, n0, s_k, tid);
+    }
+  };
+  auto load_kv = [&](uint32_t dst, int n0) {
+    if constexpr (kPaged) {
+      kv_loader.template LoadPaged<true>(dst, gk, dst + kVOff, gv, p.k_row_stride, n0, s_k, tid,
+                                         pages, p.page_size, p.page_shift);
+    } else {
+      kv_loader.LoadFrom(dst, gk_thr, gk, p.k_row_stride, n0, s_k, tid);
+      kv_loader.LoadFrom(dst + kVOff, gv_thr, gv, p.v_row_stride, n0, s_k, tid);
+    }
+  };
 
   // Prologue: Q (one cp.async group), then the first key tiles, one group per tile, committed
   // even when empty so that group counts stay fixed: S = 1: K of the first tile; S >= 2: K and V
   // of the first S-1 tiles into stages 0..S-2. Tiles run from nb_max-1 down to nb_min; rows at or
   // past s_k (the varlen tail of the first tile) are zero-filled.
+  // Paged with a K/V ring: the page numbers of the rows of tile t are copied by cp.async (4 bytes
+  // per row, no register held, no wait) into slot t % 4 of a shared-memory table after the ring
+  // (FlashPagedTableBytes), kLead = 2S-2 tiles ahead of the loop iteration, so they are in a group
+  // that `cp.async.wait_group S-2` has completed by the iteration that refills tile t (t + S - 1).
+  // A slot is rewritten (tile t - 4, at iteration t - 4 + kLead) only after that read, for S <= 4.
+  constexpr bool kPageTable = kPaged && S >= 2;
+  constexpr int kLead = 2 * S - 2;
+  static_assert(!kPageTable || S <= 4, "");
+  const uint32_t sPg = ptx::SmemAddr(smem_raw + Tr::kSmemBytes);
+  const int32_t* sPgPtr = reinterpret_cast<const int32_t*>(smem_raw + Tr::kSmemBytes);
+  auto copy_pages = [&](int t) {  // rows of tile t >= nb_min
+    if (tid < BN) {
+      const int j = t * BN + tid;
+      const bool ok = j < s_k;
+      const int32_t* src =
+          ok ? pages + (p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size)) : p.page_indices;
+      ptx::CpAsync4(sPg + ((t & 3) * BN + tid) * 4, src, ok);
+    }
+  };
   TileLoader<Tr, BM>(tid, p.q_row_stride).Load(ptx::SmemAddr(sQ), gq, p.q_row_stride, m0, s_q, tid);
+  if constexpr (kPageTable) {
+    // Pages of the tiles refilled before the loop's own copies arrive: nb_max-S .. nb_max-2S+2.
+#pragma unroll
+    for (int i = S; i <= kLead; ++i) {
+      if (nb_max - i >= nb_min) copy_pages(nb_max - i);
+    }
+  }
   ptx::CpAsyncCommit();
   if constexpr (S == 1) {
-    kv_loader.Load(sK0, gk, p.k_row_stride, (nb_max - 1) * BN, s_k, tid);
+    load_k(sK0, (nb_max - 1) * BN);
     ptx::CpAsyncCommit();
   } else {
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
       const int nb = nb_max - 1 - st;
-      if (nb >= nb_min) {
-        kv_loader.LoadFrom(sK0 + st * kStageBytes, gk_thr, gk, p.k_row_stride, nb * BN, s_k, tid);
-        kv_loader.LoadFrom(sK0 + st * kStageBytes + kVOff, gv_thr, gv, p.v_row_stride, nb * BN, s_k,
-                           tid);
-      }
+      if (nb >= nb_min) load_kv(sK0 + st * kStageBytes, nb * BN);
       ptx::CpAsyncCommit();
     }
   }
@@ -239,7 +355,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
     if constexpr (S == 1) {
       ptx::CpAsyncWait<0>();
       __syncthreads();  // K(nb) visible to all; every warp is done with V(nb+1)
-      kv_loader.LoadFrom(sK0 + kVOff, gv_thr, gv, p.v_row_stride, n0, s_k, tid);
+      load_v(sK0 + kVOff, n0);
       ptx::CpAsyncCommit();
     } else {
       // Groups committed after tile nb's: S-2 (one per later tile, empty past the last).
@@ -248,10 +364,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
       // Refill the stage the previous tile used with tile nb-(S-1).
       const uint32_t refill = stage == 0 ? (S - 1) * kStageBytes : stage - kStageBytes;
       const int nb_next = nb - (S - 1);
-      if (nb_next >= nb_min) {
-        kv_loader.LoadFrom(sK0 + refill, gk_thr, gk, p.k_row_stride, nb_next * BN, s_k, tid);
-        kv_loader.LoadFrom(sK0 + refill + kVOff, gv_thr, gv, p.v_row_stride, nb_next * BN, s_k,
-                           tid);
+      if constexpr (kPageTable) {
+        if (nb_next >= nb_min) {
+          kv_loader.template LoadRows<true>(sK0 + refill, gk, sK0 + refill + kVOff, gv,
+                                            p.k_row_stride, sPgPtr + (nb_next & 3) * BN,
+                                            nb_next * BN, s_k, p.page_size, p.page_shift, tid);
+        }
+        if (nb - kLead >= nb_min) copy_pages(nb - kLead);
+      } else {
+        if (nb_next >= nb_min) load_kv(sK0 + refill, nb_next * BN);
       }
       ptx::CpAsyncCommit();
     }
@@ -313,7 +434,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) FlashFwdKernel(const __grid_
       ptx::CpAsyncWait<0>();
       __syncthreads();  // V(nb) visible; every warp is done with K(nb)
       if (nb > nb_min) {
-        kv_loader.LoadFrom(sK0, gk_thr, gk, p.k_row_stride, n0 - BN, s_k, tid);
+        load_k(sK0, n0 - BN);
         ptx::CpAsyncCommit();
       }
     }

@@ -1,5 +1,5 @@
-// Launcher template for the flash forward kernel; explicitly instantiated once per
-// (dtype, head dim) in instantiations/.
+// Launcher templates for the flash forward kernel (contiguous and paged K/V); explicitly
+// instantiated once per (dtype, head dim) in instantiations/flash_fwd_*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,11 +10,24 @@
 
 namespace attn::kernels::cuda {
 
-template <typename T, int D>
-cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
-  using Tr = FlashTraits<D, T>;
-  auto kernel = &FlashFwdKernel<Tr>;
-  constexpr int kSmem = Tr::kSmemBytes;
+// Tile traits per (head dim, dtype, paged). Paged d=64 keeps two K/V stages instead of three: the
+// page table's 2 KB (4 slots x 128 rows) on top of 3 stages (112 KB) would leave one block per SM.
+template <int D, typename T, bool kPaged>
+struct FwdTraits {
+  using type = FlashTraits<D, T>;
+};
+template <typename T>
+struct FwdTraits<64, T, true> {
+  using type = FlashTraitsBase<64, 128, 128, 4, false, 2, T>;
+};
+
+template <typename T, int D, bool kPaged>
+cudaError_t LaunchFlashFwd(const FlashParams& params, cudaStream_t stream) {
+  using Tr = typename FwdTraits<D, T, kPaged>::type;
+  auto kernel = &FlashFwdKernel<Tr, kPaged>;
+  // Paged with a K/V ring: 4 slots of kBlockN page numbers after the ring (see the kernel).
+  constexpr int kSmem =
+      Tr::kSmemBytes + (kPaged && Tr::kKVStages >= 2 ? 4 * Tr::kBlockN * int(sizeof(int32_t)) : 0);
   if constexpr (kSmem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -33,6 +46,16 @@ cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
   kernel<<<grid, Tr::kNThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream) {
+  return LaunchFlashFwd<T, D, false>(params, stream);
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwdPaged(const FlashParams& params, cudaStream_t stream) {
+  return LaunchFlashFwd<T, D, true>(params, stream);
 }
 
 }  // namespace attn::kernels::cuda

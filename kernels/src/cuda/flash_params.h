@@ -15,7 +15,15 @@ struct FlashParams {
   float* lse = nullptr;     // [num_heads, total_q] or nullptr
 
   const int32_t* cu_seqlens_q = nullptr;  // device, [batch + 1]
-  const int32_t* cu_seqlens_k = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;  // contiguous K/V only
+
+  // Paged K/V (RunFlashFwdPaged): k and v are page pools [num_pages, page_size, num_kv_heads,
+  // head_dim]; see PagedKv in attention.h.
+  const int32_t* page_indptr = nullptr;
+  const int32_t* page_indices = nullptr;
+  const int32_t* seqlens_k = nullptr;
+  int32_t page_size = 0;
+  int32_t page_shift = -1;  // log2(page_size) when it is a power of two, else -1
 
   int32_t batch = 0;
   int32_t total_q = 0;
@@ -45,8 +53,11 @@ struct FlashParams {
   int32_t right = 0;
 };
 
-// Implemented per (dtype, head dim) in instantiations/*.cu.
+// Implemented per (dtype, head dim) in instantiations/flash_fwd_*.cu.
 template <typename T, int D>
 cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream);
+// The same kernel reading K/V through the page table (instantiations/flash_fwd_paged_*.cu).
+template <typename T, int D>
+cudaError_t RunFlashFwdPaged(const FlashParams& params, cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

@@ -1,5 +1,6 @@
-// Thin PTX wrappers used by the flash kernels: cp.async (with zero-fill), commit/wait groups,
-// ldmatrix (plain and transposed) and mma.sync m16n8k16 with fp32 accumulation. sm_80+.
+// Thin PTX wrappers used by the flash and decode kernels: cp.async (with zero-fill), commit/wait
+// groups, ldmatrix (plain and transposed), mma.sync m16n8k16 with fp32 accumulation (sm_80+) and
+// griddepcontrol.wait (sm_90+).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,6 +19,13 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool pred) {
   const int src_size = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_size)
+               : "memory");
+}
+
+// 4-byte global->shared copy through L1 (cp.async.ca); when !pred the destination is zero-filled.
+__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src, bool pred) {
+  const int src_size = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_size)
                : "memory");
 }
 
@@ -79,6 +87,34 @@ template <>
 __device__ __forceinline__ uint32_t Pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// A read-only 32-bit global load (ld.global.nc) that stays where it is written: asm volatile keeps
+// it ahead of the matrix products that follow (plain loads may be sunk next to their first use to
+// save a register, which puts their whole latency on the critical path). For page-table reads
+// whose value is needed only an iteration later.
+__device__ __forceinline__ int LdgEarly(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// One float -> T (round to nearest even).
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Programmatic dependent launch: wait until the grids this one depends on have completed and their
+// memory is visible (a no-op when the grid was not launched as a dependent). sm_90+.
+__device__ __forceinline__ void GridDependencyWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 }  // namespace attn::kernels::cuda::ptx

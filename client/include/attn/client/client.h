@@ -127,4 +127,10 @@ int DefaultConnections();
 // grpc::Status -> absl::Status (same codes).
 absl::Status FromGrpc(const grpc::Status& status);
 
+// Plain tensor <-> wire tensor, for callers that build messages themselves. FromWireTensor fails
+// (INTERNAL) on an unknown dtype or a byte length that does not match the shape.
+void ToWireTensor(const Tensor& t, v1::Tensor* out);
+absl::StatusOr<Tensor> FromWireTensor(const v1::Tensor& t);
+v1::DType ToWireDType(DType t);
+
 }  // namespace attn::client

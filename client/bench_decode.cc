@@ -1,0 +1,524 @@
+#include "bench_decode.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attn/client/session.h"
+
+namespace attn::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+struct CallSample {
+  double latency_us, queue_us, compute_us;
+};
+
+// One row: a decode run or its Echo twin.
+struct Row {
+  std::string mode;  // "step", "batch_step" or "echo"
+  int sessions = 0, callers = 0;
+  double steps_per_call = 0;  // mean items of a call
+  int64_t calls = 0, steps = 0, errors = 0;
+  std::string first_error;
+  double seconds = 1;
+  double kv_bytes = 0;       // K and V bytes the measured steps read (decode rows)
+  double cached_tokens = 0;  // sum over the measured steps of the cache length after the step
+  double request_bytes = 0, response_bytes = 0;  // per call
+  std::vector<CallSample> samples;
+  double echo_steps_ratio = kNaN, echo_p50_ratio = kNaN;
+
+  bool decode() const { return mode != "echo"; }
+  double StepsPerS() const { return steps / seconds; }
+  double CallsPerS() const { return calls / seconds; }
+  double MeanCache() const { return steps > 0 ? cached_tokens / steps : 0; }
+  double KvBytesPerS() const { return kv_bytes / seconds; }
+  double Percentile(double p) const {
+    if (samples.empty()) return 0;
+    std::vector<double> l;
+    for (const auto& s : samples) l.push_back(s.latency_us);
+    const size_t k = std::min(l.size() - 1, static_cast<size_t>(p * l.size()));
+    std::nth_element(l.begin(), l.begin() + k, l.end());
+    return l[k];
+  }
+  double Mean(double CallSample::*field) const {
+    double s = 0;
+    for (const auto& x : samples) s += x.*field;
+    return samples.empty() ? 0 : s / samples.size();
+  }
+};
+
+// The outcome of one call, as the recorder takes it.
+struct CallOutcome {
+  int ok_steps = 0, failed_steps = 0;
+  double kv_bytes = 0, cached_tokens = 0;
+  const v1::ServerTiming* timing = nullptr;  // of the call's first successful step
+  std::string error;                         // the first failure's message
+};
+
+class Recorder {
+ public:
+  Recorder(Clock::time_point from, Clock::time_point end, int64_t max_calls)
+      : from_(from), end_(end), max_(max_calls) {}
+  bool Running() const { return Clock::now() < end_ && !(max_ > 0 && measured_.load() >= max_); }
+  void Record(Clock::time_point sent, Clock::time_point done, const CallOutcome& c) {
+    if (sent < from_ || done > end_) return;
+    ++measured_;
+    std::lock_guard<std::mutex> lock(mu_);
+    row_.steps += c.ok_steps;
+    row_.errors += c.failed_steps;
+    if (!c.error.empty() && row_.first_error.empty()) row_.first_error = c.error;
+    if (c.ok_steps == 0) return;
+    ++row_.calls;
+    row_.kv_bytes += c.kv_bytes;
+    row_.cached_tokens += c.cached_tokens;
+    CallSample s{std::chrono::duration<double, std::micro>(done - sent).count(), 0, 0};
+    if (c.timing) {
+      s.queue_us = c.timing->queue_us();
+      s.compute_us = c.timing->compute_us();
+    }
+    row_.samples.push_back(s);
+  }
+  // A failure outside the measured calls (a truncate between them): counted, not timed.
+  void RecordError(const std::string& error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++row_.errors;
+    if (row_.first_error.empty()) row_.first_error = error;
+  }
+  Row Take(double seconds) {
+    std::lock_guard<std::mutex> lock(mu_);
+    row_.seconds = std::max(seconds, 1e-6);
+    return std::move(row_);
+  }
+
+ private:
+  const Clock::time_point from_, end_;
+  const int64_t max_;
+  std::atomic<int64_t> measured_{0};
+  std::mutex mu_;
+  Row row_;
+};
+
+// One caller: its sessions (all on one replica), the requests it sends per layer, prebuilt.
+struct Caller {
+  std::shared_ptr<SessionClient> sessions;
+  std::shared_ptr<Client> client;  // the replica holding the sessions
+  std::vector<std::string> ids;
+  std::vector<v1::StepRequest> step;        // per layer (Step mode)
+  std::vector<v1::BatchStepRequest> batch;  // per layer (BatchStep mode)
+  std::vector<v1::EchoRequest> echo;        // per layer: the same bytes through Echo
+  absl::Status status;                      // of the setup
+};
+
+class DecodeBench {
+ public:
+  explicit DecodeBench(const DecodeBenchOptions& o) : o_(o) {}
+  int Run();
+
+ private:
+  Tensor Random(int64_t tokens, int heads) {
+    std::uniform_real_distribution<float> dist(-1, 1);
+    std::vector<float> v(size_t(tokens) * heads * o_.head_dim);
+    for (float& x : v) x = dist(rng_);
+    return Tensor::FromFloats(o_.dtype, {tokens, heads, o_.head_dim}, v);
+  }
+  double KvBytesPerToken() const { return 2.0 * o_.kv_heads * o_.head_dim * DTypeBytes(o_.dtype); }
+  StepInput DecodeInput(const std::string& id, int layer);
+  absl::Status Setup(Caller& c, int first, int count);
+  absl::Status Prefill(Client& client, const std::string& id);
+  void BuildRequests(Caller& c);
+  // A Step (one) or BatchStep (many) call of `items` steps.
+  CallOutcome Tally(const grpc::Status& st, int items, const v1::StepResponse* one,
+                    const v1::BatchStepResponse* many);
+  void DecodeLoop(Caller& c, Recorder& rec);
+  void EchoLoop(Caller& c, Recorder& rec);
+  Row Measure(std::vector<Caller>& callers, bool echo);
+  bool RunLevel(int sessions, std::vector<Row>* rows);
+  void CloseAll(std::vector<Caller>& callers);
+
+  const DecodeBenchOptions o_;
+  std::mutex rng_mu_;
+  std::mt19937_64 rng_{42};
+  double request_bytes_ = 0, response_bytes_ = 0;
+};
+
+StepInput DecodeBench::DecodeInput(const std::string& id, int layer) {
+  std::lock_guard<std::mutex> lock(rng_mu_);
+  StepInput in;
+  in.session_id = id;
+  in.layer = layer;
+  in.q = Random(1, o_.heads);
+  in.k_new = Random(1, o_.kv_heads);
+  in.v_new = Random(1, o_.kv_heads);
+  in.options.return_lse = o_.lse;
+  return in;
+}
+
+absl::Status DecodeBench::Prefill(Client& client, const std::string& id) {
+  for (int layer = 0; layer < o_.layers; ++layer) {
+    for (int64_t done = 0; done < o_.cache_tokens; done += o_.prefill_chunk) {
+      const int64_t n = std::min<int64_t>(o_.prefill_chunk, o_.cache_tokens - done);
+      StepInput in;
+      {
+        std::lock_guard<std::mutex> lock(rng_mu_);
+        in.session_id = id;
+        in.layer = layer;
+        in.q = Random(n, o_.heads);
+        in.k_new = Random(n, o_.kv_heads);
+        in.v_new = Random(n, o_.kv_heads);
+      }
+      auto r = attn::client::Step(client, in, std::chrono::milliseconds(600000));
+      if (!r.ok()) {
+        return absl::Status(r.status().code(), absl::StrCat("prefill of session ", id, " layer ", layer, " at token ",
+                                                            done, ": ", r.status().message()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeBench::Setup(Caller& c, int first, int count) {
+  SessionSpec spec;
+  spec.num_layers = o_.layers;
+  spec.num_kv_heads = o_.kv_heads;
+  spec.head_dim = o_.head_dim;
+  spec.dtype = o_.dtype;
+  for (int i = 0; i < count; ++i) {
+    // The first where the client library places it; a caller's others beside it, so that one
+    // BatchStep carries them all.
+    absl::StatusOr<SessionInfo> s = c.client ? CreateSession(*c.client, spec) : c.sessions->CreateSession(spec);
+    if (!s.ok()) {
+      return absl::Status(s.status().code(), absl::StrCat("CreateSession (session ", first + i, ") on ",
+                                                          o_.target, ": ", s.status().message()));
+    }
+    c.ids.push_back(s->session_id);
+    if (!c.client) {
+      auto client = c.sessions->ClientFor(s->session_id);
+      if (!client.ok()) return client.status();
+      c.client = *client;
+    }
+    if (absl::Status st = Prefill(*c.client, s->session_id); !st.ok()) return st;
+  }
+  BuildRequests(c);
+  return absl::OkStatus();
+}
+
+void DecodeBench::BuildRequests(Caller& c) {
+  for (int layer = 0; layer < o_.layers; ++layer) {
+    std::string payload;
+    if (o_.batch_step > 0) {
+      v1::BatchStepRequest b;
+      for (const auto& id : c.ids) *b.add_steps() = BuildStepRequest(DecodeInput(id, layer));
+      b.SerializeToString(&payload);
+      c.batch.push_back(std::move(b));
+    } else {
+      c.step.push_back(BuildStepRequest(DecodeInput(c.ids[0], layer)));
+      c.step.back().SerializeToString(&payload);
+    }
+    // Echo: the serialized request out, the o (and lse) bytes of its answer back.
+    const double o_bytes = double(c.ids.size()) * o_.heads * o_.head_dim * DTypeBytes(o_.dtype);
+    const double lse_bytes = o_.lse ? double(c.ids.size()) * o_.heads * 4 : 0;
+    v1::EchoRequest e;
+    e.set_response_bytes(static_cast<int64_t>(o_bytes + lse_bytes));
+    *e.mutable_payload() = std::move(payload);
+    c.echo.push_back(std::move(e));
+  }
+}
+
+CallOutcome DecodeBench::Tally(const grpc::Status& st, int items, const v1::StepResponse* one,
+                               const v1::BatchStepResponse* many) {
+  CallOutcome out;
+  if (!st.ok()) {
+    out.failed_steps = items;
+    out.error = absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ",
+                             st.error_message());
+    return out;
+  }
+  auto add = [&](const v1::StepResponse& r) {
+    ++out.ok_steps;
+    out.kv_bytes += double(r.cached_tokens()) * KvBytesPerToken();
+    out.cached_tokens += double(r.cached_tokens());
+    if (!out.timing) out.timing = &r.timing();
+  };
+  if (one) {
+    add(*one);
+    return out;
+  }
+  for (const auto& item : many->results()) {
+    if (item.status_code() == 0) {
+      add(item.response());
+    } else {
+      ++out.failed_steps;
+      if (out.error.empty()) {
+        out.error = absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(item.status_code())), ": ",
+                                 item.status_message());
+      }
+    }
+  }
+  return out;
+}
+
+void DecodeBench::DecodeLoop(Caller& c, Recorder& rec) {
+  v1::StepResponse one;
+  v1::BatchStepResponse many;
+  int rounds = 0;
+  for (int64_t k = 0; rec.Running(); ++k) {
+    const int layer = static_cast<int>(k % o_.layers);
+    grpc::ClientContext ctx;
+    c.client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
+    const Clock::time_point sent = Clock::now();
+    const bool batch = o_.batch_step > 0;
+    const grpc::Status st = batch ? c.client->stub()->BatchStep(&ctx, c.batch[layer], &many)
+                                  : c.client->stub()->Step(&ctx, c.step[layer], &one);
+    const Clock::time_point done = Clock::now();
+    rec.Record(sent, done, Tally(st, static_cast<int>(c.ids.size()), batch ? nullptr : &one, batch ? &many : nullptr));
+    if (layer != o_.layers - 1 || ++rounds < o_.decode_window) continue;
+    // Every layer has decode_window more tokens: back to cache_tokens (not timed).
+    rounds = 0;
+    for (const auto& id : c.ids) {
+      auto t = TruncateSession(*c.client, id, o_.decode_window);
+      if (!t.ok()) rec.RecordError(absl::StrCat("TruncateSession: ", t.status().ToString()));
+    }
+  }
+}
+
+void DecodeBench::EchoLoop(Caller& c, Recorder& rec) {
+  v1::EchoResponse response;
+  for (int64_t k = 0; rec.Running(); ++k) {
+    const int layer = static_cast<int>(k % o_.layers);
+    grpc::ClientContext ctx;
+    c.client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
+    const Clock::time_point sent = Clock::now();
+    const grpc::Status st = c.client->stub()->Echo(&ctx, c.echo[layer], &response);
+    CallOutcome outcome;
+    if (st.ok()) {
+      outcome.ok_steps = static_cast<int>(c.ids.size());
+    } else {
+      outcome.failed_steps = static_cast<int>(c.ids.size());
+      outcome.error = st.error_message();
+    }
+    rec.Record(sent, Clock::now(), outcome);
+  }
+}
+
+Row DecodeBench::Measure(std::vector<Caller>& callers, bool echo) {
+  const auto start = Clock::now();
+  const auto from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.warmup_s));
+  const auto end = from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.duration_s));
+  Recorder rec(from, end, o_.max_calls);
+  std::vector<std::thread> threads;
+  for (auto& c : callers) {
+    threads.emplace_back([&, echo] { echo ? EchoLoop(c, rec) : DecodeLoop(c, rec); });
+  }
+  for (auto& t : threads) t.join();
+  Row r = rec.Take(std::chrono::duration<double>(std::min(Clock::now(), end) - from).count());
+  r.mode = echo ? "echo" : (o_.batch_step > 0 ? "batch_step" : "step");
+  r.callers = static_cast<int>(callers.size());
+  double items = 0, req = 0, resp = 0;
+  for (const auto& c : callers) {
+    items += double(c.ids.size());
+    for (const auto& e : c.echo) {
+      req += double(e.payload().size());
+      resp += double(e.response_bytes());
+    }
+  }
+  r.sessions = static_cast<int>(items);
+  r.steps_per_call = items / callers.size();
+  r.request_bytes = req / (callers.size() * o_.layers);
+  r.response_bytes = resp / (callers.size() * o_.layers);
+  return r;
+}
+
+void DecodeBench::CloseAll(std::vector<Caller>& callers) {
+  for (auto& c : callers) {
+    for (const auto& id : c.ids) {
+      if (auto st = c.sessions->CloseSession(id); !st.ok()) {
+        std::cerr << "attn-bench: closing session " << id << ": " << st.status() << std::endl;
+      }
+    }
+  }
+}
+
+std::string Fixed(double v, int precision) {
+  if (!std::isfinite(v)) return "-";
+  std::ostringstream s;
+  s.setf(std::ios::fixed);
+  s.precision(precision);
+  s << v;
+  return s.str();
+}
+
+void PrintHeader() {
+  std::printf("%-10s %5s %7s %8s %9s %7s %10s %10s %8s %8s %9s %10s %7s %8s %10s %9s\n", "mode", "sess",
+              "callers", "per_call", "calls", "errors", "steps/s", "tokens/s", "p50_ms", "p99_ms", "queue_us",
+              "compute_us", "cache", "KV_GB/s", "steps/echo", "p50/echo");
+}
+
+void PrintRow(const Row& r, int layers) {
+  std::printf("%-10s %5d %7d %8.1f %9lld %7lld %10.1f %10.1f %8.3f %8.3f %9s %10s %7s %8s %10s %9s\n",
+              r.mode.c_str(), r.sessions, r.callers, r.steps_per_call, static_cast<long long>(r.calls),
+              static_cast<long long>(r.errors), r.StepsPerS(), r.StepsPerS() / layers, r.Percentile(0.5) / 1e3,
+              r.Percentile(0.99) / 1e3, r.decode() ? Fixed(r.Mean(&CallSample::queue_us), 1).c_str() : "-",
+              r.decode() ? Fixed(r.Mean(&CallSample::compute_us), 1).c_str() : "-",
+              r.decode() ? Fixed(r.MeanCache(), 0).c_str() : "-",
+              r.decode() ? Fixed(r.KvBytesPerS() / 1e9, 3).c_str() : "-", Fixed(r.echo_steps_ratio, 3).c_str(),
+              Fixed(r.echo_p50_ratio, 3).c_str());
+  if (r.errors > 0) std::printf("           first error: %s\n", r.first_error.c_str());
+  std::fflush(stdout);
+}
+
+std::string Num(double v) {
+  if (!std::isfinite(v)) return "";
+  std::ostringstream s;
+  s.precision(10);
+  s << v;
+  return s.str();
+}
+
+const char* kCsvHeader =
+    "mode,sessions,callers,layers,steps_per_call,cache_tokens,calls,steps,errors,calls_per_s,steps_per_s,"
+    "tokens_per_s,p50_ms,p90_ms,p99_ms,server_queue_us,server_compute_us,mean_cache_tokens,kv_bytes_per_s,"
+    "request_bytes,response_bytes,echo_steps_ratio,echo_p50_ratio,label";
+
+std::string CsvRow(const Row& r, const DecodeBenchOptions& o) {
+  std::ostringstream s;
+  s.precision(10);
+  s << r.mode << "," << r.sessions << "," << r.callers << "," << o.layers << "," << r.steps_per_call << ","
+    << o.cache_tokens << "," << r.calls << "," << r.steps << "," << r.errors << "," << r.CallsPerS() << ","
+    << r.StepsPerS() << "," << r.StepsPerS() / o.layers << "," << r.Percentile(0.5) / 1e3 << ","
+    << r.Percentile(0.9) / 1e3 << "," << r.Percentile(0.99) / 1e3 << ","
+    << (r.decode() ? Num(r.Mean(&CallSample::queue_us)) : "") << ","
+    << (r.decode() ? Num(r.Mean(&CallSample::compute_us)) : "") << "," << (r.decode() ? Num(r.MeanCache()) : "")
+    << "," << (r.decode() ? Num(r.KvBytesPerS()) : "") << "," << r.request_bytes << "," << r.response_bytes << ","
+    << Num(r.echo_steps_ratio) << "," << Num(r.echo_p50_ratio) << ",\"" << o.label << "\"";
+  return s.str();
+}
+
+std::string JsonRow(const Row& r, const DecodeBenchOptions& o) {
+  std::ostringstream s;
+  s.precision(10);
+  s << "{\"mode\":\"" << r.mode << "\",\"sessions\":" << r.sessions << ",\"callers\":" << r.callers
+    << ",\"layers\":" << o.layers << ",\"steps_per_call\":" << r.steps_per_call
+    << ",\"cache_tokens\":" << o.cache_tokens << ",\"calls\":" << r.calls << ",\"steps\":" << r.steps
+    << ",\"errors\":" << r.errors << ",\"calls_per_s\":" << r.CallsPerS() << ",\"steps_per_s\":" << r.StepsPerS()
+    << ",\"tokens_per_s\":" << r.StepsPerS() / o.layers << ",\"p50_ms\":" << r.Percentile(0.5) / 1e3
+    << ",\"p90_ms\":" << r.Percentile(0.9) / 1e3 << ",\"p99_ms\":" << r.Percentile(0.99) / 1e3
+    << ",\"request_bytes\":" << r.request_bytes << ",\"response_bytes\":" << r.response_bytes;
+  if (r.decode()) {
+    s << ",\"server_queue_us\":" << r.Mean(&CallSample::queue_us)
+      << ",\"server_compute_us\":" << r.Mean(&CallSample::compute_us) << ",\"mean_cache_tokens\":" << r.MeanCache()
+      << ",\"kv_bytes_per_s\":" << r.KvBytesPerS();
+  }
+  if (std::isfinite(r.echo_steps_ratio)) {
+    s << ",\"echo_steps_ratio\":" << r.echo_steps_ratio << ",\"echo_p50_ratio\":" << r.echo_p50_ratio;
+  }
+  s << ",\"label\":\"" << o.label << "\"}";
+  return s.str();
+}
+
+bool DecodeBench::RunLevel(int sessions, std::vector<Row>* rows) {
+  const int per_caller = o_.batch_step > 0 ? o_.batch_step : 1;
+  const int n_callers = (sessions + per_caller - 1) / per_caller;
+  const int n_channels = o_.channels > 0 ? std::min(o_.channels, n_callers) : n_callers;
+  std::vector<std::shared_ptr<SessionClient>> channels;
+  for (int i = 0; i < n_channels; ++i) {
+    SessionClientOptions so;
+    so.client.target = o_.target;
+    so.client.max_message_bytes = 1ll << 30;
+    so.client.unique_channel = true;  // a connection per channel, as the other modes have
+    auto sc = SessionClient::Create(so);
+    if (!sc.ok()) {
+      std::cerr << "attn-bench: decode: " << sc.status() << std::endl;
+      return false;
+    }
+    channels.push_back(std::move(*sc));
+  }
+  std::vector<Caller> callers(n_callers);
+  std::vector<std::thread> setup;
+  for (int i = 0; i < n_callers; ++i) {
+    callers[i].sessions = channels[i % n_channels];
+    const int first = i * per_caller, count = std::min(per_caller, sessions - first);
+    setup.emplace_back([&, i, first, count] { callers[i].status = Setup(callers[i], first, count); });
+  }
+  for (auto& t : setup) t.join();
+  for (const auto& c : callers) {
+    if (!c.status.ok()) {
+      std::cerr << "attn-bench: decode: " << absl::StatusCodeToString(c.status.code()) << ": " << c.status.message()
+                << std::endl;
+      CloseAll(callers);
+      return false;
+    }
+  }
+  Row decode = Measure(callers, false);
+  Row echo = Measure(callers, true);
+  CloseAll(callers);
+  if (echo.steps > 0 && decode.steps > 0) {
+    decode.echo_steps_ratio = decode.StepsPerS() / echo.StepsPerS();
+    decode.echo_p50_ratio = decode.Percentile(0.5) / echo.Percentile(0.5);
+  }
+  PrintRow(decode, o_.layers);
+  PrintRow(echo, o_.layers);
+  rows->push_back(std::move(decode));
+  rows->push_back(std::move(echo));
+  return true;
+}
+
+int DecodeBench::Run() {
+  std::printf("attn-bench: decode to %s: %d layers, %d/%d heads x %d, %s, cache %lld tokens (+ up to %d before "
+              "truncating back), %s\n",
+              o_.target.c_str(), o_.layers, o_.heads, o_.kv_heads, o_.head_dim,
+              o_.dtype == DType::kFloat16 ? "fp16" : "bf16", static_cast<long long>(o_.cache_tokens),
+              o_.decode_window,
+              o_.batch_step > 0 ? absl::StrCat("BatchStep of up to ", o_.batch_step, " sessions").c_str()
+                                : "Step, one caller per session");
+  PrintHeader();
+  std::vector<Row> rows;
+  bool ok = true;
+  for (int s : o_.sessions) {
+    if (!RunLevel(s, &rows)) {
+      ok = false;
+      break;
+    }
+  }
+  int64_t errors = 0;
+  for (const auto& r : rows) errors += r.errors;
+  if (!o_.csv.empty()) {
+    std::string first_line;
+    const bool fresh = !std::getline(std::ifstream(o_.csv) >> std::ws, first_line);
+    if (!fresh && first_line != kCsvHeader) {
+      std::cerr << "attn-bench: " << o_.csv << " has another header (another mode?); appending rows with the "
+                << "columns " << kCsvHeader << std::endl;
+    }
+    std::ofstream out(o_.csv, std::ios::app);
+    if (fresh) out << kCsvHeader << "\n";
+    for (const auto& r : rows) out << CsvRow(r, o_) << "\n";
+  }
+  if (!o_.json.empty()) {
+    std::ofstream out(o_.json);
+    out << "[";
+    for (size_t i = 0; i < rows.size(); ++i) out << (i ? ",\n" : "\n") << JsonRow(rows[i], o_);
+    out << "\n]\n";
+  }
+  return ok && errors == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int RunDecodeBench(const DecodeBenchOptions& options) { return DecodeBench(options).Run(); }
+
+}  // namespace attn::client

@@ -1,0 +1,41 @@
+// attn-bench --mode decode: KV-cache sessions driven through Step or BatchStep, and Echo of the
+// same bytes at the same concurrency (see attn_bench.cc's header for the table it prints).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attn/client/client.h"
+
+namespace attn::client {
+
+struct DecodeBenchOptions {
+  std::string target;
+  std::vector<int> sessions;  // levels to sweep: concurrent sessions
+  int layers = 1;
+  int heads = 32;
+  int kv_heads = 8;
+  int head_dim = 128;
+  DType dtype = DType::kBFloat16;
+  int64_t cache_tokens = 4096;  // prefilled before the measured run, not timed
+  int prefill_chunk = 1024;
+  // 0: every session has its own caller sending Step; N > 0: callers send BatchStep with one step
+  // of each of up to N sessions (the sessions of one caller are on one replica).
+  int batch_step = 0;
+  // Decode tokens a session may add before the caller truncates them again (not timed), so that
+  // the cache stays within [cache_tokens, cache_tokens + window] however long the run.
+  int decode_window = 64;
+  bool lse = false;
+  double duration_s = 10;
+  double warmup_s = 2;
+  int64_t max_calls = 0;  // stop a level after this many measured calls (0: none)
+  int channels = 0;       // connections shared by the callers (0: one per caller)
+  std::string csv, json, label;
+};
+
+// Runs every level and prints the table; 0 when every call succeeded, 1 otherwise (also when
+// sessions cannot be created or filled: the server's status is printed).
+int RunDecodeBench(const DecodeBenchOptions& options);
+
+}  // namespace attn::client

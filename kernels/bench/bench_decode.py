@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""attnd decode (split-KV, contiguous and paged K/V) and paged chunked prefill vs PyTorch SDPA.
+
+Usage: python3 bench_decode.py --lib path/to/libattn_kernels_capi.so --out table.md
+
+Decode: GQA 32/8, d=128, bf16, one query token per sequence, batch x cache as in --decode.
+  TB/s = bytes of K and V read (batch * cache * 8 heads * 128 * 2 B * 2) / time. Ours on
+  contiguous K/V and on page pools of --pages tokens (pages in shuffled order); torch SDPA
+  (flash and cuDNN backends, enable_gqa, the same contiguous K/V: torch has no paged SDPA).
+  Inputs are rotated over enough copies that K+V of one launch is never L2-resident from the
+  previous launch (>= 4x the L2 over the copies), for every implementation alike.
+Chunked prefill: a chunk of C queries over P cached keys plus the chunk (s_k = P + C, causal,
+  bottom-right aligned), batch 1, 32/8 heads, d=128: ours paged vs ours contiguous (the forward
+  kernel), and torch flash with a lower-right causal bias where it runs. TFLOP/s with FLOPs
+  4 * H * D * sum over queries of keys seen.
+Times: CUDA events around N back-to-back launches (N so that one timing covers >= --min-ms),
+  divided by N; median of --reps timings after warm-up.
+"""
+import argparse
+import ctypes
+import datetime
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+P = ctypes.c_void_p
+I = ctypes.c_int
+
+
+def load(path):
+    lib = ctypes.CDLL(path)
+    lib.attn_run.restype = I
+    lib.attn_run.argtypes = [I] + [P] * 7 + [I] * 8 + [ctypes.c_float, I, I, I, I, I, P, P, P, P,
+                                                        ctypes.c_size_t]
+    lib.attn_workspace_bytes.restype = ctypes.c_size_t
+    lib.attn_workspace_bytes.argtypes = [I] * 11
+    return lib
+
+
+def events_ms(fn, n):
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def time_ms(fn, warmup, reps, min_ms):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    one = events_ms(fn, 1)
+    n = max(1, min(2000, math.ceil(min_ms / max(one, 1e-3))))
+    events_ms(fn, n)
+    times = [events_ms(fn, n) / n for _ in range(reps)]
+    return statistics.median(times)
+
+
+class Rotor:
+    """Calls fn(i) with i cycling over the input copies."""
+
+    def __init__(self, fn, n):
+        self.fn, self.n, self.i = fn, n, 0
+
+    def __call__(self):
+        self.fn(self.i)
+        self.i = (self.i + 1) % self.n
+
+
+def paged_pool(kc, b, L, ps, gen):
+    """Page pool [pages, ps, Hkv, D] holding contiguous kc [b*L, Hkv, D] in shuffled page order,
+    and the CSR table (indptr, indices) and seqlens."""
+    npg = b * L // ps
+    perm = torch.randperm(npg, generator=gen).to(kc.device)
+    pool = torch.empty((npg, ps) + tuple(kc.shape[1:]), dtype=kc.dtype, device=kc.device)
+    pool[perm] = kc.view((npg, ps) + tuple(kc.shape[1:]))
+    indices = perm.to(torch.int32).contiguous()  # logical page p of the batch lives at perm[p]
+    indptr = (torch.arange(b + 1, device=kc.device, dtype=torch.int32) * (L // ps)).contiguous()
+    seqlens = torch.full((b,), L, dtype=torch.int32, device=kc.device)
+    return pool, indptr, indices, seqlens, npg
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--decode", default="1x4096,16x4096,64x4096,16x32768,128x8192")
+    ap.add_argument("--pages", default="16,64")
+    ap.add_argument("--prefill", default="512x8192,2048x8192,512x32768,2048x32768",
+                    help="CHUNKxCACHED list for chunked prefill")
+    ap.add_argument("--prefill-pages", default="16,64")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--min-ms", type=float, default=20.0)
+    args = ap.parse_args()
+
+    lib = load(args.lib)
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    H, HKV, D = 32, 8, 128
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    pages = [int(x) for x in args.pages.split(",") if x]
+    lines = []
+    rows = []
+
+    def run_ours(q, k, v, o, cu_q, cu_k, b, tq, tk, mq, mk, causal, ws, paged=None):
+        ps, npg, indptr, indices, seqlens = paged if paged else (0, 0, None, None, None)
+        rc = lib.attn_run(2, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
+                          cu_q.data_ptr(), cu_k.data_ptr() if cu_k is not None else None, b, tq, tk,
+                          mq, mk, H, HKV, D, 0.0, int(causal), -1, -1, ps, npg,
+                          indptr.data_ptr() if paged else None,
+                          indices.data_ptr() if paged else None,
+                          seqlens.data_ptr() if paged else None,
+                          ws.data_ptr() if ws is not None else None, stream)
+        if rc != 0:
+            raise RuntimeError(f"attn_run returned {rc}")
+
+    def workspace(b, tq, tk, mq, mk, ps=0, npg=0):
+        n = lib.attn_workspace_bytes(2, b, tq, tk, mq, mk, H, HKV, D, ps, npg)
+        return (torch.empty(n, dtype=torch.uint8, device=dev) if n else None), n
+
+    # ---------------- decode ----------------
+    for item in args.decode.split(","):
+        b, L = (int(x) for x in item.split("x"))
+        kv_bytes = 2 * b * L * HKV * D * 2
+        copies = max(1, min(16, math.ceil(4 * l2 / kv_bytes)))
+        qs = [torch.randn(b, H, D, device=dev, dtype=dt) for _ in range(copies)]
+        ks = [torch.randn(b * L, HKV, D, device=dev, dtype=dt) for _ in range(copies)]
+        vs = [torch.randn(b * L, HKV, D, device=dev, dtype=dt) for _ in range(copies)]
+        o = torch.full((b, H, D), float("nan"), device=dev, dtype=dt)
+        cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        cu_k = (torch.arange(b + 1, device=dev, dtype=torch.int32) * L).contiguous()
+        ws, wsn = workspace(b, b, b * L, 1, L)
+        splits = wsn // (b * H * (D + 1) * 4) if wsn else 1
+        res = {}
+        res["ours"] = time_ms(Rotor(lambda i: run_ours(qs[i], ks[i], vs[i], o, cu_q, cu_k, b, b,
+                                                       b * L, 1, L, False, ws), copies),
+                              args.warmup, args.reps, args.min_ms)
+        run_ours(qs[0], ks[0], vs[0], o, cu_q, cu_k, b, b, b * L, 1, L, False, ws)
+        torch.cuda.synchronize()
+        ours_o = o.float().clone()
+        # torch [B, H, S, D] views of the same data
+        qt = [x.view(b, H, 1, D) for x in qs]
+        kt = [x.view(b, L, HKV, D).transpose(1, 2) for x in ks]
+        vt = [x.view(b, L, HKV, D).transpose(1, 2) for x in vs]
+        ref = None
+        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    out = F.scaled_dot_product_attention(qt[0], kt[0], vt[0], enable_gqa=True)
+                    if ref is None:
+                        ref = out.view(b, H, D).float()
+                    res[name] = time_ms(Rotor(lambda i: F.scaled_dot_product_attention(
+                        qt[i], kt[i], vt[i], enable_gqa=True), copies), args.warmup, args.reps,
+                        args.min_ms)
+            except Exception as e:  # backend not available for this shape
+                print(f"# {name} failed for {b}x{L}: {e}", file=sys.stderr)
+                res[name] = None
+        err = ((ours_o - ref).norm() / ref.norm()).item() if ref is not None else float("nan")
+        gen_p = torch.Generator().manual_seed(b * 7 + L)
+        for ps in pages:
+            pk = [paged_pool(x, b, L, ps, gen_p) for x in ks]
+            pv = []
+            for i, x in enumerate(vs):
+                pool = torch.empty_like(pk[i][0])
+                npg = pk[i][4]
+                pool[pk[i][2].long()] = x.view(pool.shape)  # same page placement as K
+                pv.append(pool)
+            wsp, _ = workspace(b, b, 0, 1, L, ps, pk[0][4])
+
+            def paged_call(i, ps=ps, pk=pk, pv=pv, wsp=wsp):
+                run_ours(qs[i], pk[i][0], pv[i], o, cu_q, None, b, b, 0, 1, L, False, wsp,
+                         (ps, pk[i][4], pk[i][1], pk[i][2], pk[i][3]))
+
+            res[f"page{ps}"] = time_ms(Rotor(paged_call, copies), args.warmup, args.reps, args.min_ms)
+            o.fill_(float("nan"))
+            paged_call(0)
+            torch.cuda.synchronize()
+            perr = ((o.float() - ours_o).norm() / ours_o.norm()).item()
+            res[f"page{ps}_err"] = perr
+            del pk, pv
+            torch.cuda.empty_cache()
+        tb = lambda t: kv_bytes / (t * 1e-3) / 1e12 if t else None
+        row = dict(kind="decode", b=b, L=L, splits=splits, copies=copies, err=err,
+                   **{k2: (tb(v2) if not k2.endswith("_err") else v2) for k2, v2 in res.items()},
+                   us={k2: v2 * 1e3 for k2, v2 in res.items() if not k2.endswith("_err") and v2})
+        rows.append(row)
+        f = lambda x: f"{x:.2f}" if x is not None else "n/a"
+        print(f"decode {b}x{L}: splits {splits} ours {f(row['ours'])} TB/s "
+              + " ".join(f"page{ps} {f(row[f'page{ps}'])}" for ps in pages)
+              + f" flash {f(row.get('flash'))} cudnn {f(row.get('cudnn'))} err {err:.1e}",
+              flush=True)
+        del qs, ks, vs, qt, kt, vt, o, ref
+        torch.cuda.empty_cache()
+
+    # ---------------- chunked prefill ----------------
+    ppages = [int(x) for x in args.prefill_pages.split(",") if x]
+    for item in args.prefill.split(","):
+        if not item:
+            continue
+        C, Pc = (int(x) for x in item.split("x"))
+        L = Pc + C
+        q = torch.randn(C, H, D, device=dev, dtype=dt)
+        k = torch.randn(L, HKV, D, device=dev, dtype=dt)
+        v = torch.randn(L, HKV, D, device=dev, dtype=dt)
+        o = torch.full_like(q, float("nan"))
+        cu_q = torch.tensor([0, C], device=dev, dtype=torch.int32)
+        cu_k = torch.tensor([0, L], device=dev, dtype=torch.int32)
+        flops = 4.0 * H * D * (C * Pc + C * (C + 1) / 2)
+        res = {}
+        res["contig"] = time_ms(lambda: run_ours(q, k, v, o, cu_q, cu_k, 1, C, L, C, L, True, None),
+                                args.warmup, args.reps, args.min_ms)
+        run_ours(q, k, v, o, cu_q, cu_k, 1, C, L, C, L, True, None)
+        torch.cuda.synchronize()
+        ours_o = o.float().clone()
+        for ps in ppages:
+            Lp = (L + ps - 1) // ps * ps
+            kp = torch.zeros(Lp, HKV, D, device=dev, dtype=dt)
+            vp = torch.zeros(Lp, HKV, D, device=dev, dtype=dt)
+            kp[:L] = k
+            vp[:L] = v
+            pool_k, indptr, indices, _, npg = paged_pool(kp, 1, Lp, ps, gen)
+            pool_v = torch.empty_like(pool_k)
+            pool_v[indices.long()] = vp.view(pool_v.shape)
+            seqlens = torch.tensor([L], device=dev, dtype=torch.int32)
+            call = lambda: run_ours(q, pool_k, pool_v, o, cu_q, None, 1, C, 0, C, L, True, None,
+                                    (ps, npg, indptr, indices, seqlens))
+            res[f"page{ps}"] = time_ms(call, args.warmup, args.reps, args.min_ms)
+            o.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            res[f"page{ps}_err"] = ((o.float() - ours_o).norm() / ours_o.norm()).item()
+        qt = q.view(1, C, H, D).transpose(1, 2)
+        kt = k.view(1, L, HKV, D).transpose(1, 2)
+        vt = v.view(1, L, HKV, D).transpose(1, 2)
+        res["flash"] = None
+        res["err"] = float("nan")
+        res["torch_be"] = "n/a"
+        from torch.nn.attention.bias import causal_lower_right
+        bias = causal_lower_right(C, L)
+        for be_name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                            ("mem-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
+                    res["flash"] = time_ms(lambda: F.scaled_dot_product_attention(
+                        qt, kt, vt, attn_mask=bias, enable_gqa=True), args.warmup, args.reps,
+                        args.min_ms)
+                ref = out.transpose(1, 2).reshape(C, H, D).float()
+                res["err"] = ((ours_o - ref).norm() / ref.norm()).item()
+                res["torch_be"] = be_name
+                break
+            except Exception as e:
+                print(f"# torch {be_name} lower-right causal failed for {item}: {e}", file=sys.stderr)
+        tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
+        row = dict(kind="prefill", C=C, P=Pc, **{k2: (tf(v2) if not k2.endswith(("err", "_be")) else v2)
+                                                for k2, v2 in res.items()})
+        rows.append(row)
+        f = lambda x: f"{x:.1f}" if x is not None else "n/a"
+        print(f"prefill chunk {C} over {Pc}: contig {f(row['contig'])} "
+              + " ".join(f"page{ps} {f(row[f'page{ps}'])}" for ps in ppages)
+              + f" torch-flash {f(row['flash'])} TFLOP/s", flush=True)
+        del q, k, v, o
+        torch.cuda.empty_cache()
+
+    # ---------------- table ----------------
+    f2 = lambda x: f"{x:.2f}" if x is not None else "n/a"
+    r3 = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
+    lines += [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"date {datetime.date.today().isoformat()}, L2 {l2 >> 20} MiB. Median of {args.reps} "
+              f"timings after {args.warmup} warm-up, each N back-to-back launches >= "
+              f"{args.min_ms:g} ms (CUDA events), inputs rotated over copies (>= 4x L2).", "",
+              "Decode, GQA 32/8, d=128, bf16, 1 query token: TB/s of K+V read.", "",
+              "| batch x cache | splits | ours contig | " +
+              " | ".join(f"ours page{ps}" for ps in pages) +
+              " | torch flash | torch cuDNN | ours/cuDNN | " +
+              " | ".join(f"page{ps}/contig" for ps in pages) + " | ours us | cuDNN us | err vs torch |",
+              "|---" * (8 + 2 * len(pages)) + "|"]
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits']} | {f2(r['ours'])} | " +
+                     " | ".join(f2(r[f'page{ps}']) for ps in pages) +
+                     f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
+                     " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
+                     f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
+    lines += ["", "Chunked prefill, batch 1, GQA 32/8, d=128, bf16, causal (bottom-right): TFLOP/s.", "",
+              "| chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
+              " | " + " | ".join(f"page{ps}/contig" for ps in ppages) +
+              " | torch SDPA (lower-right bias) | torch backend | err vs torch |",
+              "|---" * (6 + 2 * len(ppages)) + "|"]
+    for r in rows:
+        if r["kind"] != "prefill":
+            continue
+        lines.append(f"| {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
+                     " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) + " | " +
+                     " | ".join(r3(r[f'page{ps}'], r['contig']) for ps in ppages) +
+                     f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+// Split-KV decode kernel and its combine kernel (device code).
+//
+// Decode is bandwidth-bound: each K/V byte must be read once and enough bytes must be in flight.
+//  - One CTA = 16 packed query rows (query token x query head of one KV group, token-major) of one
+//    (sequence, KV head, KV split). All the query heads of a KV head share its K/V tiles, so each
+//    K/V byte is read once per group (once per row block when s_q * group > 16).
+//  - The 4 warps split the CTA's keys: warp w takes key tiles w, w+4, w+8, ... of kWarpN keys and
+//    streams them through its own ring of kStages (K, V) tile pairs with 16-byte cp.async (no
+//    CTA barrier in the main loop; __syncwarp only). Each warp keeps its own online softmax over
+//    the 16 rows with S = Q K^T and O += P V on mma.sync m16n8k16 (fp32 accumulation).
+//  - At the end the warps merge through shared memory (the ring's space) by their row maxima.
+//    With one split the CTA writes O and LSE; with several it writes a normalised fp32 partial O
+//    and its LSE (log2 units) to the workspace, and DecodeCombineKernel merges the splits.
+//  - Token rows are addressed through a per-tile row index that lane r computes for key r of the
+//    tile (contiguous: k_start + j; paged: page * page_size + j % page_size), shuffled to the
+//    lanes that copy that row. For paged K/V the page number of the next tile is loaded one
+//    iteration ahead, so the page-table read latency stays off the load path.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "decode_params.h"
+#include "ptx.cuh"
+
+namespace attn::kernels::cuda {
+namespace decode {
+
+template <int D_, typename T_>
+struct DecodeTraits {
+  using T = T_;
+  static constexpr int kHeadDim = D_;
+  static constexpr int kWarps = kDecodeWarps;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = kDecodeRows;
+  static constexpr int kWarpN = DecodeWarpN(D_);
+  static constexpr int kStages = DecodeStages(D_);
+  static constexpr int kCPR = D_ / 8;  // 16-byte chunks per row
+  static_assert(kCPR % 4 == 0, "head dim must be a multiple of 32");
+  static constexpr int kSwzMask = (kCPR % 8 == 0) ? 7 : 3;
+  static constexpr int kTileBytes = kWarpN * D_ * 2;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  static constexpr int kWarpRingBytes = kStages * kStageBytes;
+  static constexpr int kQBytes = kRows * D_ * 2;
+  static constexpr int kMergeStride = DecodeMergeStride(D_);
+  static constexpr int kSmemBytes = DecodeSmemBytes(D_);
+  static constexpr int kMinBlocks = DecodeMinBlocks(D_);
+  static constexpr bool kQInRegs = D_ <= 128;
+  static constexpr int kNT = kWarpN / 8;    // n8 tiles of S
+  static constexpr int kKS = D_ / 16;       // k16 steps of Q K^T
+  static constexpr int kDT = D_ / 8;        // n8 tiles of O
+  static constexpr int kPVK = kWarpN / 16;  // k16 steps of P V
+  static constexpr int kCopyIters = kWarpN * kCPR / 32;
+  static_assert(kWarpN <= 32, "one lane computes the row index of one key of the tile");
+  static_assert(kWarpN * kCPR % 32 == 0, "");
+  static_assert(kWarpN % 16 == 0, "");
+
+  __device__ __forceinline__ static int SwzKey(int row) {
+    return kSwzMask == 7 ? (row & 7) : ((row >> 1) & 3);
+  }
+  // Byte offset of (row, chunk) in a tile of kCPR chunks per row.
+  __device__ __forceinline__ static uint32_t Offset(int row, int chunk) {
+    const int c = (chunk & ~kSwzMask) | ((chunk ^ SwzKey(row)) & kSwzMask);
+    return static_cast<uint32_t>((row * kCPR + c) * 16);
+  }
+};
+
+template <int kMask>
+__device__ __forceinline__ int SwzChunk(int c_even, int y) {
+  return (c_even & ~kMask) | ((c_even & kMask) ^ y);
+}
+
+// Page of key j (paged K/V), through the sequence's page list.
+__device__ __forceinline__ int PageOf(const int32_t* pages, int j, int page_size, int shift) {
+  return ptx::LdgEarly(pages + (shift >= 0 ? (j >> shift) : (j / page_size)));
+}
+__device__ __forceinline__ int InPage(int j, int page_size, int shift) {
+  return shift >= 0 ? (j & (page_size - 1)) : (j % page_size);
+}
+
+template <typename Tr, bool kPaged>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
+    DecodeKernel(const __grid_constant__ DecodeParams p) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim;
+  constexpr int W = Tr::kWarpN;
+  constexpr int S = Tr::kStages;
+  constexpr int CPR = Tr::kCPR;
+  constexpr int M = Tr::kSwzMask;
+  constexpr int NT = Tr::kNT;
+  constexpr int KS = Tr::kKS;
+  constexpr int DT = Tr::kDT;
+  constexpr int NW = Tr::kWarps;
+
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const uint32_t sQ = ptx::SmemAddr(smem_raw);
+  const uint32_t sRing = sQ + Tr::kQBytes;
+
+  const int split = blockIdx.x % p.num_splits;
+  const int mb = blockIdx.x / p.num_splits;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int G = p.group;
+
+  const int q_start = p.cu_seqlens_q[b];
+  const int s_q = p.cu_seqlens_q[b + 1] - q_start;
+  const int rows_valid = s_q * G;
+  const int m0 = mb * Tr::kRows;
+  if (m0 >= rows_valid) return;
+  int s_k;
+  int k_start = 0;
+  const int32_t* pages = nullptr;
+  if constexpr (kPaged) {
+    s_k = p.seqlens_k[b];
+    pages = p.page_indices + p.page_indptr[b];
+  } else {
+    k_start = p.cu_seqlens_k[b];
+    s_k = p.cu_seqlens_k[b + 1] - k_start;
+  }
+  const int off = s_k - s_q;
+  const int m_last = min(m0 + Tr::kRows, rows_valid) - 1;
+
+  // Keys any row of this block sees, then this split's whole tiles of them.
+  const int n_lo = p.has_left ? max(0, m0 / G + off - p.left) : 0;
+  const int n_hi = p.has_right ? min(s_k, m_last / G + off + p.right + 1) : s_k;
+  int c_lo = 0, c_hi = 0, ntiles = 0, tile0 = 0;
+  if (n_hi > n_lo) {
+    const int a_lo = (n_lo / W) * W;
+    const int total_tiles = (n_hi - a_lo + W - 1) / W;
+    const int tps = (total_tiles + p.num_splits - 1) / p.num_splits;
+    const int t_begin = split * tps;
+    const int t_end = min(total_tiles, t_begin + tps);
+    if (t_end > t_begin) {
+      ntiles = t_end - t_begin;
+      tile0 = a_lo + t_begin * W;
+      c_lo = max(n_lo, tile0);
+      c_hi = min(n_hi, a_lo + t_end * W);
+    }
+  }
+
+  // Q: 16 packed rows (zero-filled past the block's valid rows), one cp.async group.
+  const T* gq = reinterpret_cast<const T*>(p.q);
+  for (int idx = tid; idx < Tr::kRows * CPR; idx += Tr::kThreads) {
+    const int r = idx / CPR;
+    const int c = idx % CPR;
+    const int pr = m0 + r;
+    const bool ok = pr < rows_valid;
+    const int i = pr / G;
+    const int h = hk * G + (pr - i * G);
+    const T* src = ok ? gq + int64_t(q_start + i) * p.q_row_stride + int64_t(h) * D + c * 8 : gq;
+    ptx::CpAsync16(sQ + Tr::Offset(r, c), src, ok);
+  }
+  ptx::CpAsyncCommit();
+
+  // This warp's tiles: w, w + NW, ... of the split's ntiles.
+  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  const uint32_t sWarp = sRing + warp * Tr::kWarpRingBytes;
+  const T* gk = reinterpret_cast<const T*>(p.k) + int64_t(hk) * D;
+  const T* gv = reinterpret_cast<const T*>(p.v) + int64_t(hk) * D;
+  const int64_t kv_stride = p.kv_row_stride;
+
+  auto tile_start = [&](int k) { return tile0 + (warp + k * NW) * W; };
+  // Lane r's key of tile k, if it is in [c_lo, c_hi).
+  auto key_ok = [&](int j) { return j >= c_lo && j < c_hi; };
+  // Row index of lane's key of tile k (-1: not loaded, zero-filled).
+  auto row_index = [&](int k, int page) -> int {
+    const int j = tile_start(k) + lane;
+    if (lane >= W || !key_ok(j)) return -1;
+    if constexpr (kPaged) {
+      return page * p.page_size + InPage(j, p.page_size, p.page_shift);
+    } else {
+      return k_start + j;
+    }
+  };
+  auto page_of = [&](int k) -> int {
+    if constexpr (kPaged) {
+      const int j = tile_start(k) + lane;
+      return (lane < W && key_ok(j)) ? PageOf(pages, j, p.page_size, p.page_shift) : 0;
+    } else {
+      return 0;
+    }
+  };
+  auto issue = [&](int k, int page, uint32_t stage_addr) {
+    const int ri = row_index(k, page);
+#pragma unroll
+    for (int it = 0; it < Tr::kCopyIters; ++it) {
+      const int idx = lane + 32 * it;
+      const int r = idx / CPR;
+      const int c = idx % CPR;
+      const int rr = __shfl_sync(0xffffffffu, ri, r);
+      const bool ok = rr >= 0;
+      const int64_t goff = int64_t(ok ? rr : 0) * kv_stride + c * 8;
+      ptx::CpAsync16(stage_addr + Tr::Offset(r, c), gk + goff, ok);
+      ptx::CpAsync16(stage_addr + Tr::kTileBytes + Tr::Offset(r, c), gv + goff, ok);
+    }
+  };
+
+  // Prologue: the first S-1 tiles, one group each (empty groups keep the counts fixed). The page
+  // numbers of the first S tiles are read together first (one page-table latency, not S).
+  int first_pages[S];
+#pragma unroll
+  for (int st = 0; st < S; ++st) first_pages[st] = (kPaged && st < my_tiles) ? page_of(st) : 0;
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < my_tiles) issue(st, first_pages[st], sWarp + st * Tr::kStageBytes);
+    ptx::CpAsyncCommit();
+  }
+  int next_page = first_pages[S - 1];
+
+  // Per-thread rows (lane/4 and lane/4 + 8) and the keys they see: [lo, hi].
+  int lo[2], hi[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int pr = min(m0 + (lane >> 2) + 8 * hf, rows_valid - 1);  // padding rows copy a real one
+    const int pos = pr / G + off;
+    lo[hf] = p.has_left ? max(c_lo, pos - p.left) : c_lo;
+    hi[hf] = p.has_right ? min(c_hi - 1, pos + p.right) : c_hi - 1;
+  }
+
+  // Q fragments (after the Q group and the prologue groups: wait for all but the S-1 newest).
+  ptx::CpAsyncWait<S - 1>();
+  __syncthreads();
+  const int swz_key = Tr::SwzKey(lane & 7);
+  const int q_y = ((lane >> 4) ^ swz_key) & M;
+  const uint32_t sQ_addr = sQ + (lane & 15) * CPR * 16;
+  uint32_t qf[Tr::kQInRegs ? KS : 1][4];
+  if constexpr (Tr::kQInRegs) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ptx::LdMatrixX4(qf[ks], sQ_addr + SwzChunk<M>(2 * ks, q_y) * 16);
+  }
+  const int k_row = (lane & 7) + 8 * (lane >> 4);
+  const int k_y = (((lane >> 3) & 1) ^ swz_key) & M;
+  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int v_y = ((lane >> 4) ^ swz_key) & M;
+
+  float acc_o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+  const float sl2 = p.scale_log2;
+
+  uint32_t stage = 0;  // byte offset of tile k's stage in this warp's ring
+  for (int k = 0; k < my_tiles; ++k) {
+    ptx::CpAsyncWait<S - 2>();
+    __syncwarp();  // tile k visible to the whole warp; the warp is done with tile k-1's stage
+    {
+      const int kn = k + S - 1;
+      const uint32_t refill = stage == 0 ? (S - 1) * Tr::kStageBytes : stage - Tr::kStageBytes;
+      if (kn < my_tiles) issue(kn, next_page, sWarp + refill);
+      ptx::CpAsyncCommit();
+      if constexpr (kPaged) {
+        if (kn + 1 < my_tiles) next_page = page_of(kn + 1);
+      }
+    }
+    const uint32_t sK = sWarp + stage;
+    const uint32_t sV = sK + Tr::kTileBytes;
+    const int t0 = tile_start(k);
+
+    // S = Q K^T over this tile's W keys.
+    float acc_s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[nt][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t qa[4];
+      if constexpr (Tr::kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qa[e] = qf[ks][e];
+      } else {
+        ptx::LdMatrixX4(qa, sQ_addr + SwzChunk<M>(2 * ks, q_y) * 16);
+      }
+#pragma unroll
+      for (int nt2 = 0; nt2 < NT / 2; ++nt2) {
+        uint32_t kb[4];
+        ptx::LdMatrixX4(kb, sK + (nt2 * 16 + k_row) * CPR * 16 + SwzChunk<M>(2 * ks, k_y) * 16);
+        ptx::Mma16816<T>(acc_s[2 * nt2], qa, kb[0], kb[1]);
+        ptx::Mma16816<T>(acc_s[2 * nt2 + 1], qa, kb[2], kb[3]);
+      }
+    }
+
+    // Mask (split range, sequence end, causal/window), then the online softmax in log2 units.
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = t0 + nt * 8 + 2 * (lane & 3) + e;
+          if (col < lo[hf] || col > hi[hf]) acc_s[nt][2 * hf + e] = -INFINITY;
+        }
+      float mx = row_max[hf];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hf], acc_s[nt][2 * hf + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float ms = (mx == -INFINITY) ? 0.0f : mx * sl2;
+      const float corr = exp2f(row_max[hf] * sl2 - ms);
+      row_max[hf] = mx;
+      float sum = row_sum[hf] * corr;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        acc_o[dt][2 * hf] *= corr;
+        acc_o[dt][2 * hf + 1] *= corr;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(fmaf(acc_s[nt][2 * hf + e], sl2, -ms));
+          acc_s[nt][2 * hf + e] = pe;
+          sum += pe;
+        }
+      row_sum[hf] = sum;
+    }
+
+    // O += P V.
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVK; ++kk) {
+      uint32_t pa[4];
+      pa[0] = ptx::Pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+      pa[1] = ptx::Pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+      pa[2] = ptx::Pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+      pa[3] = ptx::Pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+      for (int nd2 = 0; nd2 < DT / 2; ++nd2) {
+        uint32_t vb[4];
+        ptx::LdMatrixX4Trans(vb, sV + (kk * 16 + v_row) * CPR * 16 + SwzChunk<M>(2 * nd2, v_y) * 16);
+        ptx::Mma16816<T>(acc_o[2 * nd2], pa, vb[0], vb[1]);
+        ptx::Mma16816<T>(acc_o[2 * nd2 + 1], pa, vb[2], vb[3]);
+      }
+    }
+    stage = stage == (S - 1) * Tr::kStageBytes ? 0 : stage + Tr::kStageBytes;
+  }
+
+  // Merge the warps: unnormalised O, row max (log2 units) and row sum of each warp through shared
+  // memory (the ring's space, free once every warp has drained its copies).
+  ptx::CpAsyncWait<0>();
+  __syncthreads();
+  float* sO = reinterpret_cast<float*>(smem_raw + Tr::kQBytes);
+  float* sMax = sO + NW * Tr::kRows * Tr::kMergeStride;
+  float* sSum = sMax + NW * Tr::kRows;
+  float* sOw = sO + warp * Tr::kRows * Tr::kMergeStride;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = (lane >> 2) + 8 * hf;
+    float sum = row_sum[hf];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      *reinterpret_cast<float2*>(sOw + r * Tr::kMergeStride + dt * 8 + 2 * (lane & 3)) =
+          make_float2(acc_o[dt][2 * hf], acc_o[dt][2 * hf + 1]);
+    }
+    if ((lane & 3) == 0) {
+      sMax[warp * Tr::kRows + r] = row_max[hf] == -INFINITY ? -INFINITY : row_max[hf] * sl2;
+      sSum[warp * Tr::kRows + r] = sum;
+    }
+  }
+  __syncthreads();
+
+  constexpr int kTPR = Tr::kThreads / Tr::kRows;  // threads per row
+  constexpr int kCols = D / kTPR;                 // columns per thread
+  static_assert(kCols % 2 == 0, "");
+  const int r = tid / kTPR;
+  const int col0 = (tid % kTPR) * kCols;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sMax[w * Tr::kRows + r]);
+  float a[NW];
+  float l = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) {
+    const float m = sMax[w * Tr::kRows + r];
+    a[w] = m == -INFINITY ? 0.0f : exp2f(m - mx);
+    l += a[w] * sSum[w * Tr::kRows + r];
+  }
+  const bool any = l > 0.0f;
+  const float inv = any ? 1.0f / l : 0.0f;
+  const int pr = m0 + r;
+  if (pr > m_last) return;
+  const int i = pr / G;
+  const int h = hk * G + (pr - i * G);
+  const int t = q_start + i;
+  const float lse2 = any ? mx + __log2f(l) : -INFINITY;
+  if (p.num_splits == 1) {
+    T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+        v0 += a[w] * x.x;
+        v1 += a[w] * x.y;
+      }
+      *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
+    }
+    if (p.lse != nullptr && (tid % kTPR) == 0) {
+      p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
+    }
+  } else {
+    const int64_t row = int64_t(t) * p.num_heads + h;
+    const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
+    float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+        v0 += a[w] * x.x;
+        v1 += a[w] * x.y;
+      }
+      *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
+    }
+    if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
+  }
+}
+
+// Merges the num_splits partial results of each (token, head) row by their LSE: one warp per row.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) DecodeCombineKernel(const __grid_constant__ DecodeParams p) {
+  // With programmatic dependent launch this grid may start before the split kernel has finished.
+  ptx::GridDependencyWait();
+  const int lane = threadIdx.x & 31;
+  const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (row >= rows_all) return;
+  const int ns = p.num_splits;
+  const float l0 = lane < ns ? p.part_lse[int64_t(lane) * rows_all + row] : -INFINITY;
+  const float l1 = lane + 32 < ns ? p.part_lse[int64_t(lane + 32) * rows_all + row] : -INFINITY;
+  float mx = fmaxf(l0, l1);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float w0 = (mx == -INFINITY || l0 == -INFINITY) ? 0.0f : exp2f(l0 - mx);
+  const float w1 = (mx == -INFINITY || l1 == -INFINITY) ? 0.0f : exp2f(l1 - mx);
+  float sum = w0 + w1;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  constexpr int kPerLane = D / 32;
+  float acc[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
+  for (int s = 0; s < ns; ++s) {
+    const float w = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31) * inv;
+    if (w == 0.0f) continue;  // warp-uniform
+    const float* po = p.part_o + (int64_t(s) * rows_all + row) * D + lane;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) acc[j] += w * po[32 * j];
+  }
+  const int64_t t = row / p.num_heads;
+  const int h = static_cast<int>(row - t * p.num_heads);
+  T* go = reinterpret_cast<T*>(p.o) + t * p.o_row_stride + int64_t(h) * D + lane;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) go[32 * j] = ptx::FromFloat<T>(acc[j]);
+  if (p.lse != nullptr && lane == 0) {
+    p.lse[int64_t(h) * p.total_q + t] = sum > 0.0f ? (mx + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+}  // namespace decode
+}  // namespace attn::kernels::cuda

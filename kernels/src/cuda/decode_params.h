@@ -1,0 +1,92 @@
+// Plain parameters and the tile configuration of the split-KV decode kernel (no device code), so
+// that the host-side planner (cuda_attention.cu) and the kernel agree on tile sizes and shared
+// memory without including device code.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace attn::kernels::cuda {
+
+// One CTA = kDecodeWarps warps over kDecodeRows packed query rows of one (sequence, KV head, split).
+// The packed rows are (query token, query head of the group) pairs, token-major:
+// row = i * group + g, so every K/V byte a CTA reads serves all the query heads of its KV head.
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeRows = 16;  // one m16 tile of mma.m16n8k16
+// Queries per sequence up to which Run picks the decode kernel (forward kernel above).
+constexpr int kDecodeMaxSeqlenQ = 16;
+// At most this many KV splits per (sequence, KV head, row block); the combine reads them all.
+constexpr int kDecodeMaxSplits = 64;
+
+// Keys per warp tile (each warp streams its own tiles through its own shared-memory ring) and ring
+// depth, per head dim. A stage is one K tile and one V tile.
+constexpr int DecodeWarpN(int d) { return d <= 64 ? 32 : 16; }
+constexpr int DecodeStages(int d) { return d >= 256 ? 2 : (d <= 32 ? 4 : 3); }
+constexpr int DecodeMergeStride(int d) { return d + 8; }  // floats per row of the merge buffer
+constexpr int DecodeSmemBytes(int d) {
+  const int q = kDecodeRows * d * 2;
+  const int ring = kDecodeWarps * DecodeStages(d) * 2 * DecodeWarpN(d) * d * 2;
+  const int merge = kDecodeWarps * kDecodeRows * (DecodeMergeStride(d) + 2) * 4;
+  return q + (ring > merge ? ring : merge);
+}
+// CTAs per SM the launch bounds ask for (registers allow it; shared memory is checked by the
+// planner against the device).
+constexpr int DecodeMinBlocks(int d) { return d >= 256 ? 1 : 2; }
+
+struct DecodeParams {
+  const void* q = nullptr;  // [total_q, num_heads, head_dim]
+  const void* k = nullptr;  // contiguous [total_k, num_kv_heads, head_dim] or a page pool
+  const void* v = nullptr;
+  void* o = nullptr;        // [total_q, num_heads, head_dim]
+  float* lse = nullptr;     // [num_heads, total_q] or nullptr
+
+  const int32_t* cu_seqlens_q = nullptr;  // device, [batch + 1]
+  const int32_t* cu_seqlens_k = nullptr;  // contiguous K/V only
+
+  // Paged K/V (kernel template kPaged): see PagedKv in attention.h.
+  const int32_t* page_indptr = nullptr;
+  const int32_t* page_indices = nullptr;
+  const int32_t* seqlens_k = nullptr;
+  int32_t page_size = 0;
+  int32_t page_shift = -1;  // log2(page_size) when it is a power of two, else -1
+
+  int32_t batch = 0;
+  int32_t total_q = 0;
+  int32_t num_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t group = 1;       // num_heads / num_kv_heads
+  int32_t m_blocks = 1;    // ceil(max_seqlen_q * group / kDecodeRows)
+  int32_t num_splits = 1;  // KV splits per (sequence, KV head, row block); grid.x = m_blocks * splits
+
+  int64_t q_row_stride = 0;   // elements between tokens of q
+  int64_t o_row_stride = 0;
+  int64_t kv_row_stride = 0;  // elements between token rows of k and v (num_kv_heads * head_dim)
+
+  float scale = 0.0f;
+  float scale_log2 = 0.0f;
+
+  // Mask as in FlashParams (bottom-right aligned; causal folded into has_right / right).
+  bool has_left = false;
+  bool has_right = false;
+  int32_t left = 0;
+  int32_t right = 0;
+
+  // Workspace when num_splits > 1: partial O (normalised, fp32) and partial LSE (log2 units) per
+  // split, of the (token, head) row t * num_heads + h:
+  //   part_o   [num_splits, total_q * num_heads, head_dim]
+  //   part_lse [num_splits, total_q * num_heads]
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+
+  // Host only: launch the combine kernel as a programmatic dependent of the split kernel (sm_90+),
+  // so that its launch overlaps the split kernel's tail.
+  bool pdl = false;
+};
+
+// Implemented per (dtype, head dim) in instantiations/decode_*.cu: the split kernel and, when
+// num_splits > 1, the combine kernel, both on stream.
+template <typename T, int D>
+cudaError_t RunDecode(const DecodeParams& params, bool paged, cudaStream_t stream);
+
+}  // namespace attn::kernels::cuda

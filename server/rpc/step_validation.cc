@@ -1,0 +1,180 @@
+#include "rpc/step_validation.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_util.h"
+#include "sessions/step_launch.h"
+#include "sessions/step_work.h"
+
+namespace attn {
+namespace {
+
+absl::Status Invalid(const std::string& msg) { return absl::InvalidArgumentError(msg); }
+
+std::string Shape(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+std::string DTypeName(v1::DType t) {
+  const std::string& name = v1::DType_Name(t);
+  return name.empty() ? std::to_string(t) : name;
+}
+
+absl::Status CheckPresent(const v1::StepRequest& r) {
+  std::vector<std::string> missing;
+  if (!r.has_q()) missing.push_back("q");
+  if (!r.has_k_new()) missing.push_back("k_new");
+  if (!r.has_v_new()) missing.push_back("v_new");
+  if (missing.empty()) return absl::OkStatus();
+  return Invalid(absl::StrCat(missing.size() == 1 ? "tensor " : "tensors ",
+                              absl::StrJoin(missing, " and "),
+                              missing.size() == 1 ? " is" : " are",
+                              " not set; q, k_new and v_new must all be set"));
+}
+
+// Tensors against each other and against the session's shape and dtype.
+absl::Status CheckStepShapes(const v1::StepRequest& r, const Session& s,
+                             const RequestLimits& limits) {
+  RETURN_IF_ERROR(CheckPresent(r));
+  RETURN_IF_ERROR(CheckTensor(r.q(), "q", limits));
+  RETURN_IF_ERROR(CheckTensor(r.k_new(), "k_new", limits));
+  RETURN_IF_ERROR(CheckTensor(r.v_new(), "v_new", limits));
+  const SessionShape& shape = s.shape();
+  const v1::DType want = ToWireDType(shape.dtype);
+  for (const auto& [t, name] : {std::pair{&r.q(), "q"}, {&r.k_new(), "k_new"}, {&r.v_new(), "v_new"}}) {
+    if (t->dtype() != want) {
+      return Invalid(absl::StrCat(name, ".dtype must be the session's dtype ", DTypeName(want),
+                                  ", got ", DTypeName(t->dtype())));
+    }
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (r.v_new().shape(i) != r.k_new().shape(i)) {
+      return Invalid(absl::StrCat("v_new.shape must equal k_new.shape ", Shape(r.k_new()),
+                                  ", got ", Shape(r.v_new())));
+    }
+  }
+  if (r.k_new().shape(0) != r.q().shape(0)) {
+    return Invalid(absl::StrCat("k_new.shape[0] (new tokens) must equal q.shape[0] = ",
+                                r.q().shape(0), ", got ", r.k_new().shape(0)));
+  }
+  if (r.k_new().shape(1) != shape.num_kv_heads) {
+    return Invalid(absl::StrCat("k_new.shape[1] (num_kv_heads) must be the session's ",
+                                shape.num_kv_heads, ", got ", r.k_new().shape(1)));
+  }
+  for (const auto& [t, name] : {std::pair{&r.q(), "q"}, {&r.k_new(), "k_new"}}) {
+    if (t->shape(2) != shape.head_dim) {
+      return Invalid(absl::StrCat(name, ".shape[2] (head_dim) must be the session's ",
+                                  shape.head_dim, ", got ", t->shape(2)));
+    }
+  }
+  if (r.q().shape(1) % shape.num_kv_heads != 0) {
+    return Invalid(absl::StrCat("q.shape[1] (num_heads = ", r.q().shape(1), ") must be a ",
+                                "multiple of the session's num_kv_heads (", shape.num_kv_heads,
+                                ")"));
+  }
+  if (r.q().shape(0) > shape.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "q.shape[0] (", r.q().shape(0), " new tokens) is more than the session's limit of ",
+        shape.max_tokens, " tokens per layer"));
+  }
+  return absl::OkStatus();
+}
+
+// Shared-memory regions (Tensor.region, o_region, lse_region) are resolved for Attend only so
+// far: the step paths of the backends read and write the messages' bytes. Refused by name rather
+// than read as empty tensors. (To support them: transport/tensor_source.h, ResolveTensor.)
+absl::Status CheckNoRegions(const v1::StepRequest& r) {
+  for (const auto& [t, name] : {std::pair{&r.q(), "q"}, {&r.k_new(), "k_new"}, {&r.v_new(), "v_new"}}) {
+    if (t->has_region()) {
+      return absl::UnimplementedError(absl::StrCat(
+          name, ".region: shared-memory regions are not supported on Step and BatchStep yet; send ",
+          name, ".data"));
+    }
+  }
+  if (r.has_o_region() || r.has_lse_region()) {
+    return absl::UnimplementedError(absl::StrCat(
+        r.has_o_region() ? "o_region" : "lse_region",
+        ": shared-memory regions are not supported on Step and BatchStep yet; leave it unset"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOptions(const v1::StepRequest& r) {
+  if (!std::isfinite(r.softmax_scale())) {
+    return Invalid(absl::StrCat("softmax_scale must be finite, got ", r.softmax_scale()));
+  }
+  if (r.has_window() && (r.window().left() < -1 || r.window().right() < -1)) {
+    return Invalid(absl::StrCat("window.left and window.right must be >= -1 (-1: unbounded), ",
+                                "got ", r.window().left(), " and ", r.window().right()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<kernels::DType> SessionDType(v1::DType dtype) {
+  if (dtype == v1::DTYPE_FLOAT16) return kernels::DType::kFloat16;
+  if (dtype == v1::DTYPE_BFLOAT16) return kernels::DType::kBFloat16;
+  return Invalid(absl::StrCat("dtype must be DTYPE_FLOAT16 or DTYPE_BFLOAT16 (the cache's ",
+                              "element type), got ", DTypeName(dtype)));
+}
+
+absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepRequest& r,
+                                                               std::shared_ptr<Session> session,
+                                                               const RequestLimits& limits,
+                                                               v1::StepResponse* response) {
+  const SessionShape& shape = session->shape();
+  if (r.layer() < 0 || r.layer() >= shape.num_layers) {
+    return Invalid(absl::StrCat("layer ", r.layer(), " is out of range: session ", session->id(),
+                                " has ", shape.num_layers, " layers (0 <= layer < ",
+                                shape.num_layers, ")"));
+  }
+  RETURN_IF_ERROR(CheckNoRegions(r));
+  RETURN_IF_ERROR(CheckStepShapes(r, *session, limits));
+  RETURN_IF_ERROR(CheckOptions(r));
+  auto job = std::make_unique<AttendJob>();
+  job->total_q = static_cast<int32_t>(r.q().shape(0));
+  job->return_lse = r.return_lse();
+  BatchKey& key = job->key;
+  key.wire_dtype = shape.dtype;
+  key.num_heads = static_cast<int32_t>(r.q().shape(1));
+  key.num_kv_heads = shape.num_kv_heads;
+  key.head_dim = shape.head_dim;
+  key.causal = true;
+  if (r.has_window()) {
+    key.window_left = r.window().left();
+    key.window_right = r.window().right();
+  }
+  kernels::AttentionArgs scale_args;
+  scale_args.head_dim = key.head_dim;
+  scale_args.softmax_scale = r.softmax_scale();
+  key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
+  key.page_tokens = shape.page_tokens;
+  key.decode = job->total_q == 1;
+  const int64_t lse_bytes = job->return_lse ? int64_t{4} * key.num_heads * job->total_q : 0;
+  constexpr int64_t kResponseOverhead = 1024;
+  const int64_t response_bytes =
+      static_cast<int64_t>(r.q().data().size()) + lse_bytes + kResponseOverhead;
+  if (limits.max_response_bytes > 0 && response_bytes > limits.max_response_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the response (o", job->return_lse ? " and lse" : "", ") would be about ",
+        response_bytes, " bytes, over the ", limits.max_response_bytes,
+        "-byte message limit (attnd's --max_message_bytes); send fewer new tokens per step"));
+  }
+  job->bytes = static_cast<int64_t>(2 * r.q().data().size() + r.k_new().data().size() +
+                                    r.v_new().data().size()) + lse_bytes;
+  auto work = std::make_shared<StepWork>();
+  work->session = std::move(session);
+  work->layer = r.layer();
+  work->request = &r;
+  work->response = response;
+  work->new_tokens = job->total_q;
+  job->step = std::move(work);
+  PrepareStepResponse(*job);
+  return job;
+}
+
+}  // namespace attn

@@ -1,0 +1,28 @@
+// Validation of session requests against their session (Step, BatchStep items) and of
+// CreateSession's enum: every check happens here, before any work, with a message naming the
+// field.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "attn/v1/attention.pb.h"
+#include "engine/attend_job.h"
+#include "rpc/attend_validation.h"
+#include "sessions/session.h"
+
+namespace attn {
+
+// Checks request against session (layer range, tensors, dtype and shapes matching the
+// session, heads a multiple of its KV heads, scale, window, response size) and makes its job:
+// key, sizes, the StepWork (sharing session), and the response sized for the output.
+// INVALID_ARGUMENT or RESOURCE_EXHAUSTED name the bad field.
+absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepRequest& request,
+                                                               std::shared_ptr<Session> session,
+                                                               const RequestLimits& limits,
+                                                               v1::StepResponse* response);
+
+// The 16-bit cache dtype CreateSession asks for, or INVALID_ARGUMENT naming `dtype`.
+absl::StatusOr<kernels::DType> SessionDType(v1::DType dtype);
+
+}  // namespace attn

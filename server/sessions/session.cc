@@ -1,0 +1,192 @@
+#include "sessions/session.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attn {
+
+Session::Session(std::string id, std::string owner, SessionShape shape, KvPagePool* pool)
+    : id_(std::move(id)),
+      owner_(std::move(owner)),
+      shape_(shape),
+      pool_(pool),
+      layers_(shape.num_layers),
+      last_used_(Clock::now()) {}
+
+Session::~Session() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Layer& layer : layers_) ReleaseLayerPagesLocked(layer);
+}
+
+std::unique_ptr<Session> Session::Fork(std::string id) const {
+  auto fork = std::make_unique<Session>(std::move(id), owner_, shape_, pool_);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    fork->layers_[l].pages = layers_[l].pages;
+    fork->layers_[l].tokens = layers_[l].tokens;
+    pool_->Ref(layers_[l].pages);
+  }
+  return fork;
+}
+
+bool Session::AcquireLayer(int32_t layer, std::function<void()> start) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& l = layers_[layer];
+  if (!l.busy) {
+    l.busy = true;
+    return true;
+  }
+  l.waiting.push_back(std::move(start));
+  return false;
+}
+
+void Session::ReleaseLayer(int32_t layer) {
+  std::function<void()> next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Layer& l = layers_[layer];
+    if (!l.waiting.empty()) {
+      next = std::move(l.waiting.front());
+      l.waiting.pop_front();
+    } else {
+      l.busy = false;
+      if (closed_) ReleaseLayerPagesLocked(l);
+    }
+  }
+  if (next) next();  // it holds the layer now
+}
+
+absl::StatusOr<PendingAppend> Session::BeginAppend(int32_t layer, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return absl::NotFoundError(absl::StrCat("session ", id_, " was closed before this step ran"));
+  }
+  const Layer& l = layers_[layer];
+  PendingAppend p;
+  p.layer = layer;
+  p.old_tokens = l.tokens;
+  p.new_tokens = l.tokens + n;
+  if (p.new_tokens > shape_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", id_, " layer ", layer, " holds ", l.tokens, " tokens; ", n,
+        " more would make ", p.new_tokens, ", over the session's limit of ", shape_.max_tokens,
+        " tokens per layer (CreateSession max_tokens, at most the server's "
+        "--max_session_tokens); truncate or close the session"));
+  }
+  const int64_t t = shape_.page_tokens;
+  const int64_t in_last = l.tokens % t;  // rows used in a partial last page
+  const bool copy_last = n > 0 && in_last != 0 && pool_->RefCount(l.pages.back()) > 1;
+  const int64_t pages_after = (p.new_tokens + t - 1) / t;
+  const int64_t fresh = pages_after - static_cast<int64_t>(l.pages.size());
+  if (absl::Status st = pool_->Allocate(fresh + (copy_last ? 1 : 0), &p.taken); !st.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(st.message(), " (session ", id_, ", layer ", layer, ")"));
+  }
+  p.table = l.pages;
+  size_t next_taken = 0;
+  if (copy_last) {
+    const int32_t shared = l.pages.back(), copy = p.taken[next_taken++];
+    for (int64_t r = 0; r < in_last; ++r) p.copies.push_back({shared * t + r, copy * t + r});
+    p.table.back() = copy;
+    p.replaced = shared;
+  }
+  while (next_taken < p.taken.size()) p.table.push_back(p.taken[next_taken++]);
+  p.append_rows.reserve(n);
+  for (int64_t pos = p.old_tokens; pos < p.new_tokens; ++pos) {
+    p.append_rows.push_back(int64_t{p.table[pos / t]} * t + pos % t);
+  }
+  return p;
+}
+
+void Session::CommitAppend(PendingAppend p) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Layer& l = layers_[p.layer];
+    l.pages = std::move(p.table);
+    l.tokens = p.new_tokens;
+  }
+  if (p.replaced) pool_->Unref({&*p.replaced, 1});  // the shared page stays with its sharers
+}
+
+void Session::AbortAppend(PendingAppend p) { pool_->Unref(p.taken); }
+
+absl::StatusOr<Session::TruncateResult> Session::Truncate(int64_t tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return absl::NotFoundError(absl::StrCat("session ", id_, " was closed"));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].busy) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", id_, " layer ", i, " has a step in progress; truncate once it is done"));
+    }
+    if (layers_[i].tokens < tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tokens (", tokens, ") is more than layer ", i, " of session ", id_, " holds (",
+          layers_[i].tokens, "); nothing was truncated"));
+    }
+  }
+  TruncateResult r;
+  const int64_t t = shape_.page_tokens;
+  for (Layer& l : layers_) {
+    l.tokens -= tokens;
+    const size_t keep = static_cast<size_t>((l.tokens + t - 1) / t);
+    r.freed_pages += pool_->Unref({l.pages.data() + keep, l.pages.size() - keep});
+    l.pages.resize(keep);
+    r.cached_tokens.push_back(l.tokens);
+  }
+  return r;
+}
+
+int64_t Session::ReleaseLayerPagesLocked(Layer& l) {
+  const int64_t freed = pool_->Unref(l.pages);
+  l.pages.clear();
+  l.tokens = 0;
+  return freed;
+}
+
+int64_t Session::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  int64_t freed = 0;
+  for (Layer& l : layers_) {
+    if (!l.busy) freed += ReleaseLayerPagesLocked(l);
+  }
+  return freed;
+}
+
+bool Session::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
+
+int64_t Session::CachedTokens(int32_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layers_[layer].tokens;
+}
+
+int64_t Session::PagesHeld() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const Layer& l : layers_) n += static_cast<int64_t>(l.pages.size());
+  return n;
+}
+
+void Session::Touch(Clock::time_point now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_used_ = now;
+}
+
+Session::Clock::time_point Session::last_used() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_used_;
+}
+
+bool Session::Busy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Layer& l : layers_) {
+    if (l.busy || !l.waiting.empty()) return true;
+  }
+  return false;
+}
+
+}  // namespace attn

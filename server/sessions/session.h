@@ -1,0 +1,132 @@
+// One KV-cache session: its shape, owner and, per layer, a page table over the KV page pool
+// (pages in token order, the last one possibly partial) and the count of tokens cached.
+//
+// Ownership: the session owns one reference on every page of its tables (KvPagePool); a fork
+// takes its own references on the pages it shares. A step in progress owns the pages it took
+// (PendingAppend) until CommitAppend moves them into the table or AbortAppend gives them back.
+// The SessionManager owns the Session (shared with the steps in flight, which hold a
+// shared_ptr); closing releases the pages of every layer with no step running, and a running
+// step's layer releases its pages when that step ends.
+//
+// Ordering: the steps of one layer run one at a time, in the order AcquireLayer was called
+// (a FIFO per (session, layer)); a step begins (BeginAppend) only once it holds the layer.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attn/kernels/attention.h"
+#include "sessions/kv_page_pool.h"
+
+namespace attn {
+
+struct SessionShape {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  kernels::DType dtype = kernels::DType::kBFloat16;
+  int64_t max_tokens = 0;   // per layer
+  int32_t page_tokens = 0;  // token rows per page (page_bytes / row bytes)
+  // Bytes of one token's keys (or values) in one layer.
+  int64_t RowBytes() const { return int64_t{num_kv_heads} * head_dim * kernels::DTypeSize(dtype); }
+};
+
+// Rows of the page pool, as page * page_tokens + offset.
+struct RowCopy {
+  int64_t src_row = 0;
+  int64_t dst_row = 0;
+};
+
+// A step's append between BeginAppend and CommitAppend/AbortAppend.
+struct PendingAppend {
+  int32_t layer = 0;
+  int64_t old_tokens = 0;
+  int64_t new_tokens = 0;            // cached after the step
+  std::vector<int32_t> table;        // the layer's page table with the step's tokens
+  std::vector<int32_t> taken;        // pages taken from the pool for this step (owned)
+  std::optional<int32_t> replaced;   // a shared page the copy-on-write replaces in the table
+  std::vector<RowCopy> copies;       // copy-on-write: rows of the shared page into its copy
+  // Pool row of each new token, in order.
+  std::vector<int64_t> append_rows;
+};
+
+class Session {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Session(std::string id, std::string owner, SessionShape shape, KvPagePool* pool);
+  ~Session();  // gives back every page still held
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const std::string& id() const { return id_; }
+  const std::string& owner() const { return owner_; }
+  const SessionShape& shape() const { return shape_; }
+
+  // A new session with this one's shape and owner that shares its pages as they are now.
+  std::unique_ptr<Session> Fork(std::string id) const;
+
+  // The per-layer FIFO. True: no step of the layer is in progress and the caller's step holds
+  // the layer now. False: `start` runs (on the thread that ends the previous step) once every
+  // earlier step of the layer has ended; it then holds the layer.
+  bool AcquireLayer(int32_t layer, std::function<void()> start);
+  // Ends the caller's hold on the layer and starts the next waiting step, if any. Call with no
+  // lock of the caller's held.
+  void ReleaseLayer(int32_t layer);
+
+  // Takes the pages a step of new_tokens needs (a copy for a shared partial last page, then new
+  // pages), all or nothing. NOT_FOUND once the session is closed; RESOURCE_EXHAUSTED over the
+  // session's token limit or when the pool is short of pages. The caller holds the layer.
+  absl::StatusOr<PendingAppend> BeginAppend(int32_t layer, int64_t new_tokens);
+  void CommitAppend(PendingAppend pending);
+  void AbortAppend(PendingAppend pending);
+
+  // Drops the last `tokens` of every layer; INVALID_ARGUMENT (changing nothing) when a layer
+  // holds fewer, FAILED_PRECONDITION while a layer has a step in progress.
+  struct TruncateResult {
+    std::vector<int64_t> cached_tokens;
+    int64_t freed_pages = 0;
+  };
+  absl::StatusOr<TruncateResult> Truncate(int64_t tokens);
+
+  // Marks the session closed and gives back the pages of the layers with no step in progress
+  // (the others when their step ends). Returns the pages that became free now.
+  int64_t Close();
+  bool closed() const;
+
+  int64_t CachedTokens(int32_t layer) const;
+  int64_t PagesHeld() const;  // references held by the tables
+  void Touch(Clock::time_point now);
+  Clock::time_point last_used() const;
+  // True when some layer has a step in progress or waiting.
+  bool Busy() const;
+
+ private:
+  struct Layer {
+    std::vector<int32_t> pages;
+    int64_t tokens = 0;
+    bool busy = false;
+    std::deque<std::function<void()>> waiting;
+  };
+  int64_t ReleaseLayerPagesLocked(Layer& layer);
+
+  const std::string id_;
+  const std::string owner_;
+  const SessionShape shape_;
+  KvPagePool* const pool_;
+  mutable std::mutex mu_;
+  std::vector<Layer> layers_;
+  bool closed_ = false;
+  Clock::time_point last_used_;
+};
+
+}  // namespace attn

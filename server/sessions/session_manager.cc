@@ -1,0 +1,289 @@
+#include "sessions/session_manager.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "observability/metrics.h"
+
+namespace attn {
+namespace {
+
+constexpr int32_t kMaxLayers = 1024;
+
+bool ValidReplicaId(const std::string& id) {
+  if (id.empty() || id.size() > 64) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '_' || c == '-';
+  });
+}
+
+int64_t Seconds(std::chrono::milliseconds d) {
+  return std::chrono::duration_cast<std::chrono::seconds>(d).count();
+}
+
+}  // namespace
+
+std::string ReplicaOfSessionId(const std::string& id) {
+  const size_t dot = id.find('.');
+  return dot == std::string::npos ? std::string() : id.substr(0, dot);
+}
+
+absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const Options& options,
+                                                                       KvPagePool* pool,
+                                                                       Metrics* metrics) {
+  if (!ValidReplicaId(options.replica_id)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--replica_id must be 1 to 64 of [A-Za-z0-9_-], got '", options.replica_id, "'"));
+  }
+  if (options.max_sessions < 1) return absl::InvalidArgumentError("--max_sessions must be >= 1");
+  if (options.max_session_tokens < 1) {
+    return absl::InvalidArgumentError("--max_session_tokens must be >= 1");
+  }
+  if (options.ttl.count() < 1) return absl::InvalidArgumentError("--session_ttl_s must be > 0");
+  if (pool == nullptr) return absl::InvalidArgumentError("KV page pool is null");
+  return std::unique_ptr<SessionManager>(new SessionManager(options, pool, metrics));
+}
+
+SessionManager::SessionManager(const Options& options, KvPagePool* pool, Metrics* metrics)
+    : options_(options), pool_(pool), metrics_(metrics), rng_(std::random_device{}()) {
+  UpdateMetrics();
+  expiry_ = std::thread([this] { ExpiryLoop(); });
+}
+
+SessionManager::~SessionManager() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  expiry_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, s] : sessions_) s->Close();
+  sessions_.clear();
+}
+
+int32_t SessionManager::PageTokensFor(int64_t row_bytes) const {
+  if (row_bytes < 1 || pool_->page_bytes() % row_bytes != 0) return 0;
+  return static_cast<int32_t>(pool_->page_bytes() / row_bytes);
+}
+
+absl::Status SessionManager::CheckCreateParams(const CreateParams& p) const {
+  auto invalid = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (p.num_layers < 1 || p.num_layers > kMaxLayers) {
+    return invalid("num_layers must be in [1, ", kMaxLayers, "], got ", p.num_layers);
+  }
+  if (p.num_kv_heads < 1) return invalid("num_kv_heads must be >= 1, got ", p.num_kv_heads);
+  const auto& dims = options_.head_dims;
+  if (std::find(dims.begin(), dims.end(), p.head_dim) == dims.end()) {
+    return invalid("head_dim ", p.head_dim, " is not supported; supported: ",
+                   absl::StrJoin(dims, ", "));
+  }
+  if (p.max_tokens < 0 || p.max_tokens > options_.max_session_tokens) {
+    return invalid("max_tokens must be in [0, ", options_.max_session_tokens,
+                   "] (0: the server's limit, --max_session_tokens), got ", p.max_tokens);
+  }
+  const int64_t row = int64_t{p.num_kv_heads} * p.head_dim * kernels::DTypeSize(p.dtype);
+  if (PageTokensFor(row) == 0) {
+    return invalid("num_kv_heads (", p.num_kv_heads, ") x head_dim (", p.head_dim,
+                   ") x 2 bytes = ", row, " bytes per token must divide the KV page of ",
+                   pool_->page_bytes(), " bytes (--kv_page_tokens x 2048); use a power-of-two ",
+                   "num_kv_heads and head_dim, or start attnd with another --kv_page_tokens");
+  }
+  return absl::OkStatus();
+}
+
+std::string SessionManager::NewIdLocked() {
+  for (;;) {
+    std::string id = absl::StrFormat("%s.%016x%016x", options_.replica_id, rng_(), rng_());
+    if (!sessions_.count(id) && !gone_.count(id)) return id;
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(const CreateParams& p,
+                                                                       const std::string& owner) {
+  if (absl::Status st = CheckCreateParams(p); !st.ok()) return st;
+  SessionShape shape;
+  shape.num_layers = p.num_layers;
+  shape.num_kv_heads = p.num_kv_heads;
+  shape.head_dim = p.head_dim;
+  shape.dtype = p.dtype;
+  shape.max_tokens = p.max_tokens > 0 ? p.max_tokens : options_.max_session_tokens;
+  shape.page_tokens = PageTokensFor(shape.RowBytes());
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this replica (", options_.replica_id, ") has ", sessions_.size(),
+          " open sessions, its limit (--max_sessions ", options_.max_sessions,
+          "); close sessions or use another replica"));
+    }
+    s = std::make_shared<Session>(NewIdLocked(), owner, shape, pool_);
+    sessions_.emplace(s->id(), s);
+  }
+  UpdateMetrics();
+  return s;
+}
+
+void SessionManager::RememberLocked(const std::string& id, const char* how) {
+  if (options_.remembered_ids == 0) return;
+  if (gone_.emplace(id, how).second) gone_order_.push_back(id);
+  while (gone_order_.size() > options_.remembered_ids) {
+    gone_.erase(gone_order_.front());
+    gone_order_.pop_front();
+  }
+}
+
+absl::Status SessionManager::NotOpen(const std::string& id) const {
+  const std::string replica = ReplicaOfSessionId(id);
+  if (!replica.empty() && replica != options_.replica_id) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", id, " belongs to replica ", replica, ", but this is replica ",
+        options_.replica_id, "; send the session's calls to replica ", replica));
+  }
+  if (auto it = gone_.find(id); it != gone_.end()) {
+    if (std::string(it->second) == "expired") {
+      return absl::NotFoundError(absl::StrCat("session ", id, " expired: it was idle for more ",
+                                              "than the TTL of ", Seconds(options_.ttl),
+                                              " s (--session_ttl_s); create a new one"));
+    }
+    return absl::NotFoundError(absl::StrCat("session ", id, " was closed"));
+  }
+  return absl::NotFoundError(absl::StrCat("no session ", id.empty() ? "''" : id,
+                                          " on replica ", options_.replica_id));
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Find(const std::string& id,
+                                                              const std::string& owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  // Another identity's session reads as unknown: its existence is not disclosed.
+  if (it == sessions_.end() || it->second->owner() != owner) {
+    if (it != sessions_.end()) {
+      return absl::NotFoundError(absl::StrCat("no session ", id, " on replica ",
+                                              options_.replica_id));
+    }
+    return NotOpen(id);
+  }
+  it->second->Touch(Clock::now());
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(const std::string& id,
+                                                              const std::string& owner) {
+  auto parent = Find(id, owner);
+  if (!parent.ok()) return parent.status();
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this replica (", options_.replica_id, ") has ", sessions_.size(),
+          " open sessions, its limit (--max_sessions ", options_.max_sessions,
+          "); close sessions before forking"));
+    }
+    s = (*parent)->Fork(NewIdLocked());
+    sessions_.emplace(s->id(), s);
+  }
+  UpdateMetrics();
+  return s;
+}
+
+absl::StatusOr<int64_t> SessionManager::Close(const std::string& id, const std::string& owner) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || it->second->owner() != owner) {
+      if (it != sessions_.end()) {
+        return absl::NotFoundError(absl::StrCat("no session ", id, " on replica ",
+                                                options_.replica_id));
+      }
+      return NotOpen(id);
+    }
+    s = std::move(it->second);
+    sessions_.erase(it);
+    RememberLocked(id, "closed");
+  }
+  const int64_t freed = s->Close();
+  UpdateMetrics();
+  return freed;
+}
+
+absl::StatusOr<Session::TruncateResult> SessionManager::Truncate(const std::string& id,
+                                                                 const std::string& owner,
+                                                                 int64_t tokens) {
+  if (tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens must be >= 0, got ", tokens));
+  }
+  auto s = Find(id, owner);
+  if (!s.ok()) return s.status();
+  auto r = (*s)->Truncate(tokens);
+  UpdateMetrics();
+  return r;
+}
+
+int64_t SessionManager::ExpireIdle(Clock::time_point now) {
+  std::vector<std::shared_ptr<Session>> expired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      const std::shared_ptr<Session>& s = it->second;
+      if (now - s->last_used() > options_.ttl && !s->Busy()) {
+        RememberLocked(it->first, "expired");
+        expired.push_back(std::move(it->second));
+        it = sessions_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& s : expired) s->Close();
+  if (metrics_ && !expired.empty()) {
+    metrics_->AddSessionEvictions("ttl", static_cast<int64_t>(expired.size()));
+  }
+  if (!expired.empty()) UpdateMetrics();
+  return static_cast<int64_t>(expired.size());
+}
+
+void SessionManager::ExpiryLoop() {
+  auto interval = options_.sweep_interval;
+  if (interval.count() <= 0) {
+    interval = std::clamp(options_.ttl / 4, std::chrono::milliseconds(1),
+                          std::chrono::milliseconds(1000));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!cv_.wait_for(lock, interval, [&] { return stop_; })) {
+    lock.unlock();
+    ExpireIdle(Clock::now());
+    UpdateMetrics();  // pages given back by steps that ended after a close
+    lock.lock();
+  }
+}
+
+int64_t SessionManager::OpenSessions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(sessions_.size());
+}
+
+void SessionManager::UpdateMetricsSometimes() {
+  const Clock::rep now = Clock::now().time_since_epoch().count();
+  Clock::rep last = metrics_updated_.load();
+  const Clock::rep every =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(50)).count();
+  if (now - last < every || !metrics_updated_.compare_exchange_strong(last, now)) return;
+  UpdateMetrics();
+}
+
+void SessionManager::UpdateMetrics() {
+  if (!metrics_) return;
+  const int64_t free = pool_->FreePages();
+  metrics_->SetSessions(OpenSessions());
+  metrics_->SetKvCachePages(pool_->num_pages() - free, free);
+}
+
+}  // namespace attn

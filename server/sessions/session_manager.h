@@ -1,0 +1,118 @@
+// The sessions of one attnd: creation (with the limits), lookup by id for the other session RPCs
+// (replica, owner, closed or expired ids), fork, truncate, close, and expiry of idle sessions by
+// a thread of its own. Session ids are "<replica_id>.<32 random hex digits>".
+//
+// Ownership: the manager owns the open sessions (the steps in flight share them); the page pool
+// and metrics are borrowed and must outlive it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "sessions/kv_page_pool.h"
+#include "sessions/session.h"
+
+namespace attn {
+
+class Metrics;
+
+// A page holds --kv_page_tokens tokens of this many bytes of keys (8 KV heads x head_dim 128 x
+// 2 bytes) and as many of values; sessions with another KV row get page_bytes / row tokens per
+// page (CreateSessionResponse.page_tokens).
+constexpr int64_t kReferenceKvRowBytes = 2048;
+
+class SessionManager {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct Options {
+    std::string replica_id;            // [A-Za-z0-9_-]{1,64}
+    int64_t max_sessions = 1024;
+    int64_t max_session_tokens = 1 << 20;  // per layer
+    std::chrono::milliseconds ttl = std::chrono::minutes(10);
+    // How often idle sessions are looked for; 0: ttl / 4, at most 1 s.
+    std::chrono::milliseconds sweep_interval{0};
+    // Ids of closed and expired sessions remembered, so that NOT_FOUND can say which.
+    size_t remembered_ids = 4096;
+    std::vector<int32_t> head_dims;  // accepted head dims
+  };
+  struct CreateParams {
+    int32_t num_layers = 0;
+    int32_t num_kv_heads = 0;
+    int32_t head_dim = 0;
+    kernels::DType dtype = kernels::DType::kBFloat16;
+    int64_t max_tokens = 0;  // 0: the server's limit
+  };
+
+  static absl::StatusOr<std::unique_ptr<SessionManager>> Create(const Options& options,
+                                                                KvPagePool* pool,
+                                                                Metrics* metrics);
+  ~SessionManager();  // stops the expiry thread; open sessions are closed
+
+  // A new session of owner; INVALID_ARGUMENT for a parameter out of range (naming it),
+  // RESOURCE_EXHAUSTED at --max_sessions.
+  absl::StatusOr<std::shared_ptr<Session>> CreateSession(const CreateParams& params,
+                                                         const std::string& owner);
+  // The open session id of owner (owner "" matches any when tokens are off): NOT_FOUND for an
+  // unknown, closed or expired id (saying which) or one of another owner, FAILED_PRECONDITION
+  // for an id of another replica. Resets the session's idle clock.
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, const std::string& owner);
+  absl::StatusOr<std::shared_ptr<Session>> Fork(const std::string& id, const std::string& owner);
+  // Returns the pages freed.
+  absl::StatusOr<int64_t> Close(const std::string& id, const std::string& owner);
+  absl::StatusOr<Session::TruncateResult> Truncate(const std::string& id,
+                                                   const std::string& owner, int64_t tokens);
+
+  // Closes the sessions idle for longer than the TTL (none with a step in progress) as of now;
+  // returns how many. The expiry thread calls it; tests may too.
+  int64_t ExpireIdle(Clock::time_point now);
+
+  int64_t OpenSessions() const;
+  const Options& options() const { return options_; }
+  KvPagePool& pool() const { return *pool_; }
+  // Tokens per page for sessions of this row size (keys of one token of one layer), or 0 when
+  // the row does not divide a page.
+  int32_t PageTokensFor(int64_t row_bytes) const;
+  // Sets the session and page gauges from the current state.
+  void UpdateMetrics();
+  // The same at most every 50 ms (steps call it as they end; the expiry thread every sweep).
+  void UpdateMetricsSometimes();
+
+ private:
+  SessionManager(const Options& options, KvPagePool* pool, Metrics* metrics);
+  std::string NewIdLocked();
+  absl::Status CheckCreateParams(const CreateParams& p) const;
+  absl::Status NotOpen(const std::string& id) const;  // mu_ held
+  void RememberLocked(const std::string& id, const char* how);
+  void ExpiryLoop();
+
+  const Options options_;
+  KvPagePool* const pool_;
+  Metrics* const metrics_;
+
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+  std::unordered_map<std::string, const char*> gone_;  // id -> "closed" / "expired"
+  std::deque<std::string> gone_order_;
+  std::mt19937_64 rng_;
+  std::atomic<Clock::rep> metrics_updated_{0};
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread expiry_;
+};
+
+// "<replica>" of a "<replica>.<rest>" id, or "" when id has no '.'.
+std::string ReplicaOfSessionId(const std::string& id);
+
+}  // namespace attn

@@ -1,0 +1,605 @@
+// GPU decode (split-KV) and paged K/V vs the float64 reference and the CPU backend.
+//
+// Every case draws fresh random inputs (the seed is printed with any failure). Paged cases scatter
+// each sequence's keys over a shuffled, non-contiguous page pool with spare pages; every pool row
+// that holds no key (spare pages, the tail of partial last pages) is NaN, so a read of a row the
+// page table does not cover shows up in O. The CPU backend and the reference see the same keys
+// gathered into contiguous K/V. Outputs, LSE and the split-KV workspace are poisoned (NaN) before
+// each run and every O/LSE element must come back written.
+// Tolerances as in gpu_attention_test.cc: O relative L2 vs float64 <= 1e-2 (bf16), 2e-3 (fp16);
+// LSE max abs <= 1e-2; -inf LSE (rows that see no key, empty caches) must match exactly.
+// Skips (GTEST_SKIP) without a CUDA device, and per case for head dims not compiled into this
+// build (ATTN_HEAD_DIMS).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attn/kernels/attention.h"
+#include "attn/kernels/cpu_attention.h"
+#include "attn/kernels/cuda_attention.h"
+#include "common/reference.h"
+
+namespace {
+
+using attn::kernels::AttentionArgs;
+using attn::kernels::DType;
+using attn::testing::HostTensor;
+
+bool HaveGpu(std::string* why) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    *why = std::string("no CUDA device: cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
+    return false;
+  }
+  if (n == 0) {
+    *why = "no CUDA device: cudaGetDeviceCount returned 0";
+    return false;
+  }
+  return true;
+}
+
+#define SKIP_WITHOUT_GPU()                   \
+  do {                                       \
+    std::string why;                         \
+    if (!HaveGpu(&why)) GTEST_SKIP() << why; \
+  } while (0)
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) {
+    if (cudaMalloc(&ptr, bytes == 0 ? 1 : bytes) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+bool HeadDimCompiled(int d) {
+  int n = 0;
+  const int* dims = attn::kernels::cuda::CompiledHeadDims(&n);
+  return std::find(dims, dims + n, d) != dims + n;
+}
+
+struct Case {
+  DType dtype = DType::kBFloat16;
+  int head_dim = 128;
+  int num_heads = 8;
+  int num_kv_heads = 2;
+  std::vector<int32_t> len_q;
+  std::vector<int32_t> len_k;  // keys (cache length) per sequence; may be 0 when paged
+  bool causal = false;
+  int window_left = -1;
+  int window_right = -1;
+  int page_size = 0;      // 0: contiguous K/V
+  int spare_pages = 3;    // pool pages no sequence uses (NaN)
+  bool share_prefix = false;  // sequence 1 shares sequence 0's leading full pages (paged)
+  bool with_lse = true;
+  int expect_decode = -1;  // 1/0: UsesDecodeKernel must say so; -1: not checked
+  uint64_t seed = 1;
+};
+
+std::string Describe(const Case& c) {
+  std::string s = std::string(attn::kernels::DTypeName(c.dtype)) + " d=" + std::to_string(c.head_dim) +
+                  " H=" + std::to_string(c.num_heads) + " Hkv=" + std::to_string(c.num_kv_heads) +
+                  (c.causal ? " causal" : "") + " win=(" + std::to_string(c.window_left) + "," +
+                  std::to_string(c.window_right) + ") page=" + std::to_string(c.page_size) +
+                  (c.share_prefix ? " shared-prefix" : "") + " seed=" + std::to_string(c.seed) +
+                  " lq=[";
+  for (int l : c.len_q) s += std::to_string(l) + ",";
+  s += "] lk=[";
+  for (int l : c.len_k) s += std::to_string(l) + ",";
+  return s + "]";
+}
+
+HostTensor RunOnCpu(AttentionArgs a, const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                    const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k) {
+  HostTensor o = HostTensor::Filled(a.dtype, q.elements, std::numeric_limits<float>::quiet_NaN());
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.o = o.data();
+  a.lse = nullptr;
+  a.cu_seqlens_q = cu_q.data();
+  a.cu_seqlens_k = cu_k.data();
+  a.total_k = cu_k.back();
+  a.paged = {};
+  static auto pool = attn::kernels::cpu::CpuThreadPool::Create(0);
+  std::vector<char> ws(attn::kernels::cpu::WorkspaceBytes(a, pool->NumWorkers()) + 64);
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) & ~63ull);
+  const attn::kernels::Status st = attn::kernels::cpu::Run(a, aligned, pool.get());
+  EXPECT_TRUE(st.ok()) << st.message();
+  return o;
+}
+
+double Distance(const HostTensor& x, const HostTensor& y) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < x.elements; ++i) {
+    const double a = x.At(i), b = y.At(i);
+    if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+uint64_t NextSeed() {
+  static uint64_t seed = 5000;
+  return ++seed;
+}
+
+void RunAndCheck(Case c) {
+  if (!HeadDimCompiled(c.head_dim)) {
+    GTEST_SKIP() << "head dim " << c.head_dim
+                 << " is not compiled into this build (ATTN_HEAD_DIMS); skipped that case";
+  }
+  c.seed ^= std::random_device{}();
+  SCOPED_TRACE(Describe(c));
+  ASSERT_EQ(c.len_q.size(), c.len_k.size());
+  const int batch = static_cast<int>(c.len_q.size());
+  const int D = c.head_dim, Hkv = c.num_kv_heads;
+  const size_t es = attn::kernels::DTypeSize(c.dtype);
+  const int64_t row_elems = int64_t(Hkv) * D;
+  std::mt19937_64 rng(c.seed * 0x9E3779B97F4A7C15ull + 777);
+
+  std::vector<int32_t> cu_q = attn::testing::CuSeqlens(c.len_q);
+  std::vector<int32_t> cu_k = attn::testing::CuSeqlens(c.len_k);
+  AttentionArgs a;
+  a.dtype = c.dtype;
+  a.batch = batch;
+  a.total_q = cu_q.back();
+  a.total_k = cu_k.back();
+  for (int l : c.len_q) a.max_seqlen_q = std::max(a.max_seqlen_q, l);
+  for (int l : c.len_k) a.max_seqlen_k = std::max(a.max_seqlen_k, l);
+  a.max_seqlen_k = std::max(a.max_seqlen_k, 1);
+  a.num_heads = c.num_heads;
+  a.num_kv_heads = Hkv;
+  a.head_dim = D;
+  a.causal = c.causal;
+  a.window_left = c.window_left;
+  a.window_right = c.window_right;
+
+  const int64_t nq = int64_t(a.total_q) * a.num_heads * D;
+  const int64_t nk = std::max<int64_t>(1, int64_t(a.total_k) * row_elems);
+  HostTensor q = HostTensor::Random(c.dtype, nq, rng);
+  HostTensor k = HostTensor::Random(c.dtype, nk, rng);
+  HostTensor v = HostTensor::Random(c.dtype, nk, rng);
+
+  // Page table and pools (paged cases).
+  const int ps = c.page_size;
+  std::vector<int32_t> indptr{0}, indices;
+  HostTensor kpool, vpool;
+  int num_pages = 0;
+  if (ps > 0) {
+    for (int b = 0; b < batch; ++b) indptr.push_back(indptr.back() + (c.len_k[b] + ps - 1) / ps);
+    num_pages = indptr.back() + c.spare_pages;
+    std::vector<int32_t> perm(num_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    indices.assign(perm.begin(), perm.begin() + indptr.back());
+    if (c.share_prefix && batch >= 2) {
+      // Sequence 1's leading full pages are sequence 0's (a forked prefix): same page ids and,
+      // for the reference, the same keys and values.
+      const int shared = std::min(c.len_k[0], c.len_k[1]) / ps;
+      for (int i = 0; i < shared; ++i) indices[indptr[1] + i] = indices[indptr[0] + i];
+      const size_t bytes = size_t(shared) * ps * row_elems * es;
+      std::memcpy(k.bytes.data() + size_t(cu_k[1]) * row_elems * es, k.bytes.data() + size_t(cu_k[0]) * row_elems * es, bytes);
+      std::memcpy(v.bytes.data() + size_t(cu_k[1]) * row_elems * es, v.bytes.data() + size_t(cu_k[0]) * row_elems * es, bytes);
+    }
+    const int64_t pool_elems = int64_t(num_pages) * ps * row_elems;
+    kpool = HostTensor::Filled(c.dtype, pool_elems, std::numeric_limits<float>::quiet_NaN());
+    vpool = HostTensor::Filled(c.dtype, pool_elems, std::numeric_limits<float>::quiet_NaN());
+    for (int b = 0; b < batch; ++b) {
+      for (int j = 0; j < c.len_k[b]; ++j) {
+        const int64_t prow = int64_t(indices[indptr[b] + j / ps]) * ps + j % ps;
+        const int64_t src = int64_t(cu_k[b]) + j;
+        std::memcpy(kpool.bytes.data() + prow * row_elems * es, k.bytes.data() + src * row_elems * es, row_elems * es);
+        std::memcpy(vpool.bytes.data() + prow * row_elems * es, v.bytes.data() + src * row_elems * es, row_elems * es);
+      }
+    }
+    a.paged.page_size = ps;
+    a.paged.num_pages = num_pages;
+    a.paged.page_indptr = indptr.data();  // host copies first, for ValidatePageTable
+    a.paged.page_indices = indices.data();
+    a.paged.seqlens_k = c.len_k.data();
+    const attn::kernels::Status vs = attn::kernels::ValidatePageTable(a);
+    ASSERT_TRUE(vs.ok()) << vs.message();
+  } else {
+    ASSERT_GT(a.total_k, 0) << "contiguous cases need at least one key";
+  }
+
+  const HostTensor& kdev_src = ps > 0 ? kpool : k;
+  const HostTensor& vdev_src = ps > 0 ? vpool : v;
+  const size_t kv_bytes = size_t(kdev_src.elements) * es;
+  const size_t lse_bytes = sizeof(float) * size_t(a.num_heads) * a.total_q;
+  DeviceBuffer dq(nq * es), dk(kv_bytes), dv(kv_bytes), dout(nq * es), dlse(lse_bytes),
+      dcq(4 * cu_q.size()), dck(4 * cu_k.size()), dindptr(4 * indptr.size()),
+      dindices(4 * std::max<size_t>(1, indices.size())), dseq(4 * c.len_k.size());
+  ASSERT_TRUE(dq.ptr && dk.ptr && dv.ptr && dout.ptr && dlse.ptr && dcq.ptr && dck.ptr && dindptr.ptr &&
+              dindices.ptr && dseq.ptr);
+  ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), nq * es, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dk.ptr, kdev_src.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv.ptr, vdev_src.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dcq.ptr, cu_q.data(), 4 * cu_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dck.ptr, cu_k.data(), 4 * cu_k.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dindptr.ptr, indptr.data(), 4 * indptr.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  if (!indices.empty()) {
+    ASSERT_EQ(cudaMemcpy(dindices.ptr, indices.data(), 4 * indices.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ASSERT_EQ(cudaMemcpy(dseq.ptr, c.len_k.data(), 4 * c.len_k.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  // Poison: 0xFFFF is a NaN in fp16 and bf16, 0xFFFFFFFF a NaN in float32.
+  ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, nq * es), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dlse.ptr, 0xFF, lse_bytes), cudaSuccess);
+
+  a.q = dq.ptr;
+  a.k = dk.ptr;
+  a.v = dv.ptr;
+  a.o = dout.ptr;
+  a.lse = c.with_lse ? static_cast<float*>(dlse.ptr) : nullptr;
+  a.cu_seqlens_q = static_cast<const int32_t*>(dcq.ptr);
+  if (ps > 0) {
+    a.cu_seqlens_k = nullptr;  // not used when paged
+    a.total_k = 0;
+    a.paged.page_indptr = static_cast<const int32_t*>(dindptr.ptr);
+    a.paged.page_indices = static_cast<const int32_t*>(dindices.ptr);
+    a.paged.seqlens_k = static_cast<const int32_t*>(dseq.ptr);
+  } else {
+    a.cu_seqlens_k = static_cast<const int32_t*>(dck.ptr);
+  }
+
+  const attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
+  ASSERT_TRUE(st.ok()) << st.message();
+  if (c.expect_decode >= 0) {
+    EXPECT_EQ(attn::kernels::cuda::UsesDecodeKernel(a), c.expect_decode == 1);
+  }
+  const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);
+  DeviceBuffer dws(ws_bytes);
+  ASSERT_TRUE(dws.ptr);
+  ASSERT_EQ(cudaMemset(dws.ptr, 0xFF, ws_bytes == 0 ? 1 : ws_bytes), cudaSuccess);
+  const cudaError_t err = attn::kernels::cuda::Run(a, ws_bytes > 0 ? dws.ptr : nullptr, nullptr);
+  ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  HostTensor out = HostTensor::Filled(c.dtype, nq, 0.0f);
+  ASSERT_EQ(cudaMemcpy(out.data(), dout.ptr, nq * es, cudaMemcpyDeviceToHost), cudaSuccess);
+  std::vector<float> lse(size_t(a.num_heads) * a.total_q);
+  ASSERT_EQ(cudaMemcpy(lse.data(), dlse.ptr, lse_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+
+  // Reference and CPU backend on the contiguous keys (cu_k); the reference needs >= 1 key row
+  // in its buffers only through cu_k, so empty caches are fine.
+  AttentionArgs shape = a;
+  shape.paged = {};
+  shape.total_k = cu_k.back();
+  const attn::testing::ReferenceResult ref =
+      attn::testing::ReferenceAttention(shape, q.ToDouble(), k.ToDouble(), v.ToDouble(), cu_q, cu_k);
+  const attn::testing::ErrorStats eo = attn::testing::CompareTo(ref.o, out);
+  const double tol = c.dtype == DType::kBFloat16 ? 1e-2 : 2e-3;
+  EXPECT_EQ(eo.non_finite, 0) << "unwritten or non-finite O elements";
+  EXPECT_LE(eo.rel_l2, tol) << "O rel L2 " << eo.rel_l2 << " max abs " << eo.max_abs;
+  if (shape.total_k > 0) {
+    EXPECT_LE(Distance(out, RunOnCpu(shape, q, k, v, cu_q, cu_k)), 2 * tol) << "GPU vs CPU backend";
+  }
+  if (c.with_lse) {
+    const attn::testing::ErrorStats el = attn::testing::CompareLse(ref.lse, lse);
+    EXPECT_EQ(el.non_finite, 0) << "unwritten, non-finite or wrongly -inf LSE elements";
+    EXPECT_LE(el.max_abs, 1e-2) << "LSE max abs " << el.max_abs;
+  } else {
+    for (float x : lse) ASSERT_TRUE(std::isnan(x)) << "LSE written although args.lse was nullptr";
+  }
+}
+
+const char* DName(DType t) { return t == DType::kFloat16 ? "fp16" : "bf16"; }
+std::string Layout(int page) { return page == 0 ? "contig" : "page" + std::to_string(page); }
+
+// ---- One query token per sequence: dtype x head dim x (MHA, GQA 4, MQA) x layout ----------------
+struct DecodeParam {
+  DType dtype;
+  int head_dim;
+  int group;  // query heads per KV head, 8 query heads: 1 MHA, 4 GQA, 8 MQA
+  int page;   // 0 contiguous
+};
+
+class GpuDecode : public ::testing::TestWithParam<DecodeParam> {};
+
+TEST_P(GpuDecode, OneTokenRaggedCaches) {
+  SKIP_WITHOUT_GPU();
+  const DecodeParam dp = GetParam();
+  Case c;
+  c.dtype = dp.dtype;
+  c.head_dim = dp.head_dim;
+  c.num_heads = 8;
+  c.num_kv_heads = 8 / dp.group;
+  c.page_size = dp.page;
+  // Caches of 1 token, around page sizes and tile sizes (16, 32), and long enough to split.
+  c.len_k = {1, 15, 16, 17, 31, 33, 64, 129, 1000, 3001};
+  c.len_q.assign(c.len_k.size(), 1);
+  c.expect_decode = 1;
+  c.seed = NextSeed();
+  RunAndCheck(c);
+  // One long sequence: the plan splits it over many CTAs.
+  c.len_k = {8191};
+  c.len_q = {1};
+  c.seed = NextSeed();
+  RunAndCheck(c);
+}
+
+std::vector<DecodeParam> AllDecode() {
+  std::vector<DecodeParam> v;
+  for (DType t : {DType::kFloat16, DType::kBFloat16})
+    for (int d : {32, 64, 96, 128, 256})
+      for (int g : {1, 4, 8})
+        for (int page : {0, 16, 32, 64, 128}) v.push_back({t, d, g, page});
+  return v;
+}
+
+std::string DecodeName(const ::testing::TestParamInfo<DecodeParam>& info) {
+  const DecodeParam& p = info.param;
+  return std::string(DName(p.dtype)) + "_d" + std::to_string(p.head_dim) +
+         (p.group == 1 ? "_mha" : p.group == 8 ? "_mqa" : "_gqa" + std::to_string(p.group)) + "_" +
+         Layout(p.page);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuDecode, ::testing::ValuesIn(AllDecode()), DecodeName);
+
+// ---- Multi-token decode steps (causal, bottom-right aligned), windows -------------------------
+struct StepParam {
+  int page;
+  int group;
+  bool causal;
+  int left;
+  int right;
+};
+
+class GpuDecodeSteps : public ::testing::TestWithParam<StepParam> {};
+
+TEST_P(GpuDecodeSteps, MultiTokenSteps) {
+  SKIP_WITHOUT_GPU();
+  const StepParam sp = GetParam();
+  for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+    for (int d : {64, 128}) {
+      Case c;
+      c.dtype = t;
+      c.head_dim = d;
+      c.num_heads = 4 * sp.group;
+      c.num_kv_heads = 4;
+      c.page_size = sp.page;
+      c.causal = sp.causal;
+      c.window_left = sp.left;
+      c.window_right = sp.right;
+      // s_q * group packs into 1..8 row blocks of 16; some sequences have fewer keys than
+      // queries (rows that see no key under causal).
+      c.len_q = {2, 16, 5, 16, 1, 9};
+      c.len_k = {40, 16, 3, 700, 2049, 257};
+      c.expect_decode = 1;
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
+  }
+}
+
+std::string StepName(const ::testing::TestParamInfo<StepParam>& info) {
+  const StepParam& p = info.param;
+  auto w = [](int x) { return x < 0 ? std::string("inf") : std::to_string(x); };
+  return Layout(p.page) + "_g" + std::to_string(p.group) + (p.causal ? "_causal" : "_full") + "_wl" +
+         w(p.left) + "_wr" + w(p.right);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, GpuDecodeSteps,
+    ::testing::Values(StepParam{0, 1, true, -1, -1}, StepParam{0, 4, true, -1, -1},
+                      StepParam{0, 8, true, -1, -1}, StepParam{16, 4, true, -1, -1},
+                      StepParam{64, 8, true, -1, -1}, StepParam{0, 4, false, -1, -1},
+                      StepParam{32, 2, false, -1, -1}, StepParam{0, 4, true, 100, -1},
+                      StepParam{16, 4, true, 31, -1}, StepParam{0, 4, false, 64, 3},
+                      StepParam{64, 1, false, 17, 0}, StepParam{128, 4, true, 0, -1}),
+    StepName);
+
+// ---- Lengths around tile and split boundaries, one sequence (most splits) --------------------
+TEST(GpuDecodeSplits, LengthsAroundSplitBoundaries) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16, 64}) {
+    for (int len : {127, 128, 129, 255, 256, 257, 511, 512, 513, 2047, 2048, 2049, 4096, 4097}) {
+      Case c;
+      c.head_dim = 128;
+      c.num_heads = 32;
+      c.num_kv_heads = 8;
+      c.page_size = page;
+      c.len_q = {1};
+      c.len_k = {len};
+      c.expect_decode = 1;
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
+  }
+}
+
+// ---- Empty caches, shared prefixes, non-power-of-two pages, no LSE ---------------------------
+TEST(GpuPagedDecode, EmptyCachesGiveZeroAndMinusInf) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+    for (int page : {16, 128}) {
+      Case c;
+      c.dtype = t;
+      c.page_size = page;
+      c.len_q = {1, 1, 1, 3};
+      c.len_k = {0, 5, 0, 0};
+      c.seed = NextSeed();
+      RunAndCheck(c);
+      c.len_q = {1};  // every cache empty: a valid paged batch
+      c.len_k = {0};
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
+  }
+}
+
+TEST(GpuPagedDecode, SharedPrefixPages) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {16, 64}) {
+    Case c;
+    c.page_size = page;
+    c.share_prefix = true;
+    c.len_q = {1, 4};
+    c.len_k = {900, 1300};
+    c.causal = true;
+    c.seed = NextSeed();
+    RunAndCheck(c);
+  }
+}
+
+TEST(GpuPagedDecode, PageSizeNotPowerOfTwo) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {1, 24, 48, 100}) {
+    Case c;
+    c.page_size = page;
+    c.len_q = {1, 2, 1};
+    c.len_k = {1, 333, 1025};
+    c.causal = true;
+    c.seed = NextSeed();
+    RunAndCheck(c);
+  }
+}
+
+TEST(GpuPagedDecode, NoLse) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 32}) {
+    Case c;
+    c.page_size = page;
+    c.with_lse = false;
+    c.len_q = {1, 1};
+    c.len_k = {4000, 17};
+    c.seed = NextSeed();
+    RunAndCheck(c);
+  }
+}
+
+// ---- Routing: stateless decode-shaped args go to the decode kernel on their own --------------
+TEST(GpuDecodeRouting, DecodeShapedStatelessArgsUseDecode) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.len_q = {1, 16, 3};
+  c.len_k = {1, 16, 3};  // s_q == s_k, the plain Attend shape
+  c.causal = true;
+  c.expect_decode = 1;
+  c.seed = NextSeed();
+  RunAndCheck(c);
+  c.len_q = {1, 17};  // one sequence over 16 queries: the forward kernel
+  c.len_k = {500, 17};
+  c.expect_decode = 0;
+  c.seed = NextSeed();
+  RunAndCheck(c);
+}
+
+// ---- Paged prefill (forward kernel through the page table): chunks over a cached prefix -------
+struct PrefillParam {
+  DType dtype;
+  int head_dim;
+  int page;
+};
+
+class GpuPagedPrefill : public ::testing::TestWithParam<PrefillParam> {};
+
+TEST_P(GpuPagedPrefill, ChunkOverCachedPrefix) {
+  SKIP_WITHOUT_GPU();
+  const PrefillParam pp = GetParam();
+  Case c;
+  c.dtype = pp.dtype;
+  c.head_dim = pp.head_dim;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.page_size = pp.page;
+  c.causal = true;
+  // Chunk of s_q new queries over s_k keys (the cached prefix plus the chunk itself).
+  c.len_q = {17, 130, 64, 200};
+  c.len_k = {17, 1000, 300, 1201};
+  c.expect_decode = 0;
+  c.seed = NextSeed();
+  RunAndCheck(c);
+  // Not causal, a sliding window, fewer keys than queries in one sequence.
+  c.causal = false;
+  c.window_left = 90;
+  c.window_right = 0;
+  c.len_q = {129, 40};
+  c.len_k = {700, 20};
+  c.seed = NextSeed();
+  RunAndCheck(c);
+}
+
+std::vector<PrefillParam> AllPrefill() {
+  std::vector<PrefillParam> v;
+  for (DType t : {DType::kFloat16, DType::kBFloat16})
+    for (int d : {32, 64, 96, 128, 256})
+      for (int page : {16, 32, 64, 128, 24}) v.push_back({t, d, page});
+  return v;
+}
+
+std::string PrefillName(const ::testing::TestParamInfo<PrefillParam>& info) {
+  const PrefillParam& p = info.param;
+  return std::string(DName(p.dtype)) + "_d" + std::to_string(p.head_dim) + "_" + Layout(p.page);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuPagedPrefill, ::testing::ValuesIn(AllPrefill()), PrefillName);
+
+TEST(GpuDecodeMisc, CanImplementPaged) {
+  AttentionArgs a;
+  int dummy = 0;
+  a.q = a.k = a.v = &dummy;
+  a.o = &dummy;
+  a.cu_seqlens_q = &dummy;
+  a.total_q = 1;
+  a.max_seqlen_q = 1;
+  a.max_seqlen_k = 64;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  int n = 0;
+  const int* dims = attn::kernels::cuda::CompiledHeadDims(&n);
+  ASSERT_GT(n, 0);
+  a.head_dim = dims[0];
+  a.paged.page_size = 16;
+  a.paged.num_pages = 8;
+  a.paged.page_indptr = a.paged.page_indices = a.paged.seqlens_k = &dummy;
+  EXPECT_TRUE(attn::kernels::cuda::CanImplement(a).ok()) << attn::kernels::cuda::CanImplement(a).message();
+  a.paged.num_pages = 1 << 28;  // 2^32 token rows: past the kernels' int32 row index
+  EXPECT_EQ(attn::kernels::cuda::CanImplement(a).code(), attn::kernels::StatusCode::kInvalidArgument);
+}
+
+// ---- Small shapes for compute-sanitizer (memcheck, racecheck): --gtest_filter=GpuDecodeSmoke.* --
+TEST(GpuDecodeSmoke, SmallShapes) {
+  SKIP_WITHOUT_GPU();
+  int n = 0;
+  const int* dims = attn::kernels::cuda::CompiledHeadDims(&n);
+  for (int i = 0; i < n; ++i) {
+    for (int page : {0, 16}) {
+      Case c;
+      c.dtype = i % 2 ? DType::kFloat16 : DType::kBFloat16;
+      c.head_dim = dims[i];
+      c.num_heads = 4;
+      c.num_kv_heads = 1;
+      c.page_size = page;
+      c.causal = true;
+      c.len_q = {1, 3, 1};
+      c.len_k = {1, 70, 600};  // the 600-key cache is split
+      c.seed = NextSeed();
+      RunAndCheck(c);
+      c.len_q = {40, 1};  // forward kernel (paged prefill when paged)
+      c.len_k = {90, 33};
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
+  }
+}
+
+}  // namespace

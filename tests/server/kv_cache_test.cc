@@ -1,0 +1,256 @@
+// The KV cache's bookkeeping without a server: the page pool, sessions' page tables, forks with
+// copy-on-write, truncation, expiry and the per-layer FIFO, under random operations and injected
+// faults (steps whose launch fails and must give back what they took). After any sequence, every
+// page is back on the free list once the sessions are gone, and while they live each page's
+// reference count equals the number of page tables that hold it.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <set>
+
+#include "sessions/kv_page_pool.h"
+#include "sessions/session_manager.h"
+
+namespace attn {
+namespace {
+
+std::unique_ptr<KvPagePool> Pool(int64_t pages, uint64_t seed = 0) {
+  return *KvPagePool::Create({pages, 2048, seed});
+}
+
+std::unique_ptr<SessionManager> Manager(KvPagePool* pool, int64_t max_sessions = 64) {
+  SessionManager::Options o;
+  o.replica_id = "unit";
+  o.max_sessions = max_sessions;
+  o.max_session_tokens = 4096;
+  o.ttl = std::chrono::hours(1);
+  o.head_dims = {32, 64};
+  return *SessionManager::Create(o, pool, nullptr);
+}
+
+SessionManager::CreateParams Params(int layers) {
+  SessionManager::CreateParams p;
+  p.num_layers = layers;
+  p.num_kv_heads = 2;
+  p.head_dim = 64;  // 256-byte rows: 8 tokens per 2 KiB page
+  return p;
+}
+
+TEST(KvPagePoolTest, AllocatesAllOrNothingAndCountsReferences) {
+  auto pool = Pool(10, 99);
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(pool->Allocate(7, &pages).ok());
+  EXPECT_EQ(pool->FreePages(), 3);
+  const absl::Status st = pool->Allocate(4, &pages);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("needs 4 more pages and 3 of 10 pages"), std::string::npos) << st;
+  EXPECT_EQ(pages.size(), 7u);
+  EXPECT_EQ(std::set<int32_t>(pages.begin(), pages.end()).size(), 7u);
+  pool->Ref({pages.data(), 2});
+  EXPECT_EQ(pool->RefCount(pages[0]), 2);
+  EXPECT_EQ(pool->Unref(pages), 5);
+  EXPECT_EQ(pool->Unref({pages.data(), 2}), 2);
+  EXPECT_EQ(pool->FreePages(), 10);
+  EXPECT_FALSE(KvPagePool::Create({0, 2048, 0}).ok());
+}
+
+TEST(KvPagePoolTest, ShuffledFreeListHandsOutNonAdjacentPages) {
+  auto pool = Pool(1000, 7);
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(pool->Allocate(20, &pages).ok());
+  int adjacent = 0;
+  for (size_t i = 1; i < pages.size(); ++i) adjacent += pages[i] == pages[i - 1] + 1;
+  EXPECT_LT(adjacent, 5);
+}
+
+// The per-layer FIFO: a step of a busy layer waits, and runs when the earlier one ends.
+TEST(SessionTest, StepsOfOneLayerRunInArrivalOrder) {
+  auto pool = Pool(16);
+  auto manager = Manager(pool.get());
+  auto s = *manager->CreateSession(Params(2), "");
+  std::vector<int> ran;
+  EXPECT_TRUE(s->AcquireLayer(0, [] {}));
+  EXPECT_FALSE(s->AcquireLayer(0, [&] { ran.push_back(1); }));
+  EXPECT_FALSE(s->AcquireLayer(0, [&] { ran.push_back(2); }));
+  EXPECT_TRUE(s->AcquireLayer(1, [] {}));  // another layer is independent
+  EXPECT_TRUE(s->Busy());
+  s->ReleaseLayer(0);
+  EXPECT_EQ(ran, std::vector<int>({1}));
+  s->ReleaseLayer(0);
+  EXPECT_EQ(ran, std::vector<int>({1, 2}));
+  s->ReleaseLayer(0);
+  s->ReleaseLayer(1);
+  EXPECT_FALSE(s->Busy());
+}
+
+// Random operations with injected faults; checks the reference counts against the tables.
+class Model {
+ public:
+  Model(KvPagePool* pool, SessionManager* manager, std::mt19937_64* rng)
+      : pool_(pool), manager_(manager), rng_(rng) {}
+
+  void RandomOp() {
+    const int op = Uniform(0, 99);
+    if (open_.empty() || op < 8) {
+      auto s = manager_->CreateSession(Params(Uniform(1, 3)), "");
+      if (s.ok()) open_.push_back(*s);
+      return;
+    }
+    auto& s = open_[Uniform(0, static_cast<int>(open_.size()) - 1)];
+    if (op < 60) {
+      Step(*s);
+    } else if (op < 75) {
+      int64_t least = INT64_MAX;
+      for (int l = 0; l < s->shape().num_layers; ++l) least = std::min(least, s->CachedTokens(l));
+      auto r = manager_->Truncate(s->id(), "", Uniform(0, static_cast<int>(least) + 2));
+      if (!r.ok()) EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    } else if (op < 87) {
+      auto f = manager_->Fork(s->id(), "");
+      if (f.ok()) open_.push_back(*f);
+    } else if (op < 95) {
+      EXPECT_TRUE(manager_->Close(s->id(), "").ok());
+      std::swap(s, open_.back());
+      open_.pop_back();
+    } else {  // everything idle expires
+      for (auto& o : open_) o->Touch(Session::Clock::now() - std::chrono::hours(2));
+      EXPECT_EQ(manager_->ExpireIdle(Session::Clock::now()), static_cast<int64_t>(open_.size()));
+      open_.clear();
+    }
+  }
+
+  // A step whose launch fails one time in four (an injected fault): it must change nothing.
+  void Step(Session& s) {
+    const int layer = Uniform(0, s.shape().num_layers - 1);
+    const int64_t before = s.CachedTokens(layer);
+    ASSERT_TRUE(s.AcquireLayer(layer, [] {}));
+    const int n = Uniform(0, 3) == 0 ? Uniform(9, 40) : 1;
+    auto p = s.BeginAppend(layer, n);
+    if (!p.ok()) {
+      EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
+    } else if (Uniform(0, 3) == 0) {
+      s.AbortAppend(std::move(*p));
+      EXPECT_EQ(s.CachedTokens(layer), before);
+    } else {
+      EXPECT_EQ(p->append_rows.size(), static_cast<size_t>(n));
+      s.CommitAppend(std::move(*p));
+      EXPECT_EQ(s.CachedTokens(layer), before + n);
+    }
+    s.ReleaseLayer(layer);
+  }
+
+  // Every page's reference count equals the number of tables that hold it.
+  void CheckReferences() {
+    std::map<int32_t, int> holders;
+    for (const auto& s : open_) {
+      for (int l = 0; l < s->shape().num_layers; ++l) {
+        ASSERT_TRUE(s->AcquireLayer(l, [] {}));
+        auto p = s->BeginAppend(l, 0);  // a step of no tokens: the table as it is
+        ASSERT_TRUE(p.ok());
+        for (int32_t page : p->table) ++holders[page];
+        s->AbortAppend(std::move(*p));
+        s->ReleaseLayer(l);
+      }
+    }
+    int64_t used = 0;
+    for (const auto& [page, n] : holders) {
+      EXPECT_EQ(pool_->RefCount(page), n) << "page " << page;
+      ++used;
+    }
+    EXPECT_EQ(pool_->FreePages(), pool_->num_pages() - used);
+  }
+
+  void CloseAll() {
+    for (auto& s : open_) EXPECT_TRUE(manager_->Close(s->id(), "").ok());
+    open_.clear();
+  }
+
+ private:
+  int Uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(*rng_); }
+  KvPagePool* pool_;
+  SessionManager* manager_;
+  std::mt19937_64* rng_;
+  std::vector<std::shared_ptr<Session>> open_;
+};
+
+TEST(KvCacheTest, RandomOperationsAndFaultsLeakNoPage) {
+  for (int round = 0; round < 20; ++round) {
+    const uint64_t seed = std::random_device{}();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    auto pool = Pool(120, seed | 1);  // small: the cache fills up often
+    auto manager = Manager(pool.get(), 12);
+    Model model(pool.get(), manager.get(), &rng);
+    for (int i = 0; i < 400; ++i) {
+      model.RandomOp();
+      if (i % 25 == 0) model.CheckReferences();
+      if (::testing::Test::HasFailure()) return;
+    }
+    model.CheckReferences();
+    model.CloseAll();
+    EXPECT_EQ(pool->FreePages(), 120);
+  }
+}
+
+// A session closed while a step holds its layer gives that layer's pages back when the step ends.
+TEST(KvCacheTest, CloseDuringAStepFreesTheLayerWhenTheStepEnds) {
+  auto pool = Pool(32);
+  auto manager = Manager(pool.get());
+  auto s = *manager->CreateSession(Params(2), "");
+  for (int l : {0, 1}) {
+    ASSERT_TRUE(s->AcquireLayer(l, [] {}));
+    auto p = s->BeginAppend(l, 20);  // 3 pages each
+    ASSERT_TRUE(p.ok());
+    s->CommitAppend(std::move(*p));
+    s->ReleaseLayer(l);
+  }
+  EXPECT_EQ(pool->FreePages(), 26);
+  ASSERT_TRUE(s->AcquireLayer(0, [] {}));
+  auto p = s->BeginAppend(0, 5);  // one more page
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(*manager->Close(s->id(), ""), 3);  // layer 1 only: layer 0 is in use
+  EXPECT_EQ(pool->FreePages(), 28);
+  bool ran = false;
+  EXPECT_FALSE(s->AcquireLayer(0, [&] { ran = true; }));
+  s->CommitAppend(std::move(*p));
+  s->ReleaseLayer(0);  // starts the waiting step, which must find the session closed
+  EXPECT_TRUE(ran);
+  EXPECT_EQ(s->BeginAppend(0, 1).status().code(), absl::StatusCode::kNotFound);
+  s->ReleaseLayer(0);
+  EXPECT_EQ(pool->FreePages(), 32);
+}
+
+TEST(KvCacheTest, CopyOnWritePlansTheSharedRowsAndNewPages) {
+  auto pool = Pool(16);
+  auto manager = Manager(pool.get());
+  auto a = *manager->CreateSession(Params(1), "");
+  ASSERT_TRUE(a->AcquireLayer(0, [] {}));
+  auto p = a->BeginAppend(0, 11);  // pages [x, y], y holds 3 rows
+  ASSERT_TRUE(p.ok());
+  const std::vector<int32_t> table = p->table;
+  a->CommitAppend(std::move(*p));
+  a->ReleaseLayer(0);
+  auto b = *manager->Fork(a->id(), "");
+  ASSERT_TRUE(b->AcquireLayer(0, [] {}));
+  auto q = b->BeginAppend(0, 6);  // copy y (3 rows), then one new page for rows 16..16
+  ASSERT_TRUE(q.ok());
+  ASSERT_EQ(q->copies.size(), 3u);
+  EXPECT_EQ(q->copies[0].src_row, int64_t{table[1]} * 8);
+  EXPECT_EQ(q->replaced, table[1]);
+  ASSERT_EQ(q->table.size(), 3u);
+  EXPECT_EQ(q->table[0], table[0]);
+  EXPECT_NE(q->table[1], table[1]);
+  EXPECT_EQ(q->copies[2].dst_row, int64_t{q->table[1]} * 8 + 2);
+  EXPECT_EQ(q->append_rows.front(), int64_t{q->table[1]} * 8 + 3);
+  EXPECT_EQ(q->append_rows.back(), int64_t{q->table[2]} * 8);
+  b->CommitAppend(std::move(*q));
+  b->ReleaseLayer(0);
+  EXPECT_EQ(pool->RefCount(table[0]), 2);
+  EXPECT_EQ(pool->RefCount(table[1]), 1);
+  EXPECT_TRUE(manager->Close(a->id(), "").ok());
+  EXPECT_TRUE(manager->Close(b->id(), "").ok());
+  EXPECT_EQ(pool->FreePages(), 16);
+}
+
+}  // namespace
+}  // namespace attn

@@ -1,0 +1,325 @@
+// Sessions over two replicas: two attnd processes (CPU backend) on loopback, one SessionClient
+// over both addresses. New sessions go to the replica with the most free KV pages, every call on a
+// session reaches the replica that holds it, and a call sent by hand to the other replica gets
+// that replica's FAILED_PRECONDITION. (The client's logic alone, against fake replicas:
+// tests/client/session_client_test.cc.)
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attn/client/session.h"
+#include "test_util.h"
+
+namespace attn {
+namespace {
+
+using client::SessionClient;
+using client::SessionInfo;
+using client::StepInput;
+using testing::AttndProcess;
+using testing::ScrapeMetric;
+
+constexpr int kKvHeads = 2, kHeads = 4, kHeadDim = 64;
+
+client::SessionSpec Spec(int layers = 2) {
+  client::SessionSpec s;
+  s.num_layers = layers;
+  s.num_kv_heads = kKvHeads;
+  s.head_dim = kHeadDim;
+  s.dtype = client::DType::kBFloat16;
+  return s;
+}
+
+client::Tensor Random(int64_t tokens, int heads, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<float> v(size_t(tokens) * heads * kHeadDim);
+  for (float& x : v) x = dist(rng);
+  return client::Tensor::FromFloats(client::DType::kBFloat16, {tokens, heads, kHeadDim}, v);
+}
+
+StepInput RandomStep(const std::string& id, int layer, int64_t tokens, std::mt19937_64& rng) {
+  StepInput in;
+  in.session_id = id;
+  in.layer = layer;
+  in.q = Random(tokens, kHeads, rng);
+  in.k_new = Random(tokens, kKvHeads, rng);
+  in.v_new = Random(tokens, kKvHeads, rng);
+  return in;
+}
+
+double StepCount(const AttndProcess& p) {
+  const double v = ScrapeMetric(p.metrics_port(), "attn_requests_total", {"rpc=\"Step\"", "code=\"OK\""});
+  return std::isnan(v) ? 0 : v;
+}
+
+class SessionReplicasTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Equal caches, so that the pages a session takes decide where the next one goes.
+    const std::vector<std::string> common = {"--threads=1", "--kv_cache_bytes=16777216"};
+    auto flags = [&](const std::string& id) {
+      std::vector<std::string> f = common;
+      f.push_back("--replica_id=" + id);
+      return f;
+    };
+    a_ = AttndProcess::Start(flags("replica-a"));
+    b_ = AttndProcess::Start(flags("replica-b"));
+    ASSERT_NE(a_, nullptr);
+    ASSERT_NE(b_, nullptr);
+    client::SessionClientOptions o;
+    o.client.target = "ipv4:127.0.0.1:" + std::to_string(a_->port()) + ",127.0.0.1:" + std::to_string(b_->port());
+    auto c = SessionClient::Create(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    sessions_ = std::move(*c);
+    ASSERT_EQ(sessions_->Replicas().size(), 2u);
+    // Each process by itself, for what is done by hand (not through the routing client).
+    for (auto* p : {a_.get(), b_.get()}) {
+      auto direct = client::Client::Create({.target = p->target()});
+      ASSERT_TRUE(direct.ok()) << direct.status();
+      direct_[p == a_.get() ? "replica-a" : "replica-b"] = std::move(*direct);
+    }
+  }
+
+  client::Client& Direct(const std::string& replica) { return *direct_.at(replica); }
+  int64_t FreePages(const std::string& replica) {
+    auto info = Direct(replica).GetServerInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->kv_cache().free_pages() : -1;
+  }
+  // Prefills every layer of a session with `tokens` tokens, through the SessionClient.
+  void Fill(const std::string& id, int layers, int64_t tokens) {
+    for (int layer = 0; layer < layers; ++layer) {
+      auto r = sessions_->Step(RandomStep(id, layer, tokens, rng_));
+      ASSERT_TRUE(r.ok()) << id << " layer " << layer << ": " << r.status();
+      ASSERT_EQ(r->cached_tokens, tokens);
+    }
+  }
+
+  std::unique_ptr<AttndProcess> a_, b_;
+  std::unique_ptr<SessionClient> sessions_;
+  std::map<std::string, std::unique_ptr<client::Client>> direct_;
+  std::mt19937_64 rng_{17};
+};
+
+TEST_F(SessionReplicasTest, TheClientKnowsBothReplicasByTheirIds) {
+  auto replicas = sessions_->Replicas();
+  EXPECT_EQ(replicas[0].replica_id, "replica-a");
+  EXPECT_EQ(replicas[1].replica_id, "replica-b");
+  EXPECT_EQ(replicas[0].endpoint, "ipv4:127.0.0.1:" + std::to_string(a_->port()));
+  EXPECT_GT(replicas[0].total_pages, 0);
+  EXPECT_EQ(replicas[0].free_pages, replicas[0].total_pages);
+}
+
+TEST_F(SessionReplicasTest, NewSessionsGoWhereMostPagesAreFree) {
+  // A session on A (created there by hand) takes pages: A has fewer free pages than B.
+  auto on_a = client::CreateSession(Direct("replica-a"), Spec());
+  ASSERT_TRUE(on_a.ok()) << on_a.status();
+  ASSERT_EQ(on_a->replica_id, "replica-a");
+  Fill(on_a->session_id, 2, 200);
+  const int64_t free_a = FreePages("replica-a"), free_b = FreePages("replica-b");
+  ASSERT_LT(free_a, free_b) << "filling a session on A took no pages";
+
+  // Empty sessions take no pages: all three go to B.
+  std::vector<SessionInfo> on_b;
+  for (int i = 0; i < 3; ++i) {
+    auto s = sessions_->CreateSession(Spec());
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->replica_id, "replica-b") << "session " << i << " with " << free_a << " pages free on A and "
+                                          << free_b << " on B";
+    EXPECT_EQ(s->session_id.rfind("replica-b.", 0), 0u) << s->session_id;
+    on_b.push_back(*s);
+  }
+  // Once B's sessions hold more than A's, the next one goes to A.
+  for (const auto& s : on_b) Fill(s.session_id, 2, 200);
+  ASSERT_GT(FreePages("replica-a"), FreePages("replica-b"));
+  auto next = sessions_->CreateSession(Spec());
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->replica_id, "replica-a");
+}
+
+TEST_F(SessionReplicasTest, EveryStepReachesTheReplicaThatHoldsTheSession) {
+  auto sa = client::CreateSession(Direct("replica-a"), Spec());
+  auto sb = client::CreateSession(Direct("replica-b"), Spec());
+  ASSERT_TRUE(sa.ok() && sb.ok());
+  const double a0 = StepCount(*a_), b0 = StepCount(*b_);
+  // Interleaved, through the routing client: each session's cache grows on its own replica only.
+  for (int t = 1; t <= 3; ++t) {
+    for (const auto* s : {&*sa, &*sb}) {
+      auto r = sessions_->Step(RandomStep(s->session_id, 1, 4, rng_));
+      ASSERT_TRUE(r.ok()) << s->session_id << ": " << r.status();
+      EXPECT_EQ(r->cached_tokens, 4 * t);
+    }
+  }
+  EXPECT_EQ(StepCount(*a_) - a0, 3);
+  EXPECT_EQ(StepCount(*b_) - b0, 3);
+
+  // BatchStep with items of both replicas: one call to each, results in order.
+  std::vector<StepInput> items = {RandomStep(sb->session_id, 0, 1, rng_), RandomStep(sa->session_id, 0, 2, rng_),
+                                  RandomStep(sb->session_id, 1, 1, rng_)};
+  auto batch = sessions_->BatchStep(items);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  ASSERT_EQ(batch->size(), 3u);
+  for (const auto& r : *batch) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*batch)[0]->cached_tokens, 1);
+  EXPECT_EQ((*batch)[1]->cached_tokens, 2);
+  EXPECT_EQ((*batch)[2]->cached_tokens, 13);
+
+  auto t = sessions_->TruncateSession(sb->session_id, 1);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->cached_tokens, (std::vector<int64_t>{0, 12}));
+  auto fork = sessions_->ForkSession(sa->session_id);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->replica_id, "replica-a");
+  auto fr = sessions_->Step(RandomStep(fork->session_id, 1, 1, rng_));
+  ASSERT_TRUE(fr.ok()) << fr.status();
+  EXPECT_EQ(fr->cached_tokens, 13);
+  for (const auto& id : {fork->session_id, sa->session_id, sb->session_id}) {
+    EXPECT_TRUE(sessions_->CloseSession(id).ok()) << id;
+  }
+}
+
+TEST_F(SessionReplicasTest, AStepSentToTheWrongReplicaGetsItsClearStatus) {
+  auto sb = sessions_->CreateSession(Spec());
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  client::Client& wrong = Direct(sb->replica_id == "replica-a" ? "replica-b" : "replica-a");
+  auto r = client::Step(wrong, RandomStep(sb->session_id, 0, 1, rng_));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  // The message names the replica that holds the session, so the caller can tell where to go.
+  EXPECT_NE(r.status().message().find(sb->replica_id), std::string::npos) << r.status();
+  for (auto close : {client::CloseSession(wrong, sb->session_id).status(),
+                     client::TruncateSession(wrong, sb->session_id, 0).status(),
+                     client::ForkSession(wrong, sb->session_id).status()}) {
+    EXPECT_EQ(close.code(), absl::StatusCode::kFailedPrecondition) << close;
+  }
+  // Nothing changed on the right replica: the session is still there, empty.
+  auto right = sessions_->Step(RandomStep(sb->session_id, 0, 1, rng_));
+  ASSERT_TRUE(right.ok()) << right.status();
+  EXPECT_EQ(right->cached_tokens, 1);
+
+  // An id of a replica that neither process is: the client says so without a call.
+  auto unknown = sessions_->Step(RandomStep("replica-c.0123", 0, 1, rng_));
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
+  EXPECT_NE(unknown.status().message().find("replica-c"), std::string::npos) << unknown.status();
+}
+
+TEST_F(SessionReplicasTest, ClosingEverySessionGivesEveryPageBack) {
+  const int64_t start_a = FreePages("replica-a"), start_b = FreePages("replica-b");
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) {
+    auto s = sessions_->CreateSession(Spec(3));
+    ASSERT_TRUE(s.ok()) << s.status();
+    Fill(s->session_id, 3, 50 + 30 * i);
+    ids.push_back(s->session_id);
+  }
+  EXPECT_LT(FreePages("replica-a") + FreePages("replica-b"), start_a + start_b);
+  for (const auto& id : ids) ASSERT_TRUE(sessions_->CloseSession(id).ok()) << id;
+  EXPECT_EQ(FreePages("replica-a"), start_a);
+  EXPECT_EQ(FreePages("replica-b"), start_b);
+}
+
+TEST(SessionReplicasByName, ADnsNameIsResolvedToItsAddresses) {
+  auto a = AttndProcess::Start({"--threads=1", "--replica_id=by-name"});
+  ASSERT_NE(a, nullptr);
+  // localhost may also resolve to ::1, where attnd does not listen: that address is passed over.
+  client::SessionClientOptions o;
+  o.client.target = "dns:///localhost:" + std::to_string(a->port());
+  o.info_timeout = std::chrono::milliseconds(2000);
+  auto c = SessionClient::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ((*c)->Replicas().size(), 1u);
+  EXPECT_EQ((*c)->Replicas()[0].replica_id, "by-name");
+  auto s = (*c)->CreateSession(Spec(1));
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::mt19937_64 rng(1);
+  auto r = (*c)->Step(RandomStep(s->session_id, 0, 3, rng));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->o.shape, (std::vector<int64_t>{3, kHeads, kHeadDim}));
+  EXPECT_TRUE((*c)->CloseSession(s->session_id).ok());
+}
+
+// A CA and a server certificate it signed for DNS:localhost only (no IP address), as a Service's
+// certificate names the Service and not each pod's address.
+class LocalhostPki {
+ public:
+  LocalhostPki() {
+    char tmpl[] = "/tmp/attn-session-tls-XXXXXX";
+    dir_ = mkdtemp(tmpl) ? tmpl : "";
+    const std::string script = R"sh(set -e
+ec="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+openssl req -x509 $ec -keyout ca.key -out ca.pem -days 2 -subj /CN=attn-test-ca \
+  -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
+openssl req $ec -keyout server.key -out server.csr -subj /CN=localhost
+printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' > server.ext
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile server.ext
+)sh";
+    std::ofstream(path("make.sh")) << script;
+    FILE* p = popen(("cd '" + dir_ + "' && sh make.sh 2>&1").c_str(), "r");
+    char buf[4096];
+    for (size_t n; p && (n = fread(buf, 1, sizeof(buf), p)) > 0;) log_.append(buf, n);
+    ok_ = p != nullptr && pclose(p) == 0;
+  }
+  ~LocalhostPki() {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  bool ok() const { return ok_; }
+  const std::string& log() const { return log_; }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string pem(const std::string& name) const {
+    std::ifstream in(path(name));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+ private:
+  std::string dir_, log_;
+  bool ok_ = false;
+};
+
+TEST(SessionReplicasTls, TheCertificateIsCheckedAgainstTheNameNotThePodAddress) {
+  LocalhostPki pki;
+  ASSERT_TRUE(pki.ok()) << "openssl failed:\n" << pki.log();
+  auto a = AttndProcess::Start({"--threads=1", "--replica_id=tls-a", "--tls_cert=" + pki.path("server.pem"),
+                                "--tls_key=" + pki.path("server.key")});
+  ASSERT_NE(a, nullptr);
+  const std::string port = std::to_string(a->port());
+  client::ClientOptions tls;
+  tls.tls_ca_pem = pki.pem("ca.pem");
+
+  // The control: the address alone does not match a certificate that names localhost.
+  tls.target = "ipv4:127.0.0.1:" + port;
+  auto by_address = client::Client::Create(tls);
+  ASSERT_TRUE(by_address.ok());
+  EXPECT_FALSE((*by_address)->GetServerInfo().ok()) << "the certificate should not match 127.0.0.1";
+
+  // Through the name: resolved to 127.0.0.1 (and maybe ::1), each address checked as localhost.
+  client::SessionClientOptions o;
+  o.client = tls;
+  o.client.target = "localhost:" + port;
+  auto c = SessionClient::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ((*c)->Replicas().size(), 1u);
+  EXPECT_EQ((*c)->Replicas()[0].endpoint, "ipv4:127.0.0.1:" + port);
+  auto s = (*c)->CreateSession(Spec(1));
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::mt19937_64 rng(4);
+  auto r = (*c)->Step(RandomStep(s->session_id, 0, 2, rng));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cached_tokens, 2);
+  EXPECT_TRUE((*c)->CloseSession(s->session_id).ok());
+}
+
+}  // namespace
+}  // namespace attn
