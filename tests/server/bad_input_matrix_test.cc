@@ -584,6 +584,21 @@ std::vector<SessionBadCase> SessionBadCases() {
        },
        NF, "was closed"},
       // Step: layer and tensors.
+      // Shared-memory regions are not read by steps yet: refused by name (UNIMPLEMENTED).
+      {"StepQRegion",
+       BadStep([](auto& r) {
+         r.mutable_q()->clear_data();
+         r.mutable_q()->mutable_region()->set_region("in");
+       }),
+       StatusCode::UNIMPLEMENTED, "q.region: shared-memory regions are not supported on Step"},
+      {"StepOutputRegion", BadStep([](auto& r) { r.mutable_o_region()->set_region("out"); }),
+       StatusCode::UNIMPLEMENTED, "o_region: shared-memory regions are not supported on Step"},
+      {"StepLseRegion",
+       BadStep([](auto& r) {
+         r.set_return_lse(true);
+         r.mutable_lse_region()->set_region("out");
+       }),
+       StatusCode::UNIMPLEMENTED, "lse_region: shared-memory regions are not supported on Step"},
       {"StepLayerNegative", BadStep([](auto& r) { r.set_layer(-1); }), IA,
        "layer -1 is out of range"},
       {"StepLayerPastLast", BadStep([](auto& r) { r.set_layer(2); }), IA,
