@@ -57,6 +57,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "attn/client/client.h"
+#include "attn/client/tcp_ceiling.h"
+#include "bench_region.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
 #include "bench_decode.h"
@@ -83,6 +85,14 @@ ABSL_FLAG(int, decode_window, 64,
           "decode: decode tokens a session gains before it is truncated back to --cache_tokens (not "
           "timed)");
 ABSL_FLAG(bool, lse, false, "decode: ask for the log-sum-exp too");
+ABSL_FLAG(std::string, transport, "grpc",
+          "unary mode: grpc (tensors in the messages), shm (each worker's q, k, v and o in a "
+          "host shared-memory region of its own) or cuda-ipc (in GPU memory of device 0 shared "
+          "with attnd by a CUDA IPC handle, written once); shm and cuda-ipc need attnd's "
+          "--allow_shared_memory and this host");
+ABSL_FLAG(bool, shm_write_inputs, true,
+          "--transport shm: copy q, k and v into the region before every call, as a client that "
+          "produces them must");
 ABSL_FLAG(std::string, concurrency, "1", "Comma-separated concurrency levels to sweep");
 ABSL_FLAG(double, rate, 0, "Fixed request rate, requests/s (open loop); 0: closed loop");
 ABSL_FLAG(double, duration_s, 10, "Measured seconds per level");
@@ -97,10 +107,23 @@ ABSL_FLAG(int, kv_heads, 0, "KV heads (0: --heads)");
 ABSL_FLAG(int, head_dim, 128, "Head dimension");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32");
 ABSL_FLAG(bool, causal, false, "Causal mask");
-ABSL_FLAG(int, channels, 0, "gRPC channels shared by the workers (0: one per worker)");
+ABSL_FLAG(int, channels, 0, "Clients shared by the workers (0: one per worker)");
+ABSL_FLAG(int, connections, 1,
+          "HTTP/2 connections of each client (ClientOptions::connections; 0: the library's "
+          "default, min(4, hardware threads)); with --channels 1 all workers share one client "
+          "and its connections");
+ABSL_FLAG(int, tcp_read_chunk_bytes, 0,
+          "ClientOptions::tcp_read_chunk_bytes: size of gRPC's TCP reads; 0: gRPC's default");
+ABSL_FLAG(std::vector<std::string>, channel_arg, {},
+          "Extra gRPC channel arguments of the clients, name=integer, comma-separated (e.g. "
+          "grpc.http2.max_frame_size=1048576)");
 ABSL_FLAG(std::string, csv, "", "Append one row per level to this CSV file");
 ABSL_FLAG(std::string, json, "", "Write all levels to this JSON file");
 ABSL_FLAG(std::string, label, "", "Free text stored with each row (e.g. server flags)");
+ABSL_FLAG(double, tcp_ceiling_s, 2,
+          "After each level, measure raw TCP on loopback in this process with the same request "
+          "and response bytes and the same concurrency (attn-tcp-ceiling) for this many seconds, "
+          "and print its GB/s and the level's share of it (columns tcp_GB/s, x_tcp); 0: off");
 
 namespace {
 
@@ -129,8 +152,11 @@ struct LevelResult {
   // (NaN when not measured).
   double echo_rps_ratio = std::numeric_limits<double>::quiet_NaN();
   double echo_p50_ratio = std::numeric_limits<double>::quiet_NaN();
+  // --tcp_ceiling_s: raw TCP loopback GB/s with the same bytes and concurrency (NaN: not run).
+  double tcp_gbps = std::numeric_limits<double>::quiet_NaN();
 
   double Throughput() const { return requests / seconds; }
+  double GigabytesPerSecond() const { return Throughput() * (request_bytes + response_bytes) / 1e9; }
   double Percentile(double p) const {
     if (samples.empty()) return 0;
     std::vector<double> l;
@@ -194,6 +220,22 @@ Payload BuildPayload() {
   return p;
 }
 
+// --channel_arg as (name, value) pairs; exits 64 on a malformed entry.
+std::vector<std::pair<std::string, int>> ChannelArgs() {
+  std::vector<std::pair<std::string, int>> out;
+  for (const std::string& entry : absl::GetFlag(FLAGS_channel_arg)) {
+    const size_t eq = entry.find('=');
+    int value = 0;
+    if (eq == std::string::npos || !absl::SimpleAtoi(entry.substr(eq + 1), &value)) {
+      std::cerr << "attn-bench: --channel_arg entries are name=integer, got '" << entry << "'"
+                << std::endl;
+      std::exit(64);
+    }
+    out.emplace_back(entry.substr(0, eq), value);
+  }
+  return out;
+}
+
 std::vector<std::unique_ptr<Client>> MakeClients(int n) {
   std::vector<std::unique_ptr<Client>> clients;
   for (int i = 0; i < n; ++i) {
@@ -202,6 +244,9 @@ std::vector<std::unique_ptr<Client>> MakeClients(int n) {
     o.max_message_bytes = 1ll << 30;
     o.unique_channel = true;
     o.lb_policy = absl::GetFlag(FLAGS_lb);
+    o.connections = absl::GetFlag(FLAGS_connections);
+    o.channel_args = ChannelArgs();
+    o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
     auto c = Client::Create(o);
     if (!c.ok()) {
       std::cerr << c.status() << std::endl;
@@ -260,9 +305,11 @@ class Recorder {
   std::string first_error_;
 };
 
-// One closed- or open-loop worker on unary calls (Attend or Echo).
+// One closed- or open-loop worker on unary calls (Attend or Echo). region: --transport shm.
 void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, double interval_s,
-                 Clock::time_point start) {
+                 Clock::time_point start, attn::client::BenchRegion* region) {
+  const attn::v1::AttendRequest& attend = region != nullptr ? region->request() : p.attend;
+  const bool write_inputs = region != nullptr && absl::GetFlag(FLAGS_shm_write_inputs);
   attn::v1::AttendResponse attend_response;
   attn::v1::EchoResponse echo_response;
   for (int64_t k = 0; rec->Running(); ++k) {
@@ -273,10 +320,11 @@ void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, dou
       std::this_thread::sleep_until(sent);
       if (!rec->Running()) break;
     }
+    if (write_inputs) region->WriteInputs();
     grpc::ClientContext ctx;
     client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
     grpc::Status st = echo ? client->stub()->Echo(&ctx, p.echo, &echo_response)
-                           : client->stub()->Attend(&ctx, p.attend, &attend_response);
+                           : client->stub()->Attend(&ctx, attend, &attend_response);
     rec->Record(sent, Clock::now(), echo || !st.ok() ? nullptr : &attend_response.timing(), st);
   }
 }
@@ -349,6 +397,63 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth, do
   if (!st.ok()) rec->RecordStreamError(st);
 }
 
+// --transport shm: one region client per client (each holds a region socket connection) and one
+// region per worker; dropped (and so unregistered by attnd) at the end of the level.
+struct WorkerRegions {
+  std::vector<std::unique_ptr<attn::client::RegionClient>> clients;
+  std::vector<std::unique_ptr<attn::client::BenchRegion>> regions;
+};
+
+WorkerRegions MakeRegions(const std::vector<std::unique_ptr<Client>>& clients, int workers,
+                          const Payload& p, const std::string& transport) {
+  const auto kind = transport == "shm" ? attn::client::BenchRegion::Kind::kHost
+                                       : attn::client::BenchRegion::Kind::kGpu;
+  WorkerRegions w;
+  for (const auto& c : clients) {
+    auto rc = attn::client::RegionClient::Connect(c.get());
+    if (!rc.ok()) {
+      std::cerr << "attn-bench: --transport shm: " << rc.status() << std::endl;
+      std::exit(1);
+    }
+    w.clients.push_back(std::move(*rc));
+  }
+  static int level = 0;  // region names unique per level, as the last level's may linger
+  ++level;
+  for (int i = 0; i < workers; ++i) {
+    const std::string name = "bench-" + std::to_string(level) + "-" + std::to_string(i);
+    auto r = attn::client::BenchRegion::Create(w.clients[i % w.clients.size()].get(), kind, name,
+                                               &p.attend);
+    if (!r.ok()) {
+      std::cerr << "attn-bench: --transport shm: region " << name << ": " << r.status()
+                << std::endl;
+      std::exit(1);
+    }
+    w.regions.push_back(std::move(*r));
+  }
+  return w;
+}
+
+// Before measuring through regions: one call inline and one through the region must give the
+// same o, else the level's numbers would mean nothing (exits 1).
+void CheckRegionAnswer(Client* client, const Payload& p, attn::client::BenchRegion* region) {
+  attn::v1::AttendResponse inline_response, region_response;
+  grpc::ClientContext a, b;
+  client->PrepareContext(&a, std::chrono::milliseconds(120000));
+  client->PrepareContext(&b, std::chrono::milliseconds(120000));
+  grpc::Status st = client->stub()->Attend(&a, p.attend, &inline_response);
+  if (st.ok()) st = client->stub()->Attend(&b, region->request(), &region_response);
+  if (!st.ok()) {
+    std::cerr << "attn-bench: region check: " << st.error_message() << std::endl;
+    std::exit(1);
+  }
+  auto o = region->ReadOutput();
+  if (!o.ok() || *o != inline_response.o().data()) {
+    std::cerr << "attn-bench: region check: o in the region differs from the inline answer"
+              << (o.ok() ? "" : " (" + std::string(o.status().message()) + ")") << std::endl;
+    std::exit(1);
+  }
+}
+
 LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency) {
   const int channels = absl::GetFlag(FLAGS_channels) > 0 ? absl::GetFlag(FLAGS_channels) : concurrency;
   auto clients = MakeClients(std::min(channels, concurrency));
@@ -360,6 +465,10 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
   Recorder rec(measure_from, end, absl::GetFlag(FLAGS_max_requests));
   const double rate = absl::GetFlag(FLAGS_rate);
   const double interval = rate > 0 ? concurrency / rate : 0;
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  const bool shm = transport != "grpc" && mode == "unary";
+  auto regions = shm ? MakeRegions(clients, concurrency, p, transport) : WorkerRegions{};
+  if (shm) CheckRegionAnswer(clients.front().get(), p, regions.regions.front().get());
   std::vector<std::thread> workers;
   for (int i = 0; i < concurrency; ++i) {
     Client* c = clients[i % clients.size()].get();
@@ -370,19 +479,23 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
       workers.emplace_back(StreamWorker, c, std::cref(p), &rec, absl::GetFlag(FLAGS_stream_depth),
                            interval, worker_start);
     } else {
-      workers.emplace_back(UnaryWorker, c, std::cref(p), mode == "echo", &rec, interval, worker_start);
+      workers.emplace_back(UnaryWorker, c, std::cref(p), mode == "echo", &rec, interval, worker_start,
+                           shm ? regions.regions[i].get() : nullptr);
     }
   }
   for (auto& w : workers) w.join();
   const double measured_s =
       std::chrono::duration<double>(std::min(Clock::now(), end) - measure_from).count();
   LevelResult r;
-  r.mode = mode;
+  r.mode = shm ? transport : mode;
   r.concurrency = concurrency;
   r.offered_rate = rate;
   r.seconds = std::max(measured_s, 1e-6);
   r.tokens_per_request = p.tokens;
-  if (mode == "echo") {
+  if (shm) {  // the tensor bytes, which the region carries instead of the messages
+    r.request_bytes = static_cast<double>(p.attend.ByteSizeLong());
+    r.response_bytes = static_cast<double>(p.attend.q().data().size());
+  } else if (mode == "echo") {
     r.request_bytes = static_cast<double>(p.echo.ByteSizeLong());
     r.response_bytes = static_cast<double>(p.echo.response_bytes());
   } else {
@@ -398,6 +511,7 @@ void PrintHeader() {
               "requests", "errors", "req/s", "tokens/s", "GB/s", "p50_ms", "p90_ms", "p99_ms",
               "queue_us", "xfer_us", "compute_us", "batch");
   if (absl::GetFlag(FLAGS_compare_echo)) std::printf(" %9s %9s", "rps/echo", "p50/echo");
+  if (absl::GetFlag(FLAGS_tcp_ceiling_s) > 0) std::printf(" %9s %7s", "tcp_GB/s", "x_tcp");
   std::printf("\n");
 }
 
@@ -414,6 +528,13 @@ void PrintRow(const LevelResult& r) {
       std::printf(" %9s %9s", "-", "-");
     } else {
       std::printf(" %9.3f %9.3f", r.echo_rps_ratio, r.echo_p50_ratio);
+    }
+  }
+  if (absl::GetFlag(FLAGS_tcp_ceiling_s) > 0) {
+    if (std::isnan(r.tcp_gbps)) {
+      std::printf(" %9s %7s", "-", "-");
+    } else {
+      std::printf(" %9.3f %7.3f", r.tcp_gbps, r.GigabytesPerSecond() / r.tcp_gbps);
     }
   }
   std::printf("\n");
@@ -438,6 +559,24 @@ void SetEchoRatios(LevelResult* r, const LevelResult& echo) {
   }
 }
 
+// Raw TCP on loopback with r's request and response bytes at r's concurrency, in GB/s (NaN when
+// --tcp_ceiling_s is 0 or the measurement fails, which is reported).
+double TcpCeiling(const LevelResult& r) {
+  const double seconds = absl::GetFlag(FLAGS_tcp_ceiling_s);
+  if (seconds <= 0 || r.request_bytes <= 0) return std::numeric_limits<double>::quiet_NaN();
+  attn::client::TcpCeilingOptions o;
+  o.request_bytes = static_cast<size_t>(r.request_bytes);
+  o.response_bytes = std::max<size_t>(static_cast<size_t>(r.response_bytes), 1);
+  o.connections = r.concurrency;
+  o.seconds = seconds;
+  auto t = attn::client::MeasureTcpCeiling(o);
+  if (!t.ok()) {
+    std::cerr << "attn-bench: tcp ceiling: " << t.status() << std::endl;
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  return t->GigabytesPerSecond(o);
+}
+
 std::string CsvRow(const LevelResult& r, const std::string& label) {
   std::ostringstream s;
   s << r.mode << "," << r.concurrency << "," << r.offered_rate << "," << r.requests << ","
@@ -447,7 +586,7 @@ std::string CsvRow(const LevelResult& r, const std::string& label) {
     << r.Percentile(0.99) / 1e3 << "," << r.Mean(&Sample::queue_us) << ","
     << r.Mean(&Sample::transfer_us) << "," << r.Mean(&Sample::compute_us) << ","
     << r.MeanBatch() << "," << Ratio(r.echo_rps_ratio) << "," << Ratio(r.echo_p50_ratio) << ",\""
-    << label << "\"";
+    << label << "\"," << Ratio(r.tcp_gbps);
   return s.str();
 }
 
@@ -467,6 +606,7 @@ std::string JsonLevel(const LevelResult& r, const std::string& label) {
   if (!std::isnan(r.echo_rps_ratio)) {
     s << ",\"echo_rps_ratio\":" << r.echo_rps_ratio << ",\"echo_p50_ratio\":" << r.echo_p50_ratio;
   }
+  if (!std::isnan(r.tcp_gbps)) s << ",\"tcp_gb_per_s\":" << r.tcp_gbps;
   s << ",\"label\":\"" << label << "\"}";
   return s.str();
 }
@@ -542,6 +682,20 @@ int main(int argc, char** argv) {
     std::cerr << "attn-bench: --mode must be unary, stream, echo or decode" << std::endl;
     return 64;
   }
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport != "grpc" && transport != "shm" && transport != "cuda-ipc") {
+    std::cerr << "attn-bench: --transport must be grpc, shm or cuda-ipc" << std::endl;
+    return 64;
+  }
+  if (transport != "grpc" && mode != "unary") {
+    std::cerr << "attn-bench: --transport " << transport << " needs --mode unary" << std::endl;
+    return 64;
+  }
+  if (transport == "cuda-ipc" && !attn::client::BenchGpuRegionsAvailable()) {
+    std::cerr << "attn-bench: this attn-bench was built without CUDA: no --transport cuda-ipc"
+              << std::endl;
+    return 64;
+  }
   if (mode == "decode") return Decode();
   std::vector<int> levels;
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',')) {
@@ -569,10 +723,12 @@ int main(int argc, char** argv) {
   for (int c : levels) {
     LevelResult r = RunLevel(payload, mode, c);
     errors += r.errors;
+    if (r.mode == "unary" || r.mode == "stream" || r.mode == "echo") r.tcp_gbps = TcpCeiling(r);
     if (compare_echo) {
       // The same bytes through Echo at the same concurrency (and --rate), right after.
       LevelResult echo = RunLevel(payload, "echo", c);
       errors += echo.errors;
+      echo.tcp_gbps = r.tcp_gbps;  // the same bytes each way
       SetEchoRatios(&r, echo);
       PrintRow(r);
       PrintRow(echo);
@@ -587,7 +743,7 @@ int main(int argc, char** argv) {
     const std::string header =
         "mode,concurrency,rate,requests,errors,requests_per_s,tokens_per_s,gb_per_s,p50_ms,"
         "p90_ms,p99_ms,server_queue_us,server_transfer_us,server_compute_us,batch_requests,"
-        "echo_rps_ratio,echo_p50_ratio,label";
+        "echo_rps_ratio,echo_p50_ratio,label,tcp_gb_per_s";
     std::string first_line;
     const bool fresh = !std::getline(std::ifstream(csv) >> std::ws, first_line);
     if (!fresh && first_line != header) {

@@ -65,6 +65,9 @@ ABSL_FLAG(double, check_tolerance, 0,
           "3e-3, bf16 1.5e-2)");
 ABSL_FLAG(uint64_t, seed, 0, "attend, session: random seed (0: from the clock)");
 ABSL_FLAG(int, timeout_ms, 60000, "Deadline of each call, milliseconds");
+ABSL_FLAG(int, connections, 1,
+          "HTTP/2 connections to --target (ClientOptions::connections; 0: min(4, hardware "
+          "threads)); attnctl sends one call at a time, so one is enough");
 ABSL_FLAG(int, layers, 2, "session: layers of the session");
 ABSL_FLAG(int, prefill, 100, "session: prefill tokens per layer");
 ABSL_FLAG(int, chunk, 0, "session: prefill chunk, tokens per step (0: the whole prefill in one step)");
@@ -331,6 +334,7 @@ int main(int argc, char** argv) {
   attn::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.lb_policy = absl::GetFlag(FLAGS_lb);
+  options.connections = absl::GetFlag(FLAGS_connections);
   options.bearer_token = ReadToken(absl::GetFlag(FLAGS_token_file));
   options.tls_ca_pem = ReadFile("tls_ca", absl::GetFlag(FLAGS_tls_ca));
   options.tls_cert_pem = ReadFile("tls_cert", absl::GetFlag(FLAGS_tls_cert));

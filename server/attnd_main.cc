@@ -12,6 +12,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
 #include "rpc/attn_server.h"
@@ -83,8 +84,38 @@ ABSL_FLAG(std::string, replica_id, kDefaults.replica_id,
 ABSL_FLAG(int64_t, max_step_delay_us, kDefaults.max_step_delay_us,
           "Longest a session step waits for others to batch with while the backend is idle, "
           "microseconds (steps that arrive while it is busy gather anyway)");
+ABSL_FLAG(bool, allow_shared_memory, kDefaults.allow_shared_memory,
+          "Serve same-host clients through shared memory (the SharedMemory service and "
+          "Tensor.region): a Unix socket (--shm_socket) takes their sealed memfds");
+ABSL_FLAG(std::string, shm_socket, kDefaults.shm_socket,
+          "Path of the region socket with --allow_shared_memory; empty: $TMPDIR (or /tmp)"
+          "/attnd-<pid>.regions.sock. Clients find it with ListRegions");
+ABSL_FLAG(int64_t, shm_max_regions_per_client, kDefaults.shm_max_regions_per_client,
+          "Most shared-memory regions per client identity");
+ABSL_FLAG(int64_t, shm_max_bytes_per_client, kDefaults.shm_max_bytes_per_client,
+          "Most bytes of shared-memory regions mapped per client identity");
+ABSL_FLAG(int, tcp_read_chunk_bytes, kDefaults.tcp_read_chunk_bytes,
+          "Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's default (8 KiB, adaptive)");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "Extra gRPC server channel arguments, name=integer, comma-separated (e.g. "
+          "grpc.http2.max_frame_size=1048576); for measuring transport settings");
 
 namespace {
+
+// --grpc_arg as (name, value) pairs; exits 64 on a malformed entry.
+std::vector<std::pair<std::string, int>> GrpcArgsFromFlag() {
+  std::vector<std::pair<std::string, int>> out;
+  for (const std::string& entry : absl::GetFlag(FLAGS_grpc_arg)) {
+    const size_t eq = entry.find('=');
+    int value = 0;
+    if (eq == std::string::npos || !absl::SimpleAtoi(entry.substr(eq + 1), &value)) {
+      std::cerr << "attnd: --grpc_arg entries are name=integer, got '" << entry << "'" << std::endl;
+      std::exit(64);
+    }
+    out.emplace_back(entry.substr(0, eq), value);
+  }
+  return out;
+}
 
 attn::ServerOptions OptionsFromFlags() {
   attn::ServerOptions o;
@@ -116,6 +147,12 @@ attn::ServerOptions OptionsFromFlags() {
   o.session_ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
   o.replica_id = absl::GetFlag(FLAGS_replica_id);
   o.max_step_delay_us = absl::GetFlag(FLAGS_max_step_delay_us);
+  o.grpc_args = GrpcArgsFromFlag();
+  o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
+  o.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
+  o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
+  o.shm_max_regions_per_client = absl::GetFlag(FLAGS_shm_max_regions_per_client);
+  o.shm_max_bytes_per_client = absl::GetFlag(FLAGS_shm_max_bytes_per_client);
   return o;
 }
 

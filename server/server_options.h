@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace attn {
 
@@ -52,6 +54,19 @@ struct ServerOptions {
   int64_t max_step_delay_us = 0;
   // Tests: shuffles the KV cache's free list so that page tables are not contiguous (0: off).
   uint64_t kv_shuffle_seed = 0;
+  // Same-host shared memory (transport/, the SharedMemory service): off unless allowed. The
+  // region socket's path ("" : $TMPDIR or /tmp, then attnd-<pid>.regions.sock) and the limits
+  // per client identity.
+  bool allow_shared_memory = false;
+  std::string shm_socket;
+  int64_t shm_max_regions_per_client = 64;
+  int64_t shm_max_bytes_per_client = int64_t{16} << 30;
+  // Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's own (8 KiB, adaptive). Off by
+  // default: no measured gain yet (docs/PERF.md, "Transport settings").
+  int tcp_read_chunk_bytes = 0;
+  // Extra gRPC server channel arguments (name, integer value), applied after attnd's own
+  // transport settings (rpc/transport_args.h), so that they can override them: --grpc_arg.
+  std::vector<std::pair<std::string, int>> grpc_args;
 };
 
 }  // namespace attn

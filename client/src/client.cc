@@ -5,6 +5,8 @@
 
 #include <cctype>
 #include <cstring>
+#include <thread>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "attn/kernels/dtype_convert.h"
@@ -143,14 +145,43 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   if (!options.tls_server_name.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name);
   }
-  auto channel = grpc::CreateCustomChannel(options.target, creds, args);
-  return std::unique_ptr<Client>(new Client(options, std::move(channel)));
+  if (options.tcp_read_chunk_bytes > 0) {
+    args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE,
+                std::min(options.tcp_read_chunk_bytes, (1 << 30) / 8) * 8);
+  }
+  for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
+  if (options.connections < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connections must be >= 0 (0: ", DefaultConnections(), "), got ",
+                     options.connections));
+  }
+  const int n = options.connections > 0 ? options.connections : DefaultConnections();
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < n; ++i) {
+    grpc::ChannelArguments own = args;
+    // Channels whose arguments differ do not share a connection (gRPC's subchannel pool is keyed
+    // by them); a single channel keeps the arguments it always had, so that it still shares one
+    // with other clients unless unique_channel asks otherwise.
+    if (n > 1) own.SetInt("attn.client.connection", i);
+    channels.push_back(grpc::CreateCustomChannel(options.target, creds, own));
+  }
+  return std::unique_ptr<Client>(new Client(options, std::move(channels)));
 }
 
-Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)),
-      channel_(std::move(channel)),
-      stub_(v1::Attention::NewStub(channel_)) {}
+int DefaultConnections() {
+  return static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 4));
+}
+
+Client::Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels)
+    : options_(std::move(options)), channels_(std::move(channels)) {
+  for (const auto& c : channels_) stubs_.push_back(v1::Attention::NewStub(c));
+}
+
+v1::Attention::Stub* Client::stub() {
+  return stubs_[next_stub_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()].get();
+}
 
 void Client::PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {
   if (!options_.bearer_token.empty()) {
@@ -199,7 +230,7 @@ absl::StatusOr<AttendResult> Client::Attend(const Tensor& q, const Tensor& k, co
   v1::AttendResponse response;
   grpc::ClientContext ctx;
   PrepareContext(&ctx, options.timeout);
-  grpc::Status st = stub_->Attend(&ctx, request, &response);
+  grpc::Status st = stub()->Attend(&ctx, request, &response);
   if (!st.ok()) return FromGrpc(st);
   return ParseAttendResponse(response);
 }
@@ -208,13 +239,13 @@ absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
   v1::GetServerInfoResponse response;
   grpc::ClientContext ctx;
   PrepareContext(&ctx, std::chrono::milliseconds(10000));
-  grpc::Status st = stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &response);
+  grpc::Status st = stub()->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &response);
   if (!st.ok()) return FromGrpc(st);
   return response;
 }
 
 absl::StatusOr<bool> Client::Health(const std::string& service) {
-  auto health = grpc::health::v1::Health::NewStub(channel_);
+  auto health = grpc::health::v1::Health::NewStub(channel());
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
@@ -231,7 +262,7 @@ absl::StatusOr<std::string> Client::Echo(const std::string& payload) {
   v1::EchoResponse response;
   grpc::ClientContext ctx;
   PrepareContext(&ctx, std::chrono::milliseconds(60000));
-  grpc::Status st = stub_->Echo(&ctx, request, &response);
+  grpc::Status st = stub()->Echo(&ctx, request, &response);
   if (!st.ok()) return FromGrpc(st);
   return std::move(*response.mutable_payload());
 }

@@ -28,8 +28,8 @@ help_lists() {  # program, flags...
     grep -q -- "--$f " <<<"$out" || fail "$(basename "$prog") --help does not list --$f"
   done
 }
-help_lists "$bench" target mode concurrency compare_echo rate lb sessions layers cache_tokens batch_step
-help_lists "$attnctl" target check lb layers prefill decode truncate
+help_lists "$bench" target mode concurrency compare_echo rate lb sessions layers cache_tokens batch_step tcp_ceiling_s transport connections
+help_lists "$attnctl" target check lb layers prefill decode truncate connections
 start_cpu_attnd "$attnd" "$work/attnd.log" 2
 pid=$ATTND_PID
 attnd_healthy "$attnctl" || fail "attnd did not become healthy"
@@ -37,9 +37,9 @@ shape=(--seq 16 --heads 2 --head-dim 64 --dtype bf16)
 
 # --rate in stream mode: 2 streams, 40 requests/s in all, over 3 s. The closed loop (no --rate)
 # runs far faster than that on this shape, so a rate near 40/s shows the schedule is kept.
-for mode in stream unary; do
+for mode in stream unary; do  # (no TCP ceiling: rates only)
   "$bench" --target "127.0.0.1:$P" --mode $mode --rate 40 --concurrency 2 --duration_s 3 \
-    --warmup_s 0.5 "${shape[@]}" --json "$work/rate-$mode.json"
+    --warmup_s 0.5 --tcp_ceiling_s 0 "${shape[@]}" --json "$work/rate-$mode.json"
   python3 - "$work/rate-$mode.json" "$mode" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))[0]
@@ -58,9 +58,10 @@ print("ok: stream closed loop", r["requests_per_s"], "req/s")' "$work/closed.jso
 
 # --compare_echo: per level the mode row, then Echo; ratios = mode over Echo (req/s, p50).
 "$bench" --target "ipv4:127.0.0.1:$P" --lb round_robin --mode unary --concurrency 1,2 \
-  --duration_s 1 --warmup_s 0.3 "${shape[@]}" --compare_echo --csv "$work/cmp.csv" \
+  --duration_s 1 --warmup_s 0.3 "${shape[@]}" --compare_echo --tcp_ceiling_s 0.3 --csv "$work/cmp.csv" \
   --json "$work/cmp.json" | tee "$work/cmp.txt"
 grep -q 'rps/echo' "$work/cmp.txt" || fail "no rps/echo column in the table"
+grep -q 'x_tcp' "$work/cmp.txt" || fail "no x_tcp (raw TCP ceiling) column in the table"
 python3 - "$work/cmp.json" "$work/cmp.csv" <<'PY'
 import csv, json, math, sys
 rows = json.load(open(sys.argv[1]))
@@ -70,6 +71,8 @@ for a, e in zip(rows[0::2], rows[1::2]):
     assert math.isclose(a["echo_rps_ratio"], a["requests_per_s"] / e["requests_per_s"], rel_tol=1e-4), (a, e)
     assert math.isclose(a["echo_p50_ratio"], a["p50_ms"] / e["p50_ms"], rel_tol=1e-4), (a, e)
     assert "echo_rps_ratio" not in e
+    # The raw TCP ceiling with the same bytes and concurrency, measured in the same run.
+    assert a["tcp_gb_per_s"] > 0 and e["tcp_gb_per_s"] == a["tcp_gb_per_s"], (a, e)
 c = list(csv.DictReader(open(sys.argv[2])))
 assert [r["mode"] for r in c] == ["unary", "echo", "unary", "echo"], c
 for r, j in zip(c, rows):
@@ -138,3 +141,27 @@ print("ok: decode rows (Step, BatchStep) with Echo twins, cache held at 65-68 to
 PY
 rc=0; "$bench" --target "127.0.0.1:$P" --mode decode --concurrency 4 >"$work/bad.txt" 2>&1 || rc=$?
 [ "$rc" = 64 ] && grep -q -- '--concurrency does not apply' "$work/bad.txt" || fail "decode took --concurrency (rc $rc)"
+# --transport shm: refused (with the reason) by this attnd, which does not allow shared memory;
+# served by one started with --allow_shared_memory.
+if "$bench" --target "127.0.0.1:$P" --transport shm --concurrency 1 --duration_s 0.5 \
+     --warmup_s 0.1 "${shape[@]}" >"$work/shm-off.txt" 2>&1; then
+  fail "--transport shm succeeded against an attnd without --allow_shared_memory"
+fi
+grep -q -- "--allow_shared_memory" "$work/shm-off.txt" || fail "no reason given: $(cat "$work/shm-off.txt")"
+P2=$(free_port)
+"$attnd" --listen="127.0.0.1:$P2" --metrics_listen= --backend=cpu --threads=2 \
+  --allow_shared_memory --shm_socket="$work/regions.sock" >"$work/attnd-shm.log" 2>&1 &
+pid2=$!
+trap 'kill $pid2 2>/dev/null || true; cleanup' EXIT
+P_SAVE=$P; P=$P2; attnd_healthy "$attnctl" || fail "attnd with shared memory did not start"; P=$P_SAVE
+"$bench" --target "127.0.0.1:$P2" --transport shm --concurrency 1,2 --duration_s 1 --warmup_s 0.3 \
+  "${shape[@]}" --json "$work/shm.json"
+python3 - "$work/shm.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+assert [(r["mode"], r["concurrency"]) for r in rows] == [("shm", 1), ("shm", 2)], rows
+for r in rows:
+    assert r["errors"] == 0 and r["requests"] > 10, r
+print("ok: --transport shm", [round(r["requests_per_s"]) for r in rows], "req/s")
+PY
+kill $pid2; wait $pid2 2>/dev/null || true

@@ -1,5 +1,7 @@
 #include "backends/cuda_backend.h"
 
+#include <cuda.h>  // types of cuMemGetAddressRange only: it is looked up through the runtime
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -97,9 +99,9 @@ PackedLayout PlanLayout(std::span<const std::unique_ptr<AttendJob>> jobs) {
 // fp32 requests run in fp16 when every value fits it, else in bf16.
 kernels::DType ComputeDType(const AttendJob& job) {
   if (job.key.wire_dtype != kernels::DType::kFloat32) return job.key.wire_dtype;
-  for (const v1::Tensor* t : {&job.request->q(), &job.request->k(), &job.request->v()}) {
-    const float* p = reinterpret_cast<const float*>(t->data().data());
-    const size_t n = t->data().size() / 4;
+  for (std::string_view t : {job.q_bytes, job.k_bytes, job.v_bytes}) {
+    const float* p = reinterpret_cast<const float*>(t.data());
+    const size_t n = t.size() / 4;
     for (size_t i = 0; i < n; ++i) {
       if (!(std::fabs(p[i]) <= 60000.0f)) return kernels::DType::kBFloat16;
     }
@@ -120,7 +122,7 @@ ElementCast UnstagingCast(kernels::DType wire, kernels::DType compute) {
 }
 
 // One tensor of the request into its 16-bit staging area.
-HostCopy StagingCopy(const std::string& src, ElementCast cast, char* dst) {
+HostCopy StagingCopy(std::string_view src, ElementCast cast, char* dst) {
   const size_t elements = cast == ElementCast::kNone ? src.size() : src.size() / 4;
   return {src.data(), dst, elements, cast};
 }
@@ -130,13 +132,16 @@ void UnstageOutputs(const AttendJob& job, const HostCopier& copier) {
   const CudaJobState& state = StateOf(job);
   const char* out = static_cast<const char*>(state.out.data());
   const ElementCast cast = UnstagingCast(job.key.wire_dtype, *job.key.staged_dtype);
-  std::string* o = job.response->mutable_o()->mutable_data();
+  // Into the response, or straight into the caller's region (o_region, lse_region).
+  char* o = job.o_out != nullptr ? job.o_out : job.response->mutable_o()->mutable_data()->data();
   HostCopy copies[2] = {
-      {out, o->data(), cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2, cast}};
+      {out, o, cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2, cast}};
   size_t n = 1;
   if (job.return_lse) {
-    std::string* lse = job.response->mutable_lse()->mutable_data();
-    copies[n++] = {out + state.o_bytes, lse->data(), lse->size(), ElementCast::kNone};
+    const size_t lse_bytes = sizeof(float) * size_t(job.key.num_heads) * job.total_q;
+    char* lse = job.lse_out != nullptr ? job.lse_out
+                                       : job.response->mutable_lse()->mutable_data()->data();
+    copies[n++] = {out + state.o_bytes, lse, lse_bytes, ElementCast::kNone};
   }
   copier.Run({copies, n});
 }
@@ -191,6 +196,18 @@ absl::Status CopyInputs(std::span<std::unique_ptr<AttendJob>> jobs,
   size_t q_at = layout.q, k_at = layout.k, v_at = layout.v;
   for (const auto& job : jobs) {
     const CudaJobState& state = StateOf(*job);
+    if (job->device_tensors) {  // from the client's GPU regions, on the device
+      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + q_at, job->q_bytes.data(),
+                                                       state.q_bytes, cudaMemcpyDeviceToDevice, s));
+      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + k_at, job->k_bytes.data(),
+                                                       state.kv_bytes, cudaMemcpyDeviceToDevice, s));
+      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + v_at, job->v_bytes.data(),
+                                                       state.kv_bytes, cudaMemcpyDeviceToDevice, s));
+      q_at += state.q_bytes;
+      k_at += state.kv_bytes;
+      v_at += state.kv_bytes;
+      continue;
+    }
     const char* in = static_cast<const char*>(state.in.data());
     RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in + q_at, in, state.q_bytes,
                                                      cudaMemcpyHostToDevice, s));
@@ -217,16 +234,18 @@ absl::Status CopyOutputs(std::span<std::unique_ptr<AttendJob>> jobs,
   int32_t q_offset = 0;
   for (const auto& job : jobs) {
     const CudaJobState& state = StateOf(*job);
-    char* out = static_cast<char*>(state.out.data());
-    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(out, dev_out + o_at, state.o_bytes,
-                                                     cudaMemcpyDeviceToHost, s));
+    // Into pinned staging, or straight into the client's GPU regions.
+    const bool device = job->device_tensors;
+    char* out = device ? job->o_out : static_cast<char*>(state.out.data());
+    char* lse_out = device ? job->lse_out : out + state.o_bytes;
+    const cudaMemcpyKind kind = device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(out, dev_out + o_at, state.o_bytes, kind, s));
     if (job->return_lse && job->total_q > 0) {
       const size_t row = sizeof(float) * job->total_q;
       RETURN_IF_CUDA_ERROR(
-          "D2H copy", cudaMemcpy2DAsync(out + state.o_bytes, row,
+          "D2H copy", cudaMemcpy2DAsync(lse_out, row,
                                         dev_out + layout.lse + sizeof(float) * q_offset,
-                                        sizeof(float) * layout.total_q, row, heads,
-                                        cudaMemcpyDeviceToHost, s));
+                                        sizeof(float) * layout.total_q, row, heads, kind, s));
     }
     o_at += state.o_bytes;
     q_offset += job->total_q;
@@ -365,6 +384,16 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   RETURN_IF_ERROR(Health());
   const auto start = Clock::now();
   const BatchKey& key = job.key;
+  if (job.device_tensors) {
+    // GPU regions: the launch copies q, k and v from them on the device; nothing to stage.
+    auto state = std::make_unique<CudaJobState>();
+    state->q_bytes = job.q_bytes.size();
+    state->kv_bytes = job.k_bytes.size();
+    state->o_bytes = state->q_bytes;
+    job.key.staged_dtype = key.wire_dtype;
+    job.backend_state = std::move(state);
+    return absl::OkStatus();
+  }
   const kernels::DType compute = ComputeDType(job);
   auto state = std::make_unique<CudaJobState>();
   state->q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
@@ -374,12 +403,11 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   ASSIGN_OR_RETURN(state->in, pinned_pool_->Acquire(state->q_bytes + 2 * state->kv_bytes));
   ASSIGN_OR_RETURN(state->out, pinned_pool_->Acquire(state->o_bytes + lse_bytes));
   char* in = static_cast<char*>(state->in.data());
-  const v1::AttendRequest& r = *job.request;
   const ElementCast cast = StagingCast(key.wire_dtype, compute);
   const HostCopy copies[] = {
-      StagingCopy(r.q().data(), cast, in),
-      StagingCopy(r.k().data(), cast, in + state->q_bytes),
-      StagingCopy(r.v().data(), cast, in + state->q_bytes + state->kv_bytes)};
+      StagingCopy(job.q_bytes, cast, in),
+      StagingCopy(job.k_bytes, cast, in + state->q_bytes),
+      StagingCopy(job.v_bytes, cast, in + state->q_bytes + state->kv_bytes)};
   copier_->Run(copies);
   job.key.staged_dtype = compute;
   job.host_copy_us = Micros(Clock::now() - start);
@@ -424,7 +452,8 @@ void CudaBackend::LaneLoop(Lane* lane) {
       }
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
       completions_->Post([this, job, st = std::move(status[i])] {
-        if (st.ok() && !job->step) {  // steps' outputs are in their responses already
+        // Steps' outputs are in their responses already; GPU regions got theirs on the device.
+        if (st.ok() && !job->step && !job->device_tensors) {
           const auto start = Clock::now();
           UnstageOutputs(*job, *copier_);
           job->host_copy_us += Micros(Clock::now() - start);
@@ -758,6 +787,57 @@ absl::Status CudaBackend::Health() const {
   return absl::UnavailableError(absl::StrCat(
       "the GPU context of this attnd is unusable after ", cudaGetErrorName(e), " (",
       cudaGetErrorString(e), "); retry on another replica, this one must be restarted"));
+}
+
+absl::StatusOr<GpuImport> CudaBackend::ImportIpcMemory(const std::string& handle,
+                                                       int32_t device_id, uint64_t bytes) {
+  if (device_id != options_.device) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id ", device_id, " is not attnd's GPU (",
+                                                   options_.device, ")"));
+  }
+  RETURN_IF_ERROR(Health());
+  cudaIpcMemHandle_t h;
+  static_assert(sizeof(h) == 64);
+  std::memcpy(&h, handle.data(), sizeof(h));
+  RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  void* ptr = nullptr;
+  if (cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+      e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_ipc_handle could not be opened (", cudaGetErrorString(e),
+        "): it must come from cudaIpcGetMemHandle in another process on this host, of memory "
+        "still allocated"));
+  }
+  // The allocation's extent, from the driver (through the runtime, so that attnd does not link
+  // libcuda): bytes must lie inside it, else a kernel could read past it.
+  using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  size_t extent = 0;
+  CUdeviceptr base = 0;
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess ||
+      reinterpret_cast<GetRange>(fn)(&base, &extent, reinterpret_cast<CUdeviceptr>(ptr)) !=
+          CUDA_SUCCESS) {
+    cudaIpcCloseMemHandle(ptr);
+    return absl::InternalError("cannot find the extent of the imported GPU memory");
+  }
+  const uint64_t usable = extent - (reinterpret_cast<CUdeviceptr>(ptr) - base);
+  if (bytes > usable) {
+    cudaIpcCloseMemHandle(ptr);
+    return absl::InvalidArgumentError(absl::StrCat("bytes ", bytes, " exceeds the ", usable,
+                                                   " bytes of the shared GPU allocation"));
+  }
+  GpuImport out;
+  out.data = static_cast<char*>(ptr);
+  out.bytes = bytes;
+  out.release = [ptr, device = options_.device] {
+    cudaSetDevice(device);
+    cudaIpcCloseMemHandle(ptr);
+  };
+  return out;
 }
 
 BackendMemory CudaBackend::Memory() const {

@@ -59,6 +59,11 @@ class CudaBackend : public Backend {
   KvRegion kv_region() const override { return kv_; }
   // UNAVAILABLE once a sticky CUDA error has made the device context unusable.
   absl::Status Health() const override;
+  // cudaIpcOpenMemHandle on this backend's device, its extent checked with the driver's
+  // cuMemGetAddressRange; INVALID_ARGUMENT (naming the field) for a bad handle, device or size.
+  absl::StatusOr<GpuImport> ImportIpcMemory(const std::string& handle, int32_t device_id,
+                                            uint64_t bytes) override;
+  bool HasGpu() const override { return true; }
 
  private:
   struct Lane {

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -88,6 +89,17 @@ struct AttendJob {
   // Tensor bytes the job holds in the server (inputs and sized outputs); for the batcher's
   // in-flight bound.
   int64_t bytes = 0;
+
+  // Where q, k and v are read from: the request's data fields (set by ValidateAttendRequest), or
+  // slices of shared-memory regions (transport/tensor_source.h).
+  std::string_view q_bytes, k_bytes, v_bytes;
+  // Where o and lse are written: null means the response's data fields; else a region slice.
+  char* o_out = nullptr;
+  char* lse_out = nullptr;
+  // q_bytes..lse_out are device addresses (GPU regions): never read or written on the host.
+  bool device_tensors = false;
+  // Keeps the regions those point into mapped until the job is gone (even if unregistered).
+  std::vector<std::shared_ptr<const void>> region_holds;
 
   // Completes the request. Called exactly once, from any thread, never while a lock of the
   // batcher or backend is held.

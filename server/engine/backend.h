@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "engine/attend_job.h"
 #include "memory/memory_bytes.h"
 
@@ -39,6 +40,13 @@ struct BatchReport {
 };
 
 using Batch = std::vector<std::unique_ptr<AttendJob>>;
+
+// A client's GPU memory imported into the backend's device context (shared-memory regions).
+struct GpuImport {
+  char* data = nullptr;  // device address
+  uint64_t bytes = 0;
+  std::function<void()> release;  // closes the import; called once no request uses it
+};
 
 // Memory a backend holds, for metrics; zeros where it has none of a kind.
 struct BackendMemory {
@@ -84,6 +92,14 @@ class Backend {
   // The region the backend allocated for the KV cache at creation (none: no sessions). RunBatch
   // computes batches of session steps (jobs with a StepWork, sessions/step_launch.h) over it.
   virtual KvRegion kv_region() const { return {}; }
+  // Imports GPU memory another process shared with a legacy CUDA IPC handle (the 64 bytes of a
+  // cudaIpcMemHandle_t) on device device_id; bytes from its start must lie inside the
+  // allocation. FAILED_PRECONDITION on backends without a GPU.
+  virtual absl::StatusOr<GpuImport> ImportIpcMemory(const std::string& /*handle*/,
+                                                    int32_t /*device_id*/, uint64_t /*bytes*/) {
+    return absl::FailedPreconditionError("GPU regions need attnd's CUDA backend");
+  }
+  virtual bool HasGpu() const { return false; }
 
   // OK while the backend can compute; an error once it cannot without a restart (a sticky CUDA
   // error leaves the device context unusable). attnd then reports NOT_SERVING.

@@ -48,6 +48,13 @@ absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLim
     elements *= n;
   }
   const int64_t want = elements * static_cast<int64_t>(kernels::DTypeSize(ToKernelDType(t.dtype())));
+  if (t.has_region()) {
+    // Its bytes are checked against the region where it is resolved (transport/tensor_source.h).
+    if (!t.data().empty()) {
+      return Invalid(absl::StrCat(name, ".data and ", name, ".region are both set; set one"));
+    }
+    return absl::OkStatus();
+  }
   if (static_cast<int64_t>(t.data().size()) != want) {
     return Invalid(absl::StrCat(name, ".data has ", t.data().size(), " bytes, but shape ",
                                 ShapeString(t), " of ", v1::DType_Name(t.dtype()), " needs ",
@@ -153,6 +160,9 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
   RETURN_IF_ERROR(CheckShapes(r, limits));
   auto job = std::make_unique<AttendJob>();
   job->request = &r;
+  job->q_bytes = r.q().data();
+  job->k_bytes = r.k().data();
+  job->v_bytes = r.v().data();
   job->total_q = static_cast<int32_t>(r.q().shape(0));
   job->total_k = static_cast<int32_t>(r.k().shape(0));
 
@@ -202,9 +212,13 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
   // o is as large as q; lse adds 4 bytes per (head, query token). A request that fits can still
   // ask for an answer that would not: refuse it before any work rather than fail to send it.
   constexpr int64_t kResponseOverhead = 1024;  // shapes, timing, ids
+  // Outputs written into regions (o_region, lse_region) take no room in the response.
+  const int64_t o_bytes = int64_t{job->total_q} * key.num_heads * key.head_dim *
+                          static_cast<int64_t>(kernels::DTypeSize(key.wire_dtype));
   const int64_t response_bytes =
-      static_cast<int64_t>(r.q().data().size()) +
-      (job->return_lse ? int64_t{4} * key.num_heads * job->total_q : 0) + kResponseOverhead;
+      (r.has_o_region() ? 0 : o_bytes) +
+      (job->return_lse && !r.has_lse_region() ? int64_t{4} * key.num_heads * job->total_q : 0) +
+      kResponseOverhead;
   if (limits.max_response_bytes > 0 && response_bytes > limits.max_response_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the response (o", job->return_lse ? " and lse" : "", ") would be about ",
@@ -221,13 +235,23 @@ void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response) {
   v1::Tensor* o = response->mutable_o();
   o->set_dtype(q.dtype());
   o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
-  o->mutable_data()->resize(q.data().size());
+  // An output written into a region leaves the response with its dtype, shape and slice only.
+  if (job.o_out != nullptr) {
+    *o->mutable_region() = job.request->o_region();
+  } else {
+    o->mutable_data()->resize(size_t(job.total_q) * job.key.num_heads * job.key.head_dim *
+                              kernels::DTypeSize(job.key.wire_dtype));
+  }
   if (job.return_lse) {
     v1::Tensor* lse = response->mutable_lse();
     lse->set_dtype(v1::DTYPE_FLOAT32);
     lse->add_shape(job.key.num_heads);
     lse->add_shape(job.total_q);
-    lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
+    if (job.lse_out != nullptr) {
+      *lse->mutable_region() = job.request->lse_region();
+    } else {
+      lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
+    }
   }
   response->set_request_id(job.request->request_id());
 }
@@ -235,12 +259,13 @@ void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response) {
 kernels::AttentionArgs AttendJob::HostArgs() const {
   kernels::AttentionArgs a;
   a.dtype = key.wire_dtype;
-  a.q = request->q().data().data();
-  a.k = request->k().data().data();
-  a.v = request->v().data().data();
-  a.o = response->mutable_o()->mutable_data()->data();
-  a.lse = return_lse ? reinterpret_cast<float*>(response->mutable_lse()->mutable_data()->data())
-                     : nullptr;
+  a.q = q_bytes.data();
+  a.k = k_bytes.data();
+  a.v = v_bytes.data();
+  a.o = o_out != nullptr ? o_out : response->mutable_o()->mutable_data()->data();
+  a.lse = !return_lse         ? nullptr
+          : lse_out != nullptr ? reinterpret_cast<float*>(lse_out)
+                               : reinterpret_cast<float*>(response->mutable_lse()->mutable_data()->data());
   a.cu_seqlens_q = cu_seqlens_q.data();
   a.cu_seqlens_k = cu_seqlens_k.data();
   a.batch = static_cast<int32_t>(cu_seqlens_q.size()) - 1;

@@ -10,6 +10,7 @@
 #include "observability/metrics.h"
 #include "common/status_util.h"
 #include "common/tsan_annotations.h"
+#include "transport/tensor_source.h"
 
 namespace attn {
 namespace {
@@ -57,6 +58,7 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
   if (draining_.load()) return absl::UnavailableError(kShuttingDown);
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
                    ValidateAttendRequest(*request, options_.limits));
+  RETURN_IF_ERROR(ResolveAttendTensors(*request, client, options_.regions, job.get()));
   job->response = response;
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);

@@ -20,6 +20,7 @@ class Batcher;
 class Metrics;
 class SessionManager;
 class AttendStreamReactor;
+class RegionRegistry;
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
@@ -33,6 +34,9 @@ class AttentionService final : public v1::Attention::CallbackService {
     // Most pending Attend calls plus in-flight AttendStream items per client identity (its
     // token when tokens are on, else its peer host); 0: unlimited.
     int64_t max_pending_per_client = 0;
+    // Shared-memory regions requests may name (Tensor.region, o_region); null: shared memory
+    // is off. Must outlive the service.
+    const RegionRegistry* regions = nullptr;
   };
   // batcher, backend, metrics and sessions must outlive the service; sessions may be null (the
   // session RPCs then answer UNIMPLEMENTED).

@@ -4,6 +4,9 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_builder.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <future>
 #include <random>
 #include <iostream>
@@ -21,6 +24,9 @@
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
 #include "rpc/session_warmup.h"
+#include "transport/region_registry.h"
+#include "transport/region_service.h"
+#include "transport/region_socket.h"
 #include "version.h"
 #ifdef ATTN_HAVE_CUDA
 #include "backends/cuda_backend.h"
@@ -128,6 +134,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.version = kVersion;
   so.authenticator = s->authenticator_.get();
   so.max_pending_per_client = options.max_pending_per_client;
+  RETURN_IF_ERROR(s->StartSharedMemory());
+  so.regions = s->regions_.get();
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
                                                    s->metrics_.get(), s->sessions_.get());
 
@@ -140,9 +148,18 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, credentials, &s->port_);
   builder.RegisterService(s->service_.get());
+  builder.RegisterService(s->region_service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  if (options.tcp_read_chunk_bytes > 0) {
+    builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, options.tcp_read_chunk_bytes);
+    builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE,
+                               std::min(options.tcp_read_chunk_bytes, (1 << 30) / 8) * 8);
+  }
+  for (const auto& [name, value] : options.grpc_args) builder.AddChannelArgument(name, value);
   HandOffToGrpc(s->service_.get());  // its handlers run on gRPC's threads from now on
+  HandOffToGrpc(s->region_service_.get());
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
@@ -163,6 +180,43 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
                    s->metrics_->port() ? absl::StrCat(", metrics on port ", s->metrics_->port())
                                        : std::string(", metrics not served")));
   return s;
+}
+
+// The region registry and socket when shared memory is allowed; the SharedMemory service always
+// (it answers FAILED_PRECONDITION when shared memory is off, so that clients learn why).
+absl::Status AttnServer::StartSharedMemory() {
+  std::string path;
+  if (options_.allow_shared_memory) {
+    if (options_.shm_max_regions_per_client < 1 || options_.shm_max_bytes_per_client < 1) {
+      return absl::InvalidArgumentError(
+          "--shm_max_regions_per_client and --shm_max_bytes_per_client must be >= 1");
+    }
+    RegionRegistry::Options ro;
+    ro.max_regions_per_client = options_.shm_max_regions_per_client;
+    ro.max_bytes_per_client = options_.shm_max_bytes_per_client;
+    if (backend_->HasGpu()) {
+      // GPU regions: imported once here, at registration, and used by every request after.
+      ro.import_gpu = [backend = backend_.get()](const v1::RegisterRegionRequest& r)
+          -> absl::StatusOr<std::unique_ptr<SharedRegion>> {
+        ASSIGN_OR_RETURN(GpuImport g, backend->ImportIpcMemory(r.cuda_ipc_handle(),
+                                                                r.device_id(), r.bytes()));
+        return SharedRegion::Gpu(g.data, g.bytes, std::move(g.release));
+      };
+    }
+    regions_ = std::make_unique<RegionRegistry>(ro);
+    path = options_.shm_socket;
+    if (path.empty()) {
+      const char* tmp = std::getenv("TMPDIR");
+      path = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/attnd-", ::getpid(),
+                          ".regions.sock");
+    }
+    ASSIGN_OR_RETURN(region_socket_, RegionSocket::Listen(path, regions_.get()));
+    Log(absl::StrCat("shared memory allowed: region socket ", path, ", at most ",
+                     ro.max_regions_per_client, " regions and ", ro.max_bytes_per_client,
+                     " bytes per client"));
+  }
+  region_service_ = std::make_unique<RegionService>(regions_.get(), authenticator_.get(), path);
+  return absl::OkStatus();
 }
 
 // The page pool over the backend's KV region and the session manager.
@@ -231,6 +285,10 @@ absl::Status AttnServer::WarmUp() {
 }
 
 int AttnServer::metrics_port() const { return metrics_->port(); }
+
+int64_t AttnServer::SharedMemoryRegions() const {
+  return regions_ ? regions_->RegionCount() : 0;
+}
 
 int64_t AttnServer::PendingPerClientTotal() const { return service_->PendingPerClientTotal(); }
 

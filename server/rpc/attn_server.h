@@ -23,6 +23,9 @@ class AttentionService;
 class Authenticator;
 class KvPagePool;
 class SessionManager;
+class RegionRegistry;
+class RegionSocket;
+class RegionService;
 
 class AttnServer {
  public:
@@ -37,6 +40,8 @@ class AttnServer {
   // The sessions and their page pool (null when the backend has no KV region).
   SessionManager* sessions() const { return sessions_.get(); }
   KvPagePool* kv_pool() const { return kv_pool_.get(); }
+  // Shared-memory regions registered now, over all clients (0 when shared memory is off).
+  int64_t SharedMemoryRegions() const;
 
   // Health goes NOT_SERVING and new calls get UNAVAILABLE until the server is quiet (at most
   // drain_grace_s), queued and running requests finish, then the gRPC server shuts down (calls
@@ -49,6 +54,7 @@ class AttnServer {
   AttnServer() = default;
   absl::Status WarmUp();
   absl::Status CreateSessions(const BackendInfo& info);
+  absl::Status StartSharedMemory();
   void WaitUntilQuiet();
   void MonitorBackendLoop();
 
@@ -60,6 +66,10 @@ class AttnServer {
   std::unique_ptr<SessionManager> sessions_;  // borrows kv_pool_ and metrics_
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
+  // Shared memory: null unless --allow_shared_memory (the service answers FAILED_PRECONDITION).
+  std::unique_ptr<RegionRegistry> regions_;
+  std::unique_ptr<RegionSocket> region_socket_;
+  std::unique_ptr<RegionService> region_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::mutex monitor_mu_;

@@ -83,6 +83,25 @@ absl::Status CheckStepShapes(const v1::StepRequest& r, const Session& s,
   return absl::OkStatus();
 }
 
+// Shared-memory regions (Tensor.region, o_region, lse_region) are resolved for Attend only so
+// far: the step paths of the backends read and write the messages' bytes. Refused by name rather
+// than read as empty tensors. (To support them: transport/tensor_source.h, ResolveTensor.)
+absl::Status CheckNoRegions(const v1::StepRequest& r) {
+  for (const auto& [t, name] : {std::pair{&r.q(), "q"}, {&r.k_new(), "k_new"}, {&r.v_new(), "v_new"}}) {
+    if (t->has_region()) {
+      return absl::UnimplementedError(absl::StrCat(
+          name, ".region: shared-memory regions are not supported on Step and BatchStep yet; send ",
+          name, ".data"));
+    }
+  }
+  if (r.has_o_region() || r.has_lse_region()) {
+    return absl::UnimplementedError(absl::StrCat(
+        r.has_o_region() ? "o_region" : "lse_region",
+        ": shared-memory regions are not supported on Step and BatchStep yet; leave it unset"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckOptions(const v1::StepRequest& r) {
   if (!std::isfinite(r.softmax_scale())) {
     return Invalid(absl::StrCat("softmax_scale must be finite, got ", r.softmax_scale()));
@@ -113,6 +132,7 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepReq
                                 " has ", shape.num_layers, " layers (0 <= layer < ",
                                 shape.num_layers, ")"));
   }
+  RETURN_IF_ERROR(CheckNoRegions(r));
   RETURN_IF_ERROR(CheckStepShapes(r, *session, limits));
   RETURN_IF_ERROR(CheckOptions(r));
   auto job = std::make_unique<AttendJob>();

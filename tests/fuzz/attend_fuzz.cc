@@ -2,11 +2,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "rpc/attend_validation.h"
+#include "transport/region_registry.h"
+#include "transport/tensor_source.h"
 #include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/dtype_convert.h"
 #include "attn/v1/attention.pb.h"
@@ -21,7 +28,7 @@ const std::vector<int32_t>& HeadDims() {
   return dims;
 }
 
-float ElementAt(const std::string& bytes, v1::DType dtype, size_t i) {
+float ElementAt(std::string_view bytes, v1::DType dtype, size_t i) {
   if (dtype == v1::DTYPE_FLOAT32) {
     float f;
     std::memcpy(&f, bytes.data() + 4 * i, 4);
@@ -32,16 +39,49 @@ float ElementAt(const std::string& bytes, v1::DType dtype, size_t i) {
   return dtype == v1::DTYPE_FLOAT16 ? kernels::cpu::HalfBitsToFloat(h) : kernels::cpu::Bf16BitsToFloat(h);
 }
 
-// Largest |x| of a tensor, or +inf when it holds a NaN or an infinity.
-double MaxAbs(const v1::Tensor& t) {
-  const size_t n = t.data().size() / (t.dtype() == v1::DTYPE_FLOAT32 ? 4 : 2);
+// Largest |x| of a tensor's bytes, or +inf when it holds a NaN or an infinity.
+double MaxAbs(std::string_view bytes, v1::DType dtype) {
+  const size_t n = bytes.size() / (dtype == v1::DTYPE_FLOAT32 ? 4 : 2);
   double m = 0;
   for (size_t i = 0; i < n; ++i) {
-    const float x = ElementAt(t.data(), t.dtype(), i);
+    const float x = ElementAt(bytes, dtype, i);
     if (!std::isfinite(x)) return INFINITY;
     m = std::max(m, double(std::fabs(x)));
   }
   return m;
+}
+
+// The fuzzed client's shared-memory region "r0" (kRegionBytes), registered to identity "fuzz"
+// in a registry of its own: requests may name it, or any other name, in every region field.
+struct FuzzRegions {
+  RegionRegistry registry{RegionRegistry::Options{}};
+  SharedRegion* r0 = nullptr;
+};
+
+FuzzRegions* MakeRegions() {
+  auto* f = new FuzzRegions();
+  const int fd = memfd_create("fuzz-r0", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0 || ftruncate(fd, kRegionBytes) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    std::abort();
+  }
+  auto region = SharedRegion::MapMemfd(fd, kRegionBytes);
+  close(fd);
+  if (!region.ok()) std::abort();
+  std::shared_ptr<SharedRegion> shared = std::move(*region);
+  f->r0 = shared.get();
+  auto handle = f->registry.AddPending(std::move(shared), 1);
+  v1::RegisterRegionRequest r;
+  r.set_name("r0");
+  r.set_kind(v1::REGION_KIND_HOST);
+  r.set_handle(handle.value());
+  if (!f->registry.Register("fuzz", r).ok()) std::abort();
+  return f;
+}
+
+// One per process: a fuzzer's inputs all run against the same region (refilled per input).
+FuzzRegions& Regions() {
+  static FuzzRegions* regions = MakeRegions();
+  return *regions;
 }
 
 }  // namespace
@@ -61,6 +101,23 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
   }
   AttendJob& job = **job_or;
   if (job.total_q > kMaxTokens || job.total_k > kMaxTokens) return out;
+  // Region fields: the same resolution attnd runs, against region "r0" of identity "fuzz",
+  // refilled with a fixed finite pattern so that a run never depends on the ones before it.
+  FuzzRegions& regions = Regions();
+  std::memset(regions.r0->data(), 0x3c, regions.r0->size());
+  if (absl::Status st = ResolveAttendTensors(request, "fuzz", &regions.registry, &job); !st.ok()) {
+    if (st.message().empty()) out.violation = "region error without a message";
+    return out;
+  }
+  for (auto [view, name] : {std::pair{job.q_bytes, "q"}, std::pair{job.k_bytes, "k"},
+                            std::pair{job.v_bytes, "v"}}) {
+    const char* base = regions.r0->data();
+    const bool in_region = view.data() >= base && view.data() < base + regions.r0->size();
+    if (in_region && view.data() + view.size() > base + regions.r0->size()) {
+      out.violation = absl::StrCat(name, " resolved past the end of its region");
+      return out;
+    }
+  }
   out.valid = true;
 
   v1::AttendResponse response;
@@ -84,15 +141,20 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
   }
   out.computed = true;
 
-  // Output shape and size are what the contract says.
+  // Output shape and size are what the contract says; o is in the response or in its region.
   const v1::Tensor& o = response.o();
-  if (o.dtype() != request.q().dtype() || o.data().size() != request.q().data().size()) {
-    out.violation = "o has the wrong dtype or size";
+  const v1::DType dtype = request.q().dtype();
+  const std::string_view o_bytes =
+      job.o_out != nullptr ? std::string_view(job.o_out, job.q_bytes.size()) : o.data();
+  if (o.dtype() != dtype || o_bytes.size() != job.q_bytes.size() ||
+      (job.o_out != nullptr) != o.has_region()) {
+    out.violation = "o has the wrong dtype or size, or its region is not reported";
     return out;
   }
   // Finite inputs whose scores cannot overflow give a finite output, and |o| <= max |v| (o is a
   // convex combination of rows of v); rows of sequences with no keys are exactly 0.
-  const double mq = MaxAbs(request.q()), mk = MaxAbs(request.k()), mv = MaxAbs(request.v());
+  const double mq = MaxAbs(job.q_bytes, dtype), mk = MaxAbs(job.k_bytes, dtype),
+               mv = MaxAbs(job.v_bytes, dtype);
   const double bound_scores = mq * mk * job.key.head_dim * std::fabs(job.key.softmax_scale);
   const bool tame = std::isfinite(mq) && std::isfinite(mk) && std::isfinite(mv) &&
                     bound_scores < 1e30;
@@ -104,7 +166,7 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
     }
   }
   for (int64_t i = 0; i < int64_t{job.total_q} * row; ++i) {
-    const float x = ElementAt(o.data(), o.dtype(), size_t(i));
+    const float x = ElementAt(o_bytes, dtype, size_t(i));
     if (keyless_row[i / row] && x != 0.0f) {
       out.violation = absl::StrCat("o[", i, "] = ", x, " in a row whose sequence has no keys");
       return out;
@@ -121,10 +183,13 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
     }
   }
   if (job.return_lse && tame) {
-    const v1::Tensor& lse = response.lse();
-    for (size_t i = 0; i < lse.data().size() / 4; ++i) {
+    const std::string_view lse =
+        job.lse_out != nullptr
+            ? std::string_view(job.lse_out, 4 * size_t(job.total_q) * job.key.num_heads)
+            : std::string_view(response.lse().data());
+    for (size_t i = 0; i < lse.size() / 4; ++i) {
       float x;
-      std::memcpy(&x, lse.data().data() + 4 * i, 4);
+      std::memcpy(&x, lse.data() + 4 * i, 4);
       if (std::isnan(x) || x == INFINITY) {
         out.violation = absl::StrCat("lse[", i, "] = ", x, " for finite inputs");
         return out;

@@ -1,6 +1,7 @@
 // The code path shared by the libFuzzer target (attend_fuzzer.cc) and the regression test
 // (fuzz_regression_test.cc): bytes -> attn.v1.AttendRequest -> ValidateAttendRequest with small
-// limits -> the CPU kernel, with invariants checked on the output.
+// limits -> region resolution (ResolveAttendTensors, one registered region "r0") -> the CPU
+// kernel, with invariants checked on the output.
 #pragma once
 
 #include <cstddef>
@@ -12,6 +13,9 @@ namespace attn::fuzz {
 // Limits that keep one run in the millisecond range.
 constexpr int64_t kMaxTensorElements = int64_t{1} << 16;
 constexpr int64_t kMaxTokens = 256;  // per tensor (q.shape[0], k.shape[0])
+// Size of the one shared-memory region, "r0", that inputs may name in Tensor.region,
+// o_region and lse_region.
+constexpr uint64_t kRegionBytes = 64 << 10;
 
 struct Outcome {
   bool parsed = false;     // the bytes were an AttendRequest

@@ -27,7 +27,21 @@ struct Seed {
   float scale = 0;
   bool lse = false;
   bool high = false;
+  // Shared memory (the fuzz harness registers one 64 KiB region, "r0"): q, k and v there
+  // instead of in the message, and o (and lse) written there.
+  bool inputs_in_region = false;
+  bool outputs_in_region = false;
 };
+
+// Moves t's bytes to region r0 at *offset (the region's contents come from the harness).
+void ToRegion(attn::v1::Tensor* t, uint64_t* offset) {
+  const uint64_t bytes = t->data().size();
+  t->clear_data();
+  t->mutable_region()->set_region("r0");
+  t->mutable_region()->set_offset(*offset);
+  t->mutable_region()->set_bytes(bytes);
+  *offset += bytes;
+}
 
 void Fill(attn::v1::Tensor* t, DType dtype, int64_t tokens, int heads, int d, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
@@ -143,6 +157,8 @@ int main(int argc, char** argv) {
       {"lse", f32, {5}, {3}, 2, 1, 4, true, -2, -2, 0, true, true},
       {"head_dim_32", bf16, {2}, {3}, 1, 1, 32},
       {"head_dim_64_lse", f16, {2}, {2}, 1, 1, 64, true, -2, -2, 0, true},
+      {"region_inputs", bf16, {4}, {6}, 2, 1, 8, false, -2, -2, 0, false, false, true},
+      {"region_outputs_lse", f32, {3}, {5}, 2, 2, 4, true, -2, -2, 0, true, false, true, true},
   };
   std::mt19937 rng(1234);
   for (const Seed& s : seeds) {
@@ -170,6 +186,22 @@ int main(int argc, char** argv) {
     r.set_softmax_scale(s.scale);
     r.set_return_lse(s.lse);
     if (s.high) r.set_priority(attn::v1::PRIORITY_HIGH);
+    uint64_t offset = 0;
+    const uint64_t o_bytes = r.q().data().size();
+    if (s.inputs_in_region) {
+      for (auto* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) ToRegion(t, &offset);
+    }
+    if (s.outputs_in_region) {
+      r.mutable_o_region()->set_region("r0");
+      r.mutable_o_region()->set_offset(offset);
+      r.mutable_o_region()->set_bytes(o_bytes);
+      offset += o_bytes;
+      if (s.lse) {
+        r.mutable_lse_region()->set_region("r0");
+        r.mutable_lse_region()->set_offset(offset);
+        r.mutable_lse_region()->set_bytes(4 * uint64_t(tq) * s.heads);
+      }
+    }
     r.set_request_id(7);
     std::ofstream out(std::string(argv[1]) + "/" + s.name + ".pb", std::ios::binary);
     out << r.SerializeAsString();

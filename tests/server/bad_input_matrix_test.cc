@@ -181,6 +181,32 @@ std::vector<BadCase> BadCases() {
        "window.right must be >= -1 (-1: unbounded), got 0 and -2"},
       {"WindowLeftInt32Min", [](auto& r) { r.mutable_window()->set_left(kInt32Min); }, IA,
        "got -2147483648 and 0"},
+      // Shared-memory regions on a server without --allow_shared_memory (the region matrix on
+      // one with it: region_bad_input_test.cc).
+      {"QRegionWithSharedMemoryOff",
+       [](auto& r) {
+         r.mutable_q()->clear_data();
+         r.mutable_q()->mutable_region()->set_region("in");
+         r.mutable_q()->mutable_region()->set_bytes(64 * 4 * 64 * 2);
+       },
+       StatusCode::FAILED_PRECONDITION,
+       "q.region names a shared-memory region, but shared memory is off"},
+      {"OutputRegionWithSharedMemoryOff",
+       [](auto& r) {
+         r.mutable_o_region()->set_region("out");
+         r.mutable_o_region()->set_bytes(64 * 4 * 64 * 2);
+       },
+       StatusCode::FAILED_PRECONDITION, "o_region names a shared-memory region"},
+      {"LseRegionWithSharedMemoryOff",
+       [](auto& r) {
+         r.set_return_lse(true);
+         r.mutable_lse_region()->set_region("out");
+         r.mutable_lse_region()->set_bytes(4 * 64 * 4);
+       },
+       StatusCode::FAILED_PRECONDITION, "lse_region names a shared-memory region"},
+      {"LseRegionWithoutReturnLse",
+       [](auto& r) { r.mutable_lse_region()->set_region("out"); }, IA,
+       "lse_region is set, but return_lse is false"},
   };
 }
 
@@ -558,6 +584,21 @@ std::vector<SessionBadCase> SessionBadCases() {
        },
        NF, "was closed"},
       // Step: layer and tensors.
+      // Shared-memory regions are not read by steps yet: refused by name (UNIMPLEMENTED).
+      {"StepQRegion",
+       BadStep([](auto& r) {
+         r.mutable_q()->clear_data();
+         r.mutable_q()->mutable_region()->set_region("in");
+       }),
+       StatusCode::UNIMPLEMENTED, "q.region: shared-memory regions are not supported on Step"},
+      {"StepOutputRegion", BadStep([](auto& r) { r.mutable_o_region()->set_region("out"); }),
+       StatusCode::UNIMPLEMENTED, "o_region: shared-memory regions are not supported on Step"},
+      {"StepLseRegion",
+       BadStep([](auto& r) {
+         r.set_return_lse(true);
+         r.mutable_lse_region()->set_region("out");
+       }),
+       StatusCode::UNIMPLEMENTED, "lse_region: shared-memory regions are not supported on Step"},
       {"StepLayerNegative", BadStep([](auto& r) { r.set_layer(-1); }), IA,
        "layer -1 is out of range"},
       {"StepLayerPastLast", BadStep([](auto& r) { r.set_layer(2); }), IA,

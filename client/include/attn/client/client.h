@@ -2,11 +2,13 @@
 // takes and returns plain tensors.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -70,6 +72,18 @@ struct ClientOptions {
   // "pick_first" (gRPC's default) keeps one connection. Empty: gRPC's default (or the resolver's
   // service config). A service config served by the resolver (DNS TXT) overrides this one.
   std::string lb_policy;
+  // HTTP/2 connections this client spreads its calls over (round robin, one call each): one
+  // connection moves about one core's worth of bytes (~1 GB/s), and gRPC channels with the same
+  // target and arguments share one connection, so each of these channels gets arguments of its
+  // own. 0: min(4, hardware threads). Calls of one thread run one at a time, so more connections
+  // help only a client whose threads call concurrently.
+  int connections = 0;
+  // Size of gRPC's TCP reads (they grow up to 8x it); 0: gRPC's default (8 KiB, adaptive). Off
+  // by default: no measured gain yet (docs/PERF.md, "Transport settings").
+  int tcp_read_chunk_bytes = 0;
+  // Extra gRPC channel arguments (name, integer value), e.g. {"grpc.http2.max_frame_size",
+  // 1 << 20}; for measuring transport settings (attn-bench --channel_arg).
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 class Client {
@@ -89,18 +103,26 @@ class Client {
                                               const AttendOptions& options);
   static absl::StatusOr<AttendResult> ParseAttendResponse(const v1::AttendResponse& response);
 
-  v1::Attention::Stub* stub() { return stub_.get(); }
-  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  // A stub of the next connection, round robin (thread-safe).
+  v1::Attention::Stub* stub();
+  // The first connection's channel.
+  const std::shared_ptr<grpc::Channel>& channel() const { return channels_.front(); }
+  // The connections this client spreads its calls over.
+  int connections() const { return static_cast<int>(channels_.size()); }
   // Sets the bearer token and deadline on a context for a direct stub call.
   void PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const;
 
  private:
-  Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels);
 
   ClientOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Attention::Stub> stub_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<v1::Attention::Stub>> stubs_;
+  std::atomic<uint64_t> next_stub_{0};
 };
+
+// The connection count that ClientOptions::connections = 0 stands for: min(4, hardware threads).
+int DefaultConnections();
 
 // grpc::Status -> absl::Status (same codes).
 absl::Status FromGrpc(const grpc::Status& status);

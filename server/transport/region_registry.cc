@@ -1,0 +1,246 @@
+#include "transport/region_registry.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace attn {
+namespace {
+
+// 128 random bits as hex: a handle is a capability for one mapped memfd until claimed, so it
+// must not be guessable by another local client.
+std::string NewHandle() {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&out, absl::Hex(rd(), absl::kZeroPad8));
+  return out;
+}
+
+}  // namespace
+
+absl::Status CheckRegionName(const std::string& name, const std::string& field) {
+  if (name.empty() || name.size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must have 1 to 64 characters, got ", name.size()));
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " may hold only A-Z, a-z, 0-9, '_', '.' and '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void RegionRegistry::ExpirePendingLocked(std::chrono::steady_clock::time_point now) {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    it = it->second.expires <= now ? pending_.erase(it) : std::next(it);
+  }
+}
+
+absl::StatusOr<std::string> RegionRegistry::AddPending(std::shared_ptr<SharedRegion> region,
+                                                       uint64_t connection) {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpirePendingLocked(now);
+  int on_connection = 0;
+  for (const auto& [handle, p] : pending_) on_connection += p.connection == connection;
+  if (on_connection >= options_.max_pending_per_connection) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this connection has ", on_connection, " unclaimed handles; claim them with "
+        "RegisterRegion first"));
+  }
+  std::string handle = NewHandle();
+  pending_[handle] = Pending{std::move(region), connection, now + options_.pending_ttl};
+  return handle;
+}
+
+v1::RegionInfo RegionRegistry::InfoOf(const std::string& name, const Entry& e) {
+  v1::RegionInfo info;
+  info.set_name(name);
+  info.set_kind(e.region->on_gpu() ? v1::REGION_KIND_CUDA : v1::REGION_KIND_HOST);
+  info.set_bytes(e.region->size());
+  // The registry's own reference is not a request's.
+  info.set_in_flight(e.region.use_count() - 1);
+  return info;
+}
+
+absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner,
+                                                        const v1::RegisterRegionRequest& r) {
+  if (absl::Status st = CheckRegionName(r.name(), "name"); !st.ok()) return st;
+  if (r.kind() == v1::REGION_KIND_CUDA) return RegisterGpu(owner, r);
+  if (r.kind() != v1::REGION_KIND_HOST) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kind must be REGION_KIND_HOST or REGION_KIND_CUDA, got ", r.kind()));
+  }
+  if (r.handle().empty()) {
+    return absl::InvalidArgumentError(
+        "handle is empty: pass the memfd over the region socket (ListRegions.socket_path) first");
+  }
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpirePendingLocked(now);
+  auto p = pending_.find(r.handle());
+  if (p == pending_.end()) {
+    return absl::InvalidArgumentError(
+        "handle is unknown, expired (60 s) or already claimed; pass the memfd over the region "
+        "socket again");
+  }
+  if (p->second.region == nullptr) {
+    return absl::InvalidArgumentError(
+        "handle is a lease for a GPU region (kind REGION_KIND_CUDA), not a memfd's");
+  }
+  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), p->second.region->size());
+      !st.ok()) {
+    return st;
+  }
+  Entry e{std::move(p->second.region), p->second.connection};
+  pending_.erase(p);
+  return InsertLocked(owner, r.name(), std::move(e));
+}
+
+absl::Status RegionRegistry::CheckRoomLocked(const Owner& o, const std::string& name,
+                                             uint64_t size) const {
+  if (o.regions.count(name) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("name: a region named '", name,
+                                                 "' is already registered; unregister it first"));
+  }
+  if (static_cast<int64_t>(o.regions.size()) >= options_.max_regions_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this client has ", o.regions.size(), " regions, the most allowed "
+        "(attnd's --shm_max_regions_per_client)"));
+  }
+  if (size > static_cast<uint64_t>(options_.max_bytes_per_client) ||
+      o.bytes + size > static_cast<uint64_t>(options_.max_bytes_per_client)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this client's regions would map ", o.bytes, " + ", size, " bytes, over the ",
+        options_.max_bytes_per_client, "-byte limit (attnd's --shm_max_bytes_per_client)"));
+  }
+  return absl::OkStatus();
+}
+
+v1::RegionInfo RegionRegistry::InsertLocked(const std::string& owner, const std::string& name,
+                                            Entry e) {
+  Owner& o = owners_[owner];
+  o.bytes += e.region->size();
+  auto [it, inserted] = o.regions.emplace(name, std::move(e));
+  return InfoOf(it->first, it->second);
+}
+
+// GPU regions come with their handle in the request (no socket step); importing one costs about
+// a millisecond, so it runs outside the lock, between a check of the room and a second one.
+absl::StatusOr<v1::RegionInfo> RegionRegistry::RegisterGpu(const std::string& owner,
+                                                           const v1::RegisterRegionRequest& r) {
+  if (r.cuda_ipc_handle().size() != 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_ipc_handle must be the 64 bytes of a cudaIpcMemHandle_t, got ",
+        r.cuda_ipc_handle().size()));
+  }
+  if (r.bytes() == 0) return absl::InvalidArgumentError("bytes must be > 0 for a GPU region");
+  if (r.device_id() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id must be >= 0, got ", r.device_id()));
+  }
+  uint64_t connection = 0;  // none: kept until unregistered (or attnd exits)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ExpirePendingLocked(std::chrono::steady_clock::now());
+    if (!r.handle().empty()) {
+      // A lease from the region socket: the region goes when that connection closes.
+      auto p = pending_.find(r.handle());
+      if (p == pending_.end() || p->second.region != nullptr) {
+        return absl::InvalidArgumentError(
+            "handle is unknown, expired (60 s), already claimed or not a lease; ask the region "
+            "socket for a lease (ATTNLS01) or leave handle empty");
+      }
+      connection = p->second.connection;
+      pending_.erase(p);
+    }
+  }
+  if (!options_.import_gpu) {
+    return absl::FailedPreconditionError(
+        "kind REGION_KIND_CUDA: GPU regions need attnd's CUDA backend; this attnd has no GPU "
+        "(use REGION_KIND_HOST)");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto o = owners_.find(owner);
+    if (absl::Status st = CheckRoomLocked(o == owners_.end() ? Owner() : o->second, r.name(),
+                                          r.bytes());
+        !st.ok()) {
+      return st;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = options_.import_gpu(r);
+  if (!region.ok()) return region.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), (*region)->size()); !st.ok()) {
+    return st;  // another call took the name or the room meanwhile; the import is closed
+  }
+  return InsertLocked(owner, r.name(), Entry{std::move(*region), connection});
+}
+
+absl::Status RegionRegistry::Unregister(const std::string& owner, const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto o = owners_.find(owner);
+  if (o == owners_.end() || o->second.regions.count(name) == 0) {
+    return absl::NotFoundError(absl::StrCat("name: no region named '", name, "' is registered"));
+  }
+  auto it = o->second.regions.find(name);
+  o->second.bytes -= it->second.region->size();
+  o->second.regions.erase(it);  // requests holding it keep it mapped until they finish
+  if (o->second.regions.empty()) owners_.erase(o);
+  return absl::OkStatus();
+}
+
+std::vector<v1::RegionInfo> RegionRegistry::List(const std::string& owner) const {
+  std::vector<v1::RegionInfo> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto o = owners_.find(owner);
+  if (o == owners_.end()) return out;
+  for (const auto& [name, e] : o->second.regions) out.push_back(InfoOf(name, e));
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<SharedRegion>> RegionRegistry::Find(const std::string& owner,
+                                                                   const std::string& name,
+                                                                   const std::string& field) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto o = owners_.find(owner);
+  if (o != owners_.end()) {
+    auto it = o->second.regions.find(name);
+    if (it != o->second.regions.end()) return it->second.region;
+  }
+  // Another identity's region is reported exactly as a missing one: its name is not disclosed.
+  return absl::NotFoundError(absl::StrCat(field, ": no region named '", name,
+                                          "' is registered by this client"));
+}
+
+void RegionRegistry::DropConnection(uint64_t connection) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    it = it->second.connection == connection ? pending_.erase(it) : std::next(it);
+  }
+  for (auto o = owners_.begin(); o != owners_.end();) {
+    auto& regions = o->second.regions;
+    for (auto it = regions.begin(); it != regions.end();) {
+      if (it->second.connection == connection) {
+        o->second.bytes -= it->second.region->size();
+        it = regions.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    o = regions.empty() ? owners_.erase(o) : std::next(o);
+  }
+}
+
+int64_t RegionRegistry::RegionCount() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& [owner, o] : owners_) n += static_cast<int64_t>(o.regions.size());
+  return n;
+}
+
+}  // namespace attn

@@ -1,0 +1,95 @@
+// The shared-memory regions attnd holds, per client identity. Regions arrive in two steps: the
+// region socket maps a client's memfd and parks it under a one-time handle (AddPending); the
+// client then claims the handle with RegisterRegion over gRPC, where its identity is known
+// (Register). Requests look regions up by (identity, name) and hold them by shared_ptr, so that
+// unregistering (or the client's socket closing) never unmaps memory a request still uses.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attn/v1/attention.pb.h"
+#include "transport/shared_region.h"
+
+namespace attn {
+
+class RegionRegistry {
+ public:
+  struct Options {
+    int64_t max_regions_per_client = 64;
+    int64_t max_bytes_per_client = int64_t{64} << 30;
+    // How long a handle from the region socket waits to be claimed.
+    std::chrono::seconds pending_ttl{60};
+    // Most unclaimed handles per socket connection.
+    int max_pending_per_connection = 64;
+    // Imports a REGION_KIND_CUDA region (its fields already checked) on the backend's GPU; null:
+    // the backend has no GPU, and such regions are refused.
+    std::function<absl::StatusOr<std::unique_ptr<SharedRegion>>(const v1::RegisterRegionRequest&)>
+        import_gpu;
+  };
+  explicit RegionRegistry(Options options) : options_(options) {}
+
+  const Options& options() const { return options_; }
+
+  // Parks a mapped region under a fresh handle, tied to socket connection `connection` (for
+  // DropConnection). A null region makes a lease: a handle that ties a GPU region, registered
+  // with it, to the connection. RESOURCE_EXHAUSTED past max_pending_per_connection.
+  absl::StatusOr<std::string> AddPending(std::shared_ptr<SharedRegion> region, uint64_t connection);
+
+  // Claims `handle` as region `name` of `owner`. Errors name the field (name, handle, kind).
+  absl::StatusOr<v1::RegionInfo> Register(const std::string& owner,
+                                          const v1::RegisterRegionRequest& request);
+  // NOT_FOUND when owner has no region of that name.
+  absl::Status Unregister(const std::string& owner, const std::string& name);
+  std::vector<v1::RegionInfo> List(const std::string& owner) const;
+  // The region, held for the caller; NOT_FOUND (naming `field`) when owner has none of that name.
+  absl::StatusOr<std::shared_ptr<SharedRegion>> Find(const std::string& owner,
+                                                     const std::string& name,
+                                                     const std::string& field) const;
+  // The socket connection is gone (its client exited): its pending handles and every region
+  // registered with one of its handles are dropped (unmapped once no request holds them).
+  void DropConnection(uint64_t connection);
+
+  // Regions registered now, over all identities (for tests and metrics).
+  int64_t RegionCount() const;
+
+ private:
+  struct Pending {
+    std::shared_ptr<SharedRegion> region;
+    uint64_t connection = 0;
+    std::chrono::steady_clock::time_point expires;
+  };
+  struct Entry {
+    std::shared_ptr<SharedRegion> region;
+    uint64_t connection = 0;
+  };
+  struct Owner {
+    std::map<std::string, Entry> regions;
+    uint64_t bytes = 0;
+  };
+
+  void ExpirePendingLocked(std::chrono::steady_clock::time_point now);
+  // The checks of a new region under mu_: its name is free and the owner's limits hold with it.
+  absl::Status CheckRoomLocked(const Owner& o, const std::string& name, uint64_t size) const;
+  absl::StatusOr<v1::RegionInfo> RegisterGpu(const std::string& owner,
+                                             const v1::RegisterRegionRequest& request);
+  v1::RegionInfo InsertLocked(const std::string& owner, const std::string& name, Entry e);
+  static v1::RegionInfo InfoOf(const std::string& name, const Entry& e);
+
+  const Options options_;
+  mutable std::mutex mu_;
+  std::map<std::string, Pending> pending_;  // by handle
+  std::map<std::string, Owner> owners_;     // by identity
+};
+
+// Checks a region name: 1-64 characters of [A-Za-z0-9_.-].
+absl::Status CheckRegionName(const std::string& name, const std::string& field);
+
+}  // namespace attn

@@ -1,0 +1,51 @@
+// Where a request tensor's bytes are: in the message (Tensor.data) or in a shared-memory region
+// of the caller's (Tensor.region, AttendRequest.o_region / lse_region). Every check on a region
+// slice happens here, before any work: the region exists for this identity, the slice has the
+// tensor's size and lies inside the region (without overflow).
+//
+// For session steps (StepRequest q, k_new, v_new, o_region, lse_region): call ResolveTensor /
+// ResolveSlice with the field's name and its expected byte size, keep the returned `hold` with
+// the step until its outputs are written, and read from / write to `data`.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "attn/v1/attention.pb.h"
+#include "engine/attend_job.h"
+
+namespace attn {
+
+class RegionRegistry;
+
+struct ResolvedBytes {
+  char* data = nullptr;
+  uint64_t bytes = 0;
+  // The region the bytes lie in (null for bytes in the message): hold it while using them.
+  std::shared_ptr<const void> hold;
+  const void* region = nullptr;  // identity of that region, for overlap checks
+  bool on_gpu = false;           // data is a device address (a GPU region)
+};
+
+// The bytes a slice names. registry null: shared memory is off (FAILED_PRECONDITION). field is
+// the slice's name in messages ("q.region", "o_region"); want_bytes the size it must have.
+absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const std::string& field,
+                                           uint64_t want_bytes, const std::string& owner,
+                                           const RegionRegistry* registry);
+
+// A tensor's bytes: t.data (already checked to be want_bytes long), or t.region resolved as
+// ResolveSlice does under the name "<field>.region". The result's data is not to be written
+// when it points into the message.
+absl::StatusOr<ResolvedBytes> ResolveTensor(const v1::Tensor& t, const std::string& field,
+                                            uint64_t want_bytes, const std::string& owner,
+                                            const RegionRegistry* registry);
+
+// Points job's q/k/v sources and o/lse destinations at the request's regions where it names
+// any, and holds those regions for the job's lifetime. Call after ValidateAttendRequest and
+// before PrepareAttendResponse.
+absl::Status ResolveAttendTensors(const v1::AttendRequest& request, const std::string& owner,
+                                  const RegionRegistry* registry, AttendJob* job);
+
+}  // namespace attn

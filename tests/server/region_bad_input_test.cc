@@ -1,0 +1,294 @@
+// The bad-input matrix of shared-memory regions: every region field of AttendRequest (q/k/v
+// .region, o_region, lse_region) and of the SharedMemory RPCs wrong in the ways a client can get
+// it wrong, each with its exact status code and a message naming the field. After each case a
+// good request through the regions must still be answered correctly (nothing was spoiled), and
+// the region bytes of the rejected request's output must be untouched.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <ostream>
+
+#include "region_test_util.h"
+
+namespace attn {
+namespace {
+
+using grpc::StatusCode;
+using testing::RegionRig;
+
+constexpr uint64_t kU64Max = std::numeric_limits<uint64_t>::max();
+
+struct RegionCase {
+  std::string name;
+  std::function<void(v1::AttendRequest&, const RegionRig&)> corrupt;
+  StatusCode code;
+  std::string message_part;
+};
+void PrintTo(const RegionCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<RegionCase> Cases() {
+  const auto IA = StatusCode::INVALID_ARGUMENT;
+  const auto NF = StatusCode::NOT_FOUND;
+  return {
+      {"UnknownRegion", [](auto& r, auto&) { r.mutable_q()->mutable_region()->set_region("nope"); },
+       NF, "q.region.region: no region named 'nope' is registered"},
+      {"EmptyRegionName", [](auto& r, auto&) { r.mutable_k()->mutable_region()->set_region(""); },
+       IA, "k.region.region (the region's name) is empty"},
+      {"OffsetAtEnd",
+       [](auto& r, auto& rig) { r.mutable_k()->mutable_region()->set_offset(rig.in().size()); },
+       IA, "k.region: offset"},
+      {"OffsetPastEnd",
+       [](auto& r, auto& rig) { r.mutable_v()->mutable_region()->set_offset(rig.in().size() + 1); },
+       IA, "runs past the end of region 'in'"},
+      {"OffsetOverflows",  // offset + bytes wraps around 2^64
+       [](auto& r, auto&) { r.mutable_q()->mutable_region()->set_offset(kU64Max - 16); }, IA,
+       "q.region: offset 18446744073709551599"},
+      {"SliceRunsPastEnd",  // starts inside, ends outside (a region shorter than the tensors)
+       [](auto& r, auto& rig) {
+         r.mutable_v()->mutable_region()->set_offset(rig.in().size() - rig.kv_bytes() / 2);
+       },
+       IA, "v.region: offset"},
+      {"BytesTooFew",
+       [](auto& r, auto& rig) { r.mutable_v()->mutable_region()->set_bytes(rig.kv_bytes() - 2); },
+       IA, "v.region.bytes is"},
+      {"BytesHuge", [](auto& r, auto&) { r.mutable_q()->mutable_region()->set_bytes(kU64Max); }, IA,
+       "q.region.bytes is 18446744073709551615, but the tensor needs"},
+      {"BytesZero", [](auto& r, auto&) { r.mutable_k()->mutable_region()->set_bytes(0); }, IA,
+       "k.region.bytes is 0"},
+      {"DataAndRegion", [](auto& r, auto&) { r.mutable_q()->set_data("xx"); }, IA,
+       "q.data and q.region are both set"},
+      {"OutputUnknownRegion", [](auto& r, auto&) { r.mutable_o_region()->set_region("gone"); }, NF,
+       "o_region.region: no region named 'gone'"},
+      {"OutputRegionTooSmall",  // o does not fit after this offset
+       [](auto& r, auto& rig) { r.mutable_o_region()->set_offset(rig.out().size() - 8); }, IA,
+       "o_region: offset"},
+      {"OutputBytesWrong",
+       [](auto& r, auto& rig) { r.mutable_o_region()->set_bytes(rig.o_bytes() * 2); }, IA,
+       "o_region.bytes is"},
+      {"OutputOverlapsInput",
+       [](auto& r, auto& rig) { *r.mutable_o_region() = client::RegionSliceOf("in", 0, rig.o_bytes()); },
+       IA, "o_region overlaps q.region in region 'in'"},
+      {"OutputOverlapsK",
+       [](auto& r, auto& rig) {
+         *r.mutable_o_region() = client::RegionSliceOf("in", rig.q_bytes(), rig.o_bytes());
+       },
+       IA, "o_region overlaps k.region"},
+      {"LseRegionWithoutReturnLse",
+       [](auto& r, auto& rig) {
+         *r.mutable_lse_region() = client::RegionSliceOf("out", rig.lse_offset(), rig.lse_bytes());
+       },
+       IA, "lse_region is set, but return_lse is false"},
+      {"LseRegionBytesWrong",
+       [](auto& r, auto& rig) {
+         r.set_return_lse(true);
+         *r.mutable_lse_region() = client::RegionSliceOf("out", rig.lse_offset(), 4);
+       },
+       IA, "lse_region.bytes is 4"},
+      {"LseOverlapsO",
+       [](auto& r, auto& rig) {
+         r.set_return_lse(true);
+         *r.mutable_lse_region() = client::RegionSliceOf("out", 0, rig.lse_bytes());
+       },
+       IA, "o_region overlaps lse_region"},
+      {"RegionClearedNoData",  // q neither in a region nor in the message: its data is empty
+       [](auto& r, auto&) { r.mutable_q()->clear_region(); }, IA, "q.data has 0 bytes"},
+  };
+}
+
+class RegionBadInput : public ::testing::TestWithParam<RegionCase> {
+ protected:
+  static void SetUpTestSuite() {
+    rig_ = new RegionRig();
+    ASSERT_TRUE(rig_->Start());
+  }
+  static void TearDownTestSuite() {
+    delete rig_;
+    rig_ = nullptr;
+  }
+  // A good request through the regions is answered, and correctly.
+  void ExpectGoodRequestAnswered() {
+    v1::AttendResponse inline_response, response;
+    ASSERT_TRUE(rig_->Attend(rig_->InlineRequest(false), &inline_response).ok());
+    std::memset(rig_->out().data(), 0, rig_->o_bytes());
+    const absl::Status st = rig_->Attend(rig_->RegionRequest(true, false), &response);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(std::memcmp(rig_->out().data(), inline_response.o().data().data(), rig_->o_bytes()),
+              0);
+  }
+  static RegionRig* rig_;
+};
+RegionRig* RegionBadInput::rig_ = nullptr;
+
+TEST_P(RegionBadInput, Unary) {
+  const RegionCase& c = GetParam();
+  v1::AttendRequest request = rig_->RegionRequest(true, false);
+  c.corrupt(request, *rig_);
+  std::memset(rig_->out().data(), 0x5a, rig_->out().size());
+  v1::AttendResponse response;
+  const absl::Status st = rig_->Attend(request, &response);
+  EXPECT_EQ(static_cast<int>(st.code()), static_cast<int>(c.code)) << st;
+  EXPECT_NE(std::string(st.message()).find(c.message_part), std::string::npos)
+      << "message: " << st.message() << "\nwanted: " << c.message_part;
+  EXPECT_FALSE(response.has_o());
+  // Refused before any work: the output region was not written.
+  for (size_t i = 0; i < rig_->out().size(); ++i) {
+    if (rig_->out().data()[i] != 0x5a) {
+      ADD_FAILURE() << "output region byte " << i << " was written by a refused request";
+      break;
+    }
+  }
+  ExpectGoodRequestAnswered();
+}
+
+// The bad item midway through an AttendStream: its own status, the stream goes on.
+TEST_P(RegionBadInput, StreamItem) {
+  const RegionCase& c = GetParam();
+  v1::AttendRequest bad = rig_->RegionRequest(true, false);
+  c.corrupt(bad, *rig_);
+  bad.set_request_id(7);
+  v1::AttendRequest good = rig_->InlineRequest(false);
+  good.set_request_id(8);
+  grpc::ClientContext ctx;
+  rig_->client().PrepareContext(&ctx, std::chrono::milliseconds(30000));
+  auto stream = rig_->client().stub()->AttendStream(&ctx);
+  ASSERT_TRUE(stream->Write(bad));
+  ASSERT_TRUE(stream->Write(good));
+  stream->WritesDone();
+  v1::AttendResponse r;
+  int seen = 0;
+  while (stream->Read(&r)) {
+    ++seen;
+    if (r.request_id() == 7) {
+      EXPECT_EQ(r.status_code(), static_cast<int>(c.code)) << r.status_message();
+      EXPECT_NE(r.status_message().find(c.message_part), std::string::npos) << r.status_message();
+    } else {
+      EXPECT_EQ(r.status_code(), 0) << r.status_message();
+    }
+  }
+  EXPECT_EQ(seen, 2);
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, RegionBadInput, ::testing::ValuesIn(Cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// SharedMemory RPCs with bad fields.
+class RegionRpcBadInput : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(rig_.Start()); }
+  absl::Status RegisterWith(const std::function<void(v1::RegisterRegionRequest&)>& corrupt) {
+    auto region = client::HostRegion::Create(4096);
+    EXPECT_TRUE(region.ok());
+    auto handle = rig_.regions().SendDescriptor((*region)->fd());
+    EXPECT_TRUE(handle.ok()) << handle.status();
+    v1::RegisterRegionRequest request;
+    request.set_name("fresh");
+    request.set_kind(v1::REGION_KIND_HOST);
+    request.set_handle(handle.ok() ? *handle : "");
+    corrupt(request);
+    return rig_.Register(request);
+  }
+  static void Expect(const absl::Status& st, absl::StatusCode code, const std::string& part) {
+    EXPECT_EQ(st.code(), code) << st;
+    EXPECT_NE(std::string(st.message()).find(part), std::string::npos) << st;
+  }
+  RegionRig rig_;
+};
+
+TEST_F(RegionRpcBadInput, NameEmpty) {
+  Expect(RegisterWith([](auto& r) { r.set_name(""); }), absl::StatusCode::kInvalidArgument,
+         "name must have 1 to 64 characters, got 0");
+}
+TEST_F(RegionRpcBadInput, NameTooLong) {
+  Expect(RegisterWith([](auto& r) { r.set_name(std::string(65, 'a')); }),
+         absl::StatusCode::kInvalidArgument, "name must have 1 to 64 characters, got 65");
+}
+TEST_F(RegionRpcBadInput, NameWithSlash) {
+  Expect(RegisterWith([](auto& r) { r.set_name("../etc"); }), absl::StatusCode::kInvalidArgument,
+         "name may hold only");
+}
+TEST_F(RegionRpcBadInput, NameTaken) {
+  Expect(RegisterWith([](auto& r) { r.set_name("in"); }), absl::StatusCode::kAlreadyExists,
+         "name: a region named 'in' is already registered");
+}
+TEST_F(RegionRpcBadInput, KindUnspecified) {
+  Expect(RegisterWith([](auto& r) { r.set_kind(v1::REGION_KIND_UNSPECIFIED); }),
+         absl::StatusCode::kInvalidArgument, "kind must be REGION_KIND_HOST or REGION_KIND_CUDA");
+}
+TEST_F(RegionRpcBadInput, KindUnknownNumber) {
+  Expect(RegisterWith([](auto& r) { r.set_kind(static_cast<v1::RegionKind>(77)); }),
+         absl::StatusCode::kInvalidArgument, "REGION_KIND_CUDA, got 77");
+}
+// A GPU region's own fields are checked first, then whether this attnd has a GPU at all.
+void AsCuda(v1::RegisterRegionRequest& r) {
+  r.set_kind(v1::REGION_KIND_CUDA);
+  r.clear_handle();
+  r.set_cuda_ipc_handle(std::string(64, '\1'));
+  r.set_bytes(4096);
+}
+TEST_F(RegionRpcBadInput, CudaHandleWrongLength) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_cuda_ipc_handle("short"); }),
+         absl::StatusCode::kInvalidArgument,
+         "cuda_ipc_handle must be the 64 bytes of a cudaIpcMemHandle_t, got 5");
+}
+TEST_F(RegionRpcBadInput, CudaBytesZero) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_bytes(0); }),
+         absl::StatusCode::kInvalidArgument, "bytes must be > 0 for a GPU region");
+}
+TEST_F(RegionRpcBadInput, CudaDeviceNegative) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_device_id(-1); }),
+         absl::StatusCode::kInvalidArgument, "device_id must be >= 0, got -1");
+}
+TEST_F(RegionRpcBadInput, CudaOnTheCpuBackend) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); }), absl::StatusCode::kFailedPrecondition,
+         "GPU regions need attnd's CUDA backend");
+}
+TEST_F(RegionRpcBadInput, HandleEmpty) {
+  Expect(RegisterWith([](auto& r) { r.set_handle(""); }), absl::StatusCode::kInvalidArgument,
+         "handle is empty");
+}
+TEST_F(RegionRpcBadInput, HandleUnknown) {
+  Expect(RegisterWith([](auto& r) { r.set_handle("0123456789abcdef0123456789abcdef"); }),
+         absl::StatusCode::kInvalidArgument, "handle is unknown");
+}
+// Leases (handles without a memfd, for GPU regions) and memfd handles are not interchangeable.
+TEST_F(RegionRpcBadInput, HostRegionWithALease) {
+  auto lease = rig_.regions().Lease();
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  Expect(RegisterWith([&](auto& r) { r.set_handle(*lease); }), absl::StatusCode::kInvalidArgument,
+         "handle is a lease for a GPU region");
+}
+TEST_F(RegionRpcBadInput, CudaRegionWithAMemfdHandle) {
+  // RegisterWith passes a memfd's handle; a GPU region wants a lease there.
+  Expect(RegisterWith([](auto& r) {
+           const std::string memfd_handle = r.handle();
+           AsCuda(r);
+           r.set_handle(memfd_handle);
+         }),
+         absl::StatusCode::kInvalidArgument, "handle is unknown, expired (60 s), already claimed or not a lease");
+}
+TEST_F(RegionRpcBadInput, CudaRegionWithUnknownLease) {
+  Expect(RegisterWith([](auto& r) { AsCuda(r); r.set_handle("00000000000000000000000000000000"); }),
+         absl::StatusCode::kInvalidArgument, "not a lease");
+}
+TEST_F(RegionRpcBadInput, CudaRegionWithALeaseOnTheCpuBackend) {
+  auto lease = rig_.regions().Lease();
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  Expect(RegisterWith([&](auto& r) { AsCuda(r); r.set_handle(*lease); }),
+         absl::StatusCode::kFailedPrecondition, "GPU regions need attnd's CUDA backend");
+}
+
+TEST_F(RegionRpcBadInput, UnregisterUnknown) {
+  Expect(rig_.regions().Unregister("never"), absl::StatusCode::kNotFound,
+         "name: no region named 'never'");
+}
+TEST_F(RegionRpcBadInput, UnregisterTwice) {
+  ASSERT_TRUE(rig_.regions().Unregister("out").ok());
+  Expect(rig_.regions().Unregister("out"), absl::StatusCode::kNotFound,
+         "name: no region named 'out'");
+}
+
+}  // namespace
+}  // namespace attn
