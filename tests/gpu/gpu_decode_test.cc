@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -350,6 +351,9 @@ std::string DecodeName(const ::testing::TestParamInfo<DecodeParam>& info) {
          Layout(p.page);
 }
 
+// gtest prints a parameter in ctest's test list: a name, not a byte dump.
+void PrintTo(const DecodeParam& p, std::ostream* os) { *os << DecodeName({p, 0}); }
+
 INSTANTIATE_TEST_SUITE_P(All, GpuDecode, ::testing::ValuesIn(AllDecode()), DecodeName);
 
 // ---- Multi-token decode steps (causal, bottom-right aligned), windows -------------------------
@@ -394,6 +398,8 @@ std::string StepName(const ::testing::TestParamInfo<StepParam>& info) {
   return Layout(p.page) + "_g" + std::to_string(p.group) + (p.causal ? "_causal" : "_full") + "_wl" +
          w(p.left) + "_wr" + w(p.right);
 }
+
+void PrintTo(const StepParam& p, std::ostream* os) { *os << StepName({p, 0}); }
 
 INSTANTIATE_TEST_SUITE_P(
     All, GpuDecodeSteps,
@@ -550,6 +556,8 @@ std::string PrefillName(const ::testing::TestParamInfo<PrefillParam>& info) {
   const PrefillParam& p = info.param;
   return std::string(DName(p.dtype)) + "_d" + std::to_string(p.head_dim) + "_" + Layout(p.page);
 }
+
+void PrintTo(const PrefillParam& p, std::ostream* os) { *os << PrefillName({p, 0}); }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuPagedPrefill, ::testing::ValuesIn(AllPrefill()), PrefillName);
 
