@@ -14,6 +14,11 @@
 #include "common/reference.h"
 
 namespace attn {
+namespace kernels {
+// gtest prints a DType inside a GetParam() tuple with this (else as a byte dump).
+void PrintTo(DType t, std::ostream* os) { *os << DTypeName(t); }
+}  // namespace kernels
+
 namespace {
 
 using kernels::AttentionArgs;
