@@ -9,6 +9,7 @@
 
 #include "engine/backend.h"
 #include "common/reference.h"
+#include "gpu/gpu_test_util.h"
 #include "test_util.h"
 
 namespace attn {
@@ -16,17 +17,6 @@ namespace {
 
 using testing::MakeRandomRequest;
 using testing::RequestShape;
-
-bool HaveGpu(std::string* why) {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess || n == 0) {
-    *why = err != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(err)
-                              : "no CUDA device found";
-    return false;
-  }
-  return true;
-}
 
 testing::LoopbackServer StartCudaServer(ServerOptions options = {}) {
   options.backend = "cuda";
@@ -36,10 +26,7 @@ testing::LoopbackServer StartCudaServer(ServerOptions options = {}) {
 
 class CudaServerTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string why;
-    if (!HaveGpu(&why)) GTEST_SKIP() << why;
-  }
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
   std::mt19937_64 rng_{std::random_device{}()};
 };
 

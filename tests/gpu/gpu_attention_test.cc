@@ -22,6 +22,7 @@
 #include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/cuda_attention.h"
 #include "common/reference.h"
+#include "gpu/gpu_test_util.h"
 
 namespace attn::kernels {
 // gtest prints a DType inside a GetParam() tuple with this (else as a byte dump).
@@ -32,39 +33,9 @@ namespace {
 
 using attn::kernels::AttentionArgs;
 using attn::kernels::DType;
+using attn::testing::DeviceBuffer;
+using attn::testing::HeadDimCompiled;
 using attn::testing::HostTensor;
-
-bool HaveGpu(std::string* why) {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    *why = std::string("no CUDA device: cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
-    return false;
-  }
-  if (n == 0) {
-    *why = "no CUDA device: cudaGetDeviceCount returned 0";
-    return false;
-  }
-  return true;
-}
-
-#define SKIP_WITHOUT_GPU()               \
-  do {                                   \
-    std::string why;                     \
-    if (!HaveGpu(&why)) GTEST_SKIP() << why; \
-  } while (0)
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    if (cudaMalloc(&ptr, bytes == 0 ? 1 : bytes) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBuffer() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 struct Case {
   DType dtype = DType::kBFloat16;
@@ -122,11 +93,6 @@ double Distance(const HostTensor& x, const HostTensor& y) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-bool HeadDimCompiled(int d) {
-  int n = 0;
-  const int* dims = attn::kernels::cuda::CompiledHeadDims(&n);
-  return std::find(dims, dims + n, d) != dims + n;
-}
 
 // Runs one case. A head dim this build does not compile (ATTN_HEAD_DIMS) skips the case: the test
 // is reported as skipped with the reason, and the caller's other cases still run.
