@@ -299,7 +299,7 @@ TEST_F(SessionTest, SessionAndServerLimits) {
 // pages and counts an eviction.
 TEST_F(SessionTest, ClosedExpiredUnknownAndForeignIds) {
   ServerOptions o = SmallPageOptions();
-  o.session_ttl_s = 0.3;
+  o.session_ttl_s = 1.0;  // long enough that a sanitizer build closes `closed` before it expires
   Start(o);
   const SessionSpec spec{2, 4, 2, 64, v1::DTYPE_BFLOAT16};
   const std::string closed = Create(spec), idle = Create(spec);
@@ -307,7 +307,7 @@ TEST_F(SessionTest, ClosedExpiredUnknownAndForeignIds) {
   v1::StepResponse r;
   testing::Step(stub_, testing::RandomStep(idle, 1, 20, spec, rng_), &r);
   EXPECT_LT(FreePages(), total_pages_);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
   EXPECT_EQ(FreePages(), total_pages_) << "the idle session's pages were not freed";
   auto expect = [&](const std::string& id, grpc::StatusCode code, const std::string& part) {
     const grpc::Status st = testing::Step(stub_, testing::RandomStep(id, 0, 1, spec, rng_), &r);
