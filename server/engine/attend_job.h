@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -53,7 +54,33 @@ struct BackendJobState {
   virtual ~BackendJobState() = default;
 };
 
+// Calls a function when destroyed; move-only.
+class ReleaseNotice {
+ public:
+  ReleaseNotice() = default;
+  explicit ReleaseNotice(std::function<void()> on_release) : on_release_(std::move(on_release)) {}
+  ReleaseNotice(ReleaseNotice&& other) noexcept : on_release_(std::exchange(other.on_release_, {})) {}
+  ReleaseNotice& operator=(ReleaseNotice&& other) noexcept {
+    if (this != &other) {
+      if (on_release_) on_release_();
+      on_release_ = std::exchange(other.on_release_, {});
+    }
+    return *this;
+  }
+  ~ReleaseNotice() {
+    if (on_release_) on_release_();
+  }
+
+ private:
+  std::function<void()> on_release_;
+};
+
 struct AttendJob {
+  // Declared first, so destroyed last: tells the batcher that the job and all it holds (session
+  // pages, region holds, staging buffers) are gone. Batcher::Drain waits for that, so a server
+  // may free those owners once it has drained.
+  ReleaseNotice released;
+
   // Borrowed from the reactor, which outlives the job: it calls Finish only from `done`.
   const v1::AttendRequest* request = nullptr;
   v1::AttendResponse* response = nullptr;

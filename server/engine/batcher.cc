@@ -118,20 +118,22 @@ absl::Status Batcher::SubmitLocked(std::unique_ptr<AttendJob>& job) {
     inflight_bytes_ += bytes;
     ++outstanding_;
     // Whichever path completes the job: its bytes are given back before the caller hears (so a
-    // caller's next request finds them free), and it counts as pending until its done has
-    // returned, which Drain waits for.
+    // caller's next request finds them free), and it counts as pending until it is destroyed
+    // (after its done has returned), which Drain waits for.
     job->done = [this, bytes, done = std::move(job->done)](absl::Status st) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         inflight_bytes_ -= bytes;
       }
       done(std::move(st));
+    };
+    job->released = ReleaseNotice([this] {
       std::lock_guard<std::mutex> lock(mu_);
       --outstanding_;
       UpdatePendingLocked();
       // Under the lock: once Drain sees the count reach zero, ~Batcher may destroy cv_.
       cv_.notify_all();
-    };
+    });
     (job->high_priority ? high_ : normal_).push_back(std::move(job));
     ++queued_;
     UpdatePendingLocked();
@@ -254,6 +256,9 @@ void Batcher::DispatchLoop() {
       }
       backend_->RunBatch(std::move(batch), [this](const BatchReport& r) { FinishBatch(r); });
     }
+    // Destroyed unlocked: a job's release takes mu_.
+    cancelled.clear();
+    expired.clear();
     lock.lock();
   }
 }

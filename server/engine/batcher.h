@@ -84,7 +84,7 @@ class Batcher {
   int in_flight_batches_ = 0;
   int64_t queued_ = 0;
   int64_t inflight_bytes_ = 0;
-  int64_t outstanding_ = 0;  // accepted jobs whose done has not returned yet
+  int64_t outstanding_ = 0;  // accepted jobs not yet destroyed
   bool draining_ = false;  // Submit refuses
   bool flushing_ = false;  // no waiting for batch partners
   bool stop_ = false;

@@ -361,6 +361,7 @@ AttnServer::~AttnServer() {
     server_->Shutdown(std::chrono::system_clock::now());
     server_->Wait();
   }
+  if (service_) service_->WaitForStreamsDone();
   {
     std::lock_guard<std::mutex> lock(monitor_mu_);
     stopping_ = true;
