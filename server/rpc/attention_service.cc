@@ -143,8 +143,40 @@ class AttendStreamReactor final
     Finish(final_status_);
   }
 
+  // gRPC calls OnDone only after a reaction has returned; the hand-off at each reaction's end
+  // shows TSan that ordering.
   void OnReadDone(bool ok) override {
     TakeBackFromGrpc(this);
+    HandleReadDone(ok);
+    HandOffToGrpc(this);
+  }
+
+  void OnWriteDone(bool ok) override {
+    TakeBackFromGrpc(this);
+    HandleWriteDone(ok);
+    HandOffToGrpc(this);
+  }
+
+  void OnDone() override {
+    TakeBackFromGrpc(this);
+    if (service_->metrics_) {
+      const grpc::StatusCode code = final_status_.error_code();
+      service_->metrics_->ObserveRequest(Rpc::kAttendStream, code, Seconds(Clock::now() - start_),
+                                         received_, sent_);
+    }
+    // The last use of the service: once every stream is unregistered, the server may go away.
+    service_->UnregisterStream(this);
+    delete this;
+  }
+
+ private:
+  static constexpr int kMaxInFlight = 64;
+  struct Item {
+    v1::AttendRequest request;
+    v1::AttendResponse response;
+  };
+
+  void HandleReadDone(bool ok) {
     std::unique_lock<std::mutex> lock(mu_);
     if (ending_) {  // a read that completed as the drain ended this stream: not taken
       if (ok) {
@@ -176,8 +208,7 @@ class AttendStreamReactor final
     }
   }
 
-  void OnWriteDone(bool ok) override {
-    TakeBackFromGrpc(this);
+  void HandleWriteDone(bool ok) {
     bool finish;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -189,24 +220,6 @@ class AttendStreamReactor final
     }
     if (finish) FinishCall();
   }
-
-  void OnDone() override {
-    TakeBackFromGrpc(this);
-    service_->UnregisterStream(this);
-    if (service_->metrics_) {
-      const grpc::StatusCode code = final_status_.error_code();
-      service_->metrics_->ObserveRequest(Rpc::kAttendStream, code, Seconds(Clock::now() - start_),
-                                         received_, sent_);
-    }
-    delete this;
-  }
-
- private:
-  static constexpr int kMaxInFlight = 64;
-  struct Item {
-    v1::AttendRequest request;
-    v1::AttendResponse response;
-  };
 
   void StartNextRead() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -306,6 +319,7 @@ class RejectedStreamReactor final
  public:
   RejectedStreamReactor(AttentionService* service, const absl::Status& st)
       : service_(service), start_(Clock::now()), status_(ToGrpcStatus(st)) {
+    service_->StreamOpened();
     HandOffToGrpc(this);
     Finish(status_);
   }
@@ -315,6 +329,7 @@ class RejectedStreamReactor final
       service_->metrics_->ObserveRequest(Rpc::kAttendStream, status_.error_code(),
                                          Seconds(Clock::now() - start_), 0, 0);
     }
+    service_->StreamClosed();  // the last use of the service
     delete this;
   }
 
@@ -338,12 +353,34 @@ grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService
 bool AttentionService::RegisterStream(AttendStreamReactor* stream) {
   std::lock_guard<std::mutex> lock(streams_mu_);
   streams_.insert(stream);
+  ++open_streams_;
   return ending_streams_;
 }
 
 void AttentionService::UnregisterStream(AttendStreamReactor* stream) {
   std::lock_guard<std::mutex> lock(streams_mu_);
   streams_.erase(stream);
+  StreamClosedLocked();
+}
+
+void AttentionService::StreamOpened() {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  ++open_streams_;
+}
+
+void AttentionService::StreamClosed() {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  StreamClosedLocked();
+}
+
+void AttentionService::StreamClosedLocked() {
+  // Notified under the lock: once WaitForStreamsDone sees zero, the service may be destroyed.
+  if (--open_streams_ == 0) streams_done_.notify_all();
+}
+
+void AttentionService::WaitForStreamsDone() {
+  std::unique_lock<std::mutex> lock(streams_mu_);
+  streams_done_.wait(lock, [&] { return open_streams_ == 0; });
 }
 
 void AttentionService::EndOpenStreams() {

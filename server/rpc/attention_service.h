@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <unordered_set>
@@ -55,6 +56,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   // its items in flight are answered (a stream left open would otherwise be cancelled by gRPC's
   // Shutdown when drain_timeout runs out); streams opened later are refused the same way.
   void EndOpenStreams();
+  // Returns once every AttendStream has run its OnDone (after the gRPC server's Wait): the
+  // service, the batcher and the metrics the streams use may then be destroyed.
+  void WaitForStreamsDone();
   // Requests currently counted against max_pending_per_client, over all clients.
   int64_t PendingPerClientTotal() const { return pending_.TotalPending(); }
 
@@ -107,10 +111,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   std::string SessionOwner(const std::string& client) const {
     return options_.authenticator != nullptr ? client : std::string();
   }
-  // Looks up and validates one step and makes its job, whose done runs on_done after giving
-  // the layer back (the job holds the layer once started, see StartSteps).
+  // Looks up (as client's) and validates one step and makes its job, whose done runs on_done
+  // after giving the layer back (the job holds the layer once started, see StartSteps).
   absl::StatusOr<std::unique_ptr<AttendJob>> MakeStepJob(
-      grpc::CallbackServerContext* ctx, const std::string& owner, const v1::StepRequest& request,
+      grpc::CallbackServerContext* ctx, const std::string& client, const v1::StepRequest& request,
       v1::StepResponse* response, Clock::time_point arrival,
       std::function<void(absl::Status)> on_done);
   // Queues each job after the earlier steps of its (session, layer): those whose layer is free
@@ -129,6 +133,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   // ended (the new stream must finish at once).
   bool RegisterStream(AttendStreamReactor* stream);
   void UnregisterStream(AttendStreamReactor* stream);
+  // Streams refused at once (RejectedStreamReactor) are counted, not registered.
+  void StreamOpened();
+  void StreamClosed();
+  void StreamClosedLocked();
 
   const Options options_;
   Batcher* const batcher_;
@@ -149,6 +157,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   PendingLimiter pending_;
   std::mutex streams_mu_;
   std::unordered_set<AttendStreamReactor*> streams_;  // guarded by streams_mu_
+  int64_t open_streams_ = 0;                          // streams whose OnDone has not run
+  std::condition_variable streams_done_;              // open_streams_ reached zero
   bool ending_streams_ = false;                       // guarded by streams_mu_
 };
 
