@@ -160,17 +160,21 @@ absl::Status SessionManager::NotOpen(const std::string& id) const {
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Find(const std::string& id,
                                                               const std::string& owner) {
   std::lock_guard<std::mutex> lock(mu_);
+  auto it = FindOwnedLocked(id, owner);
+  if (!it.ok()) return it.status();
+  (*it)->second->Touch(Clock::now());
+  return (*it)->second;
+}
+
+absl::StatusOr<SessionManager::SessionMap::iterator> SessionManager::FindOwnedLocked(
+    const std::string& id, const std::string& owner) {
   auto it = sessions_.find(id);
+  if (it != sessions_.end() && it->second->owner() == owner) return it;
   // Another identity's session reads as unknown: its existence is not disclosed.
-  if (it == sessions_.end() || it->second->owner() != owner) {
-    if (it != sessions_.end()) {
-      return absl::NotFoundError(absl::StrCat("no session ", id, " on replica ",
-                                              options_.replica_id));
-    }
-    return NotOpen(id);
+  if (it != sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session ", id, " on replica ", options_.replica_id));
   }
-  it->second->Touch(Clock::now());
-  return it->second;
+  return NotOpen(id);
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(const std::string& id,
@@ -197,16 +201,10 @@ absl::StatusOr<int64_t> SessionManager::Close(const std::string& id, const std::
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sessions_.find(id);
-    if (it == sessions_.end() || it->second->owner() != owner) {
-      if (it != sessions_.end()) {
-        return absl::NotFoundError(absl::StrCat("no session ", id, " on replica ",
-                                                options_.replica_id));
-      }
-      return NotOpen(id);
-    }
-    s = std::move(it->second);
-    sessions_.erase(it);
+    auto it = FindOwnedLocked(id, owner);
+    if (!it.ok()) return it.status();
+    s = std::move((*it)->second);
+    sessions_.erase(*it);
     RememberLocked(id, "closed");
   }
   const int64_t freed = s->Close();

@@ -93,6 +93,10 @@ class SessionManager {
   SessionManager(const Options& options, KvPagePool* pool, Metrics* metrics);
   std::string NewIdLocked();
   absl::Status CheckCreateParams(const CreateParams& p) const;
+  using SessionMap = std::unordered_map<std::string, std::shared_ptr<Session>>;
+  // The session `owner` may use, or why not (mu_ held).
+  absl::StatusOr<SessionMap::iterator> FindOwnedLocked(const std::string& id,
+                                                       const std::string& owner);
   absl::Status NotOpen(const std::string& id) const;  // mu_ held
   void RememberLocked(const std::string& id, const char* how);
   void ExpiryLoop();
@@ -102,7 +106,7 @@ class SessionManager {
   Metrics* const metrics_;
 
   mutable std::mutex mu_;
-  std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+  SessionMap sessions_;
   std::unordered_map<std::string, const char*> gone_;  // id -> "closed" / "expired"
   std::deque<std::string> gone_order_;
   std::mt19937_64 rng_;
