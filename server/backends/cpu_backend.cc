@@ -119,10 +119,10 @@ void WriteStepRows(const Batch& batch, const StepLaunch& l, const KvRegion& kv, 
   }
   size_t t = 0;
   for (size_t i : l.members) {
-    const StepWork& w = *batch[i]->step;
-    const char* k = w.request->k_new().data().data();
-    const char* v = w.request->v_new().data().data();
-    for (int64_t j = 0; j < w.new_tokens; ++j, ++t) {
+    const AttendJob& job = *batch[i];
+    const char* k = job.k_bytes.data();
+    const char* v = job.v_bytes.data();
+    for (int64_t j = 0; j < job.step->new_tokens; ++j, ++t) {
       std::memcpy(kv.k + l.append_rows[t] * row, k + j * row, row);
       std::memcpy(kv.v + l.append_rows[t] * row, v + j * row, row);
     }
@@ -150,8 +150,8 @@ void CpuBackend::ComputeSteps(Batch& batch,
     bool any_lse = false;
     for (size_t m = 0; m < l.members.size(); ++m) {
       const AttendJob& job = *batch[l.members[m]];
-      const std::string& q = job.step->request->q().data();
-      std::memcpy(step_q_.data() + size_t(l.cu_seqlens_q[m]) * q_row, q.data(), q.size());
+      std::memcpy(step_q_.data() + size_t(l.cu_seqlens_q[m]) * q_row, job.q_bytes.data(),
+                  job.q_bytes.size());
       any_lse |= job.return_lse;
     }
     step_lse_.resize(any_lse ? size_t(key.num_heads) * l.total_q : 0);
@@ -177,12 +177,10 @@ void CpuBackend::ComputeSteps(Batch& batch,
     const size_t i = l.members[m];
     if (!status[i].ok()) continue;
     AttendJob& job = *batch[i];
-    const StepWork& w = *job.step;
     const int32_t q0 = l.cu_seqlens_q[m];
-    std::memcpy(w.response->mutable_o()->mutable_data()->data(), step_o_.data() + q0 * q_row,
-                size_t(job.total_q) * q_row);
+    std::memcpy(StepOutput(job), step_o_.data() + q0 * q_row, size_t(job.total_q) * q_row);
     if (job.return_lse) {
-      float* lse = reinterpret_cast<float*>(w.response->mutable_lse()->mutable_data()->data());
+      float* lse = StepLse(job);
       for (int32_t h = 0; h < key.num_heads; ++h) {
         std::memcpy(lse + size_t(h) * job.total_q, step_lse_.data() + size_t(h) * l.total_q + q0,
                     sizeof(float) * job.total_q);

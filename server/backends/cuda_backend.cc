@@ -607,13 +607,13 @@ void StageStepInputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunc
                      const StepLayout& s, char* host) {
   size_t q_at = s.q, k_at = s.k, v_at = s.v;
   for (size_t i : l.members) {
-    const v1::StepRequest& r = *jobs[i]->step->request;
-    std::memcpy(host + q_at, r.q().data().data(), r.q().data().size());
-    std::memcpy(host + k_at, r.k_new().data().data(), r.k_new().data().size());
-    std::memcpy(host + v_at, r.v_new().data().data(), r.v_new().data().size());
-    q_at += r.q().data().size();
-    k_at += r.k_new().data().size();
-    v_at += r.v_new().data().size();
+    const AttendJob& job = *jobs[i];
+    std::memcpy(host + q_at, job.q_bytes.data(), job.q_bytes.size());
+    std::memcpy(host + k_at, job.k_bytes.data(), job.k_bytes.size());
+    std::memcpy(host + v_at, job.v_bytes.data(), job.v_bytes.size());
+    q_at += job.q_bytes.size();
+    k_at += job.k_bytes.size();
+    v_at += job.v_bytes.size();
   }
   auto put = [host](size_t at, const auto& v) {
     std::memcpy(host + at, v.data(), v.size() * sizeof(v[0]));
@@ -639,11 +639,11 @@ void UnstageStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLa
   for (size_t m = 0; m < l.members.size(); ++m) {
     AttendJob& job = *jobs[l.members[m]];
     const int32_t q0 = l.cu_seqlens_q[m];
-    std::string* o = job.step->response->mutable_o()->mutable_data();
-    const size_t row = o->size() / size_t(job.total_q);
-    std::memcpy(o->data(), out + s.o + size_t(q0) * row, o->size());
+    const size_t o_bytes = job.q_bytes.size();
+    const size_t row = o_bytes / size_t(job.total_q);
+    std::memcpy(StepOutput(job), out + s.o + size_t(q0) * row, o_bytes);
     if (!job.return_lse) continue;
-    float* lse = reinterpret_cast<float*>(job.step->response->mutable_lse()->mutable_data()->data());
+    float* lse = StepLse(job);
     const float* all = reinterpret_cast<const float*>(out + s.lse);
     for (int32_t h = 0; h < heads; ++h) {
       std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * l.total_q + q0,

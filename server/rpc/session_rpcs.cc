@@ -82,12 +82,14 @@ grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerCo
 }
 
 absl::StatusOr<std::unique_ptr<AttendJob>> AttentionService::MakeStepJob(
-    grpc::CallbackServerContext* ctx, const std::string& owner, const v1::StepRequest& request,
+    grpc::CallbackServerContext* ctx, const std::string& client, const v1::StepRequest& request,
     v1::StepResponse* response, Clock::time_point arrival,
     std::function<void(absl::Status)> on_done) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, sessions_->Find(request.session_id(), owner));
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                   sessions_->Find(request.session_id(), SessionOwner(client)));
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                   ValidateStepRequest(request, session, options_.limits, response));
+                   ValidateStepRequest(request, session, options_.limits,
+                                       StepRegions{client, options_.regions}, response));
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);
   job->is_cancelled = [ctx] { return ctx->IsCancelled(); };
@@ -148,7 +150,7 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
     }
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
     ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                     MakeStepJob(ctx, SessionOwner(client), *request, response, arrival,
+                     MakeStepJob(ctx, client, *request, response, arrival,
                                  [slot, finish](absl::Status s) {
                                    slot->Release();
                                    finish(s);
@@ -204,7 +206,6 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
       return absl::UnavailableError("attnd is shutting down; retry on another replica");
     }
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
-    const std::string owner = SessionOwner(client);
     const int n = request->steps_size();
     for (int i = 0; i < n; ++i) response->add_results();  // pointers stay put from here on
     auto call = std::make_shared<BatchStepCall>();
@@ -217,7 +218,7 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     std::vector<std::unique_ptr<AttendJob>> jobs;
     for (int i = 0; i < n; ++i) {
       v1::StepResult* result = response->mutable_results(i);
-      auto job = MakeStepJob(ctx, owner, request->steps(i), result->mutable_response(), arrival,
+      auto job = MakeStepJob(ctx, client, request->steps(i), result->mutable_response(), arrival,
                              [call, result](absl::Status s) {
                                SetItemStatus(result, s);
                                call->ItemDone();

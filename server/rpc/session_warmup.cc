@@ -30,7 +30,7 @@ absl::Status RunStep(Backend& backend, std::shared_ptr<Session> s, int64_t token
   RequestLimits limits;
   limits.head_dims = {shape.head_dim};
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                   ValidateStepRequest(request, s, limits, &response));
+                   ValidateStepRequest(request, s, limits, StepRegions{}, &response));
   job->arrival = Clock::now();
   if (!s->AcquireLayer(0, [] {})) return absl::InternalError("warm-up session busy");
   std::promise<absl::Status> result;

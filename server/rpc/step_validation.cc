@@ -8,6 +8,7 @@
 #include "common/status_util.h"
 #include "sessions/step_launch.h"
 #include "sessions/step_work.h"
+#include "transport/tensor_source.h"
 
 namespace attn {
 namespace {
@@ -83,25 +84,6 @@ absl::Status CheckStepShapes(const v1::StepRequest& r, const Session& s,
   return absl::OkStatus();
 }
 
-// Shared-memory regions (Tensor.region, o_region, lse_region) are resolved for Attend only so
-// far: the step paths of the backends read and write the messages' bytes. Refused by name rather
-// than read as empty tensors. (To support them: transport/tensor_source.h, ResolveTensor.)
-absl::Status CheckNoRegions(const v1::StepRequest& r) {
-  for (const auto& [t, name] : {std::pair{&r.q(), "q"}, {&r.k_new(), "k_new"}, {&r.v_new(), "v_new"}}) {
-    if (t->has_region()) {
-      return absl::UnimplementedError(absl::StrCat(
-          name, ".region: shared-memory regions are not supported on Step and BatchStep yet; send ",
-          name, ".data"));
-    }
-  }
-  if (r.has_o_region() || r.has_lse_region()) {
-    return absl::UnimplementedError(absl::StrCat(
-        r.has_o_region() ? "o_region" : "lse_region",
-        ": shared-memory regions are not supported on Step and BatchStep yet; leave it unset"));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CheckOptions(const v1::StepRequest& r) {
   if (!std::isfinite(r.softmax_scale())) {
     return Invalid(absl::StrCat("softmax_scale must be finite, got ", r.softmax_scale()));
@@ -125,6 +107,7 @@ absl::StatusOr<kernels::DType> SessionDType(v1::DType dtype) {
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepRequest& r,
                                                                std::shared_ptr<Session> session,
                                                                const RequestLimits& limits,
+                                                               const StepRegions& regions,
                                                                v1::StepResponse* response) {
   const SessionShape& shape = session->shape();
   if (r.layer() < 0 || r.layer() >= shape.num_layers) {
@@ -132,7 +115,6 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepReq
                                 " has ", shape.num_layers, " layers (0 <= layer < ",
                                 shape.num_layers, ")"));
   }
-  RETURN_IF_ERROR(CheckNoRegions(r));
   RETURN_IF_ERROR(CheckStepShapes(r, *session, limits));
   RETURN_IF_ERROR(CheckOptions(r));
   auto job = std::make_unique<AttendJob>();
@@ -154,18 +136,23 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepReq
   key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
   key.page_tokens = shape.page_tokens;
   key.decode = job->total_q == 1;
+  RETURN_IF_ERROR(ResolveStepTensors(r, regions.owner, regions.registry, job.get()));
+  // Outputs written into regions take no room in the response.
+  const int64_t q_bytes = static_cast<int64_t>(job->q_bytes.size());
   const int64_t lse_bytes = job->return_lse ? int64_t{4} * key.num_heads * job->total_q : 0;
+  const int64_t o_message = job->o_out != nullptr ? 0 : q_bytes;
+  const int64_t lse_message = job->lse_out != nullptr ? 0 : lse_bytes;
   constexpr int64_t kResponseOverhead = 1024;
-  const int64_t response_bytes =
-      static_cast<int64_t>(r.q().data().size()) + lse_bytes + kResponseOverhead;
+  const int64_t response_bytes = o_message + lse_message + kResponseOverhead;
   if (limits.max_response_bytes > 0 && response_bytes > limits.max_response_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the response (o", job->return_lse ? " and lse" : "", ") would be about ",
         response_bytes, " bytes, over the ", limits.max_response_bytes,
         "-byte message limit (attnd's --max_message_bytes); send fewer new tokens per step"));
   }
-  job->bytes = static_cast<int64_t>(2 * r.q().data().size() + r.k_new().data().size() +
-                                    r.v_new().data().size()) + lse_bytes;
+  // Bytes held in the server: the message's tensors and the outputs sized in the response.
+  job->bytes = static_cast<int64_t>(r.q().data().size() + r.k_new().data().size() +
+                                    r.v_new().data().size()) + o_message + lse_message;
   auto work = std::make_shared<StepWork>();
   work->session = std::move(session);
   work->layer = r.layer();

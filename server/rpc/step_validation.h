@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "attn/v1/attention.pb.h"
@@ -13,13 +14,24 @@
 
 namespace attn {
 
+class RegionRegistry;
+
+// Where a step's region slices are looked up: the caller's identity and the registry (null:
+// shared memory is off, and a step naming a region is refused).
+struct StepRegions {
+  std::string owner;
+  const RegionRegistry* registry = nullptr;
+};
+
 // Checks request against session (layer range, tensors, dtype and shapes matching the
-// session, heads a multiple of its KV heads, scale, window, response size) and makes its job:
-// key, sizes, the StepWork (sharing session), and the response sized for the output.
-// INVALID_ARGUMENT or RESOURCE_EXHAUSTED name the bad field.
+// session, heads a multiple of its KV heads, scale, window, regions, response size) and makes
+// its job: key, sizes, where its tensors are (message or host regions), the StepWork (sharing
+// session), and the response sized for the output. INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+// NOT_FOUND (a region) or FAILED_PRECONDITION (shared memory off) name the bad field.
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepRequest& request,
                                                                std::shared_ptr<Session> session,
                                                                const RequestLimits& limits,
+                                                               const StepRegions& regions,
                                                                v1::StepResponse* response);
 
 // The 16-bit cache dtype CreateSession asks for, or INVALID_ARGUMENT naming `dtype`.

@@ -84,14 +84,33 @@ void PrepareStepResponse(const AttendJob& job) {
   v1::Tensor* o = w.response->mutable_o();
   o->set_dtype(q.dtype());
   o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
-  o->mutable_data()->resize(q.data().size());
+  // An output written into a region leaves the response with its dtype, shape and slice only.
+  if (job.o_out != nullptr) {
+    *o->mutable_region() = w.request->o_region();
+  } else {
+    o->mutable_data()->resize(job.q_bytes.size());
+  }
   if (job.return_lse) {
     v1::Tensor* lse = w.response->mutable_lse();
     lse->set_dtype(v1::DTYPE_FLOAT32);
     lse->add_shape(job.key.num_heads);
     lse->add_shape(job.total_q);
-    lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
+    if (job.lse_out != nullptr) {
+      *lse->mutable_region() = w.request->lse_region();
+    } else {
+      lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
+    }
   }
+}
+
+char* StepOutput(AttendJob& job) {
+  return job.o_out != nullptr ? job.o_out : job.step->response->mutable_o()->mutable_data()->data();
+}
+
+float* StepLse(AttendJob& job) {
+  char* lse = job.lse_out != nullptr ? job.lse_out
+                                     : job.step->response->mutable_lse()->mutable_data()->data();
+  return reinterpret_cast<float*>(lse);
 }
 
 }  // namespace attn

@@ -46,7 +46,11 @@ void EndStepLaunch(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch&
 kernels::AttentionArgs StepLaunchArgs(const BatchKey& key, const StepLaunch& launch,
                                       int32_t num_pages);
 
-// Sizes the response's o (and lse) for the step so that a backend can write into them.
+// Sizes the response's o (and lse) for the step so that a backend can write into them, or
+// names the output regions there.
 void PrepareStepResponse(const AttendJob& job);
+// Where a step's o and lse are written: its output regions, else its response's data.
+char* StepOutput(AttendJob& job);
+float* StepLse(AttendJob& job);
 
 }  // namespace attn

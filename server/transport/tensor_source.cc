@@ -89,6 +89,79 @@ absl::StatusOr<ResolvedBytes> ResolveTensor(const v1::Tensor& t, const std::stri
   return out;
 }
 
+namespace {
+
+// A request's tensor fields under the names its message gives them.
+struct TensorFields {
+  const v1::Tensor* q;
+  const v1::Tensor* k;
+  const v1::Tensor* v;
+  const char* k_name;
+  const char* v_name;
+  const v1::RegionSlice* o_region;    // null: o goes into the response
+  const v1::RegionSlice* lse_region;  // null: lse (if asked for) goes into the response
+  bool return_lse;
+  uint64_t q_bytes, kv_bytes, lse_bytes;
+};
+
+struct ResolvedTensors {
+  ResolvedBytes q, k, v, o, lse;
+};
+
+absl::StatusOr<ResolvedTensors> ResolveFields(const TensorFields& f, const std::string& owner,
+                                              const RegionRegistry* registry) {
+  ResolvedTensors t;
+  ASSIGN_OR_RETURN(t.q, ResolveTensor(*f.q, "q", f.q_bytes, owner, registry));
+  ASSIGN_OR_RETURN(t.k, ResolveTensor(*f.k, f.k_name, f.kv_bytes, owner, registry));
+  ASSIGN_OR_RETURN(t.v, ResolveTensor(*f.v, f.v_name, f.kv_bytes, owner, registry));
+  if (f.o_region != nullptr) {
+    ASSIGN_OR_RETURN(t.o, ResolveSlice(*f.o_region, "o_region", f.q_bytes, owner, registry));
+  }
+  if (f.lse_region != nullptr) {
+    if (!f.return_lse) {
+      return absl::InvalidArgumentError("lse_region is set, but return_lse is false");
+    }
+    ASSIGN_OR_RETURN(t.lse, ResolveSlice(*f.lse_region, "lse_region", f.lse_bytes, owner, registry));
+  }
+  // An output that overlaps an input (or the other output) would be read while it is written.
+  const std::string k_region = absl::StrCat(f.k_name, ".region");
+  const std::string v_region = absl::StrCat(f.v_name, ".region");
+  for (const auto& [out, out_name] : {std::pair{&t.o, "o_region"}, std::pair{&t.lse, "lse_region"}}) {
+    for (const auto& [in, in_name] : {std::pair{&t.q, std::string("q.region")},
+                                      std::pair{&t.k, k_region}, std::pair{&t.v, v_region}}) {
+      if (Overlap(*out, *in)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            out_name, " overlaps ", in_name, " in region '",
+            out == &t.o ? f.o_region->region() : f.lse_region->region(),
+            "'; outputs need bytes of their own"));
+      }
+    }
+  }
+  if (Overlap(t.o, t.lse)) {
+    return absl::InvalidArgumentError("o_region overlaps lse_region; outputs need bytes of their own");
+  }
+  return t;
+}
+
+// Points job's sources and destinations at t and holds each region once (so that
+// RegionInfo.in_flight counts requests, not tensors).
+void ApplyTo(ResolvedTensors& t, AttendJob* job) {
+  job->device_tensors = t.q.on_gpu;
+  job->q_bytes = {t.q.data, t.q.bytes};
+  job->k_bytes = {t.k.data, t.k.bytes};
+  job->v_bytes = {t.v.data, t.v.bytes};
+  job->o_out = t.o.data;
+  job->lse_out = t.lse.data;
+  for (ResolvedBytes* b : {&t.q, &t.k, &t.v, &t.o, &t.lse}) {
+    if (!b->hold) continue;
+    bool held = false;
+    for (const auto& h : job->region_holds) held = held || h.get() == b->hold.get();
+    if (!held) job->region_holds.push_back(std::move(b->hold));
+  }
+}
+
+}  // namespace
+
 absl::Status ResolveAttendTensors(const v1::AttendRequest& r, const std::string& owner,
                                   const RegionRegistry* registry, AttendJob* job) {
   const bool any = r.q().has_region() || r.k().has_region() || r.v().has_region() ||
@@ -96,58 +169,40 @@ absl::Status ResolveAttendTensors(const v1::AttendRequest& r, const std::string&
   if (!any) return absl::OkStatus();
   const BatchKey& key = job->key;
   const uint64_t elem = kernels::DTypeSize(key.wire_dtype);
-  const uint64_t q_bytes = uint64_t(job->total_q) * key.num_heads * key.head_dim * elem;
-  const uint64_t kv_bytes = uint64_t(job->total_k) * key.num_kv_heads * key.head_dim * elem;
-  const uint64_t lse_bytes = uint64_t(job->total_q) * key.num_heads * sizeof(float);
-  auto q = ResolveTensor(r.q(), "q", q_bytes, owner, registry);
-  if (!q.ok()) return q.status();
-  auto k = ResolveTensor(r.k(), "k", kv_bytes, owner, registry);
-  if (!k.ok()) return k.status();
-  auto v = ResolveTensor(r.v(), "v", kv_bytes, owner, registry);
-  if (!v.ok()) return v.status();
-  ResolvedBytes o, lse;
-  if (r.has_o_region()) {
-    auto s = ResolveSlice(r.o_region(), "o_region", q_bytes, owner, registry);
-    if (!s.ok()) return s.status();
-    o = std::move(*s);
-  }
-  if (r.has_lse_region()) {
-    if (!r.return_lse()) {
-      return absl::InvalidArgumentError("lse_region is set, but return_lse is false");
-    }
-    auto s = ResolveSlice(r.lse_region(), "lse_region", lse_bytes, owner, registry);
-    if (!s.ok()) return s.status();
-    lse = std::move(*s);
-  }
-  // An output that overlaps an input (or the other output) would be read while it is written.
-  for (const auto& [out, out_name] : {std::pair{&o, "o_region"}, std::pair{&lse, "lse_region"}}) {
-    for (const auto& [in, in_name] :
-         {std::pair{&*q, "q.region"}, std::pair{&*k, "k.region"}, std::pair{&*v, "v.region"}}) {
-      if (Overlap(*out, *in)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(out_name, " overlaps ", in_name, " in region '",
-                         out == &o ? r.o_region().region() : r.lse_region().region(),
-                         "'; outputs need bytes of their own"));
-      }
+  TensorFields f{&r.q(), &r.k(), &r.v(), "k", "v",
+                 r.has_o_region() ? &r.o_region() : nullptr,
+                 r.has_lse_region() ? &r.lse_region() : nullptr, r.return_lse(),
+                 uint64_t(job->total_q) * key.num_heads * key.head_dim * elem,
+                 uint64_t(job->total_k) * key.num_kv_heads * key.head_dim * elem,
+                 uint64_t(job->total_q) * key.num_heads * sizeof(float)};
+  ASSIGN_OR_RETURN(ResolvedTensors t, ResolveFields(f, owner, registry));
+  RETURN_IF_ERROR(CheckGpuUse(r, t.q, t.k, t.v, t.o, t.lse));
+  ApplyTo(t, job);
+  return absl::OkStatus();
+}
+
+absl::Status ResolveStepTensors(const v1::StepRequest& r, const std::string& owner,
+                                const RegionRegistry* registry, AttendJob* job) {
+  const BatchKey& key = job->key;
+  const uint64_t elem = kernels::DTypeSize(key.wire_dtype);
+  TensorFields f{&r.q(), &r.k_new(), &r.v_new(), "k_new", "v_new",
+                 r.has_o_region() ? &r.o_region() : nullptr,
+                 r.has_lse_region() ? &r.lse_region() : nullptr, r.return_lse(),
+                 uint64_t(job->total_q) * key.num_heads * key.head_dim * elem,
+                 uint64_t(job->total_q) * key.num_kv_heads * key.head_dim * elem,
+                 uint64_t(job->total_q) * key.num_heads * sizeof(float)};
+  ASSIGN_OR_RETURN(ResolvedTensors t, ResolveFields(f, owner, registry));
+  const std::pair<const ResolvedBytes*, const char*> parts[] = {
+      {&t.q, "q.region"}, {&t.k, "k_new.region"}, {&t.v, "v_new.region"},
+      {&t.o, "o_region"}, {&t.lse, "lse_region"}};
+  for (const auto& [part, name] : parts) {
+    if (part->on_gpu) {
+      return absl::UnimplementedError(absl::StrCat(
+          name, " names a GPU region: Step and BatchStep take host regions (REGION_KIND_HOST) or "
+          "data; GPU regions are for Attend"));
     }
   }
-  if (Overlap(o, lse)) {
-    return absl::InvalidArgumentError("o_region overlaps lse_region; outputs need bytes of their own");
-  }
-  RETURN_IF_ERROR(CheckGpuUse(r, *q, *k, *v, o, lse));
-  job->device_tensors = q->on_gpu;
-  job->q_bytes = {q->data, q->bytes};
-  job->k_bytes = {k->data, k->bytes};
-  job->v_bytes = {v->data, v->bytes};
-  job->o_out = o.data;
-  job->lse_out = lse.data;
-  // One hold per region, so that RegionInfo.in_flight counts requests, not tensors.
-  for (ResolvedBytes* b : {&*q, &*k, &*v, &o, &lse}) {
-    if (!b->hold) continue;
-    bool held = false;
-    for (const auto& h : job->region_holds) held = held || h.get() == b->hold.get();
-    if (!held) job->region_holds.push_back(std::move(b->hold));
-  }
+  ApplyTo(t, job);
   return absl::OkStatus();
 }
 

@@ -3,9 +3,6 @@
 // slice happens here, before any work: the region exists for this identity, the slice has the
 // tensor's size and lies inside the region (without overflow).
 //
-// For session steps (StepRequest q, k_new, v_new, o_region, lse_region): call ResolveTensor /
-// ResolveSlice with the field's name and its expected byte size, keep the returned `hold` with
-// the step until its outputs are written, and read from / write to `data`.
 #pragma once
 
 #include <cstdint>
@@ -47,5 +44,12 @@ absl::StatusOr<ResolvedBytes> ResolveTensor(const v1::Tensor& t, const std::stri
 // before PrepareAttendResponse.
 absl::Status ResolveAttendTensors(const v1::AttendRequest& request, const std::string& owner,
                                   const RegionRegistry* registry, AttendJob* job);
+
+// The same for a session step (q, k_new, v_new, o_region, lse_region), always: afterwards the
+// job's q/k/v bytes and o/lse destinations say where the step's tensors are, in the message or
+// in host regions. GPU regions are refused (UNIMPLEMENTED) on steps. Call after
+// ValidateStepRequest's checks, before the response is sized.
+absl::Status ResolveStepTensors(const v1::StepRequest& request, const std::string& owner,
+                                const RegionRegistry* registry, AttendJob* job);
 
 }  // namespace attn

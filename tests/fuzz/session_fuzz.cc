@@ -242,7 +242,7 @@ class Program {
       RequestLimits limits;
       limits.max_tensor_elements = kMaxTensorElements;
       limits.head_dims = SessionHeadDims();
-      auto job = ValidateStepRequest(r, *s, limits, &responses[i]);
+      auto job = ValidateStepRequest(r, *s, limits, StepRegions{}, &responses[i]);
       if (!Note(job.status()) || !job.ok()) continue;
       jobs[i] = std::move(*job);
     }

@@ -584,21 +584,21 @@ std::vector<SessionBadCase> SessionBadCases() {
        },
        NF, "was closed"},
       // Step: layer and tensors.
-      // Shared-memory regions are not read by steps yet: refused by name (UNIMPLEMENTED).
+      // Shared-memory regions while shared memory is off (their own cases: session_region_test).
       {"StepQRegion",
        BadStep([](auto& r) {
          r.mutable_q()->clear_data();
          r.mutable_q()->mutable_region()->set_region("in");
        }),
-       StatusCode::UNIMPLEMENTED, "q.region: shared-memory regions are not supported on Step"},
+       StatusCode::FAILED_PRECONDITION, "q.region names a shared-memory region, but shared memory is off"},
       {"StepOutputRegion", BadStep([](auto& r) { r.mutable_o_region()->set_region("out"); }),
-       StatusCode::UNIMPLEMENTED, "o_region: shared-memory regions are not supported on Step"},
+       StatusCode::FAILED_PRECONDITION, "o_region names a shared-memory region, but shared memory is off"},
       {"StepLseRegion",
        BadStep([](auto& r) {
          r.set_return_lse(true);
          r.mutable_lse_region()->set_region("out");
        }),
-       StatusCode::UNIMPLEMENTED, "lse_region: shared-memory regions are not supported on Step"},
+       StatusCode::FAILED_PRECONDITION, "lse_region names a shared-memory region, but shared memory is off"},
       {"StepLayerNegative", BadStep([](auto& r) { r.set_layer(-1); }), IA,
        "layer -1 is out of range"},
       {"StepLayerPastLast", BadStep([](auto& r) { r.set_layer(2); }), IA,

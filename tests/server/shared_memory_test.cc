@@ -24,7 +24,6 @@
 
 #include "attn/client/region_client.h"
 #include "region_test_util.h"
-#include "session_util.h"
 #include "test_util.h"
 
 namespace attn {
@@ -279,50 +278,6 @@ TEST(SharedMemoryTest, OtherUsersAreRefused) {
 
 // Step and BatchStep do not read regions yet: a region field is refused by name (never read as an
 // empty tensor), and the session's cache is unchanged.
-TEST(SharedMemoryTest, StepRefusesRegionsByName) {
-  RegionRig rig;
-  ASSERT_TRUE(rig.Start());
-  testing::SessionSpec spec;
-  v1::CreateSessionRequest create;
-  create.set_num_layers(spec.layers);
-  create.set_num_kv_heads(spec.kv_heads);
-  create.set_head_dim(spec.head_dim);
-  create.set_dtype(spec.dtype);
-  v1::CreateSessionResponse session;
-  {
-    grpc::ClientContext ctx;
-    rig.client().PrepareContext(&ctx, std::chrono::milliseconds(10000));
-    ASSERT_TRUE(rig.client().stub()->CreateSession(&ctx, create, &session).ok());
-  }
-  std::mt19937_64 rng(3);
-  const v1::StepRequest good = testing::RandomStep(session.session_id(), 0, 2, spec, rng);
-  const std::vector<std::pair<std::string, std::function<void(v1::StepRequest&)>>> cases = {
-      {"q.region", [](auto& r) { r.mutable_q()->clear_data(); *r.mutable_q()->mutable_region() = client::RegionSliceOf("in", 0, 1024); }},
-      {"k_new.region", [](auto& r) { r.mutable_k_new()->clear_data(); *r.mutable_k_new()->mutable_region() = client::RegionSliceOf("in", 0, 512); }},
-      {"v_new.region", [](auto& r) { r.mutable_v_new()->clear_data(); *r.mutable_v_new()->mutable_region() = client::RegionSliceOf("in", 0, 512); }},
-      {"o_region", [](auto& r) { *r.mutable_o_region() = client::RegionSliceOf("out", 0, 1024); }},
-      {"lse_region", [](auto& r) { r.set_return_lse(true); *r.mutable_lse_region() = client::RegionSliceOf("out", 0, 32); }},
-  };
-  for (const auto& [field, corrupt] : cases) {
-    v1::StepRequest bad = good;
-    corrupt(bad);
-    v1::StepResponse response;
-    grpc::ClientContext ctx;
-    rig.client().PrepareContext(&ctx, std::chrono::milliseconds(10000));
-    const grpc::Status st = rig.client().stub()->Step(&ctx, bad, &response);
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED) << field << ": " << st.error_message();
-    // The message starts with the field ("q.region: ...", "o_region: ...").
-    EXPECT_EQ(st.error_message().rfind(field + ": shared-memory regions are not supported", 0), 0u)
-        << st.error_message();
-  }
-  // Nothing was appended: the good step finds an empty cache and leaves 2 tokens.
-  v1::StepResponse response;
-  grpc::ClientContext ctx;
-  rig.client().PrepareContext(&ctx, std::chrono::milliseconds(10000));
-  ASSERT_TRUE(rig.client().stub()->Step(&ctx, good, &response).ok());
-  EXPECT_EQ(response.cached_tokens(), 2);
-}
-
 TEST(SharedMemoryTest, HandleIsClaimedOnce) {
   RegionRig rig;
   ASSERT_TRUE(rig.Start());
