@@ -68,9 +68,10 @@ else
   "$attnctl" --target "$target" attend --batch 2 --seq 256 --heads 8 --kv-heads 2 \
     --head-dim 128 --dtype bf16 --causal --count 3 --check ||
     echo "run.sh: the first request failed (above)" >&2
-  echo "== attnd is serving on $target ($metrics_note); Ctrl-C drains and stops it, a second Ctrl-C at once"
   echo "== clients: $build/client/attnctl --target $target info"
   echo "            $build/client/attn-bench --target $target --concurrency 1,8"
+  # Last: a terminal (or a test) that sees this line may press Ctrl-C at once.
+  echo "== attnd is serving on $target ($metrics_note); Ctrl-C drains and stops it, a second Ctrl-C at once"
 fi
 rc=0
 wait_attnd || rc=$?

@@ -127,6 +127,9 @@ struct AttendJob {
   bool device_tensors = false;
   // Keeps the regions those point into mapped until the job is gone (even if unregistered).
   std::vector<std::shared_ptr<const void>> region_holds;
+  // Tensor bytes read from and written into regions (for metrics once the job succeeds).
+  int64_t region_bytes_read = 0;
+  int64_t region_bytes_written = 0;
 
   // Completes the request. Called exactly once, from any thread, never while a lock of the
   // batcher or backend is held.

@@ -120,11 +120,14 @@ absl::Status Batcher::SubmitLocked(std::unique_ptr<AttendJob>& job) {
     // Whichever path completes the job: its bytes are given back before the caller hears (so a
     // caller's next request finds them free), and it counts as pending until it is destroyed
     // (after its done has returned), which Drain waits for.
-    job->done = [this, bytes, done = std::move(job->done)](absl::Status st) {
+    job->done = [this, bytes, shm_read = job->region_bytes_read,
+                 shm_written = job->region_bytes_written,
+                 done = std::move(job->done)](absl::Status st) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         inflight_bytes_ -= bytes;
       }
+      if (st.ok() && metrics_) metrics_->AddSharedMemoryTensorBytes(shm_read, shm_written);
       done(std::move(st));
     };
     job->released = ReleaseNotice([this] {

@@ -148,6 +148,25 @@ void Metrics::Build(const Options& o) {
   gpu_used_ = &gpu.Add({{"state", "used"}});
   gpu_free_ = &gpu.Add({{"state", "free"}});
   gpu_total_ = &gpu.Add({{"state", "total"}});
+  auto& shm_regions = prometheus::BuildGauge()
+                          .Name("attn_shared_memory_regions")
+                          .Help("Shared-memory regions registered, by kind (host, cuda)")
+                          .Register(r);
+  shm_host_regions_ = &shm_regions.Add({{"kind", "host"}});
+  shm_cuda_regions_ = &shm_regions.Add({{"kind", "cuda"}});
+  auto& shm_bytes = prometheus::BuildGauge()
+                        .Name("attn_shared_memory_region_bytes")
+                        .Help("Bytes of the shared-memory regions registered, by kind (host, cuda)")
+                        .Register(r);
+  shm_host_bytes_ = &shm_bytes.Add({{"kind", "host"}});
+  shm_cuda_bytes_ = &shm_bytes.Add({{"kind", "cuda"}});
+  auto& shm_tensors = prometheus::BuildCounter()
+                          .Name("attn_shared_memory_tensor_bytes_total")
+                          .Help("Tensor bytes completed requests read from (read) or wrote into "
+                                "(written) shared-memory regions instead of their messages")
+                          .Register(r);
+  shm_read_ = &shm_tensors.Add({{"direction", "read"}});
+  shm_written_ = &shm_tensors.Add({{"direction", "written"}});
   prometheus::BuildGauge()
       .Name("attn_build_info")
       .Help("attnd version, backend and device; always 1")
@@ -220,6 +239,18 @@ void Metrics::AddSessionEvictions(const char* reason, int64_t n) {
 }
 
 void Metrics::SetSessions(int64_t n) { sessions_->Set(static_cast<double>(n)); }
+
+void Metrics::SetSharedMemoryRegions(const RegionTotals& t) {
+  shm_host_regions_->Set(static_cast<double>(t.host_regions));
+  shm_host_bytes_->Set(static_cast<double>(t.host_bytes));
+  shm_cuda_regions_->Set(static_cast<double>(t.cuda_regions));
+  shm_cuda_bytes_->Set(static_cast<double>(t.cuda_bytes));
+}
+
+void Metrics::AddSharedMemoryTensorBytes(int64_t read, int64_t written) {
+  if (read > 0) shm_read_->Increment(static_cast<double>(read));
+  if (written > 0) shm_written_->Increment(static_cast<double>(written));
+}
 
 void Metrics::SetGpuMemory(int64_t used, int64_t free, int64_t total) {
   gpu_used_->Set(used);

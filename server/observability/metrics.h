@@ -68,6 +68,15 @@ class Metrics {
   // attn_session_evictions_total{reason}; reason is "ttl" (idle past --session_ttl_s).
   void AddSessionEvictions(const char* reason, int64_t n);
   void SetGpuMemory(int64_t used, int64_t free, int64_t total);
+  // attn_shared_memory_regions{kind} and attn_shared_memory_region_bytes{kind}: the regions
+  // registered now and their sizes, kind "host" or "cuda".
+  struct RegionTotals {
+    int64_t host_regions = 0, host_bytes = 0, cuda_regions = 0, cuda_bytes = 0;
+  };
+  void SetSharedMemoryRegions(const RegionTotals& totals);
+  // attn_shared_memory_tensor_bytes_total{direction}: tensor bytes a completed request read from
+  // ("read") or wrote into ("written") regions instead of carrying them in its messages.
+  void AddSharedMemoryTensorBytes(int64_t read, int64_t written);
 
  private:
   static constexpr int kNumCodes = 17;
@@ -114,6 +123,12 @@ class Metrics {
   prometheus::Gauge* gpu_used_ = nullptr;
   prometheus::Gauge* gpu_free_ = nullptr;
   prometheus::Gauge* gpu_total_ = nullptr;
+  prometheus::Gauge* shm_host_regions_ = nullptr;
+  prometheus::Gauge* shm_cuda_regions_ = nullptr;
+  prometheus::Gauge* shm_host_bytes_ = nullptr;
+  prometheus::Gauge* shm_cuda_bytes_ = nullptr;
+  prometheus::Counter* shm_read_ = nullptr;
+  prometheus::Counter* shm_written_ = nullptr;
 };
 
 }  // namespace attn

@@ -203,7 +203,7 @@ absl::Status AttnServer::StartSharedMemory() {
         return SharedRegion::Gpu(g.data, g.bytes, std::move(g.release));
       };
     }
-    regions_ = std::make_unique<RegionRegistry>(ro);
+    regions_ = std::make_unique<RegionRegistry>(ro, metrics_.get());
     path = options_.shm_socket;
     if (path.empty()) {
       const char* tmp = std::getenv("TMPDIR");

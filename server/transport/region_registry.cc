@@ -3,6 +3,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "observability/metrics.h"
 
 namespace attn {
 namespace {
@@ -126,7 +127,26 @@ v1::RegionInfo RegionRegistry::InsertLocked(const std::string& owner, const std:
   Owner& o = owners_[owner];
   o.bytes += e.region->size();
   auto [it, inserted] = o.regions.emplace(name, std::move(e));
+  PublishLocked();
   return InfoOf(it->first, it->second);
+}
+
+void RegionRegistry::PublishLocked() const {
+  if (metrics_ == nullptr) return;
+  Metrics::RegionTotals t;
+  for (const auto& [owner, o] : owners_) {
+    for (const auto& [name, e] : o.regions) {
+      const auto bytes = static_cast<int64_t>(e.region->size());
+      if (e.region->on_gpu()) {
+        ++t.cuda_regions;
+        t.cuda_bytes += bytes;
+      } else {
+        ++t.host_regions;
+        t.host_bytes += bytes;
+      }
+    }
+  }
+  metrics_->SetSharedMemoryRegions(t);
 }
 
 // GPU regions come with their handle in the request (no socket step); importing one costs about
@@ -191,6 +211,7 @@ absl::Status RegionRegistry::Unregister(const std::string& owner, const std::str
   o->second.bytes -= it->second.region->size();
   o->second.regions.erase(it);  // requests holding it keep it mapped until they finish
   if (o->second.regions.empty()) owners_.erase(o);
+  PublishLocked();
   return absl::OkStatus();
 }
 
@@ -234,6 +255,7 @@ void RegionRegistry::DropConnection(uint64_t connection) {
     }
     o = regions.empty() ? owners_.erase(o) : std::next(o);
   }
+  PublishLocked();
 }
 
 int64_t RegionRegistry::RegionCount() const {

@@ -20,6 +20,8 @@
 
 namespace attn {
 
+class Metrics;
+
 class RegionRegistry {
  public:
   struct Options {
@@ -34,7 +36,10 @@ class RegionRegistry {
     std::function<absl::StatusOr<std::unique_ptr<SharedRegion>>(const v1::RegisterRegionRequest&)>
         import_gpu;
   };
-  explicit RegionRegistry(Options options) : options_(options) {}
+  // metrics (borrowed, may be null) gets the registered regions' totals on every change.
+  RegionRegistry(Options options, Metrics* metrics) : options_(options), metrics_(metrics) {
+    PublishLocked();
+  }
 
   const Options& options() const { return options_; }
 
@@ -75,6 +80,8 @@ class RegionRegistry {
     uint64_t bytes = 0;
   };
 
+  // Sends the totals per kind to metrics_ (mu_ held, or during construction).
+  void PublishLocked() const;
   void ExpirePendingLocked(std::chrono::steady_clock::time_point now);
   // The checks of a new region under mu_: its name is free and the owner's limits hold with it.
   absl::Status CheckRoomLocked(const Owner& o, const std::string& name, uint64_t size) const;
@@ -84,6 +91,7 @@ class RegionRegistry {
   static v1::RegionInfo InfoOf(const std::string& name, const Entry& e);
 
   const Options options_;
+  Metrics* const metrics_;
   mutable std::mutex mu_;
   std::map<std::string, Pending> pending_;  // by handle
   std::map<std::string, Owner> owners_;     // by identity

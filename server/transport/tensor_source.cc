@@ -152,6 +152,12 @@ void ApplyTo(ResolvedTensors& t, AttendJob* job) {
   job->v_bytes = {t.v.data, t.v.bytes};
   job->o_out = t.o.data;
   job->lse_out = t.lse.data;
+  for (const ResolvedBytes* in : {&t.q, &t.k, &t.v}) {
+    if (in->hold) job->region_bytes_read += static_cast<int64_t>(in->bytes);
+  }
+  for (const ResolvedBytes* out : {&t.o, &t.lse}) {
+    if (out->hold) job->region_bytes_written += static_cast<int64_t>(out->bytes);
+  }
   for (ResolvedBytes* b : {&t.q, &t.k, &t.v, &t.o, &t.lse}) {
     if (!b->hold) continue;
     bool held = false;

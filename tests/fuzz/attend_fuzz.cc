@@ -54,7 +54,7 @@ double MaxAbs(std::string_view bytes, v1::DType dtype) {
 // The fuzzed client's shared-memory region "r0" (kRegionBytes), registered to identity "fuzz"
 // in a registry of its own: requests may name it, or any other name, in every region field.
 struct FuzzRegions {
-  RegionRegistry registry{RegionRegistry::Options{}};
+  RegionRegistry registry{RegionRegistry::Options{}, nullptr};
   SharedRegion* r0 = nullptr;
 };
 

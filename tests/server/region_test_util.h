@@ -46,6 +46,7 @@ class RegionRig {
   const RandomRequest& random() const { return random_; }
   const std::string& socket_path() const { return socket_path_; }
   int64_t RegionCount() const { return server_.server->SharedMemoryRegions(); }
+  int metrics_port() const { return server_.server->metrics_port(); }
   // The client unmaps and closes its "in" memfd.
   void DropInputRegion() { in_.reset(); }
   // The client's region socket closes, as when its process exits.

@@ -61,6 +61,39 @@ TEST(SharedMemoryTest, AttendThroughRegionsEqualsInline) {
             testing::ToleranceFor(client::DType::kBFloat16));
 }
 
+TEST(SharedMemoryTest, MetricsCountRegionsAndTheirTensorBytes) {
+  RegionRig rig;
+  ASSERT_TRUE(rig.Start());
+  const int port = rig.metrics_port();
+  auto metric = [port](const std::string& name, const std::string& label) {
+    return testing::ScrapeMetric(port, name, {label});
+  };
+  EXPECT_EQ(metric("attn_shared_memory_regions", "kind=\"host\""), 2);
+  EXPECT_EQ(metric("attn_shared_memory_regions", "kind=\"cuda\""), 0);
+  EXPECT_EQ(metric("attn_shared_memory_region_bytes", "kind=\"host\""),
+            static_cast<double>(rig.in().size() + rig.out().size()));
+  // Inputs from regions and outputs inline, then everything through regions.
+  v1::AttendResponse response;
+  ASSERT_TRUE(rig.Attend(rig.RegionRequest(/*o_in_region=*/false, /*lse=*/false), &response).ok());
+  ASSERT_TRUE(rig.Attend(rig.RegionRequest(/*o_in_region=*/true, /*lse=*/true), &response).ok());
+  // An inline request adds nothing.
+  ASSERT_TRUE(rig.Attend(rig.InlineRequest(/*lse=*/true), &response).ok());
+  const double inputs = static_cast<double>(rig.q_bytes() + 2 * rig.kv_bytes());
+  EXPECT_EQ(metric("attn_shared_memory_tensor_bytes_total", "direction=\"read\""), 2 * inputs);
+  EXPECT_EQ(metric("attn_shared_memory_tensor_bytes_total", "direction=\"written\""),
+            static_cast<double>(rig.o_bytes() + rig.lse_bytes()));
+  ASSERT_TRUE(rig.regions().Unregister("out").ok());
+  EXPECT_EQ(metric("attn_shared_memory_regions", "kind=\"host\""), 1);
+  EXPECT_EQ(metric("attn_shared_memory_region_bytes", "kind=\"host\""),
+            static_cast<double>(rig.in().size()));
+  rig.CloseRegionSocket();  // the client goes away: its regions are reclaimed
+  for (int i = 0; i < 200 && metric("attn_shared_memory_regions", "kind=\"host\"") != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(metric("attn_shared_memory_regions", "kind=\"host\""), 0);
+  EXPECT_EQ(metric("attn_shared_memory_region_bytes", "kind=\"host\""), 0);
+}
+
 TEST(SharedMemoryTest, InputsInRegionOutputInline) {
   RegionRig rig;
   ASSERT_TRUE(rig.Start());

@@ -45,7 +45,7 @@ class TensorSourceTest : public ::testing::Test {
   }
   int64_t InFlight() { return registry_.List("alice").at(0).in_flight(); }
 
-  RegionRegistry registry_{RegionRegistry::Options{}};
+  RegionRegistry registry_{RegionRegistry::Options{}, nullptr};
   char* base_ = nullptr;
 };
 
