@@ -50,7 +50,7 @@ for kind in "${kinds[@]}"; do
     # in attnd's own code (reports inside Debian's uninstrumented gRPC cannot be judged).
     tsan_logs="$root/$dir/tsan-reports"
     rm -rf "$tsan_logs" && mkdir -p "$tsan_logs"
-    export TSAN_OPTIONS="halt_on_error=0:exitcode=0:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp:print_suppressions=0:log_path=$tsan_logs/tsan"
+    export TSAN_OPTIONS="history_size=7:halt_on_error=0:exitcode=0:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp:print_suppressions=0:log_path=$tsan_logs/tsan"
     # Sanitized code runs several times slower: the tests read this to scale their budgets.
     export ATTN_SANITIZER="$kind"
     cd "$dir"

@@ -4,8 +4,7 @@
 # exists the CUDA kernels are always compiled (ATTN_CUDA=ON), GPU or not.
 #
 # Then, on the CPU parts: the sanitizer builds (scripts/sanitize.sh; ATTN_SANITIZERS, default
-# "address"; "address thread" adds TSan, which reports races in the stream, session and region
-# code that are not fixed yet (docs/RELIABILITY.md); "none" skips) and a bounded fuzz run (scripts/fuzz.sh; ATTN_FUZZ_SECONDS,
+# "address thread", "none" skips) and a bounded fuzz run (scripts/fuzz.sh; ATTN_FUZZ_SECONDS,
 # default 60, 0 skips). Every step runs even when an earlier one failed (ctest only after a
 # successful build); a summary at the end gives each step's result and time, and the script exits
 # non-zero when any step failed.
@@ -60,7 +59,7 @@ if step "install-deps" scripts/install-deps.sh; then
   else
     record "ctest" SKIP 0 "the build failed"
   fi
-  sanitizers=${ATTN_SANITIZERS:-address}
+  sanitizers=${ATTN_SANITIZERS:-address thread}
   if [ "$sanitizers" != "none" ] && [ -n "$sanitizers" ]; then
     for s in $sanitizers; do
       step "sanitize $s" "$root/scripts/sanitize.sh" "$s"

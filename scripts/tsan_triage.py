@@ -9,7 +9,8 @@ atomics inside them and reports every hand-off of memory between gRPC's threads.
 suppression language cannot say "both racing accesses are in library code", so this does:
 
 - a frame is attnd's own when its file is under SOURCE_DIR (generated code under SOURCE_DIR/build*
-  is protobuf's, not ours); frames of the sanitizer runtime, of libstdc++ templates and of
+  is protobuf's, not ours), or is a relative path (as ccache's base_dir leaves them) naming a
+  file of SOURCE_DIR; frames of the sanitizer runtime, of libstdc++ templates and of
   operator new/delete are skipped to find the first frame that says whose code it is;
 - a data race is attnd's own when both accesses are in attnd's code: then TSan can see every
   synchronization between them that matters (our mutexes, and the explicit hand-off
@@ -44,6 +45,14 @@ class Triage:
         for root in self.roots:
             if path.startswith(root):
                 return not path[len(root):].startswith("build")
+        if path and not path.startswith("/"):
+            # Relative to the compiler's directory (ccache's base_dir makes paths so): ours when
+            # the path, less its leading "../", names a file of the source tree.
+            rest = re.sub(r"(:\d+)+$", "", path)  # file:line[:column]
+            while rest.startswith("../"):
+                rest = rest[3:]
+            root = next(iter(self.roots))
+            return not rest.startswith("build") and os.path.isfile(os.path.join(root, rest))
         return False
 
     def owner(self, frames):

@@ -21,6 +21,7 @@
 #include "observability/metrics.h"
 #include "common/status_util.h"
 #include "common/tsan_annotations.h"
+#include "engine/run_alone.h"
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
 #include "rpc/session_warmup.h"
@@ -272,14 +273,7 @@ absl::Status AttnServer::WarmUp() {
   job->arrival = Clock::now();
   PrepareAttendResponse(*job, &response);
   RETURN_IF_ERROR(backend_->Prepare(*job));
-  std::promise<absl::Status> result;
-  job->done = [&result](absl::Status st) { result.set_value(std::move(st)); };
-  Batch batch;
-  batch.push_back(std::move(job));
-  std::promise<void> finished;
-  backend_->RunBatch(std::move(batch), [&finished](const BatchReport&) { finished.set_value(); });
-  absl::Status st = result.get_future().get();
-  finished.get_future().wait();
+  const absl::Status st = RunAlone(*backend_, std::move(job));
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("backend warm-up failed: ", st.message()));
   return sessions_ ? WarmUpSessionSteps(*backend_, *sessions_) : absl::OkStatus();
 }

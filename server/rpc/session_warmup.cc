@@ -1,10 +1,10 @@
 #include "rpc/session_warmup.h"
 
-#include <future>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "engine/run_alone.h"
 #include "rpc/step_validation.h"
 #include "sessions/step_work.h"
 
@@ -33,14 +33,7 @@ absl::Status RunStep(Backend& backend, std::shared_ptr<Session> s, int64_t token
                    ValidateStepRequest(request, s, limits, StepRegions{}, &response));
   job->arrival = Clock::now();
   if (!s->AcquireLayer(0, [] {})) return absl::InternalError("warm-up session busy");
-  std::promise<absl::Status> result;
-  job->done = [&result](absl::Status st) { result.set_value(std::move(st)); };
-  Batch batch;
-  batch.push_back(std::move(job));
-  std::promise<void> finished;
-  backend.RunBatch(std::move(batch), [&finished](const BatchReport&) { finished.set_value(); });
-  absl::Status st = result.get_future().get();
-  finished.get_future().wait();
+  absl::Status st = RunAlone(backend, std::move(job));
   s->ReleaseLayer(0);
   return st;
 }

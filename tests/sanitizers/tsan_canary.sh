@@ -7,7 +7,7 @@ canary=$1
 src=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-TSAN_OPTIONS="halt_on_error=0:exitcode=0:suppressions=$src/tests/sanitizers/tsan.supp:log_path=$dir/tsan" \
+TSAN_OPTIONS="history_size=7:halt_on_error=0:exitcode=0:suppressions=$src/tests/sanitizers/tsan.supp:log_path=$dir/tsan" \
   "$canary" > "$dir/canary.out" 2>&1 || { echo "tsan_canary: the canary itself failed"; cat "$dir/canary.out"; exit 1; }
 if python3 "$src/scripts/tsan_triage.py" --src "$src" "$dir" > "$dir/triage.out"; then
   echo "tsan_canary: the deliberate race was not reported"
