@@ -1,0 +1,58 @@
+// Tile shapes of the sm_90a forward kernel per head dim (flash_fwd_sm90_kernel.cuh).
+//
+// A CTA computes kBlockM = 128 query rows of one (sequence, head): warpgroup 0 is the producer (one
+// thread issues every TMA load), warpgroups 1 and 2 each own 64 rows and run the wgmma products.
+// Q, K and V tiles live in shared memory as 64-element-wide slabs of 128-byte swizzled rows (one
+// slab per 64 head-dim columns), the layout a TMA box with SWIZZLE_128B writes and the wgmma
+// descriptors of ptx_sm90.cuh read. K/V stream through kStages stages.
+#pragma once
+
+#include <cstdint>
+
+namespace attn::kernels::cuda {
+
+template <int D, typename T_, int kBlockN_, int kStages_>
+struct Sm90TraitsBase {
+  using T = T_;
+  static constexpr int kHeadDim = D;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWGs = kBlockM / 64;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kSlabs = D / 64;  // 64-column slabs per row
+  // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
+  static constexpr int kPvN = D < 128 ? D : 128;
+  static constexpr int kPvChunks = D / kPvN;
+
+  static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D * 2;
+  static constexpr uint32_t kKVBytes = uint32_t(kBlockN) * D * 2;  // one K (or V) tile
+  static constexpr uint32_t kQOff = 0;
+  static constexpr uint32_t kKOff = kQBytes;
+  static constexpr uint32_t kVOff = kKOff + kStages * kKVBytes;
+  static constexpr uint32_t kBarOff = kVOff + kStages * kKVBytes;
+  // Barriers: Q full, then per stage K full, V full, K/V empty.
+  static constexpr uint32_t kSmemBytes = kBarOff + 8 * (1 + 3 * kStages);
+  // + slack to align the dynamic shared-memory base to 1024 bytes (the 128B swizzle atom).
+  static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
+
+  // Register split (setmaxnreg): 128 * (kProducerRegs + 2 * kConsumerRegs) <= 64K.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static_assert(D % 64 == 0, "head dim must be a multiple of 64 (one 128-byte swizzle row)");
+  static_assert(kBlockN == 64 || kBlockN == 128, "S = Q K^T uses the m64n64/m64n128 shapes");
+  static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
+};
+
+template <int D, typename T>
+struct Sm90Traits;
+template <typename T>
+struct Sm90Traits<64, T> : Sm90TraitsBase<64, T, 128, 4> {};
+template <typename T>
+struct Sm90Traits<128, T> : Sm90TraitsBase<128, T, 128, 2> {};
+template <typename T>
+struct Sm90Traits<256, T> : Sm90TraitsBase<256, T, 64, 2> {};
+
+}  // namespace attn::kernels::cuda
