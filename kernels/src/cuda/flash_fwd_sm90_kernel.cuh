@@ -1,8 +1,11 @@
 // FlashAttention forward for sm_90a (device code): wgmma products, TMA loads, warp specialisation.
 //
-// One CTA = kBlockM query rows of one (sequence, head), three warpgroups:
+// A persistent CTA per SM computes tiles of kBlockM query rows of one (sequence, head) in turn
+// (Sm90Schedule), with three warpgroups:
 //  - warpgroup 0, the producer, gives registers back (setmaxnreg.dec); one of its threads loads
-//    the Q tile, then K and V tiles into a ring of kStages stages with TMA. Each stage has a
+//    the Q tile, then K and V tiles into a ring of kStages stages with TMA, running ahead into the
+//    next tile (its Q as soon as the consumers' last S of the current tile is done, so the next
+//    tile's loads overlap this one's last products and epilogue). Each stage has a
 //    "full" mbarrier for K and one for V (the TMA's transaction bytes complete them) and an
 //    "empty" mbarrier the consumer warps arrive on once they are done with the stage.
 //  - warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc) and own 64 query rows
@@ -71,31 +74,51 @@ __device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, 
   return true;
 }
 
-// Producer: Q once, then K and V of each key tile into the stage ring.
-template <typename Tr>
-__device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile& t, int h,
-                                            uint8_t* smem, uint64_t* bars) {
-  constexpr int S = Tr::kStages;
-  uint64_t* full_q = bars;
-  uint64_t* full_k = bars + 1;
-  uint64_t* full_v = bars + 1 + S;
-  uint64_t* empty = bars + 1 + 2 * S;
-  const int hk = h / P.p.heads_per_kv;
-  ptx::MbarArriveExpectTx(full_q, Tr::kQBytes);
-  ptx::TmaLoad4d(smem + Tr::kQOff, &P.tq, 0, t.q_start + t.m0, 0, h, full_q);
+// Position in the K/V stage ring; producer and consumers step through it in the same order,
+// across all the tiles a CTA computes.
+template <int S>
+struct Sm90Ring {
   int st = 0;
   uint32_t phase = 0;
-  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-    ptx::MbarWait(&empty[st], phase ^ 1);  // a fresh barrier passes parity 1 at once
-    const int row = t.k_start + nb * Tr::kBlockN;
-    ptx::MbarArriveExpectTx(&full_k[st], Tr::kKVBytes);
-    ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, &full_k[st]);
-    ptx::MbarArriveExpectTx(&full_v[st], Tr::kKVBytes);
-    ptx::TmaLoad4d(smem + Tr::kVOff + st * Tr::kKVBytes, &P.tv, 0, row, 0, hk, &full_v[st]);
+  __device__ __forceinline__ void Advance() {
     if (++st == S) {
       st = 0;
       phase ^= 1;
     }
+  }
+};
+
+// The CTA's mbarriers: Q full/empty, then per stage K full, V full and K/V empty.
+template <int S>
+struct Sm90Bars {
+  uint64_t* base;
+  __device__ __forceinline__ uint64_t* FullQ() const { return base; }
+  __device__ __forceinline__ uint64_t* EmptyQ() const { return base + 1; }
+  __device__ __forceinline__ uint64_t* FullK(int st) const { return base + 2 + st; }
+  __device__ __forceinline__ uint64_t* FullV(int st) const { return base + 2 + S + st; }
+  __device__ __forceinline__ uint64_t* Empty(int st) const { return base + 2 + 2 * S + st; }
+  static constexpr int kCount = 2 + 3 * S;
+};
+
+// Producer, one tile: Q (once the consumers are done with the previous tile's Q), then K and V of
+// each key tile into the stage ring. q_loads counts the Q tiles loaded before this one.
+template <typename Tr>
+__device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile& t, int h,
+                                            uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                            Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
+  const int hk = h / P.p.heads_per_kv;
+  ptx::MbarWait(bars.EmptyQ(), (q_loads & 1) ^ 1);  // a fresh barrier passes parity 1 at once
+  ptx::MbarArriveExpectTx(bars.FullQ(), Tr::kQBytes);
+  ptx::TmaLoad4d(smem + Tr::kQOff, &P.tq, 0, t.q_start + t.m0, 0, h, bars.FullQ());
+  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+    const int st = ring.st;
+    ptx::MbarWait(bars.Empty(st), ring.phase ^ 1);
+    const int row = t.k_start + nb * Tr::kBlockN;
+    ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKVBytes);
+    ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, bars.FullK(st));
+    ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
+    ptx::TmaLoad4d(smem + Tr::kVOff + st * Tr::kKVBytes, &P.tv, 0, row, 0, hk, bars.FullV(st));
+    ring.Advance();
   }
 }
 
@@ -231,21 +254,23 @@ __device__ __forceinline__ void Sm90PackP(uint32_t (&pa)[BN / 16][4], const floa
     for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::Pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
+// Named barriers 1 and 2 order the two consumer warpgroups' wgmma issues (ping-pong).
+constexpr int kPingPongBar = 1;
+
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA.
 // kOverlap: S of tile j is issued before P V of tile j+1 (the previous one in visiting order), so
 // the tensor cores compute that product while this warpgroup runs the softmax of tile j; O is
-// rescaled only once that product has completed. Otherwise every product is waited for at once.
+// rescaled only once that product has completed. The two warpgroups also take turns issuing
+// their products (ping-pong: each waits on its own named barrier before issuing and signals the
+// other's after), so one's softmax runs while the other's products occupy the tensor cores.
+// Otherwise every product is waited for at once.
 template <typename Tr, bool kOverlap>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
-                                            uint8_t* smem, uint64_t* bars) {
+                                            uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                            Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
   using T = typename Tr::T;
   constexpr int BN = Tr::kBlockN;
-  constexpr int S = Tr::kStages;
   const FlashParams& p = P.p;
-  uint64_t* full_q = bars;
-  uint64_t* full_k = bars + 1;
-  uint64_t* full_v = bars + 1 + S;
-  uint64_t* empty = bars + 1 + 2 * S;
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
   const int r0 = t.m0 + 64 * cw + 16 * (tid / 32) + lane / 4;  // this thread's first row
@@ -257,6 +282,10 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
     const bool need = (n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
                       (p.has_left && n0 < m_last + t.off - p.left);
     if (need) Sm90Mask<BN>(s, p, t, r0, n0, lane);
+  };
+  // Once the last S of the tile is complete, Q may be overwritten by the next tile's.
+  auto release_q = [&] {
+    if (lane == 0) ptx::MbarArrive(bars.EmptyQ());
   };
 
   float o[Tr::kPvChunks][Tr::kPvN / 2];
@@ -270,33 +299,32 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   float s[BN / 2];
   uint32_t pa[BN / 16][4];
 
-  if (t.nb_max > t.nb_min) {  // else no tile: Q is never loaded, O = 0 and LSE = -inf
-    ptx::MbarWait(full_q, 0);
-    int st = 0;
-    uint32_t phase = 0;
-    auto advance = [&] {
-      if (++st == S) {
-        st = 0;
-        phase ^= 1;
-      }
-    };
+  if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
+    ptx::MbarWait(bars.FullQ(), q_loads & 1);
     if constexpr (kOverlap) {
+      static_assert(Tr::kConsumerWGs == 2, "ping-pong pairs two consumer warpgroups");
+      const int my_bar = kPingPongBar + cw;
+      const int other_bar = kPingPongBar + 1 - cw;
+      if (cw == 1) ptx::NamedBarArrive(other_bar, 256);  // warpgroup 0 issues first
       // First tile: S, softmax, P; its P V is issued with the next tile's S.
-      ptx::MbarWait(&full_k[st], phase);
-      mma.IssueS(s, st);
+      ptx::MbarWait(bars.FullK(ring.st), ring.phase);
+      ptx::NamedBarSync(my_bar, 256);
+      mma.IssueS(s, ring.st);
+      ptx::NamedBarArrive(other_bar, 256);
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
       mask(s, t.nb_max - 1);
       Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
       Sm90PackP<T, BN>(pa, s);
-      int prev_st = st;
-      uint32_t prev_phase = phase;
-      advance();
+      Sm90Ring<Tr::kStages> prev = ring;
+      ring.Advance();
       for (int nb = t.nb_max - 2; nb >= t.nb_min; --nb) {
-        ptx::MbarWait(&full_k[st], phase);
-        mma.IssueS(s, st);
-        ptx::MbarWait(&full_v[prev_st], prev_phase);
-        mma.IssuePV(o, pa, prev_st);
+        ptx::MbarWait(bars.FullK(ring.st), ring.phase);
+        ptx::MbarWait(bars.FullV(prev.st), prev.phase);
+        ptx::NamedBarSync(my_bar, 256);
+        mma.IssueS(s, ring.st);
+        mma.IssuePV(o, pa, prev.st);
+        ptx::NamedBarArrive(other_bar, 256);
         ptx::WgmmaWait<1>();  // S done; P V of the previous tile may still run
         ptx::RegFence(s);
         mask(s, nb);
@@ -304,74 +332,128 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         ptx::WgmmaWait<0>();
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-        if (lane == 0) ptx::MbarArrive(&empty[prev_st]);
+        if (lane == 0) ptx::MbarArrive(bars.Empty(prev.st));
         Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, BN>(pa, s);
-        prev_st = st;
-        prev_phase = phase;
-        advance();
+        prev = ring;
+        ring.Advance();
       }
-      ptx::MbarWait(&full_v[prev_st], prev_phase);
-      mma.IssuePV(o, pa, prev_st);
+      release_q();
+      ptx::MbarWait(bars.FullV(prev.st), prev.phase);
+      ptx::NamedBarSync(my_bar, 256);
+      mma.IssuePV(o, pa, prev.st);
+      ptx::NamedBarArrive(other_bar, 256);
+      if (cw == 0) ptx::NamedBarSync(my_bar, 256);  // takes warpgroup 1's last arrival
       ptx::WgmmaWait<0>();
 #pragma unroll
       for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-      if (lane == 0) ptx::MbarArrive(&empty[prev_st]);
+      if (lane == 0) ptx::MbarArrive(bars.Empty(prev.st));
     } else {
       for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-        ptx::MbarWait(&full_k[st], phase);
+        const int st = ring.st;
+        ptx::MbarWait(bars.FullK(st), ring.phase);
         mma.IssueS(s, st);
         ptx::WgmmaWait<0>();
         ptx::RegFence(s);
+        if (nb == t.nb_min) release_q();
         mask(s, nb);
         Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
         Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, BN>(pa, s);
-        ptx::MbarWait(&full_v[st], phase);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
         mma.IssuePV(o, pa, st);
         ptx::WgmmaWait<0>();
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-        if (lane == 0) ptx::MbarArrive(&empty[st]);
-        advance();
+        if (lane == 0) ptx::MbarArrive(bars.Empty(st));
+        ring.Advance();
       }
     }
   }
   Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
 }
 
+// Persistent tile order. Without a causal/right window all tiles cost the same: global tile j
+// has its row block fastest (the CTAs working at one time share the K/V of a few heads in L2) and
+// CTA c takes j = c, c + G, c + 2G, ... (G CTAs). With one, a row block's cost grows with its
+// index, so tiles are ordered by cost instead (row blocks slowest, from the last) and handed out
+// longest-first in a snake (round r takes j = rG + c, or rG + G-1-c when r is odd), which evens
+// out the CTAs' sums; a plain round-robin over row-block-fastest tiles would give some CTAs only
+// the long row blocks (when G is close to a multiple of the row-block count).
+struct Sm90Schedule {
+  int m_blocks, heads, batch;
+  bool by_cost;
+  __device__ __forceinline__ int Total() const { return m_blocks * heads * batch; }
+  // Global index of the CTA's tile in round r (may be >= Total() in the last round).
+  __device__ __forceinline__ int Tile(int r) const {
+    const int c = (by_cost && (r & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    return r * gridDim.x + c;
+  }
+  __device__ __forceinline__ void Decode(int j, int* m_block, int* h, int* b) const {
+    int hb;
+    if (by_cost) {
+      *m_block = m_blocks - 1 - j / (heads * batch);
+      hb = j % (heads * batch);
+    } else {
+      *m_block = j % m_blocks;
+      hb = j / m_blocks;
+    }
+    *h = hb % heads;
+    *b = hb / heads;
+  }
+};
+
 template <typename Tr, bool kOverlap>
 __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ Sm90Params P) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Tr::kBarOff);
   constexpr int S = Tr::kStages;
-
-  // Causal blocks further down have more key tiles: launch them first.
-  const int m_block = P.p.has_right ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y;
-  Sm90Tile t;
-  if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, blockIdx.z, &t)) return;
+  const Sm90Bars<S> bars{reinterpret_cast<uint64_t*>(smem + Tr::kBarOff)};
+  constexpr uint32_t kConsumerWarps = Tr::kConsumerWGs * 4;  // each arrives once per release
 
   if (threadIdx.x == 0) {
-    ptx::MbarInit(&bars[0], 1);
+    ptx::MbarInit(bars.FullQ(), 1);
+    ptx::MbarInit(bars.EmptyQ(), kConsumerWarps);
     for (int i = 0; i < S; ++i) {
-      ptx::MbarInit(&bars[1 + i], 1);
-      ptx::MbarInit(&bars[1 + S + i], 1);
-      ptx::MbarInit(&bars[1 + 2 * S + i], Tr::kConsumerWGs * 4);  // one arrival per consumer warp
+      ptx::MbarInit(bars.FullK(i), 1);
+      ptx::MbarInit(bars.FullV(i), 1);
+      ptx::MbarInit(bars.Empty(i), kConsumerWarps);
     }
     ptx::FenceMbarInit();
   }
   __syncthreads();
 
+  // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
+  const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
+                           P.p.batch, P.p.has_right};
+  auto for_each_tile = [&](auto&& fn) {
+    uint32_t q_loads = 0;  // Q tiles loaded so far (tiles with at least one key tile)
+    for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
+      const int j = sched.Tile(r);
+      if (j >= sched.Total()) continue;
+      int m_block, h, b;
+      sched.Decode(j, &m_block, &h, &b);
+      Sm90Tile t;
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) continue;
+      fn(t, h, q_loads);
+      q_loads += t.nb_max > t.nb_min;
+    }
+  };
+  Sm90Ring<S> ring;
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     ptx::SetMaxNRegDec<Tr::kProducerRegs>();
-    if (threadIdx.x == 0 && t.nb_max > t.nb_min) Sm90Produce<Tr>(P, t, h, smem, bars);
+    if (threadIdx.x == 0) {
+      for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
+        if (t.nb_max > t.nb_min) Sm90Produce<Tr>(P, t, h, smem, bars, ring, q_loads);
+      });
+    }
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
-    Sm90Consume<Tr, kOverlap>(P, t, h, wg - 1, smem, bars);
+    for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
+      Sm90Consume<Tr, kOverlap>(P, t, h, wg - 1, smem, bars, ring, q_loads);
+    });
   }
 #endif
 }

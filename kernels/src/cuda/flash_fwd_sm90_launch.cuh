@@ -64,16 +64,25 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
       !EncodeRowsMap<T, D>(&P.tv, params.v, params.total_k, params.num_kv_heads, Tr::kBlockN)) {
     return cudaErrorInvalidValue;
   }
-  // ATTN_SM90_OVERLAP=0 runs the kernel without the softmax / P V overlap (a measurement knob).
+  // ATTN_SM90_OVERLAP=1 runs the variant with the softmax / P V overlap and ping-pong (a
+  // measurement knob: on the H200 it measured slower, docs/PERF.md).
   static const bool overlap = [] {
     const char* e = std::getenv("ATTN_SM90_OVERLAP");
-    return e == nullptr || std::atoi(e) != 0;
+    return e != nullptr && std::atoi(e) != 0;
   }();
   auto kernel = overlap ? &FlashFwdSm90Kernel<Tr, true> : &FlashFwdSm90Kernel<Tr, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
-  const dim3 grid((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, params.num_heads, params.batch);
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
+  // Persistent: one CTA per SM (or per tile when there are fewer), each looping over tiles.
+  const int64_t tiles = int64_t((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM) *
+                        params.num_heads * params.batch;
+  if (tiles == 0) return cudaSuccess;
+  int dev = 0;
+  int sms = 0;
+  err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  const int grid = static_cast<int>(tiles < sms ? tiles : sms);
   kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(P);
   return cudaGetLastError();
 }

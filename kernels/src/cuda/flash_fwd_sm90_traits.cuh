@@ -1,7 +1,8 @@
 // Tile shapes of the sm_90a forward kernel per head dim (flash_fwd_sm90_kernel.cuh).
 //
-// A CTA computes kBlockM = 128 query rows of one (sequence, head): warpgroup 0 is the producer (one
-// thread issues every TMA load), warpgroups 1 and 2 each own 64 rows and run the wgmma products.
+// A CTA computes tiles of kBlockM = 128 query rows of one (sequence, head), one after the other
+// (persistent): warpgroup 0 is the producer (one thread issues every TMA load), warpgroups 1 and 2
+// each own 64 rows of the tile and run the wgmma products.
 // Q, K and V tiles live in shared memory as 64-element-wide slabs of 128-byte swizzled rows (one
 // slab per 64 head-dim columns), the layout a TMA box with SWIZZLE_128B writes and the wgmma
 // descriptors of ptx_sm90.cuh read. K/V stream through kStages stages.
@@ -31,8 +32,8 @@ struct Sm90TraitsBase {
   static constexpr uint32_t kKOff = kQBytes;
   static constexpr uint32_t kVOff = kKOff + kStages * kKVBytes;
   static constexpr uint32_t kBarOff = kVOff + kStages * kKVBytes;
-  // Barriers: Q full, then per stage K full, V full, K/V empty.
-  static constexpr uint32_t kSmemBytes = kBarOff + 8 * (1 + 3 * kStages);
+  // Barriers: Q full and empty, then per stage K full, V full, K/V empty (Sm90Bars).
+  static constexpr uint32_t kSmemBytes = kBarOff + 8 * (2 + 3 * kStages);
   // + slack to align the dynamic shared-memory base to 1024 bytes (the 128B swizzle atom).
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
 

@@ -56,6 +56,11 @@ __device__ __forceinline__ void NamedBarSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Arrives on barrier `id` without waiting (the producer side of a bar.sync elsewhere).
+__device__ __forceinline__ void NamedBarArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) { cp::mbarrier_init(bar, count); }
 
 // Publishes mbarrier initialisation to the async proxy (TMA) before first use.
