@@ -54,9 +54,10 @@ bool EncodeRowsMap(CUtensorMap* map, const void* base, int rows, int heads, int 
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, int D>
-cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
-  using Tr = Sm90Traits<D, T>;
+template <typename Tr>
+cudaError_t LaunchFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim;
   Sm90Params P;
   P.p = params;
   if (!EncodeRowsMap<T, D>(&P.tq, params.q, params.total_q, params.num_heads, Tr::kBlockM) ||
@@ -65,12 +66,16 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   // ATTN_SM90_OVERLAP=1 runs the variant with the softmax / P V overlap and ping-pong (a
-  // measurement knob: on the H200 it measured slower, docs/PERF.md).
+  // measurement knob: on the H200 it measured slower, docs/PERF.md). It pairs two consumer
+  // warpgroups, so it exists for the narrow tiling only.
   static const bool overlap = [] {
     const char* e = std::getenv("ATTN_SM90_OVERLAP");
     return e != nullptr && std::atoi(e) != 0;
   }();
-  auto kernel = overlap ? &FlashFwdSm90Kernel<Tr, true> : &FlashFwdSm90Kernel<Tr, false>;
+  auto kernel = &FlashFwdSm90Kernel<Tr, false>;
+  if constexpr (Tr::kConsumerWGs == 2) {
+    if (overlap) kernel = &FlashFwdSm90Kernel<Tr, true>;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM (or per tile when there are fewer), each looping over tiles.
@@ -85,6 +90,20 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
   const int grid = static_cast<int>(tiles < sms ? tiles : sms);
   kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(P);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
+  using Wide = Sm90WideTraits<D, T>;
+  using Narrow = Sm90NarrowTraits<D, T>;
+  if constexpr (Wide::kBlockM == Narrow::kBlockM) {  // one tiling (d=256)
+    return LaunchFlashFwdSm90<Wide>(params, stream);
+  } else {
+    if (params.has_right && params.max_seqlen_q <= kSm90NarrowMaxSeqlenQ) {
+      return LaunchFlashFwdSm90<Narrow>(params, stream);
+    }
+    return LaunchFlashFwdSm90<Wide>(params, stream);
+  }
 }
 
 }  // namespace attn::kernels::cuda
