@@ -356,6 +356,10 @@ Status CanImplementGen2(const AttentionArgs& args) {
                                             " is not compiled for sm_90a in this build"};
   }
   if (IsPaged(args)) return {StatusCode::kUnimplemented, "CUDA generation 2: paged K/V is not supported"};
+  // The persistent schedule numbers (64-row block, head, sequence) tiles in an int.
+  if ((int64_t(args.max_seqlen_q) + 63) / 64 * args.num_heads * args.batch > INT32_MAX) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: too many query tiles for one launch"};
+  }
   if (!Aligned16(args.q) || !Aligned16(args.k) || !Aligned16(args.v)) {
     return {StatusCode::kUnimplemented, "CUDA generation 2: q, k and v must be 16-byte aligned (TMA)"};
   }

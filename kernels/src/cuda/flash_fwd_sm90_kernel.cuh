@@ -1,15 +1,15 @@
 // FlashAttention forward for sm_90a (device code): wgmma products, TMA loads, warp specialisation.
 //
 // A persistent CTA per SM computes tiles of kBlockM query rows of one (sequence, head) in turn
-// (Sm90Schedule), with three warpgroups:
+// (Sm90Schedule), with 1 + kConsumerWGs warpgroups (3 or 4, flash_fwd_sm90_traits.cuh):
 //  - warpgroup 0, the producer, gives registers back (setmaxnreg.dec); one of its threads loads
 //    the Q tile, then K and V tiles into a ring of kStages stages with TMA, running ahead into the
 //    next tile (its Q as soon as the consumers' last S of the current tile is done, so the next
 //    tile's loads overlap this one's last products and epilogue). Each stage has a
 //    "full" mbarrier for K and one for V (the TMA's transaction bytes complete them) and an
 //    "empty" mbarrier the consumer warps arrive on once they are done with the stage.
-//  - warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc) and own 64 query rows
-//    each: S = Q K^T (wgmma, both operands in shared memory), masking and the online softmax in
+//  - the other warpgroups, the consumers, take the registers (setmaxnreg.inc) and own 64 query
+//    rows each: S = Q K^T (wgmma, both operands in shared memory), masking and the online softmax in
 //    registers, then O += P V with P in registers (the accumulator layout of S is the A-fragment
 //    layout) and V read MN-major, with no transpose.
 // Key tiles run from the last to the first, so the only masked tiles (the sequence tail and the
