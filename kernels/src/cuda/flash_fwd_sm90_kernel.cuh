@@ -21,7 +21,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -97,7 +96,6 @@ struct Sm90Bars {
   __device__ __forceinline__ uint64_t* FullK(int st) const { return base + 2 + st; }
   __device__ __forceinline__ uint64_t* FullV(int st) const { return base + 2 + S + st; }
   __device__ __forceinline__ uint64_t* Empty(int st) const { return base + 2 + 2 * S + st; }
-  static constexpr int kCount = 2 + 3 * S;
 };
 
 // Producer, one tile: Q (once the consumers are done with the previous tile's Q), then K and V of
