@@ -4,6 +4,8 @@
 Usage: python3 bench_vs_torch.py --lib path/to/libattn_kernels_capi.so --out table.md
        python3 bench_vs_torch.py --lib v1=a.so,v2=b.so --out table.md   (variants side by side;
        the first is "ours" in the summary lines, each gets its own ratio columns and summary)
+       python3 bench_vs_torch.py --lib gen1=a.so@1,gen2=a.so@2 --dims 64,128,256 --out t.md
+       (NAME=PATH@G forces forward generation G of that library: 1 = mma.sync, 2 = sm_90a)
 Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; causal off/on.
 FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events around N back-to-back launches
 (N chosen per function so that one timing covers >= --min-ms, default 20 ms), divided by N;
@@ -22,13 +24,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.nn.functional as F
 
 
-def load_lib(path):
+def load_lib(spec):
+    """PATH, or PATH@G: attn_flash_fwd, or attn_flash_fwd_gen with generation G bound."""
+    path, gen = spec.rsplit("@", 1) if "@" in spec else (spec, None)
     lib = ctypes.CDLL(path)
-    fn = lib.attn_flash_fwd
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [
+    argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [
         ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_size_t]
-    return fn
+    if gen is None:
+        fn = lib.attn_flash_fwd
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+        return fn
+    fn = lib.attn_flash_fwd_gen
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes + [ctypes.c_int]
+    return lambda *a: fn(*a, int(gen))
 
 
 def events_ms(fn, n):
@@ -223,6 +233,15 @@ def write_multi(args, libs, rows):
             if ratios:
                 lines.append(f"{n}/{key} for s>=1k: min {min(ratios):.3f}, median "
                              f"{statistics.median(ratios):.3f} (n={len(ratios)})")
+    # Per head dim, every variant against cuDNN (the generation-2 target).
+    for d in sorted({r["d"] for r in rows}):
+        for n in names:
+            ratios = [r["var"][n] / r["cudnn"] for r in rows
+                      if r["d"] == d and r["s"] >= 1024 and r["cudnn"] and r["var"][n]]
+            if ratios:
+                lines.append(f"d={d}: {n}/cudnn for s>=1k: min {min(ratios):.3f}, median "
+                             f"{statistics.median(ratios):.3f}, max {max(ratios):.3f} "
+                             f"(n={len(ratios)})")
     # Per head dim, every variant against the first (for choosing a config per head dim).
     for d in sorted({r["d"] for r in rows}):
         for key in names[1:] + ["flash"]:

@@ -58,17 +58,21 @@ extern "C" {
 
 // dtype: 1 = fp16, 2 = bf16 (attn::kernels::DType values). Contiguous K/V. When the arguments need
 // a workspace (decode-shaped: split-KV partials), a buffer kept by this library is used (grown on
-// demand, outside any timed region once warmed up).
-int attn_flash_fwd(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
-                   const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch,
-                   int total_q, int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads,
-                   int num_kv_heads, int head_dim, float softmax_scale, int causal,
-                   int window_left, int window_right, uintptr_t stream) {
+// demand, outside any timed region once warmed up). gen: 0 = the kernel Run picks, 1 / 2 = force
+// forward generation 1 / 2 (attn::kernels::cuda::FwdGeneration).
+int attn_flash_fwd_gen(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                       const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch,
+                       int total_q, int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads,
+                       int num_kv_heads, int head_dim, float softmax_scale, int causal,
+                       int window_left, int window_right, uintptr_t stream, int gen) {
   const attn::kernels::AttentionArgs a =
       MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
                max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
                causal, window_left, window_right);
-  const attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
+  const auto g = static_cast<attn::kernels::cuda::FwdGeneration>(gen);
+  const attn::kernels::Status st = g == attn::kernels::cuda::FwdGeneration::kGen2
+                                       ? attn::kernels::cuda::CanImplementGen2(a)
+                                       : attn::kernels::cuda::CanImplement(a);
   if (!st.ok()) return -static_cast<int>(st.code());
   static void* ws = nullptr;
   static size_t ws_size = 0;
@@ -82,7 +86,17 @@ int attn_flash_fwd(int dtype, const void* q, const void* k, const void* v, void*
     ws_size = need;
   }
   return static_cast<int>(
-      attn::kernels::cuda::Run(a, ws, reinterpret_cast<cudaStream_t>(stream)));
+      attn::kernels::cuda::Run(a, ws, reinterpret_cast<cudaStream_t>(stream), g));
+}
+
+int attn_flash_fwd(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                   const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch,
+                   int total_q, int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads,
+                   int num_kv_heads, int head_dim, float softmax_scale, int causal,
+                   int window_left, int window_right, uintptr_t stream) {
+  return attn_flash_fwd_gen(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q,
+                            total_k, max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim,
+                            softmax_scale, causal, window_left, window_right, stream, 0);
 }
 
 // The general entry: contiguous K/V when page_size == 0, else K/V page pools read through the CSR

@@ -1,6 +1,9 @@
 // GPU flash forward vs the float64 reference and the CPU backend: every dtype x head dim x
 // causal x GQA combination, ragged varlen batches with odd lengths, s_q != s_k, sliding windows,
 // MQA. Inputs are drawn fresh each run (the seed is printed with any failure).
+// Every suite runs once per forward generation (instantiations Gen1 and Gen2, forced through
+// Run's FwdGeneration): generation 2 cases skip, with the reason, on a device other than compute
+// capability 9.0, for head dims it does not implement (32, 96) or a build without sm_90a.
 // Tolerances (relative L2 of O against the float64 reference): bf16 <= 1e-2, fp16 <= 2e-3;
 // LSE max abs error <= 1e-2 (natural log units); -inf LSE must match exactly.
 // Outputs are poisoned with NaN before each run and every element must come back finite.
@@ -33,6 +36,7 @@ namespace {
 
 using attn::kernels::AttentionArgs;
 using attn::kernels::DType;
+using attn::kernels::cuda::FwdGeneration;
 using attn::testing::DeviceBuffer;
 using attn::testing::HeadDimCompiled;
 using attn::testing::HostTensor;
@@ -49,10 +53,15 @@ struct Case {
   int window_right = -1;
   uint64_t seed = 1;
   bool with_lse = true;
+  FwdGeneration gen = FwdGeneration::kAuto;
 };
 
+const char* GenName(FwdGeneration g) {
+  return g == FwdGeneration::kGen1 ? "gen1" : g == FwdGeneration::kGen2 ? "gen2" : "auto";
+}
+
 std::string Describe(const Case& c) {
-  std::string s = std::string(attn::kernels::DTypeName(c.dtype)) + " d=" + std::to_string(c.head_dim) +
+  std::string s = std::string(GenName(c.gen)) + " " + attn::kernels::DTypeName(c.dtype) + " d=" + std::to_string(c.head_dim) +
                   (c.causal ? " causal" : "") + " H=" + std::to_string(c.num_heads) +
                   " Hkv=" + std::to_string(c.num_kv_heads) + " win=(" + std::to_string(c.window_left) +
                   "," + std::to_string(c.window_right) + ") seed=" + std::to_string(c.seed) + " lq=[";
@@ -151,10 +160,23 @@ void RunAndCheck(Case c) {
 
   const attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
   ASSERT_TRUE(st.ok()) << st.message();
+  if (c.gen == FwdGeneration::kGen2) {
+    const attn::kernels::Status st2 = attn::kernels::cuda::CanImplementGen2(a);
+    if (!st2.ok()) {
+      // Only these reasons are expected; any other refusal of these arguments is a failure.
+      const bool expected = !attn::testing::IsHopper() || (c.head_dim != 64 && c.head_dim != 128 &&
+                                                           c.head_dim != 256) ||
+                            st2.message().find("not compiled") != std::string::npos;
+      ASSERT_TRUE(expected) << st2.message();
+      GTEST_SKIP() << st2.message();
+    }
+  }
   const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);  // split-KV partials (decode)
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
-  const cudaError_t err = attn::kernels::cuda::Run(a, ws_bytes > 0 ? dws.ptr : nullptr, nullptr);
+  void* ws = ws_bytes > 0 ? dws.ptr : nullptr;
+  const cudaError_t err = c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
+                                                        : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -194,6 +216,7 @@ struct MatrixParam {
   int head_dim;
   bool causal;
   int kv_div;  // num_kv_heads = 4 / kv_div (1: MHA, 2: GQA, 4: MQA)
+  FwdGeneration gen;
 };
 
 class GpuMatrix : public ::testing::TestWithParam<MatrixParam> {};
@@ -205,6 +228,7 @@ TEST_P(GpuMatrix, RaggedBatchMatchesReference) {
     GTEST_SKIP() << "head dim " << mp.head_dim << " is not compiled into this build (ATTN_HEAD_DIMS)";
   }
   Case c;
+  c.gen = mp.gen;
   c.dtype = mp.dtype;
   c.head_dim = mp.head_dim;
   c.causal = mp.causal;
@@ -225,12 +249,12 @@ TEST_P(GpuMatrix, RaggedBatchMatchesReference) {
   RunAndCheck(c);
 }
 
-std::vector<MatrixParam> AllMatrix() {
+std::vector<MatrixParam> AllMatrix(FwdGeneration gen) {
   std::vector<MatrixParam> v;
   for (DType t : {DType::kFloat16, DType::kBFloat16})
     for (int d : {32, 64, 96, 128, 256})
       for (bool causal : {false, true})
-        for (int div : {1, 2, 4}) v.push_back({t, d, causal, div});
+        for (int div : {1, 2, 4}) v.push_back({t, d, causal, div, gen});
   return v;
 }
 
@@ -242,10 +266,11 @@ std::string MatrixName(const ::testing::TestParamInfo<MatrixParam>& info) {
 // gtest prints GetParam() with this (else as a byte dump) in listings and failures.
 void PrintTo(const MatrixParam& p, std::ostream* os) { *os << MatrixName({p, 0}); }
 
-INSTANTIATE_TEST_SUITE_P(All, GpuMatrix, ::testing::ValuesIn(AllMatrix()), MatrixName);
+INSTANTIATE_TEST_SUITE_P(Gen1, GpuMatrix, ::testing::ValuesIn(AllMatrix(FwdGeneration::kGen1)), MatrixName);
+INSTANTIATE_TEST_SUITE_P(Gen2, GpuMatrix, ::testing::ValuesIn(AllMatrix(FwdGeneration::kGen2)), MatrixName);
 
 // ---- Long and odd sequences ----------------------------------------------------------------
-class GpuLong : public ::testing::TestWithParam<std::tuple<DType, int, bool>> {};
+class GpuLong : public ::testing::TestWithParam<std::tuple<DType, int, bool, FwdGeneration>> {};
 
 TEST_P(GpuLong, LongRaggedBatch) {
   SKIP_WITHOUT_GPU();
@@ -253,6 +278,7 @@ TEST_P(GpuLong, LongRaggedBatch) {
   c.dtype = std::get<0>(GetParam());
   c.head_dim = std::get<1>(GetParam());
   c.causal = std::get<2>(GetParam());
+  c.gen = std::get<3>(GetParam());
   c.num_heads = 1;  // keeps the float64 reference cheap on 4097-long sequences
   c.num_kv_heads = 1;
   c.len_q = {1000, 4097, 129};
@@ -260,22 +286,31 @@ TEST_P(GpuLong, LongRaggedBatch) {
   RunAndCheck(c);
 }
 
-std::string LongName(const ::testing::TestParamInfo<std::tuple<DType, int, bool>>& info) {
-  const auto& [dtype, head_dim, causal] = info.param;
+std::string LongName(const ::testing::TestParamInfo<std::tuple<DType, int, bool, FwdGeneration>>& info) {
+  const auto& [dtype, head_dim, causal, gen] = info.param;
   return std::string(dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" + std::to_string(head_dim) +
          (causal ? "_causal" : "_full");
 }
 
-INSTANTIATE_TEST_SUITE_P(All, GpuLong,
+INSTANTIATE_TEST_SUITE_P(Gen1, GpuLong,
                          ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16),
-                                            ::testing::Values(64, 128), ::testing::Bool()),
+                                            ::testing::Values(64, 128), ::testing::Bool(),
+                                            ::testing::Values(FwdGeneration::kGen1)),
+                         LongName);
+INSTANTIATE_TEST_SUITE_P(Gen2, GpuLong,
+                         ::testing::Combine(::testing::Values(DType::kFloat16, DType::kBFloat16),
+                                            ::testing::Values(64, 128, 256), ::testing::Bool(),
+                                            ::testing::Values(FwdGeneration::kGen2)),
                          LongName);
 
 // ---- Causal with s_q != s_k (long), sliding windows ---------------------------------------
-TEST(GpuCausal, QueriesFewerThanKeys) {
+class GpuCausal : public ::testing::TestWithParam<FwdGeneration> {};
+
+TEST_P(GpuCausal, QueriesFewerThanKeys) {
   SKIP_WITHOUT_GPU();
   for (int d : {64, 128}) {
     Case c;
+    c.gen = GetParam();
     c.head_dim = d;
     c.causal = true;
     c.num_heads = 2;
@@ -287,10 +322,11 @@ TEST(GpuCausal, QueriesFewerThanKeys) {
   }
 }
 
-TEST(GpuCausal, QueriesMoreThanKeysRowsWithoutKeys) {
+TEST_P(GpuCausal, QueriesMoreThanKeysRowsWithoutKeys) {
   SKIP_WITHOUT_GPU();
   for (DType t : {DType::kFloat16, DType::kBFloat16}) {
     Case c;
+    c.gen = GetParam();
     c.dtype = t;
     c.head_dim = 64;
     c.causal = true;
@@ -303,10 +339,15 @@ TEST(GpuCausal, QueriesMoreThanKeysRowsWithoutKeys) {
   }
 }
 
+std::string GenParamName(const ::testing::TestParamInfo<FwdGeneration>& info) { return GenName(info.param); }
+INSTANTIATE_TEST_SUITE_P(Gen1, GpuCausal, ::testing::Values(FwdGeneration::kGen1), GenParamName);
+INSTANTIATE_TEST_SUITE_P(Gen2, GpuCausal, ::testing::Values(FwdGeneration::kGen2), GenParamName);
+
 struct WindowParam {
   bool causal;
   int left;
   int right;
+  FwdGeneration gen = FwdGeneration::kGen1;
 };
 
 class GpuWindow : public ::testing::TestWithParam<WindowParam> {};
@@ -317,6 +358,7 @@ TEST_P(GpuWindow, SlidingWindow) {
   for (int d : {64, 128, 256}) {
     for (DType t : {DType::kFloat16, DType::kBFloat16}) {
       Case c;
+      c.gen = w.gen;
       c.dtype = t;
       c.head_dim = d;
       c.causal = w.causal;
@@ -341,12 +383,15 @@ std::string WindowName(const ::testing::TestParamInfo<WindowParam>& info) {
 }
 void PrintTo(const WindowParam& w, std::ostream* os) { *os << WindowName({w, 0}); }
 
-INSTANTIATE_TEST_SUITE_P(All, GpuWindow,
-                         ::testing::Values(WindowParam{true, 100, -1}, WindowParam{false, 64, 0},
-                                           WindowParam{false, 33, 17}, WindowParam{false, -1, 5},
-                                           WindowParam{false, 0, 0}, WindowParam{true, 0, -1},
-                                           WindowParam{false, 200, 300}, WindowParam{true, 5000, 3}),
-                         WindowName);
+std::vector<WindowParam> AllWindows(FwdGeneration gen) {
+  std::vector<WindowParam> v = {{true, 100, -1}, {false, 64, 0}, {false, 33, 17}, {false, -1, 5},
+                                {false, 0, 0},   {true, 0, -1},  {false, 200, 300}, {true, 5000, 3}};
+  for (WindowParam& w : v) w.gen = gen;
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Gen1, GpuWindow, ::testing::ValuesIn(AllWindows(FwdGeneration::kGen1)), WindowName);
+INSTANTIATE_TEST_SUITE_P(Gen2, GpuWindow, ::testing::ValuesIn(AllWindows(FwdGeneration::kGen2)), WindowName);
 
 TEST(GpuMisc, NoLseAndExplicitScale) {
   SKIP_WITHOUT_GPU();
@@ -384,8 +429,10 @@ TEST(GpuMisc, CanImplementRejects) {
   EXPECT_TRUE(attn::kernels::cuda::Compiled());
 }
 
-// ---- Small shapes for compute-sanitizer (memcheck, racecheck): --gtest_filter=GpuSmoke.* ----
-TEST(GpuSmoke, SmallShapes) {
+// ---- Small shapes for compute-sanitizer (memcheck, racecheck): --gtest_filter=*GpuSmoke.* ---
+class GpuSmoke : public ::testing::TestWithParam<FwdGeneration> {};
+
+TEST_P(GpuSmoke, SmallShapes) {
   SKIP_WITHOUT_GPU();
   int n = 0;
   const int* dims = attn::kernels::cuda::CompiledHeadDims(&n);
@@ -393,6 +440,7 @@ TEST(GpuSmoke, SmallShapes) {
     for (DType t : {DType::kFloat16, DType::kBFloat16}) {
       for (bool causal : {false, true}) {
         Case c;
+        c.gen = GetParam();
         c.dtype = t;
         c.head_dim = dims[i];
         c.causal = causal;
@@ -407,5 +455,8 @@ TEST(GpuSmoke, SmallShapes) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Gen1, GpuSmoke, ::testing::Values(FwdGeneration::kGen1), GenParamName);
+INSTANTIATE_TEST_SUITE_P(Gen2, GpuSmoke, ::testing::Values(FwdGeneration::kGen2), GenParamName);
 
 }  // namespace

@@ -40,6 +40,14 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
+// True when the current device has compute capability 9.0 (H100, H200).
+inline bool IsHopper() {
+  int dev = 0;
+  cudaDeviceProp prop;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) return false;
+  return prop.major == 9 && prop.minor == 0;
+}
+
 inline bool HeadDimCompiled(int d) {
   int n = 0;
   const int* dims = kernels::cuda::CompiledHeadDims(&n);

@@ -2,7 +2,8 @@
 // compiled into this build (ATTN_HDIM_<d>):
 //   max_seqlen_q <= kDecodeMaxSeqlenQ: AttentionArgs -> DecodeParams -> RunDecode<T, D> (split-KV,
 //     contiguous or paged K/V; the split count comes from PlanDecode, here, on the host);
-//   otherwise: AttentionArgs -> FlashParams -> RunFlashFwd<T, D> or RunFlashFwdPaged<T, D>.
+//   otherwise: AttentionArgs -> FlashParams -> RunFlashFwdSm90<T, D> (generation 2, sm_90a, where
+//     CanImplementGen2 holds; ATTN_SM90_HDIM_<d>), else RunFlashFwd<T, D> or RunFlashFwdPaged<T, D>.
 #include "attn/kernels/cuda_attention.h"
 
 #include <cuda_bf16.h>
@@ -108,6 +109,7 @@ FlashParams MakeParams(const AttentionArgs& a) {
 struct DeviceInfo {
   int sms = 0;
   int major = 0;
+  int minor = 0;
 };
 
 bool GetDeviceInfo(DeviceInfo* out) {
@@ -127,6 +129,7 @@ bool GetDeviceInfo(DeviceInfo* out) {
   DeviceInfo info;
   info.sms = prop.multiProcessorCount;
   info.major = prop.major;
+  info.minor = prop.minor;
   if (dev < kMaxDevices) {
     cache[dev] = info;
     have[dev] = true;
@@ -259,6 +262,39 @@ cudaError_t RunTyped(const FlashParams& p, bool paged, cudaStream_t stream) {
 }
 
 template <typename T>
+cudaError_t RunSm90Typed(const FlashParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+#ifdef ATTN_SM90_HDIM_64
+    case 64: return RunFlashFwdSm90<T, 64>(p, stream);
+#endif
+#ifdef ATTN_SM90_HDIM_128
+    case 128: return RunFlashFwdSm90<T, 128>(p, stream);
+#endif
+#ifdef ATTN_SM90_HDIM_256
+    case 256: return RunFlashFwdSm90<T, 256>(p, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+bool Sm90HeadDimCompiled(int d) {
+  switch (d) {
+#ifdef ATTN_SM90_HDIM_64
+    case 64: return true;
+#endif
+#ifdef ATTN_SM90_HDIM_128
+    case 128: return true;
+#endif
+#ifdef ATTN_SM90_HDIM_256
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <typename T>
 cudaError_t RunDecodeTyped(const DecodeParams& p, int head_dim, bool paged, cudaStream_t stream) {
   switch (head_dim) {
 #ifdef ATTN_HDIM_32
@@ -312,17 +348,50 @@ size_t WorkspaceBytes(const AttentionArgs& args) {
 
 bool UsesDecodeKernel(const AttentionArgs& args) { return PlanDecode(args).use; }
 
+Status CanImplementGen2(const AttentionArgs& args) {
+  Status s = CanImplement(args);
+  if (!s.ok()) return s;
+  if (!Sm90HeadDimCompiled(args.head_dim)) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: head_dim " + std::to_string(args.head_dim) +
+                                            " is not compiled for sm_90a in this build"};
+  }
+  if (IsPaged(args)) return {StatusCode::kUnimplemented, "CUDA generation 2: paged K/V is not supported"};
+  // The persistent schedule numbers (64-row block, head, sequence) tiles in an int.
+  if ((int64_t(args.max_seqlen_q) + 63) / 64 * args.num_heads * args.batch > INT32_MAX) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: too many query tiles for one launch"};
+  }
+  if (!Aligned16(args.q) || !Aligned16(args.k) || !Aligned16(args.v)) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: q, k and v must be 16-byte aligned (TMA)"};
+  }
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info) || info.major != 9 || info.minor != 0) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: the device is not compute capability 9.0"};
+  }
+  return Status::Ok();
+}
+
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream) {
+  return Run(args, workspace, stream, FwdGeneration::kAuto);
+}
+
+cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream, FwdGeneration gen) {
   if (!CanImplement(args).ok()) return cudaErrorInvalidValue;
   const bool paged = IsPaged(args);
+  const bool gen2 = gen == FwdGeneration::kGen2 ||
+                    (gen == FwdGeneration::kAuto && CanImplementGen2(args).ok());
+  if (gen == FwdGeneration::kGen2 && !CanImplementGen2(args).ok()) return cudaErrorInvalidValue;
   cudaError_t err;
-  const DecodePlan plan = PlanDecode(args);
+  const DecodePlan plan = gen == FwdGeneration::kAuto ? PlanDecode(args) : DecodePlan{};
   if (plan.use) {
     if (plan.workspace > 0 && workspace == nullptr) return cudaErrorInvalidValue;
     const DecodeParams p = MakeDecodeParams(args, plan, workspace);
     err = args.dtype == DType::kFloat16
               ? RunDecodeTyped<__half>(p, args.head_dim, paged, stream)
               : RunDecodeTyped<__nv_bfloat16>(p, args.head_dim, paged, stream);
+  } else if (gen2) {
+    const FlashParams p = MakeParams(args);
+    err = args.dtype == DType::kFloat16 ? RunSm90Typed<__half>(p, stream)
+                                        : RunSm90Typed<__nv_bfloat16>(p, stream);
   } else {
     const FlashParams p = MakeParams(args);
     err = args.dtype == DType::kFloat16 ? RunTyped<__half>(p, paged, stream)

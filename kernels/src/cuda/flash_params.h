@@ -59,5 +59,9 @@ cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream);
 // The same kernel reading K/V through the page table (instantiations/flash_fwd_paged_*.cu).
 template <typename T, int D>
 cudaError_t RunFlashFwdPaged(const FlashParams& params, cudaStream_t stream);
+// The sm_90a kernel (wgmma + TMA, instantiations/flash_fwd_sm90_*.cu), contiguous K/V only, head
+// dims 64, 128 and 256; rows of q, k and v 16-byte aligned.
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

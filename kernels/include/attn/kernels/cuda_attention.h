@@ -6,14 +6,17 @@
 //    enough CTAs to fill the GPU in whole waves, and a combine kernel merges the splits by their
 //    LSE. The split count is chosen on the host from batch, heads, max_seqlen_q/k and the SM
 //    count; the fp32 partials live in the caller's workspace (WorkspaceBytes).
-//  - forward (everything else): one fused FlashAttention-2-class kernel (mma.sync m16n8k16,
-//    ldmatrix, cp.async pipeline), reading K/V through the page table when paged (chunked prefill
-//    over a cached prefix).
+//  - forward (everything else): one fused FlashAttention kernel in two generations:
+//    generation 2 (sm_90a: wgmma, TMA, warp specialisation) on compute capability 9.0 devices where
+//    CanImplementGen2 holds (contiguous K/V, head dims 64/128/256 compiled for 90a); generation 1
+//    (FlashAttention-2 class: mma.sync m16n8k16, ldmatrix, cp.async pipeline) everywhere else,
+//    reading K/V through the page table when paged (chunked prefill over a cached prefix).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "attn/kernels/attention.h"
 
@@ -40,6 +43,20 @@ bool UsesDecodeKernel(const AttentionArgs& args);
 // launch error, if any (cudaErrorInvalidValue when CanImplement fails or a needed workspace is
 // null).
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream);
+
+// Which kernel Run uses. kAuto: the decode kernel for decode shapes, else generation 2 where
+// CanImplementGen2 holds, else generation 1. kGen1 / kGen2 force that forward kernel for every
+// shape (tests and benchmarks compare the two on the same arguments).
+enum class FwdGeneration : uint8_t { kAuto = 0, kGen1 = 1, kGen2 = 2 };
+
+// OK when the generation-2 forward kernel can run args on the current device: CanImplement
+// holds, the device has compute capability 9.0, the build compiled the kernel for this head dim
+// (ATTN_CUDA_ARCHS lists 90a), K/V are contiguous, and q, k, v are 16-byte aligned.
+Status CanImplementGen2(const AttentionArgs& args);
+
+// As Run above, with the kernel chosen by gen; cudaErrorInvalidValue when a forced generation
+// cannot run args (CanImplementGen2 for kGen2).
+cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream, FwdGeneration gen);
 
 // Head dims compiled into this build, ascending; count written to *n.
 const int* CompiledHeadDims(int* n);

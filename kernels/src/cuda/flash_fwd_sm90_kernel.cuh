@@ -1,0 +1,459 @@
+// FlashAttention forward for sm_90a (device code): wgmma products, TMA loads, warp specialisation.
+//
+// A persistent CTA per SM computes tiles of kBlockM query rows of one (sequence, head) in turn
+// (Sm90Schedule), with 1 + kConsumerWGs warpgroups (3 or 4, flash_fwd_sm90_traits.cuh):
+//  - warpgroup 0, the producer, gives registers back (setmaxnreg.dec); one of its threads loads
+//    the Q tile, then K and V tiles into a ring of kStages stages with TMA, running ahead into the
+//    next tile (its Q as soon as the consumers' last S of the current tile is done, so the next
+//    tile's loads overlap this one's last products and epilogue). Each stage has a
+//    "full" mbarrier for K and one for V (the TMA's transaction bytes complete them) and an
+//    "empty" mbarrier the consumer warps arrive on once they are done with the stage.
+//  - the other warpgroups, the consumers, take the registers (setmaxnreg.inc) and own 64 query
+//    rows each: S = Q K^T (wgmma, both operands in shared memory), masking and the online softmax in
+//    registers, then O += P V with P in registers (the accumulator layout of S is the A-fragment
+//    layout) and V read MN-major, with no transpose.
+// Key tiles run from the last to the first, so the only masked tiles (the sequence tail and the
+// causal/window edges) come first, and tiles no row of the CTA can see are never loaded. Varlen
+// batches use one tensor map over the packed rows: a tile may run into the next sequence's rows
+// (masked for K/V, never stored for Q) or past the tensor's end (zero-filled by the TMA).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "flash_fwd_sm90_traits.cuh"
+#include "flash_params.h"
+#include "ptx.cuh"
+#include "ptx_sm90.cuh"
+
+namespace attn::kernels::cuda {
+
+// Kernel parameters: the plain ones plus one TMA descriptor per tensor. Each map views its tensor
+// [rows, heads, D] as the 4-D box space {64 columns, rows, D/64 slabs, heads}, so one box of
+// {64, tile rows, D/64, 1} lands in shared memory slab by slab.
+struct Sm90Params {
+  FlashParams p;
+  CUtensorMap tq;
+  CUtensorMap tk;
+  CUtensorMap tv;
+};
+
+// The CTA's view of its work: sequence bounds, the key tiles it visits and its mask offsets.
+struct Sm90Tile {
+  int m0 = 0;        // first query row of the CTA within its sequence
+  int q_start = 0;   // packed row of the sequence's first query
+  int k_start = 0;   // packed row of its first key
+  int s_q = 0;
+  int s_k = 0;
+  int off = 0;       // s_k - s_q: query i sits at key position i + off
+  int nb_min = 0;    // key tiles [nb_min, nb_max), visited downwards
+  int nb_max = 0;
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, int b, Sm90Tile* t) {
+  t->q_start = p.cu_seqlens_q[b];
+  t->s_q = p.cu_seqlens_q[b + 1] - t->q_start;
+  t->m0 = m_block * BM;
+  if (t->m0 >= t->s_q) return false;
+  t->k_start = p.cu_seqlens_k[b];
+  t->s_k = p.cu_seqlens_k[b + 1] - t->k_start;
+  t->off = t->s_k - t->s_q;
+  const int m_last = min(t->m0 + BM, t->s_q) - 1;
+  int n_lo = 0;
+  int n_hi = t->s_k;
+  if (p.has_left) n_lo = max(0, t->m0 + t->off - p.left);
+  if (p.has_right) n_hi = min(t->s_k, m_last + t->off + p.right + 1);
+  t->nb_min = n_lo / BN;
+  t->nb_max = n_hi > n_lo ? (n_hi + BN - 1) / BN : t->nb_min;
+  return true;
+}
+
+// Position in the K/V stage ring; producer and consumers step through it in the same order,
+// across all the tiles a CTA computes.
+template <int S>
+struct Sm90Ring {
+  int st = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void Advance() {
+    if (++st == S) {
+      st = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// The CTA's mbarriers: Q full/empty, then per stage K full, V full and K/V empty.
+template <int S>
+struct Sm90Bars {
+  uint64_t* base;
+  __device__ __forceinline__ uint64_t* FullQ() const { return base; }
+  __device__ __forceinline__ uint64_t* EmptyQ() const { return base + 1; }
+  __device__ __forceinline__ uint64_t* FullK(int st) const { return base + 2 + st; }
+  __device__ __forceinline__ uint64_t* FullV(int st) const { return base + 2 + S + st; }
+  __device__ __forceinline__ uint64_t* Empty(int st) const { return base + 2 + 2 * S + st; }
+};
+
+// Producer, one tile: Q (once the consumers are done with the previous tile's Q), then K and V of
+// each key tile into the stage ring. q_loads counts the Q tiles loaded before this one.
+template <typename Tr>
+__device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile& t, int h,
+                                            uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                            Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
+  const int hk = h / P.p.heads_per_kv;
+  ptx::MbarWait(bars.EmptyQ(), (q_loads & 1) ^ 1);  // a fresh barrier passes parity 1 at once
+  ptx::MbarArriveExpectTx(bars.FullQ(), Tr::kQBytes);
+  ptx::TmaLoad4d(smem + Tr::kQOff, &P.tq, 0, t.q_start + t.m0, 0, h, bars.FullQ());
+  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+    const int st = ring.st;
+    ptx::MbarWait(bars.Empty(st), ring.phase ^ 1);
+    const int row = t.k_start + nb * Tr::kBlockN;
+    ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKVBytes);
+    ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, bars.FullK(st));
+    ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
+    ptx::TmaLoad4d(smem + Tr::kVOff + st * Tr::kKVBytes, &P.tv, 0, row, 0, hk, bars.FullV(st));
+    ring.Advance();
+  }
+}
+
+// Sets to -inf the scores this thread holds that its rows may not see (key tile from n0).
+// s[i] is row r0 + 8 * ((i >> 1) & 1), key n0 + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1).
+template <int BN>
+__device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& p, const Sm90Tile& t,
+                                         int r0, int n0, int lane) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int row = r0 + 8 * hf;
+    const int lo = p.has_left ? row + t.off - p.left : INT_MIN;
+    const int hi = p.has_right ? min(t.s_k - 1, row + t.off + p.right) : t.s_k - 1;
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = n0 + 8 * c + 2 * (lane & 3) + e;
+        if (col < lo || col > hi) s[4 * c + 2 * hf + e] = -INFINITY;
+      }
+  }
+}
+
+// Online softmax of one score tile (log2 domain, scale folded in): updates the row max and sum,
+// leaves P = exp2(s * scale - max) in s and the factor O must be rescaled by in corr (applied
+// separately, once no product writing O is in flight).
+template <int BN>
+__device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
+                                            float (&corr)[2], float sl2) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float mx = row_max[hf];
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float ms = mx == -INFINITY ? 0.0f : mx * sl2;
+    corr[hf] = exp2f(row_max[hf] * sl2 - ms);
+    row_max[hf] = mx;
+    float sum = row_sum[hf] * corr[hf];
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(fmaf(s[4 * c + 2 * hf + e], sl2, -ms));
+        s[4 * c + 2 * hf + e] = pe;
+        sum += pe;
+      }
+    row_sum[hf] = sum;
+  }
+}
+
+template <typename Tr>
+__device__ __forceinline__ void Sm90Rescale(float (&o)[Tr::kPvChunks][Tr::kPvN / 2], const float (&corr)[2]) {
+#pragma unroll
+  for (int nc = 0; nc < Tr::kPvChunks; ++nc)
+#pragma unroll
+    for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] *= corr[(i >> 1) & 1];
+}
+
+// Normalises O, writes LSE and O rows r0 and r0 + 8 of this thread (those inside the sequence).
+template <typename Tr>
+__device__ __forceinline__ void Sm90Epilogue(const FlashParams& p, const Sm90Tile& t, int h, int r0,
+                                             int lane, float (&o)[Tr::kPvChunks][Tr::kPvN / 2],
+                                             const float (&row_max)[2], float (&row_sum)[2]) {
+  using T = typename Tr::T;
+  T* go = reinterpret_cast<T*>(p.o) + int64_t(t.q_start) * p.o_row_stride + h * Tr::kHeadDim;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float sum = row_sum[hf];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const bool any = sum > 0.0f;
+    const float inv = any ? 1.0f / sum : 0.0f;
+    const int row = r0 + 8 * hf;
+    if (row >= t.s_q) continue;
+    if (p.lse != nullptr && (lane & 3) == 0) {
+      p.lse[int64_t(h) * p.total_q + t.q_start + row] = any ? row_max[hf] * p.scale + __logf(sum) : -INFINITY;
+    }
+    T* orow = go + int64_t(row) * p.o_row_stride + 2 * (lane & 3);
+#pragma unroll
+    for (int nc = 0; nc < Tr::kPvChunks; ++nc)
+#pragma unroll
+      for (int c = 0; c < Tr::kPvN / 8; ++c) {
+        *reinterpret_cast<uint32_t*>(orow + nc * Tr::kPvN + 8 * c) =
+            ptx::Pack2<T>(o[nc][4 * c + 2 * hf] * inv, o[nc][4 * c + 2 * hf + 1] * inv);
+      }
+  }
+}
+
+// The products of one consumer warpgroup: rows sq.. of Q against the stage ring.
+template <typename Tr>
+struct Sm90Mma {
+  using T = typename Tr::T;
+  static constexpr int D = Tr::kHeadDim;
+  static constexpr int BN = Tr::kBlockN;
+  uint32_t sq, sk, sv;  // shared addresses: this warpgroup's Q rows, K stage 0, V stage 0
+
+  // Issues S = Q K^T over D / 16 steps of 16 columns (4 per 128-byte slab row) and commits.
+  __device__ __forceinline__ void IssueS(float (&s)[BN / 2], int st) const {
+    ptx::WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t kofs = (ks % 4) * 32;  // 16 columns = 32 bytes inside the swizzled row
+      const uint64_t da = ptx::SmemDesc(sq + (ks / 4) * Tr::kBlockM * 128 + kofs, 16);
+      const uint64_t db = ptx::SmemDesc(sk + st * Tr::kKVBytes + (ks / 4) * BN * 128 + kofs, 16);
+      ptx::WgmmaSS<T, BN>(s, da, db, ks > 0);
+    }
+    ptx::WgmmaCommit();
+  }
+
+  // Issues O += P V, 16 keys per step, and commits.
+  __device__ __forceinline__ void IssuePV(float (&o)[Tr::kPvChunks][Tr::kPvN / 2],
+                                          const uint32_t (&pa)[BN / 16][4], int st) const {
+    ptx::WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int nc = 0; nc < Tr::kPvChunks; ++nc) {
+        const uint32_t addr = sv + st * Tr::kKVBytes + nc * (Tr::kPvN / 64) * BN * 128 + kk * 2048;
+        ptx::WgmmaRS<T, Tr::kPvN>(o[nc], pa[kk], ptx::SmemDesc(addr, BN * 128));
+      }
+    ptx::WgmmaCommit();
+  }
+};
+
+// P packed to T as the A fragments of P V (the S accumulator layout is the A-fragment layout).
+template <typename T, int BN>
+__device__ __forceinline__ void Sm90PackP(uint32_t (&pa)[BN / 16][4], const float (&s)[BN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::Pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+}
+
+// Named barriers 1 and 2 order the two consumer warpgroups' wgmma issues (ping-pong).
+constexpr int kPingPongBar = 1;
+
+// Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA.
+// kOverlap: S of tile j is issued before P V of tile j+1 (the previous one in visiting order), so
+// the tensor cores compute that product while this warpgroup runs the softmax of tile j; O is
+// rescaled only once that product has completed. The two warpgroups also take turns issuing
+// their products (ping-pong: each waits on its own named barrier before issuing and signals the
+// other's after), so one's softmax runs while the other's products occupy the tensor cores.
+// Otherwise every product is waited for at once.
+template <typename Tr, bool kOverlap>
+__device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
+                                            uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                            Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
+  using T = typename Tr::T;
+  constexpr int BN = Tr::kBlockN;
+  const FlashParams& p = P.p;
+  const int tid = threadIdx.x % 128;
+  const int lane = tid % 32;
+  const int r0 = t.m0 + 64 * cw + 16 * (tid / 32) + lane / 4;  // this thread's first row
+  const Sm90Mma<Tr> mma{ptx::SmemAddr(smem + Tr::kQOff) + cw * 64 * 128, ptx::SmemAddr(smem + Tr::kKOff),
+                        ptx::SmemAddr(smem + Tr::kVOff)};
+  const int m_last = min(t.m0 + Tr::kBlockM, t.s_q) - 1;
+  auto mask = [&](float (&s)[BN / 2], int nb) {
+    const int n0 = nb * BN;
+    const bool need = (n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
+                      (p.has_left && n0 < m_last + t.off - p.left);
+    if (need) Sm90Mask<BN>(s, p, t, r0, n0, lane);
+  };
+  // Once the last S of the tile is complete, Q may be overwritten by the next tile's.
+  auto release_q = [&] {
+    if (lane == 0) ptx::MbarArrive(bars.EmptyQ());
+  };
+
+  float o[Tr::kPvChunks][Tr::kPvN / 2];
+#pragma unroll
+  for (int nc = 0; nc < Tr::kPvChunks; ++nc)
+#pragma unroll
+    for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+  float corr[2];
+  float s[BN / 2];
+  uint32_t pa[BN / 16][4];
+
+  if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
+    ptx::MbarWait(bars.FullQ(), q_loads & 1);
+    if constexpr (kOverlap) {
+      static_assert(Tr::kConsumerWGs == 2, "ping-pong pairs two consumer warpgroups");
+      const int my_bar = kPingPongBar + cw;
+      const int other_bar = kPingPongBar + 1 - cw;
+      if (cw == 1) ptx::NamedBarArrive(other_bar, 256);  // warpgroup 0 issues first
+      // First tile: S, softmax, P; its P V is issued with the next tile's S.
+      ptx::MbarWait(bars.FullK(ring.st), ring.phase);
+      ptx::NamedBarSync(my_bar, 256);
+      mma.IssueS(s, ring.st);
+      ptx::NamedBarArrive(other_bar, 256);
+      ptx::WgmmaWait<0>();
+      ptx::RegFence(s);
+      mask(s, t.nb_max - 1);
+      Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+      Sm90PackP<T, BN>(pa, s);
+      Sm90Ring<Tr::kStages> prev = ring;
+      ring.Advance();
+      for (int nb = t.nb_max - 2; nb >= t.nb_min; --nb) {
+        ptx::MbarWait(bars.FullK(ring.st), ring.phase);
+        ptx::MbarWait(bars.FullV(prev.st), prev.phase);
+        ptx::NamedBarSync(my_bar, 256);
+        mma.IssueS(s, ring.st);
+        mma.IssuePV(o, pa, prev.st);
+        ptx::NamedBarArrive(other_bar, 256);
+        ptx::WgmmaWait<1>();  // S done; P V of the previous tile may still run
+        ptx::RegFence(s);
+        mask(s, nb);
+        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+        ptx::WgmmaWait<0>();
+#pragma unroll
+        for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+        if (lane == 0) ptx::MbarArrive(bars.Empty(prev.st));
+        Sm90Rescale<Tr>(o, corr);
+        Sm90PackP<T, BN>(pa, s);
+        prev = ring;
+        ring.Advance();
+      }
+      release_q();
+      ptx::MbarWait(bars.FullV(prev.st), prev.phase);
+      ptx::NamedBarSync(my_bar, 256);
+      mma.IssuePV(o, pa, prev.st);
+      ptx::NamedBarArrive(other_bar, 256);
+      if (cw == 0) ptx::NamedBarSync(my_bar, 256);  // takes warpgroup 1's last arrival
+      ptx::WgmmaWait<0>();
+#pragma unroll
+      for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+      if (lane == 0) ptx::MbarArrive(bars.Empty(prev.st));
+    } else {
+      for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+        const int st = ring.st;
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        mma.IssueS(s, st);
+        ptx::WgmmaWait<0>();
+        ptx::RegFence(s);
+        if (nb == t.nb_min) release_q();
+        mask(s, nb);
+        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+        Sm90Rescale<Tr>(o, corr);
+        Sm90PackP<T, BN>(pa, s);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
+        mma.IssuePV(o, pa, st);
+        ptx::WgmmaWait<0>();
+#pragma unroll
+        for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+        if (lane == 0) ptx::MbarArrive(bars.Empty(st));
+        ring.Advance();
+      }
+    }
+  }
+  Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
+}
+
+// Persistent tile order. Without a causal/right window all tiles cost the same: global tile j
+// has its row block fastest (the CTAs working at one time share the K/V of a few heads in L2) and
+// CTA c takes j = c, c + G, c + 2G, ... (G CTAs). With one, a row block's cost grows with its
+// index, so tiles are ordered by cost instead (row blocks slowest, from the last) and handed out
+// longest-first in a snake (round r takes j = rG + c, or rG + G-1-c when r is odd), which evens
+// out the CTAs' sums; a plain round-robin over row-block-fastest tiles would give some CTAs only
+// the long row blocks (when G is close to a multiple of the row-block count).
+struct Sm90Schedule {
+  int m_blocks, heads, batch;
+  bool by_cost;
+  __device__ __forceinline__ int Total() const { return m_blocks * heads * batch; }
+  // Global index of the CTA's tile in round r (may be >= Total() in the last round).
+  __device__ __forceinline__ int Tile(int r) const {
+    const int c = (by_cost && (r & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    return r * gridDim.x + c;
+  }
+  __device__ __forceinline__ void Decode(int j, int* m_block, int* h, int* b) const {
+    int hb;
+    if (by_cost) {
+      *m_block = m_blocks - 1 - j / (heads * batch);
+      hb = j % (heads * batch);
+    } else {
+      *m_block = j % m_blocks;
+      hb = j / m_blocks;
+    }
+    *h = hb % heads;
+    *b = hb / heads;
+  }
+};
+
+template <typename Tr, bool kOverlap>
+__global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ Sm90Params P) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  constexpr int S = Tr::kStages;
+  const Sm90Bars<S> bars{reinterpret_cast<uint64_t*>(smem + Tr::kBarOff)};
+  constexpr uint32_t kConsumerWarps = Tr::kConsumerWGs * 4;  // each arrives once per release
+
+  if (threadIdx.x == 0) {
+    ptx::MbarInit(bars.FullQ(), 1);
+    ptx::MbarInit(bars.EmptyQ(), kConsumerWarps);
+    for (int i = 0; i < S; ++i) {
+      ptx::MbarInit(bars.FullK(i), 1);
+      ptx::MbarInit(bars.FullV(i), 1);
+      ptx::MbarInit(bars.Empty(i), kConsumerWarps);
+    }
+    ptx::FenceMbarInit();
+  }
+  __syncthreads();
+
+  // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
+  const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
+                           P.p.batch, P.p.has_right};
+  auto for_each_tile = [&](auto&& fn) {
+    uint32_t q_loads = 0;  // Q tiles loaded so far (tiles with at least one key tile)
+    for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
+      const int j = sched.Tile(r);
+      if (j >= sched.Total()) continue;
+      int m_block, h, b;
+      sched.Decode(j, &m_block, &h, &b);
+      Sm90Tile t;
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) continue;
+      fn(t, h, q_loads);
+      q_loads += t.nb_max > t.nb_min;
+    }
+  };
+  Sm90Ring<S> ring;
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    ptx::SetMaxNRegDec<Tr::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
+        if (t.nb_max > t.nb_min) Sm90Produce<Tr>(P, t, h, smem, bars, ring, q_loads);
+      });
+    }
+  } else {
+    ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
+    for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
+      Sm90Consume<Tr, kOverlap>(P, t, h, wg - 1, smem, bars, ring, q_loads);
+    });
+  }
+#endif
+}
+
+}  // namespace attn::kernels::cuda

@@ -1,0 +1,78 @@
+// Tile shapes of the sm_90a forward kernel per head dim (flash_fwd_sm90_kernel.cuh).
+//
+// A CTA computes tiles of kBlockM = 64 * kConsumerWGs query rows of one (sequence, head), one after
+// the other (persistent): warpgroup 0 is the producer (one thread issues every TMA load), the
+// consumer warpgroups each own 64 rows of the tile and run the wgmma products (d=64: three, so a
+// K/V tile serves 192 rows; d=128/256: two, for their larger register footprint).
+// Q, K and V tiles live in shared memory as 64-element-wide slabs of 128-byte swizzled rows (one
+// slab per 64 head-dim columns), the layout a TMA box with SWIZZLE_128B writes and the wgmma
+// descriptors of ptx_sm90.cuh read. K/V stream through kStages stages.
+#pragma once
+
+#include <cstdint>
+
+namespace attn::kernels::cuda {
+
+template <int D, typename T_, int kBlockN_, int kStages_, int kConsumerWGs_ = 2>
+struct Sm90TraitsBase {
+  using T = T_;
+  static constexpr int kHeadDim = D;
+  static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr int kBlockM = 64 * kConsumerWGs;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kSlabs = D / 64;  // 64-column slabs per row
+  // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
+  static constexpr int kPvN = D < 128 ? D : 128;
+  static constexpr int kPvChunks = D / kPvN;
+
+  static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D * 2;
+  static constexpr uint32_t kKVBytes = uint32_t(kBlockN) * D * 2;  // one K (or V) tile
+  static constexpr uint32_t kQOff = 0;
+  static constexpr uint32_t kKOff = kQBytes;
+  static constexpr uint32_t kVOff = kKOff + kStages * kKVBytes;
+  static constexpr uint32_t kBarOff = kVOff + kStages * kKVBytes;
+  // Barriers: Q full and empty, then per stage K full, V full, K/V empty (Sm90Bars).
+  static constexpr uint32_t kSmemBytes = kBarOff + 8 * (2 + 3 * kStages);
+  // + slack to align the dynamic shared-memory base to 1024 bytes (the 128B swizzle atom).
+  static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
+
+  // Register split (setmaxnreg): 128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 64K.
+  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
+
+  static_assert(D % 64 == 0, "head dim must be a multiple of 64 (one 128-byte swizzle row)");
+  static_assert(kBlockN == 64 || kBlockN == 128, "S = Q K^T uses the m64n64/m64n128 shapes");
+  static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
+};
+
+// Two tilings per head dim: wide (3 consumer warpgroups, 192-row tiles, where registers allow) and
+// narrow (2 warpgroups, 128 rows). Wide wins everywhere measured except short causal problems,
+// where its larger diagonal tiles waste more (H200, bf16/fp16, s_q <= 1k causal: narrow 0.73-0.76x
+// cuDNN against wide 0.63-0.70x; from 2k up wide is ahead). d=128 wide spills 88 bytes and still
+// wins (median 0.91x against 0.86x cuDNN); d=256 has no room for a third warpgroup.
+template <int D, typename T>
+struct Sm90WideTraits;
+template <typename T>
+struct Sm90WideTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 3> {};
+template <typename T>
+struct Sm90WideTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 3> {};
+template <typename T>
+struct Sm90WideTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {};
+
+template <int D, typename T>
+struct Sm90NarrowTraits;
+template <typename T>
+struct Sm90NarrowTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 2> {};
+template <typename T>
+struct Sm90NarrowTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 2> {};
+template <typename T>
+struct Sm90NarrowTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {};
+
+// The narrow tiling is used for causal (or right-windowed) problems with at most this many queries.
+constexpr int kSm90NarrowMaxSeqlenQ = 1024;
+
+}  // namespace attn::kernels::cuda
