@@ -134,6 +134,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.version = kVersion;
   so.authenticator = s->authenticator_.get();
   so.max_pending_per_client = options.max_pending_per_client;
+  so.attend_wire_path = options.attend_wire_path;
   RETURN_IF_ERROR(s->StartSharedMemory());
   so.regions = s->regions_.get();
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
