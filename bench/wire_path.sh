@@ -9,6 +9,7 @@
 #   TOKENS   query (and key) tokens per request to sweep (default "256 2048 8192")
 #   CONC     concurrency levels, one client connection each (default "1,16")
 #   BACKEND  attnd --backend (default cuda)
+#   ATTND_FLAGS  more attnd flags for both (e.g. --kv_cache_bytes=1073741824)
 #   SHAPE    "long": q, k and v of one sequence of TOKENS tokens (default); "q": TOKENS queries
 #            over one key (q and o carry the bytes, next to no compute: the transport alone on a
 #            CPU backend)
@@ -27,7 +28,7 @@ pids=()
 start() {  # port, flags...
   local port=$1; shift
   "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen= --backend=${BACKEND:-cuda} \
-    --pinned_pool_bytes=$((8 << 30)) --max_inflight_bytes=$((8 << 30)) "$@" \
+    --pinned_pool_bytes=$((8 << 30)) --max_inflight_bytes=$((8 << 30)) ${ATTND_FLAGS:-} "$@" \
     >>"$out/attnd.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 300); do

@@ -58,7 +58,7 @@ struct Tag {
   uint32_t type = 0;
 };
 
-// Reads a tag; name_of names the field (or, before it is known, the message) in errors.
+// Reads a tag (its wire type is checked by CheckWireType); where names the message in errors.
 absl::Status ReadTag(WireReader& r, const std::string& where, Tag* tag) {
   const uint64_t at = r.position();
   uint64_t raw;
@@ -69,10 +69,13 @@ absl::Status ReadTag(WireReader& r, const std::string& where, Tag* tag) {
   if (tag->number == 0) {
     return Malformed(where, absl::StrCat("field number ", tag->number, " out of range"), at);
   }
-  if (tag->type > kFixed32) {
-    return Malformed(where, absl::StrCat("unknown wire type ", tag->type), at);
-  }
   return absl::OkStatus();
+}
+
+// Wire types 6 and 7 do not exist; field names the field whose tag carries one.
+absl::Status CheckWireType(const Tag& tag, const std::string& field, uint64_t at) {
+  if (tag.type <= kFixed32) return absl::OkStatus();
+  return Malformed(field, absl::StrCat("unknown wire type ", tag.type), at);
 }
 
 // Appends the field whose tag was just read, encoded as on the wire, to out.
@@ -109,6 +112,7 @@ absl::Status CopyField(WireReader& r, const Tag& tag, const std::string& field, 
         Tag inner;
         if (r.AtLimit()) return Malformed(field, "group without its end", at);
         RETURN_IF_ERROR(ReadTag(r, field, &inner));
+        RETURN_IF_ERROR(CheckWireType(inner, field, at));
         if (inner.type == kEndGroup) {
           if (inner.number != tag.number) return Malformed(field, "mismatched end of group", at);
           AppendVarint(inner.number << 3 | kEndGroup, out);
@@ -141,6 +145,7 @@ absl::Status DecodeTensor(WireReader& r, const std::string& name, v1::Tensor* te
     Tag tag;
     RETURN_IF_ERROR(ReadTag(r, name, &tag));
     const std::string field = TensorFieldName(name, tag.number);
+    RETURN_IF_ERROR(CheckWireType(tag, field, at));
     if (tag.number == v1::Tensor::kDataFieldNumber && tag.type == kLengthDelimited) {
       uint64_t n;
       if (!r.ReadVarint(&n)) return Malformed(field, "truncated or over-long length", at);
@@ -170,6 +175,7 @@ absl::Status DecodeAttendRequest(std::span<const std::string_view> pieces,
     Tag tag;
     RETURN_IF_ERROR(ReadTag(r, "AttendRequest", &tag));
     const std::string field = RequestFieldName(tag.number);
+    RETURN_IF_ERROR(CheckWireType(tag, field, at));
     // q, k or v with another wire type is an unknown field to protobuf: left to MergeField.
     v1::Tensor* tensor = nullptr;
     WireBytes* data = nullptr;
