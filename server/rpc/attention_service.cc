@@ -42,6 +42,27 @@ struct WireAttendCall {
   DecodedAttendRequest request;
   v1::AttendResponse response;  // without o.data and lse.data
   OutputBytes o, lse;
+
+  // Takes received's slices (references, not copies; received is left empty) and decodes them.
+  absl::Status Decode(grpc::ByteBuffer* received) {
+    absl::Status st = FromGrpcStatus(received->Dump(&slices));
+    received->Clear();
+    RETURN_IF_ERROR(st);
+    pieces.reserve(slices.size());
+    for (const grpc::Slice& s : slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    return DecodeAttendRequest(pieces, &request);
+  }
+  // The answer: the response's header with o and lse spliced in (on success), or without them.
+  grpc::ByteBuffer Encode(bool ok) {
+    if (!ok) {
+      response.clear_o();
+      response.clear_lse();
+      return EncodeAttendResponse(response, OutputBytes(), OutputBytes());
+    }
+    return EncodeAttendResponse(response, std::move(o), std::move(lse));
+  }
 };
 
 AttentionService::AttentionService(Options options, Batcher* batcher, Backend* backend,
@@ -180,16 +201,7 @@ void AttentionService::AttendWire(grpc::CallbackServerContext* ctx,
                                   grpc::ByteBuffer* response) {
   const int64_t received = static_cast<int64_t>(request->Length());
   auto call = std::make_unique<WireAttendCall>();
-  // Dump takes references to the slices, not copies of their bytes.
-  absl::Status st = FromGrpcStatus(request->Dump(&call->slices));
-  request->Clear();
-  if (st.ok()) {
-    call->pieces.reserve(call->slices.size());
-    for (const grpc::Slice& s : call->slices) {
-      call->pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    st = DecodeAttendRequest(call->pieces, &call->request);
-  }
+  absl::Status st = call->Decode(request);
   if (st.ok()) {
     WireAttendCall* raw = call.get();
     st = SubmitWireAttend(ctx, client, raw, arrival,
@@ -197,9 +209,7 @@ void AttentionService::AttendWire(grpc::CallbackServerContext* ctx,
                             std::unique_ptr<WireAttendCall> done_call(raw);
                             int64_t sent = 0;
                             if (s.ok()) {
-                              *response = EncodeAttendResponse(done_call->response,
-                                                               std::move(done_call->o),
-                                                               std::move(done_call->lse));
+                              *response = done_call->Encode(true);
                               sent = static_cast<int64_t>(response->Length());
                             }
                             done_call.reset();
@@ -248,7 +258,7 @@ void AttentionService::AttendProto(grpc::CallbackServerContext* ctx,
 // At the end of a drain (EndForDrain) it stops reading and finishes with UNAVAILABLE once its
 // items in flight are answered.
 class AttendStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx,
                       std::string client)
@@ -336,9 +346,11 @@ class AttendStreamReactor final
 
  private:
   static constexpr int kMaxInFlight = 64;
+  // One item: the bytes read, then its request decoded and its answer until written.
   struct Item {
-    v1::AttendRequest request;
-    v1::AttendResponse response;
+    grpc::ByteBuffer received;
+    WireAttendCall call;
+    grpc::ByteBuffer reply;
   };
 
   void StartNextRead() {
@@ -350,24 +362,28 @@ class AttendStreamReactor final
     read_paused_ = false;
     reading_ = std::make_unique<Item>();
     HandOffToGrpc(this);
-    StartRead(&reading_->request);
+    StartRead(&reading_->received);
   }
 
   void Submit(Item* item) {
     const auto arrival = Clock::now();
     service_->OnCallArrived(arrival);
-    received_ += static_cast<int64_t>(item->request.ByteSizeLong());
-    absl::Status st =
-        service_->SubmitAttend(ctx_, client_, &item->request, &item->response, arrival,
-                               [this, item](absl::Status s) { Complete(item, s); });
+    received_ += static_cast<int64_t>(item->received.Length());
+    absl::Status st = item->call.Decode(&item->received);
+    if (st.ok()) {
+      st = service_->SubmitWireAttend(ctx_, client_, &item->call, arrival,
+                                      [this, item](absl::Status s) { Complete(item, s); });
+    }
     if (!st.ok()) Complete(item, st);
   }
 
   // Queues item's response for writing; any thread.
   void Complete(Item* item, const absl::Status& st) {
-    item->response.set_request_id(item->request.request_id());
-    item->response.set_status_code(static_cast<int32_t>(st.code()));
-    if (!st.ok()) item->response.set_status_message(std::string(st.message()));
+    v1::AttendResponse& response = item->call.response;
+    response.set_request_id(item->call.request.header.request_id());
+    response.set_status_code(static_cast<int32_t>(st.code()));
+    if (!st.ok()) response.set_status_message(std::string(st.message()));
+    item->reply = item->call.Encode(st.ok());
     service_->OnCallAnswered();
     bool finish;
     {
@@ -390,9 +406,9 @@ class AttendStreamReactor final
       return;
     }
     writing_ = true;
-    sent_ += static_cast<int64_t>(write_queue_.front()->response.ByteSizeLong());
+    sent_ += static_cast<int64_t>(write_queue_.front()->reply.Length());
     HandOffToGrpc(this);
-    StartWrite(&write_queue_.front()->response);
+    StartWrite(&write_queue_.front()->reply);
   }
 
   // True exactly once: when nothing is left to read (or the drain ended the stream), compute or
@@ -435,7 +451,7 @@ class AttendStreamReactor final
 
 // A stream refused as a whole (no valid bearer token): finished at once, nothing read.
 class RejectedStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   RejectedStreamReactor(AttentionService* service, const absl::Status& st)
       : service_(service), start_(Clock::now()), status_(ToGrpcStatus(st)) {
@@ -457,7 +473,7 @@ class RejectedStreamReactor final
   const grpc::Status status_;
 };
 
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendStream(
     grpc::CallbackServerContext* ctx) {
   OnCallArrived(Clock::now());
   absl::StatusOr<std::string> client = Identify(ctx);

@@ -23,12 +23,25 @@ class AttendStreamReactor;
 class RegionRegistry;
 struct WireAttendCall;
 
-// Attend is a raw method (grpc::ByteBuffer in and out): its tensors go from gRPC's received
-// slices into the backend's staging with one copy, and its outputs back out as slices of the
-// buffers the backend wrote them into (attend_request_decoder.h, attend_response_encoder.h). The
-// bytes on the wire are protobuf's, as for every other method.
-class AttentionService final
-    : public v1::Attention::WithRawCallbackMethod_Attend<v1::Attention::CallbackService> {
+// attn.v1.Attention's callback service with Attend and AttendStream raw: the generated templates,
+// composed here since the generated CallbackService has typed versions of both (a method added to
+// the proto must be added here too).
+using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
+    v1::Attention::WithRawCallbackMethod_AttendStream<
+    v1::Attention::WithCallbackMethod_CreateSession<
+    v1::Attention::WithCallbackMethod_Step<
+    v1::Attention::WithCallbackMethod_BatchStep<
+    v1::Attention::WithCallbackMethod_TruncateSession<
+    v1::Attention::WithCallbackMethod_ForkSession<
+    v1::Attention::WithCallbackMethod_CloseSession<
+    v1::Attention::WithCallbackMethod_GetServerInfo<
+    v1::Attention::WithCallbackMethod_Echo<v1::Attention::Service>>>>>>>>>>;
+
+// Attend and AttendStream are raw methods (grpc::ByteBuffer in and out): their tensors go from
+// gRPC's received slices into the backend's staging with one copy, and their outputs back out as
+// slices of the buffers the backend wrote them into (attend_request_decoder.h,
+// attend_response_encoder.h). The bytes on the wire are protobuf's, as for every other method.
+class AttentionService final : public AttentionCallbackBase {
  public:
   struct Options {
     RequestLimits limits;
@@ -43,7 +56,7 @@ class AttentionService final
     // Shared-memory regions requests may name (Tensor.region, o_region); null: shared memory
     // is off. Must outlive the service.
     const RegionRegistry* regions = nullptr;
-    // false: Attend parses and serializes whole messages with protobuf, as the generated
+    // false: unary Attend parses and serializes whole messages with protobuf, as the generated
     // method would (two host copies of the tensors each way); for measuring the wire path.
     bool attend_wire_path = true;
   };
@@ -71,7 +84,7 @@ class AttentionService final
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
                                    const grpc::ByteBuffer* request,
                                    grpc::ByteBuffer* response) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* request,
