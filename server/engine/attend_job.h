@@ -54,7 +54,8 @@ struct BackendJobState {
 };
 
 struct AttendJob {
-  // Borrowed from the reactor, which outlives the job: it calls Finish only from `done`.
+  // Borrowed from the call (the unary handler's or an AttendStream item's), which lives at least
+  // until `done` has run; nothing reads them after that.
   const v1::AttendRequest* request = nullptr;
   v1::AttendResponse* response = nullptr;
 
