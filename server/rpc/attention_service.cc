@@ -21,7 +21,6 @@ namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-
 constexpr char kShuttingDown[] = "attnd is shutting down; retry on another replica";
 
 // One unary Attend through protobuf messages (Options::attend_wire_path false).
@@ -32,10 +31,11 @@ struct ProtoAttendCall {
 
 }  // namespace
 
-// One unary Attend on the wire path, from its handler until its answer is encoded: the received
+// One Attend on the wire path, from its bytes' arrival until its answer is encoded: the received
 // slices (which the decoded pieces borrow, until the backend has staged them), the decoded
-// request, the response's header fields and the buffers the backend writes o and lse into.
-// Owned by the handler until its job is queued, then by the job's completion, which deletes it.
+// request, the response's header fields and the buffers the backend writes o and lse into (until
+// Encode hands them to the answer's slices). A unary call's is owned by its handler until its job
+// is queued, then by the job's completion, which deletes it; an AttendStream item's by the item.
 struct WireAttendCall {
   std::vector<grpc::Slice> slices;
   std::vector<std::string_view> pieces;
