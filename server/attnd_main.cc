@@ -96,6 +96,9 @@ ABSL_FLAG(int64_t, shm_max_bytes_per_client, kDefaults.shm_max_bytes_per_client,
           "Most bytes of shared-memory regions mapped per client identity");
 ABSL_FLAG(int, tcp_read_chunk_bytes, kDefaults.tcp_read_chunk_bytes,
           "Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's default (8 KiB, adaptive)");
+ABSL_FLAG(bool, attend_wire_path, kDefaults.attend_wire_path,
+          "Attend's tensors go between gRPC's slices and the backend's buffers with one host copy; "
+          "false: through whole protobuf messages (two copies each way), for measuring it");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC server channel arguments, name=integer, comma-separated (e.g. "
           "grpc.http2.max_frame_size=1048576); for measuring transport settings");
@@ -149,6 +152,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.max_step_delay_us = absl::GetFlag(FLAGS_max_step_delay_us);
   o.grpc_args = GrpcArgsFromFlag();
   o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
+  o.attend_wire_path = absl::GetFlag(FLAGS_attend_wire_path);
   o.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
   o.shm_max_regions_per_client = absl::GetFlag(FLAGS_shm_max_regions_per_client);

@@ -67,6 +67,10 @@ struct ServerOptions {
   // Extra gRPC server channel arguments (name, integer value), applied after attnd's own
   // transport settings (rpc/transport_args.h), so that they can override them: --grpc_arg.
   std::vector<std::pair<std::string, int>> grpc_args;
+  // Attend's tensors straight between gRPC's slices and the backend's buffers (one host copy in,
+  // none out on the CPU backend, one on CUDA); false: through whole protobuf messages, as the
+  // generated method would do it (for measuring the difference: --attend_wire_path=false).
+  bool attend_wire_path = true;
 };
 
 }  // namespace attn

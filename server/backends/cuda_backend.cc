@@ -48,12 +48,14 @@ bool IsStickyError(cudaError_t e) {
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// One request's inputs, staged by Prepare in the compute dtype (q, k and v back to back), and the
-// pinned buffer its outputs come back into (o, then lse as [num_heads, total_q] fp32).
+// One request's inputs, staged by Prepare (or StageWireInputs) in the compute dtype (q, k and v
+// back to back), and the pinned buffer its outputs come back into (o, then lse as
+// [num_heads, total_q] fp32).
 struct CudaJobState : BackendJobState {
   PinnedBuffer in;
   PinnedBuffer out;
   size_t q_bytes = 0, kv_bytes = 0, o_bytes = 0;
+  bool inputs_staged = false;  // by StageWireInputs: Prepare leaves `in` as it is
 };
 
 CudaJobState& StateOf(const AttendJob& job) {
@@ -380,6 +382,33 @@ CudaBackend::~CudaBackend() {
   if (kv_.k) cudaFree(kv_.k);
 }
 
+absl::Status CudaBackend::StageWireInputs(AttendJob& job, const WireTensors& in) {
+  const bool all_inline = in.q.size > 0 && in.k.size > 0 && in.v.size > 0;
+  if (job.key.wire_dtype == kernels::DType::kFloat32 || !all_inline) {
+    return Backend::StageWireInputs(job, in);
+  }
+  RETURN_IF_ERROR(Health());
+  const auto start = Clock::now();
+  auto state = std::make_unique<CudaJobState>();
+  ASSIGN_OR_RETURN(state->in, pinned_pool_->Acquire(in.q.size + in.k.size + in.v.size));
+  char* at = static_cast<char*>(state->in.data());
+  std::vector<HostCopy> copies;
+  copies.reserve(in.q.pieces.size() + in.k.pieces.size() + in.v.pieces.size());
+  for (auto [bytes, view] : {std::pair{&in.q, &job.q_bytes}, std::pair{&in.k, &job.k_bytes},
+                             std::pair{&in.v, &job.v_bytes}}) {
+    *view = std::string_view(at, bytes->size);
+    for (std::string_view p : bytes->pieces) {
+      copies.push_back({p.data(), at, p.size(), ElementCast::kNone});
+      at += p.size();
+    }
+  }
+  copier_->Run(copies);
+  state->inputs_staged = true;
+  job.backend_state = std::move(state);
+  job.host_copy_us += Micros(Clock::now() - start);
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::Prepare(AttendJob& job) {
   RETURN_IF_ERROR(Health());
   const auto start = Clock::now();
@@ -394,24 +423,27 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
     job.backend_state = std::move(state);
     return absl::OkStatus();
   }
-  const kernels::DType compute = ComputeDType(job);
-  auto state = std::make_unique<CudaJobState>();
-  state->q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
-  state->kv_bytes = size_t(job.total_k) * key.num_kv_heads * key.head_dim * 2;
-  state->o_bytes = state->q_bytes;
+  if (!job.backend_state) job.backend_state = std::make_unique<CudaJobState>();
+  CudaJobState& state = StateOf(job);
+  // Inputs staged from the wire are 16-bit already: computed as sent.
+  const kernels::DType compute = state.inputs_staged ? key.wire_dtype : ComputeDType(job);
+  state.q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
+  state.kv_bytes = size_t(job.total_k) * key.num_kv_heads * key.head_dim * 2;
+  state.o_bytes = state.q_bytes;
   const size_t lse_bytes = job.return_lse ? sizeof(float) * key.num_heads * size_t(job.total_q) : 0;
-  ASSIGN_OR_RETURN(state->in, pinned_pool_->Acquire(state->q_bytes + 2 * state->kv_bytes));
-  ASSIGN_OR_RETURN(state->out, pinned_pool_->Acquire(state->o_bytes + lse_bytes));
-  char* in = static_cast<char*>(state->in.data());
-  const ElementCast cast = StagingCast(key.wire_dtype, compute);
-  const HostCopy copies[] = {
-      StagingCopy(job.q_bytes, cast, in),
-      StagingCopy(job.k_bytes, cast, in + state->q_bytes),
-      StagingCopy(job.v_bytes, cast, in + state->q_bytes + state->kv_bytes)};
-  copier_->Run(copies);
+  if (!state.inputs_staged) {
+    ASSIGN_OR_RETURN(state.in, pinned_pool_->Acquire(state.q_bytes + 2 * state.kv_bytes));
+    char* in = static_cast<char*>(state.in.data());
+    const ElementCast cast = StagingCast(key.wire_dtype, compute);
+    const HostCopy copies[] = {
+        StagingCopy(job.q_bytes, cast, in),
+        StagingCopy(job.k_bytes, cast, in + state.q_bytes),
+        StagingCopy(job.v_bytes, cast, in + state.q_bytes + state.kv_bytes)};
+    copier_->Run(copies);
+  }
+  ASSIGN_OR_RETURN(state.out, pinned_pool_->Acquire(state.o_bytes + lse_bytes));
   job.key.staged_dtype = compute;
-  job.host_copy_us = Micros(Clock::now() - start);
-  job.backend_state = std::move(state);
+  job.host_copy_us += Micros(Clock::now() - start);
   return absl::OkStatus();
 }
 

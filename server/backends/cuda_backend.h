@@ -54,6 +54,10 @@ class CudaBackend : public Backend {
   int MaxInFlightBatches() const override { return static_cast<int>(lanes_.size()); }
   // Stages the job's inputs into pinned memory; RESOURCE_EXHAUSTED when the pinned pool is full.
   absl::Status Prepare(AttendJob& job) override;
+  // 16-bit requests whose q, k and v all arrive inline: straight from the received slices into
+  // pinned staging (over the copy threads when large). Others as Backend's (float32 is then
+  // converted into staging by Prepare).
+  absl::Status StageWireInputs(AttendJob& job, const WireTensors& in) override;
   void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) override;
   BackendMemory Memory() const override;
   KvRegion kv_region() const override { return kv_; }

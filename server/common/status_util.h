@@ -29,6 +29,7 @@ namespace attn {
 
 absl::Status FromKernelStatus(const kernels::Status& st);
 grpc::Status ToGrpcStatus(const absl::Status& st);
+absl::Status FromGrpcStatus(const grpc::Status& st);
 // Name of a gRPC code as Prometheus labels and logs spell it: "OK", "INVALID_ARGUMENT", ...
 const char* GrpcCodeName(grpc::StatusCode code);
 

@@ -81,7 +81,8 @@ struct AttendJob {
   // may free those owners once it has drained.
   ReleaseNotice released;
 
-  // Borrowed from the reactor, which outlives the job: it calls Finish only from `done`.
+  // Borrowed from the call (the unary handler's or an AttendStream item's), which lives at least
+  // until `done` has run; nothing reads them after that.
   const v1::AttendRequest* request = nullptr;
   v1::AttendResponse* response = nullptr;
 
@@ -120,7 +121,11 @@ struct AttendJob {
   // Where q, k and v are read from: the request's data fields (set by ValidateAttendRequest), or
   // slices of shared-memory regions (transport/tensor_source.h).
   std::string_view q_bytes, k_bytes, v_bytes;
-  // Where o and lse are written: null means the response's data fields; else a region slice.
+  // q, k and v as copied from the received message (Backend::StageWireInputs), where the backend
+  // keeps no staging of its own for them; q_bytes.. point into it.
+  std::unique_ptr<char[]> host_inputs;
+  // Where o and lse are written: null means the response's data fields; else a region slice, or
+  // the buffer the wire path sends the output from (rpc/attend_response_encoder.h).
   char* o_out = nullptr;
   char* lse_out = nullptr;
   // q_bytes..lse_out are device addresses (GPU regions): never read or written on the host.

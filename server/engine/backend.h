@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/attend_job.h"
+#include "engine/wire_tensors.h"
 #include "memory/memory_bytes.h"
 
 namespace attn {
@@ -80,6 +81,13 @@ class Backend {
   // work such as staging the inputs into pinned memory runs in parallel across callers. An error
   // fails this request only; the job is then not queued.
   virtual absl::Status Prepare(AttendJob& /*job*/) { return absl::OkStatus(); }
+
+  // The wire path of Attend, before Prepare: q, k and v arrive as pieces of gRPC's received
+  // slices instead of in a request message. Copies each inline one (a tensor in a region has no
+  // pieces) to where the backend computes or stages from and points job.q_bytes, k_bytes and
+  // v_bytes there: the one host copy of the request. The pieces are not used after it returns.
+  // An error fails this request only. Default: into host memory the job owns (host_inputs).
+  virtual absl::Status StageWireInputs(AttendJob& job, const WireTensors& in);
 
   // Runs a batch of prepared jobs that share one BatchKey. Takes ownership of the jobs; calls
   // each job's done exactly once, from any thread. Calls on_finished with the batch's report

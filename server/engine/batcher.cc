@@ -15,10 +15,15 @@ constexpr auto kSweepInterval = std::chrono::milliseconds(5);
 // Tensor bytes a job holds while it is in the server: its inputs and its sized outputs.
 int64_t JobBytes(const AttendJob& job) {
   if (job.request == nullptr) return job.bytes;  // a session step sizes itself
+  // Inputs in the message (in its data fields, or copied from the wire path's slices): those
+  // not in a region.
   const v1::AttendRequest& r = *job.request;
-  int64_t bytes = static_cast<int64_t>(r.q().data().size() + r.k().data().size() +
-                                       r.v().data().size());
-  bytes += static_cast<int64_t>(r.q().data().size());  // o
+  const auto inline_bytes = [](const v1::Tensor& t, std::string_view b) {
+    return t.has_region() ? int64_t{0} : static_cast<int64_t>(b.size());
+  };
+  int64_t bytes = inline_bytes(r.q(), job.q_bytes) + inline_bytes(r.k(), job.k_bytes) +
+                  inline_bytes(r.v(), job.v_bytes);
+  bytes += inline_bytes(r.q(), job.q_bytes);  // o
   if (job.return_lse) bytes += int64_t{4} * job.key.num_heads * job.total_q;
   return bytes;
 }

@@ -21,6 +21,11 @@ std::string ShapeString(const v1::Tensor& t) {
 }  // namespace
 
 absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits) {
+  return CheckTensor(t, name, limits, t.data().size());
+}
+
+absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits,
+                         uint64_t data_bytes) {
   if (t.dtype() != v1::DTYPE_FLOAT16 && t.dtype() != v1::DTYPE_BFLOAT16 &&
       t.dtype() != v1::DTYPE_FLOAT32) {
     return Invalid(absl::StrCat(name, ".dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or ",
@@ -50,13 +55,13 @@ absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLim
   const int64_t want = elements * static_cast<int64_t>(kernels::DTypeSize(ToKernelDType(t.dtype())));
   if (t.has_region()) {
     // Its bytes are checked against the region where it is resolved (transport/tensor_source.h).
-    if (!t.data().empty()) {
+    if (data_bytes != 0) {
       return Invalid(absl::StrCat(name, ".data and ", name, ".region are both set; set one"));
     }
     return absl::OkStatus();
   }
-  if (static_cast<int64_t>(t.data().size()) != want) {
-    return Invalid(absl::StrCat(name, ".data has ", t.data().size(), " bytes, but shape ",
+  if (data_bytes != static_cast<uint64_t>(want)) {
+    return Invalid(absl::StrCat(name, ".data has ", data_bytes, " bytes, but shape ",
                                 ShapeString(t), " of ", v1::DType_Name(t.dtype()), " needs ",
                                 want));
   }
@@ -88,10 +93,11 @@ absl::Status CheckCuSeqlens(const google::protobuf::RepeatedField<int32_t>& cu, 
   return absl::OkStatus();
 }
 
-absl::Status CheckShapes(const v1::AttendRequest& r, const RequestLimits& limits) {
-  RETURN_IF_ERROR(CheckTensor(r.q(), "q", limits));
-  RETURN_IF_ERROR(CheckTensor(r.k(), "k", limits));
-  RETURN_IF_ERROR(CheckTensor(r.v(), "v", limits));
+absl::Status CheckShapes(const v1::AttendRequest& r, const RequestLimits& limits,
+                         const TensorDataSizes& sizes) {
+  RETURN_IF_ERROR(CheckTensor(r.q(), "q", limits, sizes.q));
+  RETURN_IF_ERROR(CheckTensor(r.k(), "k", limits, sizes.k));
+  RETURN_IF_ERROR(CheckTensor(r.v(), "v", limits, sizes.v));
   if (r.k().dtype() != r.q().dtype() || r.v().dtype() != r.q().dtype()) {
     return Invalid(absl::StrCat("k.dtype and v.dtype must equal q.dtype (",
                                 v1::DType_Name(r.q().dtype()), "), got ",
@@ -147,6 +153,18 @@ v1::DType ToWireDType(kernels::DType t) {
 
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::AttendRequest& r,
                                                                  const RequestLimits& limits) {
+  ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
+                   ValidateAttendRequest(r, limits, {r.q().data().size(), r.k().data().size(),
+                                                     r.v().data().size()}));
+  job->q_bytes = r.q().data();
+  job->k_bytes = r.k().data();
+  job->v_bytes = r.v().data();
+  return job;
+}
+
+absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::AttendRequest& r,
+                                                                 const RequestLimits& limits,
+                                                                 const TensorDataSizes& sizes) {
   if (!r.has_q() || !r.has_k() || !r.has_v()) {
     std::vector<std::string> missing;
     if (!r.has_q()) missing.push_back("q");
@@ -157,12 +175,9 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
                                 missing.size() == 1 ? " is" : " are",
                                 " not set; q, k and v must all be set"));
   }
-  RETURN_IF_ERROR(CheckShapes(r, limits));
+  RETURN_IF_ERROR(CheckShapes(r, limits, sizes));
   auto job = std::make_unique<AttendJob>();
   job->request = &r;
-  job->q_bytes = r.q().data();
-  job->k_bytes = r.k().data();
-  job->v_bytes = r.v().data();
   job->total_q = static_cast<int32_t>(r.q().shape(0));
   job->total_k = static_cast<int32_t>(r.k().shape(0));
 
@@ -235,10 +250,11 @@ void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response) {
   v1::Tensor* o = response->mutable_o();
   o->set_dtype(q.dtype());
   o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
-  // An output written into a region leaves the response with its dtype, shape and slice only.
-  if (job.o_out != nullptr) {
+  // An output written into a region leaves the response with its dtype, shape and slice only;
+  // one written into a buffer of the wire path's, with its dtype and shape.
+  if (job.request->has_o_region()) {
     *o->mutable_region() = job.request->o_region();
-  } else {
+  } else if (job.o_out == nullptr) {
     o->mutable_data()->resize(size_t(job.total_q) * job.key.num_heads * job.key.head_dim *
                               kernels::DTypeSize(job.key.wire_dtype));
   }
@@ -247,9 +263,9 @@ void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response) {
     lse->set_dtype(v1::DTYPE_FLOAT32);
     lse->add_shape(job.key.num_heads);
     lse->add_shape(job.total_q);
-    if (job.lse_out != nullptr) {
+    if (job.request->has_lse_region()) {
       *lse->mutable_region() = job.request->lse_region();
-    } else {
+    } else if (job.lse_out == nullptr) {
       lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
     }
   }

@@ -21,6 +21,9 @@ struct RequestLimits {
 kernels::DType ToKernelDType(v1::DType t);
 // Checks one rank-3 tensor `name`: a known dtype, sizes > 0, the element limit, byte length.
 absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits);
+// The same for a tensor whose data (data_bytes long) is not in t itself (the wire path).
+absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits,
+                         uint64_t data_bytes);
 v1::DType ToWireDType(kernels::DType t);
 
 // Checks request against the limits and fills a job (key, sequence lengths, flags). The job
@@ -28,7 +31,18 @@ v1::DType ToWireDType(kernels::DType t);
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(
     const v1::AttendRequest& request, const RequestLimits& limits);
 
-// Sizes the response's o (and lse) tensors for job so that a backend can write into them.
+// Sizes of q.data, k.data and v.data kept outside the request message (the wire path, where
+// request holds every other field: rpc/attend_request_decoder.h).
+struct TensorDataSizes {
+  uint64_t q = 0, k = 0, v = 0;
+};
+// As above, with the data fields' sizes given; the job's q_bytes, k_bytes and v_bytes are left
+// for Backend::StageWireInputs to point at the copied bytes.
+absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(
+    const v1::AttendRequest& request, const RequestLimits& limits, const TensorDataSizes& sizes);
+
+// Sizes the response's o (and lse) tensors for job so that a backend can write into them; an
+// output the job writes elsewhere (o_out, lse_out) gets its dtype and shape only.
 void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response);
 
 }  // namespace attn

@@ -4,8 +4,12 @@
 #include <mutex>
 #include <vector>
 
+#include <grpcpp/impl/codegen/proto_utils.h>
+
 #include "absl/strings/str_cat.h"
 #include "engine/batcher.h"
+#include "rpc/attend_request_decoder.h"
+#include "rpc/attend_response_encoder.h"
 #include "rpc/call_timing.h"
 #include "observability/metrics.h"
 #include "common/status_util.h"
@@ -17,10 +21,49 @@ namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-
 constexpr char kShuttingDown[] = "attnd is shutting down; retry on another replica";
 
+// One unary Attend through protobuf messages (Options::attend_wire_path false).
+struct ProtoAttendCall {
+  v1::AttendRequest request;
+  v1::AttendResponse response;
+};
+
 }  // namespace
+
+// One Attend on the wire path, from its bytes' arrival until its answer is encoded: the received
+// slices (which the decoded pieces borrow, until the backend has staged them), the decoded
+// request, the response's header fields and the buffers the backend writes o and lse into (until
+// Encode hands them to the answer's slices). A unary call's is owned by its handler until its job
+// is queued, then by the job's completion, which deletes it; an AttendStream item's by the item.
+struct WireAttendCall {
+  std::vector<grpc::Slice> slices;
+  std::vector<std::string_view> pieces;
+  DecodedAttendRequest request;
+  v1::AttendResponse response;  // without o.data and lse.data
+  OutputBytes o, lse;
+
+  // Takes received's slices (references, not copies; received is left empty) and decodes them.
+  absl::Status Decode(grpc::ByteBuffer* received) {
+    absl::Status st = FromGrpcStatus(received->Dump(&slices));
+    received->Clear();
+    RETURN_IF_ERROR(st);
+    pieces.reserve(slices.size());
+    for (const grpc::Slice& s : slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    return DecodeAttendRequest(pieces, &request);
+  }
+  // The answer: the response's header with o and lse spliced in (on success), or without them.
+  grpc::ByteBuffer Encode(bool ok) {
+    if (!ok) {
+      response.clear_o();
+      response.clear_lse();
+      return EncodeAttendResponse(response, OutputBytes(), OutputBytes());
+    }
+    return EncodeAttendResponse(response, std::move(o), std::move(lse));
+  }
+};
 
 AttentionService::AttentionService(Options options, Batcher* batcher, Backend* backend,
                                    Metrics* metrics, SessionManager* sessions)
@@ -58,7 +101,49 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
   if (draining_.load()) return absl::UnavailableError(kShuttingDown);
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
                    ValidateAttendRequest(*request, options_.limits));
-  RETURN_IF_ERROR(ResolveAttendTensors(*request, client, options_.regions, job.get()));
+  return SubmitJob(ctx, client, std::move(job), response, arrival, nullptr, std::move(on_done));
+}
+
+absl::Status AttentionService::SubmitWireAttend(grpc::CallbackServerContext* ctx,
+                                                const std::string& client, WireAttendCall* call,
+                                                Clock::time_point arrival,
+                                                std::function<void(absl::Status)> on_done) {
+  if (draining_.load()) return absl::UnavailableError(kShuttingDown);
+  const v1::AttendRequest& header = call->request.header;
+  const WireTensors& data = call->request.data;
+  ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
+                   ValidateAttendRequest(header, options_.limits,
+                                         {data.q.size, data.k.size, data.v.size}));
+  const auto stage = [this, call](AttendJob& job) -> absl::Status {
+    // Outputs not bound for a region go into buffers of their own, sent from as they are.
+    const BatchKey& key = job.key;
+    if (!job.request->has_o_region()) {
+      call->o = OutputBytes::Allocate(size_t(job.total_q) * key.num_heads * key.head_dim *
+                                      kernels::DTypeSize(key.wire_dtype));
+      job.o_out = call->o.data.get();
+    }
+    if (job.return_lse && !job.request->has_lse_region()) {
+      call->lse = OutputBytes::Allocate(sizeof(float) * size_t(key.num_heads) * job.total_q);
+      job.lse_out = call->lse.data.get();
+    }
+    RETURN_IF_ERROR(backend_->StageWireInputs(job, call->request.data));
+    // The tensors are staged: the received bytes can go.
+    call->request.data = WireTensors();
+    call->pieces.clear();
+    call->slices.clear();
+    return absl::OkStatus();
+  };
+  return SubmitJob(ctx, client, std::move(job), &call->response, arrival, stage,
+                   std::move(on_done));
+}
+
+absl::Status AttentionService::SubmitJob(grpc::CallbackServerContext* ctx,
+                                         const std::string& client,
+                                         std::unique_ptr<AttendJob> job,
+                                         v1::AttendResponse* response, Clock::time_point arrival,
+                                         const std::function<absl::Status(AttendJob&)>& stage,
+                                         std::function<void(absl::Status)> on_done) {
+  RETURN_IF_ERROR(ResolveAttendTensors(*job->request, client, options_.regions, job.get()));
   job->response = response;
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);
@@ -66,8 +151,10 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
   // Held until done runs (or, should the job be dropped without it, until it is destroyed);
   // Release is idempotent, so the count goes back exactly once on every path.
   ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
+  // On an error from here on, slot is released as it goes out of scope.
+  if (stage) RETURN_IF_ERROR(stage(*job));
   PrepareAttendResponse(*job, response);
-  RETURN_IF_ERROR(backend_->Prepare(*job));  // on error, slot is released as it goes out of scope
+  RETURN_IF_ERROR(backend_->Prepare(*job));
   AttendJob* raw = job.get();
   job->done = [raw, arrival, response, slot, on_done = std::move(on_done)](absl::Status st) {
     slot->Release();
@@ -85,25 +172,81 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
 }
 
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* ctx,
-                                                   const v1::AttendRequest* request,
-                                                   v1::AttendResponse* response) {
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
   const auto arrival = Clock::now();
   OnCallArrived(arrival);
   auto* reactor = ctx->DefaultReactor();
-  const int64_t received = static_cast<int64_t>(request->ByteSizeLong());
   absl::StatusOr<std::string> client = Identify(ctx);
   if (!client.ok()) {
-    FinishUnary(reactor, Rpc::kAttend, arrival, client.status(), received, 0);
+    FinishUnary(reactor, Rpc::kAttend, arrival, client.status(),
+                static_cast<int64_t>(request->Length()), 0);
     return reactor;
   }
-  absl::Status st = SubmitAttend(
-      ctx, *client, request, response, arrival,
-      [this, reactor, arrival, received, response](absl::Status s) {
-        const int64_t sent = s.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0;
-        FinishUnary(reactor, Rpc::kAttend, arrival, s, received, sent);
-      });
-  if (!st.ok()) FinishUnary(reactor, Rpc::kAttend, arrival, st, received, 0);
+  // gRPC owns request until the call ends; its bytes are taken here so that they can be freed
+  // as soon as they have been staged, not only once the answer has been sent. gRPC destroys the
+  // emptied buffer as usual.
+  grpc::ByteBuffer* taken = const_cast<grpc::ByteBuffer*>(request);
+  if (options_.attend_wire_path) {
+    AttendWire(ctx, reactor, *client, arrival, taken, response);
+  } else {
+    AttendProto(ctx, reactor, *client, arrival, taken, response);
+  }
   return reactor;
+}
+
+void AttentionService::AttendWire(grpc::CallbackServerContext* ctx,
+                                  grpc::ServerUnaryReactor* reactor, const std::string& client,
+                                  Clock::time_point arrival, grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) {
+  const int64_t received = static_cast<int64_t>(request->Length());
+  auto call = std::make_unique<WireAttendCall>();
+  absl::Status st = call->Decode(request);
+  if (st.ok()) {
+    WireAttendCall* raw = call.get();
+    st = SubmitWireAttend(ctx, client, raw, arrival,
+                          [this, reactor, arrival, received, raw, response](absl::Status s) {
+                            std::unique_ptr<WireAttendCall> done_call(raw);
+                            int64_t sent = 0;
+                            if (s.ok()) {
+                              *response = done_call->Encode(true);
+                              sent = static_cast<int64_t>(response->Length());
+                            }
+                            done_call.reset();
+                            FinishUnary(reactor, Rpc::kAttend, arrival, s, received, sent);
+                          });
+    // Queued: the completion owns the call now (and may have deleted it already).
+    if (st.ok()) call.release();
+  }
+  if (!st.ok()) FinishUnary(reactor, Rpc::kAttend, arrival, st, received, 0);
+}
+
+void AttentionService::AttendProto(grpc::CallbackServerContext* ctx,
+                                   grpc::ServerUnaryReactor* reactor, const std::string& client,
+                                   Clock::time_point arrival, grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) {
+  const int64_t received = static_cast<int64_t>(request->Length());
+  auto call = std::make_unique<ProtoAttendCall>();
+  absl::Status st = FromGrpcStatus(
+      grpc::SerializationTraits<v1::AttendRequest>::Deserialize(request, &call->request));
+  if (st.ok()) {
+    ProtoAttendCall* raw = call.get();
+    st = SubmitAttend(ctx, client, &raw->request, &raw->response, arrival,
+                      [this, reactor, arrival, received, raw, response](absl::Status s) {
+                        std::unique_ptr<ProtoAttendCall> done_call(raw);
+                        int64_t sent = 0;
+                        bool own_buffer = false;
+                        if (s.ok()) {
+                          s = FromGrpcStatus(grpc::SerializationTraits<v1::AttendResponse>::Serialize(
+                              done_call->response, response, &own_buffer));
+                          sent = static_cast<int64_t>(response->Length());
+                        }
+                        done_call.reset();
+                        FinishUnary(reactor, Rpc::kAttend, arrival, s, received, sent);
+                      });
+    if (st.ok()) call.release();
+  }
+  if (!st.ok()) FinishUnary(reactor, Rpc::kAttend, arrival, st, received, 0);
 }
 
 // One AttendStream call. Reads requests one at a time, keeps up to kMaxInFlight of them in the
@@ -115,7 +258,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 // At the end of a drain (EndForDrain) it stops reading and finishes with UNAVAILABLE once its
 // items in flight are answered.
 class AttendStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* ctx,
                       std::string client)
@@ -171,9 +314,11 @@ class AttendStreamReactor final
 
  private:
   static constexpr int kMaxInFlight = 64;
+  // One item: the bytes read, then its request decoded and its answer until written.
   struct Item {
-    v1::AttendRequest request;
-    v1::AttendResponse response;
+    grpc::ByteBuffer received;
+    WireAttendCall call;
+    grpc::ByteBuffer reply;
   };
 
   void HandleReadDone(bool ok) {
@@ -230,24 +375,28 @@ class AttendStreamReactor final
     read_paused_ = false;
     reading_ = std::make_unique<Item>();
     HandOffToGrpc(this);
-    StartRead(&reading_->request);
+    StartRead(&reading_->received);
   }
 
   void Submit(Item* item) {
     const auto arrival = Clock::now();
     service_->OnCallArrived(arrival);
-    received_ += static_cast<int64_t>(item->request.ByteSizeLong());
-    absl::Status st =
-        service_->SubmitAttend(ctx_, client_, &item->request, &item->response, arrival,
-                               [this, item](absl::Status s) { Complete(item, s); });
+    received_ += static_cast<int64_t>(item->received.Length());
+    absl::Status st = item->call.Decode(&item->received);
+    if (st.ok()) {
+      st = service_->SubmitWireAttend(ctx_, client_, &item->call, arrival,
+                                      [this, item](absl::Status s) { Complete(item, s); });
+    }
     if (!st.ok()) Complete(item, st);
   }
 
   // Queues item's response for writing; any thread.
   void Complete(Item* item, const absl::Status& st) {
-    item->response.set_request_id(item->request.request_id());
-    item->response.set_status_code(static_cast<int32_t>(st.code()));
-    if (!st.ok()) item->response.set_status_message(std::string(st.message()));
+    v1::AttendResponse& response = item->call.response;
+    response.set_request_id(item->call.request.header.request_id());
+    response.set_status_code(static_cast<int32_t>(st.code()));
+    if (!st.ok()) response.set_status_message(std::string(st.message()));
+    item->reply = item->call.Encode(st.ok());
     service_->OnCallAnswered();
     bool finish;
     {
@@ -270,9 +419,9 @@ class AttendStreamReactor final
       return;
     }
     writing_ = true;
-    sent_ += static_cast<int64_t>(write_queue_.front()->response.ByteSizeLong());
+    sent_ += static_cast<int64_t>(write_queue_.front()->reply.Length());
     HandOffToGrpc(this);
-    StartWrite(&write_queue_.front()->response);
+    StartWrite(&write_queue_.front()->reply);
   }
 
   // True exactly once: when nothing is left to read (or the drain ended the stream), compute or
@@ -315,7 +464,7 @@ class AttendStreamReactor final
 
 // A stream refused as a whole (no valid bearer token): finished at once, nothing read.
 class RejectedStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   RejectedStreamReactor(AttentionService* service, const absl::Status& st)
       : service_(service), start_(Clock::now()), status_(ToGrpcStatus(st)) {
@@ -339,7 +488,7 @@ class RejectedStreamReactor final
   const grpc::Status status_;
 };
 
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::AttendStream(
     grpc::CallbackServerContext* ctx) {
   OnCallArrived(Clock::now());
   absl::StatusOr<std::string> client = Identify(ctx);

@@ -22,8 +22,27 @@ class Metrics;
 class SessionManager;
 class AttendStreamReactor;
 class RegionRegistry;
+struct WireAttendCall;
 
-class AttentionService final : public v1::Attention::CallbackService {
+// attn.v1.Attention's callback service with Attend and AttendStream raw: the generated templates,
+// composed here since the generated CallbackService has typed versions of both (a method added to
+// the proto must be added here too).
+using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
+    v1::Attention::WithRawCallbackMethod_AttendStream<
+    v1::Attention::WithCallbackMethod_CreateSession<
+    v1::Attention::WithCallbackMethod_Step<
+    v1::Attention::WithCallbackMethod_BatchStep<
+    v1::Attention::WithCallbackMethod_TruncateSession<
+    v1::Attention::WithCallbackMethod_ForkSession<
+    v1::Attention::WithCallbackMethod_CloseSession<
+    v1::Attention::WithCallbackMethod_GetServerInfo<
+    v1::Attention::WithCallbackMethod_Echo<v1::Attention::Service>>>>>>>>>>;
+
+// Attend and AttendStream are raw methods (grpc::ByteBuffer in and out): their tensors go from
+// gRPC's received slices into the backend's staging with one copy, and their outputs back out as
+// slices of the buffers the backend wrote them into (attend_request_decoder.h,
+// attend_response_encoder.h). The bytes on the wire are protobuf's, as for every other method.
+class AttentionService final : public AttentionCallbackBase {
  public:
   struct Options {
     RequestLimits limits;
@@ -38,6 +57,9 @@ class AttentionService final : public v1::Attention::CallbackService {
     // Shared-memory regions requests may name (Tensor.region, o_region); null: shared memory
     // is off. Must outlive the service.
     const RegionRegistry* regions = nullptr;
+    // false: unary Attend parses and serializes whole messages with protobuf, as the generated
+    // method would (two host copies of the tensors each way); for measuring the wire path.
+    bool attend_wire_path = true;
   };
   // batcher, backend, metrics and sessions must outlive the service; sessions may be null (the
   // session RPCs then answer UNIMPLEMENTED).
@@ -62,10 +84,11 @@ class AttentionService final : public v1::Attention::CallbackService {
   // Requests currently counted against max_pending_per_client, over all clients.
   int64_t PendingPerClientTotal() const { return pending_.TotalPending(); }
 
+  // request's bytes are taken (it is left empty) before the call's answer is sent.
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* request,
@@ -105,6 +128,27 @@ class AttentionService final : public v1::Attention::CallbackService {
                             const v1::AttendRequest* request,
                             v1::AttendResponse* response, Clock::time_point arrival,
                             std::function<void(absl::Status)> on_done);
+  // The same for a request decoded from the wire (call: attention_service.cc's WireAttendCall,
+  // which must live until on_done has run): its tensors are staged by the backend, its outputs
+  // written into the call's buffers.
+  absl::Status SubmitWireAttend(grpc::CallbackServerContext* ctx, const std::string& client,
+                                WireAttendCall* call, Clock::time_point arrival,
+                                std::function<void(absl::Status)> on_done);
+  // What both share once the job is validated: region resolution, the pending count, `stage`
+  // (null, or the wire path's copy of the inputs), the backend's Prepare, the batcher.
+  absl::Status SubmitJob(grpc::CallbackServerContext* ctx, const std::string& client,
+                         std::unique_ptr<AttendJob> job, v1::AttendResponse* response,
+                         Clock::time_point arrival,
+                         const std::function<absl::Status(AttendJob&)>& stage,
+                         std::function<void(absl::Status)> on_done);
+  // Attend on the wire path, and (Options::attend_wire_path false) through protobuf messages.
+  // Both take request's bytes, leaving it empty, and finish the call.
+  void AttendWire(grpc::CallbackServerContext* ctx, grpc::ServerUnaryReactor* reactor,
+                  const std::string& client, Clock::time_point arrival,
+                  grpc::ByteBuffer* request, grpc::ByteBuffer* response);
+  void AttendProto(grpc::CallbackServerContext* ctx, grpc::ServerUnaryReactor* reactor,
+                   const std::string& client, Clock::time_point arrival,
+                   grpc::ByteBuffer* request, grpc::ByteBuffer* response);
 
   // Session RPCs (session_rpcs.cc). The owner of the caller's sessions: its identity when
   // tokens are on, else "" (everyone).

@@ -135,10 +135,17 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.version = kVersion;
   so.authenticator = s->authenticator_.get();
   so.max_pending_per_client = options.max_pending_per_client;
+  so.attend_wire_path = options.attend_wire_path;
   RETURN_IF_ERROR(s->StartSharedMemory());
   so.regions = s->regions_.get();
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
                                                    s->metrics_.get(), s->sessions_.get());
+  // Every method of the proto must be one of AttentionCallbackBase's: one left out would be a
+  // synchronous stub that aborts when called.
+  if (s->service_->has_synchronous_methods()) {
+    return absl::InternalError("an attn.v1.Attention method has no callback handler "
+                               "(AttentionCallbackBase in rpc/attention_service.h)");
+  }
 
   // Warm before the port opens: gRPC's health service reports SERVING from the moment it
   // starts, so any later warm-up would leave a window in which probes see SERVING too early.

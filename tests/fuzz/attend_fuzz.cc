@@ -11,6 +11,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include <google/protobuf/util/field_comparator.h>
+#include <google/protobuf/util/message_differencer.h>
+
+#include "rpc/attend_request_decoder.h"
 #include "rpc/attend_validation.h"
 #include "transport/region_registry.h"
 #include "transport/tensor_source.h"
@@ -84,16 +88,74 @@ FuzzRegions& Regions() {
   return *regions;
 }
 
+// The wire path's reader on the same bytes, cut into pieces where the input says (after each
+// byte whose low 3 bits are 0b101, and at 1/3 and 2/3 of it): it must refuse only with
+// INVALID_ARGUMENT, accept whatever protobuf accepts with the same message (tensor data as pieces
+// of the input), and validate that message as the protobuf path does. "" when all holds.
+std::string CheckWireReader(const uint8_t* data, size_t size, const RequestLimits& limits) {
+  std::string_view bytes(reinterpret_cast<const char*>(data), size);
+  std::vector<std::string_view> pieces;
+  size_t start = 0;
+  for (size_t i = 0; i < size; ++i) {
+    if ((data[i] & 7) == 5 || i == size / 3 || i == 2 * size / 3) {
+      pieces.push_back(bytes.substr(start, i + 1 - start));
+      start = i + 1;
+    }
+  }
+  pieces.push_back(bytes.substr(start));
+  DecodedAttendRequest decoded;
+  const absl::Status st = DecodeAttendRequest(pieces, &decoded);
+  v1::AttendRequest expected;
+  const bool protobuf_ok = expected.ParseFromArray(data, static_cast<int>(size));
+  if (!st.ok()) {
+    if (st.code() != absl::StatusCode::kInvalidArgument ||
+        st.message().find("AttendRequest is malformed: ") == std::string_view::npos) {
+      return absl::StrCat("wire reader refused with an unexpected status: ", st.ToString());
+    }
+    return protobuf_ok ? absl::StrCat("wire reader refused what protobuf parses: ", st.ToString())
+                       : "";
+  }
+  if (!protobuf_ok) return "";  // the reader accepts a little more (tags over 5 bytes)
+  v1::AttendRequest got = decoded.header;
+  const std::pair<const WireBytes*, v1::Tensor*> tensors[] = {{&decoded.data.q, got.mutable_q()},
+                                                              {&decoded.data.k, got.mutable_k()},
+                                                              {&decoded.data.v, got.mutable_v()}};
+  for (auto [wire, t] : tensors) {
+    std::string joined;
+    for (std::string_view p : wire->pieces) joined.append(p);
+    if (joined.size() != wire->size) return "wire reader: pieces do not add up to the data size";
+    if (!joined.empty()) t->set_data(joined);
+  }
+  if (!decoded.header.has_q()) got.clear_q();
+  if (!decoded.header.has_k()) got.clear_k();
+  if (!decoded.header.has_v()) got.clear_v();
+  google::protobuf::util::DefaultFieldComparator comparator;
+  comparator.set_treat_nan_as_equal(true);
+  google::protobuf::util::MessageDifferencer differ;
+  differ.set_field_comparator(&comparator);
+  if (!differ.Compare(expected, got)) return "wire reader's message differs from protobuf's";
+  const auto by_proto = ValidateAttendRequest(expected, limits);
+  const auto by_wire = ValidateAttendRequest(
+      decoded.header, limits, {decoded.data.q.size, decoded.data.k.size, decoded.data.v.size});
+  if (by_proto.status() != by_wire.status()) {
+    return absl::StrCat("validation differs: protobuf path ", by_proto.status().ToString(),
+                        ", wire path ", by_wire.status().ToString());
+  }
+  return "";
+}
+
 }  // namespace
 
 Outcome RunAttendInput(const uint8_t* data, size_t size) {
   Outcome out;
-  v1::AttendRequest request;
-  if (!request.ParseFromArray(data, static_cast<int>(size))) return out;
-  out.parsed = true;
   RequestLimits limits;
   limits.max_tensor_elements = kMaxTensorElements;
   limits.head_dims = HeadDims();
+  out.violation = CheckWireReader(data, size, limits);
+  if (!out.violation.empty()) return out;
+  v1::AttendRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return out;
+  out.parsed = true;
   auto job_or = ValidateAttendRequest(request, limits);
   if (!job_or.ok()) {
     if (job_or.status().message().empty()) out.violation = "validation error without a message";

@@ -1,7 +1,9 @@
 // The code path shared by the libFuzzer target (attend_fuzzer.cc) and the regression test
-// (fuzz_regression_test.cc): bytes -> attn.v1.AttendRequest -> ValidateAttendRequest with small
-// limits -> region resolution (ResolveAttendTensors, one registered region "r0") -> the CPU
-// kernel, with invariants checked on the output.
+// (fuzz_regression_test.cc): bytes -> the wire path's reader (DecodeAttendRequest over pieces of
+// the input, checked against protobuf's parser and the protobuf path's validation), and bytes ->
+// attn.v1.AttendRequest -> ValidateAttendRequest with small limits -> region resolution
+// (ResolveAttendTensors, one registered region "r0") -> the CPU kernel, with invariants checked
+// on the output.
 #pragma once
 
 #include <cstddef>

@@ -17,6 +17,9 @@
 #include <set>
 #include <thread>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+
 #include "common/reference.h"
 #include "session_util.h"
 #include "test_util.h"
@@ -460,6 +463,210 @@ TEST_F(BadInputMatrixTest, OversizeStreamItemEndsThatStreamOnly) {
   const grpc::Status st = stream->Finish();
   EXPECT_EQ(st.error_code(), StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
   ExpectGoodRequestAnswered("oversize stream item");
+}
+
+// Malformed wire input: bytes no protobuf encoder would write, sent to Attend as they are
+// (a generic stub). Attend reads its request off the wire itself (rpc/attend_request_decoder.h),
+// so each gets INVALID_ARGUMENT with a message naming the field, and the server goes on.
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+void AppendLen(uint64_t number, const std::string& body, std::string* out) {
+  AppendVarint(number << 3 | 2, out);
+  AppendVarint(body.size(), out);
+  *out += body;
+}
+
+struct WireCase {
+  std::string name;
+  std::function<std::string(const std::string& good)> bytes;  // from the good request's bytes
+  std::string message_part;
+};
+void PrintTo(const WireCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<WireCase> WireCases() {
+  const auto append = [](std::string tail) {
+    return [tail](const std::string& good) { return good + tail; };
+  };
+  return {
+      {"TruncatedInsideQData",
+       [](const std::string& good) { return good.substr(0, good.size() / 8); },
+       "AttendRequest is malformed: q: length"},
+      {"QDataRunsPastQ",
+       [](const std::string& good) {
+         std::string body = std::string("\x1a") + '\x64' + "abcde";  // data: 100 bytes, 5 there
+         std::string out = good;
+         AppendLen(1, body, &out);
+         return out;
+       },
+       "q.data: length 100 runs past the end of q"},
+      {"KDataLengthOfUint64Max",
+       [](const std::string& good) {
+         std::string body = "\x1a";
+         AppendVarint(~uint64_t{0}, &body);
+         std::string out = good;
+         AppendLen(2, body, &out);
+         return out;
+       },
+       "k.data: length 18446744073709551615 runs past the end of k"},
+      {"VLengthPastTheMessage",
+       [](const std::string& good) {
+         std::string out = good;
+         AppendVarint(3 << 3 | 2, &out);
+         AppendVarint(1 << 20, &out);
+         return out + "short";
+       },
+       "v: length 1048576 runs past the end of the message"},
+      {"OverlongTag", append(std::string(11, '\x80') + '\x01'),
+       "AttendRequest: truncated or over-long field tag"},
+      {"TruncatedVarint", append(std::string("\x30\x80", 2)),
+       "causal: truncated or over-long varint"},
+      {"FieldNumberZero", append(std::string("\x00\x01", 2)), "field number 0 out of range"},
+      {"WireType7", append("\x0f\x01"), "q: unknown wire type 7"},
+      {"EndGroupNotStarted", append("\x4c"), "return_lse: end of a group that was not started"},
+      {"GroupWithoutEnd", append("\xc3\x0c"), "field 200: group without its end"},
+      {"GroupsNestedTooDeeply", append(std::string(200, '\x0b')), "groups nested too deeply"},
+      {"TruncatedFixed32", append("\x3d\x01"), "softmax_scale: truncated 4-byte value"},
+      {"CuSeqlensQLengthPastTheEnd",
+       [](const std::string& good) {
+         std::string out = good;
+         AppendVarint(4 << 3 | 2, &out);
+         AppendVarint(1000, &out);
+         return out + "\x01\x02";
+       },
+       "cu_seqlens_q: length 1000 runs past the end of its message"},
+      {"ORegionNameNotUtf8",
+       [](const std::string& good) {
+         std::string slice;
+         AppendLen(1, "\xff\xfe", &slice);
+         std::string out = good;
+         AppendLen(12, slice, &out);
+         return out;
+       },
+       "o_region: protobuf could not parse this field"},
+      {"QShapePackedPastQ",
+       [](const std::string& good) {
+         std::string body;
+         AppendVarint(2 << 3 | 2, &body);
+         AppendVarint(5, &body);
+         body += "\x01\x02";
+         std::string out = good;
+         AppendLen(1, body, &out);
+         return out;
+       },
+       "q.shape: length 5 runs past the end of its message"},
+  };
+}
+
+// Attend over a generic stub: request bytes as they are, the response's bytes back.
+grpc::Status RawAttend(const std::string& target, const std::string& bytes,
+                       std::string* response) {
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::Slice slice(bytes);
+  const grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer reply;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/attn.v1.Attention/Attend", grpc::StubOptions(), &request, &reply,
+                 [&done](grpc::Status st) { done.set_value(std::move(st)); });
+  grpc::Status st = done.get_future().get();
+  response->clear();
+  std::vector<grpc::Slice> slices;
+  if (st.ok() && reply.Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) response->append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return st;
+}
+
+class MalformedWireCase : public BadInputMatrixTest,
+                          public ::testing::WithParamInterface<WireCase> {};
+
+TEST_P(MalformedWireCase, Unary) {
+  const WireCase& c = GetParam();
+  const auto good = Good();
+  const std::string bytes =
+      c.bytes(client::Client::BuildAttendRequest(good.q, good.k, good.v, good.options)
+                  .SerializeAsString());
+  v1::AttendRequest parsed;
+  EXPECT_FALSE(parsed.ParseFromString(bytes)) << "protobuf accepts the case's bytes";
+  std::string response;
+  const grpc::Status st = RawAttend(server_->target, bytes, &response);
+  EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find(c.message_part), std::string::npos)
+      << "message: " << st.error_message() << "\nwanted: " << c.message_part;
+  ExpectGoodRequestAnswered(c.name);
+}
+
+INSTANTIATE_TEST_SUITE_P(Wire, MalformedWireCase, ::testing::ValuesIn(WireCases()),
+                         [](const ::testing::TestParamInfo<WireCase>& info) {
+                           return info.param.name;
+                         });
+
+// Every prefix of a good request's bytes (at 64 points) is refused with INVALID_ARGUMENT: as
+// malformed where protobuf cannot parse it either, else by validation (a tensor missing or
+// short), except the one prefix that is itself a whole valid request.
+TEST_F(BadInputMatrixTest, PrefixesOfAGoodRequestAreRefused) {
+  const auto good = Good();
+  const std::string bytes =
+      client::Client::BuildAttendRequest(good.q, good.k, good.v, good.options).SerializeAsString();
+  for (int i = 0; i < 64; ++i) {
+    const std::string prefix = bytes.substr(0, bytes.size() * i / 64 + i % 7);
+    std::string response;
+    const grpc::Status st = RawAttend(server_->target, prefix, &response);
+    v1::AttendRequest parsed;
+    if (!parsed.ParseFromString(prefix)) {
+      EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT) << st.error_message();
+      EXPECT_NE(st.error_message().find("AttendRequest is malformed"), std::string::npos)
+          << st.error_message();
+    } else if (!st.ok()) {
+      EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT) << st.error_message();
+    }
+  }
+  ExpectGoodRequestAnswered("prefixes");
+}
+
+// Bytes a protobuf encoder could write differently from the C++ one (fields in reverse order,
+// repeated ints unpacked, unknown fields of every wire type, q split over two occurrences) are
+// answered exactly as the canonical encoding is, and the answer's bytes parse as protobuf.
+TEST_F(BadInputMatrixTest, UnusualButValidEncodingsAreAnsweredAlike) {
+  const auto good = Good();
+  const v1::AttendRequest r =
+      client::Client::BuildAttendRequest(good.q, good.k, good.v, good.options);
+  std::string canonical_answer;
+  ASSERT_TRUE(RawAttend(server_->target, r.SerializeAsString(), &canonical_answer).ok());
+  v1::AttendResponse expected;
+  ASSERT_TRUE(expected.ParseFromString(canonical_answer));
+
+  std::string bytes = "\xa0\x06\x2a";  // unknown field 100, varint
+  for (int32_t x : r.cu_seqlens_k()) {  // unpacked
+    AppendVarint(5 << 3 | 0, &bytes);
+    AppendVarint(static_cast<uint64_t>(x), &bytes);
+  }
+  for (int32_t x : r.cu_seqlens_q()) {
+    AppendVarint(4 << 3 | 0, &bytes);
+    AppendVarint(static_cast<uint64_t>(x), &bytes);
+  }
+  bytes += "\xab\x06\x08\x01\xac\x06";  // unknown group 101 holding a varint
+  AppendLen(3, r.v().SerializeAsString(), &bytes);
+  AppendLen(2, r.k().SerializeAsString(), &bytes);
+  v1::Tensor q_shape = r.q(), q_data;
+  q_shape.clear_data();
+  q_data.set_data(r.q().data());
+  AppendLen(1, q_data.SerializeAsString() + "\xe5\x07\x01\x02\x03\x04", &bytes);  // + fixed32 188
+  AppendLen(1, q_shape.SerializeAsString(), &bytes);
+  std::string answer;
+  const grpc::Status st = RawAttend(server_->target, bytes, &answer);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  v1::AttendResponse got;
+  ASSERT_TRUE(got.ParseFromString(answer));
+  EXPECT_EQ(got.o().data(), expected.o().data());
+  EXPECT_EQ(got.o().shape_size(), 3);
 }
 
 // The session RPCs: every field of CreateSession, Step, TruncateSession, ForkSession and

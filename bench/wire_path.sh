@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Attend's wire path against whole-message protobuf coding, in one run on one host: two attnds on
+# loopback, one with the wire path (the default) and one with --attend_wire_path=false; for each
+# request size and concurrency, gRPC Echo of the same bytes, Attend through each, and the raw TCP
+# ceiling (attn-tcp-ceiling, run by attn-bench right after the level) at the same sizes and
+# concurrency. Prints a table of GB/s (request + response bytes) and the ratios.
+#   bench/wire_path.sh BIN OUT_DIR [seconds per level]
+# BIN holds attnd, attnctl, attn-bench and attn-tcp-ceiling. Environment:
+#   TOKENS   query (and key) tokens per request to sweep (default "256 2048 8192")
+#   CONC     concurrency levels, one client connection each (default "1,16")
+#   BACKEND  attnd --backend (default cuda)
+#   ATTND_FLAGS  more attnd flags for both (e.g. --kv_cache_bytes=1073741824)
+#   SHAPE    "long": q, k and v of one sequence of TOKENS tokens (default); "q": TOKENS queries
+#            over one key (q and o carry the bytes, next to no compute: the transport alone on a
+#            CPU backend)
+set -uo pipefail
+bin=$1; out=$2; secs=${3:-2}
+tokens=${TOKENS:-256 2048 8192}
+conc=${CONC:-1,16}
+mkdir -p "$out"
+: >"$out/attnd.log"
+csv=$out/wire_path.csv
+rm -f "$csv"
+common=(--duration_s "$secs" --warmup_s 0.5 --heads 16 --head_dim 128 --dtype bf16
+        --concurrency "$conc" --csv "$csv")
+
+pids=()
+start() {  # port, flags...
+  local port=$1; shift
+  "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen= --backend=${BACKEND:-cuda} \
+    --pinned_pool_bytes=$((8 << 30)) --max_inflight_bytes=$((8 << 30)) ${ATTND_FLAGS:-} "$@" \
+    >>"$out/attnd.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 300); do
+    "$bin/attnctl" --target 127.0.0.1:$port health >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "attnd on port $port did not become healthy" >&2
+  return 1
+}
+wire_port=50761; proto_port=50762
+start $wire_port || exit 1
+start $proto_port --attend_wire_path=false || exit 1
+trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
+
+bench() {  # label, port, attn-bench flags...
+  local label=$1 port=$2; shift 2
+  echo "== $label: attn-bench $*" | tee -a "$out/all.txt"
+  "$bin/attn-bench" --target 127.0.0.1:$port "${common[@]}" --label "$label" "$@" 2>&1 |
+    tee -a "$out/all.txt"
+}
+
+nproc | sed 's/^/cores: /' | tee -a "$out/all.txt"
+for t in $tokens; do
+  if [[ ${SHAPE:-long} == q ]]; then shape=(--seq "$t" --kv_seq 1); else shape=(--seq "$t"); fi
+  bench "echo t=$t" $wire_port --mode echo "${shape[@]}" --tcp_ceiling_s 0
+  bench "attend-protobuf t=$t" $proto_port --mode unary "${shape[@]}" --tcp_ceiling_s 0
+  bench "attend-wire t=$t" $wire_port --mode unary "${shape[@]}" --tcp_ceiling_s 1.5
+done
+
+# The table: one row per (tokens, concurrency), from the CSV's label, concurrency, gb_per_s and
+# tcp_gb_per_s columns.
+awk -F, '
+  NR == 1 { for (i = 1; i <= NF; ++i) col[$i] = i; next }
+  {
+    label = $col["label"]; gsub(/"/, "", label)
+    split(label, l, " t="); key = l[2] "," $col["concurrency"]
+    gb[l[1], key] = $col["gb_per_s"]; rps[l[1], key] = $col["requests_per_s"]
+    if ($col["tcp_gb_per_s"] != "") tcp[key] = $col["tcp_gb_per_s"]
+    if (!(key in seen)) { seen[key] = 1; keys[++n] = key }
+  }
+  function r(a, b) { return (b > 0) ? sprintf("%.2f", a / b) : "-" }
+  END {
+    print "| tokens | clients | TCP GB/s | Echo GB/s | Attend protobuf GB/s | Attend wire GB/s | wire req/s | wire / protobuf | wire / Echo | protobuf / TCP | wire / TCP | Echo / TCP |"
+    print "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    for (i = 1; i <= n; ++i) {
+      k = keys[i]; split(k, p, ",")
+      e = gb["echo", k]; o = gb["attend-protobuf", k]; w = gb["attend-wire", k]; c = tcp[k]
+      printf "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.1f | %s | %s | %s | %s | %s |\n", p[1], p[2], c, e, o, w,
+             rps["attend-wire", k], r(w, o), r(w, e), r(o, c), r(w, c), r(e, c)
+    }
+  }' "$csv" | tee "$out/table.md" | tee -a "$out/all.txt"

@@ -1,0 +1,158 @@
+// attn-wire-bench: where the host copies of an Attend go, without a network. For each request
+// size it times, on one thread, what attnd does with a received message and with an answer:
+//   request, protobuf: gRPC's parse of the slices into an AttendRequest (q, k, v copied into
+//     strings), then the copy of q, k, v into staging (the CUDA backend's pinned buffer);
+//   request, wire path: DecodeAttendRequest over the slices, then the one copy of the pieces into
+//     staging (Backend::StageWireInputs);
+//   response, protobuf: o copied from staging into the response message, then gRPC's
+//     serialization into slices;
+//   response, wire path: o copied from staging into a buffer of its own, then
+//     EncodeAttendResponse (no copy).
+// Prints one row per size: GB/s of the tensor bytes and the median time of each.
+//   attn-wire-bench [--seq 256,2048,8192] [--heads 16] [--head_dim 128] [--slice_bytes 65536]
+#include <grpcpp/impl/codegen/proto_utils.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "rpc/attend_request_decoder.h"
+#include "rpc/attend_response_encoder.h"
+
+ABSL_FLAG(std::vector<std::string>, seq, std::vector<std::string>({"256", "2048", "8192"}),
+          "Tokens of q and of k/v per request (comma-separated sizes to measure)");
+ABSL_FLAG(int, heads, 16, "Heads of q, k and v");
+ABSL_FLAG(int, head_dim, 128, "Head dimension (bf16 elements)");
+ABSL_FLAG(int, slice_bytes, 64 << 10, "Size of the slices the request arrives in");
+ABSL_FLAG(double, seconds, 1.0, "Time spent on each measurement");
+
+namespace attn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Median seconds of fn over about `seconds` of repeats (at least 5).
+double MedianSeconds(const std::function<void()>& fn, double seconds) {
+  std::vector<double> t;
+  const auto end = Clock::now() + std::chrono::duration<double>(seconds);
+  while (t.size() < 5 || Clock::now() < end) {
+    const auto start = Clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+  return t[t.size() / 2];
+}
+
+// bytes as gRPC receives them: in slices of slice_bytes.
+grpc::ByteBuffer Sliced(const std::string& bytes, size_t slice_bytes) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += slice_bytes) {
+    slices.emplace_back(bytes.data() + at, std::min(slice_bytes, bytes.size() - at));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+std::string RandomBytes(std::mt19937_64& rng, size_t n) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(&s[i], &x, 8);
+  }
+  return s;
+}
+
+void Measure(int seq, std::mt19937_64& rng) {
+  const int heads = absl::GetFlag(FLAGS_heads), d = absl::GetFlag(FLAGS_head_dim);
+  const double secs = absl::GetFlag(FLAGS_seconds);
+  const size_t tensor = size_t(seq) * heads * d * 2;
+  v1::AttendRequest request;
+  for (v1::Tensor* t : {request.mutable_q(), request.mutable_k(), request.mutable_v()}) {
+    t->set_dtype(v1::DTYPE_BFLOAT16);
+    for (int64_t s : {int64_t(seq), int64_t(heads), int64_t(d)}) t->add_shape(s);
+    t->set_data(RandomBytes(rng, tensor));
+  }
+  const grpc::ByteBuffer received =
+      Sliced(request.SerializeAsString(), static_cast<size_t>(absl::GetFlag(FLAGS_slice_bytes)));
+  std::vector<char> staging(3 * tensor);  // the backend's (pinned) staging, reused
+
+  const double req_proto = MedianSeconds([&] {
+    grpc::ByteBuffer bb = received;  // shares the slices
+    v1::AttendRequest parsed;
+    if (!grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bb, &parsed).ok()) std::abort();
+    size_t at = 0;
+    for (const v1::Tensor* t : {&parsed.q(), &parsed.k(), &parsed.v()}) {
+      std::memcpy(staging.data() + at, t->data().data(), t->data().size());
+      at += t->data().size();
+    }
+  }, secs);
+  const double req_wire = MedianSeconds([&] {
+    std::vector<grpc::Slice> slices;
+    if (!received.Dump(&slices).ok()) std::abort();
+    std::vector<std::string_view> pieces;
+    for (const grpc::Slice& s : slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    DecodedAttendRequest decoded;
+    if (!DecodeAttendRequest(pieces, &decoded).ok()) std::abort();
+    size_t at = 0;
+    for (const WireBytes* w : {&decoded.data.q, &decoded.data.k, &decoded.data.v}) {
+      w->CopyTo(staging.data() + at);
+      at += w->size;
+    }
+  }, secs);
+
+  v1::AttendResponse header;
+  header.mutable_o()->set_dtype(v1::DTYPE_BFLOAT16);
+  header.mutable_o()->mutable_shape()->CopyFrom(request.q().shape());
+  header.set_request_id(7);
+  header.mutable_timing()->set_compute_us(1);
+  const double resp_proto = MedianSeconds([&] {
+    v1::AttendResponse response = header;
+    response.mutable_o()->mutable_data()->resize(tensor);
+    std::memcpy(response.mutable_o()->mutable_data()->data(), staging.data(), tensor);
+    grpc::ByteBuffer out;
+    bool own = false;
+    if (!grpc::SerializationTraits<v1::AttendResponse>::Serialize(response, &out, &own).ok()) {
+      std::abort();
+    }
+  }, secs);
+  const double resp_wire = MedianSeconds([&] {
+    OutputBytes o = OutputBytes::Allocate(tensor);
+    std::memcpy(o.data.get(), staging.data(), tensor);
+    grpc::ByteBuffer out = EncodeAttendResponse(header, std::move(o), OutputBytes());
+  }, secs);
+
+  const double in_gb = 3.0 * tensor / 1e9, out_gb = double(tensor) / 1e9;
+  std::printf("%6d %9.1f %9.1f %11.2f %11.2f %7.2fx %9.1f %11.2f %11.2f %7.2fx\n", seq,
+              3.0 * tensor / 1e6, req_proto * 1e3, in_gb / req_proto, in_gb / req_wire,
+              req_proto / req_wire, tensor / 1e6, out_gb / resp_proto, out_gb / resp_wire,
+              resp_proto / resp_wire);
+  std::fflush(stdout);
+}
+
+}  // namespace
+}  // namespace attn
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  std::printf("request: slices -> staging; response: staging -> slices (bf16, %d heads, d=%d, "
+              "%d-byte slices, one thread, median)\n",
+              absl::GetFlag(FLAGS_heads), absl::GetFlag(FLAGS_head_dim),
+              absl::GetFlag(FLAGS_slice_bytes));
+  std::printf("%6s %9s %9s %11s %11s %8s %9s %11s %11s %8s\n", "seq", "req_MB", "proto_ms",
+              "proto_GB/s", "wire_GB/s", "speedup", "resp_MB", "proto_GB/s", "wire_GB/s",
+              "speedup");
+  std::mt19937_64 rng(std::random_device{}());
+  for (const std::string& s : absl::GetFlag(FLAGS_seq)) attn::Measure(std::stoi(s), rng);
+  return 0;
+}
