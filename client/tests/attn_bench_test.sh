@@ -112,10 +112,13 @@ rc=0; "$attnctl" --target "127.0.0.1:$P" session demo --prefill 3 --decode 0 --t
 [ "$rc" = 2 ] && grep -q INVALID_ARGUMENT "$work/bad.txt" || { cat "$work/bad.txt"; fail "truncate past the start: rc $rc"; }
 
 # attn-bench --mode decode: Step (one caller per session), then BatchStep (2 sessions per call).
+# The checks below want more than 20 steps of each: 4 s under a sanitizer, which computes slower.
 dshape=(--layers 2 --cache_tokens 64 --heads 8 --kv_heads 2 --head_dim 64 --dtype bf16 --decode_window 4)
-"$bench" --target "127.0.0.1:$P" --mode decode --sessions 2 "${dshape[@]}" --duration_s 1 --warmup_s 0.3 \
+dur=1
+[ -n "${ATTN_SANITIZER:-}" ] && dur=4
+"$bench" --target "127.0.0.1:$P" --mode decode --sessions 2 "${dshape[@]}" --duration_s $dur --warmup_s 0.3 \
   --json "$work/decode.json" --csv "$work/decode.csv" | tee "$work/decode.txt"
-"$bench" --target "127.0.0.1:$P" --mode decode --sessions 3 --batch_step 2 "${dshape[@]}" --duration_s 1 \
+"$bench" --target "127.0.0.1:$P" --mode decode --sessions 3 --batch_step 2 "${dshape[@]}" --duration_s $dur \
   --warmup_s 0.3 --json "$work/decode-batch.json" --csv "$work/decode.csv"
 grep -q 'steps/echo' "$work/decode.txt" || fail "no steps/echo column in the decode table"
 python3 - "$work/decode.json" "$work/decode-batch.json" "$work/decode.csv" <<'PY'
