@@ -137,7 +137,7 @@ class Program {
  public:
   explicit Program(Outcome* out) : e_(TheEngine()), out_(out) {}
   ~Program() {
-    for (const std::string& id : ids_) e_.manager->Close(id, "");
+    for (const std::string& id : ids_) e_.manager->Close(id, "").status().IgnoreError();
     if (out_->violation.empty() && e_.pool->FreePages() != kPages) {
       out_->violation = absl::StrCat(kPages - e_.pool->FreePages(),
                                      " pages still in use after every session was closed");
