@@ -272,6 +272,10 @@ class TwoReplicas : public ::testing::Test {
     b_ = StartFake("rep-b");
     client_ = MustCreate(OptionsFor({a_.target(), b_.target()}));
     ASSERT_NE(client_, nullptr);
+    // The tests here rank known replicas. The first resolution keeps whichever replicas answered
+    // (one is enough), and on a loaded machine one can miss it: resolve until both are known.
+    for (int i = 0; i < 20 && client_->Replicas().size() < 2; ++i) (void)client_->Refresh();
+    ASSERT_EQ(client_->Replicas().size(), 2u);
   }
   FakeReplica& a() { return *a_.service; }
   FakeReplica& b() { return *b_.service; }
