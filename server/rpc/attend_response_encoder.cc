@@ -6,6 +6,8 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/support/slice.h>
 
+#include "common/tsan_annotations.h"
+
 namespace attn {
 namespace {
 
@@ -21,7 +23,11 @@ void AppendVarint(uint64_t v, std::string* out) {
   out->push_back(static_cast<char>(v));
 }
 
-void FreeBytes(void* p) { delete[] static_cast<char*>(p); }
+// gRPC frees a slice's bytes on whichever thread drops the last reference to it.
+void FreeBytes(void* p) {
+  TakeBackFromGrpc(p);
+  delete[] static_cast<char*>(p);
+}
 
 // Appends tensor (field `number` of AttendResponse) to head; with bytes, ends head with the data
 // field's tag and length, moves head into slices and adds a slice that owns the bytes.
@@ -46,6 +52,7 @@ void AppendTensor(int number, const v1::Tensor& tensor, OutputBytes bytes, std::
   // The slice owns the buffer from here: gRPC calls FreeBytes when it drops its last reference.
   const size_t size = bytes.size;
   char* data = bytes.data.release();
+  HandOffToGrpc(data);
   slices->emplace_back(data, size, &FreeBytes);
 }
 

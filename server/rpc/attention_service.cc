@@ -192,6 +192,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
   } else {
     AttendProto(ctx, reactor, *client, arrival, taken, response);
   }
+  HandlerReturns();
   return reactor;
 }
 

@@ -81,6 +81,11 @@ class AttentionService final : public AttentionCallbackBase {
   // Returns once every AttendStream has run its OnDone (after the gRPC server's Wait): the
   // service, the batcher and the metrics the streams use may then be destroyed.
   void WaitForStreamsDone();
+  // Handlers that reach the batcher or the sessions end with HandlerReturns; the server's
+  // teardown, once the gRPC server's Wait has returned (after every handler), calls
+  // AfterHandlers. They mark that ordering, which gRPC keeps, for TSan (tsan_annotations.h).
+  void HandlerReturns() { HandOffToGrpc(this); }
+  void AfterHandlers() { TakeBackFromGrpc(this); }
   // Requests currently counted against max_pending_per_client, over all clients.
   int64_t PendingPerClientTotal() const { return pending_.TotalPending(); }
 

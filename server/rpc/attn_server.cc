@@ -362,7 +362,10 @@ AttnServer::~AttnServer() {
     server_->Shutdown(std::chrono::system_clock::now());
     server_->Wait();
   }
-  if (service_) service_->WaitForStreamsDone();
+  if (service_) {
+    service_->AfterHandlers();
+    service_->WaitForStreamsDone();
+  }
   {
     std::lock_guard<std::mutex> lock(monitor_mu_);
     stopping_ = true;

@@ -164,6 +164,7 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
     response->Clear();
     finish(st);
   }
+  HandlerReturns();
   return reactor;
 }
 
@@ -238,6 +239,7 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     response->Clear();
     FinishUnary(reactor, Rpc::kBatchStep, arrival, st, received, 0);
   }
+  HandlerReturns();
   return reactor;
 }
 

@@ -22,6 +22,7 @@
 
 #include "common/reference.h"
 #include "session_util.h"
+#include "common/tsan_annotations.h"
 #include "test_util.h"
 
 namespace attn {
@@ -573,8 +574,13 @@ grpc::Status RawAttend(const std::string& target, const std::string& bytes,
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   std::promise<grpc::Status> done;
+  // The callback runs on a gRPC thread, after this one handed it everything (tsan_annotations.h).
+  HandOffToGrpc(&done);
   stub.UnaryCall(&ctx, "/attn.v1.Attention/Attend", grpc::StubOptions(), &request, &reply,
-                 [&done](grpc::Status st) { done.set_value(std::move(st)); });
+                 [&done](grpc::Status st) {
+                   TakeBackFromGrpc(&done);
+                   done.set_value(std::move(st));
+                 });
   grpc::Status st = done.get_future().get();
   response->clear();
   std::vector<grpc::Slice> slices;
