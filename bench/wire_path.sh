@@ -24,24 +24,13 @@ rm -f "$csv"
 common=(--duration_s "$secs" --warmup_s 0.5 --heads 16 --head_dim 128 --dtype bf16
         --concurrency "$conc" --csv "$csv")
 
-pids=()
-start() {  # port, flags...
-  local port=$1; shift
-  "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen= --backend=${BACKEND:-cuda} \
-    --pinned_pool_bytes=$((8 << 30)) --max_inflight_bytes=$((8 << 30)) ${ATTND_FLAGS:-} "$@" \
-    >>"$out/attnd.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 300); do
-    "$bin/attnctl" --target 127.0.0.1:$port health >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  echo "attnd on port $port did not become healthy" >&2
-  return 1
-}
+# shellcheck source=attnd_lib.sh
+. "$(dirname "$0")/attnd_lib.sh"
+server=(--backend=${BACKEND:-cuda} --pinned_pool_bytes=$((8 << 30)) --max_inflight_bytes=$((8 << 30)))
 wire_port=50761; proto_port=50762
-start $wire_port || exit 1
-start $proto_port --attend_wire_path=false || exit 1
-trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
+port=$wire_port; start_attnd "${server[@]}" || exit 1; wire_pid=$pid
+port=$proto_port; start_attnd "${server[@]}" --attend_wire_path=false || exit 1; proto_pid=$pid
+trap 'kill -TERM $wire_pid $proto_pid 2>/dev/null; wait' EXIT
 
 bench() {  # label, port, attn-bench flags...
   local label=$1 port=$2; shift 2
