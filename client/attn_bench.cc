@@ -3,6 +3,7 @@
 //   attn-bench --target HOST:PORT --concurrency 1,4,16,64 --duration_s 10 --warmup_s 2 \
 //              --seq 128 --heads 16 --head-dim 128 --dtype bf16 [--mode unary|stream|echo]
 //              [--rate R] [--compare_echo] [--lb round_robin] [--csv out.csv] [--json out.json]
+//              [--client_coding wire|protobuf]
 //
 // For each concurrency level (closed loop: each worker sends its next request when the last one
 // is answered) or at a fixed request rate (open loop, latency counted from the scheduled send
@@ -11,6 +12,13 @@
 // does no work: the transport's own ceiling. --compare_echo runs, at each concurrency level, the
 // chosen mode and then Echo with the same bytes in the same process, and prints the ratios
 // (req/s and p50 of the mode over Echo's).
+//
+// --client_coding: how unary Attend and Echo calls are coded on this side. wire (the default):
+// the client library's raw calls (ClientOptions::wire_coding), whose tensors go out as slices over
+// the request's buffers and whose o comes back with one copy into the result, as a program using
+// Client::Attend gets them. protobuf: the generated stub with a request message built once, which
+// protobuf serializes into fresh slices on every call, and a response parsed into strings. Stream
+// and decode modes use the generated stubs either way.
 //
 // --mode=decode drives KV-cache sessions: --sessions S (a comma-separated sweep, instead of
 // --concurrency) sessions of --layers L layers, each prefilled with --cache_tokens tokens per layer
@@ -93,6 +101,10 @@ ABSL_FLAG(std::string, transport, "grpc",
 ABSL_FLAG(bool, shm_write_inputs, true,
           "--transport shm: copy q, k and v into the region before every call, as a client that "
           "produces them must");
+ABSL_FLAG(std::string, client_coding, "wire",
+          "unary and echo modes: wire (the client library's raw calls: tensors sent from the "
+          "caller's buffers, o copied once into the result) or protobuf (the generated stub with "
+          "a request message built once)");
 ABSL_FLAG(std::string, concurrency, "1", "Comma-separated concurrency levels to sweep");
 ABSL_FLAG(double, rate, 0, "Fixed request rate, requests/s (open loop); 0: closed loop");
 ABSL_FLAG(double, duration_s, 10, "Measured seconds per level");
@@ -179,12 +191,17 @@ struct LevelResult {
   }
 };
 
-// The request every worker sends (random data drawn once).
+// The request every worker sends (random data drawn once): as tensors for the client library's
+// wire coding, as messages for the generated stubs.
 struct Payload {
+  attn::client::Tensor q, k, v;
+  attn::client::AttendOptions options;
   attn::v1::AttendRequest attend;
   attn::v1::EchoRequest echo;
   double tokens = 0;
 };
+
+bool WireCoding() { return absl::GetFlag(FLAGS_client_coding) == "wire"; }
 
 Payload BuildPayload() {
   auto dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_dtype));
@@ -210,9 +227,13 @@ Payload BuildPayload() {
     o.cu_seqlens_k.push_back(i * s_k);
   }
   o.causal = absl::GetFlag(FLAGS_causal);
+  o.timeout = std::chrono::milliseconds(120000);
   Payload p;
-  p.attend = Client::BuildAttendRequest(random(int64_t(b) * s_q, h), random(int64_t(b) * s_k, h_kv),
-                                        random(int64_t(b) * s_k, h_kv), o);
+  p.q = random(int64_t(b) * s_q, h);
+  p.k = random(int64_t(b) * s_k, h_kv);
+  p.v = random(int64_t(b) * s_k, h_kv);
+  p.options = o;
+  p.attend = Client::BuildAttendRequest(p.q, p.k, p.v, o);
   p.tokens = double(b) * s_q;
   // Echo: the serialized Attend request out, an output-sized payload back.
   p.attend.SerializeToString(p.echo.mutable_payload());
@@ -247,6 +268,7 @@ std::vector<std::unique_ptr<Client>> MakeClients(int n) {
     o.connections = absl::GetFlag(FLAGS_connections);
     o.channel_args = ChannelArgs();
     o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
+    o.wire_coding = WireCoding();
     auto c = Client::Create(o);
     if (!c.ok()) {
       std::cerr << c.status() << std::endl;
@@ -281,6 +303,11 @@ class Recorder {
       s.batch_requests = t->batch_requests();
     }
     samples_.push_back(s);
+  }
+  void Record(Clock::time_point sent, Clock::time_point done, const attn::v1::ServerTiming* t,
+              const absl::Status& st) {
+    Record(sent, done, t,
+           grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message())));
   }
   void RecordStreamError(const grpc::Status& st) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -321,6 +348,17 @@ void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, dou
       if (!rec->Running()) break;
     }
     if (write_inputs) region->WriteInputs();
+    if (region == nullptr && WireCoding()) {  // the client library's raw calls
+      if (echo) {
+        const absl::StatusOr<std::string> r = client->Echo(p.echo.payload(), p.echo.response_bytes());
+        rec->Record(sent, Clock::now(), nullptr, r.status());
+      } else {
+        const absl::StatusOr<attn::client::AttendResult> r =
+            client->Attend(p.q, p.k, p.v, p.options);
+        rec->Record(sent, Clock::now(), r.ok() ? &r->timing : nullptr, r.status());
+      }
+      continue;
+    }
     grpc::ClientContext ctx;
     client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
     grpc::Status st = echo ? client->stub()->Echo(&ctx, p.echo, &echo_response)
@@ -682,6 +720,11 @@ int main(int argc, char** argv) {
     std::cerr << "attn-bench: --mode must be unary, stream, echo or decode" << std::endl;
     return 64;
   }
+  const std::string coding = absl::GetFlag(FLAGS_client_coding);
+  if (coding != "wire" && coding != "protobuf") {
+    std::cerr << "attn-bench: --client_coding must be wire or protobuf" << std::endl;
+    return 64;
+  }
   const std::string transport = absl::GetFlag(FLAGS_transport);
   if (transport != "grpc" && transport != "shm" && transport != "cuda-ipc") {
     std::cerr << "attn-bench: --transport must be grpc, shm or cuda-ipc" << std::endl;
@@ -708,10 +751,13 @@ int main(int argc, char** argv) {
   }
   const Payload payload = BuildPayload();
   const std::string label = absl::GetFlag(FLAGS_label);
-  std::printf("attn-bench: %s to %s, request %.2f MB (%g query tokens), response %.2f MB\n",
+  std::printf("attn-bench: %s to %s, request %.2f MB (%g query tokens), response %.2f MB, "
+              "client coding %s\n",
               mode.c_str(), absl::GetFlag(FLAGS_target).c_str(),
               payload.attend.ByteSizeLong() / 1e6, payload.tokens,
-              payload.attend.q().data().size() / 1e6);
+              payload.attend.q().data().size() / 1e6,
+              (mode == "unary" && transport == "grpc") || mode == "echo" ? coding.c_str()
+                                                                         : "protobuf (stub)");
   PrintHeader();
   const bool compare_echo = absl::GetFlag(FLAGS_compare_echo) && mode != "echo";
   if (absl::GetFlag(FLAGS_compare_echo) && mode == "echo") {

@@ -1,6 +1,7 @@
 #include "attn/client/client.h"
 
 #include <grpcpp/create_channel.h>
+#include <grpcpp/impl/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 
 #include <cctype>
@@ -9,8 +10,10 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "attn/client/wire_coding.h"
 #include "attn/kernels/dtype_convert.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "tensor_bytes.h"
 
 namespace attn::client {
 namespace {
@@ -46,11 +49,13 @@ absl::StatusOr<Tensor> FromWireTensor(const v1::Tensor& t) {
   auto dtype = FromWire(t.dtype());
   if (!dtype.ok()) return dtype.status();
   out.dtype = *dtype;
-  out.shape.assign(t.shape().begin(), t.shape().end());
-  out.data = t.data();
-  if (static_cast<int64_t>(out.data.size()) != out.NumElements() * int64_t(DTypeBytes(out.dtype))) {
+  auto bytes = WireTensorBytes("tensor", t, out.dtype);
+  if (!bytes.ok()) return bytes.status();
+  if (t.data().size() != *bytes) {
     return absl::InternalError("server sent a tensor whose byte length does not match its shape");
   }
+  out.shape.assign(t.shape().begin(), t.shape().end());
+  out.data = t.data();
   return out;
 }
 
@@ -176,11 +181,28 @@ int DefaultConnections() {
 
 Client::Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels)
     : options_(std::move(options)), channels_(std::move(channels)) {
-  for (const auto& c : channels_) stubs_.push_back(v1::Attention::NewStub(c));
+  using grpc::internal::RpcMethod;
+  for (const auto& c : channels_) {
+    stubs_.push_back(v1::Attention::NewStub(c));
+    attend_methods_.emplace_back(kAttendMethod, RpcMethod::NORMAL_RPC, c);
+    echo_methods_.emplace_back(kEchoMethod, RpcMethod::NORMAL_RPC, c);
+  }
 }
 
-v1::Attention::Stub* Client::stub() {
-  return stubs_[next_stub_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()].get();
+size_t Client::NextConnection() {
+  return next_stub_.fetch_add(1, std::memory_order_relaxed) % stubs_.size();
+}
+
+v1::Attention::Stub* Client::stub() { return stubs_[NextConnection()].get(); }
+
+grpc::Status Client::CallRaw(size_t connection, const grpc::internal::RpcMethod& method,
+                             grpc::ByteBuffer request, std::chrono::milliseconds timeout,
+                             grpc::ByteBuffer* response) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, timeout);
+  // What the generated stub's blocking methods call, here with bytes in and out.
+  return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channels_[connection].get(), method, &ctx, request, response);
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {
@@ -226,6 +248,26 @@ absl::StatusOr<AttendResult> Client::ParseAttendResponse(const v1::AttendRespons
 
 absl::StatusOr<AttendResult> Client::Attend(const Tensor& q, const Tensor& k, const Tensor& v,
                                             const AttendOptions& options) {
+  return options_.wire_coding ? AttendWire(q, k, v, options) : AttendProto(q, k, v, options);
+}
+
+absl::StatusOr<AttendResult> Client::AttendWire(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const AttendOptions& options) {
+  const size_t c = NextConnection();
+  BorrowedSlices borrowed;
+  grpc::ByteBuffer response;
+  const grpc::Status st = CallRaw(c, attend_methods_[c],
+                                  EncodeAttendRequest(q, k, v, options, &borrowed),
+                                  options.timeout, &response);
+  // The request's slices point into q, k and v: gRPC may hold them a little after the call
+  // completed (a write finishing, the stream's teardown). The caller may free them on return.
+  borrowed.Wait();
+  if (!st.ok()) return FromGrpc(st);
+  return AttendResultFromWire(&response);
+}
+
+absl::StatusOr<AttendResult> Client::AttendProto(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const AttendOptions& options) {
   const v1::AttendRequest request = BuildAttendRequest(q, k, v, options);
   v1::AttendResponse response;
   grpc::ClientContext ctx;
@@ -256,12 +298,25 @@ absl::StatusOr<bool> Client::Health(const std::string& service) {
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 
-absl::StatusOr<std::string> Client::Echo(const std::string& payload) {
+absl::StatusOr<std::string> Client::Echo(std::string_view payload, int64_t response_bytes) {
+  constexpr std::chrono::milliseconds kTimeout(60000);
+  if (options_.wire_coding) {
+    const size_t c = NextConnection();
+    BorrowedSlices borrowed;
+    grpc::ByteBuffer response;
+    const grpc::Status st =
+        CallRaw(c, echo_methods_[c], EncodeEchoRequest(payload, response_bytes, &borrowed),
+                kTimeout, &response);
+    borrowed.Wait();  // as in AttendWire: payload is the caller's
+    if (!st.ok()) return FromGrpc(st);
+    return EchoPayloadFromWire(&response);
+  }
   v1::EchoRequest request;
-  request.set_payload(payload);
+  request.set_payload(payload.data(), payload.size());
+  request.set_response_bytes(response_bytes);
   v1::EchoResponse response;
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, std::chrono::milliseconds(60000));
+  PrepareContext(&ctx, kTimeout);
   grpc::Status st = stub()->Echo(&ctx, request, &response);
   if (!st.ok()) return FromGrpc(st);
   return std::move(*response.mutable_payload());

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
-#include "rpc/wire_reader.h"
+#include "attn/util/wire_reader.h"
 
 namespace attn {
 namespace {

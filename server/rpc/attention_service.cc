@@ -11,6 +11,7 @@
 #include "rpc/attend_request_decoder.h"
 #include "rpc/attend_response_encoder.h"
 #include "rpc/call_timing.h"
+#include "rpc/echo_wire.h"
 #include "observability/metrics.h"
 #include "common/status_util.h"
 #include "common/tsan_annotations.h"
@@ -578,26 +579,51 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,
-                                                 const v1::EchoRequest* request,
-                                                 v1::EchoResponse* response) {
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
   const auto start = Clock::now();
   OnCallArrived(start);
-  if (absl::StatusOr<std::string> client = Identify(ctx); !client.ok()) {
-    auto* reactor = ctx->DefaultReactor();
-    FinishUnary(reactor, Rpc::kEcho, start, client.status(),
-                static_cast<int64_t>(request->payload().size()), 0);
-    return reactor;
-  }
-  const std::string& payload = request->payload();
-  const size_t back = request->response_bytes() > 0
-                          ? std::min(payload.size(), static_cast<size_t>(request->response_bytes()))
-                          : payload.size();
-  response->set_payload(payload.data(), back);
   auto* reactor = ctx->DefaultReactor();
-  FinishUnary(reactor, Rpc::kEcho, start, absl::OkStatus(),
-              static_cast<int64_t>(request->ByteSizeLong()),
-              static_cast<int64_t>(response->ByteSizeLong()));
+  const int64_t received = static_cast<int64_t>(request->Length());
+  absl::Status st = Identify(ctx).status();
+  if (st.ok()) {
+    // As in Attend: gRPC owns request until the call ends, its bytes are taken here.
+    grpc::ByteBuffer* taken = const_cast<grpc::ByteBuffer*>(request);
+    st = options_.attend_wire_path ? EchoWire(taken, response) : EchoProto(taken, response);
+  }
+  FinishUnary(reactor, Rpc::kEcho, start, st, received,
+              st.ok() ? static_cast<int64_t>(response->Length()) : 0);
   return reactor;
+}
+
+absl::Status AttentionService::EchoWire(grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  std::vector<grpc::Slice> slices;
+  if (request->Valid()) RETURN_IF_ERROR(FromGrpcStatus(request->Dump(&slices)));
+  request->Clear();
+  std::vector<std::string_view> pieces;
+  pieces.reserve(slices.size());
+  for (const grpc::Slice& s : slices) {
+    pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  DecodedEchoRequest decoded;
+  RETURN_IF_ERROR(DecodeEchoRequest(pieces, &decoded));
+  *response = EncodeEchoResponse(slices, decoded);
+  return absl::OkStatus();
+}
+
+absl::Status AttentionService::EchoProto(grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  v1::EchoRequest in;
+  RETURN_IF_ERROR(
+      FromGrpcStatus(grpc::SerializationTraits<v1::EchoRequest>::Deserialize(request, &in)));
+  const std::string& payload = in.payload();
+  const size_t back = in.response_bytes() > 0
+                          ? std::min(payload.size(), static_cast<size_t>(in.response_bytes()))
+                          : payload.size();
+  v1::EchoResponse out;
+  out.set_payload(payload.data(), back);
+  bool own_buffer = false;
+  return FromGrpcStatus(
+      grpc::SerializationTraits<v1::EchoResponse>::Serialize(out, response, &own_buffer));
 }
 
 }  // namespace attn

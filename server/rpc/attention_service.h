@@ -36,12 +36,14 @@ using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
     v1::Attention::WithCallbackMethod_ForkSession<
     v1::Attention::WithCallbackMethod_CloseSession<
     v1::Attention::WithCallbackMethod_GetServerInfo<
-    v1::Attention::WithCallbackMethod_Echo<v1::Attention::Service>>>>>>>>>>;
+    v1::Attention::WithRawCallbackMethod_Echo<v1::Attention::Service>>>>>>>>>>;
 
 // Attend and AttendStream are raw methods (grpc::ByteBuffer in and out): their tensors go from
 // gRPC's received slices into the backend's staging with one copy, and their outputs back out as
 // slices of the buffers the backend wrote them into (attend_request_decoder.h,
-// attend_response_encoder.h). The bytes on the wire are protobuf's, as for every other method.
+// attend_response_encoder.h). Echo is raw too: its answer is the request's own slices
+// (echo_wire.h), so that it measures the transport alone. The bytes on the wire are protobuf's,
+// as for every other method.
 class AttentionService final : public AttentionCallbackBase {
  public:
   struct Options {
@@ -58,7 +60,9 @@ class AttentionService final : public AttentionCallbackBase {
     // is off. Must outlive the service.
     const RegionRegistry* regions = nullptr;
     // false: unary Attend parses and serializes whole messages with protobuf, as the generated
-    // method would (two host copies of the tensors each way); for measuring the wire path.
+    // method would (two host copies of the tensors each way), and so does Echo (a copy into the
+    // request's string, one into the response's, one into fresh slices); for measuring the wire
+    // path.
     bool attend_wire_path = true;
   };
   // batcher, backend, metrics and sessions must outlive the service; sessions may be null (the
@@ -115,8 +119,9 @@ class AttentionService final : public AttentionCallbackBase {
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response) override;
-  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* request,
-                                 v1::EchoResponse* response) override;
+  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
 
  private:
   // Finishes a unary call and records it.
@@ -154,6 +159,10 @@ class AttentionService final : public AttentionCallbackBase {
   void AttendProto(grpc::CallbackServerContext* ctx, grpc::ServerUnaryReactor* reactor,
                    const std::string& client, Clock::time_point arrival,
                    grpc::ByteBuffer* request, grpc::ByteBuffer* response);
+  // Echo's answer to request (whose bytes are taken) on the wire path, and through protobuf
+  // messages.
+  static absl::Status EchoWire(grpc::ByteBuffer* request, grpc::ByteBuffer* response);
+  static absl::Status EchoProto(grpc::ByteBuffer* request, grpc::ByteBuffer* response);
 
   // Session RPCs (session_rpcs.cc). The owner of the caller's sessions: its identity when
   // tokens are on, else "" (everyone).

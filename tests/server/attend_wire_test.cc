@@ -19,7 +19,7 @@
 
 #include "rpc/attend_request_decoder.h"
 #include "rpc/attend_response_encoder.h"
-#include "rpc/wire_reader.h"
+#include "attn/util/wire_reader.h"
 
 namespace attn {
 namespace {

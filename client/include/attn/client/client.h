@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -84,6 +85,13 @@ struct ClientOptions {
   // Extra gRPC channel arguments (name, integer value), e.g. {"grpc.http2.max_frame_size",
   // 1 << 20}; for measuring transport settings (attn-bench --channel_arg).
   std::vector<std::pair<std::string, int>> channel_args;
+  // Attend and Echo as raw calls whose bytes this library writes and reads itself
+  // (attn/client/wire_coding.h): the tensors go out as slices over the caller's memory, o (and
+  // lse, and Echo's payload) come back with one copy, from the received slices into the result.
+  // false: through protobuf messages and the generated stub (a copy into the message and one
+  // into fresh slices each way, and one more out of the parsed response), for measuring the
+  // difference. The bytes on the wire are the same either way.
+  bool wire_coding = true;
 };
 
 class Client {
@@ -95,8 +103,9 @@ class Client {
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
   // The grpc.health.v1 status of service ("" is the whole server): true when SERVING.
   absl::StatusOr<bool> Health(const std::string& service = "");
-  // Sends payload through the Echo RPC and returns what came back.
-  absl::StatusOr<std::string> Echo(const std::string& payload);
+  // Sends payload through the Echo RPC and returns what came back: all of it, or its first
+  // response_bytes when 0 < response_bytes < its size.
+  absl::StatusOr<std::string> Echo(std::string_view payload, int64_t response_bytes = 0);
 
   // The request message Attend would send; for callers that drive the stubs themselves.
   static v1::AttendRequest BuildAttendRequest(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -115,9 +124,23 @@ class Client {
  private:
   Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels);
 
+  // The next connection's index, round robin.
+  size_t NextConnection();
+  // Attend through ClientOptions::wire_coding's raw call, and through protobuf messages.
+  absl::StatusOr<AttendResult> AttendWire(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const AttendOptions& options);
+  absl::StatusOr<AttendResult> AttendProto(const Tensor& q, const Tensor& k, const Tensor& v,
+                                           const AttendOptions& options);
+  // A blocking unary call of method (attend_methods_ or echo_methods_) with bytes coded here.
+  grpc::Status CallRaw(size_t connection, const grpc::internal::RpcMethod& method,
+                       grpc::ByteBuffer request, std::chrono::milliseconds timeout,
+                       grpc::ByteBuffer* response);
+
   ClientOptions options_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::Attention::Stub>> stubs_;
+  // Per connection, the raw calls' methods, registered with its channel as a stub's are.
+  std::vector<grpc::internal::RpcMethod> attend_methods_, echo_methods_;
   std::atomic<uint64_t> next_stub_{0};
 };
 

@@ -1,0 +1,101 @@
+// The client's side of Attend's and Echo's one-copy wire path: requests are written in
+// protobuf's wire format by hand, their tensors spliced in as slices over the caller's memory (no
+// copy), and responses are read from the slices gRPC received them in, each tensor copied once,
+// straight into the result. The bytes are exactly those the generated serializer writes (fields
+// in number order), so any attnd, or any other gRPC server of attn.v1, reads them as usual; the
+// reader takes whatever protobuf's parser takes (fields in any order or repeated, packed or
+// unpacked shapes, unknown fields). Client (ClientOptions::wire_coding) sends its calls this way.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attn/client/client.h"
+#include "attn/v1/attention.pb.h"
+
+namespace attn::client {
+
+// The full names of the methods the raw calls go to.
+inline constexpr char kAttendMethod[] = "/attn.v1.Attention/Attend";
+inline constexpr char kEchoMethod[] = "/attn.v1.Attention/Echo";
+
+// Slices over memory of the caller's, counted until every holder of them has let go: the buffers
+// they are in and gRPC, which may keep a sent message's slices a little after its call has
+// completed. The memory must stay valid and unchanged until Wait returns.
+class BorrowedSlices {
+ public:
+  BorrowedSlices() = default;
+  BorrowedSlices(const BorrowedSlices&) = delete;
+  BorrowedSlices& operator=(const BorrowedSlices&) = delete;
+  // Waits (see Wait): a slice's release touches this object. Destroy the buffers first.
+  ~BorrowedSlices() { Wait(); }
+
+  // A slice over [data, data + size), not a copy.
+  grpc::Slice Borrow(const void* data, size_t size);
+  // Blocks until every slice Borrow made has been released.
+  void Wait();
+  // Slices not yet released.
+  int64_t outstanding() const;
+
+ private:
+  static void Release(void* self);
+
+  mutable std::mutex mu_;
+  std::condition_variable released_;
+  int64_t outstanding_ = 0;  // guarded by mu_
+};
+
+// The bytes of Client::BuildAttendRequest(q, k, v, options) (with request_id set) as protobuf
+// serializes them: the small fields in one slice (cut into the runs between the tensors), each
+// tensor's data a slice borrowed through borrowed.
+grpc::ByteBuffer EncodeAttendRequest(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const AttendOptions& options, BorrowedSlices* borrowed,
+                                     uint64_t request_id = 0);
+
+// An EchoRequest{payload, response_bytes} as protobuf serializes it, payload borrowed.
+grpc::ByteBuffer EncodeEchoRequest(std::string_view payload, int64_t response_bytes,
+                                   BorrowedSlices* borrowed);
+
+// A received message's bytes as pieces of its slices (which it holds).
+struct ReceivedBytes {
+  std::vector<grpc::Slice> slices;
+  std::vector<std::string_view> pieces;
+
+  // Takes buffer's slices (references, not copies); buffer is left empty.
+  absl::Status Take(grpc::ByteBuffer* buffer);
+};
+
+// An AttendResponse with the data of o and lse left in the input, as pieces of it.
+struct DecodedAttendResponse {
+  v1::AttendResponse header;  // everything but o.data and lse.data
+  std::vector<std::string_view> o_data, lse_data;
+  uint64_t o_size = 0, lse_size = 0;
+};
+
+// Reads an AttendResponse from pieces (any split) as protobuf's parser would, except that o.data
+// and lse.data stay in the input. Malformed bytes give INTERNAL ("the server's AttendResponse is
+// malformed: ..." naming the field and byte). out must be fresh.
+absl::Status DecodeAttendResponse(std::span<const std::string_view> pieces,
+                                  DecodedAttendResponse* out);
+
+// The result of a decoded response: o and lse checked (known dtype, sizes that fit, data as
+// long as the shape says; INTERNAL otherwise) and copied from the pieces into their tensors.
+absl::StatusOr<AttendResult> AttendResultFromDecoded(const DecodedAttendResponse& decoded);
+
+// Both of the above over a received response (left empty).
+absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response);
+
+// The payload of a received EchoResponse (left empty), copied once; INTERNAL when malformed.
+absl::StatusOr<std::string> EchoPayloadFromWire(grpc::ByteBuffer* response);
+
+}  // namespace attn::client

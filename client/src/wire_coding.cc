@@ -1,0 +1,404 @@
+#include "attn/client/wire_coding.h"
+
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "attn/util/wire_fields.h"
+#include "attn/util/wire_reader.h"
+#include "tensor_bytes.h"
+
+// Returns from the enclosing function when expr yields a non-OK absl::Status.
+#define RETURN_IF_ERROR(expr)                                \
+  do {                                                       \
+    if (absl::Status _st = (expr); !_st.ok()) return _st;    \
+  } while (0)
+
+namespace attn::client {
+namespace {
+
+using wire::AppendVarint;
+using wire::MakeTag;
+using wire::VarintSize;
+
+// ---- Requests ---------------------------------------------------------------------------------
+
+// Field numbers, as in attention.proto (checked against the generated ones by the tests).
+enum : uint32_t {
+  kTensorDtype = 1, kTensorShape = 2, kTensorData = 3,
+  kReqQ = 1, kReqK = 2, kReqV = 3, kReqCuSeqlensQ = 4, kReqCuSeqlensK = 5, kReqCausal = 6,
+  kReqSoftmaxScale = 7, kReqWindow = 8, kReqReturnLse = 9, kReqPriority = 10, kReqRequestId = 11,
+  kWindowLeft = 1, kWindowRight = 2,
+  kEchoPayload = 1, kEchoResponseBytes = 2,
+};
+
+void AppendVarintField(uint32_t number, uint64_t value, std::string* out) {
+  AppendVarint(MakeTag(number, wire::kVarint), out);
+  AppendVarint(value, out);
+}
+
+// A packed repeated integer field (int32 and int64 alike: a negative value is sign-extended to
+// ten bytes); nothing when empty, as protobuf writes it.
+template <typename Int>
+void AppendPacked(uint32_t number, const std::vector<Int>& values, std::string* out) {
+  if (values.empty()) return;
+  size_t bytes = 0;
+  for (Int v : values) bytes += VarintSize(static_cast<uint64_t>(int64_t{v}));
+  AppendVarint(MakeTag(number, wire::kLengthDelimited), out);
+  AppendVarint(bytes, out);
+  for (Int v : values) AppendVarint(static_cast<uint64_t>(int64_t{v}), out);
+}
+
+// Tensor t as field `number`, up to and including its data field's tag and length (the data
+// itself follows in a slice of its own); fields at their default are left out, as protobuf does.
+void AppendTensorHead(uint32_t number, const Tensor& t, std::string* out) {
+  std::string fields;
+  if (const v1::DType dtype = ToWireDType(t.dtype); dtype != v1::DTYPE_UNSPECIFIED) {
+    AppendVarintField(kTensorDtype, static_cast<uint64_t>(dtype), &fields);
+  }
+  AppendPacked(kTensorShape, t.shape, &fields);
+  const uint32_t data_tag = MakeTag(kTensorData, wire::kLengthDelimited);
+  size_t body = fields.size();
+  if (!t.data.empty()) body += VarintSize(data_tag) + VarintSize(t.data.size()) + t.data.size();
+  AppendVarint(MakeTag(number, wire::kLengthDelimited), out);
+  AppendVarint(body, out);
+  out->append(fields);
+  if (t.data.empty()) return;
+  AppendVarint(data_tag, out);
+  AppendVarint(t.data.size(), out);
+}
+
+// The sliding window, present when either side is bounded (as BuildAttendRequest sets it).
+void AppendWindow(const AttendOptions& o, std::string* out) {
+  if (o.window_left < 0 && o.window_right < 0) return;
+  std::string fields;
+  // int32 fields: negative values are sign-extended, zeros left out.
+  if (o.window_left != 0) {
+    AppendVarintField(kWindowLeft, static_cast<uint64_t>(int64_t{o.window_left}), &fields);
+  }
+  if (o.window_right != 0) {
+    AppendVarintField(kWindowRight, static_cast<uint64_t>(int64_t{o.window_right}), &fields);
+  }
+  AppendVarint(MakeTag(kReqWindow, wire::kLengthDelimited), out);
+  AppendVarint(fields.size(), out);
+  out->append(fields);
+}
+
+// Every field of AttendRequest after v, in field order.
+void AppendAttendOptions(const AttendOptions& o, uint64_t request_id, std::string* out) {
+  AppendPacked(kReqCuSeqlensQ, o.cu_seqlens_q, out);
+  AppendPacked(kReqCuSeqlensK, o.cu_seqlens_k, out);
+  if (o.causal) AppendVarintField(kReqCausal, 1, out);
+  uint32_t scale_bits;
+  std::memcpy(&scale_bits, &o.softmax_scale, sizeof scale_bits);
+  if (scale_bits != 0) {  // protobuf compares the bits: -0.0 is written, 0.0 is not
+    AppendVarint(MakeTag(kReqSoftmaxScale, wire::kFixed32), out);
+    for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(scale_bits >> (8 * i)));
+  }
+  AppendWindow(o, out);
+  if (o.return_lse) AppendVarintField(kReqReturnLse, 1, out);
+  if (o.high_priority) AppendVarintField(kReqPriority, v1::PRIORITY_HIGH, out);
+  if (request_id != 0) AppendVarintField(kReqRequestId, request_id, out);
+}
+
+// One buffer of head's runs and the borrowed data between them: data[i] follows the run of head
+// that ends at cuts[i]. head is copied once into a slice that the runs are cut from.
+grpc::ByteBuffer Assemble(const std::string& head, const std::vector<size_t>& cuts,
+                          const std::vector<std::string_view>& data, BorrowedSlices* borrowed) {
+  const grpc::Slice all(head);
+  std::vector<grpc::Slice> slices;
+  slices.reserve(2 * data.size() + 1);
+  size_t at = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    slices.push_back(all.sub(at, cuts[i]));
+    slices.push_back(borrowed->Borrow(data[i].data(), data[i].size()));
+    at = cuts[i];
+  }
+  if (at < head.size()) slices.push_back(all.sub(at, head.size()));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// ---- Responses --------------------------------------------------------------------------------
+
+absl::Status Malformed(absl::string_view message, const std::string& field, const std::string& what,
+                       uint64_t at) {
+  return absl::InternalError(absl::StrCat("the server's ", message, " is malformed: ", field, ": ",
+                                          what, " (at byte ", at, " of the message)"));
+}
+
+// A field's name for messages: "o.shape", or "field 9" for one the descriptor does not know.
+std::string FieldName(const google::protobuf::Descriptor* d, uint64_t number,
+                      const std::string& prefix = "") {
+  const google::protobuf::FieldDescriptor* f =
+      number <= uint64_t{std::numeric_limits<int>::max()} ? d->FindFieldByNumber(int(number))
+                                                           : nullptr;
+  return prefix + (f != nullptr ? f->name() : absl::StrCat("field ", number));
+}
+
+// Reads the value of the field whose tag was just read into message, as protobuf's parser
+// would: the field is copied as it lies on the wire and merged.
+absl::Status MergeField(WireReader& r, const wire::Tag& tag, absl::string_view what,
+                        const std::string& field, uint64_t at,
+                        google::protobuf::Message* message) {
+  std::string bytes, error;
+  if (!wire::CopyField(r, tag, &bytes, &error)) return Malformed(what, field, error, at);
+  if (!message->MergeFromString(bytes)) {
+    return Malformed(what, field,
+                     "protobuf could not parse this field (a bad embedded message, or a string "
+                     "that is not UTF-8)", at);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadTag(WireReader& r, absl::string_view what, const std::string& where,
+                     wire::Tag* tag) {
+  const uint64_t at = r.position();
+  std::string error;
+  if (!wire::ReadTag(r, tag, &error)) return Malformed(what, where, error, at);
+  return absl::OkStatus();
+}
+
+// The length of a length-delimited field and a check that it fits in what is left.
+absl::Status ReadLength(WireReader& r, absl::string_view what, const std::string& field,
+                        uint64_t at, uint64_t* n) {
+  if (!r.ReadVarint(n)) return Malformed(what, field, "truncated or over-long length", at);
+  if (*n > r.remaining()) {
+    return Malformed(what, field, absl::StrCat("length ", *n, " runs past the end of its message (",
+                                               r.remaining(), " bytes left)"), at);
+  }
+  return absl::OkStatus();
+}
+
+constexpr char kAttendResponse[] = "AttendResponse";
+
+// The body of one occurrence of o or lse (the reader limited to it). A later data field
+// replaces an earlier one, as in protobuf.
+absl::Status DecodeTensor(WireReader& r, const std::string& name, v1::Tensor* header,
+                          std::vector<std::string_view>* data, uint64_t* size) {
+  while (!r.AtLimit()) {
+    const uint64_t at = r.position();
+    wire::Tag tag;
+    RETURN_IF_ERROR(ReadTag(r, kAttendResponse, name, &tag));
+    const std::string field = FieldName(v1::Tensor::descriptor(), tag.number, name + ".");
+    if (tag.number == kTensorData && tag.type == wire::kLengthDelimited) {
+      uint64_t n;
+      RETURN_IF_ERROR(ReadLength(r, kAttendResponse, field, at, &n));
+      data->clear();
+      *size = n;
+      r.ReadPieces(n, data);
+      continue;
+    }
+    RETURN_IF_ERROR(MergeField(r, tag, kAttendResponse, field, at, header));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DType> DTypeFromWire(const std::string& name, int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return DType::kFloat32;
+    case v1::DTYPE_FLOAT16: return DType::kFloat16;
+    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    default: return absl::InternalError(absl::StrCat("server sent unknown dtype ", dtype, " in ", name));
+  }
+}
+
+absl::StatusOr<Tensor> TensorFromWire(const std::string& name, const v1::Tensor& header,
+                                      const std::vector<std::string_view>& data, uint64_t size) {
+  if (header.has_region()) {
+    return absl::InternalError(absl::StrCat("the server wrote ", name, " into region '",
+                                            header.region().region(),
+                                            "' instead of sending it, which this call did not ask"));
+  }
+  Tensor t;
+  auto dtype = DTypeFromWire(name, header.dtype());
+  if (!dtype.ok()) return dtype.status();
+  t.dtype = *dtype;
+  auto bytes = WireTensorBytes(name, header, t.dtype);
+  if (!bytes.ok()) return bytes.status();
+  if (*bytes != size) {
+    return absl::InternalError(absl::StrCat(
+        "the server sent ", size, " bytes of ", name, " where its shape [",
+        absl::StrJoin(header.shape(), ", "), "] and dtype need ", *bytes));
+  }
+  t.shape.assign(header.shape().begin(), header.shape().end());
+  // The one copy: from the received slices into the tensor (reserve + append: no zero-fill).
+  t.data.reserve(size);
+  for (std::string_view p : data) t.data.append(p);
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> WireTensorBytes(const std::string& name, const v1::Tensor& t,
+                                         DType dtype) {
+  uint64_t bytes = DTypeBytes(dtype);
+  for (int64_t s : t.shape()) {
+    if (s < 0 || __builtin_mul_overflow(bytes, static_cast<uint64_t>(s), &bytes)) {
+      return absl::InternalError(absl::StrCat("the server's ", name, " has an impossible shape [",
+                                              absl::StrJoin(t.shape(), ", "), "]"));
+    }
+  }
+  return bytes;
+}
+
+// ---- BorrowedSlices ---------------------------------------------------------------------------
+
+grpc::Slice BorrowedSlices::Borrow(const void* data, size_t size) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++outstanding_;
+  }
+  // gRPC never writes through a slice it sends: the const_cast only fits its constructor.
+  return grpc::Slice(const_cast<void*>(data), size, &BorrowedSlices::Release, this);
+}
+
+void BorrowedSlices::Release(void* self) {
+  auto* b = static_cast<BorrowedSlices*>(self);
+  // Notified under the lock: Wait cannot return (and the object go) before this is done with it.
+  std::lock_guard<std::mutex> lock(b->mu_);
+  if (--b->outstanding_ == 0) b->released_.notify_all();
+}
+
+void BorrowedSlices::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  released_.wait(lock, [this] { return outstanding_ == 0; });
+}
+
+int64_t BorrowedSlices::outstanding() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return outstanding_;
+}
+
+// ---- Encoding ---------------------------------------------------------------------------------
+
+grpc::ByteBuffer EncodeAttendRequest(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const AttendOptions& options, BorrowedSlices* borrowed,
+                                     uint64_t request_id) {
+  std::string head;
+  std::vector<size_t> cuts;
+  std::vector<std::string_view> data;
+  const std::pair<uint32_t, const Tensor*> tensors[] = {{kReqQ, &q}, {kReqK, &k}, {kReqV, &v}};
+  for (const auto& [number, t] : tensors) {
+    AppendTensorHead(number, *t, &head);
+    if (t->data.empty()) continue;
+    cuts.push_back(head.size());
+    data.push_back(t->data);
+  }
+  AppendAttendOptions(options, request_id, &head);
+  return Assemble(head, cuts, data, borrowed);
+}
+
+grpc::ByteBuffer EncodeEchoRequest(std::string_view payload, int64_t response_bytes,
+                                   BorrowedSlices* borrowed) {
+  std::string head;
+  std::vector<size_t> cuts;
+  std::vector<std::string_view> data;
+  if (!payload.empty()) {
+    AppendVarint(MakeTag(kEchoPayload, wire::kLengthDelimited), &head);
+    AppendVarint(payload.size(), &head);
+    cuts.push_back(head.size());
+    data.push_back(payload);
+  }
+  if (response_bytes != 0) {
+    AppendVarintField(kEchoResponseBytes, static_cast<uint64_t>(response_bytes), &head);
+  }
+  return Assemble(head, cuts, data, borrowed);
+}
+
+// ---- Decoding ---------------------------------------------------------------------------------
+
+absl::Status ReceivedBytes::Take(grpc::ByteBuffer* buffer) {
+  const grpc::Status st = buffer->Dump(&slices);
+  buffer->Clear();
+  if (!st.ok()) {
+    return absl::InternalError(absl::StrCat("cannot read the received message: ",
+                                            st.error_message()));
+  }
+  pieces.reserve(slices.size());
+  for (const grpc::Slice& s : slices) {
+    pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeAttendResponse(std::span<const std::string_view> pieces,
+                                  DecodedAttendResponse* out) {
+  WireReader r(pieces);
+  const google::protobuf::Descriptor* d = v1::AttendResponse::descriptor();
+  while (!r.AtLimit()) {
+    const uint64_t at = r.position();
+    wire::Tag tag;
+    RETURN_IF_ERROR(ReadTag(r, kAttendResponse, std::string(kAttendResponse), &tag));
+    const std::string field = FieldName(d, tag.number);
+    // o or lse with another wire type is an unknown field to protobuf: left to MergeField.
+    const bool o = tag.number == v1::AttendResponse::kOFieldNumber;
+    const bool lse = tag.number == v1::AttendResponse::kLseFieldNumber;
+    if ((o || lse) && tag.type == wire::kLengthDelimited) {
+      uint64_t n, outer = 0;  // ReadLength checked n: PushLimit succeeds
+      RETURN_IF_ERROR(ReadLength(r, kAttendResponse, field, at, &n));
+      r.PushLimit(n, &outer);
+      RETURN_IF_ERROR(o ? DecodeTensor(r, field, out->header.mutable_o(), &out->o_data,
+                                          &out->o_size)
+                           : DecodeTensor(r, field, out->header.mutable_lse(), &out->lse_data,
+                                          &out->lse_size));
+      r.PopLimit(outer);
+      continue;
+    }
+    RETURN_IF_ERROR(MergeField(r, tag, kAttendResponse, field, at, &out->header));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AttendResult> AttendResultFromDecoded(const DecodedAttendResponse& decoded) {
+  const v1::AttendResponse& h = decoded.header;
+  if (!h.has_o()) return absl::InternalError("the server's AttendResponse has no o");
+  AttendResult result;
+  auto o = TensorFromWire("o", h.o(), decoded.o_data, decoded.o_size);
+  if (!o.ok()) return o.status();
+  result.o = std::move(*o);
+  if (h.has_lse()) {
+    auto lse = TensorFromWire("lse", h.lse(), decoded.lse_data, decoded.lse_size);
+    if (!lse.ok()) return lse.status();
+    result.lse = std::move(*lse);
+  }
+  result.timing = h.timing();
+  return result;
+}
+
+absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response) {
+  ReceivedBytes received;
+  RETURN_IF_ERROR(received.Take(response));
+  DecodedAttendResponse decoded;
+  RETURN_IF_ERROR(DecodeAttendResponse(received.pieces, &decoded));
+  return AttendResultFromDecoded(decoded);
+}
+
+absl::StatusOr<std::string> EchoPayloadFromWire(grpc::ByteBuffer* response) {
+  ReceivedBytes received;
+  RETURN_IF_ERROR(received.Take(response));
+  constexpr char kEchoResponse[] = "EchoResponse";
+  WireReader r(received.pieces);
+  std::vector<std::string_view> payload;
+  uint64_t size = 0;
+  while (!r.AtLimit()) {
+    const uint64_t at = r.position();
+    wire::Tag tag;
+    RETURN_IF_ERROR(ReadTag(r, kEchoResponse, std::string(kEchoResponse), &tag));
+    const std::string field = FieldName(v1::EchoResponse::descriptor(), tag.number);
+    if (tag.number == kEchoPayload && tag.type == wire::kLengthDelimited) {
+      RETURN_IF_ERROR(ReadLength(r, kEchoResponse, field, at, &size));
+      payload.clear();
+      r.ReadPieces(size, &payload);
+      continue;
+    }
+    std::string error;  // anything else is unknown to EchoResponse: checked and skipped
+    if (!wire::CopyField(r, tag, nullptr, &error)) return Malformed(kEchoResponse, field, error, at);
+  }
+  std::string out;
+  out.reserve(size);
+  for (std::string_view p : payload) out.append(p);
+  return out;
+}
+
+}  // namespace attn::client
