@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # attn-bench against a real attnd (CPU backend, loopback): --rate holds the offered rate in
 # stream mode (and unary), --compare_echo adds an Echo row per level and the ratio columns
-# (table, CSV, JSON), --lb round_robin is accepted; --help of attn-bench and attnctl lists
+# (table, CSV, JSON), --lb round_robin is accepted, --client_coding wire and protobuf both run
+# Attend and Echo without errors; --help of attn-bench and attnctl lists
 # their own flags. Sessions: `attnctl session demo --check` passes (and fails as it should on bad
 # input), `attn-bench --mode decode` through Step and BatchStep (rows, Echo twins, cache length
 # held by truncation, KV bandwidth).
@@ -28,7 +29,7 @@ help_lists() {  # program, flags...
     grep -q -- "--$f " <<<"$out" || fail "$(basename "$prog") --help does not list --$f"
   done
 }
-help_lists "$bench" target mode concurrency compare_echo rate lb sessions layers cache_tokens batch_step tcp_ceiling_s transport connections
+help_lists "$bench" target mode concurrency compare_echo rate lb sessions layers cache_tokens batch_step tcp_ceiling_s transport connections client_coding
 help_lists "$attnctl" target check lb layers prefill decode truncate connections
 start_cpu_attnd "$attnd" "$work/attnd.log" 2
 pid=$ATTND_PID
@@ -88,6 +89,24 @@ for r, j in zip(c, rows):
         assert r["echo_rps_ratio"] == "" and r["echo_p50_ratio"] == "", r
 print("ok: --compare_echo rows and ratios (table, CSV, JSON)")
 PY
+
+# --client_coding: the client library's raw calls (the default) and the generated stub both
+# answer every call; the first line says which ran; a bad value is refused.
+for coding in wire protobuf; do
+  "$bench" --target "127.0.0.1:$P" --mode unary --client_coding $coding --concurrency 2 \
+    --duration_s 0.5 --warmup_s 0.2 "${shape[@]}" --compare_echo --tcp_ceiling_s 0 \
+    --json "$work/coding-$coding.json" | tee "$work/coding-$coding.txt"
+  grep -q "client coding $coding" "$work/coding-$coding.txt" || fail "the table does not say --client_coding $coding"
+  python3 - "$work/coding-$coding.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+assert [r["mode"] for r in rows] == ["unary", "echo"], rows
+assert all(r["errors"] == 0 and r["requests"] > 5 for r in rows), rows
+PY
+done
+rc=0; "$bench" --target "127.0.0.1:$P" --client_coding json >"$work/bad.txt" 2>&1 || rc=$?
+[ "$rc" = 64 ] && grep -q -- '--client_coding must be' "$work/bad.txt" || fail "--client_coding json: rc $rc"
+echo "ok: --client_coding wire and protobuf"
 
 # --- sessions ----------------------------------------------------------------------------------
 # The demo with every step checked against the float64 reference: bf16 with the lse, then fp16
