@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Attend's wire path against whole-message protobuf coding, in one run on one host: two attnds on
-# loopback, one with the wire path (the default) and one with --attend_wire_path=false; for each
-# request size and concurrency, gRPC Echo of the same bytes, Attend through each, and the raw TCP
-# ceiling (attn-tcp-ceiling, run by attn-bench right after the level) at the same sizes and
-# concurrency. Prints a table of GB/s (request + response bytes) and the ratios.
+# Attend's and Echo's wire paths against whole-message protobuf coding, in one run on one host:
+# two attnds on loopback, one with the wire path (the default) and one with
+# --attend_wire_path=false; for each request size and concurrency, and each client coding
+# (attn-bench --client_coding: the client library's raw calls, or the generated stub):
+#   echo-protobuf     Echo, protobuf coding at both ends (stub -> --attend_wire_path=false)
+#   echo-wire         Echo, raw at both ends (client wire coding -> wire path): the transport's own
+#   attend-protobuf   Attend, protobuf at both ends
+#   attend-server     Attend, stub client -> wire-path server (the server's side alone)
+#   attend-wire       Attend, wire coding at both ends
+# and the raw TCP ceiling (attn-tcp-ceiling, run by attn-bench right after the attend-wire level)
+# at the same sizes and concurrency. Prints a table of GB/s (request + response bytes) and ratios.
 #   bench/wire_path.sh BIN OUT_DIR [seconds per level]
 # BIN holds attnd, attnctl, attn-bench and attn-tcp-ceiling. Environment:
 #   TOKENS   query (and key) tokens per request to sweep (default "256 2048 8192")
@@ -42,9 +48,11 @@ bench() {  # label, port, attn-bench flags...
 nproc | sed 's/^/cores: /' | tee -a "$out/all.txt"
 for t in $tokens; do
   if [[ ${SHAPE:-long} == q ]]; then shape=(--seq "$t" --kv_seq 1); else shape=(--seq "$t"); fi
-  bench "echo t=$t" $wire_port --mode echo "${shape[@]}" --tcp_ceiling_s 0
-  bench "attend-protobuf t=$t" $proto_port --mode unary "${shape[@]}" --tcp_ceiling_s 0
-  bench "attend-wire t=$t" $wire_port --mode unary "${shape[@]}" --tcp_ceiling_s 1.5
+  bench "echo-protobuf t=$t" $proto_port --mode echo --client_coding protobuf "${shape[@]}" --tcp_ceiling_s 0
+  bench "echo-wire t=$t" $wire_port --mode echo --client_coding wire "${shape[@]}" --tcp_ceiling_s 0
+  bench "attend-protobuf t=$t" $proto_port --mode unary --client_coding protobuf "${shape[@]}" --tcp_ceiling_s 0
+  bench "attend-server t=$t" $wire_port --mode unary --client_coding protobuf "${shape[@]}" --tcp_ceiling_s 0
+  bench "attend-wire t=$t" $wire_port --mode unary --client_coding wire "${shape[@]}" --tcp_ceiling_s 1.5
 done
 
 # The table: one row per (tokens, concurrency), from the CSV's label, concurrency, gb_per_s and
@@ -60,12 +68,14 @@ awk -F, '
   }
   function r(a, b) { return (b > 0) ? sprintf("%.2f", a / b) : "-" }
   END {
-    print "| tokens | clients | TCP GB/s | Echo GB/s | Attend protobuf GB/s | Attend wire GB/s | wire req/s | wire / protobuf | wire / Echo | protobuf / TCP | wire / TCP | Echo / TCP |"
-    print "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    print "| tokens | clients | TCP GB/s | Echo protobuf | Echo wire | Attend protobuf | Attend server-wire | Attend wire | wire req/s | Attend wire / server-wire | Attend wire / protobuf | Attend wire / Echo wire | Echo wire / Echo protobuf | Attend wire / TCP | Echo wire / TCP |"
+    print "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     for (i = 1; i <= n; ++i) {
       k = keys[i]; split(k, p, ",")
-      e = gb["echo", k]; o = gb["attend-protobuf", k]; w = gb["attend-wire", k]; c = tcp[k]
-      printf "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.1f | %s | %s | %s | %s | %s |\n", p[1], p[2], c, e, o, w,
-             rps["attend-wire", k], r(w, o), r(w, e), r(o, c), r(w, c), r(e, c)
+      ep = gb["echo-protobuf", k]; ew = gb["echo-wire", k]; ap = gb["attend-protobuf", k]
+      as = gb["attend-server", k]; aw = gb["attend-wire", k]; c = tcp[k]
+      printf "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.1f | %s | %s | %s | %s | %s | %s |\n",
+             p[1], p[2], c, ep, ew, ap, as, aw, rps["attend-wire", k], r(aw, as), r(aw, ap),
+             r(aw, ew), r(ew, ep), r(aw, c), r(ew, c)
     }
   }' "$csv" | tee "$out/table.md" | tee -a "$out/all.txt"

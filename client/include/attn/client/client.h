@@ -90,7 +90,8 @@ struct ClientOptions {
   // lse, and Echo's payload) come back with one copy, from the received slices into the result.
   // false: through protobuf messages and the generated stub (a copy into the message and one
   // into fresh slices each way, and one more out of the parsed response), for measuring the
-  // difference. The bytes on the wire are the same either way.
+  // difference. The bytes on the wire are the same either way. A call returns once gRPC has let
+  // go of the caller's buffers (wire_coding.h, BorrowedSlices).
   bool wire_coding = true;
 };
 

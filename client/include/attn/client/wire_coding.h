@@ -31,7 +31,9 @@ inline constexpr char kEchoMethod[] = "/attn.v1.Attention/Echo";
 
 // Slices over memory of the caller's, counted until every holder of them has let go: the buffers
 // they are in and gRPC, which may keep a sent message's slices a little after its call has
-// completed. The memory must stay valid and unchanged until Wait returns.
+// completed (a write still finishing, the stream's teardown). The memory must stay valid and
+// unchanged until Wait returns. On a connection whose peer stopped reading in the middle of a
+// write, that is only once the connection closes: a call that borrows cannot return before.
 class BorrowedSlices {
  public:
   BorrowedSlices() = default;
