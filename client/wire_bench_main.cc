@@ -1,0 +1,145 @@
+// attn-client-wire-bench: what the client's coding of an Attend costs, without a network. For
+// each request size it times, on one thread, what Client::Attend does with a request before gRPC
+// sends it and with an answer gRPC has received (in slices of --slice_bytes):
+//   request, protobuf: BuildAttendRequest (q, k, v copied into the message), then the stub's
+//     serialization into fresh slices (a second copy);
+//   request, prebuilt: that serialization alone (attn-bench --client_coding protobuf, whose
+//     message is built once);
+//   request, wire: EncodeAttendRequest (tensors spliced in as borrowed slices: no copy);
+//   response, protobuf: the stub's parse of the slices into an AttendResponse (o copied into a
+//     string), then ParseAttendResponse (o copied into the result);
+//   response, wire: AttendResultFromWire (o copied once, from the slices into the result).
+// Prints one row per size: GB/s of the tensor bytes and the median time of each.
+//   attn-client-wire-bench [--seq 256,2048,8192] [--heads 16] [--head_dim 128]
+#include <grpcpp/impl/codegen/proto_utils.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "attn/client/client.h"
+#include "attn/client/wire_coding.h"
+
+ABSL_FLAG(std::vector<std::string>, seq, std::vector<std::string>({"256", "2048", "8192"}),
+          "Tokens of q and of k/v per request (comma-separated sizes to measure)");
+ABSL_FLAG(int, heads, 16, "Heads of q, k and v");
+ABSL_FLAG(int, head_dim, 128, "Head dimension (bf16 elements)");
+ABSL_FLAG(int, slice_bytes, 64 << 10, "Size of the slices the response arrives in");
+ABSL_FLAG(double, seconds, 1.0, "Time spent on each measurement");
+
+namespace attn::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Median seconds of fn over about `seconds` of repeats (at least 5).
+double MedianSeconds(const std::function<void()>& fn, double seconds) {
+  std::vector<double> t;
+  const auto end = Clock::now() + std::chrono::duration<double>(seconds);
+  while (t.size() < 5 || Clock::now() < end) {
+    const auto start = Clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+  return t[t.size() / 2];
+}
+
+Tensor RandomTensor(std::mt19937_64& rng, int64_t tokens, int heads, int d) {
+  Tensor t;
+  t.dtype = DType::kBFloat16;
+  t.shape = {tokens, heads, d};
+  t.data.resize(size_t(tokens) * heads * d * 2);
+  for (char& c : t.data) c = static_cast<char>(rng());
+  return t;
+}
+
+// bytes as gRPC receives them: in slices of slice_bytes.
+grpc::ByteBuffer Sliced(const std::string& bytes, size_t slice_bytes) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += slice_bytes) {
+    slices.emplace_back(bytes.data() + at, std::min(slice_bytes, bytes.size() - at));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+void Row(int seq, int heads, int d, size_t slice_bytes, double seconds) {
+  std::mt19937_64 rng(seq);
+  const Tensor q = RandomTensor(rng, seq, heads, d), k = RandomTensor(rng, seq, heads, d),
+               v = RandomTensor(rng, seq, heads, d);
+  AttendOptions options;
+  options.cu_seqlens_q = options.cu_seqlens_k = {0, seq};
+  const double in_bytes = double(q.data.size() + k.data.size() + v.data.size());
+
+  const double req_proto = MedianSeconds([&] {
+    const v1::AttendRequest m = Client::BuildAttendRequest(q, k, v, options);
+    grpc::ByteBuffer out;
+    bool own = false;
+    (void)grpc::SerializationTraits<v1::AttendRequest>::Serialize(m, &out, &own);
+  }, seconds);
+  const v1::AttendRequest prebuilt = Client::BuildAttendRequest(q, k, v, options);
+  const double req_prebuilt = MedianSeconds([&] {
+    grpc::ByteBuffer out;
+    bool own = false;
+    (void)grpc::SerializationTraits<v1::AttendRequest>::Serialize(prebuilt, &out, &own);
+  }, seconds);
+  const double req_wire = MedianSeconds([&] {
+    BorrowedSlices borrowed;
+    { const grpc::ByteBuffer out = EncodeAttendRequest(q, k, v, options, &borrowed); }
+  }, seconds);
+
+  v1::AttendResponse answer;
+  ToWireTensor(q, answer.mutable_o());  // o is as large as q
+  answer.mutable_timing()->set_compute_us(1);
+  const grpc::ByteBuffer received = Sliced(answer.SerializeAsString(), slice_bytes);
+  const double out_bytes = double(q.data.size());
+  const double resp_proto = MedianSeconds([&] {
+    grpc::ByteBuffer copy(received);  // references, as gRPC hands a received message over
+    v1::AttendResponse m;
+    (void)grpc::SerializationTraits<v1::AttendResponse>::Deserialize(&copy, &m);
+    (void)Client::ParseAttendResponse(m);
+  }, seconds);
+  const double resp_wire = MedianSeconds([&] {
+    grpc::ByteBuffer copy(received);
+    (void)AttendResultFromWire(&copy);
+  }, seconds);
+
+  // The wire request copies no tensor byte: its time, not a rate.
+  std::printf("| %d | %.1f MB / %.1f MB | %.2f | %.2f | %.1f | %.0f / %.0f | %.2f | %.2f | %.2f |"
+              " %.0f / %.0f |\n",
+              seq, in_bytes / 1e6, out_bytes / 1e6, in_bytes / req_proto / 1e9,
+              in_bytes / req_prebuilt / 1e9, req_wire * 1e6, req_proto * 1e6, req_prebuilt * 1e6,
+              out_bytes / resp_proto / 1e9, out_bytes / resp_wire / 1e9, resp_proto / resp_wire,
+              resp_proto * 1e6, resp_wire * 1e6);
+  std::fflush(stdout);
+}
+
+}  // namespace
+}  // namespace attn::client
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  std::printf("| seq | tensors in / out | protobuf request GB/s | prebuilt request GB/s | wire "
+              "request us | protobuf / prebuilt request us | protobuf response GB/s | wire "
+              "response GB/s | x | response us (protobuf / wire) |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const std::string& s : absl::GetFlag(FLAGS_seq)) {
+    int seq = 0;
+    if (!absl::SimpleAtoi(s, &seq) || seq < 1) {
+      std::fprintf(stderr, "attn-client-wire-bench: bad --seq entry '%s'\n", s.c_str());
+      return 64;
+    }
+    attn::client::Row(seq, absl::GetFlag(FLAGS_heads), absl::GetFlag(FLAGS_head_dim),
+                      static_cast<size_t>(absl::GetFlag(FLAGS_slice_bytes)),
+                      absl::GetFlag(FLAGS_seconds));
+  }
+  return 0;
+}
