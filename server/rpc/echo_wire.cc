@@ -1,6 +1,7 @@
 #include "rpc/echo_wire.h"
 
 #include <algorithm>
+#include <functional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -23,16 +24,18 @@ std::string FieldName(uint64_t number) {
 }
 
 // The slice that p (a piece of the input) lies in, from *next on (pieces come in order), and p's
-// offset there.
-size_t FindSlice(std::span<const grpc::Slice> slices, std::string_view p, size_t* next) {
+// offset there; false when none holds it.
+bool FindSlice(std::span<const grpc::Slice> slices, std::string_view p, size_t* next,
+               size_t* offset) {
   for (; *next < slices.size(); ++*next) {
     const auto* begin = reinterpret_cast<const char*>(slices[*next].begin());
     const auto* end = reinterpret_cast<const char*>(slices[*next].end());
     if (std::less_equal<>()(begin, p.data()) && std::less_equal<>()(p.data() + p.size(), end)) {
-      return static_cast<size_t>(p.data() - begin);
+      *offset = static_cast<size_t>(p.data() - begin);
+      return true;
     }
   }
-  return 0;  // unreachable for pieces of these slices
+  return false;
 }
 
 }  // namespace
@@ -85,8 +88,12 @@ grpc::ByteBuffer EncodeEchoResponse(std::span<const grpc::Slice> slices,
     if (left == 0) break;
     const size_t take = static_cast<size_t>(std::min<uint64_t>(left, p.size()));
     if (take == 0) continue;
-    const size_t offset = FindSlice(slices, p, &next);
-    out.push_back(slices[next].sub(offset, offset + take));  // a reference, not a copy
+    size_t offset = 0;
+    if (FindSlice(slices, p, &next, &offset)) {
+      out.push_back(slices[next].sub(offset, offset + take));  // a reference, not a copy
+    } else {
+      out.emplace_back(p.data(), take);  // pieces not of these slices: copied
+    }
     left -= take;
   }
   // Zero slices still make a valid (empty) message, which gRPC sends.

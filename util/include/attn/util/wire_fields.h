@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "attn/util/wire_reader.h"
 
@@ -89,11 +91,13 @@ inline bool CopyField(WireReader& r, const Tag& tag, std::string* out, std::stri
       return true;
     }
     case kFixed64:
-      if (!r.AppendTo(8, to)) *error = "truncated 8-byte value";
-      return error->empty();
+      if (r.AppendTo(8, to)) return true;
+      *error = "truncated 8-byte value";
+      return false;
     case kFixed32:
-      if (!r.AppendTo(4, to)) *error = "truncated 4-byte value";
-      return error->empty();
+      if (r.AppendTo(4, to)) return true;
+      *error = "truncated 4-byte value";
+      return false;
     case kLengthDelimited: {
       uint64_t n;
       if (!r.ReadVarint(&n)) {
