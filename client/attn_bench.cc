@@ -339,6 +339,8 @@ void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, dou
   const bool write_inputs = region != nullptr && absl::GetFlag(FLAGS_shm_write_inputs);
   attn::v1::AttendResponse attend_response;
   attn::v1::EchoResponse echo_response;
+  attn::client::AttendResult result;
+  std::string payload;
   for (int64_t k = 0; rec->Running(); ++k) {
     Clock::time_point sent = Clock::now();
     if (interval_s > 0) {  // open loop: send at the scheduled time, count latency from it
@@ -349,13 +351,12 @@ void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, dou
     }
     if (write_inputs) region->WriteInputs();
     if (region == nullptr && WireCoding()) {  // the client library's raw calls
-      if (echo) {
-        const absl::StatusOr<std::string> r = client->Echo(p.echo.payload(), p.echo.response_bytes());
-        rec->Record(sent, Clock::now(), nullptr, r.status());
-      } else {
-        const absl::StatusOr<attn::client::AttendResult> r =
-            client->Attend(p.q, p.k, p.v, p.options);
-        rec->Record(sent, Clock::now(), r.ok() ? &r->timing : nullptr, r.status());
+      if (echo) {  // into the worker's string, reused from call to call
+        const absl::Status st = client->Echo(p.echo.payload(), p.echo.response_bytes(), &payload);
+        rec->Record(sent, Clock::now(), nullptr, st);
+      } else {  // into the worker's result, whose buffers are reused from call to call
+        const absl::Status st = client->Attend(p.q, p.k, p.v, p.options, &result);
+        rec->Record(sent, Clock::now(), st.ok() ? &result.timing : nullptr, st);
       }
       continue;
     }

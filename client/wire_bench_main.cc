@@ -8,7 +8,9 @@
 //   request, wire: EncodeAttendRequest (tensors spliced in as borrowed slices: no copy);
 //   response, protobuf: the stub's parse of the slices into an AttendResponse (o copied into a
 //     string), then ParseAttendResponse (o copied into the result);
-//   response, wire: AttendResultFromWire (o copied once, from the slices into the result).
+//   response, wire: AttendResultFromWire (o copied once, from the slices into a fresh result);
+//   response, wire, reused: ReadAttendResponse into the same result every time (its buffer
+//     reused, as attn-bench's workers do).
 // Prints one row per size: GB/s of the tensor bytes and the median time of each.
 //   attn-client-wire-bench [--seq 256,2048,8192] [--heads 16] [--head_dim 128]
 #include <grpcpp/impl/codegen/proto_utils.h>
@@ -111,14 +113,20 @@ void Row(int seq, int heads, int d, size_t slice_bytes, double seconds) {
     grpc::ByteBuffer copy(received);
     (void)AttendResultFromWire(&copy);
   }, seconds);
+  AttendResult reused;
+  const double resp_reused = MedianSeconds([&] {
+    grpc::ByteBuffer copy(received);
+    (void)ReadAttendResponse(&copy, &reused);
+  }, seconds);
 
   // The wire request copies no tensor byte: its time, not a rate.
   std::printf("| %d | %.1f MB / %.1f MB | %.2f | %.2f | %.1f | %.0f / %.0f | %.2f | %.2f | %.2f |"
-              " %.0f / %.0f |\n",
+              " %.2f | %.0f / %.0f / %.0f |\n",
               seq, in_bytes / 1e6, out_bytes / 1e6, in_bytes / req_proto / 1e9,
               in_bytes / req_prebuilt / 1e9, req_wire * 1e6, req_proto * 1e6, req_prebuilt * 1e6,
-              out_bytes / resp_proto / 1e9, out_bytes / resp_wire / 1e9, resp_proto / resp_wire,
-              resp_proto * 1e6, resp_wire * 1e6);
+              out_bytes / resp_proto / 1e9, out_bytes / resp_wire / 1e9,
+              out_bytes / resp_reused / 1e9, resp_proto / resp_reused, resp_proto * 1e6,
+              resp_wire * 1e6, resp_reused * 1e6);
   std::fflush(stdout);
 }
 
@@ -129,8 +137,9 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   std::printf("| seq | tensors in / out | protobuf request GB/s | prebuilt request GB/s | wire "
               "request us | protobuf / prebuilt request us | protobuf response GB/s | wire "
-              "response GB/s | x | response us (protobuf / wire) |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+              "response GB/s | wire, reused result GB/s | x (reused) | response us (protobuf / "
+              "wire / reused) |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const std::string& s : absl::GetFlag(FLAGS_seq)) {
     int seq = 0;
     if (!absl::SimpleAtoi(s, &seq) || seq < 1) {

@@ -248,11 +248,19 @@ absl::StatusOr<AttendResult> Client::ParseAttendResponse(const v1::AttendRespons
 
 absl::StatusOr<AttendResult> Client::Attend(const Tensor& q, const Tensor& k, const Tensor& v,
                                             const AttendOptions& options) {
-  return options_.wire_coding ? AttendWire(q, k, v, options) : AttendProto(q, k, v, options);
+  AttendResult result;
+  if (absl::Status st = Attend(q, k, v, options, &result); !st.ok()) return st;
+  return result;
 }
 
-absl::StatusOr<AttendResult> Client::AttendWire(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                const AttendOptions& options) {
+absl::Status Client::Attend(const Tensor& q, const Tensor& k, const Tensor& v,
+                            const AttendOptions& options, AttendResult* result) {
+  return options_.wire_coding ? AttendWire(q, k, v, options, result)
+                              : AttendProto(q, k, v, options, result);
+}
+
+absl::Status Client::AttendWire(const Tensor& q, const Tensor& k, const Tensor& v,
+                                const AttendOptions& options, AttendResult* result) {
   const size_t c = NextConnection();
   BorrowedSlices borrowed;
   grpc::ByteBuffer response;
@@ -263,18 +271,21 @@ absl::StatusOr<AttendResult> Client::AttendWire(const Tensor& q, const Tensor& k
   // completed (a write finishing, the stream's teardown). The caller may free them on return.
   borrowed.Wait();
   if (!st.ok()) return FromGrpc(st);
-  return AttendResultFromWire(&response);
+  return ReadAttendResponse(&response, result);
 }
 
-absl::StatusOr<AttendResult> Client::AttendProto(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                 const AttendOptions& options) {
+absl::Status Client::AttendProto(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const AttendOptions& options, AttendResult* result) {
   const v1::AttendRequest request = BuildAttendRequest(q, k, v, options);
   v1::AttendResponse response;
   grpc::ClientContext ctx;
   PrepareContext(&ctx, options.timeout);
   grpc::Status st = stub()->Attend(&ctx, request, &response);
   if (!st.ok()) return FromGrpc(st);
-  return ParseAttendResponse(response);
+  absl::StatusOr<AttendResult> parsed = ParseAttendResponse(response);
+  if (!parsed.ok()) return parsed.status();
+  *result = std::move(*parsed);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
@@ -299,6 +310,12 @@ absl::StatusOr<bool> Client::Health(const std::string& service) {
 }
 
 absl::StatusOr<std::string> Client::Echo(std::string_view payload, int64_t response_bytes) {
+  std::string out;
+  if (absl::Status st = Echo(payload, response_bytes, &out); !st.ok()) return st;
+  return out;
+}
+
+absl::Status Client::Echo(std::string_view payload, int64_t response_bytes, std::string* out) {
   constexpr std::chrono::milliseconds kTimeout(60000);
   if (options_.wire_coding) {
     const size_t c = NextConnection();
@@ -309,7 +326,7 @@ absl::StatusOr<std::string> Client::Echo(std::string_view payload, int64_t respo
                 kTimeout, &response);
     borrowed.Wait();  // as in AttendWire: payload is the caller's
     if (!st.ok()) return FromGrpc(st);
-    return EchoPayloadFromWire(&response);
+    return ReadEchoResponse(&response, out);
   }
   v1::EchoRequest request;
   request.set_payload(payload.data(), payload.size());
@@ -319,7 +336,8 @@ absl::StatusOr<std::string> Client::Echo(std::string_view payload, int64_t respo
   PrepareContext(&ctx, kTimeout);
   grpc::Status st = stub()->Echo(&ctx, request, &response);
   if (!st.ok()) return FromGrpc(st);
-  return std::move(*response.mutable_payload());
+  *out = std::move(*response.mutable_payload());
+  return absl::OkStatus();
 }
 
 }  // namespace attn::client

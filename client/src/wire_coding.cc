@@ -203,29 +203,35 @@ absl::StatusOr<DType> DTypeFromWire(const std::string& name, int dtype) {
   }
 }
 
-absl::StatusOr<Tensor> TensorFromWire(const std::string& name, const v1::Tensor& header,
-                                      const std::vector<std::string_view>& data, uint64_t size) {
+// The dtype of a received tensor once its header is checked against its data's size.
+absl::StatusOr<DType> CheckTensor(const std::string& name, const v1::Tensor& header,
+                                  uint64_t size) {
   if (header.has_region()) {
     return absl::InternalError(absl::StrCat("the server wrote ", name, " into region '",
                                             header.region().region(),
                                             "' instead of sending it, which this call did not ask"));
   }
-  Tensor t;
   auto dtype = DTypeFromWire(name, header.dtype());
   if (!dtype.ok()) return dtype.status();
-  t.dtype = *dtype;
-  auto bytes = WireTensorBytes(name, header, t.dtype);
+  auto bytes = WireTensorBytes(name, header, *dtype);
   if (!bytes.ok()) return bytes.status();
   if (*bytes != size) {
     return absl::InternalError(absl::StrCat(
         "the server sent ", size, " bytes of ", name, " where its shape [",
         absl::StrJoin(header.shape(), ", "), "] and dtype need ", *bytes));
   }
-  t.shape.assign(header.shape().begin(), header.shape().end());
-  // The one copy: from the received slices into the tensor (reserve + append: no zero-fill).
-  t.data.reserve(size);
-  for (std::string_view p : data) t.data.append(p);
-  return t;
+  return *dtype;
+}
+
+// The one copy: from the received pieces into t's buffer, reused when large enough (clear +
+// reserve + append: no zero-fill, and no fresh pages for a caller that calls in a loop).
+void CopyTensor(DType dtype, const v1::Tensor& header, const std::vector<std::string_view>& data,
+                uint64_t size, Tensor* t) {
+  t->dtype = dtype;
+  t->shape.assign(header.shape().begin(), header.shape().end());
+  t->data.clear();
+  t->data.reserve(size);
+  for (std::string_view p : data) t->data.append(p);
 }
 
 }  // namespace
@@ -350,31 +356,41 @@ absl::Status DecodeAttendResponse(std::span<const std::string_view> pieces,
   return absl::OkStatus();
 }
 
-absl::StatusOr<AttendResult> AttendResultFromDecoded(const DecodedAttendResponse& decoded) {
+absl::Status ReadAttendResult(const DecodedAttendResponse& decoded, AttendResult* result) {
   const v1::AttendResponse& h = decoded.header;
   if (!h.has_o()) return absl::InternalError("the server's AttendResponse has no o");
-  AttendResult result;
-  auto o = TensorFromWire("o", h.o(), decoded.o_data, decoded.o_size);
+  // Both checked before either is copied: on an error *result is left as it was.
+  const absl::StatusOr<DType> o = CheckTensor("o", h.o(), decoded.o_size);
   if (!o.ok()) return o.status();
-  result.o = std::move(*o);
+  absl::StatusOr<DType> lse = DType::kFloat32;
+  if (h.has_lse()) lse = CheckTensor("lse", h.lse(), decoded.lse_size);
+  if (!lse.ok()) return lse.status();
+  CopyTensor(*o, h.o(), decoded.o_data, decoded.o_size, &result->o);
   if (h.has_lse()) {
-    auto lse = TensorFromWire("lse", h.lse(), decoded.lse_data, decoded.lse_size);
-    if (!lse.ok()) return lse.status();
-    result.lse = std::move(*lse);
+    if (!result->lse) result->lse.emplace();
+    CopyTensor(*lse, h.lse(), decoded.lse_data, decoded.lse_size, &*result->lse);
+  } else {
+    result->lse.reset();
   }
-  result.timing = h.timing();
-  return result;
+  result->timing = h.timing();
+  return absl::OkStatus();
 }
 
-absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response) {
+absl::Status ReadAttendResponse(grpc::ByteBuffer* response, AttendResult* result) {
   ReceivedBytes received;
   RETURN_IF_ERROR(received.Take(response));
   DecodedAttendResponse decoded;
   RETURN_IF_ERROR(DecodeAttendResponse(received.pieces, &decoded));
-  return AttendResultFromDecoded(decoded);
+  return ReadAttendResult(decoded, result);
 }
 
-absl::StatusOr<std::string> EchoPayloadFromWire(grpc::ByteBuffer* response) {
+absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response) {
+  AttendResult result;
+  RETURN_IF_ERROR(ReadAttendResponse(response, &result));
+  return result;
+}
+
+absl::Status ReadEchoResponse(grpc::ByteBuffer* response, std::string* payload_out) {
   ReceivedBytes received;
   RETURN_IF_ERROR(received.Take(response));
   constexpr char kEchoResponse[] = "EchoResponse";
@@ -395,9 +411,16 @@ absl::StatusOr<std::string> EchoPayloadFromWire(grpc::ByteBuffer* response) {
     std::string error;  // anything else is unknown to EchoResponse: checked and skipped
     if (!wire::CopyField(r, tag, nullptr, &error)) return Malformed(kEchoResponse, field, error, at);
   }
+  // The one copy, into the caller's string (its buffer reused where large enough).
+  payload_out->clear();
+  payload_out->reserve(size);
+  for (std::string_view p : payload) payload_out->append(p);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> EchoPayloadFromWire(grpc::ByteBuffer* response) {
   std::string out;
-  out.reserve(size);
-  for (std::string_view p : payload) out.append(p);
+  RETURN_IF_ERROR(ReadEchoResponse(response, &out));
   return out;
 }
 

@@ -255,10 +255,32 @@ absl::StatusOr<AttendResult> ThroughProtobuf(const std::string& bytes) {
   return Client::ParseAttendResponse(message);
 }
 
+// A result left from an earlier call, to decode into: the decoder must overwrite all of it.
+AttendResult Poisoned() {
+  static std::mt19937_64 rng(1);
+  AttendResult r;
+  r.o = RandomTensor(rng, 1000, true);
+  std::fill(r.o.data.begin(), r.o.data.end(), '\xEE');
+  if (rng() % 2) r.lse = RandomTensor(rng, 50, true);
+  r.timing.set_queue_us(-1);
+  r.timing.set_batch_requests(-1);
+  return r;
+}
+
+::testing::AssertionResult SameTensor(const Tensor& a, const Tensor& b);
+
+// Decodes into a poisoned result; on an error it must be left as it was.
 absl::StatusOr<AttendResult> ThroughWire(const std::vector<std::string_view>& pieces) {
   DecodedAttendResponse decoded;
   if (absl::Status st = DecodeAttendResponse(pieces, &decoded); !st.ok()) return st;
-  return AttendResultFromDecoded(decoded);
+  const AttendResult before = Poisoned();
+  AttendResult result = before;
+  if (absl::Status st = ReadAttendResult(decoded, &result); !st.ok()) {
+    EXPECT_TRUE(SameTensor(result.o, before.o)) << "a failed read changed o";
+    EXPECT_EQ(result.lse.has_value(), before.lse.has_value()) << "a failed read changed lse";
+    return st;
+  }
+  return result;
 }
 
 ::testing::AssertionResult SameTensor(const Tensor& a, const Tensor& b) {

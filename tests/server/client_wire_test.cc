@@ -120,12 +120,30 @@ class ClientWireTest : public ::testing::Test {
         }
       }
     }
+    // Into a result reused from call to call (poisoned first): the same answer.
+    const absl::Status st = clients_[0][0]->Attend(r.q, r.k, r.v, r.options, &reused_);
+    EXPECT_EQ(st.code(), first.status().code()) << what << ", into a reused result: " << st;
+    if (st.ok() && first.ok()) {
+      EXPECT_EQ(reused_.o.shape, first->o.shape) << what;
+      EXPECT_TRUE(reused_.o.data == first->o.data) << what << ": o differs in a reused result";
+      EXPECT_EQ(reused_.lse.has_value(), first->lse.has_value()) << what;
+      if (reused_.lse && first->lse) EXPECT_TRUE(reused_.lse->data == first->lse->data) << what;
+    }
+    if (!st.ok()) Poison();
     return first;
+  }
+
+  void Poison() {
+    reused_.o.data.assign(rng_() % 300000, '\xEE');
+    reused_.o.shape = {7};
+    reused_.lse = client::Tensor();
+    reused_.lse->data.assign(rng_() % 1000, '\xEE');
   }
 
   static testing::LoopbackServer* servers_[2];
   static Client* clients_[2][2];
   std::mt19937_64 rng_{Seed()};
+  client::AttendResult reused_;
 
  private:
   static uint64_t Seed() {
@@ -138,6 +156,7 @@ testing::LoopbackServer* ClientWireTest::servers_[2] = {};
 Client* ClientWireTest::clients_[2][2] = {};
 
 TEST_F(ClientWireTest, RandomRequestsAnsweredAlikeByEveryPairing) {
+  Poison();
   for (int i = 0; i < 40; ++i) {
     const testing::RandomRequest r = RandomRequest();
     const std::string what = "request " + std::to_string(i);
@@ -223,6 +242,7 @@ TEST_F(ClientWireTest, BadRequestsGetTheSameStatusEitherWay) {
 // The generated stub's Echo against both servers' Echo (raw on the wire path): every
 // response_bytes case of the contract.
 TEST_F(ClientWireTest, GeneratedStubEchoWorksAgainstBothServers) {
+  std::string reused;
   for (int i = 0; i < 60; ++i) {
     std::string payload(rng_() % 4 == 0 ? 0 : rng_() % 100000, '\0');
     for (char& c : payload) c = static_cast<char>(rng_());
@@ -247,6 +267,11 @@ TEST_F(ClientWireTest, GeneratedStubEchoWorksAgainstBothServers) {
         const auto echo = clients_[s][c]->Echo(payload, response_bytes);
         ASSERT_TRUE(echo.ok()) << Name(s, c) << ": " << echo.status();
         EXPECT_TRUE(*echo == expected) << Name(s, c) << ", case " << i;
+        // Into a string kept from the last call (poisoned): the same.
+        reused.append(rng_() % 3000, '\xEE');
+        const absl::Status st = clients_[s][c]->Echo(payload, response_bytes, &reused);
+        ASSERT_TRUE(st.ok()) << Name(s, c) << ": " << st;
+        EXPECT_TRUE(reused == expected) << Name(s, c) << ", case " << i << ", reused string";
       }
     }
   }

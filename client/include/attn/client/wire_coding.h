@@ -90,14 +90,18 @@ struct DecodedAttendResponse {
 absl::Status DecodeAttendResponse(std::span<const std::string_view> pieces,
                                   DecodedAttendResponse* out);
 
-// The result of a decoded response: o and lse checked (known dtype, sizes that fit, data as
-// long as the shape says; INTERNAL otherwise) and copied from the pieces into their tensors.
-absl::StatusOr<AttendResult> AttendResultFromDecoded(const DecodedAttendResponse& decoded);
+// The result of a decoded response, into *result: o and lse checked (known dtype, sizes that
+// fit, data as long as the shape says; INTERNAL otherwise, *result left as it was) and copied
+// from the pieces into result's tensors, whose buffers are reused where large enough.
+absl::Status ReadAttendResult(const DecodedAttendResponse& decoded, AttendResult* result);
 
 // Both of the above over a received response (left empty).
+absl::Status ReadAttendResponse(grpc::ByteBuffer* response, AttendResult* result);
 absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response);
 
-// The payload of a received EchoResponse (left empty), copied once; INTERNAL when malformed.
+// The payload of a received EchoResponse (left empty), copied once into *payload (its buffer
+// reused where large enough); INTERNAL when malformed.
+absl::Status ReadEchoResponse(grpc::ByteBuffer* response, std::string* payload);
 absl::StatusOr<std::string> EchoPayloadFromWire(grpc::ByteBuffer* response);
 
 }  // namespace attn::client
