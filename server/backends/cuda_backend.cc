@@ -471,17 +471,15 @@ void CudaBackend::LaneLoop(Lane* lane) {
     for (const auto& job : work.batch) report.tokens += job->Tokens();
     std::vector<absl::Status> status(work.batch.size());
     if (work.batch.front()->step) {
-      RunSteps(*lane, work.batch, status, &report);
-    } else {
-      RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+      std::shared_ptr<const StepResults> results = RunSteps(*lane, work.batch, status, &report);
+      FinishSteps(std::move(work.batch), std::move(status), std::move(results));
+      work.on_finished(report);
+      continue;
     }
+    RunSplittingOnExhaustion(*lane, work.batch, status, &report);
     // The results are in pinned memory now; copying them into the responses and finishing the
     // calls runs on the completion pool while this lane takes the next batch.
     for (size_t i = 0; i < work.batch.size(); ++i) {
-      if (work.batch[i]->step) {  // outputs are in the response already: no hand-off
-        work.batch[i]->done(status[i]);
-        continue;
-      }
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
       completions_->Post([this, job, st = std::move(status[i])] {
         // Steps' outputs are in their responses already; GPU regions got theirs on the device.
@@ -606,6 +604,19 @@ struct StepLayout {
   bool any_lse = false;
 };
 
+}  // namespace
+
+// A finished step launch's outputs in pinned memory until every member's are in its response;
+// shared by the tasks that copy them, the last of which gives the buffer back to its pool.
+struct StepResults {
+  PinnedBuffer host_out;
+  size_t o = 0, lse = 0;           // offsets of o and lse in host_out
+  std::vector<int32_t> first_row;  // per job of the batch: its first row in the launch, or -1
+  int32_t total_q = 0, heads = 0;
+};
+
+namespace {
+
 StepLayout PlanStepLayout(const BatchKey& key, const StepLaunch& l, bool any_lse) {
   StepLayout s;
   const size_t q_bytes = size_t(l.total_q) * key.num_heads * key.head_dim * 2;
@@ -664,24 +675,30 @@ void StageStepInputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunc
   put(s.append, l.append_rows);
 }
 
-// Each member's o (and lse, a strided block of the launch's [num_heads, total_q]) from the
-// pinned output buffer into its response.
-void UnstageStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
-                        const StepLayout& s, const char* out, int32_t heads) {
-  for (size_t m = 0; m < l.members.size(); ++m) {
-    AttendJob& job = *jobs[l.members[m]];
-    const int32_t q0 = l.cu_seqlens_q[m];
-    const size_t o_bytes = job.q_bytes.size();
-    const size_t row = o_bytes / size_t(job.total_q);
-    std::memcpy(StepOutput(job), out + s.o + size_t(q0) * row, o_bytes);
-    if (!job.return_lse) continue;
-    float* lse = StepLse(job);
-    const float* all = reinterpret_cast<const float*>(out + s.lse);
-    for (int32_t h = 0; h < heads; ++h) {
-      std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * l.total_q + q0,
-                  sizeof(float) * job.total_q);
-    }
+// One member's o (and lse, a strided block of the launch's [num_heads, total_q]) from the pinned
+// output buffer into its response (or output regions).
+void UnstageStepOutput(AttendJob& job, const StepResults& r, int32_t q0) {
+  const char* out = static_cast<const char*>(r.host_out.data());
+  const size_t o_bytes = job.q_bytes.size();
+  const size_t row = o_bytes / size_t(job.total_q);
+  std::memcpy(StepOutput(job), out + r.o + size_t(q0) * row, o_bytes);
+  if (!job.return_lse) return;
+  float* lse = StepLse(job);
+  const float* all = reinterpret_cast<const float*>(out + r.lse);
+  for (int32_t h = 0; h < r.heads; ++h) {
+    std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * r.total_q + q0,
+                sizeof(float) * job.total_q);
   }
+}
+
+// Copies job i's outputs (when its step succeeded) and tells its caller.
+void FinishStep(AttendJob& job, size_t i, absl::Status st, const StepResults* results) {
+  if (st.ok() && results != nullptr && results->first_row[i] >= 0) {
+    const auto start = Clock::now();
+    UnstageStepOutput(job, *results, results->first_row[i]);
+    job.host_copy_us = Micros(Clock::now() - start);
+  }
+  job.done(std::move(st));
 }
 
 // Launches of at most this many steps are waited for by polling (WaitBriefly).
@@ -699,17 +716,19 @@ cudaError_t WaitBriefly(cudaEvent_t event) {
 
 }  // namespace
 
-void CudaBackend::RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                           std::span<absl::Status> status, BatchReport* report) {
+std::shared_ptr<const StepResults> CudaBackend::RunSteps(
+    Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs, std::span<absl::Status> status,
+    BatchReport* report) {
   if (absl::Status health = Health(); !health.ok()) {
     std::fill(status.begin(), status.end(), health);
-    return;
+    return nullptr;
   }
   const StepLaunch l = BeginStepLaunch(jobs, status);
   report->decode = jobs.front()->key.decode;
   absl::Status st;
+  std::shared_ptr<StepResults> results;
   if (!l.members.empty()) {
-    st = LaunchSteps(lane, jobs, l, report);
+    st = LaunchSteps(lane, jobs, l, report, &results);
     if (!st.ok() && !absl::IsResourceExhausted(st)) NoteIfDeviceLost(lane);
   }
   EndStepLaunch(jobs, l, status, st);
@@ -717,12 +736,41 @@ void CudaBackend::RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> job
     job->batch_requests = static_cast<int32_t>(jobs.size());
     job->batch_tokens = l.total_q;
   }
+  return st.ok() ? results : nullptr;
+}
+
+void CudaBackend::FinishSteps(Batch batch, std::vector<absl::Status> status,
+                              std::shared_ptr<const StepResults> results) {
+  const size_t n = batch.size();
+  if (n <= kPolledLaunchSteps) {  // latency-bound: no hop to another thread
+    for (size_t i = 0; i < n; ++i) FinishStep(*batch[i], i, std::move(status[i]), results.get());
+    return;
+  }
+  // Many steps: copied into their responses and finished over the completion pool, in parallel,
+  // while this lane takes its next launch. Each task owns its range of jobs; a job is destroyed
+  // (its pending count released) right after its caller is told.
+  struct Shared {
+    Batch batch;
+    std::vector<absl::Status> status;
+  };
+  auto shared = std::make_shared<Shared>(Shared{std::move(batch), std::move(status)});
+  const size_t tasks = std::min<size_t>(n, std::max(options_.completion_threads, 1));
+  for (size_t t = 0; t < tasks; ++t) {
+    const size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
+    completions_->Post([shared, results, begin, end] {
+      for (size_t i = begin; i < end; ++i) {
+        FinishStep(*shared->batch[i], i, std::move(shared->status[i]), results.get());
+        shared->batch[i].reset();
+      }
+    });
+  }
 }
 
 // Stages the launch, appends into the KV region, runs the paged kernel and copies the outputs
 // into the responses; waits for the stream.
 absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                                      const StepLaunch& l, BatchReport* report) {
+                                      const StepLaunch& l, BatchReport* report,
+                                      std::shared_ptr<StepResults>* results) {
   const BatchKey& key = jobs.front()->key;
   bool any_lse = false;
   for (size_t i : l.members) any_lse |= jobs[i]->return_lse;
@@ -780,9 +828,6 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
                                                : cudaEventSynchronize(ev[3]));
   sync_on_error.Done();
 
-  const auto start = Clock::now();
-  UnstageStepOutputs(jobs, l, layout, static_cast<const char*>(host_out.data()), key.num_heads);
-  const double host_us = Micros(Clock::now() - start);
   const double in_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);
   const double out_ms = ElapsedMs(ev[2], ev[3]);
   report->compute_seconds += kernel_ms * 1e-3;
@@ -798,8 +843,16 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   for (size_t i : l.members) {
     jobs[i]->transfer_us = (in_ms + out_ms) * 1e3;
     jobs[i]->compute_us = kernel_ms * 1e3;
-    jobs[i]->host_copy_us = host_us;
   }
+  auto r = std::make_shared<StepResults>();
+  r->host_out = std::move(host_out);
+  r->o = layout.o;
+  r->lse = layout.lse;
+  r->total_q = l.total_q;
+  r->heads = key.num_heads;
+  r->first_row.assign(jobs.size(), -1);
+  for (size_t m = 0; m < l.members.size(); ++m) r->first_row[l.members[m]] = l.cu_seqlens_q[m];
+  *results = std::move(r);
   return absl::OkStatus();
 }
 
