@@ -649,14 +649,15 @@ StepLayout PlanStepLayout(const BatchKey& key, const StepLaunch& l, bool any_lse
 void StageStepInputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
                      const StepLayout& s, char* host) {
   size_t q_at = s.q, k_at = s.k, v_at = s.v;
+  auto copy = [host](std::string_view from, size_t& at) {
+    std::memcpy(host + at, from.data(), from.size());
+    at += from.size();
+  };
   for (size_t i : l.members) {
     const AttendJob& job = *jobs[i];
-    std::memcpy(host + q_at, job.q_bytes.data(), job.q_bytes.size());
-    std::memcpy(host + k_at, job.k_bytes.data(), job.k_bytes.size());
-    std::memcpy(host + v_at, job.v_bytes.data(), job.v_bytes.size());
-    q_at += job.q_bytes.size();
-    k_at += job.k_bytes.size();
-    v_at += job.v_bytes.size();
+    copy(job.q_bytes, q_at);
+    copy(job.k_bytes, k_at);
+    copy(job.v_bytes, v_at);
   }
   auto put = [host](size_t at, const auto& v) {
     std::memcpy(host + at, v.data(), v.size() * sizeof(v[0]));
@@ -710,6 +711,20 @@ cudaError_t WaitBriefly(cudaEvent_t event) {
   const auto until = Clock::now() + std::chrono::microseconds(300);
   cudaError_t e;
   while ((e = cudaEventQuery(event)) == cudaErrorNotReady && Clock::now() < until) {
+  }
+  return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
+}
+
+// A large launch: sleeps through most of its expected device time (a blocking wait would add the
+// tens of microseconds of an interrupt-driven wake-up), then polls, yielding the core.
+cudaError_t WaitForLaunch(cudaEvent_t event, double expected_us) {
+  if (expected_us > 50) {
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(0.7 * expected_us)));
+  }
+  const auto until = Clock::now() + std::chrono::milliseconds(2);
+  cudaError_t e;
+  while ((e = cudaEventQuery(event)) == cudaErrorNotReady && Clock::now() < until) {
+    std::this_thread::yield();
   }
   return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
 }
@@ -822,14 +837,24 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
                                                    layout.out_bytes, cudaMemcpyDeviceToHost, s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], s));
   // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
-  // blocks, leaving the core to the transport.
-  RETURN_IF_CUDA_ERROR("batch completion", l.members.size() <= kPolledLaunchSteps
-                                               ? WaitBriefly(ev[3])
-                                               : cudaEventSynchronize(ev[3]));
+  // sleeps through most of its expected time first, leaving the core to the transport.
+  const double bytes = l.kv_bytes_read + double(layout.in_bytes + layout.out_bytes);
+  RETURN_IF_CUDA_ERROR("batch completion",
+                       l.members.size() <= kPolledLaunchSteps
+                           ? WaitBriefly(ev[3])
+                           : WaitForLaunch(ev[3], lane.device_us_per_byte * bytes));
   sync_on_error.Done();
 
   const double in_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);
   const double out_ms = ElapsedMs(ev[2], ev[3]);
+  const double device_us = (in_ms + kernel_ms + out_ms) * 1e3;
+  if (l.members.size() > kPolledLaunchSteps) {
+    // The fastest rate seen lately: a launch that runs faster than it (a decode after prefills,
+    // which are compute-bound) would otherwise be slept through.
+    const double rate = device_us / bytes;
+    lane.device_us_per_byte =
+        lane.device_us_per_byte == 0 ? rate : std::min(rate, 1.02 * lane.device_us_per_byte);
+  }
   report->compute_seconds += kernel_ms * 1e-3;
   report->transfer_seconds += (in_ms + out_ms) * 1e-3;
   report->step_launches += 1;
