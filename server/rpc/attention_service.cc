@@ -72,12 +72,7 @@ AttentionService::AttentionService(Options options, Batcher* batcher, Backend* b
       backend_(backend),
       metrics_(metrics),
       sessions_(sessions),
-      pending_(options_.max_pending_per_client) {
-  if (sessions_ != nullptr) {
-    SetMessageAllocatorFor_Step(&step_messages_);
-    SetMessageAllocatorFor_BatchStep(&batch_step_messages_);
-  }
-}
+      pending_(options_.max_pending_per_client) {}
 
 absl::StatusOr<std::string> AttentionService::Identify(
     const grpc::CallbackServerContext* ctx) const {

@@ -14,7 +14,6 @@
 #include "engine/backend.h"
 #include "observability/metrics.h"
 #include "common/tsan_annotations.h"
-#include "rpc/message_pool.h"
 
 namespace attn {
 
@@ -210,10 +209,6 @@ class AttentionService final : public AttentionCallbackBase {
   int64_t open_streams_ = 0;                          // streams whose OnDone has not run
   std::condition_variable streams_done_;              // open_streams_ reached zero
   bool ending_streams_ = false;                       // guarded by streams_mu_
-  // Step and BatchStep messages, reused (set on the methods when sessions are on). Declared
-  // last: gRPC, which holds them during calls, is shut down before the service goes away.
-  MessagePool<v1::StepRequest, v1::StepResponse> step_messages_{256, 1 << 20};
-  MessagePool<v1::BatchStepRequest, v1::BatchStepResponse> batch_step_messages_{32, 8 << 20};
 };
 
 }  // namespace attn

@@ -141,9 +141,7 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
   if (sessions_ == nullptr) return Unimplemented(ctx, Rpc::kStep, received);
   auto* reactor = ctx->DefaultReactor();
   auto finish = [this, reactor, arrival, received, response](const absl::Status& st) {
-    const int64_t sent = st.ok() ? Bytes(*response) : 0;
-    HandOffToGrpc(response);  // the messages go back to step_messages_ after the call
-    FinishUnary(reactor, Rpc::kStep, arrival, st, received, sent);
+    FinishUnary(reactor, Rpc::kStep, arrival, st, received, st.ok() ? Bytes(*response) : 0);
   };
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
@@ -214,9 +212,8 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     auto call = std::make_shared<BatchStepCall>();
     call->slot = slot;
     call->finish = [this, reactor, arrival, received, response] {
-      const int64_t sent = Bytes(*response);
-      HandOffToGrpc(response);  // the messages go back to batch_step_messages_ after the call
-      FinishUnary(reactor, Rpc::kBatchStep, arrival, absl::OkStatus(), received, sent);
+      FinishUnary(reactor, Rpc::kBatchStep, arrival, absl::OkStatus(), received,
+                  Bytes(*response));
     };
     call->remaining = n + 1;  // + 1 until every item is queued
     std::vector<std::unique_ptr<AttendJob>> jobs;
@@ -240,7 +237,6 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
   }();
   if (!st.ok()) {
     response->Clear();
-    HandOffToGrpc(response);
     FinishUnary(reactor, Rpc::kBatchStep, arrival, st, received, 0);
   }
   HandlerReturns();

@@ -182,68 +182,6 @@ TEST_F(SessionTest, BatchStepItemsHaveTheirOwnStatusAndOrder) {
   EXPECT_EQ(empty.results_size(), 0);
 }
 
-// attnd reuses Step and BatchStep messages from call to call (MessagePool): nothing of one call
-// (its lse, its item count, an error's missing response) may show in the next one's answer.
-TEST_F(SessionTest, ReusedMessagesCarryNothingFromTheLastCall) {
-  Start();
-  const SessionSpec spec{2, 4, 2, 64, v1::DTYPE_FLOAT16};
-  SessionShadow a(spec), b(spec);
-  const std::string ida = Create(spec), idb = Create(spec);
-  for (int round = 0; round < 6; ++round) {
-    v1::BatchStepRequest big;
-    for (int i = 0; i < 4; ++i) {
-      v1::StepRequest step = testing::RandomStep(i % 2 ? idb : ida, i / 2, 1 + i, spec, rng_);
-      step.set_return_lse(true);
-      *big.add_steps() = step;
-    }
-    v1::BatchStepResponse big_resp;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(stub_->BatchStep(&ctx, big, &big_resp).ok());
-    ASSERT_EQ(big_resp.results_size(), 4);
-    for (int i = 0; i < 4; ++i) {
-      ASSERT_EQ(big_resp.results(i).status_code(), 0) << big_resp.results(i).status_message();
-      SessionShadow& shadow = i % 2 ? b : a;
-      shadow.Append(big.steps(i));
-      EXPECT_TRUE(big_resp.results(i).response().has_lse());
-      ExpectMatches(shadow, big.steps(i), big_resp.results(i).response());
-    }
-    // Fewer items, no lse, one of them refused.
-    v1::BatchStepRequest small;
-    v1::StepRequest good = testing::RandomStep(ida, 1, 2, spec, rng_);
-    good.set_return_lse(false);
-    *small.add_steps() = good;
-    *small.add_steps() = testing::RandomStep(ida, 9, 1, spec, rng_);  // layer out of range
-    v1::BatchStepResponse small_resp;
-    grpc::ClientContext ctx2;
-    ASSERT_TRUE(stub_->BatchStep(&ctx2, small, &small_resp).ok());
-    ASSERT_EQ(small_resp.results_size(), 2);
-    ASSERT_EQ(small_resp.results(0).status_code(), 0) << small_resp.results(0).status_message();
-    EXPECT_FALSE(small_resp.results(0).response().has_lse());
-    a.Append(good);
-    ExpectMatches(a, good, small_resp.results(0).response());
-    EXPECT_EQ(small_resp.results(1).status_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_FALSE(small_resp.results(1).has_response());
-    // Step: with lse, refused, then without lse.
-    v1::StepRequest with_lse = testing::RandomStep(idb, 0, 3, spec, rng_);
-    with_lse.set_return_lse(true);
-    v1::StepResponse r1;
-    ASSERT_TRUE(testing::Step(stub_, with_lse, &r1).ok());
-    b.Append(with_lse);
-    EXPECT_TRUE(r1.has_lse());
-    ExpectMatches(b, with_lse, r1);
-    v1::StepResponse refused;
-    EXPECT_EQ(testing::Step(stub_, testing::RandomStep(idb, 5, 1, spec, rng_), &refused).error_code(),
-              grpc::StatusCode::INVALID_ARGUMENT);
-    v1::StepRequest without = testing::RandomStep(idb, 0, 1, spec, rng_);
-    without.set_return_lse(false);
-    v1::StepResponse r2;
-    ASSERT_TRUE(testing::Step(stub_, without, &r2).ok());
-    b.Append(without);
-    EXPECT_FALSE(r2.has_lse());
-    ExpectMatches(b, without, r2);
-  }
-}
-
 // Fork shares the pages; the first append into a shared partial page copies it (one page), and
 // the two sessions then diverge, each matching its own history.
 TEST_F(SessionTest, ForkSharesPagesAndCopiesOnWrite) {
