@@ -82,13 +82,12 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
         "handle is empty: pass the memfd over the region socket (ListRegions.socket_path) first");
   }
   std::shared_ptr<SharedRegion> region;
-  uint64_t connection = 0;
   {
     const auto now = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(mu_);
     ExpirePendingLocked(now);
     auto p = pending_.find(r.handle());
-    if (p == pending_.end()) {
+    if (p == pending_.end() || p->second.claiming) {
       return absl::InvalidArgumentError(
           "handle is unknown, expired (60 s) or already claimed; pass the memfd over the region "
           "socket again");
@@ -101,19 +100,28 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
         !st.ok()) {
       return st;  // the handle stays pending: the client may claim it under another name
     }
-    region = std::move(p->second.region);
-    connection = p->second.connection;
-    pending_.erase(p);
+    p->second.claiming = true;
+    region = p->second.region;
   }
   // Page-locking takes time in proportion to the size (every page is faulted in and locked):
   // paid here once per region rather than on every request, outside the lock, on this
-  // RegisterRegion call's thread. The region is claimed meanwhile, so no other call reaches it.
+  // RegisterRegion call's thread. No request can reach the region meanwhile.
   RegisterWithDevice(*region);
   std::lock_guard<std::mutex> lock(mu_);
-  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), region->size()); !st.ok()) {
-    return st;  // another call took the name or the room meanwhile; the region is dropped
+  auto p = pending_.find(r.handle());
+  if (p == pending_.end()) {
+    // DropConnection (or the handle's expiry) took it meanwhile: the client is gone.
+    return absl::FailedPreconditionError(
+        "handle: the region socket connection that passed the memfd closed while it was being "
+        "registered");
   }
-  return InsertLocked(owner, r.name(), Entry{std::move(region), connection});
+  p->second.claiming = false;
+  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), region->size()); !st.ok()) {
+    return st;  // another call took the name or the room meanwhile; the handle stays pending
+  }
+  Entry e{std::move(p->second.region), p->second.connection};
+  pending_.erase(p);
+  return InsertLocked(owner, r.name(), std::move(e));
 }
 
 // Why the GPU may DMA straight into a client's memfd: MapMemfd maps only memfds sealed against
@@ -128,7 +136,8 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
 // faults in a fresh zero page, the size being unchanged). Unregistering runs before unmapping,
 // once no request holds the region (SharedRegion's destructor).
 void RegionRegistry::RegisterWithDevice(SharedRegion& region) const {
-  if (!options_.register_host) return;
+  // Registered already when an earlier claim of its handle was refused after registering it.
+  if (!options_.register_host || region.device_registered()) return;
   const auto bytes = static_cast<int64_t>(region.size());
   // Reserve the bytes first, so that concurrent registrations cannot overshoot the cap.
   const int64_t before = registered_host_bytes_->fetch_add(bytes);

@@ -82,6 +82,9 @@ class RegionRegistry {
     std::shared_ptr<SharedRegion> region;
     uint64_t connection = 0;
     std::chrono::steady_clock::time_point expires;
+    // A Register call is registering it with the device (outside the lock); it stays here
+    // meanwhile so that DropConnection still reaches it, and no other call can claim it.
+    bool claiming = false;
   };
   struct Entry {
     std::shared_ptr<SharedRegion> region;
@@ -101,9 +104,10 @@ class RegionRegistry {
                                              const v1::RegisterRegionRequest& request);
   v1::RegionInfo InsertLocked(const std::string& owner, const std::string& name, Entry e);
   static v1::RegionInfo InfoOf(const std::string& name, const Entry& e);
-  // Registers region (held only by the caller, not yet visible to requests) with the device
-  // when options_.register_host is set and max_registered_host_bytes has room; otherwise, or
-  // when the backend refuses, leaves it unregistered (served through staging) and counts why.
+  // Registers region (claimed by the caller, not yet visible to requests) with the device when
+  // options_.register_host is set, it is not registered yet and max_registered_host_bytes has
+  // room; otherwise, or when the backend refuses, leaves it unregistered (served through
+  // staging) and counts why.
   void RegisterWithDevice(SharedRegion& region) const;
 
   const Options options_;

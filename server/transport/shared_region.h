@@ -35,8 +35,8 @@ class SharedRegion {
   // A host region's mapping registered with the backend's device (CUDA backend: page-locked by
   // cudaHostRegister), so that requests copy straight between it and the GPU. unregister undoes
   // it and runs on destruction, before the unmapping: only once no request holds the region. Set
-  // at most once, by the registry while it holds the only reference (before any request can
-  // see the region), so that readers need no lock.
+  // at most once, by the registry before any request can see the region (readers then take
+  // the region from the registry under its lock, and need none of their own).
   void SetDeviceRegistration(std::function<void()> unregister);
   bool device_registered() const { return static_cast<bool>(unregister_); }
 

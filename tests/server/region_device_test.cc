@@ -208,6 +208,30 @@ TEST(HostRegionDeviceTest, AClaimRefusedForItsNameKeepsTheHandleAndRegistersNoth
   EXPECT_EQ(device.registered, 2);
 }
 
+TEST(HostRegionDeviceTest, AClientGoneWhileItsRegionIsRegisteredLeavesNothingBehind) {
+  FakeDevice device;
+  RegionRegistry::Options o = DeviceOptions(&device);
+  RegionRegistry* registry_ptr = nullptr;
+  auto register_host = o.register_host;
+  // The client's socket closes while its region is being page-locked.
+  o.register_host = [&](char* data, uint64_t bytes) {
+    registry_ptr->DropConnection(1);
+    return register_host(data, bytes);
+  };
+  RegionRegistry registry(o, nullptr);
+  registry_ptr = &registry;
+  const absl::StatusOr<v1::RegionInfo> info =
+      registry.Register("alice", HostRegistration("in", MemfdHandle(registry, kHostBytes)));
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kFailedPrecondition) << info.status();
+  EXPECT_NE(info.status().message().find("handle: the region socket connection"),
+            std::string::npos)
+      << info.status();
+  EXPECT_EQ(registry.RegionCount(), 0);
+  EXPECT_EQ(device.registered, 1);
+  EXPECT_EQ(device.unregistered, 1);
+  EXPECT_EQ(registry.RegisteredHostBytes(), 0);
+}
+
 // A registry with GPU region "g" and host region "h" of alice's.
 class StepGpuRegionTest : public ::testing::Test {
  protected:
