@@ -531,17 +531,15 @@ void CudaBackend::LaneLoop(Lane* lane) {
     for (const auto& job : work.batch) report.tokens += job->Tokens();
     std::vector<absl::Status> status(work.batch.size());
     if (work.batch.front()->step) {
-      RunSteps(*lane, work.batch, status, &report);
-    } else {
-      RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+      std::shared_ptr<const StepResults> results = RunSteps(*lane, work.batch, status, &report);
+      FinishSteps(std::move(work.batch), std::move(status), std::move(results));
+      work.on_finished(report);
+      continue;
     }
+    RunSplittingOnExhaustion(*lane, work.batch, status, &report);
     // The results are in pinned memory now; copying them into the responses and finishing the
     // calls runs on the completion pool while this lane takes the next batch.
     for (size_t i = 0; i < work.batch.size(); ++i) {
-      if (work.batch[i]->step) {  // outputs are in the response already: no hand-off
-        work.batch[i]->done(status[i]);
-        continue;
-      }
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
       completions_->Post([this, job, st = std::move(status[i])] {
         // Steps' outputs are in their responses already; GPU regions got theirs on the device.
@@ -707,6 +705,22 @@ struct StepLayout {
   bool any_lse = false;
 };
 
+}  // namespace
+
+// A finished step launch's outputs in pinned memory until every member's are in its response;
+// shared by the tasks that copy them, the last of which gives the buffer back to its pool.
+struct StepResults {
+  PinnedBuffer host_out;
+  size_t o = 0, lse = 0;           // offsets of o and lse in host_out
+  std::vector<int32_t> first_row;  // per job of the batch: its first row in the launch, or -1
+  // Per job of the batch: whether its o, and its lse, come back through host_out (else the
+  // launch wrote them straight into its output regions: nothing left to copy).
+  std::vector<uint8_t> o_staged, lse_staged;
+  int32_t total_q = 0, heads = 0;
+};
+
+namespace {
+
 StepLayout PlanStepLayout(const BatchKey& key, const StepLaunch& l, bool any_lse, bool in_place) {
   StepLayout s;
   const size_t tokens = in_place ? 0 : size_t(l.total_q);
@@ -846,25 +860,31 @@ absl::Status CopyStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const S
   return absl::OkStatus();
 }
 
-// Each member's staged o (and lse, a strided block of the launch's [num_heads, total_q]) from the
-// pinned output buffer into its response or output region.
-void UnstageStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
-                        std::span<const StepRoute> routes, const StepLayout& s, const char* out,
-                        int32_t heads) {
-  for (size_t m = 0; m < l.members.size(); ++m) {
-    AttendJob& job = *jobs[l.members[m]];
-    const int32_t q0 = l.cu_seqlens_q[m];
-    const size_t o_bytes = job.q_bytes.size();
-    const size_t row = o_bytes / size_t(job.total_q);
-    if (!routes[m].o) std::memcpy(StepOutput(job), out + s.o + size_t(q0) * row, o_bytes);
-    if (!job.return_lse || routes[m].lse) continue;
-    float* lse = StepLse(job);
-    const float* all = reinterpret_cast<const float*>(out + s.lse);
-    for (int32_t h = 0; h < heads; ++h) {
-      std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * l.total_q + q0,
-                  sizeof(float) * job.total_q);
-    }
+// Job i's o (and lse, a strided block of the launch's [num_heads, total_q]), where they came back
+// through staging, from the pinned output buffer into its response (or output regions).
+void UnstageStepOutput(AttendJob& job, const StepResults& r, size_t i) {
+  const char* out = static_cast<const char*>(r.host_out.data());
+  const int32_t q0 = r.first_row[i];
+  const size_t o_bytes = job.q_bytes.size();
+  const size_t row = o_bytes / size_t(job.total_q);
+  if (r.o_staged[i]) std::memcpy(StepOutput(job), out + r.o + size_t(q0) * row, o_bytes);
+  if (!job.return_lse || !r.lse_staged[i]) return;
+  float* lse = StepLse(job);
+  const float* all = reinterpret_cast<const float*>(out + r.lse);
+  for (int32_t h = 0; h < r.heads; ++h) {
+    std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * r.total_q + q0,
+                sizeof(float) * job.total_q);
   }
+}
+
+// Copies job i's outputs (when its step succeeded) and tells its caller.
+void FinishStep(AttendJob& job, size_t i, absl::Status st, const StepResults* results) {
+  if (st.ok() && results != nullptr && results->first_row[i] >= 0) {
+    const auto start = Clock::now();
+    UnstageStepOutput(job, *results, i);
+    job.host_copy_us = Micros(Clock::now() - start);
+  }
+  job.done(std::move(st));
 }
 
 // Launches of at most this many steps are waited for by polling (WaitBriefly).
@@ -880,19 +900,35 @@ cudaError_t WaitBriefly(cudaEvent_t event) {
   return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
 }
 
+// A large launch: sleeps through most of its expected device time (a blocking wait would add the
+// tens of microseconds of an interrupt-driven wake-up), then polls, yielding the core.
+cudaError_t WaitForLaunch(cudaEvent_t event, double expected_us) {
+  if (expected_us > 50) {
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(0.7 * expected_us)));
+  }
+  const auto until = Clock::now() + std::chrono::milliseconds(2);
+  cudaError_t e;
+  while ((e = cudaEventQuery(event)) == cudaErrorNotReady && Clock::now() < until) {
+    std::this_thread::yield();
+  }
+  return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
+}
+
 }  // namespace
 
-void CudaBackend::RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                           std::span<absl::Status> status, BatchReport* report) {
+std::shared_ptr<const StepResults> CudaBackend::RunSteps(
+    Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs, std::span<absl::Status> status,
+    BatchReport* report) {
   if (absl::Status health = Health(); !health.ok()) {
     std::fill(status.begin(), status.end(), health);
-    return;
+    return nullptr;
   }
   const StepLaunch l = BeginStepLaunch(jobs, status);
   report->decode = jobs.front()->key.decode;
   absl::Status st;
+  std::shared_ptr<StepResults> results;
   if (!l.members.empty()) {
-    st = LaunchSteps(lane, jobs, l, report);
+    st = LaunchSteps(lane, jobs, l, report, &results);
     if (!st.ok() && !absl::IsResourceExhausted(st)) NoteIfDeviceLost(lane);
   }
   EndStepLaunch(jobs, l, status, st);
@@ -900,13 +936,43 @@ void CudaBackend::RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> job
     job->batch_requests = static_cast<int32_t>(jobs.size());
     job->batch_tokens = l.total_q;
   }
+  return st.ok() ? results : nullptr;
 }
 
-// Stages the launch, appends into the KV region, runs the paged kernel and copies the outputs
-// into the responses and output regions; waits for the stream. Tensors in GPU regions never
-// touch the host; those of a launch in place are not copied at all (RunsInPlace).
+void CudaBackend::FinishSteps(Batch batch, std::vector<absl::Status> status,
+                              std::shared_ptr<const StepResults> results) {
+  const size_t n = batch.size();
+  if (n <= kPolledLaunchSteps) {  // latency-bound: no hop to another thread
+    for (size_t i = 0; i < n; ++i) FinishStep(*batch[i], i, std::move(status[i]), results.get());
+    return;
+  }
+  // Many steps: copied into their responses and finished over the completion pool, in parallel,
+  // while this lane takes its next launch. Each task owns its range of jobs; a job is destroyed
+  // (its pending count released) right after its caller is told.
+  struct Shared {
+    Batch batch;
+    std::vector<absl::Status> status;
+  };
+  auto shared = std::make_shared<Shared>(Shared{std::move(batch), std::move(status)});
+  const size_t tasks = std::min<size_t>(n, std::max(options_.completion_threads, 1));
+  for (size_t t = 0; t < tasks; ++t) {
+    const size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
+    completions_->Post([shared, results, begin, end] {
+      for (size_t i = begin; i < end; ++i) {
+        FinishStep(*shared->batch[i], i, std::move(shared->status[i]), results.get());
+        shared->batch[i].reset();
+      }
+    });
+  }
+}
+
+// Stages the launch, appends into the KV region, runs the paged kernel and brings the outputs
+// back, into pinned staging (*results, for FinishStep to copy into the responses) or straight
+// into output regions; waits for the stream. Tensors in GPU regions never touch the host; those
+// of a launch in place are not copied at all (RunsInPlace).
 absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                                      const StepLaunch& l, BatchReport* report) {
+                                      const StepLaunch& l, BatchReport* report,
+                                      std::shared_ptr<StepResults>* results) {
   const BatchKey& key = jobs.front()->key;
   bool any_lse = false;
   std::vector<StepRoute> routes;
@@ -982,20 +1048,24 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   }
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], s));
   // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
-  // blocks, leaving the core to the transport.
-  RETURN_IF_CUDA_ERROR("batch completion", l.members.size() <= kPolledLaunchSteps
-                                               ? WaitBriefly(ev[3])
-                                               : cudaEventSynchronize(ev[3]));
+  // sleeps through most of its expected time first, leaving the core to the transport.
+  const double bytes = l.kv_bytes_read + double(layout.in_bytes + layout.out_bytes);
+  RETURN_IF_CUDA_ERROR("batch completion",
+                       l.members.size() <= kPolledLaunchSteps
+                           ? WaitBriefly(ev[3])
+                           : WaitForLaunch(ev[3], lane.device_us_per_byte * bytes));
   sync_on_error.Done();
 
-  const auto start = Clock::now();
-  if (staged_out) {
-    UnstageStepOutputs(jobs, l, routes, layout, static_cast<const char*>(host_out.data()),
-                       key.num_heads);
-  }
-  const double host_us = Micros(Clock::now() - start);
   const double in_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);
   const double out_ms = ElapsedMs(ev[2], ev[3]);
+  const double device_us = (in_ms + kernel_ms + out_ms) * 1e3;
+  if (l.members.size() > kPolledLaunchSteps) {
+    // The fastest rate seen lately: a launch that runs faster than it (a decode after prefills,
+    // which are compute-bound) would otherwise be slept through.
+    const double rate = device_us / bytes;
+    lane.device_us_per_byte =
+        lane.device_us_per_byte == 0 ? rate : std::min(rate, 1.02 * lane.device_us_per_byte);
+  }
   report->compute_seconds += kernel_ms * 1e-3;
   report->transfer_seconds += (in_ms + out_ms) * 1e-3;
   report->step_launches += 1;
@@ -1009,8 +1079,23 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   for (size_t i : l.members) {
     jobs[i]->transfer_us = (in_ms + out_ms) * 1e3;
     jobs[i]->compute_us = kernel_ms * 1e3;
-    jobs[i]->host_copy_us = host_us;
   }
+  auto r = std::make_shared<StepResults>();
+  r->host_out = std::move(host_out);
+  r->o = layout.o;
+  r->lse = layout.lse;
+  r->total_q = l.total_q;
+  r->heads = key.num_heads;
+  r->first_row.assign(jobs.size(), -1);
+  r->o_staged.assign(jobs.size(), 0);
+  r->lse_staged.assign(jobs.size(), 0);
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const size_t i = l.members[m];
+    r->first_row[i] = l.cu_seqlens_q[m];
+    r->o_staged[i] = !routes[m].o;
+    r->lse_staged[i] = jobs[i]->return_lse && !routes[m].lse;
+  }
+  *results = std::move(r);
   return absl::OkStatus();
 }
 
