@@ -45,7 +45,8 @@ class RegionRegistry {
     // staging instead, and counted. 0: none is registered.
     int64_t max_registered_host_bytes = int64_t{32} << 30;
   };
-  // metrics (borrowed, may be null) gets the registered regions' totals on every change.
+  // metrics (borrowed, may be null) gets the registered regions' totals on every change; it must
+  // outlive every region, including those requests still hold after the registry is gone.
   RegionRegistry(Options options, Metrics* metrics) : options_(options), metrics_(metrics) {
     PublishLocked();
   }
