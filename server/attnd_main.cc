@@ -94,6 +94,10 @@ ABSL_FLAG(int64_t, shm_max_regions_per_client, kDefaults.shm_max_regions_per_cli
           "Most shared-memory regions per client identity");
 ABSL_FLAG(int64_t, shm_max_bytes_per_client, kDefaults.shm_max_bytes_per_client,
           "Most bytes of shared-memory regions mapped per client identity");
+ABSL_FLAG(int64_t, shm_max_registered_bytes, kDefaults.shm_max_registered_bytes,
+          "CUDA backend: most bytes of host regions page-locked for direct GPU copies at once, "
+          "over all clients (resident, never swapped); regions past it are copied through pinned "
+          "staging. 0: never (always staged)");
 ABSL_FLAG(int, tcp_read_chunk_bytes, kDefaults.tcp_read_chunk_bytes,
           "Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's default (8 KiB, adaptive)");
 ABSL_FLAG(bool, attend_wire_path, kDefaults.attend_wire_path,
@@ -157,6 +161,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.shm_socket = absl::GetFlag(FLAGS_shm_socket);
   o.shm_max_regions_per_client = absl::GetFlag(FLAGS_shm_max_regions_per_client);
   o.shm_max_bytes_per_client = absl::GetFlag(FLAGS_shm_max_bytes_per_client);
+  o.shm_max_registered_bytes = absl::GetFlag(FLAGS_shm_max_registered_bytes);
   return o;
 }
 

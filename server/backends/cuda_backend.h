@@ -69,6 +69,9 @@ class CudaBackend : public Backend {
   absl::StatusOr<GpuImport> ImportIpcMemory(const std::string& handle, int32_t device_id,
                                             uint64_t bytes) override;
   bool HasGpu() const override { return true; }
+  // cudaHostRegister (portable), undone by cudaHostUnregister; RESOURCE_EXHAUSTED when the
+  // driver cannot page-lock the memory (limits, memory pressure).
+  absl::StatusOr<std::function<void()>> RegisterHostMemory(char* data, uint64_t bytes) override;
 
  private:
   struct Lane {
