@@ -2,8 +2,9 @@
 # 4k-token Attend (16 heads, d = 128, bf16) through host shared memory on the CUDA backend, with
 # the regions registered with the GPU (copied straight between them and the device: attnd's
 # default) and without (--shm_max_registered_bytes=0: through pinned staging, as before), next to
-# inline gRPC, at 1 and 16 clients; the targets of issue 13 are >= 3x gRPC's req/s. Needs attnd,
-# attnctl and attn-bench in BIN.
+# inline gRPC and CUDA IPC regions, at 1 and 16 clients; the targets are >= 3x gRPC's req/s
+# through host shm, >= 20x through CUDA IPC. ATTND_FLAGS (e.g. --streams=4) go to every attnd.
+# Needs attnd, attnctl and attn-bench in BIN.
 #   bench/shm_dma.sh BIN OUT_DIR [seconds per level]
 # Writes OUT_DIR/all.txt (the tables), OUT_DIR/bench.csv and OUT_DIR/attnd.log.
 set -uo pipefail
@@ -29,6 +30,7 @@ nproc | sed 's/^/cores: /' | tee "$out/all.txt"
 start_attnd "${flags[@]}" || exit 1
 bench "attend 4k grpc" --transport grpc
 bench "attend 4k shm registered" --transport shm
+bench "attend 4k cuda-ipc" --transport cuda-ipc
 stop_attnd
 start_attnd "${flags[@]}" --shm_max_registered_bytes=0 || exit 1
 bench "attend 4k shm staged" --transport shm
