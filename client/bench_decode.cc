@@ -26,7 +26,9 @@ using Clock = std::chrono::steady_clock;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 struct CallSample {
-  double latency_us, queue_us, compute_us;
+  // Client latency and the server's timing of the call's first step (ServerTiming): queue,
+  // kernel, device copies, and arrival to response ready (the rest of total_us is host work).
+  double latency_us, queue_us = 0, compute_us = 0, transfer_us = 0, total_us = 0;
 };
 
 // One row: a decode run or its Echo twin.
@@ -87,10 +89,12 @@ class Recorder {
     ++row_.calls;
     row_.kv_bytes += c.kv_bytes;
     row_.cached_tokens += c.cached_tokens;
-    CallSample s{std::chrono::duration<double, std::micro>(done - sent).count(), 0, 0};
+    CallSample s{std::chrono::duration<double, std::micro>(done - sent).count()};
     if (c.timing) {
       s.queue_us = c.timing->queue_us();
       s.compute_us = c.timing->compute_us();
+      s.transfer_us = c.timing->transfer_us();
+      s.total_us = c.timing->total_us();
     }
     row_.samples.push_back(s);
   }
@@ -364,18 +368,21 @@ std::string Fixed(double v, int precision) {
 }
 
 void PrintHeader() {
-  std::printf("%-10s %5s %7s %8s %9s %7s %10s %10s %8s %8s %9s %10s %7s %8s %10s %9s\n", "mode", "sess",
-              "callers", "per_call", "calls", "errors", "steps/s", "tokens/s", "p50_ms", "p99_ms", "queue_us",
-              "compute_us", "cache", "KV_GB/s", "steps/echo", "p50/echo");
+  std::printf("%-10s %5s %7s %8s %9s %7s %10s %10s %8s %8s %9s %10s %8s %9s %7s %8s %10s %9s\n", "mode",
+              "sess", "callers", "per_call", "calls", "errors", "steps/s", "tokens/s", "p50_ms", "p99_ms",
+              "queue_us", "compute_us", "xfer_us", "server_us", "cache", "KV_GB/s", "steps/echo", "p50/echo");
 }
 
 void PrintRow(const Row& r, int layers) {
-  std::printf("%-10s %5d %7d %8.1f %9lld %7lld %10.1f %10.1f %8.3f %8.3f %9s %10s %7s %8s %10s %9s\n",
+  auto server_mean = [&](double CallSample::*field, int width) {
+    return r.decode() ? Fixed(r.Mean(field), width) : std::string("-");
+  };
+  std::printf("%-10s %5d %7d %8.1f %9lld %7lld %10.1f %10.1f %8.3f %8.3f %9s %10s %8s %9s %7s %8s %10s %9s\n",
               r.mode.c_str(), r.sessions, r.callers, r.steps_per_call, static_cast<long long>(r.calls),
               static_cast<long long>(r.errors), r.StepsPerS(), r.StepsPerS() / layers, r.Percentile(0.5) / 1e3,
-              r.Percentile(0.99) / 1e3, r.decode() ? Fixed(r.Mean(&CallSample::queue_us), 1).c_str() : "-",
-              r.decode() ? Fixed(r.Mean(&CallSample::compute_us), 1).c_str() : "-",
-              r.decode() ? Fixed(r.MeanCache(), 0).c_str() : "-",
+              r.Percentile(0.99) / 1e3, server_mean(&CallSample::queue_us, 1).c_str(),
+              server_mean(&CallSample::compute_us, 1).c_str(), server_mean(&CallSample::transfer_us, 1).c_str(),
+              server_mean(&CallSample::total_us, 1).c_str(), r.decode() ? Fixed(r.MeanCache(), 0).c_str() : "-",
               r.decode() ? Fixed(r.KvBytesPerS() / 1e9, 3).c_str() : "-", Fixed(r.echo_steps_ratio, 3).c_str(),
               Fixed(r.echo_p50_ratio, 3).c_str());
   if (r.errors > 0) std::printf("           first error: %s\n", r.first_error.c_str());
@@ -392,7 +399,8 @@ std::string Num(double v) {
 
 const char* kCsvHeader =
     "mode,sessions,callers,layers,steps_per_call,cache_tokens,calls,steps,errors,calls_per_s,steps_per_s,"
-    "tokens_per_s,p50_ms,p90_ms,p99_ms,server_queue_us,server_compute_us,mean_cache_tokens,kv_bytes_per_s,"
+    "tokens_per_s,p50_ms,p90_ms,p99_ms,server_queue_us,server_compute_us,server_transfer_us,server_total_us,"
+    "mean_cache_tokens,kv_bytes_per_s,"
     "request_bytes,response_bytes,echo_steps_ratio,echo_p50_ratio,label";
 
 std::string CsvRow(const Row& r, const DecodeBenchOptions& o) {
@@ -403,7 +411,9 @@ std::string CsvRow(const Row& r, const DecodeBenchOptions& o) {
     << r.StepsPerS() << "," << r.StepsPerS() / o.layers << "," << r.Percentile(0.5) / 1e3 << ","
     << r.Percentile(0.9) / 1e3 << "," << r.Percentile(0.99) / 1e3 << ","
     << (r.decode() ? Num(r.Mean(&CallSample::queue_us)) : "") << ","
-    << (r.decode() ? Num(r.Mean(&CallSample::compute_us)) : "") << "," << (r.decode() ? Num(r.MeanCache()) : "")
+    << (r.decode() ? Num(r.Mean(&CallSample::compute_us)) : "") << ","
+    << (r.decode() ? Num(r.Mean(&CallSample::transfer_us)) : "") << ","
+    << (r.decode() ? Num(r.Mean(&CallSample::total_us)) : "") << "," << (r.decode() ? Num(r.MeanCache()) : "")
     << "," << (r.decode() ? Num(r.KvBytesPerS()) : "") << "," << r.request_bytes << "," << r.response_bytes << ","
     << Num(r.echo_steps_ratio) << "," << Num(r.echo_p50_ratio) << ",\"" << o.label << "\"";
   return s.str();
@@ -421,7 +431,9 @@ std::string JsonRow(const Row& r, const DecodeBenchOptions& o) {
     << ",\"request_bytes\":" << r.request_bytes << ",\"response_bytes\":" << r.response_bytes;
   if (r.decode()) {
     s << ",\"server_queue_us\":" << r.Mean(&CallSample::queue_us)
-      << ",\"server_compute_us\":" << r.Mean(&CallSample::compute_us) << ",\"mean_cache_tokens\":" << r.MeanCache()
+      << ",\"server_compute_us\":" << r.Mean(&CallSample::compute_us)
+      << ",\"server_transfer_us\":" << r.Mean(&CallSample::transfer_us)
+      << ",\"server_total_us\":" << r.Mean(&CallSample::total_us) << ",\"mean_cache_tokens\":" << r.MeanCache()
       << ",\"kv_bytes_per_s\":" << r.KvBytesPerS();
   }
   if (std::isfinite(r.echo_steps_ratio)) {

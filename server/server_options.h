@@ -61,6 +61,10 @@ struct ServerOptions {
   std::string shm_socket;
   int64_t shm_max_regions_per_client = 64;
   int64_t shm_max_bytes_per_client = int64_t{16} << 30;
+  // CUDA backend: most host-region bytes page-locked (cudaHostRegister) at once, over every
+  // client, so that the GPU copies straight from and into them; regions past it go through
+  // pinned staging. 0: no region is registered (always staged).
+  int64_t shm_max_registered_bytes = int64_t{32} << 30;
   // Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's own (8 KiB, adaptive). Off by
   // default: no measured gain yet (docs/PERF.md, "Transport settings").
   int tcp_read_chunk_bytes = 0;

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -48,13 +50,21 @@ bool IsStickyError(cudaError_t e) {
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// One request's inputs, staged by Prepare (or StageWireInputs) in the compute dtype (q, k and v
-// back to back), and the pinned buffer its outputs come back into (o, then lse as
-// [num_heads, total_q] fp32).
+// One request on the CUDA backend: where the launch copies its q, k and v from and its o and lse
+// (lse as [num_heads, total_q] fp32) to. Each is either in pinned staging (`in`, `out`, owned
+// here and returned to the pool when the job lets go of its state), or, with no staging, in a
+// host region registered with the device (AttendJob::host_registered) or a GPU region
+// (device_tensors): the job's region_holds keep those mapped.
 struct CudaJobState : BackendJobState {
-  PinnedBuffer in;
-  PinnedBuffer out;
-  size_t q_bytes = 0, kv_bytes = 0, o_bytes = 0;
+  PinnedBuffer in;   // staged inputs, in the compute dtype, back to back (q, k, v)
+  PinnedBuffer out;  // outputs that come back through staging (o, then lse)
+  size_t q_bytes = 0, kv_bytes = 0, o_bytes = 0;  // in the compute dtype
+  const char* q_src = nullptr;
+  const char* k_src = nullptr;
+  const char* v_src = nullptr;
+  char* o_dst = nullptr;
+  char* lse_dst = nullptr;  // when return_lse
+  bool o_direct = false, lse_direct = false;  // o_dst / lse_dst are the job's region, not `out`
   bool inputs_staged = false;  // by StageWireInputs: Prepare leaves `in` as it is
 };
 
@@ -129,23 +139,81 @@ HostCopy StagingCopy(std::string_view src, ElementCast cast, char* dst) {
   return {src.data(), dst, elements, cast};
 }
 
-// Copies a finished job's outputs from its pinned buffer into its response.
+// Copies a finished job's outputs that came back through staging into its response (or its
+// output regions, when those are not registered with the device); outputs the launch wrote
+// straight into a region need nothing more.
 void UnstageOutputs(const AttendJob& job, const HostCopier& copier) {
   const CudaJobState& state = StateOf(job);
-  const char* out = static_cast<const char*>(state.out.data());
   const ElementCast cast = UnstagingCast(job.key.wire_dtype, *job.key.staged_dtype);
-  // Into the response, or straight into the caller's region (o_region, lse_region).
-  char* o = job.o_out != nullptr ? job.o_out : job.response->mutable_o()->mutable_data()->data();
-  HostCopy copies[2] = {
-      {out, o, cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2, cast}};
-  size_t n = 1;
-  if (job.return_lse) {
+  HostCopy copies[2];
+  size_t n = 0;
+  if (!state.o_direct) {
+    char* o = job.o_out != nullptr ? job.o_out : job.response->mutable_o()->mutable_data()->data();
+    copies[n++] = {state.o_dst, o, cast == ElementCast::kNone ? state.o_bytes : state.o_bytes / 2,
+                   cast};
+  }
+  if (job.return_lse && !state.lse_direct) {
     const size_t lse_bytes = sizeof(float) * size_t(job.key.num_heads) * job.total_q;
     char* lse = job.lse_out != nullptr ? job.lse_out
                                        : job.response->mutable_lse()->mutable_data()->data();
-    copies[n++] = {out + state.o_bytes, lse, lse_bytes, ElementCast::kNone};
+    copies[n++] = {state.lse_dst, lse, lse_bytes, ElementCast::kNone};
   }
   copier.Run({copies, n});
+}
+
+// q, k and v into pinned staging in the compute dtype, except those in a host region registered
+// with the device that need no conversion: the launch copies those straight from the region.
+absl::Status StageInputs(const AttendJob& job, kernels::DType compute, PinnedPool& pool,
+                         const HostCopier& copier, CudaJobState& state) {
+  const ElementCast cast = StagingCast(job.key.wire_dtype, compute);
+  const bool as_is = cast == ElementCast::kNone;
+  const AttendJob::HostRegistered& reg = job.host_registered;
+  struct Part {
+    std::string_view src;
+    bool direct;
+    size_t bytes;  // staged
+    const char** to;
+  };
+  const Part parts[] = {{job.q_bytes, as_is && reg.q, state.q_bytes, &state.q_src},
+                        {job.k_bytes, as_is && reg.k, state.kv_bytes, &state.k_src},
+                        {job.v_bytes, as_is && reg.v, state.kv_bytes, &state.v_src}};
+  size_t staged = 0;
+  for (const Part& p : parts) staged += p.direct ? 0 : p.bytes;
+  if (staged > 0) {
+    ASSIGN_OR_RETURN(state.in, pool.Acquire(staged));
+  }
+  char* at = static_cast<char*>(state.in.data());
+  HostCopy copies[3];
+  size_t n = 0;
+  for (const Part& p : parts) {
+    if (p.direct) {
+      *p.to = p.src.data();
+      continue;
+    }
+    copies[n++] = StagingCopy(p.src, cast, at);
+    *p.to = at;
+    at += p.bytes;
+  }
+  copier.Run({copies, n});
+  return absl::OkStatus();
+}
+
+// Where the launch puts o and lse: straight into the job's output regions where those are
+// registered with the device and o needs no conversion, else into pinned staging.
+absl::Status PlaceOutputs(const AttendJob& job, PinnedPool& pool, CudaJobState& state) {
+  const size_t lse_bytes = job.return_lse ? sizeof(float) * job.key.num_heads * size_t(job.total_q)
+                                          : 0;
+  state.o_direct = job.host_registered.o && job.key.wire_dtype != kernels::DType::kFloat32;
+  state.lse_direct = job.return_lse && job.host_registered.lse;
+  const size_t staged = (state.o_direct ? 0 : state.o_bytes) + (state.lse_direct ? 0 : lse_bytes);
+  if (staged > 0) {
+    ASSIGN_OR_RETURN(state.out, pool.Acquire(staged));
+  }
+  char* at = static_cast<char*>(state.out.data());
+  state.o_dst = state.o_direct ? job.o_out : at;
+  if (!state.o_direct) at += state.o_bytes;
+  state.lse_dst = state.lse_direct ? job.lse_out : at;
+  return absl::OkStatus();
 }
 
 float ElapsedMs(cudaEvent_t a, cudaEvent_t b) {
@@ -191,33 +259,22 @@ class SyncStreamUnlessDone {
   bool done_ = false;
 };
 
-// Gathers the jobs' staged inputs into the packed device layout (async, on s).
+// Gathers the jobs' inputs into the packed device layout (async, on s): from pinned staging or
+// registered host regions (DMA either way), or from GPU regions on the device.
 absl::Status CopyInputs(std::span<std::unique_ptr<AttendJob>> jobs,
                         const PackedLayout& layout, const PinnedBuffer& host_cu, char* dev_in,
                         cudaStream_t s) {
   size_t q_at = layout.q, k_at = layout.k, v_at = layout.v;
   for (const auto& job : jobs) {
     const CudaJobState& state = StateOf(*job);
-    if (job->device_tensors) {  // from the client's GPU regions, on the device
-      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + q_at, job->q_bytes.data(),
-                                                       state.q_bytes, cudaMemcpyDeviceToDevice, s));
-      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + k_at, job->k_bytes.data(),
-                                                       state.kv_bytes, cudaMemcpyDeviceToDevice, s));
-      RETURN_IF_CUDA_ERROR("D2D copy", cudaMemcpyAsync(dev_in + v_at, job->v_bytes.data(),
-                                                       state.kv_bytes, cudaMemcpyDeviceToDevice, s));
-      q_at += state.q_bytes;
-      k_at += state.kv_bytes;
-      v_at += state.kv_bytes;
-      continue;
-    }
-    const char* in = static_cast<const char*>(state.in.data());
-    RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in + q_at, in, state.q_bytes,
-                                                     cudaMemcpyHostToDevice, s));
-    RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_in + k_at, in + state.q_bytes,
-                                                     state.kv_bytes, cudaMemcpyHostToDevice, s));
-    RETURN_IF_CUDA_ERROR("H2D copy",
-                         cudaMemcpyAsync(dev_in + v_at, in + state.q_bytes + state.kv_bytes,
-                                         state.kv_bytes, cudaMemcpyHostToDevice, s));
+    const bool device = job->device_tensors;
+    const cudaMemcpyKind kind = device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice;
+    const char* what = device ? "D2D copy" : "H2D copy";
+    RETURN_IF_CUDA_ERROR(what, cudaMemcpyAsync(dev_in + q_at, state.q_src, state.q_bytes, kind, s));
+    RETURN_IF_CUDA_ERROR(what,
+                         cudaMemcpyAsync(dev_in + k_at, state.k_src, state.kv_bytes, kind, s));
+    RETURN_IF_CUDA_ERROR(what,
+                         cudaMemcpyAsync(dev_in + v_at, state.v_src, state.kv_bytes, kind, s));
     q_at += state.q_bytes;
     k_at += state.kv_bytes;
     v_at += state.kv_bytes;
@@ -236,10 +293,10 @@ absl::Status CopyOutputs(std::span<std::unique_ptr<AttendJob>> jobs,
   int32_t q_offset = 0;
   for (const auto& job : jobs) {
     const CudaJobState& state = StateOf(*job);
-    // Into pinned staging, or straight into the client's GPU regions.
+    // Into pinned staging or registered host regions (D2H), or the client's GPU regions (D2D).
     const bool device = job->device_tensors;
-    char* out = device ? job->o_out : static_cast<char*>(state.out.data());
-    char* lse_out = device ? job->lse_out : out + state.o_bytes;
+    char* out = state.o_dst;
+    char* lse_out = state.lse_dst;
     const cudaMemcpyKind kind = device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
     RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(out, dev_out + o_at, state.o_bytes, kind, s));
     if (job->return_lse && job->total_q > 0) {
@@ -419,6 +476,12 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
     state->q_bytes = job.q_bytes.size();
     state->kv_bytes = job.k_bytes.size();
     state->o_bytes = state->q_bytes;
+    state->q_src = job.q_bytes.data();
+    state->k_src = job.k_bytes.data();
+    state->v_src = job.v_bytes.data();
+    state->o_dst = job.o_out;
+    state->lse_dst = job.lse_out;
+    state->o_direct = state->lse_direct = true;
     job.key.staged_dtype = key.wire_dtype;
     job.backend_state = std::move(state);
     return absl::OkStatus();
@@ -430,18 +493,15 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   state.q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
   state.kv_bytes = size_t(job.total_k) * key.num_kv_heads * key.head_dim * 2;
   state.o_bytes = state.q_bytes;
-  const size_t lse_bytes = job.return_lse ? sizeof(float) * key.num_heads * size_t(job.total_q) : 0;
-  if (!state.inputs_staged) {
-    ASSIGN_OR_RETURN(state.in, pinned_pool_->Acquire(state.q_bytes + 2 * state.kv_bytes));
-    char* in = static_cast<char*>(state.in.data());
-    const ElementCast cast = StagingCast(key.wire_dtype, compute);
-    const HostCopy copies[] = {
-        StagingCopy(job.q_bytes, cast, in),
-        StagingCopy(job.k_bytes, cast, in + state.q_bytes),
-        StagingCopy(job.v_bytes, cast, in + state.q_bytes + state.kv_bytes)};
-    copier_->Run(copies);
+  if (state.inputs_staged) {
+    const char* in = static_cast<const char*>(state.in.data());
+    state.q_src = in;
+    state.k_src = in + state.q_bytes;
+    state.v_src = in + state.q_bytes + state.kv_bytes;
+  } else {
+    RETURN_IF_ERROR(StageInputs(job, compute, *pinned_pool_, *copier_, state));
   }
-  ASSIGN_OR_RETURN(state.out, pinned_pool_->Acquire(state.o_bytes + lse_bytes));
+  RETURN_IF_ERROR(PlaceOutputs(job, *pinned_pool_, state));
   job.key.staged_dtype = compute;
   job.host_copy_us += Micros(Clock::now() - start);
   return absl::OkStatus();
@@ -471,17 +531,15 @@ void CudaBackend::LaneLoop(Lane* lane) {
     for (const auto& job : work.batch) report.tokens += job->Tokens();
     std::vector<absl::Status> status(work.batch.size());
     if (work.batch.front()->step) {
-      RunSteps(*lane, work.batch, status, &report);
-    } else {
-      RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+      std::shared_ptr<const StepResults> results = RunSteps(*lane, work.batch, status, &report);
+      FinishSteps(std::move(work.batch), std::move(status), std::move(results));
+      work.on_finished(report);
+      continue;
     }
+    RunSplittingOnExhaustion(*lane, work.batch, status, &report);
     // The results are in pinned memory now; copying them into the responses and finishing the
     // calls runs on the completion pool while this lane takes the next batch.
     for (size_t i = 0; i < work.batch.size(); ++i) {
-      if (work.batch[i]->step) {  // outputs are in the response already: no hand-off
-        work.batch[i]->done(status[i]);
-        continue;
-      }
       std::shared_ptr<AttendJob> job(std::move(work.batch[i]));
       completions_->Post([this, job, st = std::move(status[i])] {
         // Steps' outputs are in their responses already; GPU regions got theirs on the device.
@@ -595,8 +653,49 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
 
 namespace {
 
+// A member's tensor in a registered host region goes straight between the region and the device
+// from this size on; a smaller one is copied into the launch's staging, whose single H2D (and
+// D2H) copy costs less than a copy call of its own.
+constexpr size_t kDirectStepBytes = size_t{64} << 10;
+
+// How one member of a step launch moves its tensors: straight between the device and where they
+// lie (a GPU region, always; a host region registered with the device, when large), or through
+// the launch's pinned staging (false).
+struct StepRoute {
+  bool q = false, k = false, v = false, o = false, lse = false;
+  bool device = false;  // the direct ones are device addresses (GPU regions)
+  bool AnyInput() const { return q || k || v; }
+};
+
+size_t StepLseBytes(const AttendJob& job) {
+  return job.return_lse ? sizeof(float) * size_t(job.key.num_heads) * job.total_q : 0;
+}
+
+StepRoute RouteOf(const AttendJob& job) {
+  if (job.device_tensors) return {true, true, true, true, job.return_lse, true};
+  const AttendJob::HostRegistered& r = job.host_registered;
+  auto large = [](size_t bytes) { return bytes >= kDirectStepBytes; };
+  return {r.q && large(job.q_bytes.size()), r.k && large(job.k_bytes.size()),
+          r.v && large(job.v_bytes.size()), r.o && large(job.q_bytes.size()),
+          r.lse && large(StepLseBytes(job)), false};
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A launch of one step whose tensors all lie in GPU regions, 16-byte aligned (as the kernels and
+// the row copies read and write them): the kernel reads q and writes o and lse in the regions,
+// and the new keys and values are appended from there; nothing is copied for the tensors.
+bool RunsInPlace(std::span<const std::unique_ptr<AttendJob>> jobs, const StepLaunch& l) {
+  if (l.members.size() != 1) return false;
+  const AttendJob& job = *jobs[l.members[0]];
+  if (!job.device_tensors) return false;
+  return Aligned16(job.q_bytes.data()) && Aligned16(job.k_bytes.data()) &&
+         Aligned16(job.v_bytes.data()) && Aligned16(job.o_out) &&
+         (!job.return_lse || Aligned16(job.lse_out));
+}
+
 // Where each part of a step launch lives in its staging buffer (pinned) and its device copy, and
-// in the output buffer.
+// in the output buffer. A launch in place has no room for the tensors (sizes 0).
 struct StepLayout {
   size_t q = 0, k = 0, v = 0;                           // packed q, k_new, v_new
   size_t cu_q = 0, indptr = 0, indices = 0, seqlens = 0;  // int32 arrays
@@ -606,10 +705,27 @@ struct StepLayout {
   bool any_lse = false;
 };
 
-StepLayout PlanStepLayout(const BatchKey& key, const StepLaunch& l, bool any_lse) {
+}  // namespace
+
+// A finished step launch's outputs in pinned memory until every member's are in its response;
+// shared by the tasks that copy them, the last of which gives the buffer back to its pool.
+struct StepResults {
+  PinnedBuffer host_out;
+  size_t o = 0, lse = 0;           // offsets of o and lse in host_out
+  std::vector<int32_t> first_row;  // per job of the batch: its first row in the launch, or -1
+  // Per job of the batch: whether its o, and its lse, come back through host_out (else the
+  // launch wrote them straight into its output regions: nothing left to copy).
+  std::vector<uint8_t> o_staged, lse_staged;
+  int32_t total_q = 0, heads = 0;
+};
+
+namespace {
+
+StepLayout PlanStepLayout(const BatchKey& key, const StepLaunch& l, bool any_lse, bool in_place) {
   StepLayout s;
-  const size_t q_bytes = size_t(l.total_q) * key.num_heads * key.head_dim * 2;
-  const size_t kv_bytes = size_t(l.total_q) * key.num_kv_heads * key.head_dim * 2;
+  const size_t tokens = in_place ? 0 : size_t(l.total_q);
+  const size_t q_bytes = tokens * key.num_heads * key.head_dim * 2;
+  const size_t kv_bytes = tokens * key.num_kv_heads * key.head_dim * 2;
   size_t at = 0;
   auto take = [&at](size_t bytes) {
     const size_t here = at;
@@ -630,19 +746,20 @@ StepLayout PlanStepLayout(const BatchKey& key, const StepLaunch& l, bool any_lse
   s.any_lse = any_lse;
   s.o = 0;
   s.lse = AlignUp(q_bytes);
-  s.out_bytes = s.lse + (any_lse ? sizeof(float) * key.num_heads * size_t(l.total_q) : 0);
+  s.out_bytes = s.lse + (any_lse ? sizeof(float) * key.num_heads * tokens : 0);
   return s;
 }
 
-// The launch's inputs, gathered on the host into its pinned staging buffer.
+// The launch's staged inputs, gathered on the host into its pinned staging buffer: the tensors
+// that do not go direct, and the page table and row lists.
 void StageStepInputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
-                     const StepLayout& s, char* host) {
+                     std::span<const StepRoute> routes, const StepLayout& s, char* host) {
   size_t q_at = s.q, k_at = s.k, v_at = s.v;
-  for (size_t i : l.members) {
-    const AttendJob& job = *jobs[i];
-    std::memcpy(host + q_at, job.q_bytes.data(), job.q_bytes.size());
-    std::memcpy(host + k_at, job.k_bytes.data(), job.k_bytes.size());
-    std::memcpy(host + v_at, job.v_bytes.data(), job.v_bytes.size());
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const AttendJob& job = *jobs[l.members[m]];
+    if (!routes[m].q) std::memcpy(host + q_at, job.q_bytes.data(), job.q_bytes.size());
+    if (!routes[m].k) std::memcpy(host + k_at, job.k_bytes.data(), job.k_bytes.size());
+    if (!routes[m].v) std::memcpy(host + v_at, job.v_bytes.data(), job.v_bytes.size());
     q_at += job.q_bytes.size();
     k_at += job.k_bytes.size();
     v_at += job.v_bytes.size();
@@ -664,24 +781,110 @@ void StageStepInputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunc
   put(s.append, l.append_rows);
 }
 
-// Each member's o (and lse, a strided block of the launch's [num_heads, total_q]) from the
-// pinned output buffer into its response.
-void UnstageStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
-                        const StepLayout& s, const char* out, int32_t heads) {
+// The launch's inputs onto the device (async, on s): the staging buffer in one copy when no
+// member goes direct; else its page table and row lists in one, and each tensor on its own, from
+// staging or straight from its region (a GPU region's on the device).
+absl::Status CopyStepInputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
+                            std::span<const StepRoute> routes, const StepLayout& s,
+                            const char* host, char* dev, cudaStream_t stream) {
+  const bool any_direct =
+      std::any_of(routes.begin(), routes.end(), [](const StepRoute& r) { return r.AnyInput(); });
+  if (!any_direct) {
+    RETURN_IF_CUDA_ERROR("H2D copy",
+                         cudaMemcpyAsync(dev, host, s.in_bytes, cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }
+  RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev + s.cu_q, host + s.cu_q,
+                                                   s.in_bytes - s.cu_q, cudaMemcpyHostToDevice,
+                                                   stream));
+  size_t q_at = s.q, k_at = s.k, v_at = s.v;
   for (size_t m = 0; m < l.members.size(); ++m) {
-    AttendJob& job = *jobs[l.members[m]];
-    const int32_t q0 = l.cu_seqlens_q[m];
-    const size_t o_bytes = job.q_bytes.size();
-    const size_t row = o_bytes / size_t(job.total_q);
-    std::memcpy(StepOutput(job), out + s.o + size_t(q0) * row, o_bytes);
-    if (!job.return_lse) continue;
-    float* lse = StepLse(job);
-    const float* all = reinterpret_cast<const float*>(out + s.lse);
-    for (int32_t h = 0; h < heads; ++h) {
-      std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * l.total_q + q0,
-                  sizeof(float) * job.total_q);
+    const AttendJob& job = *jobs[l.members[m]];
+    const StepRoute& r = routes[m];
+    const std::tuple<std::string_view, bool, size_t*> parts[] = {
+        {job.q_bytes, r.q, &q_at}, {job.k_bytes, r.k, &k_at}, {job.v_bytes, r.v, &v_at}};
+    for (const auto& [bytes, direct, at] : parts) {
+      const char* src = direct ? bytes.data() : host + *at;
+      const bool d2d = direct && r.device;
+      RETURN_IF_CUDA_ERROR(d2d ? "D2D copy" : "H2D copy",
+                           cudaMemcpyAsync(dev + *at, src, bytes.size(),
+                                           d2d ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
+                                           stream));
+      *at += bytes.size();
     }
   }
+  return absl::OkStatus();
+}
+
+// The launch's outputs off the device (async, on s): into staging in one copy when no member
+// goes direct; else each member's o (and lse, a strided block of the launch's
+// [num_heads, total_q]) into staging or straight into its region.
+absl::Status CopyStepOutputs(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& l,
+                             std::span<const StepRoute> routes, const StepLayout& s,
+                             const char* dev, char* host, cudaStream_t stream) {
+  const bool any_direct = std::any_of(routes.begin(), routes.end(),
+                                      [](const StepRoute& r) { return r.o || r.lse; });
+  if (!any_direct) {
+    RETURN_IF_CUDA_ERROR("D2H copy",
+                         cudaMemcpyAsync(host, dev, s.out_bytes, cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  }
+  const int32_t heads = jobs.front()->key.num_heads;
+  bool staged_lse = false;
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    AttendJob& job = *jobs[l.members[m]];
+    const StepRoute& r = routes[m];
+    const size_t o_bytes = job.q_bytes.size();
+    const size_t at = s.o + size_t(l.cu_seqlens_q[m]) * (o_bytes / size_t(job.total_q));
+    const cudaMemcpyKind o_kind =
+        r.o && r.device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(r.o ? job.o_out : host + at, dev + at,
+                                                     o_bytes, o_kind, stream));
+    if (!job.return_lse) continue;
+    if (!r.lse) {
+      staged_lse = true;
+      continue;
+    }
+    const size_t row = sizeof(float) * job.total_q;
+    RETURN_IF_CUDA_ERROR(
+        "D2H copy",
+        cudaMemcpy2DAsync(job.lse_out, row, dev + s.lse + sizeof(float) * l.cu_seqlens_q[m],
+                          sizeof(float) * l.total_q, row, heads,
+                          r.device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost, stream));
+  }
+  if (staged_lse) {  // the whole lse of the launch: small next to o
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(host + s.lse, dev + s.lse,
+                                                     s.out_bytes - s.lse, cudaMemcpyDeviceToHost,
+                                                     stream));
+  }
+  return absl::OkStatus();
+}
+
+// Job i's o (and lse, a strided block of the launch's [num_heads, total_q]), where they came back
+// through staging, from the pinned output buffer into its response (or output regions).
+void UnstageStepOutput(AttendJob& job, const StepResults& r, size_t i) {
+  const char* out = static_cast<const char*>(r.host_out.data());
+  const int32_t q0 = r.first_row[i];
+  const size_t o_bytes = job.q_bytes.size();
+  const size_t row = o_bytes / size_t(job.total_q);
+  if (r.o_staged[i]) std::memcpy(StepOutput(job), out + r.o + size_t(q0) * row, o_bytes);
+  if (!job.return_lse || !r.lse_staged[i]) return;
+  float* lse = StepLse(job);
+  const float* all = reinterpret_cast<const float*>(out + r.lse);
+  for (int32_t h = 0; h < r.heads; ++h) {
+    std::memcpy(lse + size_t(h) * job.total_q, all + size_t(h) * r.total_q + q0,
+                sizeof(float) * job.total_q);
+  }
+}
+
+// Copies job i's outputs (when its step succeeded) and tells its caller.
+void FinishStep(AttendJob& job, size_t i, absl::Status st, const StepResults* results) {
+  if (st.ok() && results != nullptr && results->first_row[i] >= 0) {
+    const auto start = Clock::now();
+    UnstageStepOutput(job, *results, i);
+    job.host_copy_us = Micros(Clock::now() - start);
+  }
+  job.done(std::move(st));
 }
 
 // Launches of at most this many steps are waited for by polling (WaitBriefly).
@@ -697,19 +900,35 @@ cudaError_t WaitBriefly(cudaEvent_t event) {
   return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
 }
 
+// A large launch: sleeps through most of its expected device time (a blocking wait would add the
+// tens of microseconds of an interrupt-driven wake-up), then polls, yielding the core.
+cudaError_t WaitForLaunch(cudaEvent_t event, double expected_us) {
+  if (expected_us > 50) {
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(0.7 * expected_us)));
+  }
+  const auto until = Clock::now() + std::chrono::milliseconds(2);
+  cudaError_t e;
+  while ((e = cudaEventQuery(event)) == cudaErrorNotReady && Clock::now() < until) {
+    std::this_thread::yield();
+  }
+  return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
+}
+
 }  // namespace
 
-void CudaBackend::RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                           std::span<absl::Status> status, BatchReport* report) {
+std::shared_ptr<const StepResults> CudaBackend::RunSteps(
+    Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs, std::span<absl::Status> status,
+    BatchReport* report) {
   if (absl::Status health = Health(); !health.ok()) {
     std::fill(status.begin(), status.end(), health);
-    return;
+    return nullptr;
   }
   const StepLaunch l = BeginStepLaunch(jobs, status);
   report->decode = jobs.front()->key.decode;
   absl::Status st;
+  std::shared_ptr<StepResults> results;
   if (!l.members.empty()) {
-    st = LaunchSteps(lane, jobs, l, report);
+    st = LaunchSteps(lane, jobs, l, report, &results);
     if (!st.ok() && !absl::IsResourceExhausted(st)) NoteIfDeviceLost(lane);
   }
   EndStepLaunch(jobs, l, status, st);
@@ -717,30 +936,77 @@ void CudaBackend::RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> job
     job->batch_requests = static_cast<int32_t>(jobs.size());
     job->batch_tokens = l.total_q;
   }
+  return st.ok() ? results : nullptr;
 }
 
-// Stages the launch, appends into the KV region, runs the paged kernel and copies the outputs
-// into the responses; waits for the stream.
+void CudaBackend::FinishSteps(Batch batch, std::vector<absl::Status> status,
+                              std::shared_ptr<const StepResults> results) {
+  const size_t n = batch.size();
+  if (n <= kPolledLaunchSteps) {  // latency-bound: no hop to another thread
+    for (size_t i = 0; i < n; ++i) FinishStep(*batch[i], i, std::move(status[i]), results.get());
+    return;
+  }
+  // Many steps: copied into their responses and finished over the completion pool, in parallel,
+  // while this lane takes its next launch. Each task owns its range of jobs; a job is destroyed
+  // (its pending count released) right after its caller is told.
+  struct Shared {
+    Batch batch;
+    std::vector<absl::Status> status;
+  };
+  auto shared = std::make_shared<Shared>(Shared{std::move(batch), std::move(status)});
+  const size_t tasks = std::min<size_t>(n, std::max(options_.completion_threads, 1));
+  for (size_t t = 0; t < tasks; ++t) {
+    const size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
+    completions_->Post([shared, results, begin, end] {
+      for (size_t i = begin; i < end; ++i) {
+        FinishStep(*shared->batch[i], i, std::move(shared->status[i]), results.get());
+        shared->batch[i].reset();
+      }
+    });
+  }
+}
+
+// Stages the launch, appends into the KV region, runs the paged kernel and brings the outputs
+// back, into pinned staging (*results, for FinishStep to copy into the responses) or straight
+// into output regions; waits for the stream. Tensors in GPU regions never touch the host; those
+// of a launch in place are not copied at all (RunsInPlace).
 absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                                      const StepLaunch& l, BatchReport* report) {
+                                      const StepLaunch& l, BatchReport* report,
+                                      std::shared_ptr<StepResults>* results) {
   const BatchKey& key = jobs.front()->key;
   bool any_lse = false;
-  for (size_t i : l.members) any_lse |= jobs[i]->return_lse;
-  const StepLayout layout = PlanStepLayout(key, l, any_lse);
+  std::vector<StepRoute> routes;
+  routes.reserve(l.members.size());
+  for (size_t i : l.members) {
+    any_lse |= jobs[i]->return_lse;
+    routes.push_back(RouteOf(*jobs[i]));
+  }
+  const bool in_place = RunsInPlace(jobs, l);
+  const AttendJob& first = *jobs[l.members.front()];
+  const StepLayout layout = PlanStepLayout(key, l, any_lse, in_place);
+  bool staged_out = false;  // some output comes back through staging
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    staged_out |= !routes[m].o || (jobs[l.members[m]]->return_lse && !routes[m].lse);
+  }
   ASSIGN_OR_RETURN(PinnedBuffer host_in, pinned_pool_->Acquire(layout.in_bytes));
-  ASSIGN_OR_RETURN(PinnedBuffer host_out, pinned_pool_->Acquire(layout.out_bytes));
-  StageStepInputs(jobs, l, layout, static_cast<char*>(host_in.data()));
+  PinnedBuffer host_out;
+  if (staged_out) {
+    ASSIGN_OR_RETURN(host_out, pinned_pool_->Acquire(layout.out_bytes));
+  }
+  char* host = static_cast<char*>(host_in.data());
+  StageStepInputs(jobs, l, routes, layout, host);
   DeviceBuffer dev_in(device_pool_.get(), lane.stream), dev_out(device_pool_.get(), lane.stream);
   RETURN_IF_ERROR(dev_in.Allocate(layout.in_bytes));
-  RETURN_IF_ERROR(dev_out.Allocate(layout.out_bytes));
+  RETURN_IF_ERROR(dev_out.Allocate(in_place ? 0 : layout.out_bytes));
   char* in = dev_in.get();
 
   kernels::AttentionArgs args = StepLaunchArgs(key, l, static_cast<int32_t>(kv_.num_pages));
-  args.q = in + layout.q;
+  args.q = in_place ? first.q_bytes.data() : in + layout.q;
   args.k = kv_.k;
   args.v = kv_.v;
-  args.o = dev_out.get() + layout.o;
-  args.lse = any_lse ? reinterpret_cast<float*>(dev_out.get() + layout.lse) : nullptr;
+  args.o = in_place ? first.o_out : dev_out.get() + layout.o;
+  float* dev_lse = reinterpret_cast<float*>(dev_out.get() + layout.lse);
+  args.lse = !any_lse ? nullptr : in_place ? reinterpret_cast<float*>(first.lse_out) : dev_lse;
   args.cu_seqlens_q = reinterpret_cast<const int32_t*>(in + layout.cu_q);
   args.paged.page_indptr = reinterpret_cast<const int32_t*>(in + layout.indptr);
   args.paged.page_indices = reinterpret_cast<const int32_t*>(in + layout.indices);
@@ -748,14 +1014,20 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
   DeviceBuffer workspace(device_pool_.get(), lane.stream);
   RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
+  const char* new_k = in_place ? first.k_bytes.data() : in + layout.k;
+  const char* new_v = in_place ? first.v_bytes.data() : in + layout.v;
 
   const int64_t row = int64_t{key.num_kv_heads} * key.head_dim * 2;
   cudaStream_t s = lane.stream;
   SyncStreamUnlessDone sync_on_error(s);  // before pages or staging go back on an error
   cudaEvent_t* ev = lane.events;
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], s));
-  RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(in, host_in.data(), layout.in_bytes,
-                                                   cudaMemcpyHostToDevice, s));
+  if (in_place) {  // the page table and row lists only
+    RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(in, host, layout.in_bytes,
+                                                     cudaMemcpyHostToDevice, s));
+  } else {
+    RETURN_IF_ERROR(CopyStepInputs(jobs, l, routes, layout, host, in, s));
+  }
   // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
   RETURN_IF_CUDA_ERROR("KV copy-on-write",
                        LaunchKvCopyRows(kv_.k, kv_.v,
@@ -764,27 +1036,36 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
                                         reinterpret_cast<const int64_t*>(in + layout.copy_dst),
                                         static_cast<int64_t>(l.copies.size()), row, s));
   RETURN_IF_CUDA_ERROR("KV append",
-                       LaunchKvCopyRows(in + layout.k, in + layout.v, nullptr, kv_.k, kv_.v,
+                       LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v,
                                         reinterpret_cast<const int64_t*>(in + layout.append),
                                         l.total_q, row, s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], s));
   RETURN_IF_CUDA_ERROR("attention kernel", kernels::cuda::Run(args, workspace.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], s));
-  RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(host_out.data(), dev_out.get(),
-                                                   layout.out_bytes, cudaMemcpyDeviceToHost, s));
+  if (!in_place) {
+    RETURN_IF_ERROR(CopyStepOutputs(jobs, l, routes, layout, dev_out.get(),
+                                    static_cast<char*>(host_out.data()), s));
+  }
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], s));
   // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
-  // blocks, leaving the core to the transport.
-  RETURN_IF_CUDA_ERROR("batch completion", l.members.size() <= kPolledLaunchSteps
-                                               ? WaitBriefly(ev[3])
-                                               : cudaEventSynchronize(ev[3]));
+  // sleeps through most of its expected time first, leaving the core to the transport.
+  const double bytes = l.kv_bytes_read + double(layout.in_bytes + layout.out_bytes);
+  RETURN_IF_CUDA_ERROR("batch completion",
+                       l.members.size() <= kPolledLaunchSteps
+                           ? WaitBriefly(ev[3])
+                           : WaitForLaunch(ev[3], lane.device_us_per_byte * bytes));
   sync_on_error.Done();
 
-  const auto start = Clock::now();
-  UnstageStepOutputs(jobs, l, layout, static_cast<const char*>(host_out.data()), key.num_heads);
-  const double host_us = Micros(Clock::now() - start);
   const double in_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);
   const double out_ms = ElapsedMs(ev[2], ev[3]);
+  const double device_us = (in_ms + kernel_ms + out_ms) * 1e3;
+  if (l.members.size() > kPolledLaunchSteps) {
+    // The fastest rate seen lately: a launch that runs faster than it (a decode after prefills,
+    // which are compute-bound) would otherwise be slept through.
+    const double rate = device_us / bytes;
+    lane.device_us_per_byte =
+        lane.device_us_per_byte == 0 ? rate : std::min(rate, 1.02 * lane.device_us_per_byte);
+  }
   report->compute_seconds += kernel_ms * 1e-3;
   report->transfer_seconds += (in_ms + out_ms) * 1e-3;
   report->step_launches += 1;
@@ -798,8 +1079,23 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   for (size_t i : l.members) {
     jobs[i]->transfer_us = (in_ms + out_ms) * 1e3;
     jobs[i]->compute_us = kernel_ms * 1e3;
-    jobs[i]->host_copy_us = host_us;
   }
+  auto r = std::make_shared<StepResults>();
+  r->host_out = std::move(host_out);
+  r->o = layout.o;
+  r->lse = layout.lse;
+  r->total_q = l.total_q;
+  r->heads = key.num_heads;
+  r->first_row.assign(jobs.size(), -1);
+  r->o_staged.assign(jobs.size(), 0);
+  r->lse_staged.assign(jobs.size(), 0);
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const size_t i = l.members[m];
+    r->first_row[i] = l.cu_seqlens_q[m];
+    r->o_staged[i] = !routes[m].o;
+    r->lse_staged[i] = jobs[i]->return_lse && !routes[m].lse;
+  }
+  *results = std::move(r);
   return absl::OkStatus();
 }
 
@@ -870,6 +1166,21 @@ absl::StatusOr<GpuImport> CudaBackend::ImportIpcMemory(const std::string& handle
     cudaIpcCloseMemHandle(ptr);
   };
   return out;
+}
+
+absl::StatusOr<std::function<void()>> CudaBackend::RegisterHostMemory(char* data,
+                                                                      uint64_t bytes) {
+  RETURN_IF_ERROR(Health());
+  RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  if (cudaError_t e = cudaHostRegister(data, bytes, cudaHostRegisterPortable); e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cudaHostRegister of ", bytes, " bytes: ", cudaGetErrorString(e)));
+  }
+  return std::function<void()>([data, device = options_.device] {
+    cudaSetDevice(device);
+    cudaHostUnregister(data);
+  });
 }
 
 BackendMemory CudaBackend::Memory() const {

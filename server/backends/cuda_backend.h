@@ -29,6 +29,7 @@
 namespace attn {
 
 struct StepLaunch;
+struct StepResults;
 
 class CudaBackend : public Backend {
  public:
@@ -68,12 +69,18 @@ class CudaBackend : public Backend {
   absl::StatusOr<GpuImport> ImportIpcMemory(const std::string& handle, int32_t device_id,
                                             uint64_t bytes) override;
   bool HasGpu() const override { return true; }
+  // cudaHostRegister (portable), undone by cudaHostUnregister; RESOURCE_EXHAUSTED when the
+  // driver cannot page-lock the memory (limits, memory pressure).
+  absl::StatusOr<std::function<void()>> RegisterHostMemory(char* data, uint64_t bytes) override;
 
  private:
   struct Lane {
     cudaStream_t stream = nullptr;
     cudaEvent_t events[4] = {};  // start, inputs copied, kernel done, outputs copied
     std::thread thread;
+    // Device time per byte moved of this lane's large step launches, the fastest seen lately: at
+    // least how long the next one will take.
+    double device_us_per_byte = 0;
   };
   struct Work {
     Batch batch;
@@ -88,11 +95,17 @@ class CudaBackend : public Backend {
   // launches; fills one status per job.
   void RunSplittingOnExhaustion(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
                                 std::span<absl::Status> status, BatchReport* report);
-  // A batch of session steps: one paged launch over the KV region; one status per job.
-  void RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                std::span<absl::Status> status, BatchReport* report);
+  // A batch of session steps: one paged launch over the KV region; one status per job. Returns
+  // the launch's outputs (null when it failed), still to be copied into the responses.
+  std::shared_ptr<const StepResults> RunSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                                              std::span<absl::Status> status, BatchReport* report);
   absl::Status LaunchSteps(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
-                           const StepLaunch& launch, BatchReport* report);
+                           const StepLaunch& launch, BatchReport* report,
+                           std::shared_ptr<StepResults>* results);
+  // Copies each step's outputs into its response and tells its caller: on this lane for a
+  // small launch, else over the completion pool.
+  void FinishSteps(Batch batch, std::vector<absl::Status> status,
+                   std::shared_ptr<const StepResults> results);
   // After a failed launch: records the error if it left the context unusable.
   void NoteIfDeviceLost(Lane& lane);
   // One packed launch of jobs on lane, waited for; adds its timings to the jobs and report.

@@ -130,6 +130,14 @@ struct AttendJob {
   char* lse_out = nullptr;
   // q_bytes..lse_out are device addresses (GPU regions): never read or written on the host.
   bool device_tensors = false;
+  // Which of q, k, v (read) and o, lse (written) lie in host regions registered with the
+  // backend's device (SharedRegion::device_registered): a device backend may copy those
+  // straight between the region and the device, without staging. Each stays valid while
+  // region_holds holds its region.
+  struct HostRegistered {
+    bool q = false, k = false, v = false, o = false, lse = false;
+  };
+  HostRegistered host_registered;
   // Keeps the regions those point into mapped until the job is gone (even if unregistered).
   std::vector<std::shared_ptr<const void>> region_holds;
   // Tensor bytes read from and written into regions (for metrics once the job succeeds).

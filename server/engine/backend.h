@@ -108,6 +108,17 @@ class Backend {
     return absl::FailedPreconditionError("GPU regions need attnd's CUDA backend");
   }
   virtual bool HasGpu() const { return false; }
+  // Registers host memory (a shared-memory region's mapping in attnd) with the backend's device,
+  // so that requests whose tensors lie in it are copied straight between it and the device
+  // without staging (AttendJob::host_registered). Returns what undoes the registration: the
+  // caller runs it once, before unmapping the memory and once no request uses it. The memory
+  // must stay mapped and the same size until then. An error leaves the memory unregistered
+  // (it is then served through staging). FAILED_PRECONDITION on backends without a device: the
+  // CPU backend computes on host regions in place.
+  virtual absl::StatusOr<std::function<void()>> RegisterHostMemory(char* /*data*/,
+                                                                   uint64_t /*bytes*/) {
+    return absl::FailedPreconditionError("this backend has no device to register memory with");
+  }
 
   // OK while the backend can compute; an error once it cannot without a restart (a sticky CUDA
   // error leaves the device context unusable). attnd then reports NOT_SERVING.

@@ -167,6 +167,20 @@ void Metrics::Build(const Options& o) {
                           .Register(r);
   shm_read_ = &shm_tensors.Add({{"direction", "read"}});
   shm_written_ = &shm_tensors.Add({{"direction", "written"}});
+  shm_registered_bytes_ = &prometheus::BuildGauge()
+                               .Name("attn_shared_memory_registered_bytes")
+                               .Help("Bytes of host regions registered with the GPU (page-locked) "
+                                     "for direct transfers, without staging")
+                               .Register(r)
+                               .Add({});
+  auto& shm_fallbacks = prometheus::BuildCounter()
+                            .Name("attn_shared_memory_registration_fallbacks_total")
+                            .Help("Host regions left unregistered with the GPU, so served through "
+                                  "staging, by reason (limit: --shm_max_registered_bytes; error: "
+                                  "the driver refused)")
+                            .Register(r);
+  shm_fallback_limit_ = &shm_fallbacks.Add({{"reason", "limit"}});
+  shm_fallback_error_ = &shm_fallbacks.Add({{"reason", "error"}});
   prometheus::BuildGauge()
       .Name("attn_build_info")
       .Help("attnd version, backend and device; always 1")
@@ -250,6 +264,18 @@ void Metrics::SetSharedMemoryRegions(const RegionTotals& t) {
 void Metrics::AddSharedMemoryTensorBytes(int64_t read, int64_t written) {
   if (read > 0) shm_read_->Increment(static_cast<double>(read));
   if (written > 0) shm_written_->Increment(static_cast<double>(written));
+}
+
+void Metrics::AddSharedMemoryRegisteredBytes(int64_t delta) {
+  if (delta >= 0) {
+    shm_registered_bytes_->Increment(static_cast<double>(delta));
+  } else {
+    shm_registered_bytes_->Decrement(static_cast<double>(-delta));
+  }
+}
+
+void Metrics::AddSharedMemoryRegistrationFallback(const char* reason) {
+  (std::string(reason) == "limit" ? shm_fallback_limit_ : shm_fallback_error_)->Increment();
 }
 
 void Metrics::SetGpuMemory(int64_t used, int64_t free, int64_t total) {

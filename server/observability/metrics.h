@@ -77,6 +77,13 @@ class Metrics {
   // attn_shared_memory_tensor_bytes_total{direction}: tensor bytes a completed request read from
   // ("read") or wrote into ("written") regions instead of carrying them in its messages.
   void AddSharedMemoryTensorBytes(int64_t read, int64_t written);
+  // attn_shared_memory_registered_bytes: host-region bytes registered with the GPU for direct
+  // transfers (page-locked); delta < 0 when a registration is undone.
+  void AddSharedMemoryRegisteredBytes(int64_t delta);
+  // attn_shared_memory_registration_fallbacks_total{reason}: host regions left unregistered, so
+  // served through staging; reason "limit" (--shm_max_registered_bytes) or "error" (the driver
+  // refused).
+  void AddSharedMemoryRegistrationFallback(const char* reason);
 
  private:
   static constexpr int kNumCodes = 17;
@@ -129,6 +136,9 @@ class Metrics {
   prometheus::Gauge* shm_cuda_bytes_ = nullptr;
   prometheus::Counter* shm_read_ = nullptr;
   prometheus::Counter* shm_written_ = nullptr;
+  prometheus::Gauge* shm_registered_bytes_ = nullptr;
+  prometheus::Counter* shm_fallback_limit_ = nullptr;
+  prometheus::Counter* shm_fallback_error_ = nullptr;
 };
 
 }  // namespace attn

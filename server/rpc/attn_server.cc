@@ -210,7 +210,16 @@ absl::Status AttnServer::StartSharedMemory() {
                                                                 r.device_id(), r.bytes()));
         return SharedRegion::Gpu(g.data, g.bytes, std::move(g.release));
       };
+      // Host regions: page-locked once here too, so that requests copy straight between them
+      // and the GPU.
+      ro.register_host = [backend = backend_.get()](char* data, uint64_t bytes) {
+        return backend->RegisterHostMemory(data, bytes);
+      };
     }
+    if (options_.shm_max_registered_bytes < 0) {
+      return absl::InvalidArgumentError("--shm_max_registered_bytes must be >= 0");
+    }
+    ro.max_registered_host_bytes = options_.shm_max_registered_bytes;
     regions_ = std::make_unique<RegionRegistry>(ro, metrics_.get());
     path = options_.shm_socket;
     if (path.empty()) {

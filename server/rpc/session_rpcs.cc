@@ -87,9 +87,9 @@ absl::StatusOr<std::unique_ptr<AttendJob>> AttentionService::MakeStepJob(
     std::function<void(absl::Status)> on_done) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    sessions_->Find(request.session_id(), SessionOwner(client)));
+  const StepRegions regions{client, options_.regions, backend_->HasGpu()};
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                   ValidateStepRequest(request, session, options_.limits,
-                                       StepRegions{client, options_.regions}, response));
+                   ValidateStepRequest(request, session, options_.limits, regions, response));
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);
   job->is_cancelled = [ctx] { return ctx->IsCancelled(); };

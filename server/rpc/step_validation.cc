@@ -136,7 +136,8 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepReq
   key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
   key.page_tokens = shape.page_tokens;
   key.decode = job->total_q == 1;
-  RETURN_IF_ERROR(ResolveStepTensors(r, regions.owner, regions.registry, job.get()));
+  RETURN_IF_ERROR(ResolveStepTensors(r, regions.owner, regions.registry, regions.gpu_regions,
+                                     job.get()));
   // Outputs written into regions take no room in the response.
   const int64_t q_bytes = static_cast<int64_t>(job->q_bytes.size());
   const int64_t lse_bytes = job->return_lse ? int64_t{4} * key.num_heads * job->total_q : 0;

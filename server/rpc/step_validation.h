@@ -21,11 +21,14 @@ class RegionRegistry;
 struct StepRegions {
   std::string owner;
   const RegionRegistry* registry = nullptr;
+  // The backend computes steps whose tensors lie in GPU regions (Backend::HasGpu); else such
+  // steps are refused.
+  bool gpu_regions = false;
 };
 
 // Checks request against session (layer range, tensors, dtype and shapes matching the
 // session, heads a multiple of its KV heads, scale, window, regions, response size) and makes
-// its job: key, sizes, where its tensors are (message or host regions), the StepWork (sharing
+// its job: key, sizes, where its tensors are (message, host or GPU regions), the StepWork (sharing
 // session), and the response sized for the output. INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 // NOT_FOUND (a region) or FAILED_PRECONDITION (shared memory off) name the bad field.
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(const v1::StepRequest& request,

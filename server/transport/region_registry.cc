@@ -1,5 +1,6 @@
 #include "transport/region_registry.h"
 
+#include <cstdio>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -80,26 +81,88 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
     return absl::InvalidArgumentError(
         "handle is empty: pass the memfd over the region socket (ListRegions.socket_path) first");
   }
-  const auto now = std::chrono::steady_clock::now();
+  std::shared_ptr<SharedRegion> region;
+  {
+    const auto now = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(mu_);
+    ExpirePendingLocked(now);
+    auto p = pending_.find(r.handle());
+    if (p == pending_.end() || p->second.claiming) {
+      return absl::InvalidArgumentError(
+          "handle is unknown, expired (60 s) or already claimed; pass the memfd over the region "
+          "socket again");
+    }
+    if (p->second.region == nullptr) {
+      return absl::InvalidArgumentError(
+          "handle is a lease for a GPU region (kind REGION_KIND_CUDA), not a memfd's");
+    }
+    if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), p->second.region->size());
+        !st.ok()) {
+      return st;  // the handle stays pending: the client may claim it under another name
+    }
+    p->second.claiming = true;
+    region = p->second.region;
+  }
+  // Page-locking takes time in proportion to the size (every page is faulted in and locked):
+  // paid here once per region rather than on every request, outside the lock, on this
+  // RegisterRegion call's thread. No request can reach the region meanwhile.
+  RegisterWithDevice(*region);
   std::lock_guard<std::mutex> lock(mu_);
-  ExpirePendingLocked(now);
   auto p = pending_.find(r.handle());
   if (p == pending_.end()) {
-    return absl::InvalidArgumentError(
-        "handle is unknown, expired (60 s) or already claimed; pass the memfd over the region "
-        "socket again");
+    // DropConnection (or the handle's expiry) took it meanwhile: the client is gone.
+    return absl::FailedPreconditionError(
+        "handle: the region socket connection that passed the memfd closed while it was being "
+        "registered");
   }
-  if (p->second.region == nullptr) {
-    return absl::InvalidArgumentError(
-        "handle is a lease for a GPU region (kind REGION_KIND_CUDA), not a memfd's");
-  }
-  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), p->second.region->size());
-      !st.ok()) {
-    return st;
+  p->second.claiming = false;
+  if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), region->size()); !st.ok()) {
+    return st;  // another call took the name or the room meanwhile; the handle stays pending
   }
   Entry e{std::move(p->second.region), p->second.connection};
   pending_.erase(p);
   return InsertLocked(owner, r.name(), std::move(e));
+}
+
+// Why the GPU may DMA straight into a client's memfd: MapMemfd maps only memfds sealed against
+// shrinking, so the file keeps at least the mapped size for the mapping's life and no access
+// inside it can meet a page past the end of the file (no SIGBUS, for the CPU nor for the DMA
+// engine). The one way left to take pages from under the mapping is punching a hole
+// (fallocate FALLOC_FL_PUNCH_HOLE, which F_SEAL_SHRINK does not forbid): the kernel then drops
+// those pages from the file, but pages that cudaHostRegister pinned keep their reference and stay
+// allocated until cudaHostUnregister, so the GPU goes on reading and writing the now-orphaned
+// pages. That only makes this client's own requests see stale inputs or lose their outputs:
+// nothing of attnd's or of another client's is touched (and a later CPU access of a punched page
+// faults in a fresh zero page, the size being unchanged). Unregistering runs before unmapping,
+// once no request holds the region (SharedRegion's destructor).
+void RegionRegistry::RegisterWithDevice(SharedRegion& region) const {
+  // Registered already when an earlier claim of its handle was refused after registering it.
+  if (!options_.register_host || region.device_registered()) return;
+  const auto bytes = static_cast<int64_t>(region.size());
+  // Reserve the bytes first, so that concurrent registrations cannot overshoot the cap.
+  const int64_t before = registered_host_bytes_->fetch_add(bytes);
+  if (before + bytes > options_.max_registered_host_bytes) {
+    registered_host_bytes_->fetch_sub(bytes);
+    if (metrics_ != nullptr) metrics_->AddSharedMemoryRegistrationFallback("limit");
+    return;
+  }
+  absl::StatusOr<std::function<void()>> undo = options_.register_host(region.data(), region.size());
+  if (!undo.ok()) {
+    registered_host_bytes_->fetch_sub(bytes);
+    if (metrics_ != nullptr) metrics_->AddSharedMemoryRegistrationFallback("error");
+    std::fprintf(stderr, "attnd: a host region of %lld bytes is served through staging: %s\n",
+                 static_cast<long long>(bytes), std::string(undo.status().message()).c_str());
+    return;
+  }
+  if (metrics_ != nullptr) metrics_->AddSharedMemoryRegisteredBytes(bytes);
+  // metrics_ outlives every region (attnd destroys the registry, and drains the requests that
+  // hold regions, before its metrics).
+  region.SetDeviceRegistration(
+      [undo = std::move(*undo), total = registered_host_bytes_, metrics = metrics_, bytes] {
+        undo();
+        total->fetch_sub(bytes);
+        if (metrics != nullptr) metrics->AddSharedMemoryRegisteredBytes(-bytes);
+      });
 }
 
 absl::Status RegionRegistry::CheckRoomLocked(const Owner& o, const std::string& name,

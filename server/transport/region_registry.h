@@ -5,6 +5,7 @@
 // unregistering (or the client's socket closing) never unmaps memory a request still uses.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -35,8 +36,17 @@ class RegionRegistry {
     // the backend has no GPU, and such regions are refused.
     std::function<absl::StatusOr<std::unique_ptr<SharedRegion>>(const v1::RegisterRegionRequest&)>
         import_gpu;
+    // Registers a host region's mapping (data, bytes) with the backend's device for direct
+    // transfers and returns what undoes it (Backend::RegisterHostMemory); null: host regions are
+    // read and written by the backend as plain host memory (the CPU backend, or staging).
+    std::function<absl::StatusOr<std::function<void()>>(char*, uint64_t)> register_host;
+    // Most host-region bytes registered with the device at once, over every client (they are
+    // page-locked: resident, never swapped). A region past it is used through the backend's
+    // staging instead, and counted. 0: none is registered.
+    int64_t max_registered_host_bytes = int64_t{32} << 30;
   };
-  // metrics (borrowed, may be null) gets the registered regions' totals on every change.
+  // metrics (borrowed, may be null) gets the registered regions' totals on every change; it must
+  // outlive every region, including those requests still hold after the registry is gone.
   RegionRegistry(Options options, Metrics* metrics) : options_(options), metrics_(metrics) {
     PublishLocked();
   }
@@ -64,12 +74,18 @@ class RegionRegistry {
 
   // Regions registered now, over all identities (for tests and metrics).
   int64_t RegionCount() const;
+  // Host-region bytes registered with the device now, including regions already unregistered
+  // that requests still hold.
+  int64_t RegisteredHostBytes() const { return registered_host_bytes_->load(); }
 
  private:
   struct Pending {
     std::shared_ptr<SharedRegion> region;
     uint64_t connection = 0;
     std::chrono::steady_clock::time_point expires;
+    // A Register call is registering it with the device (outside the lock); it stays here
+    // meanwhile so that DropConnection still reaches it, and no other call can claim it.
+    bool claiming = false;
   };
   struct Entry {
     std::shared_ptr<SharedRegion> region;
@@ -89,12 +105,21 @@ class RegionRegistry {
                                              const v1::RegisterRegionRequest& request);
   v1::RegionInfo InsertLocked(const std::string& owner, const std::string& name, Entry e);
   static v1::RegionInfo InfoOf(const std::string& name, const Entry& e);
+  // Registers region (claimed by the caller, not yet visible to requests) with the device when
+  // options_.register_host is set, it is not registered yet and max_registered_host_bytes has
+  // room; otherwise, or when the backend refuses, leaves it unregistered (served through
+  // staging) and counts why.
+  void RegisterWithDevice(SharedRegion& region) const;
 
   const Options options_;
   Metrics* const metrics_;
   mutable std::mutex mu_;
   std::map<std::string, Pending> pending_;  // by handle
   std::map<std::string, Owner> owners_;     // by identity
+  // Shared with each registration's undo, which may run after the registry is gone (the last
+  // request holding an unregistered region lets go of it).
+  const std::shared_ptr<std::atomic<int64_t>> registered_host_bytes_ =
+      std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // Checks a region name: 1-64 characters of [A-Za-z0-9_.-].

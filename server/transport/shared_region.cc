@@ -50,12 +50,18 @@ std::unique_ptr<SharedRegion> SharedRegion::Gpu(char* device_data, uint64_t size
   return std::unique_ptr<SharedRegion>(new SharedRegion(device_data, size, std::move(release)));
 }
 
+void SharedRegion::SetDeviceRegistration(std::function<void()> unregister) {
+  unregister_ = std::move(unregister);
+}
+
 SharedRegion::~SharedRegion() {
   if (release_) {
     release_();
-  } else {
-    ::munmap(data_, size_);
+    return;
   }
+  // The device must let go of the pages before they are unmapped.
+  if (unregister_) unregister_();
+  ::munmap(data_, size_);
 }
 
 }  // namespace attn

@@ -32,6 +32,14 @@ class SharedRegion {
   uint64_t size() const { return size_; }
   bool on_gpu() const { return static_cast<bool>(release_); }
 
+  // A host region's mapping registered with the backend's device (CUDA backend: page-locked by
+  // cudaHostRegister), so that requests copy straight between it and the GPU. unregister undoes
+  // it and runs on destruction, before the unmapping: only once no request holds the region. Set
+  // at most once, by the registry before any request can see the region (readers then take
+  // the region from the registry under its lock, and need none of their own).
+  void SetDeviceRegistration(std::function<void()> unregister);
+  bool device_registered() const { return static_cast<bool>(unregister_); }
+
  private:
   SharedRegion(char* data, uint64_t size, std::function<void()> release)
       : data_(data), size_(size), release_(std::move(release)) {}
@@ -39,6 +47,7 @@ class SharedRegion {
   char* const data_;
   const uint64_t size_;
   const std::function<void()> release_;  // GPU regions only
+  std::function<void()> unregister_;     // host regions registered with the device only
 };
 
 }  // namespace attn

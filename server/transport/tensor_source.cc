@@ -14,34 +14,6 @@ bool Overlap(const ResolvedBytes& a, const ResolvedBytes& b) {
   return a.data < b.data + b.bytes && b.data < a.data + a.bytes;
 }
 
-// GPU regions are all or nothing: the CUDA backend then moves the request only on the device, and
-// never reads it on the host (so float32, which it converts on the host, cannot use them).
-absl::Status CheckGpuUse(const v1::AttendRequest& r, const ResolvedBytes& q,
-                         const ResolvedBytes& k, const ResolvedBytes& v, const ResolvedBytes& o,
-                         const ResolvedBytes& lse) {
-  const bool any = q.on_gpu || k.on_gpu || v.on_gpu || o.on_gpu || lse.on_gpu;
-  if (!any) return absl::OkStatus();
-  const std::pair<const ResolvedBytes*, const char*> parts[] = {
-      {&q, "q.region"}, {&k, "k.region"}, {&v, "v.region"}, {&o, "o_region"}};
-  for (const auto& [part, name] : parts) {
-    if (!part->on_gpu) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " must name a GPU region (REGION_KIND_CUDA) too: a request that uses one has q, "
-          "k, v and o_region (and lse_region) all in GPU regions"));
-    }
-  }
-  if (r.return_lse() && !lse.on_gpu) {
-    return absl::InvalidArgumentError(
-        "lse_region must name a GPU region (REGION_KIND_CUDA) too: a request that uses one has "
-        "q, k, v and o_region (and lse_region) all in GPU regions");
-  }
-  if (r.q().dtype() == v1::DTYPE_FLOAT32) {
-    return absl::InvalidArgumentError(
-        "q.dtype DTYPE_FLOAT32 cannot be used with GPU regions; send float16 or bfloat16");
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const std::string& field,
@@ -73,6 +45,7 @@ absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const s
   out.bytes = slice.bytes();
   out.region = region->get();
   out.on_gpu = (*region)->on_gpu();
+  out.device_registered = (*region)->device_registered();
   out.hold = std::move(*region);
   return out;
 }
@@ -143,10 +116,32 @@ absl::StatusOr<ResolvedTensors> ResolveFields(const TensorFields& f, const std::
   return t;
 }
 
+// GPU regions are all or nothing: a device backend then moves the request only on the device
+// and never reads nor writes it on the host. The message names the first part left out.
+absl::Status CheckAllOnGpu(const TensorFields& f, const ResolvedTensors& t) {
+  const bool any = t.q.on_gpu || t.k.on_gpu || t.v.on_gpu || t.o.on_gpu || t.lse.on_gpu;
+  if (!any) return absl::OkStatus();
+  const std::string k_region = absl::StrCat(f.k_name, ".region");
+  const std::string v_region = absl::StrCat(f.v_name, ".region");
+  const std::pair<const ResolvedBytes*, std::string> parts[] = {
+      {&t.q, "q.region"}, {&t.k, k_region}, {&t.v, v_region}, {&t.o, "o_region"},
+      {&t.lse, "lse_region"}};
+  for (const auto& [part, name] : parts) {
+    if (part->on_gpu || (part == &t.lse && !f.return_lse)) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " must name a GPU region (REGION_KIND_CUDA) too: a request that uses one has q, ",
+        f.k_name, ", ", f.v_name, " and o_region (and lse_region when return_lse) all in GPU "
+        "regions"));
+  }
+  return absl::OkStatus();
+}
+
 // Points job's sources and destinations at t and holds each region once (so that
 // RegionInfo.in_flight counts requests, not tensors).
 void ApplyTo(ResolvedTensors& t, AttendJob* job) {
   job->device_tensors = t.q.on_gpu;
+  job->host_registered = {t.q.device_registered, t.k.device_registered, t.v.device_registered,
+                          t.o.device_registered, t.lse.device_registered};
   job->q_bytes = {t.q.data, t.q.bytes};
   job->k_bytes = {t.k.data, t.k.bytes};
   job->v_bytes = {t.v.data, t.v.bytes};
@@ -182,13 +177,19 @@ absl::Status ResolveAttendTensors(const v1::AttendRequest& r, const std::string&
                  uint64_t(job->total_k) * key.num_kv_heads * key.head_dim * elem,
                  uint64_t(job->total_q) * key.num_heads * sizeof(float)};
   ASSIGN_OR_RETURN(ResolvedTensors t, ResolveFields(f, owner, registry));
-  RETURN_IF_ERROR(CheckGpuUse(r, t.q, t.k, t.v, t.o, t.lse));
+  RETURN_IF_ERROR(CheckAllOnGpu(f, t));
+  if (t.q.on_gpu && r.q().dtype() == v1::DTYPE_FLOAT32) {
+    // The CUDA backend converts float32 on the host.
+    return absl::InvalidArgumentError(
+        "q.dtype DTYPE_FLOAT32 cannot be used with GPU regions; send float16 or bfloat16");
+  }
   ApplyTo(t, job);
   return absl::OkStatus();
 }
 
 absl::Status ResolveStepTensors(const v1::StepRequest& r, const std::string& owner,
-                                const RegionRegistry* registry, AttendJob* job) {
+                                const RegionRegistry* registry, bool gpu_regions,
+                                AttendJob* job) {
   const BatchKey& key = job->key;
   const uint64_t elem = kernels::DTypeSize(key.wire_dtype);
   TensorFields f{&r.q(), &r.k_new(), &r.v_new(), "k_new", "v_new",
@@ -198,16 +199,21 @@ absl::Status ResolveStepTensors(const v1::StepRequest& r, const std::string& own
                  uint64_t(job->total_q) * key.num_kv_heads * key.head_dim * elem,
                  uint64_t(job->total_q) * key.num_heads * sizeof(float)};
   ASSIGN_OR_RETURN(ResolvedTensors t, ResolveFields(f, owner, registry));
-  const std::pair<const ResolvedBytes*, const char*> parts[] = {
-      {&t.q, "q.region"}, {&t.k, "k_new.region"}, {&t.v, "v_new.region"},
-      {&t.o, "o_region"}, {&t.lse, "lse_region"}};
-  for (const auto& [part, name] : parts) {
-    if (part->on_gpu) {
-      return absl::UnimplementedError(absl::StrCat(
-          name, " names a GPU region: Step and BatchStep take host regions (REGION_KIND_HOST) or "
-          "data; GPU regions are for Attend"));
+  if (!gpu_regions) {
+    // Only a device backend registers GPU regions at all; refused here too, by name, so that a
+    // step never reaches a backend that would read a device address on the host.
+    const std::pair<const ResolvedBytes*, const char*> parts[] = {
+        {&t.q, "q.region"}, {&t.k, "k_new.region"}, {&t.v, "v_new.region"},
+        {&t.o, "o_region"}, {&t.lse, "lse_region"}};
+    for (const auto& [part, name] : parts) {
+      if (part->on_gpu) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            name, " names a GPU region, but this attnd's backend has no GPU: send the tensors "
+            "in host regions (REGION_KIND_HOST) or as data"));
+      }
     }
   }
+  RETURN_IF_ERROR(CheckAllOnGpu(f, t));
   ApplyTo(t, job);
   return absl::OkStatus();
 }

@@ -24,6 +24,8 @@ struct ResolvedBytes {
   std::shared_ptr<const void> hold;
   const void* region = nullptr;  // identity of that region, for overlap checks
   bool on_gpu = false;           // data is a device address (a GPU region)
+  // A host region registered with the backend's device (SharedRegion::device_registered).
+  bool device_registered = false;
 };
 
 // The bytes a slice names. registry null: shared memory is off (FAILED_PRECONDITION). field is
@@ -47,9 +49,12 @@ absl::Status ResolveAttendTensors(const v1::AttendRequest& request, const std::s
 
 // The same for a session step (q, k_new, v_new, o_region, lse_region), always: afterwards the
 // job's q/k/v bytes and o/lse destinations say where the step's tensors are, in the message or
-// in host regions. GPU regions are refused (UNIMPLEMENTED) on steps. Call after
-// ValidateStepRequest's checks, before the response is sized.
+// in regions. GPU regions are all or nothing, as for Attend (q, k_new, v_new, o_region and
+// lse_region when return_lse), and only where gpu_regions says the backend computes steps on
+// them (else FAILED_PRECONDITION naming the field). Call after ValidateStepRequest's checks,
+// before the response is sized.
 absl::Status ResolveStepTensors(const v1::StepRequest& request, const std::string& owner,
-                                const RegionRegistry* registry, AttendJob* job);
+                                const RegionRegistry* registry, bool gpu_regions,
+                                AttendJob* job);
 
 }  // namespace attn

@@ -156,7 +156,11 @@ std::unique_ptr<AttndProcess> AttndProcess::Start(const std::vector<std::string>
   const int fd = mkstemp(tmpl);
   if (fd < 0) return nullptr;
   p->log_path_ = tmpl;
-  std::vector<std::string> args = {ATTND_PATH, "--listen=127.0.0.1:0",
+  // $ATTND_BIN, where set, names the attnd to run (a bundle copied to another machine);
+  // else the one built next to the tests.
+  const char* bin = std::getenv("ATTND_BIN");
+  std::vector<std::string> args = {bin != nullptr && *bin != '\0' ? bin : ATTND_PATH,
+                                   "--listen=127.0.0.1:0",
                                    "--metrics_listen=127.0.0.1:0", "--backend=cpu",
                                    "--threads=2"};
   args.insert(args.end(), flags.begin(), flags.end());

@@ -57,7 +57,8 @@ ReferenceResult ReferenceFor(const RandomRequest& r);
 double ErrorAgainstReference(const RandomRequest& r, const client::Tensor& o);
 double ToleranceFor(client::DType dtype);
 
-// attnd as a child process, started with extra flags on 127.0.0.1 and ports it picks itself.
+// attnd as a child process, started with extra flags on 127.0.0.1 and ports it picks itself:
+// $ATTND_BIN where set, else the attnd of this build.
 class AttndProcess {
  public:
   static std::unique_ptr<AttndProcess> Start(const std::vector<std::string>& flags);

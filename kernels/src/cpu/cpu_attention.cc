@@ -1,6 +1,8 @@
-// Tiled forward attention on the CPU. Each work item is one (sequence, head, query tile): it
-// walks the visible key tiles with an online softmax, so no score matrix larger than one tile
-// exists. Inner loops run over contiguous floats so that the compiler vectorizes them. Paged K/V
+// Tiled forward attention on the CPU. Each work item is one (sequence, KV head, tile of query
+// rows): it walks the visible key tiles with an online softmax, so no score matrix larger than
+// one tile exists. The rows of a tile are the (token, query head) pairs of the query heads that
+// share the KV head, token-major, so that each key tile is loaded once for all of them (with GQA
+// and one decode token, the whole group is one tile). Inner loops run over contiguous floats so that the compiler vectorizes them. Paged K/V
 // (args.paged) differ only in where key row j of a sequence is read from (KeyRow).
 #include "attn/kernels/cpu_attention.h"
 
@@ -119,8 +121,8 @@ ATTN_SCRATCH_ONLY ATTN_CPU_VECTORIZE void AccumulateTile(const float* __restrict
 
 struct WorkItem {
   int32_t seq;
-  int32_t head;
-  int64_t row0;  // first query row of the tile, inside the sequence
+  int32_t kv_head;
+  int64_t row0;  // first packed row of the tile: token * group + head within the group
 };
 
 class Runner {
@@ -133,11 +135,11 @@ class Runner {
     tile_prefix_[0] = 0;
     for (int32_t b = 0; b < a.batch; ++b) {
       const int64_t sq = a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b];
-      tile_prefix_[b + 1] = tile_prefix_[b] + (sq + kBlockM - 1) / kBlockM;
+      tile_prefix_[b + 1] = tile_prefix_[b] + (sq * group_ + kBlockM - 1) / kBlockM;
     }
   }
 
-  int64_t NumItems() const { return tile_prefix_[a_.batch] * a_.num_heads; }
+  int64_t NumItems() const { return tile_prefix_[a_.batch] * a_.num_kv_heads; }
 
   void RunItem(int64_t item, int worker) {
     Scratch s = CarveScratch(scratch_base_ + size_t(worker) * ScratchBytes(d_), d_);
@@ -146,11 +148,17 @@ class Runner {
 
  private:
   WorkItem Decode(int64_t item) const {
-    const int64_t tile = item / a_.num_heads;
-    const int32_t head = static_cast<int32_t>(item % a_.num_heads);
+    const int64_t tile = item / a_.num_kv_heads;
+    const int32_t kv_head = static_cast<int32_t>(item % a_.num_kv_heads);
     const int64_t* it = std::upper_bound(tile_prefix_, tile_prefix_ + a_.batch + 1, tile);
     const int32_t seq = static_cast<int32_t>(it - tile_prefix_ - 1);
-    return {seq, head, (tile - tile_prefix_[seq]) * kBlockM};
+    return {seq, kv_head, (tile - tile_prefix_[seq]) * kBlockM};
+  }
+
+  // Token (inside the sequence) and query head of row r of tile w.
+  int64_t Token(const WorkItem& w, int r) const { return (w.row0 + r) / group_; }
+  int32_t Head(const WorkItem& w, int r) const {
+    return w.kv_head * group_ + static_cast<int32_t>((w.row0 + r) % group_);
   }
 
   // Keys of sequence seq.
@@ -170,13 +178,13 @@ class Runner {
   void ComputeTile(const WorkItem& w, const Scratch& s) const {
     const int64_t q0 = a_.cu_seqlens_q[w.seq], sq = a_.cu_seqlens_q[w.seq + 1] - q0;
     const int64_t sk = SeqLenK(w.seq);
-    const int rows = static_cast<int>(std::min<int64_t>(kBlockM, sq - w.row0));
-    const int kv_head = w.head / group_;
+    const int rows = static_cast<int>(std::min<int64_t>(kBlockM, sq * group_ - w.row0));
+    const int kv_head = w.kv_head;
     const int64_t q_stride = int64_t(a_.num_heads) * d_;
     const int64_t kv_stride = int64_t(a_.num_kv_heads) * d_;
 
     for (int r = 0; r < rows; ++r) {
-      const int64_t src = (q0 + w.row0 + r) * q_stride + int64_t(w.head) * d_;
+      const int64_t src = (q0 + Token(w, r)) * q_stride + int64_t(Head(w, r)) * d_;
       LoadRow(a_.dtype, a_.q, src, d_, s.q + r * d_, scale_log2_);
       s.m[r] = kNegInf;
       s.l[r] = 0.0f;
@@ -184,8 +192,8 @@ class Runner {
     std::fill(s.acc, s.acc + size_t(rows) * d_, 0.0f);
 
     // Key tiles any row of this tile sees.
-    const KeyRange first = VisibleKeys(a_, w.row0, sq, sk);
-    const KeyRange last = VisibleKeys(a_, w.row0 + rows - 1, sq, sk);
+    const KeyRange first = VisibleKeys(a_, Token(w, 0), sq, sk);
+    const KeyRange last = VisibleKeys(a_, Token(w, rows - 1), sq, sk);
     const int64_t lo = std::max<int64_t>(0, first.lo), hi = std::min(sk - 1, last.hi);
     for (int64_t j0 = (lo / kBlockN) * kBlockN; j0 <= hi; j0 += kBlockN) {
       const int n = static_cast<int>(std::min<int64_t>(kBlockN, sk - j0));
@@ -193,7 +201,7 @@ class Runner {
       ScoreTile(s.q, s.kt, s.s, rows, d_);
       float alpha[kBlockM];
       for (int r = 0; r < rows; ++r) {
-        alpha[r] = SoftmaxRow(VisibleKeys(a_, w.row0 + r, sq, sk), j0, n, s.s + r * kBlockN,
+        alpha[r] = SoftmaxRow(VisibleKeys(a_, Token(w, r), sq, sk), j0, n, s.s + r * kBlockN,
                               &s.m[r], &s.l[r]);
       }
       AccumulateTile(s.s, s.v, s.acc, alpha, rows, n, d_);
@@ -253,10 +261,11 @@ class Runner {
       const float inv = l != 0.0f ? 1.0f / l : 0.0f;  // l is NaN in a row that read a NaN
       float* ar = s.acc + r * d_;
       for (int c = 0; c < d_; ++c) ar[c] *= inv;
-      const int64_t row = q0 + w.row0 + r;
-      StoreRow(a_.dtype, ar, d_, a_.o, row * q_stride + int64_t(w.head) * d_);
+      const int64_t row = q0 + Token(w, r);
+      const int32_t head = Head(w, r);
+      StoreRow(a_.dtype, ar, d_, a_.o, row * q_stride + int64_t(head) * d_);
       if (a_.lse) {
-        a_.lse[int64_t(w.head) * a_.total_q + row] =
+        a_.lse[int64_t(head) * a_.total_q + row] =
             l != 0.0f ? (s.m[r] + std::log2(l)) / kLog2e : kNegInf;
       }
     }
