@@ -4,23 +4,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "attn/util/wire_fields.h"
 #include "attn/util/wire_reader.h"
 
 namespace attn {
 namespace {
 
-enum WireType : uint32_t {
-  kVarint = 0,
-  kFixed64 = 1,
-  kLengthDelimited = 2,
-  kStartGroup = 3,
-  kEndGroup = 4,
-  kFixed32 = 5,
-};
-
-// Groups nested deeper than this inside an unknown field are refused (protobuf's own parser
-// stops at 100 levels of nesting).
-constexpr int kMaxGroupDepth = 64;
+using wire::kFixed32;
+using wire::kLengthDelimited;
+using wire::Tag;
 
 // The names of AttendRequest's and Tensor's fields, for messages.
 std::string RequestFieldName(uint64_t number) {
@@ -45,19 +37,6 @@ absl::Status Malformed(const std::string& field, const std::string& what, uint64
                                                  " (at byte ", at, " of the message)"));
 }
 
-void AppendVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
-
-struct Tag {
-  uint64_t number = 0;
-  uint32_t type = 0;
-};
-
 // Reads a tag (its wire type is checked by CheckWireType); where names the message in errors.
 absl::Status ReadTag(WireReader& r, const std::string& where, Tag* tag) {
   const uint64_t at = r.position();
@@ -79,51 +58,11 @@ absl::Status CheckWireType(const Tag& tag, const std::string& field, uint64_t at
 }
 
 // Appends the field whose tag was just read, encoded as on the wire, to out.
-absl::Status CopyField(WireReader& r, const Tag& tag, const std::string& field, int depth,
-                       std::string* out) {
+absl::Status CopyField(WireReader& r, const Tag& tag, const std::string& field, std::string* out) {
   const uint64_t at = r.position();
-  AppendVarint(tag.number << 3 | tag.type, out);
-  switch (tag.type) {
-    case kVarint: {
-      uint64_t v;
-      if (!r.ReadVarint(&v)) return Malformed(field, "truncated or over-long varint", at);
-      AppendVarint(v, out);
-      return absl::OkStatus();
-    }
-    case kFixed64:
-      if (!r.AppendTo(8, out)) return Malformed(field, "truncated 8-byte value", at);
-      return absl::OkStatus();
-    case kFixed32:
-      if (!r.AppendTo(4, out)) return Malformed(field, "truncated 4-byte value", at);
-      return absl::OkStatus();
-    case kLengthDelimited: {
-      uint64_t n;
-      if (!r.ReadVarint(&n)) return Malformed(field, "truncated or over-long length", at);
-      AppendVarint(n, out);
-      if (!r.AppendTo(n, out)) {
-        return Malformed(field, absl::StrCat("length ", n, " runs past the end of its message (",
-                                             r.remaining(), " bytes left)"), at);
-      }
-      return absl::OkStatus();
-    }
-    case kStartGroup: {
-      if (depth >= kMaxGroupDepth) return Malformed(field, "groups nested too deeply", at);
-      for (;;) {
-        Tag inner;
-        if (r.AtLimit()) return Malformed(field, "group without its end", at);
-        RETURN_IF_ERROR(ReadTag(r, field, &inner));
-        RETURN_IF_ERROR(CheckWireType(inner, field, at));
-        if (inner.type == kEndGroup) {
-          if (inner.number != tag.number) return Malformed(field, "mismatched end of group", at);
-          AppendVarint(inner.number << 3 | kEndGroup, out);
-          return absl::OkStatus();
-        }
-        RETURN_IF_ERROR(CopyField(r, inner, field, depth + 1, out));
-      }
-    }
-    default:  // kEndGroup outside a group
-      return Malformed(field, "end of a group that was not started", at);
-  }
+  std::string error;
+  if (!wire::CopyField(r, tag, out, &error)) return Malformed(field, error, at);
+  return absl::OkStatus();
 }
 
 // Merges one field (already in wire form) into message, as protobuf's parser would.
@@ -158,7 +97,7 @@ absl::Status DecodeTensor(WireReader& r, const std::string& name, v1::Tensor* te
       continue;
     }
     field_bytes.clear();
-    RETURN_IF_ERROR(CopyField(r, tag, field, 0, &field_bytes));
+    RETURN_IF_ERROR(CopyField(r, tag, field, &field_bytes));
     RETURN_IF_ERROR(MergeField(field_bytes, field, at, tensor));
   }
   return absl::OkStatus();
@@ -210,7 +149,7 @@ absl::Status DecodeAttendRequest(std::span<const std::string_view> pieces,
     }
     // Every other field.
     field_bytes.clear();
-    RETURN_IF_ERROR(CopyField(r, tag, field, 0, &field_bytes));
+    RETURN_IF_ERROR(CopyField(r, tag, field, &field_bytes));
     RETURN_IF_ERROR(MergeField(field_bytes, field, at, &out->header));
   }
   return absl::OkStatus();
