@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "attn/util/median_time.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "attn/client/client.h"
@@ -40,20 +41,8 @@ ABSL_FLAG(double, seconds, 1.0, "Time spent on each measurement");
 namespace attn::client {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-// Median seconds of fn over about `seconds` of repeats (at least 5).
-double MedianSeconds(const std::function<void()>& fn, double seconds) {
-  std::vector<double> t;
-  const auto end = Clock::now() + std::chrono::duration<double>(seconds);
-  while (t.size() < 5 || Clock::now() < end) {
-    const auto start = Clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
-  return t[t.size() / 2];
-}
+using util::MedianSeconds;
 
 Tensor RandomTensor(std::mt19937_64& rng, int64_t tokens, int heads, int d) {
   Tensor t;

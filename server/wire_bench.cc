@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "attn/util/median_time.h"
 #include "absl/flags/parse.h"
 #include "rpc/attend_request_decoder.h"
 #include "rpc/attend_response_encoder.h"
@@ -38,20 +39,8 @@ ABSL_FLAG(double, seconds, 1.0, "Time spent on each measurement");
 namespace attn {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-// Median seconds of fn over about `seconds` of repeats (at least 5).
-double MedianSeconds(const std::function<void()>& fn, double seconds) {
-  std::vector<double> t;
-  const auto end = Clock::now() + std::chrono::duration<double>(seconds);
-  while (t.size() < 5 || Clock::now() < end) {
-    const auto start = Clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
-  return t[t.size() / 2];
-}
+using util::MedianSeconds;
 
 // bytes as gRPC receives them: in slices of slice_bytes.
 grpc::ByteBuffer Sliced(const std::string& bytes, size_t slice_bytes) {
