@@ -593,6 +593,7 @@ grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ct
   }
   FinishUnary(reactor, Rpc::kEcho, start, st, received,
               st.ok() ? static_cast<int64_t>(response->Length()) : 0);
+  HandlerReturns();
   return reactor;
 }
 
