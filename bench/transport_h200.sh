@@ -2,7 +2,7 @@
 # The transport measurements of one run on a GPU host: raw TCP ceiling, gRPC Echo and Attend at
 # 1 and 16 clients over 1-100 MB messages (with the ceiling next to each), 1 vs 4 connections of
 # one client, gRPC vs host shared memory vs CUDA IPC for 4k-token Attend and for small requests,
-# and gRPC's TCP read chunks. Needs attnd, attn-bench and attn-tcp-ceiling in BIN.
+# and gRPC's TCP read chunks. Needs attnd, attnctl, attn-bench and attn-tcp-ceiling in BIN.
 #   bench/transport_h200.sh BIN OUT_DIR [seconds per level]
 # Writes OUT_DIR/*.txt (the tables) and OUT_DIR/*.csv.
 set -uo pipefail
@@ -11,22 +11,14 @@ mkdir -p "$out"
 port=50731
 sock=/tmp/attnd-transport-$$.sock
 common=(--duration_s "$secs" --warmup_s 0.5 --heads 16 --head_dim 128 --dtype bf16)
-pid=""
+. "$(dirname "$0")/attnd_lib.sh"
+# Room for 16 clients of 100 MB requests in pinned staging, and for the regions of 64 workers
+# (a level's regions are dropped as the next one starts).
 start() {  # attnd flags...
-  # Room for 16 clients of 100 MB requests in pinned staging, and for the regions of 64 workers
-  # (a level's regions are dropped as the next one starts).
-  "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen= --backend=${ATTN_BACKEND:-cuda} \
-    --allow_shared_memory --shm_socket=$sock --shm_max_regions_per_client=1024 \
-    --pinned_pool_bytes=$((8 << 30)) --max_inflight_bytes=$((8 << 30)) "$@" \
-    >>"$out/attnd.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 300); do
-    grep -q "serving attn.v1" "$out/attnd.log" 2>/dev/null && return 0
-    sleep 0.1
-  done
-  echo "attnd did not start" >&2; return 1
+  start_attnd --backend="${ATTN_BACKEND:-cuda}" --allow_shared_memory --shm_socket=$sock \
+    --shm_max_regions_per_client=1024 --pinned_pool_bytes=$((8 << 30)) \
+    --max_inflight_bytes=$((8 << 30)) "$@"
 }
-stop() { kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }
 bench() {  # name, attn-bench flags...
   local name=$1; shift
   echo "== $name: attn-bench $*" | tee -a "$out/all.txt"
@@ -60,14 +52,13 @@ bench "small echo" --mode echo --concurrency 64 --seq 128 --tcp_ceiling_s 0
 for t in grpc shm cuda-ipc; do
   bench "small $t" --transport $t --concurrency 64 --seq 128 --tcp_ceiling_s 0
 done
-stop
+stop_attnd
 # gRPC's TCP read chunks: 1 MiB (reads up to 8 MiB) on both ends vs gRPC's default.
-: >"$out/attnd.log"  # so that start() waits for this attnd's "serving" line
 start --tcp_read_chunk_bytes=1048576 || exit 1
 bench "echo seq=2048 read_chunk=1MiB" --mode echo --concurrency 1,16 --seq 2048 \
   --tcp_read_chunk_bytes 1048576 --tcp_ceiling_s 0
 bench "echo seq=8192 read_chunk=1MiB" --mode echo --concurrency 1,16 --seq 8192 \
   --tcp_read_chunk_bytes 1048576 --tcp_ceiling_s 0
-stop
+stop_attnd
 rm -f $sock
 echo "done" | tee -a "$out/all.txt"

@@ -312,6 +312,45 @@ absl::Status CopyOutputs(std::span<std::unique_ptr<AttendJob>> jobs,
   return absl::OkStatus();
 }
 
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// From this size of q on, a request whose tensors all lie in GPU regions is run by a launch of
+// its own that reads and writes the regions in place. A smaller one is gathered into the packed
+// launch: one launch for many small requests fills the device, where one launch each would not.
+constexpr size_t kInPlaceAttendBytes = size_t{1} << 20;
+
+// The kernels read q, k and v and write o and lse 16 bytes at a time.
+bool AttendsInPlace(const AttendJob& job) {
+  return job.device_tensors && !job.step && job.q_bytes.size() >= kInPlaceAttendBytes &&
+         Aligned16(job.q_bytes.data()) && Aligned16(job.k_bytes.data()) &&
+         Aligned16(job.v_bytes.data()) && Aligned16(job.o_out) &&
+         (!job.return_lse || Aligned16(job.lse_out));
+}
+
+// The kernel arguments of a launch over packed tensors, less the tensors' addresses.
+kernels::AttentionArgs ShapeArgs(const BatchKey& key, int32_t num_seqs, int32_t total_q,
+                                 int32_t total_k, int32_t max_q, int32_t max_k) {
+  kernels::AttentionArgs args;
+  args.dtype = *key.staged_dtype;
+  args.batch = num_seqs;
+  args.total_q = total_q;
+  args.total_k = total_k;
+  args.max_seqlen_q = std::max(max_q, 1);
+  args.max_seqlen_k = std::max(max_k, 1);
+  args.num_heads = key.num_heads;
+  args.num_kv_heads = key.num_kv_heads;
+  args.head_dim = key.head_dim;
+  args.softmax_scale = key.softmax_scale;
+  args.causal = key.causal;
+  args.window_left = key.window_left;
+  args.window_right = key.window_right;
+  return args;
+}
+
+double TensorBytes(const BatchKey& key, double total_q, double total_k) {
+  return 2.0 * key.head_dim * (2.0 * total_q * key.num_heads + 2.0 * total_k * key.num_kv_heads);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
@@ -536,7 +575,21 @@ void CudaBackend::LaneLoop(Lane* lane) {
       work.on_finished(report);
       continue;
     }
-    RunSplittingOnExhaustion(*lane, work.batch, status, &report);
+    // Large requests whose tensors all lie in GPU regions run in place, each its own launch;
+    // the rest are packed into one.
+    const auto packed_end = std::stable_partition(
+        work.batch.begin(), work.batch.end(), [](const auto& job) { return !AttendsInPlace(*job); });
+    const size_t packed = static_cast<size_t>(packed_end - work.batch.begin());
+    const std::span<std::unique_ptr<AttendJob>> jobs(work.batch);
+    const std::span<absl::Status> statuses(status);
+    if (packed > 0) {
+      RunSplittingOnExhaustion(*lane, jobs.first(packed), statuses.first(packed), &report);
+    }
+    if (packed < jobs.size()) {
+      const absl::Status st = LaunchInPlace(*lane, jobs.subspan(packed), &report);
+      if (!st.ok() && !absl::IsResourceExhausted(st)) NoteIfDeviceLost(*lane);
+      std::fill(statuses.begin() + packed, statuses.end(), st);
+    }
     // The results are in pinned memory now; copying them into the responses and finishing the
     // calls runs on the completion pool while this lane takes the next batch.
     for (size_t i = 0; i < work.batch.size(); ++i) {
@@ -597,8 +650,8 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   RETURN_IF_ERROR(dev_in.Allocate(layout.in_bytes));
   RETURN_IF_ERROR(dev_out.Allocate(layout.out_bytes));
 
-  kernels::AttentionArgs args;
-  args.dtype = *key.staged_dtype;
+  kernels::AttentionArgs args = ShapeArgs(key, layout.num_seqs, layout.total_q, layout.total_k,
+                                          layout.max_q, layout.max_k);
   args.q = dev_in.get() + layout.q;
   args.k = dev_in.get() + layout.k;
   args.v = dev_in.get() + layout.v;
@@ -606,18 +659,6 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   args.lse = layout.any_lse ? reinterpret_cast<float*>(dev_out.get() + layout.lse) : nullptr;
   args.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev_in.get() + layout.cu_q);
   args.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev_in.get() + layout.cu_k);
-  args.batch = layout.num_seqs;
-  args.total_q = layout.total_q;
-  args.total_k = layout.total_k;
-  args.max_seqlen_q = std::max(layout.max_q, 1);
-  args.max_seqlen_k = std::max(layout.max_k, 1);
-  args.num_heads = key.num_heads;
-  args.num_kv_heads = key.num_kv_heads;
-  args.head_dim = key.head_dim;
-  args.softmax_scale = key.softmax_scale;
-  args.causal = key.causal;
-  args.window_left = key.window_left;
-  args.window_right = key.window_right;
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
   DeviceBuffer workspace(device_pool_.get(), lane.stream);
   RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
@@ -640,13 +681,80 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   report->compute_seconds += kernel_ms * 1e-3;
   report->transfer_seconds += (h2d_ms + d2h_ms) * 1e-3;
   report->flops += kernels::AttentionFlops(args, cu_q, cu_k);
-  report->bytes += 2.0 * key.head_dim *
-                   (2.0 * layout.total_q * key.num_heads + 2.0 * layout.total_k * key.num_kv_heads);
+  report->bytes += TensorBytes(key, layout.total_q, layout.total_k);
   for (const auto& job : jobs) {
     job->transfer_us = (h2d_ms + d2h_ms) * 1e3;
     job->compute_us = kernel_ms * 1e3;
     job->batch_requests = static_cast<int32_t>(jobs.size());
     job->batch_tokens = layout.total_q;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LaunchInPlace(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                                        BatchReport* report) {
+  // Each job's sequence offsets, cu_q then cu_k, staged back to back as they lie on the device.
+  std::vector<size_t> cu_at(jobs.size());
+  size_t cu_bytes = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    cu_at[i] = cu_bytes;
+    cu_bytes += 2 * AlignUp(sizeof(int32_t) * jobs[i]->cu_seqlens_q.size());
+  }
+  ASSIGN_OR_RETURN(PinnedBuffer host_cu, pinned_pool_->Acquire(cu_bytes));
+  DeviceBuffer dev_cu(device_pool_.get(), lane.stream), workspace(device_pool_.get(), lane.stream);
+  RETURN_IF_ERROR(dev_cu.Allocate(cu_bytes));
+  std::vector<kernels::AttentionArgs> args;
+  args.reserve(jobs.size());
+  size_t workspace_bytes = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const AttendJob& job = *jobs[i];
+    const size_t n = job.cu_seqlens_q.size();
+    char* host = static_cast<char*>(host_cu.data()) + cu_at[i];
+    const size_t cu_k = AlignUp(sizeof(int32_t) * n);
+    std::memcpy(host, job.cu_seqlens_q.data(), sizeof(int32_t) * n);
+    std::memcpy(host + cu_k, job.cu_seqlens_k.data(), sizeof(int32_t) * n);
+    kernels::AttentionArgs a = ShapeArgs(job.key, static_cast<int32_t>(n) - 1, job.total_q,
+                                         job.total_k, job.max_seqlen_q, job.max_seqlen_k);
+    a.q = job.q_bytes.data();
+    a.k = job.k_bytes.data();
+    a.v = job.v_bytes.data();
+    a.o = job.o_out;
+    a.lse = job.return_lse ? reinterpret_cast<float*>(job.lse_out) : nullptr;
+    a.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev_cu.get() + cu_at[i]);
+    a.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev_cu.get() + cu_at[i] + cu_k);
+    RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(a)));
+    workspace_bytes = std::max(workspace_bytes, kernels::cuda::WorkspaceBytes(a));
+    args.push_back(a);
+  }
+  // The launches run one after the other on the lane's stream: they share the workspace.
+  RETURN_IF_ERROR(workspace.Allocate(workspace_bytes));
+
+  cudaStream_t s = lane.stream;
+  SyncStreamUnlessDone sync_on_error(s);
+  cudaEvent_t* ev = lane.events;
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], s));
+  RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_cu.get(), host_cu.data(), cu_bytes,
+                                                   cudaMemcpyHostToDevice, s));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], s));
+  for (const kernels::AttentionArgs& a : args) {
+    RETURN_IF_CUDA_ERROR("attention kernel", kernels::cuda::Run(a, workspace.get(), s));
+  }
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], s));
+  RETURN_IF_CUDA_ERROR("batch completion", cudaEventSynchronize(ev[2]));
+  sync_on_error.Done();
+
+  const double h2d_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);
+  report->compute_seconds += kernel_ms * 1e-3;
+  report->transfer_seconds += h2d_ms * 1e-3;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    AttendJob& job = *jobs[i];
+    report->flops += kernels::AttentionFlops(args[i], job.cu_seqlens_q.data(),
+                                             job.cu_seqlens_k.data());
+    report->bytes += TensorBytes(job.key, job.total_q, job.total_k);
+    job.transfer_us = h2d_ms * 1e3;
+    job.compute_us = kernel_ms * 1e3;
+    job.batch_requests = static_cast<int32_t>(jobs.size());
+    job.batch_tokens = job.total_q;
   }
   return absl::OkStatus();
 }
@@ -679,8 +787,6 @@ StepRoute RouteOf(const AttendJob& job) {
           r.v && large(job.v_bytes.size()), r.o && large(job.q_bytes.size()),
           r.lse && large(StepLseBytes(job)), false};
 }
-
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // A launch of one step whose tensors all lie in GPU regions, 16-byte aligned (as the kernels and
 // the row copies read and write them): the kernel reads q and writes o and lse in the regions,
@@ -887,31 +993,30 @@ void FinishStep(AttendJob& job, size_t i, absl::Status st, const StepResults* re
   job.done(std::move(st));
 }
 
-// Launches of at most this many steps are waited for by polling (WaitBriefly).
+// Launches of at most this many steps are latency-bound: polled from the start.
 constexpr size_t kPolledLaunchSteps = 4;
 
-// Polls the event for up to 300 us (a decode launch is done well within that, and waking from a
-// blocking wait costs tens of microseconds), then blocks.
-cudaError_t WaitBriefly(cudaEvent_t event) {
-  const auto until = Clock::now() + std::chrono::microseconds(300);
-  cudaError_t e;
-  while ((e = cudaEventQuery(event)) == cudaErrorNotReady && Clock::now() < until) {
+// Waits for event without a blocking wait, whose interrupt-driven wake-up costs tens of
+// microseconds: sleeps through sleep_us (most of a large launch's expected time, leaving the core
+// to the transport), then polls, yielding the core, for up to poll_for; then blocks.
+cudaError_t PollEvent(cudaEvent_t event, double sleep_us, std::chrono::microseconds poll_for) {
+  if (sleep_us > 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(sleep_us)));
   }
-  return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
-}
-
-// A large launch: sleeps through most of its expected device time (a blocking wait would add the
-// tens of microseconds of an interrupt-driven wake-up), then polls, yielding the core.
-cudaError_t WaitForLaunch(cudaEvent_t event, double expected_us) {
-  if (expected_us > 50) {
-    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(0.7 * expected_us)));
-  }
-  const auto until = Clock::now() + std::chrono::milliseconds(2);
+  const auto until = Clock::now() + poll_for;
   cudaError_t e;
   while ((e = cudaEventQuery(event)) == cudaErrorNotReady && Clock::now() < until) {
     std::this_thread::yield();
   }
   return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
+}
+
+// A small launch (a decode launch is done well within 300 us) is polled at once; a large one
+// sleeps through 70% of its expected time first when that is worth a sleep.
+cudaError_t WaitForLaunch(cudaEvent_t event, size_t steps, double expected_us) {
+  using std::chrono::microseconds;
+  if (steps <= kPolledLaunchSteps) return PollEvent(event, 0, microseconds(300));
+  return PollEvent(event, expected_us > 50 ? 0.7 * expected_us : 0, microseconds(2000));
 }
 
 }  // namespace
@@ -1050,10 +1155,8 @@ absl::Status CudaBackend::LaunchSteps(Lane& lane, std::span<std::unique_ptr<Atte
   // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
   // sleeps through most of its expected time first, leaving the core to the transport.
   const double bytes = l.kv_bytes_read + double(layout.in_bytes + layout.out_bytes);
-  RETURN_IF_CUDA_ERROR("batch completion",
-                       l.members.size() <= kPolledLaunchSteps
-                           ? WaitBriefly(ev[3])
-                           : WaitForLaunch(ev[3], lane.device_us_per_byte * bytes));
+  RETURN_IF_CUDA_ERROR("batch completion", WaitForLaunch(ev[3], l.members.size(),
+                                                         lane.device_us_per_byte * bytes));
   sync_on_error.Done();
 
   const double in_ms = ElapsedMs(ev[0], ev[1]), kernel_ms = ElapsedMs(ev[1], ev[2]);

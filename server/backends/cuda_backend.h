@@ -110,6 +110,10 @@ class CudaBackend : public Backend {
   void NoteIfDeviceLost(Lane& lane);
   // One packed launch of jobs on lane, waited for; adds its timings to the jobs and report.
   absl::Status Launch(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs, BatchReport* report);
+  // Jobs whose tensors all lie in GPU regions, each launched over its regions in place (no copy
+  // of a tensor), one after the other on lane's stream, waited for together.
+  absl::Status LaunchInPlace(Lane& lane, std::span<std::unique_ptr<AttendJob>> jobs,
+                             BatchReport* report);
 
   const Options options_;
   BackendInfo info_;
