@@ -522,6 +522,7 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
     state->lse_dst = job.lse_out;
     state->o_direct = state->lse_direct = true;
     job.key.staged_dtype = key.wire_dtype;
+    job.runs_alone = AttendsInPlace(job);
     job.backend_state = std::move(state);
     return absl::OkStatus();
   }

@@ -130,6 +130,9 @@ struct AttendJob {
   char* lse_out = nullptr;
   // q_bytes..lse_out are device addresses (GPU regions): never read or written on the host.
   bool device_tensors = false;
+  // Set by Backend::Prepare: the backend runs this job by a launch of its own, so that company
+  // gains it nothing; the batcher sends it on at once, in a batch by itself.
+  bool runs_alone = false;
   // Which of q, k, v (read) and o, lse (written) lie in host regions registered with the
   // backend's device (SharedRegion::device_registered): a device backend may copy those
   // straight between the region and the device, without staging. Each stays valid while

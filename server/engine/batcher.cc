@@ -195,6 +195,19 @@ void Batcher::TakeDeadJobs(Clock::time_point now, Batch* cancelled, Batch* expir
   }
 }
 
+Batch Batcher::TakeJobThatRunsAlone() {
+  for (auto* q : {&high_, &normal_}) {
+    const auto it = std::find_if(q->begin(), q->end(), [](const auto& job) { return job->runs_alone; });
+    if (it == q->end()) continue;
+    Batch batch;
+    batch.push_back(std::move(*it));
+    q->erase(it);
+    --queued_;
+    return batch;
+  }
+  return {};
+}
+
 Batch Batcher::TakeReadyBatch(Clock::time_point now, Clock::time_point* wake) {
   std::deque<std::unique_ptr<AttendJob>>* head_queue = !high_.empty() ? &high_ : &normal_;
   if (head_queue->empty()) return {};
@@ -211,17 +224,19 @@ Batch Batcher::TakeReadyBatch(Clock::time_point now, Clock::time_point* wake) {
   const int64_t delay_us =
       head.key.page_tokens > 0 ? options_.max_step_delay_us : options_.max_queue_delay_us;
   const auto flush_at = head.arrival + std::chrono::microseconds(delay_us);
-  if (tokens < options_.max_batch_tokens && now < flush_at && !flushing_) {
+  if (!head.runs_alone && tokens < options_.max_batch_tokens && now < flush_at && !flushing_) {
     *wake = std::min(*wake, flush_at);
-    return {};
+    return TakeJobThatRunsAlone();  // while the head waits for company
   }
+  if (head.runs_alone) return TakeJobThatRunsAlone();
   const BatchKey key = head.key;
   Batch batch;
   int64_t batch_tokens = 0;
   for (auto* q : {&high_, &normal_}) {
     for (auto it = q->begin(); it != q->end();) {
       const int64_t t = (*it)->Tokens();
-      if ((*it)->key == key && (batch.empty() || batch_tokens + t <= options_.max_batch_tokens)) {
+      if ((*it)->key == key && !(*it)->runs_alone &&
+          (batch.empty() || batch_tokens + t <= options_.max_batch_tokens)) {
         batch_tokens += t;
         batch.push_back(std::move(*it));
         it = q->erase(it);

@@ -68,6 +68,8 @@ class Batcher {
   void DispatchLoop();
   // Pulls cancelled and expired jobs out of the queues; the caller completes them unlocked.
   void TakeDeadJobs(Clock::time_point now, Batch* dead_cancelled, Batch* dead_expired);
+  // The first queued job that runs alone (high priority first), as a batch; empty if none.
+  Batch TakeJobThatRunsAlone();
   // The next batch, or an empty one when nothing is ready yet; *wake says until when to wait.
   Batch TakeReadyBatch(Clock::time_point now, Clock::time_point* wake);
   void FinishBatch(const BatchReport& report);

@@ -223,6 +223,32 @@ TEST_F(BatcherTest, SessionStepsGoAtOnceAndGatherWhileTheBackendIsBusy) {
   EXPECT_GE(Clock::now() - t0, 250ms);
 }
 
+// A job the backend runs by a launch of its own (runs_alone) neither waits for company (nor
+// behind a job that does) nor joins another's batch; the jobs around it still batch together.
+TEST_F(BatcherTest, JobThatRunsAloneGoesAtOnceByItself) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
+  auto alone = [](v1::AttendRequest&, AttendJob* job) {
+    if (job != nullptr) job->runs_alone = true;
+  };
+  const auto start = Clock::now();
+  ASSERT_TRUE(SubmitEdited(1, 10, 1, alone).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1, 2000ms)) << "a job that runs alone waited for company";
+  EXPECT_LT(Clock::now() - start, 1s);
+  EXPECT_TRUE(ResultOf(1).ok());
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(2, 10).ok());
+  ASSERT_TRUE(SubmitEdited(3, 10, 1, alone).ok());
+  ASSERT_TRUE(Submit(4, 10).ok());
+  batcher_->StartDraining();  // flushes what waits for company
+  backend_->Hold(false);
+  for (uint64_t i = 2; i <= 4; ++i) EXPECT_TRUE(ResultOf(i).ok());
+  const auto batches = backend_->Batches();
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{1}));
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{3}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{2, 4}));
+}
+
 TEST_F(BatcherTest, FullBatchGoesAtOnceAndRespectsTokenLimit) {
   // 30 tokens per batch at most: jobs of 10 tokens go in threes, without waiting the delay.
   Make({.max_batch_tokens = 30, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
