@@ -13,7 +13,9 @@
 namespace attn::client {
 namespace {
 
-constexpr char kMagic[] = "ATTNFD01";  // attnd's server/transport/region_socket.h
+// attnd's server/transport/region_socket.h
+constexpr char kMemfdMagic[] = "ATTNFD01";
+constexpr char kVmmMagic[] = "ATTNVM01";
 
 absl::StatusOr<int> ConnectUnix(const std::string& path) {
   sockaddr_un addr{};
@@ -79,9 +81,17 @@ absl::StatusOr<std::string> RegionClient::ReadAnswer() {
 }
 
 absl::StatusOr<std::string> RegionClient::SendDescriptor(int fd) {
+  return SendWithFd(kMemfdMagic, fd);
+}
+
+absl::StatusOr<std::string> RegionClient::SendVmmDescriptor(int fd) {
+  return SendWithFd(kVmmMagic, fd);
+}
+
+absl::StatusOr<std::string> RegionClient::SendWithFd(const char* magic, int fd) {
   std::lock_guard<std::mutex> lock(socket_mu_);
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  iovec iov{const_cast<char*>(kMagic), 8};
+  iovec iov{const_cast<char*>(magic), 8};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -106,12 +116,30 @@ absl::StatusOr<v1::RegionInfo> RegionClient::Register(const std::string& name,
   request.set_name(name);
   request.set_kind(v1::REGION_KIND_HOST);
   request.set_handle(*handle);
+  return RegisterRegion(request);
+}
+
+absl::StatusOr<v1::RegionInfo> RegionClient::RegisterRegion(
+    const v1::RegisterRegionRequest& request) {
   v1::RegisterRegionResponse response;
   grpc::ClientContext ctx;
   client_->PrepareContext(&ctx, std::chrono::milliseconds(10000));
   const grpc::Status st = stub_->RegisterRegion(&ctx, request, &response);
   if (!st.ok()) return FromGrpc(st);
   return response.region();
+}
+
+absl::StatusOr<v1::RegionInfo> RegionClient::RegisterCudaVmm(const std::string& name, int fd,
+                                                             int32_t device_id, uint64_t bytes) {
+  absl::StatusOr<std::string> handle = SendVmmDescriptor(fd);
+  if (!handle.ok()) return handle.status();
+  v1::RegisterRegionRequest request;
+  request.set_name(name);
+  request.set_kind(v1::REGION_KIND_CUDA_VMM);
+  request.set_handle(*handle);
+  request.set_device_id(device_id);
+  request.set_bytes(bytes);
+  return RegisterRegion(request);
 }
 
 absl::StatusOr<v1::RegionInfo> RegionClient::RegisterCuda(const std::string& name,
@@ -126,12 +154,7 @@ absl::StatusOr<v1::RegionInfo> RegionClient::RegisterCuda(const std::string& nam
   request.set_cuda_ipc_handle(ipc_handle);
   request.set_device_id(device_id);
   request.set_bytes(bytes);
-  v1::RegisterRegionResponse response;
-  grpc::ClientContext ctx;
-  client_->PrepareContext(&ctx, std::chrono::milliseconds(10000));
-  const grpc::Status st = stub_->RegisterRegion(&ctx, request, &response);
-  if (!st.ok()) return FromGrpc(st);
-  return response.region();
+  return RegisterRegion(request);
 }
 
 absl::Status RegionClient::Unregister(const std::string& name) {

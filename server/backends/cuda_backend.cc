@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attn/kernels/cuda_attention.h"
+#include "backends/cuda_vmm_import.h"
 #include "backends/kv_copy.h"
 #include "common/status_util.h"
 #include "sessions/step_launch.h"
@@ -1270,6 +1271,17 @@ absl::StatusOr<GpuImport> CudaBackend::ImportIpcMemory(const std::string& handle
     cudaIpcCloseMemHandle(ptr);
   };
   return out;
+}
+
+absl::StatusOr<GpuImport> CudaBackend::ImportVmmMemory(int fd, int32_t device_id,
+                                                       uint64_t bytes) {
+  if (device_id != options_.device) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id ", device_id, " is not attnd's GPU (",
+                                                   options_.device, ")"));
+  }
+  RETURN_IF_ERROR(Health());
+  RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  return ImportVmmAllocation(fd, options_.device, bytes);
 }
 
 absl::StatusOr<std::function<void()>> CudaBackend::RegisterHostMemory(char* data,

@@ -68,6 +68,7 @@ class CudaBackend : public Backend {
   // cuMemGetAddressRange; INVALID_ARGUMENT (naming the field) for a bad handle, device or size.
   absl::StatusOr<GpuImport> ImportIpcMemory(const std::string& handle, int32_t device_id,
                                             uint64_t bytes) override;
+  absl::StatusOr<GpuImport> ImportVmmMemory(int fd, int32_t device_id, uint64_t bytes) override;
   bool HasGpu() const override { return true; }
   // cudaHostRegister (portable), undone by cudaHostUnregister; RESOURCE_EXHAUSTED when the
   // driver cannot page-lock the memory (limits, memory pressure).

@@ -107,6 +107,13 @@ class Backend {
                                                     int32_t /*device_id*/, uint64_t /*bytes*/) {
     return absl::FailedPreconditionError("GPU regions need attnd's CUDA backend");
   }
+  // Imports GPU memory another process allocated with the CUDA virtual memory API, from the
+  // POSIX file descriptor it exported (borrowed: the caller closes it), on device device_id;
+  // maps its first `bytes`. FAILED_PRECONDITION on backends without a GPU.
+  virtual absl::StatusOr<GpuImport> ImportVmmMemory(int /*fd*/, int32_t /*device_id*/,
+                                                    uint64_t /*bytes*/) {
+    return absl::FailedPreconditionError("GPU regions need attnd's CUDA backend");
+  }
   virtual bool HasGpu() const { return false; }
   // Registers host memory (a shared-memory region's mapping in attnd) with the backend's device,
   // so that requests whose tensors lie in it are copied straight between it and the device

@@ -204,10 +204,13 @@ absl::Status AttnServer::StartSharedMemory() {
     ro.max_bytes_per_client = options_.shm_max_bytes_per_client;
     if (backend_->HasGpu()) {
       // GPU regions: imported once here, at registration, and used by every request after.
-      ro.import_gpu = [backend = backend_.get()](const v1::RegisterRegionRequest& r)
+      ro.import_gpu = [backend = backend_.get()](const v1::RegisterRegionRequest& r, int vmm_fd)
           -> absl::StatusOr<std::unique_ptr<SharedRegion>> {
-        ASSIGN_OR_RETURN(GpuImport g, backend->ImportIpcMemory(r.cuda_ipc_handle(),
-                                                                r.device_id(), r.bytes()));
+        ASSIGN_OR_RETURN(GpuImport g,
+                         vmm_fd >= 0
+                             ? backend->ImportVmmMemory(vmm_fd, r.device_id(), r.bytes())
+                             : backend->ImportIpcMemory(r.cuda_ipc_handle(), r.device_id(),
+                                                        r.bytes()));
         return SharedRegion::Gpu(g.data, g.bytes, std::move(g.release));
       };
       // Host regions: page-locked once here too, so that requests copy straight between them

@@ -1,9 +1,12 @@
 #include "transport/region_registry.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 #include "observability/metrics.h"
 
 namespace attn {
@@ -42,27 +45,45 @@ void RegionRegistry::ExpirePendingLocked(std::chrono::steady_clock::time_point n
   }
 }
 
+RegionRegistry::OwnedFd::~OwnedFd() { ::close(fd); }
+
 absl::StatusOr<std::string> RegionRegistry::AddPending(std::shared_ptr<SharedRegion> region,
                                                        uint64_t connection) {
-  const auto now = std::chrono::steady_clock::now();
+  Pending p;
+  p.region = std::move(region);
+  p.connection = connection;
   std::lock_guard<std::mutex> lock(mu_);
+  return AddPendingLocked(std::move(p));
+}
+
+absl::StatusOr<std::string> RegionRegistry::AddPendingVmm(int fd, uint64_t connection) {
+  Pending p;
+  p.vmm_fd = std::make_shared<const OwnedFd>(fd);
+  p.connection = connection;
+  std::lock_guard<std::mutex> lock(mu_);
+  return AddPendingLocked(std::move(p));
+}
+
+absl::StatusOr<std::string> RegionRegistry::AddPendingLocked(Pending p) {
+  const auto now = std::chrono::steady_clock::now();
   ExpirePendingLocked(now);
   int on_connection = 0;
-  for (const auto& [handle, p] : pending_) on_connection += p.connection == connection;
+  for (const auto& [handle, q] : pending_) on_connection += q.connection == p.connection;
   if (on_connection >= options_.max_pending_per_connection) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "this connection has ", on_connection, " unclaimed handles; claim them with "
         "RegisterRegion first"));
   }
   std::string handle = NewHandle();
-  pending_[handle] = Pending{std::move(region), connection, now + options_.pending_ttl};
+  p.expires = now + options_.pending_ttl;
+  pending_[handle] = std::move(p);
   return handle;
 }
 
 v1::RegionInfo RegionRegistry::InfoOf(const std::string& name, const Entry& e) {
   v1::RegionInfo info;
   info.set_name(name);
-  info.set_kind(e.region->on_gpu() ? v1::REGION_KIND_CUDA : v1::REGION_KIND_HOST);
+  info.set_kind(e.kind);
   info.set_bytes(e.region->size());
   // The registry's own reference is not a request's.
   info.set_in_flight(e.region.use_count() - 1);
@@ -72,10 +93,12 @@ v1::RegionInfo RegionRegistry::InfoOf(const std::string& name, const Entry& e) {
 absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner,
                                                         const v1::RegisterRegionRequest& r) {
   if (absl::Status st = CheckRegionName(r.name(), "name"); !st.ok()) return st;
-  if (r.kind() == v1::REGION_KIND_CUDA) return RegisterGpu(owner, r);
+  if (r.kind() == v1::REGION_KIND_CUDA || r.kind() == v1::REGION_KIND_CUDA_VMM) {
+    return RegisterGpu(owner, r);
+  }
   if (r.kind() != v1::REGION_KIND_HOST) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "kind must be REGION_KIND_HOST or REGION_KIND_CUDA, got ", r.kind()));
+        "kind must be REGION_KIND_HOST, REGION_KIND_CUDA or REGION_KIND_CUDA_VMM, got ", r.kind()));
   }
   if (r.handle().empty()) {
     return absl::InvalidArgumentError(
@@ -91,6 +114,10 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
       return absl::InvalidArgumentError(
           "handle is unknown, expired (60 s) or already claimed; pass the memfd over the region "
           "socket again");
+    }
+    if (p->second.vmm_fd != nullptr) {
+      return absl::InvalidArgumentError(
+          "handle is a CUDA VMM allocation's (kind REGION_KIND_CUDA_VMM), not a memfd's");
     }
     if (p->second.region == nullptr) {
       return absl::InvalidArgumentError(
@@ -119,7 +146,7 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::Register(const std::string& owner
   if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), region->size()); !st.ok()) {
     return st;  // another call took the name or the room meanwhile; the handle stays pending
   }
-  Entry e{std::move(p->second.region), p->second.connection};
+  Entry e{std::move(p->second.region), p->second.connection, v1::REGION_KIND_HOST};
   pending_.erase(p);
   return InsertLocked(owner, r.name(), std::move(e));
 }
@@ -212,11 +239,46 @@ void RegionRegistry::PublishLocked() const {
   metrics_->SetSharedMemoryRegions(t);
 }
 
-// GPU regions come with their handle in the request (no socket step); importing one costs about
-// a millisecond, so it runs outside the lock, between a check of the room and a second one.
+absl::Status RegionRegistry::ClaimGpuHandle(const v1::RegisterRegionRequest& r,
+                                            uint64_t* connection,
+                                            std::shared_ptr<const OwnedFd>* vmm_fd) {
+  const bool vmm = r.kind() == v1::REGION_KIND_CUDA_VMM;
+  if (vmm && r.handle().empty()) {
+    return absl::InvalidArgumentError(
+        "handle is empty: pass the allocation's file descriptor over the region socket "
+        "(ATTNVM01) first");
+  }
+  if (r.handle().empty()) return absl::OkStatus();  // kept until unregistered (or attnd exits)
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpirePendingLocked(std::chrono::steady_clock::now());
+  auto p = pending_.find(r.handle());
+  const bool fits = p != pending_.end() && !p->second.claiming && p->second.region == nullptr &&
+                    (p->second.vmm_fd != nullptr) == vmm;
+  if (!fits) {
+    return absl::InvalidArgumentError(
+        vmm ? "handle is unknown, expired (60 s), already claimed or not a CUDA VMM "
+              "allocation's; pass the file descriptor over the region socket (ATTNVM01) again"
+            : "handle is unknown, expired (60 s), already claimed or not a lease; ask the region "
+              "socket for a lease (ATTNLS01) or leave handle empty");
+  }
+  // The region goes when the socket connection that carried the handle closes.
+  *connection = p->second.connection;
+  *vmm_fd = std::move(p->second.vmm_fd);
+  pending_.erase(p);
+  return absl::OkStatus();
+}
+
+// GPU regions are imported at registration; that costs about a millisecond, so it runs outside
+// the lock, between a check of the room and a second one.
 absl::StatusOr<v1::RegionInfo> RegionRegistry::RegisterGpu(const std::string& owner,
                                                            const v1::RegisterRegionRequest& r) {
-  if (r.cuda_ipc_handle().size() != 64) {
+  const bool vmm = r.kind() == v1::REGION_KIND_CUDA_VMM;
+  if (vmm && !r.cuda_ipc_handle().empty()) {
+    return absl::InvalidArgumentError(
+        "cuda_ipc_handle must be empty for kind REGION_KIND_CUDA_VMM (its memory comes as a file "
+        "descriptor over the region socket)");
+  }
+  if (!vmm && r.cuda_ipc_handle().size() != 64) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda_ipc_handle must be the 64 bytes of a cudaIpcMemHandle_t, got ",
         r.cuda_ipc_handle().size()));
@@ -225,26 +287,13 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::RegisterGpu(const std::string& ow
   if (r.device_id() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("device_id must be >= 0, got ", r.device_id()));
   }
-  uint64_t connection = 0;  // none: kept until unregistered (or attnd exits)
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ExpirePendingLocked(std::chrono::steady_clock::now());
-    if (!r.handle().empty()) {
-      // A lease from the region socket: the region goes when that connection closes.
-      auto p = pending_.find(r.handle());
-      if (p == pending_.end() || p->second.region != nullptr) {
-        return absl::InvalidArgumentError(
-            "handle is unknown, expired (60 s), already claimed or not a lease; ask the region "
-            "socket for a lease (ATTNLS01) or leave handle empty");
-      }
-      connection = p->second.connection;
-      pending_.erase(p);
-    }
-  }
+  uint64_t connection = 0;
+  std::shared_ptr<const OwnedFd> vmm_fd;  // closed as this returns: a mapping keeps the memory
+  RETURN_IF_ERROR(ClaimGpuHandle(r, &connection, &vmm_fd));
   if (!options_.import_gpu) {
-    return absl::FailedPreconditionError(
-        "kind REGION_KIND_CUDA: GPU regions need attnd's CUDA backend; this attnd has no GPU "
-        "(use REGION_KIND_HOST)");
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kind ", v1::RegionKind_Name(r.kind()), ": GPU regions need attnd's CUDA backend; this "
+        "attnd has no GPU (use REGION_KIND_HOST)"));
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -255,13 +304,14 @@ absl::StatusOr<v1::RegionInfo> RegionRegistry::RegisterGpu(const std::string& ow
       return st;
     }
   }
-  absl::StatusOr<std::unique_ptr<SharedRegion>> region = options_.import_gpu(r);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region =
+      options_.import_gpu(r, vmm_fd != nullptr ? vmm_fd->fd : -1);
   if (!region.ok()) return region.status();
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status st = CheckRoomLocked(owners_[owner], r.name(), (*region)->size()); !st.ok()) {
     return st;  // another call took the name or the room meanwhile; the import is closed
   }
-  return InsertLocked(owner, r.name(), Entry{std::move(*region), connection});
+  return InsertLocked(owner, r.name(), Entry{std::move(*region), connection, r.kind()});
 }
 
 absl::Status RegionRegistry::Unregister(const std::string& owner, const std::string& name) {

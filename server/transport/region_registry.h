@@ -1,7 +1,7 @@
 // The shared-memory regions attnd holds, per client identity. Regions arrive in two steps: the
-// region socket maps a client's memfd and parks it under a one-time handle (AddPending); the
-// client then claims the handle with RegisterRegion over gRPC, where its identity is known
-// (Register). Requests look regions up by (identity, name) and hold them by shared_ptr, so that
+// region socket maps a client's memfd (or keeps the file descriptor of a CUDA VMM allocation)
+// and parks it under a one-time handle (AddPending, AddPendingVmm); the client then claims the
+// handle with RegisterRegion over gRPC, where its identity is known (Register). Requests look regions up by (identity, name) and hold them by shared_ptr, so that
 // unregistering (or the client's socket closing) never unmaps memory a request still uses.
 #pragma once
 
@@ -32,9 +32,11 @@ class RegionRegistry {
     std::chrono::seconds pending_ttl{60};
     // Most unclaimed handles per socket connection.
     int max_pending_per_connection = 64;
-    // Imports a REGION_KIND_CUDA region (its fields already checked) on the backend's GPU; null:
-    // the backend has no GPU, and such regions are refused.
-    std::function<absl::StatusOr<std::unique_ptr<SharedRegion>>(const v1::RegisterRegionRequest&)>
+    // Imports a GPU region (its fields already checked) on the backend's GPU: REGION_KIND_CUDA
+    // from the request's cuda_ipc_handle (vmm_fd -1), REGION_KIND_CUDA_VMM from vmm_fd (borrowed:
+    // the registry closes it). Null: the backend has no GPU, and such regions are refused.
+    std::function<absl::StatusOr<std::unique_ptr<SharedRegion>>(
+        const v1::RegisterRegionRequest&, int vmm_fd)>
         import_gpu;
     // Registers a host region's mapping (data, bytes) with the backend's device for direct
     // transfers and returns what undoes it (Backend::RegisterHostMemory); null: host regions are
@@ -57,6 +59,9 @@ class RegionRegistry {
   // DropConnection). A null region makes a lease: a handle that ties a GPU region, registered
   // with it, to the connection. RESOURCE_EXHAUSTED past max_pending_per_connection.
   absl::StatusOr<std::string> AddPending(std::shared_ptr<SharedRegion> region, uint64_t connection);
+  // Parks fd, the POSIX file descriptor of a CUDA VMM allocation (taken: closed when the handle
+  // is claimed, expires or its connection closes), likewise.
+  absl::StatusOr<std::string> AddPendingVmm(int fd, uint64_t connection);
 
   // Claims `handle` as region `name` of `owner`. Errors name the field (name, handle, kind).
   absl::StatusOr<v1::RegionInfo> Register(const std::string& owner,
@@ -79,8 +84,17 @@ class RegionRegistry {
   int64_t RegisteredHostBytes() const { return registered_host_bytes_->load(); }
 
  private:
+  // A descriptor the registry owns, closed with the last copy of its shared_ptr.
+  struct OwnedFd {
+    explicit OwnedFd(int f) : fd(f) {}
+    ~OwnedFd();
+    OwnedFd(const OwnedFd&) = delete;
+    OwnedFd& operator=(const OwnedFd&) = delete;
+    const int fd;
+  };
   struct Pending {
     std::shared_ptr<SharedRegion> region;
+    std::shared_ptr<const OwnedFd> vmm_fd;  // a VMM allocation's descriptor instead of a region
     uint64_t connection = 0;
     std::chrono::steady_clock::time_point expires;
     // A Register call is registering it with the device (outside the lock); it stays here
@@ -90,6 +104,7 @@ class RegionRegistry {
   struct Entry {
     std::shared_ptr<SharedRegion> region;
     uint64_t connection = 0;
+    v1::RegionKind kind = v1::REGION_KIND_HOST;
   };
   struct Owner {
     std::map<std::string, Entry> regions;
@@ -103,6 +118,11 @@ class RegionRegistry {
   absl::Status CheckRoomLocked(const Owner& o, const std::string& name, uint64_t size) const;
   absl::StatusOr<v1::RegionInfo> RegisterGpu(const std::string& owner,
                                              const v1::RegisterRegionRequest& request);
+  // Takes the pending handle of a GPU region: a lease (REGION_KIND_CUDA, optional) or a VMM
+  // descriptor's (REGION_KIND_CUDA_VMM, into *vmm_fd); its connection into *connection.
+  absl::Status ClaimGpuHandle(const v1::RegisterRegionRequest& request, uint64_t* connection,
+                              std::shared_ptr<const OwnedFd>* vmm_fd);
+  absl::StatusOr<std::string> AddPendingLocked(Pending p);
   v1::RegionInfo InsertLocked(const std::string& owner, const std::string& name, Entry e);
   static v1::RegionInfo InfoOf(const std::string& name, const Entry& e);
   // Registers region (claimed by the caller, not yet visible to requests) with the device when

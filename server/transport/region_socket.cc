@@ -173,9 +173,11 @@ bool RegionSocket::Serve(int fd, uint64_t connection) {
                          : absl::StrCat("ERR ", lease.status().message(), "\n"));
     return true;
   }
-  if (n != 8 || std::memcmp(buf, kRegionSocketMagic, 8) != 0) {
+  const bool vmm = n == 8 && std::memcmp(buf, kRegionSocketVmm, 8) == 0;
+  if (!vmm && (n != 8 || std::memcmp(buf, kRegionSocketMagic, 8) != 0)) {
     if (memfd >= 0) ::close(memfd);
-    Reply(fd, "ERR each message must be the 8 bytes ATTNFD01 with one memfd, or ATTNLS01\n");
+    Reply(fd, "ERR each message must be the 8 bytes ATTNFD01 with one memfd, ATTNVM01 with one "
+              "CUDA VMM allocation's descriptor, or ATTNLS01\n");
     return true;
   }
   if (memfd == -2) {
@@ -184,6 +186,13 @@ bool RegionSocket::Serve(int fd, uint64_t connection) {
   }
   if (memfd < 0) {
     Reply(fd, "ERR no descriptor came with the message (SCM_RIGHTS)\n");
+    return true;
+  }
+  if (vmm) {
+    // Checked when RegisterRegion imports it (only the device can tell what it is).
+    auto handle = registry_->AddPendingVmm(memfd, connection);
+    Reply(fd, handle.ok() ? absl::StrCat("OK ", *handle, "\n")
+                          : absl::StrCat("ERR ", handle.status().message(), "\n"));
     return true;
   }
   auto region = SharedRegion::MapMemfd(

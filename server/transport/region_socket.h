@@ -1,7 +1,8 @@
 // attnd's region socket: a Unix-domain SOCK_SEQPACKET listener over which same-host clients hand
 // their memfds to attnd (gRPC cannot carry file descriptors). Only peers of attnd's own user (or
 // root) are served, checked with SO_PEERCRED. Each message is the 8 bytes "ATTNFD01" with one fd
-// as SCM_RIGHTS; the answer is one line, "OK <handle>\n" or "ERR <reason>\n". A connection stays
+// as SCM_RIGHTS (or "ATTNVM01" with a CUDA VMM allocation's fd, or "ATTNLS01" alone for a lease);
+// the answer is one line, "OK <handle>\n" or "ERR <reason>\n". A connection stays
 // open for as long as its client uses the regions: when it closes, the registry drops them.
 // One thread serves every connection (poll); mapping a memfd is quick and never blocks on the
 // client.
@@ -47,6 +48,9 @@ class RegionSocket {
 
 // The 8 bytes that go with each memfd sent to the region socket.
 inline constexpr char kRegionSocketMagic[] = "ATTNFD01";
+// The 8 bytes that go with the POSIX file descriptor of a CUDA VMM allocation
+// (REGION_KIND_CUDA_VMM): attnd keeps the descriptor, unmapped, until RegisterRegion imports it.
+inline constexpr char kRegionSocketVmm[] = "ATTNVM01";
 // The 8 bytes (no descriptor) that ask for a lease: a handle that ties a GPU region registered
 // with it to this connection.
 inline constexpr char kRegionSocketLease[] = "ATTNLS01";

@@ -6,6 +6,8 @@
 //   reference over several steps (outputs poisoned first), aligned (the launch in place) and not
 //   (device-to-device copies);
 // - a BatchStep of one launch mixing a GPU-region item, a host-region item and an inline one;
+// - a CUDA VMM allocation passed as a file descriptor: an Attend in place through it, and the
+//   registrations refused (past the allocation, another device, not a VMM allocation's);
 // - Attends whose tensors all lie in GPU regions, large and aligned (the kernel reading and
 //   writing the region in place) and not (gathered by device-to-device copies), checked against
 //   the float64 reference;
@@ -13,7 +15,9 @@
 //   between the region and the device), and the same through staging when attnd registers none
 //   (--shm_max_registered_bytes=0), with the metrics of each.
 // Skips where no GPU is found.
+#include <cuda.h>  // VMM types; the functions are looked up through the runtime
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 #include <gtest/gtest.h>
 
 #include <grpcpp/client_context.h>
@@ -54,21 +58,11 @@ std::string NoGpuReason() {
   return "";
 }
 
-// GPU memory of this process's, shared with attnd as a region.
+// GPU memory of this process's, shared with attnd as a region: cudaMalloc'ed (a legacy CUDA IPC
+// handle) or a CUDA VMM allocation (a POSIX file descriptor).
 class GpuBuffer {
  public:
-  ~GpuBuffer() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  bool Allocate(uint64_t bytes) {
-    bytes_ = bytes;
-    return cudaMalloc(reinterpret_cast<void**>(&data_), bytes) == cudaSuccess;
-  }
-  std::string IpcHandle() const {
-    cudaIpcMemHandle_t h;
-    EXPECT_EQ(cudaIpcGetMemHandle(&h, data_), cudaSuccess);
-    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
-  }
+  virtual ~GpuBuffer() = default;
   void Write(uint64_t at, const std::string& bytes) {
     ASSERT_EQ(cudaMemcpy(data_ + at, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
               cudaSuccess);
@@ -82,9 +76,88 @@ class GpuBuffer {
   void Poison() { ASSERT_EQ(cudaMemset(data_, 0xFF, bytes_), cudaSuccess); }
   uint64_t bytes() const { return bytes_; }
 
- private:
+ protected:
   char* data_ = nullptr;
   uint64_t bytes_ = 0;
+};
+
+class MallocBuffer : public GpuBuffer {
+ public:
+  ~MallocBuffer() override {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  bool Allocate(uint64_t bytes) {
+    bytes_ = bytes;
+    return cudaMalloc(reinterpret_cast<void**>(&data_), bytes) == cudaSuccess;
+  }
+  std::string IpcHandle() const {
+    cudaIpcMemHandle_t h;
+    EXPECT_EQ(cudaIpcGetMemHandle(&h, data_), cudaSuccess);
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+};
+
+template <typename Fn>
+Fn DriverFunction(const char* name) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  EXPECT_EQ(cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found),
+            cudaSuccess);
+  EXPECT_EQ(found, cudaDriverEntryPointSuccess) << name;
+  return reinterpret_cast<Fn>(p);
+}
+
+// A cuMemCreate allocation of device 0, mapped here, exportable as a POSIX file descriptor.
+class VmmBuffer : public GpuBuffer {
+ public:
+  ~VmmBuffer() override {
+    if (fd_ >= 0) close(fd_);
+    if (data_ != nullptr) {
+      const auto ptr = reinterpret_cast<CUdeviceptr>(data_);
+      DriverFunction<decltype(&cuMemUnmap)>("cuMemUnmap")(ptr, bytes_);
+      DriverFunction<decltype(&cuMemAddressFree)>("cuMemAddressFree")(ptr, bytes_);
+    }
+    if (handle_ != 0) DriverFunction<decltype(&cuMemRelease)>("cuMemRelease")(handle_);
+  }
+  // bytes rounded up to the allocation granularity.
+  bool Allocate(uint64_t bytes) {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t granularity = 0;
+    if (DriverFunction<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity")(
+            &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) {
+      return false;
+    }
+    const uint64_t size = (bytes + granularity - 1) / granularity * granularity;
+    if (DriverFunction<decltype(&cuMemCreate)>("cuMemCreate")(&handle_, size, &prop, 0) !=
+        CUDA_SUCCESS) {
+      return false;
+    }
+    CUdeviceptr ptr = 0;
+    if (DriverFunction<decltype(&cuMemAddressReserve)>("cuMemAddressReserve")(&ptr, size, 0, 0,
+                                                                             0) != CUDA_SUCCESS) {
+      return false;
+    }
+    data_ = reinterpret_cast<char*>(ptr);
+    bytes_ = size;
+    CUmemAccessDesc access{};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return DriverFunction<decltype(&cuMemMap)>("cuMemMap")(ptr, size, 0, handle_, 0) ==
+               CUDA_SUCCESS &&
+           DriverFunction<decltype(&cuMemSetAccess)>("cuMemSetAccess")(ptr, size, &access, 1) ==
+               CUDA_SUCCESS &&
+           DriverFunction<decltype(&cuMemExportToShareableHandle)>("cuMemExportToShareableHandle")(
+               &fd_, handle_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_SUCCESS;
+  }
+  int fd() const { return fd_; }
+
+ private:
+  CUmemGenericAllocationHandle handle_ = 0;
+  int fd_ = -1;
 };
 
 class CudaRegionTest : public ::testing::Test {
@@ -117,12 +190,22 @@ class CudaRegionTest : public ::testing::Test {
   }
   // GPU memory of kGpuBytes registered as region `name`; freed after attnd has exited.
   GpuBuffer& RegisterGpu(const std::string& name) {
-    buffers_.push_back(std::make_unique<GpuBuffer>());
-    GpuBuffer& buffer = *buffers_.back();
-    EXPECT_TRUE(buffer.Allocate(kGpuBytes));
-    auto info = regions_->RegisterCuda(name, buffer.IpcHandle(), 0, buffer.bytes());
+    auto buffer = std::make_unique<MallocBuffer>();
+    EXPECT_TRUE(buffer->Allocate(kGpuBytes));
+    auto info = regions_->RegisterCuda(name, buffer->IpcHandle(), 0, buffer->bytes());
     EXPECT_TRUE(info.ok()) << info.status() << "\n" << attnd_->Log();
-    return buffer;
+    buffers_.push_back(std::move(buffer));
+    return *buffers_.back();
+  }
+  // The same through a CUDA VMM allocation and its file descriptor.
+  GpuBuffer& RegisterVmm(const std::string& name) {
+    auto buffer = std::make_unique<VmmBuffer>();
+    EXPECT_TRUE(buffer->Allocate(kGpuBytes));
+    auto info = regions_->RegisterCudaVmm(name, buffer->fd(), 0, buffer->bytes());
+    EXPECT_TRUE(info.ok()) << info.status() << "\n" << attnd_->Log();
+    if (info.ok()) EXPECT_EQ(info->kind(), v1::REGION_KIND_CUDA_VMM);
+    buffers_.push_back(std::move(buffer));
+    return *buffers_.back();
   }
   std::string CreateSession() {
     v1::CreateSessionResponse created;
@@ -448,6 +531,55 @@ TEST_F(CudaRegionTest, AttendWithTensorsInGpuRegionsMatchesTheReference) {
                   responses[i].timing().batch_requests());
     }
   }
+}
+
+// A CUDA VMM allocation shared by its file descriptor: an Attend in place through it against the
+// float64 reference, and the registrations attnd must refuse (past the allocation, another
+// device, a descriptor that is not a VMM allocation's).
+TEST_F(CudaRegionTest, VmmAllocationsServeAttendInPlaceAndBadOnesAreRefused) {
+  StartAttnd();
+  GpuBuffer& vmm = RegisterVmm("vmm");
+  GpuAttend g = MakeGpuAttend(1024, "vmm", vmm, 0, rng_);
+  const testing::ReferenceResult ref = testing::ReferenceFor(g.random);
+  for (int round = 0; round < 2; ++round) {
+    vmm.Poison();
+    uint64_t at = 0;
+    for (const client::Tensor* t : {&g.random.q, &g.random.k, &g.random.v}) {
+      vmm.Write(at, t->data);
+      at += t->data.size();
+    }
+    v1::AttendResponse response;
+    grpc::ClientContext ctx;
+    client_->PrepareContext(&ctx, std::chrono::milliseconds(30000));
+    const grpc::Status st = client_->stub()->Attend(&ctx, g.request, &response);
+    ASSERT_TRUE(st.ok()) << st.error_message() << "\n" << attnd_->Log();
+    CheckGpuAttend(g, ref);
+  }
+  VmmBuffer other;
+  ASSERT_TRUE(other.Allocate(kGpuBytes));
+  auto past_end = regions_->RegisterCudaVmm("past-end", other.fd(), 0, other.bytes() + 1);
+  EXPECT_EQ(past_end.status().code(), absl::StatusCode::kInvalidArgument) << past_end.status();
+  EXPECT_NE(std::string(past_end.status().message()).find("does not fit in the VMM allocation"),
+            std::string::npos)
+      << past_end.status();
+  auto device = regions_->RegisterCudaVmm("device", other.fd(), 1, other.bytes());
+  EXPECT_EQ(device.status().code(), absl::StatusCode::kInvalidArgument) << device.status();
+  EXPECT_NE(std::string(device.status().message()).find("device_id 1 is not attnd's GPU"),
+            std::string::npos)
+      << device.status();
+  auto host = client::HostRegion::Create(4096);
+  ASSERT_TRUE(host.ok());
+  auto not_vmm = regions_->RegisterCudaVmm("not-vmm", (*host)->fd(), 0, 4096);
+  EXPECT_EQ(not_vmm.status().code(), absl::StatusCode::kInvalidArgument) << not_vmm.status();
+  EXPECT_NE(std::string(not_vmm.status().message()).find("not a CUDA VMM allocation's"),
+            std::string::npos)
+      << not_vmm.status();
+  // The refusals left attnd serving: the good region again.
+  auto listed = regions_->List();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->regions_size(), 1);
+  EXPECT_EQ(listed->regions(0).kind(), v1::REGION_KIND_CUDA_VMM);
+  ASSERT_TRUE(regions_->Unregister("vmm").ok());
 }
 
 TEST_F(CudaRegionTest, HostRegionsAreRegisteredWithTheGpuAndCopiedDirectly) {

@@ -215,11 +215,12 @@ TEST_F(RegionRpcBadInput, NameTaken) {
 }
 TEST_F(RegionRpcBadInput, KindUnspecified) {
   Expect(RegisterWith([](auto& r) { r.set_kind(v1::REGION_KIND_UNSPECIFIED); }),
-         absl::StatusCode::kInvalidArgument, "kind must be REGION_KIND_HOST or REGION_KIND_CUDA");
+         absl::StatusCode::kInvalidArgument,
+         "kind must be REGION_KIND_HOST, REGION_KIND_CUDA or REGION_KIND_CUDA_VMM");
 }
 TEST_F(RegionRpcBadInput, KindUnknownNumber) {
   Expect(RegisterWith([](auto& r) { r.set_kind(static_cast<v1::RegionKind>(77)); }),
-         absl::StatusCode::kInvalidArgument, "REGION_KIND_CUDA, got 77");
+         absl::StatusCode::kInvalidArgument, "REGION_KIND_CUDA_VMM, got 77");
 }
 // A GPU region's own fields are checked first, then whether this attnd has a GPU at all.
 void AsCuda(v1::RegisterRegionRequest& r) {
@@ -278,6 +279,40 @@ TEST_F(RegionRpcBadInput, CudaRegionWithALeaseOnTheCpuBackend) {
   ASSERT_TRUE(lease.ok()) << lease.status();
   Expect(RegisterWith([&](auto& r) { AsCuda(r); r.set_handle(*lease); }),
          absl::StatusCode::kFailedPrecondition, "GPU regions need attnd's CUDA backend");
+}
+
+// A CUDA VMM region: its descriptor over the socket, then RegisterRegion.
+TEST_F(RegionRpcBadInput, CudaVmmOnTheCpuBackend) {
+  auto region = client::HostRegion::Create(4096);  // any descriptor: refused before an import
+  ASSERT_TRUE(region.ok());
+  auto handle = rig_.regions().SendVmmDescriptor((*region)->fd());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  Expect(RegisterWith([&](auto& r) {
+           r.set_kind(v1::REGION_KIND_CUDA_VMM);
+           r.set_handle(*handle);
+           r.set_bytes(4096);
+         }),
+         absl::StatusCode::kFailedPrecondition,
+         "kind REGION_KIND_CUDA_VMM: GPU regions need attnd's CUDA backend");
+}
+TEST_F(RegionRpcBadInput, CudaVmmWithAMemfdHandle) {
+  Expect(RegisterWith([](auto& r) {
+           r.set_kind(v1::REGION_KIND_CUDA_VMM);
+           r.set_bytes(4096);
+         }),
+         absl::StatusCode::kInvalidArgument, "not a CUDA VMM allocation's");
+}
+TEST_F(RegionRpcBadInput, CudaVmmBytesZero) {
+  Expect(RegisterWith([](auto& r) { r.set_kind(v1::REGION_KIND_CUDA_VMM); }),
+         absl::StatusCode::kInvalidArgument, "bytes must be > 0 for a GPU region");
+}
+TEST_F(RegionRpcBadInput, HostRegionWithAVmmHandle) {
+  auto region = client::HostRegion::Create(4096);
+  ASSERT_TRUE(region.ok());
+  auto handle = rig_.regions().SendVmmDescriptor((*region)->fd());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  Expect(RegisterWith([&](auto& r) { r.set_handle(*handle); }),
+         absl::StatusCode::kInvalidArgument, "handle is a CUDA VMM allocation's");
 }
 
 TEST_F(RegionRpcBadInput, UnregisterUnknown) {

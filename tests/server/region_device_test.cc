@@ -2,7 +2,8 @@
 // registered with the device once at RegisterRegion and unregistered only after the last request
 // holding them, before the unmapping; the cap and a refusal leaving a region to staging; and GPU
 // regions named by a session step (all or nothing, bounds, overlap, refused by name where the
-// backend has no GPU).
+// backend has no GPU); CUDA VMM descriptors handed to the import once and closed after it, or
+// with their connection, and not claimable as another kind.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -35,6 +36,7 @@ struct FakeDevice {
   int unregistered = 0;
   bool mapped_at_unregister = true;
   bool refuse = false;
+  int vmm_fd = -1;  // the descriptor the last VMM import got
 };
 
 // True when the page at p is mapped in this process.
@@ -71,9 +73,14 @@ RegionRegistry::Options DeviceOptions(FakeDevice* device, int64_t cap = int64_t{
     });
   };
   // GPU regions at a host address that nothing dereferences: only their bounds are used here.
-  o.import_gpu = [](const v1::RegisterRegionRequest& r)
+  o.import_gpu = [device](const v1::RegisterRegionRequest& r, int vmm_fd)
       -> absl::StatusOr<std::unique_ptr<SharedRegion>> {
     static char fake_device_memory[4 * kGpuBytes];
+    if (vmm_fd >= 0) {
+      // Open while the import runs.
+      EXPECT_NE(fcntl(vmm_fd, F_GETFD), -1);
+      device->vmm_fd = vmm_fd;
+    }
     return SharedRegion::Gpu(fake_device_memory, r.bytes(), [] {});
   };
   return o;
@@ -95,6 +102,17 @@ v1::RegisterRegionRequest GpuRegistration(const std::string& name) {
   r.set_bytes(kGpuBytes);
   return r;
 }
+
+v1::RegisterRegionRequest VmmRegistration(const std::string& name, const std::string& handle) {
+  v1::RegisterRegionRequest r;
+  r.set_name(name);
+  r.set_kind(v1::REGION_KIND_CUDA_VMM);
+  r.set_handle(handle);
+  r.set_bytes(kGpuBytes);
+  return r;
+}
+
+bool Open(int fd) { return fcntl(fd, F_GETFD) != -1; }
 
 v1::RegionSlice Slice(const std::string& region, uint64_t offset, uint64_t bytes) {
   v1::RegionSlice s;
@@ -126,6 +144,75 @@ std::unique_ptr<AttendJob> StepJob() {
   job->key.num_kv_heads = kKvHeads;
   job->key.head_dim = kDim;
   return job;
+}
+
+TEST(VmmRegionTest, TheDescriptorGoesToTheImportOnceAndIsClosedAfterIt) {
+  FakeDevice device;
+  RegionRegistry registry(DeviceOptions(&device), nullptr);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe2(pipe_fds, O_CLOEXEC), 0);
+  const int fd = pipe_fds[0];
+  auto handle = registry.AddPendingVmm(fd, 1);
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  EXPECT_TRUE(Open(fd));  // parked, not imported yet
+  auto info = registry.Register("me", VmmRegistration("gpu", *handle));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->kind(), v1::REGION_KIND_CUDA_VMM);
+  EXPECT_EQ(info->bytes(), kGpuBytes);
+  EXPECT_EQ(device.vmm_fd, fd);
+  EXPECT_FALSE(Open(fd));  // the mapping keeps the memory; the descriptor is gone
+  // Claimed once.
+  EXPECT_EQ(registry.Register("me", VmmRegistration("again", *handle)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // The region goes with the connection that carried its descriptor.
+  registry.DropConnection(1);
+  EXPECT_EQ(registry.RegionCount(), 0);
+  close(pipe_fds[1]);
+}
+
+TEST(VmmRegionTest, AnUnclaimedDescriptorIsClosedWithItsConnection) {
+  FakeDevice device;
+  RegionRegistry registry(DeviceOptions(&device), nullptr);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe2(pipe_fds, O_CLOEXEC), 0);
+  ASSERT_TRUE(registry.AddPendingVmm(pipe_fds[0], 3).ok());
+  EXPECT_TRUE(Open(pipe_fds[0]));
+  registry.DropConnection(3);
+  EXPECT_FALSE(Open(pipe_fds[0]));
+  EXPECT_EQ(device.vmm_fd, -1);
+  close(pipe_fds[1]);
+}
+
+TEST(VmmRegionTest, HandlesAreNotClaimableAsAnotherKind) {
+  FakeDevice device;
+  RegionRegistry registry(DeviceOptions(&device), nullptr);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe2(pipe_fds, O_CLOEXEC), 0);
+  auto vmm = registry.AddPendingVmm(pipe_fds[0], 1);
+  ASSERT_TRUE(vmm.ok());
+  const std::string memfd = MemfdHandle(registry, kHostBytes);
+  auto lease = registry.AddPending(nullptr, 1);
+  ASSERT_TRUE(lease.ok());
+  auto expect = [&](const v1::RegisterRegionRequest& r, const std::string& part) {
+    auto st = registry.Register("me", r).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(std::string(st.message()).find(part), std::string::npos) << st;
+  };
+  expect(HostRegistration("h", *vmm), "handle is a CUDA VMM allocation's");
+  v1::RegisterRegionRequest legacy = GpuRegistration("c");
+  legacy.set_handle(*vmm);
+  expect(legacy, "not a lease");
+  expect(VmmRegistration("v", memfd), "not a CUDA VMM allocation's");
+  expect(VmmRegistration("v", *lease), "not a CUDA VMM allocation's");
+  expect(VmmRegistration("v", ""), "handle is empty");
+  v1::RegisterRegionRequest with_ipc = VmmRegistration("v", *vmm);
+  with_ipc.set_cuda_ipc_handle(std::string(64, '\1'));
+  expect(with_ipc, "cuda_ipc_handle must be empty for kind REGION_KIND_CUDA_VMM");
+  // None of that claimed the VMM handle, nor closed its descriptor.
+  EXPECT_TRUE(Open(pipe_fds[0]));
+  EXPECT_TRUE(registry.Register("me", VmmRegistration("v", *vmm)).ok());
+  EXPECT_EQ(device.vmm_fd, pipe_fds[0]);
+  close(pipe_fds[1]);
 }
 
 TEST(HostRegionDeviceTest, RegisteredOnceAndUnregisteredAfterTheLastRequestBeforeUnmapping) {

@@ -39,12 +39,21 @@ class RegionClient {
   absl::StatusOr<v1::RegionInfo> RegisterCuda(const std::string& name,
                                               const std::string& ipc_handle, int32_t device_id,
                                               uint64_t bytes);
+  // Registers GPU memory (on attnd's device) allocated with the CUDA virtual memory API under
+  // name: fd is the POSIX file descriptor of a cuMemCreate allocation, from
+  // cuMemExportToShareableHandle (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR); attnd gets a copy of
+  // it over the socket and the caller keeps (and closes) its own. bytes: the size to map, at most
+  // the allocation's. attnd drops it when this object's socket closes.
+  absl::StatusOr<v1::RegionInfo> RegisterCudaVmm(const std::string& name, int fd,
+                                                 int32_t device_id, uint64_t bytes);
   absl::Status Unregister(const std::string& name);
   absl::StatusOr<v1::ListRegionsResponse> List();
 
   // The first step of Register alone: hands fd to attnd over the socket and returns the
   // one-time handle (for callers that drive RegisterRegion themselves, and tests).
   absl::StatusOr<std::string> SendDescriptor(int fd);
+  // The same for the descriptor of a CUDA VMM allocation (RegisterCudaVmm's first step).
+  absl::StatusOr<std::string> SendVmmDescriptor(int fd);
   // A lease (a handle that ties a GPU region registered with it to this socket).
   absl::StatusOr<std::string> Lease();
   v1::SharedMemory::Stub* stub() { return stub_.get(); }
@@ -53,6 +62,9 @@ class RegionClient {
   RegionClient(Client* client, int socket_fd, std::unique_ptr<v1::SharedMemory::Stub> stub)
       : client_(client), socket_fd_(socket_fd), stub_(std::move(stub)) {}
 
+  // Sends the 8 bytes `magic` with fd as SCM_RIGHTS and reads the answer.
+  absl::StatusOr<std::string> SendWithFd(const char* magic, int fd);
+  absl::StatusOr<v1::RegionInfo> RegisterRegion(const v1::RegisterRegionRequest& request);
   // The socket's one-line answer: the handle after "OK ", or the reason after "ERR ".
   absl::StatusOr<std::string> ReadAnswer();
 
