@@ -42,8 +42,8 @@ struct Sm90Params {
   CUtensorMap tk;
   CUtensorMap tv;
   CUtensorMap to;  // O as {64, rows, D/64, heads}, boxes of {64, 64, 1, 1} (the TMA-store epilogue)
-  int q_bufs;
-  int tma_o;  // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)  // Q buffers in use, 1 .. Tr::kQBufs (ATTN_SM90_QBUFS; a measurement knob)
+  int q_bufs;  // Q buffers in use, 1 .. Tr::kQBufs (ATTN_SM90_QBUFS; a measurement knob)
+  int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
 };
 
 // Q buffer and mbarrier parity of the n-th Q tile a CTA loads.
