@@ -42,7 +42,6 @@ struct Sm90Params {
   CUtensorMap tk;
   CUtensorMap tv;
   CUtensorMap to;  // O as {64, rows, D/64, heads}, boxes of {64, 64, 1, 1} (the TMA-store epilogue)
-  int q_bufs;  // Q buffers in use, 1 .. Tr::kQBufs (ATTN_SM90_QBUFS; a measurement knob)
   int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
 };
 
@@ -118,7 +117,7 @@ __device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile&
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
                                             Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
   const int hk = h / P.p.heads_per_kv;
-  const Sm90QSlot q(q_loads, P.q_bufs);
+  const Sm90QSlot q(q_loads, Tr::kQBufs);
   ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);  // a fresh barrier passes parity 1 at once
   ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
   ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
@@ -276,7 +275,7 @@ __device__ __forceinline__ void Sm90EpilogueTma(const Sm90Params& P, const Sm90T
       }
   }
   ptx::FenceProxyAsyncShared();
-  ptx::NamedBarSync(3 + cw, 128);  // ids 1-2 are the ping-pong's
+  ptx::NamedBarSync(1 + cw, 128);  // one named barrier per consumer warpgroup
   if (tid == 0) {
 #pragma unroll
     for (int k = 0; k < Tr::kSlabs; ++k) {
@@ -331,17 +330,12 @@ __device__ __forceinline__ void Sm90PackP(uint32_t (&pa)[BN / 16][4], const floa
     for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::Pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
-// Named barriers 1 and 2 order the two consumer warpgroups' wgmma issues (ping-pong).
-constexpr int kPingPongBar = 1;
-
-// Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA.
-// kOverlap: S of tile j is issued before P V of tile j+1 (the previous one in visiting order), so
-// the tensor cores compute that product while this warpgroup runs the softmax of tile j; O is
-// rescaled only once that product has completed. The two warpgroups also take turns issuing
-// their products (ping-pong: each waits on its own named barrier before issuing and signals the
-// other's after), so one's softmax runs while the other's products occupy the tensor cores.
-// Otherwise every product is waited for at once.
-template <typename Tr, bool kOverlap>
+// Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA. Every product is
+// waited for at once; the warpgroups' interleaving keeps the tensor cores busy during each one's
+// softmax. (An FA3-style variant, S of the next key tile issued before the softmax and the
+// warpgroups taking turns on named barriers, measured 3-15% slower at d=128 and 28% slower at
+// d=256 on the H200, and was removed; docs/PERF.md.)
+template <typename Tr>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
                                             Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
@@ -352,7 +346,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
   const int r0 = t.m0 + 64 * cw + 16 * (tid / 32) + lane / 4;  // this thread's first row
-  const Sm90QSlot q(q_loads, P.q_bufs);
+  const Sm90QSlot q(q_loads, Tr::kQBufs);
   const Sm90Mma<Tr> mma{ptx::SmemAddr(smem + Tr::kQOff + q.buf * Tr::kQBytes) + cw * 64 * 128,
                         ptx::SmemAddr(smem + Tr::kKOff), ptx::SmemAddr(smem + Tr::kVOff)};
   const int m_last = min(t.m0 + Tr::kBlockM, t.s_q) - 1;
@@ -384,75 +378,25 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
 
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
-    if constexpr (kOverlap) {
-      static_assert(Tr::kConsumerWGs == 2, "ping-pong pairs two consumer warpgroups");
-      const int my_bar = kPingPongBar + cw;
-      const int other_bar = kPingPongBar + 1 - cw;
-      if (cw == 1) ptx::NamedBarArrive(other_bar, 256);  // warpgroup 0 issues first
-      // First tile: S, softmax, P; its P V is issued with the next tile's S.
-      ptx::MbarWait(bars.FullK(ring.st), ring.phase);
-      ptx::NamedBarSync(my_bar, 256);
-      mma.IssueS(s, ring.st);
-      ptx::NamedBarArrive(other_bar, 256);
-      Sm90ReleaseStoredQ(ost, bars, tid);
+    for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+      const int st = ring.st;
+      ptx::MbarWait(bars.FullK(st), ring.phase);
+      mma.IssueS(s, st);
+      if (nb == t.nb_max - 1) Sm90ReleaseStoredQ(ost, bars, tid);  // while S runs
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
-      mask(s, t.nb_max - 1);
+      if (nb == t.nb_min) release_q();
+      mask(s, nb);
       Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+      Sm90Rescale<Tr>(o, corr);
       Sm90PackP<T, BN>(pa, s);
-      Sm90Ring<Tr::kStages> prev = ring;
-      ring.Advance();
-      for (int nb = t.nb_max - 2; nb >= t.nb_min; --nb) {
-        ptx::MbarWait(bars.FullK(ring.st), ring.phase);
-        ptx::MbarWait(bars.FullV(prev.st), prev.phase);
-        ptx::NamedBarSync(my_bar, 256);
-        mma.IssueS(s, ring.st);
-        mma.IssuePV(o, pa, prev.st);
-        ptx::NamedBarArrive(other_bar, 256);
-        ptx::WgmmaWait<1>();  // S done; P V of the previous tile may still run
-        ptx::RegFence(s);
-        mask(s, nb);
-        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
-        ptx::WgmmaWait<0>();
-#pragma unroll
-        for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-        if (lane == 0) ptx::MbarArrive(bars.Empty(prev.st));
-        Sm90Rescale<Tr>(o, corr);
-        Sm90PackP<T, BN>(pa, s);
-        prev = ring;
-        ring.Advance();
-      }
-      release_q();
-      ptx::MbarWait(bars.FullV(prev.st), prev.phase);
-      ptx::NamedBarSync(my_bar, 256);
-      mma.IssuePV(o, pa, prev.st);
-      ptx::NamedBarArrive(other_bar, 256);
-      if (cw == 0) ptx::NamedBarSync(my_bar, 256);  // takes warpgroup 1's last arrival
+      ptx::MbarWait(bars.FullV(st), ring.phase);
+      mma.IssuePV(o, pa, st);
       ptx::WgmmaWait<0>();
 #pragma unroll
       for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-      if (lane == 0) ptx::MbarArrive(bars.Empty(prev.st));
-    } else {
-      for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-        const int st = ring.st;
-        ptx::MbarWait(bars.FullK(st), ring.phase);
-        mma.IssueS(s, st);
-        if (nb == t.nb_max - 1) Sm90ReleaseStoredQ(ost, bars, tid);  // while S runs
-        ptx::WgmmaWait<0>();
-        ptx::RegFence(s);
-        if (nb == t.nb_min) release_q();
-        mask(s, nb);
-        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
-        Sm90Rescale<Tr>(o, corr);
-        Sm90PackP<T, BN>(pa, s);
-        ptx::MbarWait(bars.FullV(st), ring.phase);
-        mma.IssuePV(o, pa, st);
-        ptx::WgmmaWait<0>();
-#pragma unroll
-        for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-        if (lane == 0) ptx::MbarArrive(bars.Empty(st));
-        ring.Advance();
-      }
+      if (lane == 0) ptx::MbarArrive(bars.Empty(st));
+      ring.Advance();
     }
   }
   if (tma_o) {
@@ -460,7 +404,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
                         row_max, row_sum);
     ost.pending_buf = q.buf;
     // One Q buffer: the producer needs it back before this warpgroup's next tile can start.
-    if (P.q_bufs == 1) Sm90ReleaseStoredQ(ost, bars, tid);
+    if (Tr::kQBufs == 1) Sm90ReleaseStoredQ(ost, bars, tid);
   } else {
     Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
   }
@@ -496,7 +440,7 @@ struct Sm90Schedule {
   }
 };
 
-template <typename Tr, bool kOverlap>
+template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ Sm90Params P) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -548,7 +492,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
     Sm90OStore ost;
     for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
-      Sm90Consume<Tr, kOverlap>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost);
+      Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost);
     });
     Sm90ReleaseStoredQ(ost, bars, threadIdx.x % 128);
     if (P.tma_o && threadIdx.x % 128 == 0) ptx::BulkWait();  // O written before the CTA exits

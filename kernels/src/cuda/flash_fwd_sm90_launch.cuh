@@ -79,8 +79,6 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   constexpr int D = Tr::kHeadDim;
   Sm90Params P;
   P.p = params;
-  // ATTN_SM90_QBUFS=1 keeps a single Q buffer (the earlier layout; a measurement knob).
-  P.q_bufs = std::clamp(Sm90EnvInt("ATTN_SM90_QBUFS", Tr::kQBufs), 1, Tr::kQBufs);
   // O through shared memory and TMA stores (needs 16-byte aligned rows); ATTN_SM90_TMA_O=0 stores
   // from registers instead (a measurement knob: on the H200 that is 5-15% slower at s <= 1k).
   P.tma_o = Sm90EnvInt("ATTN_SM90_TMA_O", 1) != 0 && reinterpret_cast<uintptr_t>(params.o) % 16 == 0 &&
@@ -92,14 +90,7 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
       !EncodeRowsMap<T, D>(&P.tv, params.v, params.total_k, params.num_kv_heads, Tr::kBlockN)) {
     return cudaErrorInvalidValue;
   }
-  // ATTN_SM90_OVERLAP=1 runs the variant with the softmax / P V overlap and ping-pong (a
-  // measurement knob: on the H200 it measured slower, docs/PERF.md). It pairs two consumer
-  // warpgroups, so it exists for the narrow tiling only.
-  const bool overlap = Sm90EnvInt("ATTN_SM90_OVERLAP", 0) != 0;
-  auto kernel = &FlashFwdSm90Kernel<Tr, false>;
-  if constexpr (Tr::kConsumerWGs == 2) {
-    if (overlap) kernel = &FlashFwdSm90Kernel<Tr, true>;
-  }
+  auto kernel = &FlashFwdSm90Kernel<Tr>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM (or per tile when there are fewer), each looping over tiles.
