@@ -130,18 +130,22 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
     return double(rounds) * (key_tiles(m_blocks - 1) + kFixedPerTile) * row_cost * Tr::kBlockN / 128;
   }
   // Longest first in a snake: round r hands tile r * grid + c to CTA c (r even) or grid - 1 - c.
-  // Per round, the CTA sums only depend on the row block of each position; walk the rounds.
-  constexpr int kMaxGrid = 1024;
-  double sum[kMaxGrid] = {};
-  if (grid > kMaxGrid) return 0.0;
-  for (int64_t j0 = 0; j0 < tiles; j0 += grid) {
-    const bool odd = (j0 / grid) & 1;
-    for (int c = 0; c < grid && j0 + c < tiles; ++c) {
-      const int m = m_blocks - 1 - int((j0 + c) / hb);
-      sum[odd ? grid - 1 - c : c] += key_tiles(m) + kFixedPerTile;
+  // The busiest CTA is looked for among a few (the ends, the quarters, and those next to the last
+  // round's edge), each walked over its rounds, so the estimate costs O(rounds), not O(tiles).
+  const int rem = int(tiles % grid);
+  const int cand[] = {0, 1, grid / 4, grid / 2, 3 * grid / 4, grid - 2, grid - 1,
+                      rem - 1, rem, grid - 1 - rem, grid - rem};
+  double busiest = 0.0;
+  for (const int c : cand) {
+    if (c < 0 || c >= grid) continue;
+    double sum = 0.0;
+    for (int64_t r = 0; r * grid < tiles; ++r) {
+      const int64_t j = r * grid + ((r & 1) ? grid - 1 - c : c);
+      if (j < tiles) sum += key_tiles(m_blocks - 1 - int(j / hb)) + kFixedPerTile;
     }
+    busiest = std::max(busiest, sum);
   }
-  return *std::max_element(sum, sum + grid) * row_cost * Tr::kBlockN / 128;
+  return busiest * row_cost * Tr::kBlockN / 128;
 }
 
 template <typename T, int D>
@@ -155,14 +159,14 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
     return LaunchFlashFwdSm90<Wide>(params, sms, stream);
   } else {
     // ATTN_SM90_TILING (a measurement knob): 1 = wide, 2 = narrow, 3 = narrow for causal problems
-    // of <= 1k queries only (the earlier rule); otherwise the cheaper by Sm90TilingCost where the
-    // tile count is small enough for its walk over the tiles, else the earlier rule.
+    // of <= 1k queries only (the earlier rule); otherwise the cheaper by Sm90TilingCost (up to 64k
+    // tiles: its walk is O(tiles / SMs) per candidate CTA), else the earlier rule.
     const int mode = Sm90EnvInt("ATTN_SM90_TILING", 0);
     bool narrow;
     if (mode == 1 || mode == 2) {
       narrow = mode == 2;
     } else if (mode == 3 || int64_t(params.max_seqlen_q / Narrow::kBlockM + 1) * params.num_heads *
-                                         params.batch > 8192) {
+                                         params.batch > (1 << 16)) {
       // Many tiles: quantisation is negligible, so only the causal diagonal's waste matters.
       narrow = params.has_right && params.max_seqlen_q <= kSm90NarrowMaxSeqlenQ;
     } else {
