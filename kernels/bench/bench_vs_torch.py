@@ -6,9 +6,9 @@ Usage: python3 bench_vs_torch.py --lib path/to/libattn_kernels_capi.so --out tab
        the first is "ours" in the summary lines, each gets its own ratio columns and summary)
        python3 bench_vs_torch.py --lib gen1=a.so@1,gen2=a.so@2 --dims 64,128,256 --out t.md
        (NAME=PATH@G forces forward generation G of that library: 1 = mma.sync, 2 = sm_90a)
-       python3 bench_vs_torch.py --lib a=x.so@2,b=x.so@2%KNOB=1 --out t.md
-       (PATH%VAR=VALUE%...: environment variables set while that variant runs and is timed,
-       for measurement knobs that the library reads at each launch)
+       python3 bench_vs_torch.py --lib a=x.so@2,b=x.so@2%ATTN_SM90_TMA_O=1 --out t.md
+       (PATH%VAR=VALUE%...: environment variables set while that variant runs and is timed;
+       the library reads its measurement knobs at every launch)
 Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; causal off/on.
 FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events around N back-to-back launches
 (N chosen per function so that one timing covers >= --min-ms, default 20 ms), divided by N;

@@ -29,12 +29,18 @@ struct Sm90TraitsBase {
 
   static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D * 2;
   static constexpr uint32_t kKVBytes = uint32_t(kBlockN) * D * 2;  // one K (or V) tile
+  // Barriers: per Q buffer full and empty, then per stage K full, V full, K/V empty (Sm90Bars).
+  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 3 * kStages);
+  // Two Q buffers where shared memory allows: the next tile's Q then loads while this tile runs,
+  // so a consumer warpgroup that finishes its tile early starts the next one at once instead of
+  // waiting for the slowest warpgroup to release the shared Q (d=256: one buffer only).
+  static constexpr int kQBufs =
+      2 * kQBytes + 2 * kStages * kKVBytes + kBarBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kQOff = 0;
-  static constexpr uint32_t kKOff = kQBytes;
+  static constexpr uint32_t kKOff = kQBufs * kQBytes;
   static constexpr uint32_t kVOff = kKOff + kStages * kKVBytes;
   static constexpr uint32_t kBarOff = kVOff + kStages * kKVBytes;
-  // Barriers: Q full and empty, then per stage K full, V full, K/V empty (Sm90Bars).
-  static constexpr uint32_t kSmemBytes = kBarOff + 8 * (2 + 3 * kStages);
+  static constexpr uint32_t kSmemBytes = kBarOff + kBarBytes;
   // + slack to align the dynamic shared-memory base to 1024 bytes (the 128B swizzle atom).
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
 
@@ -72,7 +78,8 @@ struct Sm90NarrowTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 2> {};
 template <typename T>
 struct Sm90NarrowTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {};
 
-// The narrow tiling is used for causal (or right-windowed) problems with at most this many queries.
+// Launches with many tiles (where no tiling estimate is made) use the narrow tiling for causal (or
+// right-windowed) problems with at most this many queries.
 constexpr int kSm90NarrowMaxSeqlenQ = 1024;
 
 }  // namespace attn::kernels::cuda

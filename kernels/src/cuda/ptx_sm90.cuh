@@ -85,4 +85,18 @@ __device__ __forceinline__ void TmaLoad4d(void* dst, const void* tmap, int c0, i
   cp::cp_async_bulk_tensor(cp::space_cluster, cp::space_global, dst, tmap, coords, bar);
 }
 
+// 4-D tiled TMA store from shared memory (bulk-group completion), then the group calls around it.
+__device__ __forceinline__ void TmaStore4d(const void* tmap, const void* src, int c0, int c1, int c2, int c3) {
+  const int32_t coords[4] = {c0, c1, c2, c3};
+  cp::cp_async_bulk_tensor(cp::space_global, cp::space_shared, tmap, coords, src);
+}
+__device__ __forceinline__ void BulkCommit() { cp::cp_async_bulk_commit_group(); }
+// Waits until the committed bulk stores have read their shared memory (it may be reused).
+__device__ __forceinline__ void BulkWaitRead() { cp::cp_async_bulk_wait_group_read(cp::n32_t<0>{}); }
+// Waits until the committed bulk stores are complete.
+__device__ __forceinline__ void BulkWait() { cp::cp_async_bulk_wait_group(cp::n32_t<0>{}); }
+
+// Makes this thread's ordinary shared-memory writes visible to the async proxy (TMA, wgmma).
+__device__ __forceinline__ void FenceProxyAsyncShared() { cp::fence_proxy_async(cp::space_shared); }
+
 }  // namespace attn::kernels::cuda::ptx
