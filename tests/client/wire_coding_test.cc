@@ -25,24 +25,18 @@
 
 #include "attn/client/client.h"
 #include "attn/client/wire_coding.h"
+#include "common/wire_test_util.h"
 
 namespace attn::client {
 namespace {
 
+using attn::testing::RandomBytes;
+using attn::testing::RandomCuts;
+using attn::testing::RandomSplit;
+using attn::testing::SeededRng;
+using attn::testing::Split;
+
 using google::protobuf::util::MessageDifferencer;
-
-// A generator with a fresh seed, printed so that a failure can be replayed.
-std::mt19937_64 SeededRng() {
-  const uint64_t seed = std::random_device{}() * uint64_t{0x9e3779b97f4a7c15} ^ std::random_device{}();
-  std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
-  return std::mt19937_64(seed);
-}
-
-std::string RandomBytes(std::mt19937_64& rng, size_t n) {
-  std::string s(n, '\0');
-  for (char& c : s) c = static_cast<char>(rng());
-  return s;
-}
 
 // A tensor of random dtype and rank; its data matches the shape unless `any_size`.
 Tensor RandomTensor(std::mt19937_64& rng, size_t max_elements, bool any_size = false) {
@@ -228,25 +222,6 @@ v1::AttendResponse RandomResponse(std::mt19937_64& rng, bool valid) {
   return r;
 }
 
-// Splits bytes into pieces at the given cut points (sorted, within [0, size]).
-std::vector<std::string_view> Split(const std::string& bytes, std::vector<size_t> cuts) {
-  std::sort(cuts.begin(), cuts.end());
-  std::vector<std::string_view> pieces;
-  size_t at = 0;
-  for (size_t c : cuts) {
-    pieces.push_back(std::string_view(bytes).substr(at, c - at));
-    at = c;
-  }
-  pieces.push_back(std::string_view(bytes).substr(at));
-  return pieces;
-}
-
-std::vector<std::string_view> RandomSplit(std::mt19937_64& rng, const std::string& bytes) {
-  std::vector<size_t> cuts(rng() % 12);
-  for (size_t& c : cuts) c = bytes.empty() ? 0 : rng() % (bytes.size() + 1);
-  return Split(bytes, cuts);
-}
-
 // What the protobuf coding makes of bytes: parse, then Client::ParseAttendResponse. (A parse
 // failure is INTERNAL, as gRPC reports a response it cannot parse.)
 absl::StatusOr<AttendResult> ThroughProtobuf(const std::string& bytes) {
@@ -307,12 +282,6 @@ void ExpectAgreesWithProtobuf(std::string bytes, std::vector<size_t> cuts, const
   ASSERT_EQ(got->lse.has_value(), expected->lse.has_value()) << what;
   if (got->lse) EXPECT_TRUE(SameTensor(*got->lse, *expected->lse)) << what << ": lse";
   EXPECT_TRUE(SameMessage(got->timing, expected->timing)) << what;
-}
-
-std::vector<size_t> RandomCuts(std::mt19937_64& rng, size_t size) {
-  std::vector<size_t> cuts(rng() % 12);
-  for (size_t& c : cuts) c = size == 0 ? 0 : rng() % (size + 1);
-  return cuts;
 }
 
 TEST(AttendResponseDecoder, RandomResponsesRandomlySplitEqualTheProtobufCoding) {

@@ -20,17 +20,16 @@
 #include "rpc/attend_request_decoder.h"
 #include "rpc/attend_response_encoder.h"
 #include "attn/util/wire_reader.h"
+#include "common/wire_test_util.h"
 
 namespace attn {
 namespace {
 
-using google::protobuf::util::MessageDifferencer;
+using attn::testing::RandomBytes;
+using attn::testing::RandomSplit;
+using attn::testing::Split;
 
-std::string RandomBytes(std::mt19937_64& rng, size_t n) {
-  std::string s(n, '\0');
-  for (char& c : s) c = static_cast<char>(rng());
-  return s;
-}
+using google::protobuf::util::MessageDifferencer;
 
 void FillTensor(std::mt19937_64& rng, v1::Tensor* t, size_t max_data) {
   std::uniform_int_distribution<int> coin(0, 1);
@@ -70,25 +69,6 @@ v1::AttendRequest RandomRequest(std::mt19937_64& rng, size_t max_data) {
   if (rng() % 4 == 0) r.mutable_o_region()->set_region("o");
   if (rng() % 4 == 0) r.mutable_lse_region()->set_bytes(rng());
   return r;
-}
-
-// Splits bytes into pieces at the given cut points (sorted, within [0, size]).
-std::vector<std::string_view> Split(const std::string& bytes, std::vector<size_t> cuts) {
-  std::sort(cuts.begin(), cuts.end());
-  std::vector<std::string_view> pieces;
-  size_t at = 0;
-  for (size_t c : cuts) {
-    pieces.push_back(std::string_view(bytes).substr(at, c - at));
-    at = c;
-  }
-  pieces.push_back(std::string_view(bytes).substr(at));
-  return pieces;
-}
-
-std::vector<std::string_view> RandomSplit(std::mt19937_64& rng, const std::string& bytes) {
-  std::vector<size_t> cuts(rng() % 12);
-  for (size_t& c : cuts) c = bytes.empty() ? 0 : rng() % (bytes.size() + 1);
-  return Split(bytes, cuts);
 }
 
 // The decoded request with its data fields filled from their pieces: what protobuf would give.

@@ -16,33 +16,20 @@
 
 #include "attn/v1/attention.pb.h"
 #include "rpc/echo_wire.h"
+#include "common/wire_test_util.h"
 
 namespace attn {
 namespace {
 
-std::mt19937_64 SeededRng() {
-  const uint64_t seed = std::random_device{}();
-  std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
-  return std::mt19937_64(seed);
-}
-
-std::string RandomBytes(std::mt19937_64& rng, size_t n) {
-  std::string s(n, '\0');
-  for (char& c : s) c = static_cast<char>(rng());
-  return s;
-}
+using attn::testing::RandomBytes;
+using attn::testing::RandomSplit;
+using attn::testing::SeededRng;
 
 // The bytes as gRPC might hand them over: slices (copies) cut at random points.
 std::vector<grpc::Slice> RandomSlices(std::mt19937_64& rng, const std::string& bytes) {
-  std::vector<size_t> cuts(rng() % 10);
-  for (size_t& c : cuts) c = bytes.empty() ? 0 : rng() % (bytes.size() + 1);
-  std::sort(cuts.begin(), cuts.end());
-  cuts.push_back(bytes.size());
   std::vector<grpc::Slice> slices;
-  size_t at = 0;
-  for (size_t c : cuts) {
-    slices.emplace_back(bytes.data() + at, c - at);
-    at = c;
+  for (std::string_view piece : RandomSplit(rng, bytes)) {
+    slices.emplace_back(piece.data(), piece.size());
   }
   return slices;
 }

@@ -1,0 +1,53 @@
+// Random bytes and random splits of them, for the tests of the hand-written wire codings (a
+// message must decode alike however gRPC happens to slice it).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace attn::testing {
+
+// A generator with a fresh seed, printed so that a failure can be replayed.
+inline std::mt19937_64 SeededRng() {
+  const uint64_t seed =
+      std::random_device{}() * uint64_t{0x9e3779b97f4a7c15} ^ std::random_device{}();
+  std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
+  return std::mt19937_64(seed);
+}
+
+inline std::string RandomBytes(std::mt19937_64& rng, size_t n) {
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+// Up to 11 cut points within [0, size], unsorted, repeats allowed.
+inline std::vector<size_t> RandomCuts(std::mt19937_64& rng, size_t size) {
+  std::vector<size_t> cuts(rng() % 12);
+  for (size_t& c : cuts) c = size == 0 ? 0 : rng() % (size + 1);
+  return cuts;
+}
+
+// Splits bytes into pieces at the given cut points (any order, within [0, size]).
+inline std::vector<std::string_view> Split(const std::string& bytes, std::vector<size_t> cuts) {
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<std::string_view> pieces;
+  size_t at = 0;
+  for (size_t c : cuts) {
+    pieces.push_back(std::string_view(bytes).substr(at, c - at));
+    at = c;
+  }
+  pieces.push_back(std::string_view(bytes).substr(at));
+  return pieces;
+}
+
+inline std::vector<std::string_view> RandomSplit(std::mt19937_64& rng, const std::string& bytes) {
+  return Split(bytes, RandomCuts(rng, bytes.size()));
+}
+
+}  // namespace attn::testing
