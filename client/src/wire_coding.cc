@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_join.h"
 #include "attn/util/wire_fields.h"
 #include "attn/util/wire_reader.h"
@@ -192,50 +193,51 @@ std::string FieldName(const google::protobuf::Descriptor* d, uint64_t number,
   return prefix + (f != nullptr ? f->name() : absl::StrCat("field ", number));
 }
 
+// A field's name, made only when a message needs it (names cost allocations).
+using Name = absl::FunctionRef<std::string()>;
+
 // Reads the value of the field whose tag was just read into message, as protobuf's parser
 // would: the field is copied as it lies on the wire and merged.
-absl::Status MergeField(WireReader& r, const wire::Tag& tag, absl::string_view what,
-                        const std::string& field, uint64_t at,
-                        google::protobuf::Message* message) {
+absl::Status MergeField(WireReader& r, const wire::Tag& tag, absl::string_view what, Name field,
+                        uint64_t at, google::protobuf::Message* message) {
   std::string bytes, error;
-  if (!wire::CopyField(r, tag, &bytes, &error)) return Malformed(what, field, error, at);
+  if (!wire::CopyField(r, tag, &bytes, &error)) return Malformed(what, field(), error, at);
   if (!message->MergeFromString(bytes)) {
-    return Malformed(what, field,
+    return Malformed(what, field(),
                      "protobuf could not parse this field (a bad embedded message, or a string "
                      "that is not UTF-8)", at);
   }
   return absl::OkStatus();
 }
 
-absl::Status ReadTag(WireReader& r, absl::string_view what, const std::string& where,
-                     wire::Tag* tag) {
+absl::Status ReadTag(WireReader& r, absl::string_view what, Name where, wire::Tag* tag) {
   const uint64_t at = r.position();
   std::string error;
-  if (!wire::ReadTag(r, tag, &error)) return Malformed(what, where, error, at);
+  if (!wire::ReadTag(r, tag, &error)) return Malformed(what, where(), error, at);
   return absl::OkStatus();
 }
 
 // The length of a length-delimited field and a check that it fits in what is left.
-absl::Status ReadLength(WireReader& r, absl::string_view what, const std::string& field,
-                        uint64_t at, uint64_t* n) {
-  if (!r.ReadVarint(n)) return Malformed(what, field, "truncated or over-long length", at);
+absl::Status ReadLength(WireReader& r, absl::string_view what, Name field, uint64_t at,
+                        uint64_t* n) {
+  if (!r.ReadVarint(n)) return Malformed(what, field(), "truncated or over-long length", at);
   if (*n > r.remaining()) {
-    return Malformed(what, field, absl::StrCat("length ", *n, " runs past the end of its message (",
-                                               r.remaining(), " bytes left)"), at);
+    return Malformed(what, field(), absl::StrCat("length ", *n, " runs past the end of its message (",
+                                                 r.remaining(), " bytes left)"), at);
   }
   return absl::OkStatus();
 }
 
 // The body of one occurrence of o or lse (the reader limited to it); what names the message
-// being read. A later data field replaces an earlier one, as in protobuf.
-absl::Status DecodeTensor(WireReader& r, absl::string_view what, const std::string& name,
-                          v1::Tensor* header, std::vector<std::string_view>* data,
-                          uint64_t* size) {
+// being read. Its data field's pieces go to data (a later one replaces an earlier one, as in
+// protobuf), its other fields, as they lie on the wire, to fields.
+absl::Status DecodeTensor(WireReader& r, absl::string_view what, Name name, std::string* fields,
+                          std::vector<std::string_view>* data, uint64_t* size) {
   while (!r.AtLimit()) {
     const uint64_t at = r.position();
     wire::Tag tag;
     RETURN_IF_ERROR(ReadTag(r, what, name, &tag));
-    const std::string field = FieldName(v1::Tensor::descriptor(), tag.number, name + ".");
+    auto field = [&] { return FieldName(v1::Tensor::descriptor(), tag.number, name() + "."); };
     if (tag.number == kTensorData && tag.type == wire::kLengthDelimited) {
       uint64_t n;
       RETURN_IF_ERROR(ReadLength(r, what, field, at, &n));
@@ -244,40 +246,68 @@ absl::Status DecodeTensor(WireReader& r, absl::string_view what, const std::stri
       r.ReadPieces(n, data);
       continue;
     }
-    RETURN_IF_ERROR(MergeField(r, tag, what, field, at, header));
+    std::string error;
+    if (!wire::CopyField(r, tag, fields, &error)) return Malformed(what, field(), error, at);
   }
   return absl::OkStatus();
 }
 
 // An AttendResponse or StepResponse (the reader limited to it; o and lse are fields 1 and 2 of
 // both); what names the message being read, prefix this one inside it ("results[2].response.").
+// Every field but the data of o and lse is gathered as it came (o and lse re-encoded without
+// their data) and parsed by protobuf in one go, as it would parse the original.
 template <typename Header>
-absl::Status DecodeOutputs(WireReader& r, absl::string_view what, const std::string& prefix,
+absl::Status DecodeOutputs(WireReader& r, absl::string_view what, Name prefix,
                            DecodedOutputs<Header>* out) {
   const google::protobuf::Descriptor* d = Header::descriptor();
-  const std::string whole = prefix.empty() ? std::string(what) : prefix.substr(0, prefix.size() - 1);
+  auto whole = [&] {
+    const std::string p = prefix();
+    return p.empty() ? std::string(what) : p.substr(0, p.size() - 1);
+  };
+  struct FieldAt {
+    size_t offset;
+    uint64_t number, at;
+  };
+  std::vector<FieldAt> fields;
+  std::string head, tensor;
   while (!r.AtLimit()) {
     const uint64_t at = r.position();
     wire::Tag tag;
     RETURN_IF_ERROR(ReadTag(r, what, whole, &tag));
-    const std::string field = FieldName(d, tag.number, prefix);
-    // o or lse with another wire type is an unknown field to protobuf: left to MergeField.
+    auto field = [&] { return FieldName(d, tag.number, prefix()); };
+    fields.push_back({head.size(), tag.number, at});
+    // o or lse with another wire type is an unknown field to protobuf: copied as is.
     const bool o = tag.number == Header::kOFieldNumber;
     const bool lse = tag.number == Header::kLseFieldNumber;
     if ((o || lse) && tag.type == wire::kLengthDelimited) {
       uint64_t n, outer = 0;  // ReadLength checked n: PushLimit succeeds
       RETURN_IF_ERROR(ReadLength(r, what, field, at, &n));
       r.PushLimit(n, &outer);
-      RETURN_IF_ERROR(o ? DecodeTensor(r, what, field, out->header.mutable_o(), &out->o_data,
-                                       &out->o_size)
-                        : DecodeTensor(r, what, field, out->header.mutable_lse(),
-                                       &out->lse_data, &out->lse_size));
+      tensor.clear();
+      RETURN_IF_ERROR(o ? DecodeTensor(r, what, field, &tensor, &out->o_data, &out->o_size)
+                        : DecodeTensor(r, what, field, &tensor, &out->lse_data, &out->lse_size));
       r.PopLimit(outer);
+      AppendVarint(MakeTag(static_cast<uint32_t>(tag.number), wire::kLengthDelimited), &head);
+      AppendVarint(tensor.size(), &head);
+      head.append(tensor);
       continue;
     }
-    RETURN_IF_ERROR(MergeField(r, tag, what, field, at, &out->header));
+    std::string error;
+    if (!wire::CopyField(r, tag, &head, &error)) return Malformed(what, field(), error, at);
   }
-  return absl::OkStatus();
+  if (out->header.MergeFromString(head)) return absl::OkStatus();
+  // Refused (a bad embedded message, or a string that is not UTF-8): find the field, alone.
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const size_t end = i + 1 < fields.size() ? fields[i + 1].offset : head.size();
+    Header alone;
+    if (!alone.MergeFromString(head.substr(fields[i].offset, end - fields[i].offset))) {
+      return Malformed(what, FieldName(d, fields[i].number, prefix()),
+                       "protobuf could not parse this field (a bad embedded message, or a string "
+                       "that is not UTF-8)", fields[i].at);
+    }
+  }
+  return Malformed(what, whole(), "protobuf could not parse its fields together",
+                   fields.empty() ? 0 : fields.front().at);
 }
 
 absl::StatusOr<DType> DTypeFromWire(const std::string& name, int dtype) {
@@ -454,7 +484,7 @@ absl::Status ReceivedBytes::Take(grpc::ByteBuffer* buffer) {
 absl::Status DecodeAttendResponse(std::span<const std::string_view> pieces,
                                   DecodedAttendResponse* out) {
   WireReader r(pieces);
-  return DecodeOutputs(r, "AttendResponse", "", out);
+  return DecodeOutputs(r, "AttendResponse", [] { return std::string(); }, out);
 }
 
 absl::Status ReadAttendResult(const DecodedAttendResponse& decoded, AttendResult* result) {
@@ -480,7 +510,7 @@ absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response) {
 absl::Status DecodeStepResponse(std::span<const std::string_view> pieces,
                                 DecodedStepResponse* out) {
   WireReader r(pieces);
-  return DecodeOutputs(r, "StepResponse", "", out);
+  return DecodeOutputs(r, "StepResponse", [] { return std::string(); }, out);
 }
 
 absl::Status ReadStepResult(const DecodedStepResponse& decoded, StepResult* result) {
@@ -511,12 +541,15 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire
     DecodedStepResponse response;
   };
   std::vector<Item> decoded;
+  decoded.reserve(items);  // as many as asked for, unless the server sent others
   WireReader r(received.pieces);
   while (!r.AtLimit()) {
     uint64_t at = r.position();
     wire::Tag tag;
-    RETURN_IF_ERROR(ReadTag(r, kBatchStepResponse, kBatchStepResponse, &tag));
-    const std::string name = absl::StrCat("results[", decoded.size(), "]");
+    RETURN_IF_ERROR(ReadTag(r, kBatchStepResponse, [&] { return std::string(kBatchStepResponse); },
+                            &tag));
+    const size_t index = decoded.size();
+    auto name = [index] { return absl::StrCat("results[", index, "]"); };
     if (tag.number != kBatchSteps || tag.type != wire::kLengthDelimited) {
       std::string error;  // unknown to BatchStepResponse: checked and skipped
       if (!wire::CopyField(r, tag, nullptr, &error)) {
@@ -531,13 +564,16 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire
     while (!r.AtLimit()) {
       at = r.position();
       RETURN_IF_ERROR(ReadTag(r, kBatchStepResponse, name, &tag));
-      const std::string field = FieldName(v1::StepResult::descriptor(), tag.number, name + ".");
+      auto field = [&] {
+        return FieldName(v1::StepResult::descriptor(), tag.number, name() + ".");
+      };
       if (tag.number == kResultResponse && tag.type == wire::kLengthDelimited) {
         uint64_t inner_n, inner_outer = 0;
         RETURN_IF_ERROR(ReadLength(r, kBatchStepResponse, field, at, &inner_n));
         r.PushLimit(inner_n, &inner_outer);
         // A repeated response field merges into the earlier one, as in protobuf.
-        RETURN_IF_ERROR(DecodeOutputs(r, kBatchStepResponse, field + ".", &item.response));
+        RETURN_IF_ERROR(DecodeOutputs(r, kBatchStepResponse, [&] { return field() + "."; },
+                                      &item.response));
         r.PopLimit(inner_outer);
         continue;
       }
@@ -578,8 +614,8 @@ absl::Status ReadEchoResponse(grpc::ByteBuffer* response, std::string* payload_o
   while (!r.AtLimit()) {
     const uint64_t at = r.position();
     wire::Tag tag;
-    RETURN_IF_ERROR(ReadTag(r, kEchoResponse, std::string(kEchoResponse), &tag));
-    const std::string field = FieldName(v1::EchoResponse::descriptor(), tag.number);
+    RETURN_IF_ERROR(ReadTag(r, kEchoResponse, [&] { return std::string(kEchoResponse); }, &tag));
+    auto field = [&] { return FieldName(v1::EchoResponse::descriptor(), tag.number); };
     if (tag.number == kEchoPayload && tag.type == wire::kLengthDelimited) {
       RETURN_IF_ERROR(ReadLength(r, kEchoResponse, field, at, &size));
       payload.clear();
@@ -587,7 +623,7 @@ absl::Status ReadEchoResponse(grpc::ByteBuffer* response, std::string* payload_o
       continue;
     }
     std::string error;  // anything else is unknown to EchoResponse: checked and skipped
-    if (!wire::CopyField(r, tag, nullptr, &error)) return Malformed(kEchoResponse, field, error, at);
+    if (!wire::CopyField(r, tag, nullptr, &error)) return Malformed(kEchoResponse, field(), error, at);
   }
   // The one copy, into the caller's string (its buffer reused where large enough).
   payload_out->clear();
