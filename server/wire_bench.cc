@@ -13,9 +13,9 @@
 // With --batch_step N it times a BatchStep of N decode steps instead (q [1, heads, head_dim], k_new
 // and v_new [1, kv_heads, head_dim]):
 //   request, protobuf: gRPC's parse into a BatchStepRequest (what attnd's typed handler got);
-//   request, wire path: DecodeBatchStepRequest, then each step's tensors put where its launch
-//     copies them from (StageWireInputsOnHost: where they lie when in one piece, else copied
-//     once; the AttendJob it fills is made here too);
+//   request, wire path: DecodeBatchStepRequest, then each step's one copy of its tensors into
+//     host memory of its own (StageWireInputsOnHost; the AttendJob it fills is made here too,
+//     which protobuf's row leaves out);
 //   response, protobuf: each step's o written into its StepResponse, then gRPC's serialization;
 //   response, wire path: each o written into a buffer of its own, then EncodeBatchStepResponse.
 //   attn-wire-bench --batch_step 64 --heads 32 --kv_heads 8 --head_dim 128
@@ -182,10 +182,10 @@ void MeasureBatchStep(int n, std::mt19937_64& rng) {
     }
     std::vector<DecodedStepRequest> decoded;
     if (!DecodeBatchStepRequest(pieces, &decoded).ok()) std::abort();
-    // Each step's tensors where its launch copies them from, as attnd stages a step.
+    // Each step's tensors copied once, as attnd stages a step.
     for (const DecodedStepRequest& step : decoded) {
       AttendJob job;
-      StageWireInputsOnHost(step.data, &job, /*view_whole=*/true);
+      StageWireInputsOnHost(step.data, &job);
     }
   }, secs);
 

@@ -126,10 +126,8 @@ class Backend {
 };
 
 // Backend::StageWireInputs' default: copies in's inline tensors back to back into host memory
-// the job owns (host_inputs) and points job's q_bytes, k_bytes and v_bytes there. view_whole:
-// a tensor that lies in one piece is pointed at where it lies instead (the caller keeps the
-// pieces valid until the job is gone), and only the others are copied. A session step decoded
-// from the wire takes it so on every backend: its launch copies the tensors from there.
-void StageWireInputsOnHost(const WireTensors& in, AttendJob* job, bool view_whole = false);
+// the job owns (host_inputs) and points job's q_bytes, k_bytes and v_bytes there. Also what a
+// session step decoded from the wire takes, on every backend (its launch copies from there).
+void StageWireInputsOnHost(const WireTensors& in, AttendJob* job);
 
 }  // namespace attn

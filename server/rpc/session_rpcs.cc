@@ -138,17 +138,15 @@ void AttentionService::EnqueueSteps(std::vector<std::unique_ptr<AttendJob>> jobs
 namespace {
 
 // One Step or BatchStep call on the wire path, from its decoding until its answer is encoded:
-// the received slices (which steps' tensors are read from where they lie in one piece), each
-// step's decoded request (which its job borrows), its response without o.data and lse.data, the
-// buffers its outputs are written into, and (BatchStep) its status. Shared by the handler and the
-// steps' completions; the last completion encodes the answer.
+// each step's decoded request (which its job borrows), its response without o.data and
+// lse.data, the buffers its outputs are written into, and (BatchStep) its status. Shared by the
+// handler and the steps' completions; the last completion encodes the answer.
 struct WireStepCall {
   struct Output {
     v1::StepResponse response;
     OutputBytes o, lse;
     absl::Status status;
   };
-  std::vector<grpc::Slice> slices;
   std::vector<DecodedStepRequest> requests;
   std::vector<Output> outputs;
 
@@ -160,7 +158,8 @@ struct WireStepCall {
 };
 
 // The received message's bytes as pieces of its slices, which *slices holds; request is left
-// empty (gRPC owns it until the call ends and destroys it emptied).
+// empty (gRPC owns it until the call ends and destroys it emptied). The pieces are needed only
+// until the handler returns: every step's tensors are copied out as it is validated.
 absl::Status TakeReceived(const grpc::ByteBuffer* request, std::vector<grpc::Slice>* slices,
                           std::vector<std::string_view>* pieces) {
   auto* taken = const_cast<grpc::ByteBuffer*>(request);
@@ -197,8 +196,9 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
     if (draining_.load()) return absl::UnavailableError(kShuttingDown);
+    std::vector<grpc::Slice> slices;
     std::vector<std::string_view> pieces;
-    RETURN_IF_ERROR(TakeReceived(request, &call->slices, &pieces));
+    RETURN_IF_ERROR(TakeReceived(request, &slices, &pieces));
     RETURN_IF_ERROR(DecodeStepRequest(pieces, &call->requests.emplace_back()));
     call->SizeOutputs();
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
@@ -249,8 +249,9 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
     if (draining_.load()) return absl::UnavailableError(kShuttingDown);
     auto call = std::make_shared<WireStepCall>();
+    std::vector<grpc::Slice> slices;
     std::vector<std::string_view> pieces;
-    RETURN_IF_ERROR(TakeReceived(request, &call->slices, &pieces));
+    RETURN_IF_ERROR(TakeReceived(request, &slices, &pieces));
     RETURN_IF_ERROR(DecodeBatchStepRequest(pieces, &call->requests));
     call->SizeOutputs();
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));

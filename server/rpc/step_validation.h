@@ -29,9 +29,8 @@ struct StepRegions {
 };
 
 // A step decoded from the wire (rpc/step_request_decoder.h): its tensors' data as pieces of the
-// received message (q, k_new, v_new in WireTensors' q, k, v), which must stay valid until the
-// job is gone, and the call's buffers its outputs are written into and sent from
-// (rpc/attend_response_encoder.h).
+// received message (q, k_new, v_new in WireTensors' q, k, v), and the call's buffers its outputs
+// are written into and sent from (rpc/attend_response_encoder.h).
 struct WireStepData {
   const WireTensors* in = nullptr;
   OutputBytes* o = nullptr;
@@ -43,10 +42,9 @@ struct WireStepData {
 // its job: key, sizes, where its tensors are (message, host or GPU regions), the StepWork (sharing
 // session), and the response sized for the output. INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 // NOT_FOUND (a region) or FAILED_PRECONDITION (shared memory off) name the bad field.
-// wire set: request's data fields are empty and the data is wire.in's; once validated the job
-// points at it where a tensor lies in one piece and at a copy in its host_inputs where it is
-// split (StageWireInputsOnHost), and outputs not bound for a region go into buffers allocated in
-// wire.o and wire.lse instead of the response.
+// wire set: request's data fields are empty and the data is wire.in's; once validated it is
+// copied (once) into the job's host_inputs, and outputs not bound for a region go into buffers
+// allocated in wire.o and wire.lse instead of the response.
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(
     const v1::StepRequest& request, std::shared_ptr<Session> session, const RequestLimits& limits,
     const StepRegions& regions, v1::StepResponse* response, const WireStepData& wire = {});
