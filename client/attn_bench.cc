@@ -18,7 +18,7 @@
 // the request's buffers and whose o comes back with one copy into the result, as a program using
 // Client::Attend gets them. protobuf: the generated stub with a request message built once, which
 // protobuf serializes into fresh slices on every call, and a response parsed into strings. Stream
-// and decode modes use the generated stubs either way.
+// mode uses the generated stubs either way; decode mode has --step_coding instead.
 //
 // --mode=decode drives KV-cache sessions: --sessions S (a comma-separated sweep, instead of
 // --concurrency) sessions of --layers L layers, each prefilled with --cache_tokens tokens per layer
@@ -28,8 +28,10 @@
 // with many addresses, ipv4:H1:P1,H2:P2): sessions are placed by the client library on the replica
 // with the most free KV pages. Every --decode_window tokens a session is truncated back to
 // --cache_tokens (not timed), so the cache length holds however long the run. Per level it prints
-// two rows: the decode run and Echo of the same bytes (each call's serialized request out, its o
-// and lse bytes back) at the same concurrency, with
+// the decode run (a row per --step_coding: stub, the default, sends request messages built once
+// through the generated stub; wire and protobuf go through the client library's Step/BatchStep
+// with ClientOptions::wire_coding on and off) and Echo of the same bytes (each call's serialized
+// request out, its o and lse bytes back) at the same concurrency, with
 //   steps/s    (session, layer) steps per second; tokens/s = steps/s / L (a token has passed every
 //              layer); p50/p99 per call; queue_us/compute_us the server's timing (mean per call);
 //   cache      mean cache length after a step; KV_GB/s the K and V bytes the steps read per second
@@ -93,6 +95,10 @@ ABSL_FLAG(int, decode_window, 64,
           "decode: decode tokens a session gains before it is truncated back to --cache_tokens (not "
           "timed)");
 ABSL_FLAG(bool, lse, false, "decode: ask for the log-sum-exp too");
+ABSL_FLAG(std::string, step_coding, "stub",
+          "decode: comma-separated codings of the decode calls, one row each on the same sessions: "
+          "stub (request messages built once, the generated stub), wire and protobuf (the client "
+          "library's Step/BatchStep with ClientOptions::wire_coding on and off)");
 ABSL_FLAG(std::string, transport, "grpc",
           "unary mode: grpc (tensors in the messages), shm (each worker's q, k, v and o in a "
           "host shared-memory region of its own) or cuda-ipc (in GPU memory of device 0 shared "
@@ -694,6 +700,15 @@ int Decode() {
   o.batch_step = absl::GetFlag(FLAGS_batch_step);
   o.decode_window = absl::GetFlag(FLAGS_decode_window);
   o.lse = absl::GetFlag(FLAGS_lse);
+  o.codings.clear();
+  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_step_coding), ',')) {
+    if (part != "stub" && part != "wire" && part != "protobuf") {
+      std::cerr << "attn-bench: bad --step_coding entry '" << part
+                << "' (stub, wire or protobuf)" << std::endl;
+      return 64;
+    }
+    o.codings.emplace_back(part);
+  }
   o.duration_s = absl::GetFlag(FLAGS_duration_s);
   o.warmup_s = absl::GetFlag(FLAGS_warmup_s);
   o.max_calls = absl::GetFlag(FLAGS_max_requests);

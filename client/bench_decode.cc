@@ -33,7 +33,7 @@ struct CallSample {
 
 // One row: a decode run or its Echo twin.
 struct Row {
-  std::string mode;  // "step", "batch_step" or "echo"
+  std::string mode;  // "step", "batch_step" (each maybe with "/wire" or "/protobuf") or "echo"
   int sessions = 0, callers = 0;
   double steps_per_call = 0;  // mean items of a call
   int64_t calls = 0, steps = 0, errors = 0;
@@ -126,6 +126,10 @@ struct Caller {
   std::vector<v1::StepRequest> step;        // per layer (Step mode)
   std::vector<v1::BatchStepRequest> batch;  // per layer (BatchStep mode)
   std::vector<v1::EchoRequest> echo;        // per layer: the same bytes through Echo
+  // Per layer, the steps of one call (the same as step and batch), for the library's codings.
+  std::vector<std::vector<StepInput>> inputs;
+  // The replica again, through the library's wire coding and its protobuf coding.
+  std::shared_ptr<Client> wire, protobuf;
   absl::Status status;                      // of the setup
 };
 
@@ -149,9 +153,21 @@ class DecodeBench {
   // A Step (one) or BatchStep (many) call of `items` steps.
   CallOutcome Tally(const grpc::Status& st, int items, const v1::StepResponse* one,
                     const v1::BatchStepResponse* many);
-  void DecodeLoop(Caller& c, Recorder& rec);
+  // The same for a call through the client library.
+  CallOutcome TallyResults(const absl::StatusOr<std::vector<absl::StatusOr<StepResult>>>& results,
+                           int items);
+  // One decode call of the caller's layer `layer` coded as `coding` (DecodeBenchOptions::codings).
+  // What a call's outcome points into (its timing), kept until it is recorded.
+  struct Answers {
+    v1::StepResponse one;
+    v1::BatchStepResponse many;
+    std::vector<absl::StatusOr<StepResult>> results;
+  };
+  CallOutcome DecodeCall(Caller& c, int layer, const std::string& coding, Answers* answers);
+  void DecodeLoop(Caller& c, Recorder& rec, const std::string& coding);
   void EchoLoop(Caller& c, Recorder& rec);
-  Row Measure(std::vector<Caller>& callers, bool echo);
+  // coding: the decode row's (empty for the Echo row).
+  Row Measure(std::vector<Caller>& callers, bool echo, const std::string& coding);
   bool RunLevel(int sessions, std::vector<Row>* rows);
   void CloseAll(std::vector<Caller>& callers);
 
@@ -215,6 +231,17 @@ absl::Status DecodeBench::Setup(Caller& c, int first, int count) {
       auto client = c.sessions->ClientFor(s->session_id);
       if (!client.ok()) return client.status();
       c.client = *client;
+      for (const bool wire : {true, false}) {
+        ClientOptions co;
+        co.target = s->endpoint;
+        co.max_message_bytes = 1ll << 30;
+        co.unique_channel = true;
+        co.connections = 1;
+        co.wire_coding = wire;
+        auto coded = Client::Create(co);
+        if (!coded.ok()) return coded.status();
+        (wire ? c.wire : c.protobuf) = std::move(*coded);
+      }
     }
     if (absl::Status st = Prefill(*c.client, s->session_id); !st.ok()) return st;
   }
@@ -225,13 +252,15 @@ absl::Status DecodeBench::Setup(Caller& c, int first, int count) {
 void DecodeBench::BuildRequests(Caller& c) {
   for (int layer = 0; layer < o_.layers; ++layer) {
     std::string payload;
+    std::vector<StepInput>& inputs = c.inputs.emplace_back();
+    for (const auto& id : c.ids) inputs.push_back(DecodeInput(id, layer));
     if (o_.batch_step > 0) {
       v1::BatchStepRequest b;
-      for (const auto& id : c.ids) *b.add_steps() = BuildStepRequest(DecodeInput(id, layer));
+      for (const StepInput& in : inputs) *b.add_steps() = BuildStepRequest(in);
       b.SerializeToString(&payload);
       c.batch.push_back(std::move(b));
     } else {
-      c.step.push_back(BuildStepRequest(DecodeInput(c.ids[0], layer)));
+      c.step.push_back(BuildStepRequest(inputs.front()));
       c.step.back().SerializeToString(&payload);
     }
     // Echo: the serialized request out, the o (and lse) bytes of its answer back.
@@ -277,20 +306,64 @@ CallOutcome DecodeBench::Tally(const grpc::Status& st, int items, const v1::Step
   return out;
 }
 
-void DecodeBench::DecodeLoop(Caller& c, Recorder& rec) {
-  v1::StepResponse one;
-  v1::BatchStepResponse many;
+CallOutcome DecodeBench::TallyResults(
+    const absl::StatusOr<std::vector<absl::StatusOr<StepResult>>>& results, int items) {
+  CallOutcome out;
+  if (!results.ok()) {
+    out.failed_steps = items;
+    out.error = results.status().ToString();
+    return out;
+  }
+  for (const auto& r : *results) {
+    if (r.ok()) {
+      ++out.ok_steps;
+      out.kv_bytes += double(r->cached_tokens) * KvBytesPerToken();
+      out.cached_tokens += double(r->cached_tokens);
+      if (!out.timing) out.timing = &r->timing;
+    } else {
+      ++out.failed_steps;
+      if (out.error.empty()) out.error = r.status().ToString();
+    }
+  }
+  return out;
+}
+
+CallOutcome DecodeBench::DecodeCall(Caller& c, int layer, const std::string& coding,
+                                    Answers* answers) {
+  constexpr std::chrono::milliseconds kTimeout(120000);
+  const bool batch = o_.batch_step > 0;
+  const int items = static_cast<int>(c.ids.size());
+  if (coding == "stub") {
+    grpc::ClientContext ctx;
+    c.client->PrepareContext(&ctx, kTimeout);
+    const grpc::Status st =
+        batch ? c.client->stub()->BatchStep(&ctx, c.batch[layer], &answers->many)
+              : c.client->stub()->Step(&ctx, c.step[layer], &answers->one);
+    return Tally(st, items, batch ? nullptr : &answers->one, batch ? &answers->many : nullptr);
+  }
+  Client& client = coding == "wire" ? *c.wire : *c.protobuf;
+  std::vector<absl::StatusOr<StepResult>>& results = answers->results;
+  results.clear();
+  if (batch) {
+    auto all = BatchStep(client, c.inputs[layer], kTimeout);
+    if (!all.ok()) return TallyResults(all.status(), items);
+    results = std::move(*all);
+  } else {
+    auto one = Step(client, c.inputs[layer].front(), kTimeout);
+    if (!one.ok()) return TallyResults(one.status(), items);
+    results.push_back(std::move(*one));
+  }
+  return TallyResults(results, items);
+}
+
+void DecodeBench::DecodeLoop(Caller& c, Recorder& rec, const std::string& coding) {
+  Answers answers;
   int rounds = 0;
   for (int64_t k = 0; rec.Running(); ++k) {
     const int layer = static_cast<int>(k % o_.layers);
-    grpc::ClientContext ctx;
-    c.client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
     const Clock::time_point sent = Clock::now();
-    const bool batch = o_.batch_step > 0;
-    const grpc::Status st = batch ? c.client->stub()->BatchStep(&ctx, c.batch[layer], &many)
-                                  : c.client->stub()->Step(&ctx, c.step[layer], &one);
-    const Clock::time_point done = Clock::now();
-    rec.Record(sent, done, Tally(st, static_cast<int>(c.ids.size()), batch ? nullptr : &one, batch ? &many : nullptr));
+    const CallOutcome outcome = DecodeCall(c, layer, coding, &answers);
+    rec.Record(sent, Clock::now(), outcome);
     if (layer != o_.layers - 1 || ++rounds < o_.decode_window) continue;
     // Every layer has decode_window more tokens: back to cache_tokens (not timed).
     rounds = 0;
@@ -320,18 +393,19 @@ void DecodeBench::EchoLoop(Caller& c, Recorder& rec) {
   }
 }
 
-Row DecodeBench::Measure(std::vector<Caller>& callers, bool echo) {
+Row DecodeBench::Measure(std::vector<Caller>& callers, bool echo, const std::string& coding) {
   const auto start = Clock::now();
   const auto from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.warmup_s));
   const auto end = from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.duration_s));
   Recorder rec(from, end, o_.max_calls);
   std::vector<std::thread> threads;
   for (auto& c : callers) {
-    threads.emplace_back([&, echo] { echo ? EchoLoop(c, rec) : DecodeLoop(c, rec); });
+    threads.emplace_back([&, echo] { echo ? EchoLoop(c, rec) : DecodeLoop(c, rec, coding); });
   }
   for (auto& t : threads) t.join();
   Row r = rec.Take(std::chrono::duration<double>(std::min(Clock::now(), end) - from).count());
   r.mode = echo ? "echo" : (o_.batch_step > 0 ? "batch_step" : "step");
+  if (!echo && coding != "stub") r.mode += "/" + coding;
   r.callers = static_cast<int>(callers.size());
   double items = 0, req = 0, resp = 0;
   for (const auto& c : callers) {
@@ -368,7 +442,7 @@ std::string Fixed(double v, int precision) {
 }
 
 void PrintHeader() {
-  std::printf("%-10s %5s %7s %8s %9s %7s %10s %10s %8s %8s %9s %10s %8s %9s %7s %8s %10s %9s\n", "mode",
+  std::printf("%-19s %5s %7s %8s %9s %7s %10s %10s %8s %8s %9s %10s %8s %9s %7s %8s %10s %9s\n", "mode",
               "sess", "callers", "per_call", "calls", "errors", "steps/s", "tokens/s", "p50_ms", "p99_ms",
               "queue_us", "compute_us", "xfer_us", "server_us", "cache", "KV_GB/s", "steps/echo", "p50/echo");
 }
@@ -377,7 +451,7 @@ void PrintRow(const Row& r, int layers) {
   auto server_mean = [&](double CallSample::*field, int width) {
     return r.decode() ? Fixed(r.Mean(field), width) : std::string("-");
   };
-  std::printf("%-10s %5d %7d %8.1f %9lld %7lld %10.1f %10.1f %8.3f %8.3f %9s %10s %8s %9s %7s %8s %10s %9s\n",
+  std::printf("%-19s %5d %7d %8.1f %9lld %7lld %10.1f %10.1f %8.3f %8.3f %9s %10s %8s %9s %7s %8s %10s %9s\n",
               r.mode.c_str(), r.sessions, r.callers, r.steps_per_call, static_cast<long long>(r.calls),
               static_cast<long long>(r.errors), r.StepsPerS(), r.StepsPerS() / layers, r.Percentile(0.5) / 1e3,
               r.Percentile(0.99) / 1e3, server_mean(&CallSample::queue_us, 1).c_str(),
@@ -476,16 +550,19 @@ bool DecodeBench::RunLevel(int sessions, std::vector<Row>* rows) {
       return false;
     }
   }
-  Row decode = Measure(callers, false);
-  Row echo = Measure(callers, true);
+  std::vector<Row> decode;
+  for (const std::string& coding : o_.codings) decode.push_back(Measure(callers, false, coding));
+  Row echo = Measure(callers, true, "");
   CloseAll(callers);
-  if (echo.steps > 0 && decode.steps > 0) {
-    decode.echo_steps_ratio = decode.StepsPerS() / echo.StepsPerS();
-    decode.echo_p50_ratio = decode.Percentile(0.5) / echo.Percentile(0.5);
+  for (Row& d : decode) {
+    if (echo.steps > 0 && d.steps > 0) {
+      d.echo_steps_ratio = d.StepsPerS() / echo.StepsPerS();
+      d.echo_p50_ratio = d.Percentile(0.5) / echo.Percentile(0.5);
+    }
+    PrintRow(d, o_.layers);
+    rows->push_back(std::move(d));
   }
-  PrintRow(decode, o_.layers);
   PrintRow(echo, o_.layers);
-  rows->push_back(std::move(decode));
   rows->push_back(std::move(echo));
   return true;
 }

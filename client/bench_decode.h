@@ -31,6 +31,11 @@ struct DecodeBenchOptions {
   double warmup_s = 2;
   int64_t max_calls = 0;  // stop a level after this many measured calls (0: none)
   int channels = 0;       // connections shared by the callers (0: one per caller)
+  // How the decode calls are coded, one decode row each, in this order, on the same sessions:
+  // "stub" (request messages built once, sent through the generated stub), "wire" and "protobuf"
+  // (the client library's Step/BatchStep with ClientOptions::wire_coding on and off: requests
+  // coded from the caller's tensors on every call, results read into StepResults).
+  std::vector<std::string> codings = {"stub"};
   std::string csv, json, label;
 };
 

@@ -13,6 +13,13 @@
 //     reused, as attn-bench's workers do).
 // Prints one row per size: GB/s of the tensor bytes and the median time of each.
 //   attn-client-wire-bench [--seq 256,2048,8192] [--heads 16] [--head_dim 128]
+// With --batch_step N it times what session.h's BatchStep does with a BatchStep of N decode steps
+// (q [1, heads, head_dim], k_new and v_new [1, kv_heads, head_dim]) instead:
+//   request, protobuf: BuildStepRequest of each step into a BatchStepRequest, then the stub's
+//     serialization; request, wire: EncodeBatchStepRequest (tensors spliced in, no copy);
+//   response, protobuf: the stub's parse into a BatchStepResponse, then ParseStepResult of each
+//     item; response, wire: BatchStepResultsFromWire (each o copied once into its result).
+//   attn-client-wire-bench --batch_step 64 --heads 32 --kv_heads 8 --head_dim 128
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/byte_buffer.h>
 
@@ -29,6 +36,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "attn/client/client.h"
+#include "attn/client/session.h"
 #include "attn/client/wire_coding.h"
 
 ABSL_FLAG(std::vector<std::string>, seq, std::vector<std::string>({"256", "2048", "8192"}),
@@ -37,6 +45,8 @@ ABSL_FLAG(int, heads, 16, "Heads of q, k and v");
 ABSL_FLAG(int, head_dim, 128, "Head dimension (bf16 elements)");
 ABSL_FLAG(int, slice_bytes, 64 << 10, "Size of the slices the response arrives in");
 ABSL_FLAG(double, seconds, 1.0, "Time spent on each measurement");
+ABSL_FLAG(int, batch_step, 0, "Steps of a BatchStep of decode steps to time instead (0: Attend)");
+ABSL_FLAG(int, kv_heads, 0, "--batch_step: KV heads of k_new and v_new (0: --heads)");
 
 namespace attn::client {
 namespace {
@@ -119,11 +129,77 @@ void Row(int seq, int heads, int d, size_t slice_bytes, double seconds) {
   std::fflush(stdout);
 }
 
+void BatchStepRow(int n, int heads, int kv_heads, int d, size_t slice_bytes, double seconds) {
+  std::mt19937_64 rng(n);
+  std::vector<StepInput> items(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    StepInput& in = items[size_t(i)];
+    in.session_id = "r6a1f20c4.0123456789abcdef0123456789abcdef";
+    in.layer = i % 4;
+    in.q = RandomTensor(rng, 1, heads, d);
+    in.k_new = RandomTensor(rng, 1, kv_heads, d);
+    in.v_new = RandomTensor(rng, 1, kv_heads, d);
+  }
+  const double req_proto = MedianSeconds([&] {
+    v1::BatchStepRequest m;
+    for (const StepInput& in : items) *m.add_steps() = BuildStepRequest(in);
+    grpc::ByteBuffer out;
+    bool own = false;
+    (void)grpc::SerializationTraits<v1::BatchStepRequest>::Serialize(m, &out, &own);
+  }, seconds);
+  const double req_wire = MedianSeconds([&] {
+    BorrowedSlices borrowed;
+    { const grpc::ByteBuffer out = EncodeBatchStepRequest(items, nullptr, &borrowed); }
+  }, seconds);
+
+  size_t request_bytes = 0;
+  {
+    BorrowedSlices borrowed;
+    request_bytes = EncodeBatchStepRequest(items, nullptr, &borrowed).Length();
+  }
+
+  v1::BatchStepResponse answer;
+  for (const StepInput& in : items) {
+    v1::StepResponse* r = answer.add_results()->mutable_response();
+    ToWireTensor(in.q, r->mutable_o());  // o is as large as q
+    r->set_cached_tokens(4097);
+    r->mutable_timing()->set_compute_us(80.25);
+  }
+  const grpc::ByteBuffer received = Sliced(answer.SerializeAsString(), slice_bytes);
+  const double resp_proto = MedianSeconds([&] {
+    grpc::ByteBuffer copy(received);  // references, as gRPC hands a received message over
+    v1::BatchStepResponse m;
+    (void)grpc::SerializationTraits<v1::BatchStepResponse>::Deserialize(&copy, &m);
+    for (const v1::StepResult& r : m.results()) (void)ParseStepResult(r);
+  }, seconds);
+  const double resp_wire = MedianSeconds([&] {
+    grpc::ByteBuffer copy(received);
+    (void)BatchStepResultsFromWire(&copy, items.size());
+  }, seconds);
+  std::printf("| %d | %.3f MB / %.3f MB | %.1f | %.1f | %.2fx | %.1f | %.1f | %.2fx |\n", n,
+              request_bytes / 1e6,
+              received.Length() / 1e6, req_proto * 1e6, req_wire * 1e6, req_proto / req_wire,
+              resp_proto * 1e6, resp_wire * 1e6, resp_proto / resp_wire);
+  std::fflush(stdout);
+}
+
 }  // namespace
 }  // namespace attn::client
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (const int n = absl::GetFlag(FLAGS_batch_step); n > 0) {
+    const int heads = absl::GetFlag(FLAGS_heads);
+    std::printf("| steps | request / response | protobuf request us | wire request us | x | "
+                "protobuf response us | wire response us | x |\n"
+                "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    attn::client::BatchStepRow(n, heads, absl::GetFlag(FLAGS_kv_heads) > 0
+                                             ? absl::GetFlag(FLAGS_kv_heads) : heads,
+                               absl::GetFlag(FLAGS_head_dim),
+                               static_cast<size_t>(absl::GetFlag(FLAGS_slice_bytes)),
+                               absl::GetFlag(FLAGS_seconds));
+    return 0;
+  }
   std::printf("| seq | tensors in / out | protobuf request GB/s | prebuilt request GB/s | wire "
               "request us | protobuf / prebuilt request us | protobuf response GB/s | wire "
               "response GB/s | wire, reused result GB/s | x (reused) | response us (protobuf / "

@@ -10,6 +10,15 @@
 //     EncodeAttendResponse (no copy).
 // Prints one row per size: GB/s of the tensor bytes and the median time of each.
 //   attn-wire-bench [--seq 256,2048,8192] [--heads 16] [--head_dim 128] [--slice_bytes 65536]
+// With --batch_step N it times a BatchStep of N decode steps instead (q [1, heads, head_dim], k_new
+// and v_new [1, kv_heads, head_dim]):
+//   request, protobuf: gRPC's parse into a BatchStepRequest (what attnd's typed handler got);
+//   request, wire path: DecodeBatchStepRequest, then each step's one copy of its tensors into
+//     host memory of its own (StageWireInputsOnHost; the AttendJob it fills is made here too,
+//     which protobuf's row leaves out);
+//   response, protobuf: each step's o written into its StepResponse, then gRPC's serialization;
+//   response, wire path: each o written into a buffer of its own, then EncodeBatchStepResponse.
+//   attn-wire-bench --batch_step 64 --heads 32 --kv_heads 8 --head_dim 128
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/byte_buffer.h>
 
@@ -28,6 +37,8 @@
 #include "absl/flags/parse.h"
 #include "rpc/attend_request_decoder.h"
 #include "rpc/attend_response_encoder.h"
+#include "engine/backend.h"
+#include "rpc/step_request_decoder.h"
 
 ABSL_FLAG(std::vector<std::string>, seq, std::vector<std::string>({"256", "2048", "8192"}),
           "Tokens of q and of k/v per request (comma-separated sizes to measure)");
@@ -35,6 +46,8 @@ ABSL_FLAG(int, heads, 16, "Heads of q, k and v");
 ABSL_FLAG(int, head_dim, 128, "Head dimension (bf16 elements)");
 ABSL_FLAG(int, slice_bytes, 64 << 10, "Size of the slices the request arrives in");
 ABSL_FLAG(double, seconds, 1.0, "Time spent on each measurement");
+ABSL_FLAG(int, batch_step, 0, "Steps of a BatchStep of decode steps to time instead (0: Attend)");
+ABSL_FLAG(int, kv_heads, 0, "--batch_step: KV heads of k_new and v_new (0: --heads)");
 
 namespace attn {
 namespace {
@@ -129,11 +142,109 @@ void Measure(int seq, std::mt19937_64& rng) {
   std::fflush(stdout);
 }
 
+// One BatchStep of n decode steps: its request from slices to per-step host copies, its response
+// from the outputs to slices, each through protobuf and on the wire path.
+void MeasureBatchStep(int n, std::mt19937_64& rng) {
+  const int heads = absl::GetFlag(FLAGS_heads), d = absl::GetFlag(FLAGS_head_dim);
+  const int kv_heads = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : heads;
+  const double secs = absl::GetFlag(FLAGS_seconds);
+  const size_t q_bytes = size_t(heads) * d * 2;
+  v1::BatchStepRequest request;
+  for (int i = 0; i < n; ++i) {
+    v1::StepRequest* step = request.add_steps();
+    step->set_session_id("r6a1f20c4.0123456789abcdef0123456789abcdef");
+    step->set_layer(i % 4);
+    const std::pair<v1::Tensor*, int> tensors[] = {
+        {step->mutable_q(), heads}, {step->mutable_k_new(), kv_heads}, {step->mutable_v_new(), kv_heads}};
+    for (const auto& [t, h] : tensors) {
+      t->set_dtype(v1::DTYPE_BFLOAT16);
+      for (int64_t s : {int64_t{1}, int64_t(h), int64_t(d)}) t->add_shape(s);
+      t->set_data(RandomBytes(rng, size_t(h) * d * 2));
+    }
+  }
+  const std::string bytes = request.SerializeAsString();
+  const grpc::ByteBuffer received =
+      Sliced(bytes, static_cast<size_t>(absl::GetFlag(FLAGS_slice_bytes)));
+
+  const double req_proto = MedianSeconds([&] {
+    grpc::ByteBuffer bb = received;  // shares the slices
+    v1::BatchStepRequest parsed;
+    if (!grpc::SerializationTraits<v1::BatchStepRequest>::Deserialize(&bb, &parsed).ok()) {
+      std::abort();
+    }
+  }, secs);
+  const double req_wire = MedianSeconds([&] {
+    std::vector<grpc::Slice> slices;
+    if (!received.Dump(&slices).ok()) std::abort();
+    std::vector<std::string_view> pieces;
+    for (const grpc::Slice& s : slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    std::vector<DecodedStepRequest> decoded;
+    if (!DecodeBatchStepRequest(pieces, &decoded).ok()) std::abort();
+    // Each step's tensors copied once, as attnd stages a step.
+    for (const DecodedStepRequest& step : decoded) {
+      AttendJob job;
+      StageWireInputsOnHost(step.data, &job);
+    }
+  }, secs);
+
+  std::string o_source = RandomBytes(rng, q_bytes);  // what the backend writes, per step
+  v1::StepResponse header;
+  header.mutable_o()->set_dtype(v1::DTYPE_BFLOAT16);
+  for (int64_t s : {int64_t{1}, int64_t(heads), int64_t(d)}) header.mutable_o()->add_shape(s);
+  header.set_cached_tokens(4097);
+  header.mutable_timing()->set_queue_us(12.5);
+  header.mutable_timing()->set_compute_us(80.25);
+  header.mutable_timing()->set_batch_requests(n);
+  const double resp_proto = MedianSeconds([&] {
+    v1::BatchStepResponse response;
+    for (int i = 0; i < n; ++i) {
+      v1::StepResponse* r = response.add_results()->mutable_response();
+      *r = header;
+      r->mutable_o()->mutable_data()->resize(q_bytes);
+      std::memcpy(r->mutable_o()->mutable_data()->data(), o_source.data(), q_bytes);
+    }
+    grpc::ByteBuffer out;
+    bool own = false;
+    if (!grpc::SerializationTraits<v1::BatchStepResponse>::Serialize(response, &out, &own).ok()) {
+      std::abort();
+    }
+  }, secs);
+  const double resp_wire = MedianSeconds([&] {
+    std::vector<v1::StepResponse> headers(size_t(n), header);
+    std::vector<EncodedStepResult> results(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      results[i].response = &headers[i];
+      results[i].o = OutputBytes::Allocate(q_bytes);
+      std::memcpy(results[i].o.data.get(), o_source.data(), q_bytes);
+    }
+    grpc::ByteBuffer out = EncodeBatchStepResponse(results);
+  }, secs);
+  std::printf("%6d %9.3f %9.1f %9.1f %7.2fx %9.3f %9.1f %9.1f %7.2fx\n", n, bytes.size() / 1e6,
+              req_proto * 1e6, req_wire * 1e6, req_proto / req_wire,
+              n * (q_bytes + 64) / 1e6, resp_proto * 1e6, resp_wire * 1e6, resp_proto / resp_wire);
+  std::fflush(stdout);
+}
+
 }  // namespace
 }  // namespace attn
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (const int n = absl::GetFlag(FLAGS_batch_step); n > 0) {
+    std::printf("BatchStep of %d decode steps: request slices -> per-step host copies; response "
+                "outputs -> slices (bf16, %d/%d heads, d=%d, %d-byte slices, one thread, median)\n",
+                n, absl::GetFlag(FLAGS_heads),
+                absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads)
+                                                  : absl::GetFlag(FLAGS_heads),
+                absl::GetFlag(FLAGS_head_dim), absl::GetFlag(FLAGS_slice_bytes));
+    std::printf("%6s %9s %9s %9s %8s %9s %9s %9s %8s\n", "steps", "req_MB", "proto_us", "wire_us",
+                "speedup", "resp_MB", "proto_us", "wire_us", "speedup");
+    std::mt19937_64 rng(std::random_device{}());
+    attn::MeasureBatchStep(n, rng);
+    return 0;
+  }
   std::printf("request: slices -> staging; response: staging -> slices (bf16, %d heads, d=%d, "
               "%d-byte slices, one thread, median)\n",
               absl::GetFlag(FLAGS_heads), absl::GetFlag(FLAGS_head_dim),

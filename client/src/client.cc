@@ -186,6 +186,8 @@ Client::Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>
     stubs_.push_back(v1::Attention::NewStub(c));
     attend_methods_.emplace_back(kAttendMethod, RpcMethod::NORMAL_RPC, c);
     echo_methods_.emplace_back(kEchoMethod, RpcMethod::NORMAL_RPC, c);
+    step_methods_.emplace_back(kStepMethod, RpcMethod::NORMAL_RPC, c);
+    batch_step_methods_.emplace_back(kBatchStepMethod, RpcMethod::NORMAL_RPC, c);
   }
 }
 
@@ -203,6 +205,18 @@ grpc::Status Client::CallRaw(size_t connection, const grpc::internal::RpcMethod&
   // What the generated stub's blocking methods call, here with bytes in and out.
   return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
       channels_[connection].get(), method, &ctx, request, response);
+}
+
+grpc::Status Client::CallStep(grpc::ByteBuffer request, std::chrono::milliseconds timeout,
+                              grpc::ByteBuffer* response) {
+  const size_t c = NextConnection();
+  return CallRaw(c, step_methods_[c], std::move(request), timeout, response);
+}
+
+grpc::Status Client::CallBatchStep(grpc::ByteBuffer request, std::chrono::milliseconds timeout,
+                                   grpc::ByteBuffer* response) {
+  const size_t c = NextConnection();
+  return CallRaw(c, batch_step_methods_[c], std::move(request), timeout, response);
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attn/client/wire_coding.h"
 #include "endpoints.h"
 
 namespace attn::client {
@@ -46,15 +47,28 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> ParseBatch(
   return out;
 }
 
-absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SendBatch(Client& client,
-                                                                  const v1::BatchStepRequest& request,
-                                                                  milliseconds timeout) {
+// BatchStep of items[indices] (all of them when indices is null), through the wire coding when
+// the client has it on, else through protobuf messages and the generated stub.
+absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SendBatch(
+    Client& client, const std::vector<StepInput>& items, const std::vector<size_t>* indices,
+    milliseconds timeout) {
+  const size_t n = indices != nullptr ? indices->size() : items.size();
+  if (client.wire_coding()) {
+    BorrowedSlices borrowed;
+    grpc::ByteBuffer response;
+    const grpc::Status st = client.CallBatchStep(
+        EncodeBatchStepRequest(items, indices, &borrowed), timeout, &response);
+    // The request's slices point into the items' tensors: held until gRPC lets go of them.
+    borrowed.Wait();
+    if (!st.ok()) return FromGrpc(st);
+    return BatchStepResultsFromWire(&response, n);
+  }
   v1::BatchStepResponse response;
   grpc::ClientContext ctx;
   Prepare(client, &ctx, timeout);
-  const grpc::Status st = client.stub()->BatchStep(&ctx, request, &response);
+  const grpc::Status st = client.stub()->BatchStep(&ctx, BuildBatch(items, indices), &response);
   if (!st.ok()) return FromGrpc(st);
-  return ParseBatch(response, static_cast<size_t>(request.steps_size()));
+  return ParseBatch(response, n);
 }
 
 // GetServerInfo with its own deadline (Client::GetServerInfo has a fixed one).
@@ -174,6 +188,14 @@ absl::StatusOr<SessionInfo> CreateSession(Client& client, const SessionSpec& spe
 }
 
 absl::StatusOr<StepResult> Step(Client& client, const StepInput& in, milliseconds timeout) {
+  if (client.wire_coding()) {
+    BorrowedSlices borrowed;
+    grpc::ByteBuffer response;
+    const grpc::Status st = client.CallStep(EncodeStepRequest(in, &borrowed), timeout, &response);
+    borrowed.Wait();  // as in SendBatch: the tensors are the caller's
+    if (!st.ok()) return FromGrpc(st);
+    return StepResultFromWire(&response);
+  }
   v1::StepResponse response;
   grpc::ClientContext ctx;
   Prepare(client, &ctx, timeout);
@@ -184,7 +206,7 @@ absl::StatusOr<StepResult> Step(Client& client, const StepInput& in, millisecond
 
 absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStep(
     Client& client, const std::vector<StepInput>& items, milliseconds timeout) {
-  return SendBatch(client, BuildBatch(items, nullptr), timeout);
+  return SendBatch(client, items, nullptr, timeout);
 }
 
 absl::StatusOr<TruncateResult> TruncateSession(Client& client, const std::string& session_id,
@@ -499,7 +521,7 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SessionClient::BatchStep
     return attn::client::BatchStep(*ClientForReplica(any[0].replica_id), items, timeout);
   }
   auto send = [&](size_t g) {
-    return SendBatch(*groups[g].first->client, BuildBatch(items, &groups[g].second), timeout);
+    return SendBatch(*groups[g].first->client, items, &groups[g].second, timeout);
   };
   std::vector<std::future<absl::StatusOr<std::vector<absl::StatusOr<StepResult>>>>> calls;
   for (size_t g = 1; g < groups.size(); ++g) calls.push_back(std::async(std::launch::async, send, g));

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_join.h"
 #include "attn/util/wire_fields.h"
 #include "attn/util/wire_reader.h"
@@ -35,6 +36,10 @@ enum : uint32_t {
   kReqSoftmaxScale = 7, kReqWindow = 8, kReqReturnLse = 9, kReqPriority = 10, kReqRequestId = 11,
   kWindowLeft = 1, kWindowRight = 2,
   kEchoPayload = 1, kEchoResponseBytes = 2,
+  kStepSessionId = 1, kStepLayer = 2, kStepQ = 3, kStepKNew = 4, kStepVNew = 5,
+  kStepSoftmaxScale = 6, kStepReturnLse = 7, kStepWindow = 8,
+  kBatchSteps = 1,
+  kResultResponse = 3,
 };
 
 void AppendVarintField(uint32_t number, uint64_t value, std::string* out) {
@@ -73,20 +78,74 @@ void AppendTensorHead(uint32_t number, const Tensor& t, std::string* out) {
   AppendVarint(t.data.size(), out);
 }
 
-// The sliding window, present when either side is bounded (as BuildAttendRequest sets it).
-void AppendWindow(const AttendOptions& o, std::string* out) {
-  if (o.window_left < 0 && o.window_right < 0) return;
+// The sliding window as field `number`, present when either side is bounded (as
+// BuildAttendRequest and BuildStepRequest set it).
+void AppendWindow(uint32_t number, int32_t left, int32_t right, std::string* out) {
+  if (left < 0 && right < 0) return;
   std::string fields;
   // int32 fields: negative values are sign-extended, zeros left out.
-  if (o.window_left != 0) {
-    AppendVarintField(kWindowLeft, static_cast<uint64_t>(int64_t{o.window_left}), &fields);
-  }
-  if (o.window_right != 0) {
-    AppendVarintField(kWindowRight, static_cast<uint64_t>(int64_t{o.window_right}), &fields);
-  }
-  AppendVarint(MakeTag(kReqWindow, wire::kLengthDelimited), out);
+  if (left != 0) AppendVarintField(kWindowLeft, static_cast<uint64_t>(int64_t{left}), &fields);
+  if (right != 0) AppendVarintField(kWindowRight, static_cast<uint64_t>(int64_t{right}), &fields);
+  AppendVarint(MakeTag(number, wire::kLengthDelimited), out);
   AppendVarint(fields.size(), out);
   out->append(fields);
+}
+
+// A float field, left out at 0.0 (protobuf compares the bits: -0.0 is written, 0.0 is not).
+void AppendFloatField(uint32_t number, float value, std::string* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  if (bits == 0) return;
+  AppendVarint(MakeTag(number, wire::kFixed32), out);
+  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(bits >> (8 * i)));
+}
+
+// A message being written: its small fields in head, and the borrowed data that follows the
+// run of head ending at cuts[i] in data[i] (Assemble puts them together).
+struct SplicedMessage {
+  std::string head;
+  std::vector<size_t> cuts;
+  std::vector<std::string_view> data;
+
+  // Tensor t as field `number`, its data (if any) to be spliced in.
+  void AppendTensor(uint32_t number, const Tensor& t) {
+    AppendTensorHead(number, t, &head);
+    if (t.data.empty()) return;
+    cuts.push_back(head.size());
+    data.push_back(t.data);
+  }
+  // inner as a length-delimited field `number` of this message.
+  void AppendMessage(uint32_t number, const SplicedMessage& inner) {
+    size_t body = inner.head.size();
+    for (std::string_view d : inner.data) body += d.size();
+    AppendVarint(MakeTag(number, wire::kLengthDelimited), &head);
+    AppendVarint(body, &head);
+    const size_t at = head.size();
+    head.append(inner.head);
+    for (size_t c : inner.cuts) cuts.push_back(at + c);
+    data.insert(data.end(), inner.data.begin(), inner.data.end());
+  }
+};
+
+// The fields of BuildStepRequest(in), in field order.
+SplicedMessage StepMessage(const StepInput& in) {
+  SplicedMessage m;
+  if (!in.session_id.empty()) {
+    AppendVarint(MakeTag(kStepSessionId, wire::kLengthDelimited), &m.head);
+    AppendVarint(in.session_id.size(), &m.head);
+    m.head.append(in.session_id);
+  }
+  if (in.layer != 0) {
+    AppendVarintField(kStepLayer, static_cast<uint64_t>(int64_t{in.layer}), &m.head);
+  }
+  m.AppendTensor(kStepQ, in.q);
+  m.AppendTensor(kStepKNew, in.k_new);
+  m.AppendTensor(kStepVNew, in.v_new);
+  const StepOptions& o = in.options;
+  AppendFloatField(kStepSoftmaxScale, o.softmax_scale, &m.head);
+  if (o.return_lse) AppendVarintField(kStepReturnLse, 1, &m.head);
+  AppendWindow(kStepWindow, o.window_left, o.window_right, &m.head);
+  return m;
 }
 
 // Every field of AttendRequest after v, in field order.
@@ -94,32 +153,26 @@ void AppendAttendOptions(const AttendOptions& o, uint64_t request_id, std::strin
   AppendPacked(kReqCuSeqlensQ, o.cu_seqlens_q, out);
   AppendPacked(kReqCuSeqlensK, o.cu_seqlens_k, out);
   if (o.causal) AppendVarintField(kReqCausal, 1, out);
-  uint32_t scale_bits;
-  std::memcpy(&scale_bits, &o.softmax_scale, sizeof scale_bits);
-  if (scale_bits != 0) {  // protobuf compares the bits: -0.0 is written, 0.0 is not
-    AppendVarint(MakeTag(kReqSoftmaxScale, wire::kFixed32), out);
-    for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(scale_bits >> (8 * i)));
-  }
-  AppendWindow(o, out);
+  AppendFloatField(kReqSoftmaxScale, o.softmax_scale, out);
+  AppendWindow(kReqWindow, o.window_left, o.window_right, out);
   if (o.return_lse) AppendVarintField(kReqReturnLse, 1, out);
   if (o.high_priority) AppendVarintField(kReqPriority, v1::PRIORITY_HIGH, out);
   if (request_id != 0) AppendVarintField(kReqRequestId, request_id, out);
 }
 
-// One buffer of head's runs and the borrowed data between them: data[i] follows the run of head
-// that ends at cuts[i]. head is copied once into a slice that the runs are cut from.
-grpc::ByteBuffer Assemble(const std::string& head, const std::vector<size_t>& cuts,
-                          const std::vector<std::string_view>& data, BorrowedSlices* borrowed) {
-  const grpc::Slice all(head);
+// One buffer of m's head runs and the borrowed data between them: data[i] follows the run of
+// head that ends at cuts[i]. head is copied once into a slice that the runs are cut from.
+grpc::ByteBuffer Assemble(const SplicedMessage& m, BorrowedSlices* borrowed) {
+  const grpc::Slice all(m.head);
   std::vector<grpc::Slice> slices;
-  slices.reserve(2 * data.size() + 1);
+  slices.reserve(2 * m.data.size() + 1);
   size_t at = 0;
-  for (size_t i = 0; i < data.size(); ++i) {
-    slices.push_back(all.sub(at, cuts[i]));
-    slices.push_back(borrowed->Borrow(data[i].data(), data[i].size()));
-    at = cuts[i];
+  for (size_t i = 0; i < m.data.size(); ++i) {
+    slices.push_back(all.sub(at, m.cuts[i]));
+    slices.push_back(borrowed->Borrow(m.data[i].data(), m.data[i].size()));
+    at = m.cuts[i];
   }
-  if (at < head.size()) slices.push_back(all.sub(at, head.size()));
+  if (at < m.head.size()) slices.push_back(all.sub(at, m.head.size()));
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
@@ -140,62 +193,121 @@ std::string FieldName(const google::protobuf::Descriptor* d, uint64_t number,
   return prefix + (f != nullptr ? f->name() : absl::StrCat("field ", number));
 }
 
+// A field's name, made only when a message needs it (names cost allocations).
+using Name = absl::FunctionRef<std::string()>;
+
 // Reads the value of the field whose tag was just read into message, as protobuf's parser
 // would: the field is copied as it lies on the wire and merged.
-absl::Status MergeField(WireReader& r, const wire::Tag& tag, absl::string_view what,
-                        const std::string& field, uint64_t at,
-                        google::protobuf::Message* message) {
+absl::Status MergeField(WireReader& r, const wire::Tag& tag, absl::string_view what, Name field,
+                        uint64_t at, google::protobuf::Message* message) {
   std::string bytes, error;
-  if (!wire::CopyField(r, tag, &bytes, &error)) return Malformed(what, field, error, at);
+  if (!wire::CopyField(r, tag, &bytes, &error)) return Malformed(what, field(), error, at);
   if (!message->MergeFromString(bytes)) {
-    return Malformed(what, field,
+    return Malformed(what, field(),
                      "protobuf could not parse this field (a bad embedded message, or a string "
                      "that is not UTF-8)", at);
   }
   return absl::OkStatus();
 }
 
-absl::Status ReadTag(WireReader& r, absl::string_view what, const std::string& where,
-                     wire::Tag* tag) {
+absl::Status ReadTag(WireReader& r, absl::string_view what, Name where, wire::Tag* tag) {
   const uint64_t at = r.position();
   std::string error;
-  if (!wire::ReadTag(r, tag, &error)) return Malformed(what, where, error, at);
+  if (!wire::ReadTag(r, tag, &error)) return Malformed(what, where(), error, at);
   return absl::OkStatus();
 }
 
 // The length of a length-delimited field and a check that it fits in what is left.
-absl::Status ReadLength(WireReader& r, absl::string_view what, const std::string& field,
-                        uint64_t at, uint64_t* n) {
-  if (!r.ReadVarint(n)) return Malformed(what, field, "truncated or over-long length", at);
+absl::Status ReadLength(WireReader& r, absl::string_view what, Name field, uint64_t at,
+                        uint64_t* n) {
+  if (!r.ReadVarint(n)) return Malformed(what, field(), "truncated or over-long length", at);
   if (*n > r.remaining()) {
-    return Malformed(what, field, absl::StrCat("length ", *n, " runs past the end of its message (",
-                                               r.remaining(), " bytes left)"), at);
+    return Malformed(what, field(), absl::StrCat("length ", *n, " runs past the end of its message (",
+                                                 r.remaining(), " bytes left)"), at);
   }
   return absl::OkStatus();
 }
 
-constexpr char kAttendResponse[] = "AttendResponse";
-
-// The body of one occurrence of o or lse (the reader limited to it). A later data field
-// replaces an earlier one, as in protobuf.
-absl::Status DecodeTensor(WireReader& r, const std::string& name, v1::Tensor* header,
+// The body of one occurrence of o or lse (the reader limited to it); what names the message
+// being read. Its data field's pieces go to data (a later one replaces an earlier one, as in
+// protobuf), its other fields, as they lie on the wire, to fields.
+absl::Status DecodeTensor(WireReader& r, absl::string_view what, Name name, std::string* fields,
                           std::vector<std::string_view>* data, uint64_t* size) {
   while (!r.AtLimit()) {
     const uint64_t at = r.position();
     wire::Tag tag;
-    RETURN_IF_ERROR(ReadTag(r, kAttendResponse, name, &tag));
-    const std::string field = FieldName(v1::Tensor::descriptor(), tag.number, name + ".");
+    RETURN_IF_ERROR(ReadTag(r, what, name, &tag));
+    auto field = [&] { return FieldName(v1::Tensor::descriptor(), tag.number, name() + "."); };
     if (tag.number == kTensorData && tag.type == wire::kLengthDelimited) {
       uint64_t n;
-      RETURN_IF_ERROR(ReadLength(r, kAttendResponse, field, at, &n));
+      RETURN_IF_ERROR(ReadLength(r, what, field, at, &n));
       data->clear();
       *size = n;
       r.ReadPieces(n, data);
       continue;
     }
-    RETURN_IF_ERROR(MergeField(r, tag, kAttendResponse, field, at, header));
+    std::string error;
+    if (!wire::CopyField(r, tag, fields, &error)) return Malformed(what, field(), error, at);
   }
   return absl::OkStatus();
+}
+
+// An AttendResponse or StepResponse (the reader limited to it; o and lse are fields 1 and 2 of
+// both); what names the message being read, prefix this one inside it ("results[2].response.").
+// Every field but the data of o and lse is gathered as it came (o and lse re-encoded without
+// their data) and parsed by protobuf in one go, as it would parse the original.
+template <typename Header>
+absl::Status DecodeOutputs(WireReader& r, absl::string_view what, Name prefix,
+                           DecodedOutputs<Header>* out) {
+  const google::protobuf::Descriptor* d = Header::descriptor();
+  auto whole = [&] {
+    const std::string p = prefix();
+    return p.empty() ? std::string(what) : p.substr(0, p.size() - 1);
+  };
+  struct FieldAt {
+    size_t offset;
+    uint64_t number, at;
+  };
+  std::vector<FieldAt> fields;
+  std::string head, tensor;
+  while (!r.AtLimit()) {
+    const uint64_t at = r.position();
+    wire::Tag tag;
+    RETURN_IF_ERROR(ReadTag(r, what, whole, &tag));
+    auto field = [&] { return FieldName(d, tag.number, prefix()); };
+    fields.push_back({head.size(), tag.number, at});
+    // o or lse with another wire type is an unknown field to protobuf: copied as is.
+    const bool o = tag.number == Header::kOFieldNumber;
+    const bool lse = tag.number == Header::kLseFieldNumber;
+    if ((o || lse) && tag.type == wire::kLengthDelimited) {
+      uint64_t n, outer = 0;  // ReadLength checked n: PushLimit succeeds
+      RETURN_IF_ERROR(ReadLength(r, what, field, at, &n));
+      r.PushLimit(n, &outer);
+      tensor.clear();
+      RETURN_IF_ERROR(o ? DecodeTensor(r, what, field, &tensor, &out->o_data, &out->o_size)
+                        : DecodeTensor(r, what, field, &tensor, &out->lse_data, &out->lse_size));
+      r.PopLimit(outer);
+      AppendVarint(MakeTag(static_cast<uint32_t>(tag.number), wire::kLengthDelimited), &head);
+      AppendVarint(tensor.size(), &head);
+      head.append(tensor);
+      continue;
+    }
+    std::string error;
+    if (!wire::CopyField(r, tag, &head, &error)) return Malformed(what, field(), error, at);
+  }
+  if (out->header.MergeFromString(head)) return absl::OkStatus();
+  // Refused (a bad embedded message, or a string that is not UTF-8): find the field, alone.
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const size_t end = i + 1 < fields.size() ? fields[i + 1].offset : head.size();
+    Header alone;
+    if (!alone.MergeFromString(head.substr(fields[i].offset, end - fields[i].offset))) {
+      return Malformed(what, FieldName(d, fields[i].number, prefix()),
+                       "protobuf could not parse this field (a bad embedded message, or a string "
+                       "that is not UTF-8)", fields[i].at);
+    }
+  }
+  return Malformed(what, whole(), "protobuf could not parse its fields together",
+                   fields.empty() ? 0 : fields.front().at);
 }
 
 absl::StatusOr<DType> DTypeFromWire(const std::string& name, int dtype) {
@@ -236,6 +348,28 @@ void CopyTensor(DType dtype, const v1::Tensor& header, const std::vector<std::st
   t->data.clear();
   t->data.reserve(size);
   for (std::string_view p : data) t->data.append(p);
+}
+
+// o and lse of a decoded response checked (both, before either is copied: on an error the
+// outputs are left as they were) and copied into *o and *lse.
+template <typename Header>
+absl::Status ReadOutputs(const DecodedOutputs<Header>& decoded, absl::string_view what, Tensor* o,
+                         std::optional<Tensor>* lse) {
+  const Header& h = decoded.header;
+  if (!h.has_o()) return absl::InternalError(absl::StrCat("the server's ", what, " has no o"));
+  const absl::StatusOr<DType> o_dtype = CheckTensor("o", h.o(), decoded.o_size);
+  if (!o_dtype.ok()) return o_dtype.status();
+  absl::StatusOr<DType> lse_dtype = DType::kFloat32;
+  if (h.has_lse()) lse_dtype = CheckTensor("lse", h.lse(), decoded.lse_size);
+  if (!lse_dtype.ok()) return lse_dtype.status();
+  CopyTensor(*o_dtype, h.o(), decoded.o_data, decoded.o_size, o);
+  if (h.has_lse()) {
+    if (!*lse) lse->emplace();
+    CopyTensor(*lse_dtype, h.lse(), decoded.lse_data, decoded.lse_size, &**lse);
+  } else {
+    lse->reset();
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -293,35 +427,42 @@ int64_t BorrowedSlices::outstanding() const {
 grpc::ByteBuffer EncodeAttendRequest(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const AttendOptions& options, BorrowedSlices* borrowed,
                                      uint64_t request_id) {
-  std::string head;
-  std::vector<size_t> cuts;
-  std::vector<std::string_view> data;
-  const std::pair<uint32_t, const Tensor*> tensors[] = {{kReqQ, &q}, {kReqK, &k}, {kReqV, &v}};
-  for (const auto& [number, t] : tensors) {
-    AppendTensorHead(number, *t, &head);
-    if (t->data.empty()) continue;
-    cuts.push_back(head.size());
-    data.push_back(t->data);
-  }
-  AppendAttendOptions(options, request_id, &head);
-  return Assemble(head, cuts, data, borrowed);
+  SplicedMessage m;
+  m.AppendTensor(kReqQ, q);
+  m.AppendTensor(kReqK, k);
+  m.AppendTensor(kReqV, v);
+  AppendAttendOptions(options, request_id, &m.head);
+  return Assemble(m, borrowed);
 }
 
 grpc::ByteBuffer EncodeEchoRequest(std::string_view payload, int64_t response_bytes,
                                    BorrowedSlices* borrowed) {
-  std::string head;
-  std::vector<size_t> cuts;
-  std::vector<std::string_view> data;
+  SplicedMessage m;
   if (!payload.empty()) {
-    AppendVarint(MakeTag(kEchoPayload, wire::kLengthDelimited), &head);
-    AppendVarint(payload.size(), &head);
-    cuts.push_back(head.size());
-    data.push_back(payload);
+    AppendVarint(MakeTag(kEchoPayload, wire::kLengthDelimited), &m.head);
+    AppendVarint(payload.size(), &m.head);
+    m.cuts.push_back(m.head.size());
+    m.data.push_back(payload);
   }
   if (response_bytes != 0) {
-    AppendVarintField(kEchoResponseBytes, static_cast<uint64_t>(response_bytes), &head);
+    AppendVarintField(kEchoResponseBytes, static_cast<uint64_t>(response_bytes), &m.head);
   }
-  return Assemble(head, cuts, data, borrowed);
+  return Assemble(m, borrowed);
+}
+
+grpc::ByteBuffer EncodeStepRequest(const StepInput& in, BorrowedSlices* borrowed) {
+  return Assemble(StepMessage(in), borrowed);
+}
+
+grpc::ByteBuffer EncodeBatchStepRequest(const std::vector<StepInput>& items,
+                                        const std::vector<size_t>* indices,
+                                        BorrowedSlices* borrowed) {
+  SplicedMessage m;
+  const size_t n = indices != nullptr ? indices->size() : items.size();
+  for (size_t i = 0; i < n; ++i) {
+    m.AppendMessage(kBatchSteps, StepMessage(items[indices != nullptr ? (*indices)[i] : i]));
+  }
+  return Assemble(m, borrowed);
 }
 
 // ---- Decoding ---------------------------------------------------------------------------------
@@ -343,48 +484,12 @@ absl::Status ReceivedBytes::Take(grpc::ByteBuffer* buffer) {
 absl::Status DecodeAttendResponse(std::span<const std::string_view> pieces,
                                   DecodedAttendResponse* out) {
   WireReader r(pieces);
-  const google::protobuf::Descriptor* d = v1::AttendResponse::descriptor();
-  while (!r.AtLimit()) {
-    const uint64_t at = r.position();
-    wire::Tag tag;
-    RETURN_IF_ERROR(ReadTag(r, kAttendResponse, std::string(kAttendResponse), &tag));
-    const std::string field = FieldName(d, tag.number);
-    // o or lse with another wire type is an unknown field to protobuf: left to MergeField.
-    const bool o = tag.number == v1::AttendResponse::kOFieldNumber;
-    const bool lse = tag.number == v1::AttendResponse::kLseFieldNumber;
-    if ((o || lse) && tag.type == wire::kLengthDelimited) {
-      uint64_t n, outer = 0;  // ReadLength checked n: PushLimit succeeds
-      RETURN_IF_ERROR(ReadLength(r, kAttendResponse, field, at, &n));
-      r.PushLimit(n, &outer);
-      RETURN_IF_ERROR(o ? DecodeTensor(r, field, out->header.mutable_o(), &out->o_data,
-                                          &out->o_size)
-                           : DecodeTensor(r, field, out->header.mutable_lse(), &out->lse_data,
-                                          &out->lse_size));
-      r.PopLimit(outer);
-      continue;
-    }
-    RETURN_IF_ERROR(MergeField(r, tag, kAttendResponse, field, at, &out->header));
-  }
-  return absl::OkStatus();
+  return DecodeOutputs(r, "AttendResponse", [] { return std::string(); }, out);
 }
 
 absl::Status ReadAttendResult(const DecodedAttendResponse& decoded, AttendResult* result) {
-  const v1::AttendResponse& h = decoded.header;
-  if (!h.has_o()) return absl::InternalError("the server's AttendResponse has no o");
-  // Both checked before either is copied: on an error *result is left as it was.
-  const absl::StatusOr<DType> o = CheckTensor("o", h.o(), decoded.o_size);
-  if (!o.ok()) return o.status();
-  absl::StatusOr<DType> lse = DType::kFloat32;
-  if (h.has_lse()) lse = CheckTensor("lse", h.lse(), decoded.lse_size);
-  if (!lse.ok()) return lse.status();
-  CopyTensor(*o, h.o(), decoded.o_data, decoded.o_size, &result->o);
-  if (h.has_lse()) {
-    if (!result->lse) result->lse.emplace();
-    CopyTensor(*lse, h.lse(), decoded.lse_data, decoded.lse_size, &*result->lse);
-  } else {
-    result->lse.reset();
-  }
-  result->timing = h.timing();
+  RETURN_IF_ERROR(ReadOutputs(decoded, "AttendResponse", &result->o, &result->lse));
+  result->timing = decoded.header.timing();
   return absl::OkStatus();
 }
 
@@ -402,6 +507,103 @@ absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response) {
   return result;
 }
 
+absl::Status DecodeStepResponse(std::span<const std::string_view> pieces,
+                                DecodedStepResponse* out) {
+  WireReader r(pieces);
+  return DecodeOutputs(r, "StepResponse", [] { return std::string(); }, out);
+}
+
+absl::Status ReadStepResult(const DecodedStepResponse& decoded, StepResult* result) {
+  RETURN_IF_ERROR(ReadOutputs(decoded, "StepResponse", &result->o, &result->lse));
+  result->cached_tokens = decoded.header.cached_tokens();
+  result->timing = decoded.header.timing();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> StepResultFromWire(grpc::ByteBuffer* response) {
+  ReceivedBytes received;
+  RETURN_IF_ERROR(received.Take(response));
+  DecodedStepResponse decoded;
+  RETURN_IF_ERROR(DecodeStepResponse(received.pieces, &decoded));
+  StepResult result;
+  RETURN_IF_ERROR(ReadStepResult(decoded, &result));
+  return result;
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire(
+    grpc::ByteBuffer* response, size_t items) {
+  constexpr char kBatchStepResponse[] = "BatchStepResponse";
+  ReceivedBytes received;
+  RETURN_IF_ERROR(received.Take(response));
+  // Each result's status fields, and its response with o's and lse's data left in the input.
+  struct Item {
+    v1::StepResult status;
+    DecodedStepResponse response;
+  };
+  std::vector<Item> decoded;
+  decoded.reserve(items);  // as many as asked for, unless the server sent others
+  WireReader r(received.pieces);
+  while (!r.AtLimit()) {
+    uint64_t at = r.position();
+    wire::Tag tag;
+    RETURN_IF_ERROR(ReadTag(r, kBatchStepResponse, [&] { return std::string(kBatchStepResponse); },
+                            &tag));
+    const size_t index = decoded.size();
+    auto name = [index] { return absl::StrCat("results[", index, "]"); };
+    if (tag.number != kBatchSteps || tag.type != wire::kLengthDelimited) {
+      std::string error;  // unknown to BatchStepResponse: checked and skipped
+      if (!wire::CopyField(r, tag, nullptr, &error)) {
+        return Malformed(kBatchStepResponse, absl::StrCat("field ", tag.number), error, at);
+      }
+      continue;
+    }
+    uint64_t n, outer = 0;
+    RETURN_IF_ERROR(ReadLength(r, kBatchStepResponse, name, at, &n));
+    r.PushLimit(n, &outer);
+    Item& item = decoded.emplace_back();
+    while (!r.AtLimit()) {
+      at = r.position();
+      RETURN_IF_ERROR(ReadTag(r, kBatchStepResponse, name, &tag));
+      auto field = [&] {
+        return FieldName(v1::StepResult::descriptor(), tag.number, name() + ".");
+      };
+      if (tag.number == kResultResponse && tag.type == wire::kLengthDelimited) {
+        uint64_t inner_n, inner_outer = 0;
+        RETURN_IF_ERROR(ReadLength(r, kBatchStepResponse, field, at, &inner_n));
+        r.PushLimit(inner_n, &inner_outer);
+        // A repeated response field merges into the earlier one, as in protobuf.
+        RETURN_IF_ERROR(DecodeOutputs(r, kBatchStepResponse, [&] { return field() + "."; },
+                                      &item.response));
+        r.PopLimit(inner_outer);
+        continue;
+      }
+      RETURN_IF_ERROR(MergeField(r, tag, kBatchStepResponse, field, at, &item.status));
+    }
+    r.PopLimit(outer);
+  }
+  if (decoded.size() != items) {
+    return absl::InternalError(absl::StrCat("BatchStep: the server sent ", decoded.size(),
+                                            " results for ", items, " items"));
+  }
+  std::vector<absl::StatusOr<StepResult>> out;
+  out.reserve(items);
+  for (const Item& item : decoded) {
+    if (item.status.status_code() != 0) {
+      out.push_back(absl::Status(static_cast<absl::StatusCode>(item.status.status_code()),
+                                 item.status.status_message()));
+      continue;
+    }
+    StepResult result;
+    absl::Status st = ReadStepResult(item.response, &result);
+    if (st.ok()) {
+      out.push_back(std::move(result));
+    } else {
+      out.push_back(st);
+    }
+  }
+  return out;
+}
+
 absl::Status ReadEchoResponse(grpc::ByteBuffer* response, std::string* payload_out) {
   ReceivedBytes received;
   RETURN_IF_ERROR(received.Take(response));
@@ -412,8 +614,8 @@ absl::Status ReadEchoResponse(grpc::ByteBuffer* response, std::string* payload_o
   while (!r.AtLimit()) {
     const uint64_t at = r.position();
     wire::Tag tag;
-    RETURN_IF_ERROR(ReadTag(r, kEchoResponse, std::string(kEchoResponse), &tag));
-    const std::string field = FieldName(v1::EchoResponse::descriptor(), tag.number);
+    RETURN_IF_ERROR(ReadTag(r, kEchoResponse, [&] { return std::string(kEchoResponse); }, &tag));
+    auto field = [&] { return FieldName(v1::EchoResponse::descriptor(), tag.number); };
     if (tag.number == kEchoPayload && tag.type == wire::kLengthDelimited) {
       RETURN_IF_ERROR(ReadLength(r, kEchoResponse, field, at, &size));
       payload.clear();
@@ -421,7 +623,7 @@ absl::Status ReadEchoResponse(grpc::ByteBuffer* response, std::string* payload_o
       continue;
     }
     std::string error;  // anything else is unknown to EchoResponse: checked and skipped
-    if (!wire::CopyField(r, tag, nullptr, &error)) return Malformed(kEchoResponse, field, error, at);
+    if (!wire::CopyField(r, tag, nullptr, &error)) return Malformed(kEchoResponse, field(), error, at);
   }
   // The one copy, into the caller's string (its buffer reused where large enough).
   payload_out->clear();

@@ -5,6 +5,12 @@
 namespace attn {
 
 absl::Status Backend::StageWireInputs(AttendJob& job, const WireTensors& in) {
+  StageWireInputsOnHost(in, &job);
+  return absl::OkStatus();
+}
+
+void StageWireInputsOnHost(const WireTensors& in, AttendJob* job_ptr) {
+  AttendJob& job = *job_ptr;
   const auto start = Clock::now();
   job.host_inputs = std::make_unique_for_overwrite<char[]>(in.q.size + in.k.size + in.v.size);
   char* at = job.host_inputs.get();
@@ -16,7 +22,6 @@ absl::Status Backend::StageWireInputs(AttendJob& job, const WireTensors& in) {
     at += bytes->size;
   }
   job.host_copy_us += Micros(Clock::now() - start);
-  return absl::OkStatus();
 }
 
 }  // namespace attn

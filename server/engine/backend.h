@@ -132,4 +132,9 @@ class Backend {
   virtual absl::Status Health() const { return absl::OkStatus(); }
 };
 
+// Backend::StageWireInputs' default: copies in's inline tensors back to back into host memory
+// the job owns (host_inputs) and points job's q_bytes, k_bytes and v_bytes there. Also what a
+// session step decoded from the wire takes, on every backend (its launch copies from there).
+void StageWireInputsOnHost(const WireTensors& in, AttendJob* job);
+
 }  // namespace attn

@@ -1,27 +1,21 @@
 #include "rpc/attend_response_encoder.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
-#include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/support/slice.h>
 
+#include "attn/util/wire_fields.h"
 #include "common/tsan_annotations.h"
 
 namespace attn {
 namespace {
 
-using google::protobuf::io::CodedOutputStream;
-
-constexpr uint32_t kLengthDelimited = 2;
-
-void AppendVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
+using wire::AppendVarint;
+using wire::kLengthDelimited;
+using wire::MakeTag;
+using wire::VarintSize;
 
 // gRPC frees a slice's bytes on whichever thread drops the last reference to it.
 void FreeBytes(void* p) {
@@ -29,53 +23,168 @@ void FreeBytes(void* p) {
   delete[] static_cast<char*>(p);
 }
 
-// Appends tensor (field `number` of AttendResponse) to head; with bytes, ends head with the data
-// field's tag and length, moves head into slices and adds a slice that owns the bytes.
-void AppendTensor(int number, const v1::Tensor& tensor, OutputBytes bytes, std::string* head,
-                  std::vector<grpc::Slice>* slices) {
-  const std::string fields = tensor.SerializeAsString();  // dtype, shape, region: data is empty
-  AppendVarint(uint64_t(number) << 3 | kLengthDelimited, head);
-  if (bytes.data == nullptr || bytes.size == 0) {  // no data: protobuf writes no empty field
-    AppendVarint(fields.size(), head);
-    head->append(fields);
-    return;
+// A message being written as slices: its small fields in one string (copied once into a slice
+// that runs of it are cut from) between output buffers (owned by their slices from then on).
+class SliceWriter {
+ public:
+  std::string& head() { return head_; }
+  // Ends the current run of head and adds bytes after it.
+  void Own(OutputBytes bytes) {
+    cuts_.push_back(head_.size());
+    owned_.push_back(std::move(bytes));
   }
-  const uint32_t data_tag = uint32_t{v1::Tensor::kDataFieldNumber} << 3 | kLengthDelimited;
-  const size_t body = fields.size() + CodedOutputStream::VarintSize32(data_tag) +
-                      CodedOutputStream::VarintSize64(bytes.size) + bytes.size;
-  AppendVarint(body, head);
-  head->append(fields);
-  AppendVarint(data_tag, head);
-  AppendVarint(bytes.size, head);
-  slices->emplace_back(*head);  // a copy of the few header bytes
-  head->clear();
-  // The slice owns the buffer from here: gRPC calls FreeBytes when it drops its last reference.
-  const size_t size = bytes.size;
-  char* data = bytes.data.release();
-  HandOffToGrpc(data);
-  slices->emplace_back(data, size, &FreeBytes);
+  grpc::ByteBuffer Finish() {
+    const grpc::Slice all(head_);
+    std::vector<grpc::Slice> slices;
+    slices.reserve(2 * owned_.size() + 1);
+    size_t at = 0;
+    for (size_t i = 0; i < owned_.size(); ++i) {
+      if (cuts_[i] > at) slices.push_back(all.sub(at, cuts_[i]));
+      at = cuts_[i];
+      // The slice owns the buffer from here: gRPC calls FreeBytes when it drops its last
+      // reference.
+      const size_t size = owned_[i].size;
+      char* data = owned_[i].data.release();
+      HandOffToGrpc(data);
+      slices.emplace_back(data, size, &FreeBytes);
+    }
+    if (at < head_.size()) slices.push_back(all.sub(at, head_.size()));
+    return grpc::ByteBuffer(slices.data(), slices.size());
+  }
+
+ private:
+  std::string head_;
+  std::vector<size_t> cuts_;         // owned_[i] follows head_'s bytes before cuts_[i]
+  std::vector<OutputBytes> owned_;
+};
+
+constexpr uint32_t kDataTag = MakeTag(v1::Tensor::kDataFieldNumber, kLengthDelimited);
+
+// Bytes the data field of an output adds to its tensor's body (none without data: protobuf
+// writes no empty field).
+size_t DataFieldSize(const OutputBytes& b) {
+  return b.size > 0 ? VarintSize(kDataTag) + VarintSize(b.size) + b.size : 0;
 }
+
+// A response whose o and lse (fields 1 and 2, as in AttendResponse and StepResponse) carry their
+// data in buffers, with header's other fields serialized once by protobuf: o and lse, numbered
+// first, come first in those bytes, each followed by its data field here.
+struct ResponseParts {
+  std::string fields;   // header serialized (o and lse without data)
+  size_t o_end = 0;     // o's field in fields ends here (0: none)...
+  size_t lse_end = 0;   // ...and lse's
+  OutputBytes o, lse;
+
+  template <typename Response>
+  ResponseParts(const Response& header, OutputBytes o_bytes, OutputBytes lse_bytes)
+      : fields(header.SerializeAsString()), o(std::move(o_bytes)), lse(std::move(lse_bytes)) {
+    size_t at = 0;
+    if (header.has_o()) at = o_end = FieldEnd(at);
+    if (header.has_lse()) lse_end = FieldEnd(at);
+  }
+  size_t Size() const {
+    size_t n = fields.size();
+    if (o_end > 0) n += Grown(0, o_end, o) - o_end;
+    if (lse_end > 0) n += Grown(o_end, lse_end, lse) - (lse_end - o_end);
+    return n;
+  }
+  void Write(SliceWriter& w) {
+    size_t at = 0;
+    if (o_end > 0) at = WriteTensor(w, at, o_end, std::move(o));
+    if (lse_end > 0) at = WriteTensor(w, at, lse_end, std::move(lse));
+    w.head().append(fields, at, std::string::npos);
+  }
+
+ private:
+  // Where the length-delimited field (one-byte tag) starting at `at` ends; its body length is
+  // the varint after the tag.
+  size_t FieldEnd(size_t at) const {
+    size_t len = 0, shift = 0, i = at + 1;
+    for (;; ++i, shift += 7) {
+      const uint8_t b = static_cast<uint8_t>(fields[i]);
+      len |= size_t{b & 0x7fu} << shift;
+      if ((b & 0x80) == 0) break;
+    }
+    return i + 1 + len;
+  }
+  // The field [begin, end) of fields (tag, length, body) and its body's length.
+  size_t BodyOf(size_t begin, size_t end) const {
+    size_t i = begin + 1;
+    while (static_cast<uint8_t>(fields[i]) & 0x80) ++i;
+    return end - (i + 1);
+  }
+  // The field's size once its data field is added.
+  size_t Grown(size_t begin, size_t end, const OutputBytes& b) const {
+    const size_t body = BodyOf(begin, end) + DataFieldSize(b);
+    return 1 + VarintSize(body) + body;
+  }
+  size_t WriteTensor(SliceWriter& w, size_t begin, size_t end, OutputBytes b) {
+    std::string& head = w.head();
+    const size_t body = BodyOf(begin, end);
+    head.push_back(fields[begin]);  // the tag
+    AppendVarint(body + DataFieldSize(b), &head);
+    head.append(fields, end - body, body);
+    if (b.size > 0) {
+      AppendVarint(kDataTag, &head);
+      AppendVarint(b.size, &head);
+      w.Own(std::move(b));
+    }
+    return end;
+  }
+};
 
 }  // namespace
 
 grpc::ByteBuffer EncodeAttendResponse(const v1::AttendResponse& header, OutputBytes o,
                                       OutputBytes lse) {
-  std::vector<grpc::Slice> slices;
-  std::string head;
-  if (header.has_o()) {
-    AppendTensor(v1::AttendResponse::kOFieldNumber, header.o(), std::move(o), &head, &slices);
+  SliceWriter w;
+  ResponseParts(header, std::move(o), std::move(lse)).Write(w);
+  return w.Finish();
+}
+
+grpc::ByteBuffer EncodeStepResponse(const v1::StepResponse& header, OutputBytes o,
+                                    OutputBytes lse) {
+  SliceWriter w;
+  ResponseParts(header, std::move(o), std::move(lse)).Write(w);
+  return w.Finish();
+}
+
+grpc::ByteBuffer EncodeBatchStepResponse(std::span<EncodedStepResult> results) {
+  SliceWriter w;
+  constexpr uint32_t kResultTag =
+      MakeTag(v1::BatchStepResponse::kResultsFieldNumber, kLengthDelimited);
+  constexpr uint32_t kResponseTag = MakeTag(v1::StepResult::kResponseFieldNumber, kLengthDelimited);
+  std::string status;
+  for (EncodedStepResult& r : results) {
+    // status_code and status_message come before response (field 3), as protobuf writes them;
+    // fields at their default are left out.
+    status.clear();
+    if (r.status_code != 0) {
+      AppendVarint(MakeTag(v1::StepResult::kStatusCodeFieldNumber, wire::kVarint), &status);
+      AppendVarint(static_cast<uint64_t>(int64_t{r.status_code}), &status);  // int32: sign-extended
+    }
+    if (!r.status_message.empty()) {
+      AppendVarint(MakeTag(v1::StepResult::kStatusMessageFieldNumber, kLengthDelimited), &status);
+      AppendVarint(r.status_message.size(), &status);
+      status.append(r.status_message);
+    }
+    std::optional<ResponseParts> parts;
+    size_t body = status.size();
+    if (r.response != nullptr) {
+      parts.emplace(*r.response, std::move(r.o), std::move(r.lse));
+      const size_t n = parts->Size();
+      body += VarintSize(kResponseTag) + VarintSize(n) + n;
+    }
+    std::string& head = w.head();
+    AppendVarint(kResultTag, &head);
+    AppendVarint(body, &head);
+    head.append(status);
+    if (!parts) continue;
+    AppendVarint(kResponseTag, &head);
+    AppendVarint(parts->Size(), &head);
+    parts->Write(w);
   }
-  if (header.has_lse()) {
-    AppendTensor(v1::AttendResponse::kLseFieldNumber, header.lse(), std::move(lse), &head,
-                 &slices);
-  }
-  // The remaining fields (timing, request_id, status) follow o and lse, as in field order.
-  v1::AttendResponse rest = header;
-  rest.clear_o();
-  rest.clear_lse();
-  rest.AppendToString(&head);
-  if (!head.empty()) slices.emplace_back(head);
-  return grpc::ByteBuffer(slices.data(), slices.size());
+  return w.Finish();
 }
 
 }  // namespace attn

@@ -1,11 +1,14 @@
-// Puts an AttendResponse on the wire without copying its tensors' bytes: the small fields are
-// serialized by protobuf, o.data and lse.data are appended by hand as slices over the buffers
-// the backend wrote them into. The bytes are exactly those protobuf would write for the full
-// message (fields in number order), so any client's parser reads them as usual.
+// Puts an AttendResponse, StepResponse or BatchStepResponse on the wire without copying its
+// tensors' bytes: the small fields are serialized by protobuf, o.data and lse.data are appended
+// by hand as slices over the buffers the backend wrote them into. The bytes are exactly those
+// protobuf would write for the full message (fields in number order), so any client's parser
+// reads them as usual.
 #pragma once
 
 #include <cstddef>
 #include <memory>
+#include <span>
+#include <string>
 
 #include <grpcpp/support/byte_buffer.h>
 
@@ -28,5 +31,21 @@ struct OutputBytes {
 // slices, which free it once gRPC has released them (after the bytes are sent, or the call died).
 grpc::ByteBuffer EncodeAttendResponse(const v1::AttendResponse& header, OutputBytes o,
                                       OutputBytes lse);
+
+// The same for a StepResponse.
+grpc::ByteBuffer EncodeStepResponse(const v1::StepResponse& header, OutputBytes o,
+                                    OutputBytes lse);
+
+// One StepResult of a BatchStepResponse: its status and, unless null (a failed item), its
+// response with o's and lse's data in o and lse (moved out by the encoder).
+struct EncodedStepResult {
+  int32_t status_code = 0;
+  std::string status_message;
+  const v1::StepResponse* response = nullptr;
+  OutputBytes o, lse;
+};
+
+// A BatchStepResponse of results, in order.
+grpc::ByteBuffer EncodeBatchStepResponse(std::span<EncodedStepResult> results);
 
 }  // namespace attn

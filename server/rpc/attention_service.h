@@ -10,6 +10,7 @@
 
 #include "rpc/attend_validation.h"
 #include "rpc/auth.h"
+#include "rpc/step_validation.h"
 #include "attn/v1/attention.grpc.pb.h"
 #include "engine/backend.h"
 #include "observability/metrics.h"
@@ -24,14 +25,14 @@ class AttendStreamReactor;
 class RegionRegistry;
 struct WireAttendCall;
 
-// attn.v1.Attention's callback service with Attend and AttendStream raw: the generated templates,
+// attn.v1.Attention's callback service with Attend, AttendStream, Step, BatchStep and Echo raw: the generated templates,
 // composed here since the generated CallbackService has typed versions of both (a method added to
 // the proto must be added here too).
 using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
     v1::Attention::WithRawCallbackMethod_AttendStream<
     v1::Attention::WithCallbackMethod_CreateSession<
-    v1::Attention::WithCallbackMethod_Step<
-    v1::Attention::WithCallbackMethod_BatchStep<
+    v1::Attention::WithRawCallbackMethod_Step<
+    v1::Attention::WithRawCallbackMethod_BatchStep<
     v1::Attention::WithCallbackMethod_TruncateSession<
     v1::Attention::WithCallbackMethod_ForkSession<
     v1::Attention::WithCallbackMethod_CloseSession<
@@ -42,7 +43,9 @@ using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
 // gRPC's received slices into the backend's staging with one copy, and their outputs back out as
 // slices of the buffers the backend wrote them into (attend_request_decoder.h,
 // attend_response_encoder.h). Echo is raw too: its answer is the request's own slices
-// (echo_wire.h), so that it measures the transport alone. The bytes on the wire are protobuf's,
+// (echo_wire.h), so that it measures the transport alone. Step and BatchStep are raw too: each
+// step's tensors are copied once out of the received slices (step_request_decoder.h), and its
+// outputs sent from the buffers they were written into. The bytes on the wire are protobuf's,
 // as for every other method.
 class AttentionService final : public AttentionCallbackBase {
  public:
@@ -102,11 +105,12 @@ class AttentionService final : public AttentionCallbackBase {
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* request,
                                           v1::CreateSessionResponse* response) override;
-  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* request,
-                                 v1::StepResponse* response) override;
+  // Step and BatchStep take request's bytes (it is left empty) before the call is answered.
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* BatchStep(grpc::CallbackServerContext* ctx,
-                                      const v1::BatchStepRequest* request,
-                                      v1::BatchStepResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* ctx,
                                             const v1::TruncateSessionRequest* request,
                                             v1::TruncateSessionResponse* response) override;
@@ -170,11 +174,12 @@ class AttentionService final : public AttentionCallbackBase {
     return options_.authenticator != nullptr ? client : std::string();
   }
   // Looks up (as client's) and validates one step and makes its job, whose done runs on_done
-  // after giving the layer back (the job holds the layer once started, see StartSteps).
+  // after giving the layer back (the job holds the layer once started, see StartSteps). wire:
+  // where the step's tensors and outputs are, as ValidateStepRequest takes it.
   absl::StatusOr<std::unique_ptr<AttendJob>> MakeStepJob(
       grpc::CallbackServerContext* ctx, const std::string& client, const v1::StepRequest& request,
       v1::StepResponse* response, Clock::time_point arrival,
-      std::function<void(absl::Status)> on_done);
+      std::function<void(absl::Status)> on_done, const WireStepData& wire);
   // Queues each job after the earlier steps of its (session, layer): those whose layer is free
   // go to the batcher together (one launch where their keys agree), the others when their turn
   // comes.

@@ -12,7 +12,9 @@
 #include "engine/batcher.h"
 #include "observability/metrics.h"
 #include "rpc/attention_service.h"
+#include "rpc/attend_response_encoder.h"
 #include "rpc/call_timing.h"
+#include "rpc/step_request_decoder.h"
 #include "rpc/step_validation.h"
 #include "sessions/session_manager.h"
 #include "sessions/step_work.h"
@@ -20,6 +22,7 @@
 namespace attn {
 namespace {
 
+constexpr char kShuttingDown[] = "attnd is shutting down; retry on another replica";
 constexpr char kNoSessions[] =
     "KV-cache sessions are not available: this attnd's backend has no KV cache region";
 
@@ -84,12 +87,12 @@ grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerCo
 absl::StatusOr<std::unique_ptr<AttendJob>> AttentionService::MakeStepJob(
     grpc::CallbackServerContext* ctx, const std::string& client, const v1::StepRequest& request,
     v1::StepResponse* response, Clock::time_point arrival,
-    std::function<void(absl::Status)> on_done) {
+    std::function<void(absl::Status)> on_done, const WireStepData& wire) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    sessions_->Find(request.session_id(), SessionOwner(client)));
   const StepRegions regions{client, options_.regions, backend_->HasGpu()};
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                   ValidateStepRequest(request, session, options_.limits, regions, response));
+                   ValidateStepRequest(request, session, options_.limits, regions, response, wire));
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);
   job->is_cancelled = [ctx] { return ctx->IsCancelled(); };
@@ -132,38 +135,87 @@ void AttentionService::EnqueueSteps(std::vector<std::unique_ptr<AttendJob>> jobs
   StartSteps(std::move(now));
 }
 
+namespace {
+
+// One Step or BatchStep call on the wire path, from its decoding until its answer is encoded:
+// each step's decoded request (which its job borrows), its response without o.data and
+// lse.data, the buffers its outputs are written into, and (BatchStep) its status. Shared by the
+// handler and the steps' completions; the last completion encodes the answer.
+struct WireStepCall {
+  struct Output {
+    v1::StepResponse response;
+    OutputBytes o, lse;
+    absl::Status status;
+  };
+  std::vector<DecodedStepRequest> requests;
+  std::vector<Output> outputs;
+
+  // Sizes outputs for the decoded requests (their addresses stay put from here on).
+  void SizeOutputs() { outputs.resize(requests.size()); }
+  WireStepData Wire(size_t i) {
+    return {&requests[i].data, &outputs[i].o, &outputs[i].lse};
+  }
+};
+
+// The received message's bytes as pieces of its slices, which *slices holds; request is left
+// empty (gRPC owns it until the call ends and destroys it emptied). The pieces are needed only
+// until the handler returns: every step's tensors are copied out as it is validated.
+absl::Status TakeReceived(const grpc::ByteBuffer* request, std::vector<grpc::Slice>* slices,
+                          std::vector<std::string_view>* pieces) {
+  auto* taken = const_cast<grpc::ByteBuffer*>(request);
+  absl::Status st = FromGrpcStatus(taken->Dump(slices));
+  taken->Clear();
+  RETURN_IF_ERROR(st);
+  pieces->reserve(slices->size());
+  for (const grpc::Slice& s : *slices) {
+    pieces->emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ctx,
-                                                 const v1::StepRequest* request,
-                                                 v1::StepResponse* response) {
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
   const auto arrival = Clock::now();
   OnCallArrived(arrival);
-  const int64_t received = Bytes(*request);
+  const int64_t received = static_cast<int64_t>(request->Length());
   if (sessions_ == nullptr) return Unimplemented(ctx, Rpc::kStep, received);
   auto* reactor = ctx->DefaultReactor();
-  auto finish = [this, reactor, arrival, received, response](const absl::Status& st) {
-    FinishUnary(reactor, Rpc::kStep, arrival, st, received, st.ok() ? Bytes(*response) : 0);
+  auto call = std::make_shared<WireStepCall>();
+  auto finish = [this, reactor, arrival, received, response, call](const absl::Status& st) {
+    int64_t sent = 0;
+    if (st.ok()) {
+      WireStepCall::Output& out = call->outputs.front();
+      *response = EncodeStepResponse(out.response, std::move(out.o), std::move(out.lse));
+      sent = static_cast<int64_t>(response->Length());
+    }
+    FinishUnary(reactor, Rpc::kStep, arrival, st, received, sent);
   };
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
-    if (draining_.load()) {
-      return absl::UnavailableError("attnd is shutting down; retry on another replica");
-    }
+    if (draining_.load()) return absl::UnavailableError(kShuttingDown);
+    std::vector<grpc::Slice> slices;
+    std::vector<std::string_view> pieces;
+    RETURN_IF_ERROR(TakeReceived(request, &slices, &pieces));
+    RETURN_IF_ERROR(DecodeStepRequest(pieces, &call->requests.emplace_back()));
+    call->SizeOutputs();
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
     ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                     MakeStepJob(ctx, client, *request, response, arrival,
+                     MakeStepJob(ctx, client, call->requests.front().header,
+                                 &call->outputs.front().response, arrival,
                                  [slot, finish](absl::Status s) {
                                    slot->Release();
                                    finish(s);
-                                 }));
+                                 },
+                                 call->Wire(0)));
     std::vector<std::unique_ptr<AttendJob>> jobs;
     jobs.push_back(std::move(job));
     EnqueueSteps(std::move(jobs));
     return absl::OkStatus();
   }();
-  if (!st.ok()) {
-    response->Clear();
-    finish(st);
-  }
+  if (!st.ok()) finish(st);
   HandlerReturns();
   return reactor;
 }
@@ -183,62 +235,68 @@ struct BatchStepCall {
   }
 };
 
-void SetItemStatus(v1::StepResult* result, const absl::Status& st) {
-  result->set_status_code(static_cast<int32_t>(st.code()));
-  if (!st.ok()) {
-    result->set_status_message(std::string(st.message()));
-    result->clear_response();
-  }
-}
-
 }  // namespace
 
 grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContext* ctx,
-                                                      const v1::BatchStepRequest* request,
-                                                      v1::BatchStepResponse* response) {
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
   const auto arrival = Clock::now();
   OnCallArrived(arrival);
-  const int64_t received = Bytes(*request);
+  const int64_t received = static_cast<int64_t>(request->Length());
   if (sessions_ == nullptr) return Unimplemented(ctx, Rpc::kBatchStep, received);
   auto* reactor = ctx->DefaultReactor();
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
-    if (draining_.load()) {
-      return absl::UnavailableError("attnd is shutting down; retry on another replica");
-    }
+    if (draining_.load()) return absl::UnavailableError(kShuttingDown);
+    auto call = std::make_shared<WireStepCall>();
+    std::vector<grpc::Slice> slices;
+    std::vector<std::string_view> pieces;
+    RETURN_IF_ERROR(TakeReceived(request, &slices, &pieces));
+    RETURN_IF_ERROR(DecodeBatchStepRequest(pieces, &call->requests));
+    call->SizeOutputs();
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
-    const int n = request->steps_size();
-    for (int i = 0; i < n; ++i) response->add_results();  // pointers stay put from here on
-    auto call = std::make_shared<BatchStepCall>();
-    call->slot = slot;
-    call->finish = [this, reactor, arrival, received, response] {
+    const size_t n = call->requests.size();
+    auto batch = std::make_shared<BatchStepCall>();
+    batch->slot = slot;
+    batch->finish = [this, reactor, arrival, received, response, call] {
+      std::vector<EncodedStepResult> results(call->outputs.size());
+      for (size_t i = 0; i < results.size(); ++i) {
+        WireStepCall::Output& out = call->outputs[i];
+        results[i].status_code = static_cast<int32_t>(out.status.code());
+        if (!out.status.ok()) {
+          results[i].status_message = std::string(out.status.message());
+          continue;
+        }
+        results[i].response = &out.response;
+        results[i].o = std::move(out.o);
+        results[i].lse = std::move(out.lse);
+      }
+      *response = EncodeBatchStepResponse(results);
       FinishUnary(reactor, Rpc::kBatchStep, arrival, absl::OkStatus(), received,
-                  Bytes(*response));
+                  static_cast<int64_t>(response->Length()));
     };
-    call->remaining = n + 1;  // + 1 until every item is queued
+    batch->remaining = static_cast<int64_t>(n) + 1;  // + 1 until every item is queued
     std::vector<std::unique_ptr<AttendJob>> jobs;
-    for (int i = 0; i < n; ++i) {
-      v1::StepResult* result = response->mutable_results(i);
-      auto job = MakeStepJob(ctx, client, request->steps(i), result->mutable_response(), arrival,
-                             [call, result](absl::Status s) {
-                               SetItemStatus(result, s);
-                               call->ItemDone();
-                             });
+    for (size_t i = 0; i < n; ++i) {
+      WireStepCall::Output* out = &call->outputs[i];
+      auto job = MakeStepJob(ctx, client, call->requests[i].header, &out->response, arrival,
+                             [batch, out](absl::Status s) {
+                               out->status = std::move(s);
+                               batch->ItemDone();
+                             },
+                             call->Wire(i));
       if (job.ok()) {
         jobs.push_back(std::move(*job));
       } else {
-        SetItemStatus(result, job.status());
-        call->ItemDone();
+        out->status = job.status();
+        batch->ItemDone();
       }
     }
     EnqueueSteps(std::move(jobs));
-    call->ItemDone();
+    batch->ItemDone();
     return absl::OkStatus();
   }();
-  if (!st.ok()) {
-    response->Clear();
-    FinishUnary(reactor, Rpc::kBatchStep, arrival, st, received, 0);
-  }
+  if (!st.ok()) FinishUnary(reactor, Rpc::kBatchStep, arrival, st, received, 0);
   HandlerReturns();
   return reactor;
 }

@@ -84,10 +84,11 @@ void PrepareStepResponse(const AttendJob& job) {
   v1::Tensor* o = w.response->mutable_o();
   o->set_dtype(q.dtype());
   o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
-  // An output written into a region leaves the response with its dtype, shape and slice only.
-  if (job.o_out != nullptr) {
+  // An output written into a region leaves the response with its dtype, shape and slice only;
+  // one written into a buffer of the wire path's, with its dtype and shape.
+  if (w.request->has_o_region()) {
     *o->mutable_region() = w.request->o_region();
-  } else {
+  } else if (job.o_out == nullptr) {
     o->mutable_data()->resize(job.q_bytes.size());
   }
   if (job.return_lse) {
@@ -95,9 +96,9 @@ void PrepareStepResponse(const AttendJob& job) {
     lse->set_dtype(v1::DTYPE_FLOAT32);
     lse->add_shape(job.key.num_heads);
     lse->add_shape(job.total_q);
-    if (job.lse_out != nullptr) {
+    if (w.request->has_lse_region()) {
       *lse->mutable_region() = w.request->lse_region();
-    } else {
+    } else if (job.lse_out == nullptr) {
       lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
     }
   }

@@ -85,8 +85,8 @@ struct ClientOptions {
   // Extra gRPC channel arguments (name, integer value), e.g. {"grpc.http2.max_frame_size",
   // 1 << 20}; for measuring transport settings (attn-bench --channel_arg).
   std::vector<std::pair<std::string, int>> channel_args;
-  // Attend and Echo as raw calls whose bytes this library writes and reads itself
-  // (attn/client/wire_coding.h): the tensors go out as slices over the caller's memory, o (and
+  // Attend, Echo, Step and BatchStep as raw calls whose bytes this library writes and reads
+  // itself (attn/client/wire_coding.h): the tensors go out as slices over the caller's memory, o (and
   // lse, and Echo's payload) come back with one copy, from the received slices into the result.
   // false: through protobuf messages and the generated stub (a copy into the message and one
   // into fresh slices each way, and one more out of the parsed response), for measuring the
@@ -128,6 +128,14 @@ class Client {
   int connections() const { return static_cast<int>(channels_.size()); }
   // Sets the bearer token and deadline on a context for a direct stub call.
   void PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const;
+  // ClientOptions::wire_coding: session.h's Step and BatchStep then go out as the raw calls below.
+  bool wire_coding() const { return options_.wire_coding; }
+  // Step and BatchStep as blocking raw calls with bytes coded by the caller (wire_coding.h), on
+  // the next connection.
+  grpc::Status CallStep(grpc::ByteBuffer request, std::chrono::milliseconds timeout,
+                        grpc::ByteBuffer* response);
+  grpc::Status CallBatchStep(grpc::ByteBuffer request, std::chrono::milliseconds timeout,
+                             grpc::ByteBuffer* response);
 
  private:
   Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels);
@@ -139,7 +147,7 @@ class Client {
                           const AttendOptions& options, AttendResult* result);
   absl::Status AttendProto(const Tensor& q, const Tensor& k, const Tensor& v,
                            const AttendOptions& options, AttendResult* result);
-  // A blocking unary call of method (attend_methods_ or echo_methods_) with bytes coded here.
+  // A blocking unary call of method (one of the *_methods_) with bytes coded here.
   grpc::Status CallRaw(size_t connection, const grpc::internal::RpcMethod& method,
                        grpc::ByteBuffer request, std::chrono::milliseconds timeout,
                        grpc::ByteBuffer* response);
@@ -148,7 +156,8 @@ class Client {
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::Attention::Stub>> stubs_;
   // Per connection, the raw calls' methods, registered with its channel as a stub's are.
-  std::vector<grpc::internal::RpcMethod> attend_methods_, echo_methods_;
+  std::vector<grpc::internal::RpcMethod> attend_methods_, echo_methods_, step_methods_,
+      batch_step_methods_;
   std::atomic<uint64_t> next_stub_{0};
 };
 

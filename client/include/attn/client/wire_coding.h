@@ -1,10 +1,11 @@
-// The client's side of Attend's and Echo's one-copy wire path: requests are written in
+// The client's side of the one-copy wire path of Attend, Echo, Step and BatchStep: requests are written in
 // protobuf's wire format by hand, their tensors spliced in as slices over the caller's memory (no
 // copy), and responses are read from the slices gRPC received them in, each tensor copied once,
 // straight into the result. The bytes are exactly those the generated serializer writes (fields
 // in number order), so any attnd, or any other gRPC server of attn.v1, reads them as usual; the
 // reader takes whatever protobuf's parser takes (fields in any order or repeated, packed or
-// unpacked shapes, unknown fields). Client (ClientOptions::wire_coding) sends its calls this way.
+// unpacked shapes, unknown fields). Client (ClientOptions::wire_coding) sends its calls this way,
+// and so do session.h's Step and BatchStep.
 #pragma once
 
 #include <condition_variable>
@@ -21,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attn/client/client.h"
+#include "attn/client/session.h"
 #include "attn/v1/attention.pb.h"
 
 namespace attn::client {
@@ -28,6 +30,8 @@ namespace attn::client {
 // The full names of the methods the raw calls go to.
 inline constexpr char kAttendMethod[] = "/attn.v1.Attention/Attend";
 inline constexpr char kEchoMethod[] = "/attn.v1.Attention/Echo";
+inline constexpr char kStepMethod[] = "/attn.v1.Attention/Step";
+inline constexpr char kBatchStepMethod[] = "/attn.v1.Attention/BatchStep";
 
 // Slices over memory of the caller's, counted until every holder of them has let go: the buffers
 // they are in and gRPC, which may keep a sent message's slices a little after its call has
@@ -68,6 +72,16 @@ grpc::ByteBuffer EncodeAttendRequest(const Tensor& q, const Tensor& k, const Ten
 grpc::ByteBuffer EncodeEchoRequest(std::string_view payload, int64_t response_bytes,
                                    BorrowedSlices* borrowed);
 
+// The bytes of BuildStepRequest(in) as protobuf serializes them, q's, k_new's and v_new's data
+// borrowed.
+grpc::ByteBuffer EncodeStepRequest(const StepInput& in, BorrowedSlices* borrowed);
+
+// A BatchStepRequest of items[indices] (all of them when indices is null), in order, as protobuf
+// serializes it, every tensor's data borrowed.
+grpc::ByteBuffer EncodeBatchStepRequest(const std::vector<StepInput>& items,
+                                        const std::vector<size_t>* indices,
+                                        BorrowedSlices* borrowed);
+
 // A received message's bytes as pieces of its slices (which it holds).
 struct ReceivedBytes {
   std::vector<grpc::Slice> slices;
@@ -77,12 +91,16 @@ struct ReceivedBytes {
   absl::Status Take(grpc::ByteBuffer* buffer);
 };
 
-// An AttendResponse with the data of o and lse left in the input, as pieces of it.
-struct DecodedAttendResponse {
-  v1::AttendResponse header;  // everything but o.data and lse.data
+// An AttendResponse or StepResponse with the data of o and lse left in the input, as pieces of
+// it.
+template <typename Header>
+struct DecodedOutputs {
+  Header header;  // everything but o.data and lse.data
   std::vector<std::string_view> o_data, lse_data;
   uint64_t o_size = 0, lse_size = 0;
 };
+using DecodedAttendResponse = DecodedOutputs<v1::AttendResponse>;
+using DecodedStepResponse = DecodedOutputs<v1::StepResponse>;
 
 // Reads an AttendResponse from pieces (any split) as protobuf's parser would, except that o.data
 // and lse.data stay in the input. Malformed bytes give INTERNAL ("the server's AttendResponse is
@@ -98,6 +116,17 @@ absl::Status ReadAttendResult(const DecodedAttendResponse& decoded, AttendResult
 // Both of the above over a received response (left empty).
 absl::Status ReadAttendResponse(grpc::ByteBuffer* response, AttendResult* result);
 absl::StatusOr<AttendResult> AttendResultFromWire(grpc::ByteBuffer* response);
+
+// The same for a StepResponse ("the server's StepResponse is malformed: ...") and its result.
+absl::Status DecodeStepResponse(std::span<const std::string_view> pieces,
+                                DecodedStepResponse* out);
+absl::Status ReadStepResult(const DecodedStepResponse& decoded, StepResult* result);
+absl::StatusOr<StepResult> StepResultFromWire(grpc::ByteBuffer* response);
+
+// The items of a received BatchStepResponse (left empty), each its own status or its result; the
+// whole fails (INTERNAL) when it is malformed or has another number of results than `items`.
+absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire(
+    grpc::ByteBuffer* response, size_t items);
 
 // The payload of a received EchoResponse (left empty), copied once into *payload (its buffer
 // reused where large enough); INTERNAL when malformed.

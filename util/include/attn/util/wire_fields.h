@@ -32,7 +32,7 @@ struct Tag {
   uint32_t type = 0;
 };
 
-inline uint32_t MakeTag(uint32_t number, WireType type) { return number << 3 | type; }
+constexpr uint32_t MakeTag(uint32_t number, WireType type) { return number << 3 | type; }
 
 inline void AppendVarint(uint64_t v, std::string* out) {
   while (v >= 0x80) {
