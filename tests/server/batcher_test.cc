@@ -226,7 +226,8 @@ TEST_F(BatcherTest, SessionStepsGoAtOnceAndGatherWhileTheBackendIsBusy) {
 // A job the backend runs by a launch of its own (runs_alone) neither waits for company (nor
 // behind a job that does) nor joins another's batch; the jobs around it still batch together.
 TEST_F(BatcherTest, JobThatRunsAloneGoesAtOnceByItself) {
-  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
+  // Room for three batches in flight: the first one's slot may not be free yet when job 3 comes.
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100}, 3);
   auto alone = [](v1::AttendRequest&, AttendJob* job) {
     if (job != nullptr) job->runs_alone = true;
   };
@@ -238,6 +239,7 @@ TEST_F(BatcherTest, JobThatRunsAloneGoesAtOnceByItself) {
   backend_->Hold(true);
   ASSERT_TRUE(Submit(2, 10).ok());
   ASSERT_TRUE(SubmitEdited(3, 10, 1, alone).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(2, 2000ms)) << "job 3 waited behind job 2";
   ASSERT_TRUE(Submit(4, 10).ok());
   batcher_->StartDraining();  // flushes what waits for company
   backend_->Hold(false);
