@@ -328,26 +328,6 @@ bool AttendsInPlace(const AttendJob& job) {
          (!job.return_lse || Aligned16(job.lse_out));
 }
 
-// The kernel arguments of a launch over packed tensors, less the tensors' addresses.
-kernels::AttentionArgs ShapeArgs(const BatchKey& key, int32_t num_seqs, int32_t total_q,
-                                 int32_t total_k, int32_t max_q, int32_t max_k) {
-  kernels::AttentionArgs args;
-  args.dtype = *key.staged_dtype;
-  args.batch = num_seqs;
-  args.total_q = total_q;
-  args.total_k = total_k;
-  args.max_seqlen_q = std::max(max_q, 1);
-  args.max_seqlen_k = std::max(max_k, 1);
-  args.num_heads = key.num_heads;
-  args.num_kv_heads = key.num_kv_heads;
-  args.head_dim = key.head_dim;
-  args.softmax_scale = key.softmax_scale;
-  args.causal = key.causal;
-  args.window_left = key.window_left;
-  args.window_right = key.window_right;
-  return args;
-}
-
 double TensorBytes(const BatchKey& key, double total_q, double total_k) {
   return 2.0 * key.head_dim * (2.0 * total_q * key.num_heads + 2.0 * total_k * key.num_kv_heads);
 }
@@ -652,8 +632,9 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   RETURN_IF_ERROR(dev_in.Allocate(layout.in_bytes));
   RETURN_IF_ERROR(dev_out.Allocate(layout.out_bytes));
 
-  kernels::AttentionArgs args = ShapeArgs(key, layout.num_seqs, layout.total_q, layout.total_k,
-                                          layout.max_q, layout.max_k);
+  kernels::AttentionArgs args = LaunchShapeArgs(key, *key.staged_dtype, layout.num_seqs,
+                                                layout.total_q, layout.total_k, layout.max_q,
+                                                layout.max_k);
   args.q = dev_in.get() + layout.q;
   args.k = dev_in.get() + layout.k;
   args.v = dev_in.get() + layout.v;
@@ -715,13 +696,7 @@ absl::Status CudaBackend::LaunchInPlace(Lane& lane, std::span<std::unique_ptr<At
     const size_t cu_k = AlignUp(sizeof(int32_t) * n);
     std::memcpy(host, job.cu_seqlens_q.data(), sizeof(int32_t) * n);
     std::memcpy(host + cu_k, job.cu_seqlens_k.data(), sizeof(int32_t) * n);
-    kernels::AttentionArgs a = ShapeArgs(job.key, static_cast<int32_t>(n) - 1, job.total_q,
-                                         job.total_k, job.max_seqlen_q, job.max_seqlen_k);
-    a.q = job.q_bytes.data();
-    a.k = job.k_bytes.data();
-    a.v = job.v_bytes.data();
-    a.o = job.o_out;
-    a.lse = job.return_lse ? reinterpret_cast<float*>(job.lse_out) : nullptr;
+    kernels::AttentionArgs a = job.HostArgs();  // the regions' device addresses
     a.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev_cu.get() + cu_at[i]);
     a.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev_cu.get() + cu_at[i] + cu_k);
     RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(a)));

@@ -152,9 +152,16 @@ struct AttendJob {
   std::function<void(absl::Status)> done;
 
   int64_t Tokens() const { return total_q; }
-  // The argument struct for this request alone: host pointers into the request's bytes and the
-  // response's output buffers, which must already be sized (see PrepareAttendResponse).
+  // The argument struct for this request alone: pointers into the request's bytes and the
+  // response's output buffers, which must already be sized (see PrepareAttendResponse), or into
+  // its regions (device addresses when device_tensors).
   kernels::AttentionArgs HostArgs() const;
 };
+
+// The kernel arguments of one launch over `key`'s packed requests computed in `dtype`, less every
+// address.
+kernels::AttentionArgs LaunchShapeArgs(const BatchKey& key, kernels::DType dtype, int32_t num_seqs,
+                                       int32_t total_q, int32_t total_k, int32_t max_seqlen_q,
+                                       int32_t max_seqlen_k);
 
 }  // namespace attn

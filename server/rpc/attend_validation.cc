@@ -272,19 +272,12 @@ void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response) {
   response->set_request_id(job.request->request_id());
 }
 
-kernels::AttentionArgs AttendJob::HostArgs() const {
+kernels::AttentionArgs LaunchShapeArgs(const BatchKey& key, kernels::DType dtype, int32_t num_seqs,
+                                       int32_t total_q, int32_t total_k, int32_t max_seqlen_q,
+                                       int32_t max_seqlen_k) {
   kernels::AttentionArgs a;
-  a.dtype = key.wire_dtype;
-  a.q = q_bytes.data();
-  a.k = k_bytes.data();
-  a.v = v_bytes.data();
-  a.o = o_out != nullptr ? o_out : response->mutable_o()->mutable_data()->data();
-  a.lse = !return_lse         ? nullptr
-          : lse_out != nullptr ? reinterpret_cast<float*>(lse_out)
-                               : reinterpret_cast<float*>(response->mutable_lse()->mutable_data()->data());
-  a.cu_seqlens_q = cu_seqlens_q.data();
-  a.cu_seqlens_k = cu_seqlens_k.data();
-  a.batch = static_cast<int32_t>(cu_seqlens_q.size()) - 1;
+  a.dtype = dtype;
+  a.batch = num_seqs;
   a.total_q = total_q;
   a.total_k = total_k;
   a.max_seqlen_q = std::max(max_seqlen_q, 1);
@@ -296,6 +289,22 @@ kernels::AttentionArgs AttendJob::HostArgs() const {
   a.causal = key.causal;
   a.window_left = key.window_left;
   a.window_right = key.window_right;
+  return a;
+}
+
+kernels::AttentionArgs AttendJob::HostArgs() const {
+  kernels::AttentionArgs a =
+      LaunchShapeArgs(key, key.wire_dtype, static_cast<int32_t>(cu_seqlens_q.size()) - 1, total_q,
+                      total_k, max_seqlen_q, max_seqlen_k);
+  a.q = q_bytes.data();
+  a.k = k_bytes.data();
+  a.v = v_bytes.data();
+  a.o = o_out != nullptr ? o_out : response->mutable_o()->mutable_data()->data();
+  a.lse = !return_lse         ? nullptr
+          : lse_out != nullptr ? reinterpret_cast<float*>(lse_out)
+                               : reinterpret_cast<float*>(response->mutable_lse()->mutable_data()->data());
+  a.cu_seqlens_q = cu_seqlens_q.data();
+  a.cu_seqlens_k = cu_seqlens_k.data();
   return a;
 }
 

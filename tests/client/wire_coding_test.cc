@@ -30,6 +30,7 @@
 namespace attn::client {
 namespace {
 
+using attn::testing::Flatten;
 using attn::testing::RandomBytes;
 using attn::testing::RandomCuts;
 using attn::testing::RandomSplit;
@@ -82,14 +83,6 @@ AttendOptions RandomOptions(std::mt19937_64& rng) {
   o.return_lse = rng() % 2;
   o.high_priority = rng() % 2;
   return o;
-}
-
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
 }
 
 // Equal messages (a NaN equal to a NaN); the differences are printed.

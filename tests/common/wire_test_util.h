@@ -2,6 +2,9 @@
 // message must decode alike however gRPC happens to slice it).
 #pragma once
 
+#include <grpcpp/support/byte_buffer.h>
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -48,6 +51,15 @@ inline std::vector<std::string_view> Split(const std::string& bytes, std::vector
 
 inline std::vector<std::string_view> RandomSplit(std::mt19937_64& rng, const std::string& bytes) {
   return Split(bytes, RandomCuts(rng, bytes.size()));
+}
+
+// The bytes of a buffer, back to back.
+inline std::string Flatten(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string out;
+  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
 }
 
 }  // namespace attn::testing

@@ -17,6 +17,7 @@
 
 #include "attn/client/session.h"
 #include "attn/client/wire_coding.h"
+#include "common/wire_test_util.h"
 #include "rpc/attend_response_encoder.h"
 #include "rpc/step_request_decoder.h"
 #include "session_util.h"
@@ -25,25 +26,12 @@
 namespace attn {
 namespace {
 
+using testing::Flatten;
+using testing::RandomBytes;
 using testing::SessionShadow;
 using testing::SessionSpec;
 
 uint64_t FreshSeed() { return std::random_device{}() | 1; }
-
-std::string RandomBytes(size_t n, std::mt19937_64& rng) {
-  std::string s(n, '\0');
-  for (char& c : s) c = static_cast<char>(rng());
-  return s;
-}
-
-// The bytes of a buffer, back to back.
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
-}
 
 // bytes cut at random places into pieces, some of them empty.
 std::vector<std::string_view> RandomSplit(const std::string& bytes, std::mt19937_64& rng) {
@@ -113,13 +101,13 @@ v1::StepResponse RandomStepResponse(std::mt19937_64& rng) {
   v1::Tensor* o = r.mutable_o();
   o->set_dtype(rng() % 2 ? v1::DTYPE_BFLOAT16 : v1::DTYPE_FLOAT16);
   for (int64_t s : {tokens, heads, d}) o->add_shape(s);
-  o->set_data(RandomBytes(size_t(tokens * heads * d * 2), rng));
+  o->set_data(RandomBytes(rng, size_t(tokens * heads * d * 2)));
   if (rng() % 2) {
     v1::Tensor* lse = r.mutable_lse();
     lse->set_dtype(v1::DTYPE_FLOAT32);
     lse->add_shape(heads);
     lse->add_shape(tokens);
-    lse->set_data(RandomBytes(size_t(4 * heads * tokens), rng));
+    lse->set_data(RandomBytes(rng, size_t(4 * heads * tokens)));
   }
   r.set_cached_tokens(static_cast<int64_t>(rng() % 100000));
   r.mutable_timing()->set_queue_us(double(rng() % 1000) / 7);
