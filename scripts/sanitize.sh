@@ -55,7 +55,8 @@ for kind in "${kinds[@]}"; do
     export ATTN_SANITIZER="$kind"
     cd "$dir"
     rc=0
-    ctest --output-on-failure -j "$test_jobs" --timeout 900 -LE deploy -R "$regex" || rc=$?
+    # A test that fails without a sanitizer report is run once more (scripts/ctest_retry.sh).
+    "$root/scripts/ctest_retry.sh" . --output-on-failure -j "$test_jobs" --timeout 900 -LE deploy -R "$regex" || rc=$?
     if [ "$kind" = thread ]; then
       python3 "$root/scripts/tsan_triage.py" --src "$root" "$tsan_logs" || rc=1
     fi

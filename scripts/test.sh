@@ -40,10 +40,22 @@ step() {  # step <name> <command...>: runs it and records its result and duratio
 # from ctest's log of the last run: gtest prints "<file>:<line>: Skipped" and then the reason.
 gpu_skip_summary() {
   local log="$build/Testing/Temporary/LastTest.log"
+  [ -f "$build/Testing/Temporary/FirstRunTest.log" ] && log="$build/Testing/Temporary/FirstRunTest.log"  # before a retry
   [ -f "$log" ] || return 0
   awk '/^[0-9]+\/[0-9]+ Test: / { gpu = ($3 ~ /(^|\/)(Gpu|CudaServer|CudaDeviceLost)/) }
        gpu && /: Skipped$/ { getline reason; n[reason]++ }
        END { for (r in n) printf "test.sh: %d GPU tests skipped: %s\n", n[r], r }' "$log"
+}
+
+# What scripts/ctest_retry.sh reported of each ctest run that had failures (main, ASan, TSan), so
+# that the end of a long CI log still says what failed, and what was flaky.
+failure_reports() {
+  local d
+  for d in "$build" "${ATTN_ASAN_BUILD_DIR:-build-asan}" "${ATTN_TSAN_BUILD_DIR:-build-tsan}"; do
+    [ -s "$d/Testing/Temporary/FailureReport.txt" ] || continue
+    echo "test.sh: failures in $d:"
+    sed 's/^/test.sh: /' "$d/Testing/Temporary/FailureReport.txt"
+  done
 }
 
 ctest_ran=""
@@ -54,7 +66,7 @@ fi
 
 if step "install-deps" scripts/install-deps.sh; then
   if step "build" scripts/build.sh "${cuda[@]}" "$@"; then
-    step "ctest" bash -c "cd '$build' && ctest --output-on-failure -j '${ATTN_TEST_JOBS:-2}' --timeout 600"
+    step "ctest" scripts/ctest_retry.sh "$build" --output-on-failure -j "${ATTN_TEST_JOBS:-2}" --timeout 600
     ctest_ran=1
   else
     record "ctest" SKIP 0 "the build failed"
@@ -75,6 +87,7 @@ echo
 echo "== test.sh: summary"
 printf 'test.sh: %s\n' "${summary[@]}"
 [ -n "$ctest_ran" ] && gpu_skip_summary
+failure_reports
 skipped_note=""
 [ "$skipped" -gt 0 ] && skipped_note=", $skipped skipped"
 echo "test.sh: $passed passed, $failed failed$skipped_note"

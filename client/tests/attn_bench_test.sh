@@ -31,7 +31,7 @@ help_lists() {  # program, flags...
 }
 help_lists "$bench" target mode concurrency compare_echo rate lb sessions layers cache_tokens batch_step tcp_ceiling_s transport connections client_coding
 help_lists "$attnctl" target check lb layers prefill decode truncate connections
-start_cpu_attnd "$attnd" "$work/attnd.log" 2
+start_cpu_attnd "$attnd" "$work/attnd.log" 2 || fail "attnd did not start"
 pid=$ATTND_PID
 attnd_healthy "$attnctl" || fail "attnd did not become healthy"
 shape=(--seq 16 --heads 2 --head-dim 64 --dtype bf16)
@@ -175,12 +175,15 @@ if "$bench" --target "127.0.0.1:$P" --transport shm --concurrency 1 --duration_s
   fail "--transport shm succeeded against an attnd without --allow_shared_memory"
 fi
 grep -q -- "--allow_shared_memory" "$work/shm-off.txt" || fail "no reason given: $(cat "$work/shm-off.txt")"
-P2=$(free_port)
-"$attnd" --listen="127.0.0.1:$P2" --metrics_listen= --backend=cpu --threads=2 \
+"$attnd" --listen=127.0.0.1:0 --metrics_listen= --backend=cpu --threads=2 \
   --allow_shared_memory --shm_socket="$work/regions.sock" >"$work/attnd-shm.log" 2>&1 &
 pid2=$!
 trap 'kill $pid2 2>/dev/null || true; cleanup' EXIT
-P_SAVE=$P; P=$P2; attnd_healthy "$attnctl" || fail "attnd with shared memory did not start"; P=$P_SAVE
+P_SAVE=$P
+attnd_ports "$work/attnd-shm.log" "$pid2" || fail "attnd with shared memory did not start"
+P2=$P
+attnd_healthy "$attnctl" || fail "attnd with shared memory did not become healthy"
+P=$P_SAVE
 "$bench" --target "127.0.0.1:$P2" --transport shm --concurrency 1,2 --duration_s 1 --warmup_s 0.3 \
   "${shape[@]}" --json "$work/shm.json"
 python3 - "$work/shm.json" <<'PY'

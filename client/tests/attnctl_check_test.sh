@@ -17,7 +17,7 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 . "$(dirname "$0")/../../tests/lib/attnd.sh"
-start_cpu_attnd "$attnd" "$work/attnd.log" 2
+start_cpu_attnd "$attnd" "$work/attnd.log" 2 || fail "attnd did not start"
 pid=$ATTND_PID
 attnd_healthy "$attnctl" || fail "attnd did not become healthy"
 attend=("$attnctl" --target "127.0.0.1:$P" attend --seq 64 --heads 4 --kv-heads 2 --head-dim 64

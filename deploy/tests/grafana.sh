@@ -26,7 +26,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 
-start_cpu_attnd "$attnd" "$work/attnd.log" 1
+start_cpu_attnd "$attnd" "$work/attnd.log" 1 || fail "attnd did not start"
 pid=$ATTND_PID
 attnd_healthy "$attnctl" || fail "attnd did not become healthy in 30 s"
 "$attnctl" --target "127.0.0.1:$P" attend --seq 16 --heads 2 --head-dim 64 --count 1 >/dev/null ||

@@ -43,13 +43,12 @@ wait_for() {  # wait_for SECONDS WHAT CMD...
 }
 
 # --- attnd ------------------------------------------------------------------------------------
-start_cpu_attnd "$attnd" "$work/attnd.log" 2
+start_cpu_attnd "$attnd" "$work/attnd.log" 2 || fail "attnd did not start"
 pids+=("$ATTND_PID")
 attnd_healthy "$attnctl" || fail "timed out after 30s waiting for attnd health"
 wait_for 10 "attnd /metrics" curl -fsS "http://127.0.0.1:$M/metrics"
 
 # --- Prometheus with the shipped config and rules -----------------------------------------------
-X=$(free_port)
 cfg="$work/prometheus.yml"
 sed -e "s#- localhost:9464#- 127.0.0.1:$M#" \
     -e "s#scrape_interval: 15s#scrape_interval: 1s#" \
@@ -60,11 +59,31 @@ grep -q "127.0.0.1:$M" "$cfg" && grep -q 'scrape_interval: 1s' "$cfg" && grep -q
   grep -q "job_name: attnd" "$cfg" && grep -q "$deploy/prometheus/rules/" "$cfg" ||
   fail "could not derive the test config from deploy/prometheus/prometheus.yml (its layout changed?)"
 if command -v promtool >/dev/null; then promtool check config "$cfg" >/dev/null || fail "derived config is invalid"; fi
-prometheus --config.file="$cfg" --storage.tsdb.path="$work/tsdb" --web.listen-address="127.0.0.1:$X" \
-  >"$work/prometheus.log" 2>&1 &
-pids+=($!)
+# Prometheus cannot report a port it picked: it gets a free one, and another if that was taken
+# before it bound it (by another test's connection), up to three tries.
+start_prometheus() {
+  local try pid
+  for try in 1 2 3; do
+    X=$(free_port)
+    prometheus --config.file="$cfg" --storage.tsdb.path="$work/tsdb" --web.listen-address="127.0.0.1:$X" \
+      >"$work/prometheus.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 150); do
+      if curl -fsS "http://127.0.0.1:$X/-/ready" >/dev/null 2>&1; then
+        pids+=("$pid")
+        return 0
+      fi
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.2
+    done
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    echo "Prometheus on port $X did not become ready (try $try): $(tail -n 3 "$work/prometheus.log")" >&2
+  done
+  fail "Prometheus did not become ready in three tries"
+}
+start_prometheus
 api="http://127.0.0.1:$X/api/v1"
-wait_for 30 "Prometheus ready" curl -fsS "http://127.0.0.1:$X/-/ready"
 
 # query EXPR: prints the single value of an instant query ("" when the result is empty).
 query() {

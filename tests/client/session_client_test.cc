@@ -157,18 +157,35 @@ class FakeReplica final : public v1::Attention::Service {
   std::map<std::string, int> calls_;
 };
 
-// A free loopback port (bound and released; the fake binds it again at once).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+// A loopback port held for the test: bound with SO_REUSEPORT and never listened on, so calls to it
+// are refused (a replica that is down) and no other socket on the host can take it, while a gRPC
+// server (which sets SO_REUSEPORT too) may still bind it later. A port bound and released instead
+// could be taken in between by another test's outgoing connection on a busy host.
+class ReservedPort {
+ public:
+  ReservedPort() : fd_(socket(AF_INET, SOCK_STREAM, 0)) {
+    const int one = 1;
+    setsockopt(fd_, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port_ = ntohs(a.sin_port);
+    }
+    EXPECT_GT(port_, 0) << "could not reserve a loopback port";
+  }
+  ~ReservedPort() { close(fd_); }
+  ReservedPort(const ReservedPort&) = delete;
+  ReservedPort& operator=(const ReservedPort&) = delete;
+  int port() const { return port_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_;
+  int port_ = 0;
+};
 
 struct RunningFake {
   std::unique_ptr<FakeReplica> service;
@@ -503,8 +520,9 @@ TEST_F(TwoReplicas, ConcurrentCallsFromManyThreads) {
 
 TEST(SessionClientReplicas, AReplicaThatComesUpLaterIsFoundBySessionId) {
   RunningFake a = StartFake("early");
-  const int later_port = FreePort();
-  SessionClientOptions o = OptionsFor({a.target(), "127.0.0.1:" + std::to_string(later_port)});
+  const ReservedPort later;
+  const int later_port = later.port();
+  SessionClientOptions o = OptionsFor({a.target(), later.target()});
   o.info_timeout = std::chrono::milliseconds(500);
   o.min_refresh_interval = std::chrono::milliseconds(0);
   auto client = MustCreate(o);  // one of two answers: enough
@@ -547,8 +565,9 @@ TEST(SessionClientReplicas, ARestartedReplicasOldSessionsAreNotFound) {
 }
 
 TEST(SessionClientReplicas, NoReplicaAnsweringIsUnavailableNamingTheTargets) {
-  const int dead1 = FreePort(), dead2 = FreePort();
-  SessionClientOptions o = OptionsFor({"127.0.0.1:" + std::to_string(dead1), "127.0.0.1:" + std::to_string(dead2)});
+  const ReservedPort down1, down2;
+  const int dead1 = down1.port(), dead2 = down2.port();
+  SessionClientOptions o = OptionsFor({down1.target(), down2.target()});
   o.info_timeout = std::chrono::milliseconds(500);
   auto c = SessionClient::Create(o);
   ASSERT_FALSE(c.ok());

@@ -87,10 +87,24 @@ def check(ok, what, run):
         failures.append(what + "\n--- terminal output ---\n" + run.out + "\n---")
 
 
+def start_serving(extra_flags):
+    """run.sh serving on free ports, and True; or the last try and False. run.sh needs ports it can
+    name to its clients, so they are picked beforehand: when another test's connection takes one
+    before attnd binds it, attnd exits and the start is tried again on others."""
+    for _ in range(3):
+        run = RunSh(extra_flags)
+        if run.read_until("Ctrl-C drains and stops it", 120 * SLOW):
+            return run, True
+        if "run.sh: attnd exited" not in run.out:
+            return run, False
+        run.wait(10)
+        run.kill()
+    return run, False
+
+
 def one_ctrl_c():
-    run = RunSh([])
+    run, up = start_serving([])
     try:
-        up = run.read_until("Ctrl-C drains and stops it", 120 * SLOW)
         check(up, "run.sh did not reach serving", run)
         if not up:
             return
@@ -107,9 +121,8 @@ def one_ctrl_c():
 
 def two_ctrl_c():
     # A quiet period longer than the test keeps the drain in its lame-duck phase.
-    run = RunSh(["--drain_quiet_ms=600000", "--drain_grace_s=600"])
+    run, up = start_serving(["--drain_quiet_ms=600000", "--drain_grace_s=600"])
     try:
-        up = run.read_until("Ctrl-C drains and stops it", 120 * SLOW)
         check(up, "run.sh did not reach serving", run)
         if not up:
             return
