@@ -25,6 +25,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_fwd_sm90_traits.cuh"
 #include "flash_params.h"
@@ -43,7 +44,51 @@ struct Sm90Params {
   CUtensorMap tv;
   CUtensorMap to;  // O as {64, rows, D/64, heads}, boxes of {64, 64, 1, 1} (the TMA-store epilogue)
   int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
+  // Timeline (traits with kTrace only, bench/sm90_timeline): Sm90TraceLayout slots per
+  // (CTA, consumer warpgroup); nullptr otherwise.
+  unsigned long long* trace;
 };
+
+// Timeline of the consumer warpgroups, for the traced build of the kernel only: thread 0 of each
+// consumer warpgroup writes clock64() at fixed points of each key-tile iteration, up to kMaxIters
+// iterations per warpgroup. Slot 0 of an iteration holds its tile round and key tile, the rest are
+// SM clock readings: the K wait begins, S issued, S complete, softmax done, V ready, P V complete,
+// and the epilogue done (last key tile of a tile only, else 0).
+struct Sm90TraceLayout {
+  static constexpr int kSlots = 8;
+  static constexpr int kMaxIters = 2048;
+  static constexpr int kPerWarpgroup = kSlots * kMaxIters;
+  enum Slot { kTag = 0, kKWait, kSIssued, kSDone, kSoftmaxDone, kVReady, kPvDone, kEpilogueDone };
+};
+
+struct Sm90Trace {
+  unsigned long long* it = nullptr;  // this warpgroup's current iteration (nullptr: not recording)
+  unsigned long long* end = nullptr;
+  __device__ __forceinline__ void Mark(int slot) const {
+    if (it != nullptr) it[slot] = clock64();
+  }
+  __device__ __forceinline__ void Begin(unsigned long long tag) {
+    if (it != nullptr && it != end) {
+      it[Sm90TraceLayout::kTag] = tag;
+      for (int i = 1; i < Sm90TraceLayout::kSlots; ++i) it[i] = 0;
+    } else {
+      it = nullptr;
+    }
+  }
+  __device__ __forceinline__ void Next() {
+    if (it != nullptr) it += Sm90TraceLayout::kSlots;
+  }
+};
+
+// The untraced kernel's (every production build's) stand-in: nothing is recorded.
+struct Sm90NoTrace {
+  __device__ __forceinline__ void Mark(int) const {}
+  __device__ __forceinline__ void Begin(unsigned long long) {}
+  __device__ __forceinline__ void Next() {}
+};
+
+template <typename Tr>
+using Sm90TraceOf = std::conditional_t<Tr::kTrace, Sm90Trace, Sm90NoTrace>;
 
 // Q buffer and mbarrier parity of the n-th Q tile a CTA loads.
 struct Sm90QSlot {
@@ -342,7 +387,7 @@ template <typename Tr>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
                                             Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
-                                            Sm90OStore& ost) {
+                                            Sm90OStore& ost, Sm90TraceOf<Tr>& tr, uint32_t tile_no) {
   using T = typename Tr::T;
   constexpr int BN = Tr::kBlockN;
   const FlashParams& p = P.p;
@@ -384,22 +429,30 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
     Sm90ReleaseStoredQ(ost, bars, tid);  // the store had the Q wait to read its rows
     for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
       const int st = ring.st;
+      tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb));
+      tr.Mark(Sm90TraceLayout::kKWait);
       ptx::MbarWait(bars.FullK(st), ring.phase);
+      tr.Mark(Sm90TraceLayout::kSIssued);
       mma.IssueS(s, st);
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
+      tr.Mark(Sm90TraceLayout::kSDone);
       if (nb == t.nb_min) release_q();
       mask(s, nb);
       Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
       Sm90Rescale<Tr>(o, corr);
       Sm90PackP<T, BN>(pa, s);
+      tr.Mark(Sm90TraceLayout::kSoftmaxDone);
       ptx::MbarWait(bars.FullV(st), ring.phase);
+      tr.Mark(Sm90TraceLayout::kVReady);
       mma.IssuePV(o, pa, st);
       ptx::WgmmaWait<0>();
 #pragma unroll
       for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+      tr.Mark(Sm90TraceLayout::kPvDone);
       if (lane == 0) ptx::MbarArrive(bars.Empty(st));
       ring.Advance();
+      if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
     }
   }
   if (tma_o) {
@@ -410,6 +463,10 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
     if (Tr::kQBufs == 1) Sm90ReleaseStoredQ(ost, bars, tid);
   } else {
     Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
+  }
+  if (t.nb_max > t.nb_min) {
+    tr.Mark(Sm90TraceLayout::kEpilogueDone);
+    tr.Next();
   }
 }
 
@@ -498,8 +555,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
     Sm90OStore ost;
+    Sm90TraceOf<Tr> tr;
+    if constexpr (Tr::kTrace) {
+      if (P.trace != nullptr && threadIdx.x % 128 == 0) {
+        tr.it = P.trace + (int64_t(blockIdx.x) * Tr::kConsumerWGs + wg - 1) * Sm90TraceLayout::kPerWarpgroup;
+        tr.end = tr.it + Sm90TraceLayout::kPerWarpgroup;
+      }
+    }
+    uint32_t tile_no = 0;
     for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
-      Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost);
+      Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++);
     });
     Sm90ReleaseStoredQ(ost, bars, threadIdx.x % 128);
     if (P.tma_o && threadIdx.x % 128 == 0) ptx::BulkWait();  // O written before the CTA exits

@@ -73,12 +73,16 @@ inline cudaError_t Sm90SmCount(int* sms) {
   return err;
 }
 
+// `trace`: the timeline buffer of a traced tiling (Sm90Traced), grid * kConsumerWGs *
+// Sm90TraceLayout::kPerWarpgroup entries; nullptr otherwise.
 template <typename Tr>
-cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t stream) {
+cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t stream,
+                               unsigned long long* trace = nullptr) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim;
   Sm90Params P;
   P.p = params;
+  P.trace = trace;
   // O through shared memory and TMA stores (needs 16-byte aligned rows); ATTN_SM90_TMA_O=0 stores
   // from registers instead (a measurement knob: on the H200 that is 5-15% slower at s <= 1k).
   P.tma_o = Sm90EnvInt("ATTN_SM90_TMA_O", 1) != 0 && reinterpret_cast<uintptr_t>(params.o) % 16 == 0 &&

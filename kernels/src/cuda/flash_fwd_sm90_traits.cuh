@@ -21,6 +21,7 @@ struct Sm90TraitsBase {
   static constexpr int kBlockM = 64 * kConsumerWGs;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kTrace = false;  // Sm90Traced: the timeline build (bench/sm90_timeline)
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
@@ -53,6 +54,13 @@ struct Sm90TraitsBase {
   static_assert(kBlockN == 64 || kBlockN == 128, "S = Q K^T uses the m64n64/m64n128 shapes");
   static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
+};
+
+// The same tiling with the consumers' timeline recorded (Sm90Params::trace): a measurement build,
+// never dispatched to.
+template <typename Tr>
+struct Sm90Traced : Tr {
+  static constexpr bool kTrace = true;
 };
 
 // Two tilings per head dim: wide (3 consumer warpgroups, 192-row tiles, where registers allow) and

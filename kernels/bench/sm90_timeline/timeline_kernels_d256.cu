@@ -1,0 +1,24 @@
+// The traced sm_90a kernel, head dim 256, bf16 (see timeline_kernels.h).
+#include "flash_fwd_sm90_launch.cuh"
+#include "timeline_kernels.h"
+
+namespace attn::kernels::cuda {
+
+template <>
+cudaError_t LaunchTracedSm90<256>(const FlashParams& params, bool narrow, int sms, cudaStream_t stream,
+                                unsigned long long* trace, int* consumer_wgs, int* block_m) {
+  using Wide = Sm90Traced<Sm90WideTraits<256, __nv_bfloat16>>;
+  using Narrow = Sm90Traced<Sm90NarrowTraits<256, __nv_bfloat16>>;
+  if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+    if (!narrow) {
+      *consumer_wgs = Wide::kConsumerWGs;
+      *block_m = Wide::kBlockM;
+      return LaunchFlashFwdSm90<Wide>(params, sms, stream, trace);
+    }
+  }
+  *consumer_wgs = Narrow::kConsumerWGs;
+  *block_m = Narrow::kBlockM;
+  return LaunchFlashFwdSm90<Narrow>(params, sms, stream, trace);
+}
+
+}  // namespace attn::kernels::cuda
