@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The generation-2 (sm_90a) kernel's measurements of one run on a Hopper GPU host:
+#  1. sm90_timeline on the shapes where the kernel is furthest from cuDNN (per-phase cycles of the
+#     consumer warpgroups, and the share of time with no product waiting);
+#  2. the standard sweep (bench_vs_torch.py: bf16 and fp16, B*S = 16k, H*D = 2048, s = 512..16k,
+#     d = 64/128/256, causal off and on; generation 1, generation 2, torch flash and cuDNN);
+#  3. the generation-2 GPU tests.
+# BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
+# and bench_vs_torch.py; the results go to OUT_DIR (timeline.md, sweep.md, tests.txt).
+#   kernels/bench/gen2_h200.sh BIN OUT_DIR [timeline|sweep|tests ...]
+set -uo pipefail
+bin=$(cd "$1" && pwd)
+out=$2
+shift 2
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(timeline sweep tests)
+mkdir -p "$out"
+rc=0
+
+timeline() {
+  # d, s, flags: where v7.1 measured lowest against cuDNN (docs/PERF.md), and a long d=128 for
+  # reference.
+  local shapes=("128 16384" "128 16384 --narrow" "128 1024" "64 4096 --causal" "64 16384"
+                "256 16384" "256 1024 --causal")
+  local s
+  for s in "${shapes[@]}"; do
+    echo "== sm90_timeline --d ${s/ / --s }"
+    # shellcheck disable=SC2086
+    "$bin/sm90_timeline" --d ${s/ / --s } || rc=1
+    echo
+  done >"$out/timeline.md" 2>&1
+}
+
+sweep() {
+  (cd "$bin" && python3 bench_vs_torch.py \
+      --lib gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2 \
+      --dims 64,128,256 --seqlens 512,1024,2048,4096,8192,16384 --dtypes bf16,fp16 \
+      --causal 0,1 --reps 5 --min-ms 10 --out "$out/sweep.md") >"$out/sweep.log" 2>&1 || rc=1
+}
+
+tests() {
+  "$bin/gpu_attention_test" --gtest_filter='Gen2/*' >"$out/tests.txt" 2>&1 || rc=1
+  tail -n 3 "$out/tests.txt"
+}
+
+for p in "${parts[@]}"; do
+  start=$(date +%s)
+  case $p in
+    timeline | sweep | tests) "$p" ;;
+    *) echo "gen2_h200.sh: unknown part '$p' (timeline, sweep, tests)" >&2; exit 2 ;;
+  esac
+  echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"
+done
+exit $rc
