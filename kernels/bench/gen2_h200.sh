@@ -4,16 +4,17 @@
 #     consumer warpgroups, and the share of time with no product waiting);
 #  2. the standard sweep (bench_vs_torch.py: bf16 and fp16, B*S = 16k, H*D = 2048, s = 512..16k,
 #     d = 64/128/256, causal off and on; generation 1, generation 2, torch flash and cuDNN);
-#  3. the generation-2 GPU tests.
+#  3. the variants of timeline_kernels.h against production (sm90_timeline --variant);
+#  4. the generation-2 GPU tests.
 # BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
-# and bench_vs_torch.py; the results go to OUT_DIR (timeline.md, sweep.md, tests.txt).
-#   kernels/bench/gen2_h200.sh BIN OUT_DIR [timeline|sweep|tests ...]
+# and bench_vs_torch.py; the results go to OUT_DIR (timeline.md, sweep.md, variants.md, tests.txt).
+#   kernels/bench/gen2_h200.sh BIN OUT_DIR [timeline|sweep|variants|tests ...]
 set -uo pipefail
 bin=$(cd "$1" && pwd)
 out=$2
 shift 2
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(timeline sweep tests)
+[ ${#parts[@]} -gt 0 ] || parts=(timeline variants sweep tests)
 mkdir -p "$out"
 rc=0
 
@@ -38,6 +39,21 @@ sweep() {
       --causal 0,1 --reps 5 --min-ms 10 --out "$out/sweep.md") >"$out/sweep.log" 2>&1 || rc=1
 }
 
+variants() {
+  local runs=("rescale_on_change 64 16384" "rescale_on_change 64 4096 --causal"
+              "rescale_on_change 128 16384" "rescale_on_change 256 16384"
+              "keys176 128 16384" "keys176 128 4096" "keys176 128 1024" "keys176 128 4096 --causal"
+              "keys80 256 16384" "keys80 256 4096" "keys80 256 1024 --causal")
+  local r v d rest
+  for r in "${runs[@]}"; do
+    read -r v d rest <<<"$r"
+    echo "== sm90_timeline --variant $v --d $d --s $rest"
+    # shellcheck disable=SC2086
+    "$bin/sm90_timeline" --variant "$v" --d "$d" --s $rest || rc=1
+    echo
+  done >"$out/variants.md" 2>&1
+}
+
 tests() {
   "$bin/gpu_attention_test" --gtest_filter='Gen2/*' >"$out/tests.txt" 2>&1 || rc=1
   tail -n 3 "$out/tests.txt"
@@ -46,8 +62,8 @@ tests() {
 for p in "${parts[@]}"; do
   start=$(date +%s)
   case $p in
-    timeline | sweep | tests) "$p" ;;
-    *) echo "gen2_h200.sh: unknown part '$p' (timeline, sweep, tests)" >&2; exit 2 ;;
+    timeline | sweep | variants | tests) "$p" ;;
+    *) echo "gen2_h200.sh: unknown part '$p' (timeline, sweep, variants, tests)" >&2; exit 2 ;;
   esac
   echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"
 done

@@ -6,7 +6,11 @@
 // had no product of any warpgroup waiting. The production (untraced) kernel is timed on the same
 // inputs in the same run, so the trace's own cost shows.
 //
+// With --variant, times a variant of the kernel (timeline_kernels.h) against production instead
+// (ABBA order, same inputs) and checks that their outputs agree; exits 1 when they do not.
+//
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
+//                 [--variant rescale_on_change|keys176|keys80]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -48,6 +52,7 @@ struct Options {
   bool causal = false;
   bool narrow = false;
   int reps = 20;
+  std::string variant;  // empty: the timeline
 };
 
 Options Parse(int argc, char** argv) {
@@ -66,8 +71,10 @@ Options Parse(int argc, char** argv) {
     else if (a == "--reps") o.reps = next();
     else if (a == "--causal") o.causal = true;
     else if (a == "--narrow") o.narrow = true;
+    else if (a == "--variant" && i + 1 < argc) o.variant = argv[++i];
     else {
-      std::fprintf(stderr, "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N]\n");
+      std::fprintf(stderr, "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N] "
+                           "[--variant rescale_on_change|keys176|keys80]\n");
       std::exit(2);
     }
   }
@@ -102,6 +109,16 @@ cudaError_t LaunchTraced(const Options& o, const FlashParams& p, int sms, unsign
     case 64: return LaunchTracedSm90<64>(p, o.narrow, sms, nullptr, trace, wgs, block_m);
     case 128: return LaunchTracedSm90<128>(p, o.narrow, sms, nullptr, trace, wgs, block_m);
     default: return LaunchTracedSm90<256>(p, o.narrow, sms, nullptr, trace, wgs, block_m);
+  }
+}
+
+cudaError_t LaunchVariant(const Options& o, const FlashParams& p, int sms,
+                          attn::kernels::cuda::Sm90Variant v) {
+  using attn::kernels::cuda::LaunchVariantSm90;
+  switch (o.d) {
+    case 64: return LaunchVariantSm90<64>(p, v, o.narrow, sms, nullptr);
+    case 128: return LaunchVariantSm90<128>(p, v, o.narrow, sms, nullptr);
+    default: return LaunchVariantSm90<256>(p, v, o.narrow, sms, nullptr);
   }
 }
 
@@ -220,6 +237,66 @@ void Analyse(const Options& o, const std::vector<unsigned long long>& trace, int
   for (int n = 0; n <= wgs; ++n) std::printf("| %d | %.3f |\n", n, pending_time[n] / span_total);
 }
 
+std::vector<uint16_t> Download(const void* d, size_t elems) {
+  std::vector<uint16_t> h(elems);
+  CHECK_CUDA(cudaMemcpy(h.data(), d, elems * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+float FromBf16(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Production and the variant, ABBA, on the same inputs; then their outputs side by side.
+int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double flop) {
+  using attn::kernels::cuda::Sm90Variant;
+  Sm90Variant v;
+  if (o.variant == "rescale_on_change") v = Sm90Variant::kRescaleOnChange;
+  else if (o.variant == "keys176") v = Sm90Variant::kKeys176;
+  else if (o.variant == "keys80") v = Sm90Variant::kKeys80;
+  else {
+    std::fprintf(stderr, "unknown --variant %s\n", o.variant.c_str());
+    return 2;
+  }
+  if (LaunchVariant(o, p, sms, v) == cudaErrorNotSupported) {
+    std::fprintf(stderr, "--variant %s does not apply to d=%d\n", o.variant.c_str(), o.d);
+    return 2;
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  setenv("ATTN_SM90_TILING", o.narrow ? "2" : "1", 1);
+  auto prod = [&] { return LaunchProduction(o, p); };
+  auto var = [&] { return LaunchVariant(o, p, sms, v); };
+  const double a1 = MedianMs(o.reps, prod), b1 = MedianMs(o.reps, var);
+  const double b2 = MedianMs(o.reps, var), a2 = MedianMs(o.reps, prod);
+  // Outputs: each kernel on a poisoned O.
+  CHECK_CUDA(cudaMemset(p.o, 0xff, elems * 2));
+  CHECK_CUDA(LaunchProduction(o, p));
+  const std::vector<uint16_t> want = Download(p.o, elems);
+  CHECK_CUDA(cudaMemset(p.o, 0xff, elems * 2));
+  CHECK_CUDA(LaunchVariant(o, p, sms, v));
+  const std::vector<uint16_t> got = Download(p.o, elems);
+  double max_diff = 0;
+  size_t bad = 0;
+  for (size_t i = 0; i < elems; ++i) {
+    const double d = std::fabs(double(FromBf16(got[i])) - FromBf16(want[i]));
+    if (!(d <= 2e-2)) ++bad;  // NaN (the poison) counts
+    if (d > max_diff) max_diff = d;
+  }
+  const double prod_ms = (a1 + a2) / 2, var_ms = (b1 + b2) / 2;
+  std::printf("sm90_timeline: d=%d bf16 s=%d causal=%d, %s tiling, variant %s\n", o.d, o.s,
+              int(o.causal), o.narrow ? "narrow" : "wide", o.variant.c_str());
+  std::printf("| kernel | ms (A) | ms (B) | TFLOP/s | / production |\n| --- | --- | --- | --- | --- |\n");
+  std::printf("| production | %.4f | %.4f | %.0f | 1.000 |\n", a1, a2, flop / prod_ms / 1e9);
+  std::printf("| %s | %.4f | %.4f | %.0f | %.3f |\n", o.variant.c_str(), b1, b2, flop / var_ms / 1e9,
+              prod_ms / var_ms);
+  std::printf("outputs: max |variant - production| = %.3g, %zu of %zu elements beyond 2e-2\n", max_diff,
+              bad, elems);
+  return bad == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -257,6 +334,8 @@ int main(int argc, char** argv) {
   p.scale = 1.0f / std::sqrt(float(o.d));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   p.has_right = o.causal;
+  const double flop = 4.0 * batch * heads * double(o.s) * o.s * o.d * (o.causal ? 0.5 : 1.0);
+  if (!o.variant.empty()) return RunVariant(o, p, sms, elems, flop);
 
   const size_t trace_entries = size_t(sms) * 3 * Layout::kPerWarpgroup;
   unsigned long long* dtrace = nullptr;
@@ -276,7 +355,6 @@ int main(int argc, char** argv) {
   std::vector<unsigned long long> trace(trace_entries);
   CHECK_CUDA(cudaMemcpy(trace.data(), dtrace, trace_entries * 8, cudaMemcpyDeviceToHost));
 
-  const double flop = 4.0 * batch * heads * double(o.s) * o.s * o.d * (o.causal ? 0.5 : 1.0);
   const int tiles = (o.s + block_m - 1) / block_m * heads * batch;
   std::printf("sm90_timeline: d=%d bf16 s=%d batch=%d heads=%d causal=%d, %d consumer warpgroups "
               "(%d-row tiles), %d tiles on %d CTAs\n",

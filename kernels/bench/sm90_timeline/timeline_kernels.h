@@ -1,17 +1,38 @@
-// The traced builds of the sm_90a forward kernel that sm90_timeline launches (one translation unit
-// per head dim, timeline_kernels_d*.cu).
+// The builds of the sm_90a forward kernel that sm90_timeline launches besides the production one
+// (one translation unit per head dim, timeline_kernels_d*.cu): the traced kernel, and variants
+// that are tried against production before any of them is dispatched to.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include "flash_fwd_sm90_traits.cuh"
 #include "flash_params.h"
 
 namespace attn::kernels::cuda {
 
+// O rescaled only when a row's maximum moved (Sm90TraitsBase::kRescaleOnChange).
+template <typename Tr>
+struct Sm90RescaleOnChange : Tr {
+  static constexpr bool kRescaleOnChange = true;
+};
+
+enum class Sm90Variant {
+  kRescaleOnChange,  // the production tiling (wide or narrow) with kRescaleOnChange
+  kKeys176,          // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
+  kKeys80,           // d=256: two consumer warpgroups on 128 x 80 tiles
+};
+
 // Launches the traced kernel (bf16) with the wide or narrow tiling of head dim D; `trace` holds
-// TraceEntries(...) entries. Sets *consumer_wgs and *grid to what was launched.
+// grid * 3 * Sm90TraceLayout::kPerWarpgroup entries. Sets *consumer_wgs and *block_m to what was
+// launched.
 template <int D>
 cudaError_t LaunchTracedSm90(const FlashParams& params, bool narrow, int sms, cudaStream_t stream,
                              unsigned long long* trace, int* consumer_wgs, int* block_m);
+
+// Launches variant v of head dim D (bf16), untraced; cudaErrorNotSupported where v does not apply
+// to D.
+template <int D>
+cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool narrow, int sms,
+                              cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

@@ -1,4 +1,4 @@
-// The traced sm_90a kernel, head dim 64, bf16 (see timeline_kernels.h).
+// sm90_timeline's builds of the sm_90a kernel, head dim 64, bf16 (see timeline_kernels.h).
 #include "flash_fwd_sm90_launch.cuh"
 #include "timeline_kernels.h"
 
@@ -19,6 +19,23 @@ cudaError_t LaunchTracedSm90<64>(const FlashParams& params, bool narrow, int sms
   *consumer_wgs = Narrow::kConsumerWGs;
   *block_m = Narrow::kBlockM;
   return LaunchFlashFwdSm90<Narrow>(params, sms, stream, trace);
+}
+
+template <>
+cudaError_t LaunchVariantSm90<64>(const FlashParams& params, Sm90Variant v, bool narrow, int sms,
+                                 cudaStream_t stream) {
+  using Wide = Sm90WideTraits<64, __nv_bfloat16>;
+  using Narrow = Sm90NarrowTraits<64, __nv_bfloat16>;
+  switch (v) {
+    case Sm90Variant::kRescaleOnChange:
+      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+        if (!narrow) return LaunchFlashFwdSm90<Sm90RescaleOnChange<Wide>>(params, sms, stream);
+      }
+      return LaunchFlashFwdSm90<Sm90RescaleOnChange<Narrow>>(params, sms, stream);
+
+    default:
+      return cudaErrorNotSupported;
+  }
 }
 
 }  // namespace attn::kernels::cuda

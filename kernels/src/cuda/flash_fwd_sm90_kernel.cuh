@@ -440,7 +440,12 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       if (nb == t.nb_min) release_q();
       mask(s, nb);
       Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
-      Sm90Rescale<Tr>(o, corr);
+      if constexpr (Tr::kRescaleOnChange) {
+        // Warp-uniform: the branch needs no reconvergence. corr is exactly 1 when no max moved.
+        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);
+      } else {
+        Sm90Rescale<Tr>(o, corr);
+      }
       Sm90PackP<T, BN>(pa, s);
       tr.Mark(Sm90TraceLayout::kSoftmaxDone);
       ptx::MbarWait(bars.FullV(st), ring.phase);

@@ -22,6 +22,9 @@ struct Sm90TraitsBase {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kTrace = false;  // Sm90Traced: the timeline build (bench/sm90_timeline)
+  // O is rescaled only when some row of the warp has a new maximum (corr != 1): an experiment
+  // of bench/sm90_timeline, off in every dispatched tiling.
+  static constexpr bool kRescaleOnChange = false;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
@@ -51,7 +54,8 @@ struct Sm90TraitsBase {
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
 
   static_assert(D % 64 == 0, "head dim must be a multiple of 64 (one 128-byte swizzle row)");
-  static_assert(kBlockN == 64 || kBlockN == 128, "S = Q K^T uses the m64n64/m64n128 shapes");
+  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176,
+                "S = Q K^T uses the m64nN shapes of wgmma_ops.cuh");
   static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };

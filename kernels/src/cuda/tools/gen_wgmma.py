@@ -6,7 +6,10 @@ function; this script spells them out. Run from kernels/src/cuda: python3 tools/
 """
 import sys
 
-SHAPES = (64, 128)  # N of m64nNk16; larger products are issued as several of these
+# N of m64nNk16. S = Q K^T is one product per key tile (N = the tile's keys: 64 and 128, and 80
+# and 176 for the tilings sm90_timeline tries); P V is issued as products of 64 or 128 columns.
+SS_SHAPES = (64, 80, 128, 176)
+RS_SHAPES = (64, 128)
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 
 
@@ -78,8 +81,9 @@ def main():
         "#if defined(__CUDA_ARCH_FEAT_SM90_ALL)",
     ]
     for ctype, ptype in TYPES:
-        for n in SHAPES:
+        for n in SS_SHAPES:
             out.append(emit_ss(n, ctype, ptype))
+        for n in RS_SHAPES:
             out.append(emit_rs(n, ctype, ptype))
     out += ["#endif  // __CUDA_ARCH_FEAT_SM90_ALL", "", "}  // namespace attn::kernels::cuda::ptx", ""]
     with open("wgmma_ops.cuh", "w") as f:
