@@ -43,7 +43,9 @@ variants() {
   local runs=("rescale_on_change 64 16384" "rescale_on_change 64 4096 --causal"
               "rescale_on_change 128 16384" "rescale_on_change 256 16384"
               "keys176 128 16384" "keys176 128 4096" "keys176 128 1024" "keys176 128 4096 --causal"
-              "keys80 256 16384" "keys80 256 4096" "keys80 256 1024 --causal")
+              "keys80 256 16384" "keys80 256 4096" "keys80 256 1024 --causal"
+              "overlap 128 16384 --narrow" "overlap 128 16384" "overlap 64 16384 --narrow"
+              "overlap 128 4096 --causal --narrow" "overlap 256 16384" "overlap 256 1024 --causal")
   local r v d rest
   for r in "${runs[@]}"; do
     read -r v d rest <<<"$r"

@@ -16,10 +16,17 @@ struct Sm90RescaleOnChange : Tr {
   static constexpr bool kRescaleOnChange = true;
 };
 
+// S of the next key tile before P V of this one (Sm90TraitsBase::kOverlap).
+template <typename Tr>
+struct Sm90Overlap : Tr {
+  static constexpr bool kOverlap = true;
+};
+
 enum class Sm90Variant {
   kRescaleOnChange,  // the production tiling (wide or narrow) with kRescaleOnChange
   kKeys176,          // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
   kKeys80,           // d=256: two consumer warpgroups on 128 x 80 tiles
+  kOverlap,          // the narrow tiling (two consumer warpgroups) with kOverlap
 };
 
 // Launches the traced kernel (bf16) with the wide or narrow tiling of head dim D; `trace` holds

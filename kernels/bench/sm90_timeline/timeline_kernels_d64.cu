@@ -33,6 +33,8 @@ cudaError_t LaunchVariantSm90<64>(const FlashParams& params, Sm90Variant v, bool
       }
       return LaunchFlashFwdSm90<Sm90RescaleOnChange<Narrow>>(params, sms, stream);
 
+    case Sm90Variant::kOverlap:
+      return LaunchFlashFwdSm90<Sm90Overlap<Narrow>>(params, sms, stream);
     default:
       return cudaErrorNotSupported;
   }

@@ -427,37 +427,83 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
     Sm90ReleaseStoredQ(ost, bars, tid);  // the store had the Q wait to read its rows
-    for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-      const int st = ring.st;
-      tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb));
-      tr.Mark(Sm90TraceLayout::kKWait);
+    if constexpr (Tr::kOverlap) {
+      // S of the next key tile is issued before P V of this one, and its softmax runs while that
+      // P V is on the tensor cores; O is rescaled once the P V is complete.
+      auto softmax = [&](int nb) {
+        if (nb == t.nb_min) release_q();
+        mask(s, nb);
+        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+      };
+      int st = ring.st;
+      int nb = t.nb_max - 1;
       ptx::MbarWait(bars.FullK(st), ring.phase);
-      tr.Mark(Sm90TraceLayout::kSIssued);
       mma.IssueS(s, st);
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
-      tr.Mark(Sm90TraceLayout::kSDone);
-      if (nb == t.nb_min) release_q();
-      mask(s, nb);
-      Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
-      if constexpr (Tr::kRescaleOnChange) {
-        // Warp-uniform: the branch needs no reconvergence. corr is exactly 1 when no max moved.
-        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);
-      } else {
-        Sm90Rescale<Tr>(o, corr);
-      }
+      softmax(nb);
       Sm90PackP<T, BN>(pa, s);
-      tr.Mark(Sm90TraceLayout::kSoftmaxDone);
-      ptx::MbarWait(bars.FullV(st), ring.phase);
-      tr.Mark(Sm90TraceLayout::kVReady);
-      mma.IssuePV(o, pa, st);
-      ptx::WgmmaWait<0>();
+      for (;;) {
+        const int st_prev = st;
+        const uint32_t phase_prev = ring.phase;
+        ring.Advance();
+        if (--nb < t.nb_min) {
+          ptx::MbarWait(bars.FullV(st_prev), phase_prev);
+          mma.IssuePV(o, pa, st_prev);
+          ptx::WgmmaWait<0>();
 #pragma unroll
-      for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-      tr.Mark(Sm90TraceLayout::kPvDone);
-      if (lane == 0) ptx::MbarArrive(bars.Empty(st));
-      ring.Advance();
-      if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
+          for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+          if (lane == 0) ptx::MbarArrive(bars.Empty(st_prev));
+          break;
+        }
+        st = ring.st;
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        mma.IssueS(s, st);
+        ptx::MbarWait(bars.FullV(st_prev), phase_prev);
+        mma.IssuePV(o, pa, st_prev);
+        ptx::WgmmaWait<1>();  // S complete; P V may still run
+        ptx::RegFence(s);
+        softmax(nb);
+        ptx::WgmmaWait<0>();
+#pragma unroll
+        for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+        if (lane == 0) ptx::MbarArrive(bars.Empty(st_prev));
+        Sm90Rescale<Tr>(o, corr);
+        Sm90PackP<T, BN>(pa, s);
+      }
+    } else {
+      for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+        const int st = ring.st;
+        tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb));
+        tr.Mark(Sm90TraceLayout::kKWait);
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        tr.Mark(Sm90TraceLayout::kSIssued);
+        mma.IssueS(s, st);
+        ptx::WgmmaWait<0>();
+        ptx::RegFence(s);
+        tr.Mark(Sm90TraceLayout::kSDone);
+        if (nb == t.nb_min) release_q();
+        mask(s, nb);
+        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+        if constexpr (Tr::kRescaleOnChange) {
+          // Warp-uniform: the branch needs no reconvergence. corr is exactly 1 when no max moved.
+          if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);
+        } else {
+          Sm90Rescale<Tr>(o, corr);
+        }
+        Sm90PackP<T, BN>(pa, s);
+        tr.Mark(Sm90TraceLayout::kSoftmaxDone);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
+        tr.Mark(Sm90TraceLayout::kVReady);
+        mma.IssuePV(o, pa, st);
+        ptx::WgmmaWait<0>();
+#pragma unroll
+        for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+        tr.Mark(Sm90TraceLayout::kPvDone);
+        if (lane == 0) ptx::MbarArrive(bars.Empty(st));
+        ring.Advance();
+        if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
+      }
     }
   }
   if (tma_o) {

@@ -25,6 +25,9 @@ struct Sm90TraitsBase {
   // O is rescaled only when some row of the warp has a new maximum (corr != 1): an experiment
   // of bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kRescaleOnChange = false;
+  // S of the next key tile issued before P V of this one (its softmax overlaps that P V): an
+  // experiment of bench/sm90_timeline, off in every dispatched tiling.
+  static constexpr bool kOverlap = false;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
