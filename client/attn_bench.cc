@@ -18,7 +18,7 @@
 // the request's buffers and whose o comes back with one copy into the result, as a program using
 // Client::Attend gets them. protobuf: the generated stub with a request message built once, which
 // protobuf serializes into fresh slices on every call, and a response parsed into strings. Stream
-// mode uses the generated stubs either way; decode mode has --step_coding instead.
+// mode likewise (wire: Client::OpenRawAttendStream); decode mode has --step_coding instead.
 //
 // --mode=decode drives KV-cache sessions: --sessions S (a comma-separated sweep, instead of
 // --concurrency) sessions of --layers L layers, each prefilled with --cache_tokens tokens per layer
@@ -68,6 +68,7 @@
 #include "absl/strings/str_split.h"
 #include "attn/client/client.h"
 #include "attn/client/tcp_ceiling.h"
+#include "attn/client/wire_coding.h"
 #include "bench_region.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
@@ -108,7 +109,7 @@ ABSL_FLAG(bool, shm_write_inputs, true,
           "--transport shm: copy q, k and v into the region before every call, as a client that "
           "produces them must");
 ABSL_FLAG(std::string, client_coding, "wire",
-          "unary and echo modes: wire (the client library's raw calls: tensors sent from the "
+          "unary, stream and echo modes: wire (the client library's raw calls: tensors sent from the "
           "caller's buffers, o copied once into the result) or protobuf (the generated stub with "
           "a request message built once)");
 ABSL_FLAG(std::string, concurrency, "1", "Comma-separated concurrency levels to sweep");
@@ -374,32 +375,119 @@ void UnaryWorker(Client* client, const Payload& p, bool echo, Recorder* rec, dou
   }
 }
 
+// AttendStream's two codings for StreamLoop: Write(id) sends request id (false once the stream is
+// broken); Read(&item) takes the next response (false at the stream's end); Finish() ends it.
+struct StreamItem {
+  uint64_t id = 0;
+  grpc::Status status;
+  const attn::v1::ServerTiming* timing = nullptr;  // valid until the next Read
+};
+
+// The generated stub: the request message built once and serialized by protobuf on every write,
+// responses parsed into messages.
+class StubStreamCoding {
+ public:
+  StubStreamCoding(Client* client, const Payload& p, grpc::ClientContext* ctx)
+      : request_(p.attend), stream_(client->stub()->AttendStream(ctx)) {}
+  bool Write(uint64_t id) {
+    request_.set_request_id(id);
+    return stream_->Write(request_);
+  }
+  bool Read(StreamItem* item) {
+    if (!stream_->Read(&response_)) return false;
+    item->id = response_.request_id();
+    item->status = response_.status_code() == 0
+                       ? grpc::Status::OK
+                       : grpc::Status(static_cast<grpc::StatusCode>(response_.status_code()),
+                                      response_.status_message());
+    item->timing = &response_.timing();
+    return true;
+  }
+  void WritesDone() { stream_->WritesDone(); }
+  grpc::Status Finish() { return stream_->Finish(); }
+
+ private:
+  attn::v1::AttendRequest request_;
+  attn::v1::AttendResponse response_;
+  std::unique_ptr<grpc::ClientReaderWriter<attn::v1::AttendRequest, attn::v1::AttendResponse>> stream_;
+};
+
+// The client library's wire coding over a raw stream: each request's tensors go out as slices
+// over the payload's buffers, and each response's o is read into one result (one copy), as
+// Client::Attend does for a unary call.
+class WireStreamCoding {
+ public:
+  WireStreamCoding(Client* client, const Payload& p, grpc::ClientContext* ctx)
+      : p_(p), stream_(client->OpenRawAttendStream(ctx)) {}
+  // The slices of the last writes may still be held by gRPC: the stream goes first.
+  ~WireStreamCoding() {
+    stream_.reset();
+    borrowed_.Wait();
+  }
+  bool Write(uint64_t id) {
+    grpc::ByteBuffer request = attn::client::EncodeAttendRequest(p_.q, p_.k, p_.v, p_.options,
+                                                                 &borrowed_, id);
+    return stream_->Write(request);
+  }
+  bool Read(StreamItem* item) {
+    grpc::ByteBuffer buffer;
+    if (!stream_->Read(&buffer)) return false;
+    attn::client::ReceivedBytes bytes;
+    attn::client::DecodedAttendResponse decoded;
+    absl::Status st = bytes.Take(&buffer);
+    if (st.ok()) st = attn::client::DecodeAttendResponse(bytes.pieces, &decoded);
+    if (st.ok() && decoded.header.status_code() != 0) {
+      st = absl::Status(static_cast<absl::StatusCode>(decoded.header.status_code()),
+                        decoded.header.status_message());
+    }
+    if (st.ok()) st = attn::client::ReadAttendResult(decoded, &result_);
+    item->id = decoded.header.request_id();
+    item->status = grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+    result_.timing = decoded.header.timing();
+    item->timing = &result_.timing;
+    return true;
+  }
+  void WritesDone() { stream_->WritesDone(); }
+  grpc::Status Finish() { return stream_->Finish(); }
+
+ private:
+  const Payload& p_;
+  attn::client::BorrowedSlices borrowed_;
+  attn::client::AttendResult result_;  // its buffers reused from response to response
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
+};
+
 // One AttendStream with up to `depth` requests in flight; latency per item. interval_s > 0:
 // open loop, request k is due at start + k * interval_s and its latency counts from then (also
 // when it had to wait for a free slot).
+template <typename Coding>
 void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth, double interval_s,
                   Clock::time_point start) {
   grpc::ClientContext ctx;
   client->PrepareContext(&ctx, std::chrono::milliseconds(0));
-  auto stream = client->stub()->AttendStream(&ctx);
+  Coding stream(client, p, &ctx);
   std::mutex mu;
   std::condition_variable slot_free;
   std::vector<Clock::time_point> sent_at;
   int in_flight = 0;
   bool reader_done = false;
   std::thread reader([&] {
-    attn::v1::AttendResponse r;
-    while (stream->Read(&r)) {
-      Clock::time_point sent;
+    StreamItem item;
+    while (stream.Read(&item)) {
+      Clock::time_point sent{};
+      bool known;
       {
         std::lock_guard<std::mutex> lock(mu);
-        sent = sent_at[r.request_id()];
+        known = item.id < sent_at.size();
+        if (known) sent = sent_at[item.id];
       }
-      const grpc::Status st = r.status_code() == 0
-                                  ? grpc::Status::OK
-                                  : grpc::Status(static_cast<grpc::StatusCode>(r.status_code()),
-                                                 r.status_message());
-      rec->Record(sent, Clock::now(), &r.timing(), st);
+      if (known) {
+        rec->Record(sent, Clock::now(), item.status.ok() ? item.timing : nullptr, item.status);
+      } else {  // a response that names no request sent (a malformed one): counted, not timed
+        rec->RecordStreamError(item.status.ok()
+                                   ? grpc::Status(grpc::StatusCode::INTERNAL, "unknown request_id")
+                                   : item.status);
+      }
       std::lock_guard<std::mutex> lock(mu);
       --in_flight;
       slot_free.notify_one();
@@ -408,7 +496,6 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth, do
     reader_done = true;
     slot_free.notify_one();
   });
-  attn::v1::AttendRequest request = p.attend;
   for (uint64_t id = 0; rec->Running(); ++id) {
     Clock::time_point due{};
     if (interval_s > 0) {
@@ -433,12 +520,11 @@ void StreamWorker(Client* client, const Payload& p, Recorder* rec, int depth, do
       sent_at.push_back(interval_s > 0 ? due : Clock::now());
       ++in_flight;
     }
-    request.set_request_id(id);
-    if (!stream->Write(request)) break;
+    if (!stream.Write(id)) break;
   }
-  stream->WritesDone();
+  stream.WritesDone();
   reader.join();
-  const grpc::Status st = stream->Finish();
+  const grpc::Status st = stream.Finish();
   if (!st.ok()) rec->RecordStreamError(st);
 }
 
@@ -523,8 +609,9 @@ LevelResult RunLevel(const Payload& p, const std::string& mode, int concurrency)
     const auto worker_start = start + std::chrono::duration_cast<Clock::duration>(
                                           std::chrono::duration<double>(interval * i / concurrency));
     if (mode == "stream") {
-      workers.emplace_back(StreamWorker, c, std::cref(p), &rec, absl::GetFlag(FLAGS_stream_depth),
-                           interval, worker_start);
+      workers.emplace_back(WireCoding() ? StreamWorker<WireStreamCoding> : StreamWorker<StubStreamCoding>,
+                           c, std::cref(p), &rec, absl::GetFlag(FLAGS_stream_depth), interval,
+                           worker_start);
     } else {
       workers.emplace_back(UnaryWorker, c, std::cref(p), mode == "echo", &rec, interval, worker_start,
                            shm ? regions.regions[i].get() : nullptr);
@@ -774,8 +861,9 @@ int main(int argc, char** argv) {
               mode.c_str(), absl::GetFlag(FLAGS_target).c_str(),
               payload.attend.ByteSizeLong() / 1e6, payload.tokens,
               payload.attend.q().data().size() / 1e6,
-              (mode == "unary" && transport == "grpc") || mode == "echo" ? coding.c_str()
-                                                                         : "protobuf (stub)");
+              (mode == "unary" && transport == "grpc") || mode == "echo" || mode == "stream"
+                  ? coding.c_str()
+                  : "protobuf (stub)");
   PrintHeader();
   const bool compare_echo = absl::GetFlag(FLAGS_compare_echo) && mode != "echo";
   if (absl::GetFlag(FLAGS_compare_echo) && mode == "echo") {

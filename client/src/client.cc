@@ -188,6 +188,7 @@ Client::Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>
     echo_methods_.emplace_back(kEchoMethod, RpcMethod::NORMAL_RPC, c);
     step_methods_.emplace_back(kStepMethod, RpcMethod::NORMAL_RPC, c);
     batch_step_methods_.emplace_back(kBatchStepMethod, RpcMethod::NORMAL_RPC, c);
+    attend_stream_methods_.emplace_back(kAttendStreamMethod, RpcMethod::BIDI_STREAMING, c);
   }
 }
 
@@ -217,6 +218,15 @@ grpc::Status Client::CallBatchStep(grpc::ByteBuffer request, std::chrono::millis
                                    grpc::ByteBuffer* response) {
   const size_t c = NextConnection();
   return CallRaw(c, batch_step_methods_[c], std::move(request), timeout, response);
+}
+
+std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>
+Client::OpenRawAttendStream(grpc::ClientContext* ctx) {
+  const size_t c = NextConnection();
+  // What the generated stub's AttendStream does, here with bytes both ways.
+  return std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          channels_[c].get(), attend_stream_methods_[c], ctx));
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {

@@ -54,13 +54,24 @@ assert 0.85 * rate <= r["requests_per_s"] <= 1.15 * rate, \
 print(f"ok: {sys.argv[2]} --rate {rate} -> {r['requests_per_s']} req/s")
 PY
 done
-"$bench" --target "127.0.0.1:$P" --mode stream --concurrency 2 --duration_s 1 --warmup_s 0.3 \
-  "${shape[@]}" --json "$work/closed.json"
-python3 -c '
+# The closed loop with either client coding (wire: the client library's raw stream).
+for coding in wire protobuf; do
+  "$bench" --target "127.0.0.1:$P" --mode stream --concurrency 2 --duration_s 1 --warmup_s 0.3 \
+    "${shape[@]}" --client_coding $coding --json "$work/closed.json" | tee "$work/closed.txt"
+  grep -q "client coding $coding" "$work/closed.txt" || fail "stream mode did not say its coding ($coding)"
+  python3 -c '
 import json, sys
 r = json.load(open(sys.argv[1]))[0]
-assert r["requests_per_s"] > 100, r
-print("ok: stream closed loop", r["requests_per_s"], "req/s")' "$work/closed.json"
+assert r["errors"] == 0 and r["requests_per_s"] > 100, r
+assert r["server_compute_us"] > 0, r  # the server timings came back with the responses
+print("ok: stream closed loop,", sys.argv[2], "coding:", r["requests_per_s"], "req/s")' "$work/closed.json" $coding
+  # Refused items come back on the open stream with the server's status, counted as errors.
+  "$bench" --target "127.0.0.1:$P" --mode stream --concurrency 1 --duration_s 0.5 --warmup_s 0.1 \
+    --seq 16 --heads 2 --head-dim 1000 --dtype bf16 --client_coding $coding --tcp_ceiling_s 0 \
+    >"$work/refused.txt" 2>&1 || true  # (non-zero: the level had errors)
+  grep -q "first error: head_dim 1000 (q.shape\[2\]) is not supported" "$work/refused.txt" ||
+    fail "stream ($coding): a refused item's status did not come back: $(cat "$work/refused.txt")"
+done
 
 # --compare_echo: per level the mode row, then Echo; ratios = mode over Echo (req/s, p50).
 "$bench" --target "ipv4:127.0.0.1:$P" --lb round_robin --mode unary --concurrency 1,2 \

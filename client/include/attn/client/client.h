@@ -136,6 +136,11 @@ class Client {
                         grpc::ByteBuffer* response);
   grpc::Status CallBatchStep(grpc::ByteBuffer request, std::chrono::milliseconds timeout,
                              grpc::ByteBuffer* response);
+  // An AttendStream whose requests and responses are bytes coded by the caller (wire_coding.h:
+  // EncodeAttendRequest, DecodeAttendResponse), on the next connection. ctx as for a stub's
+  // stream (PrepareContext); it must outlive the stream.
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> OpenRawAttendStream(
+      grpc::ClientContext* ctx);
 
  private:
   Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels);
@@ -157,7 +162,7 @@ class Client {
   std::vector<std::unique_ptr<v1::Attention::Stub>> stubs_;
   // Per connection, the raw calls' methods, registered with its channel as a stub's are.
   std::vector<grpc::internal::RpcMethod> attend_methods_, echo_methods_, step_methods_,
-      batch_step_methods_;
+      batch_step_methods_, attend_stream_methods_;
   std::atomic<uint64_t> next_stub_{0};
 };
 

@@ -32,6 +32,7 @@ inline constexpr char kAttendMethod[] = "/attn.v1.Attention/Attend";
 inline constexpr char kEchoMethod[] = "/attn.v1.Attention/Echo";
 inline constexpr char kStepMethod[] = "/attn.v1.Attention/Step";
 inline constexpr char kBatchStepMethod[] = "/attn.v1.Attention/BatchStep";
+inline constexpr char kAttendStreamMethod[] = "/attn.v1.Attention/AttendStream";
 
 // Slices over memory of the caller's, counted until every holder of them has let go: the buffers
 // they are in and gRPC, which may keep a sent message's slices a little after its call has
