@@ -27,7 +27,7 @@ timeline() {
   for s in "${shapes[@]}"; do
     echo "== sm90_timeline --d ${s/ / --s }"
     # shellcheck disable=SC2086
-    timeout 120 "$bin/sm90_timeline" --d ${s/ / --s } || rc=1
+    timeout 60 "$bin/sm90_timeline" --d ${s/ / --s } || rc=1
     echo
   done >"$out/timeline.md" 2>&1
 }
@@ -51,8 +51,8 @@ variants() {
     read -r v d rest <<<"$r"
     echo "== sm90_timeline --variant $v --d $d --s $rest"
     # shellcheck disable=SC2086
-    # A variant that hangs (none has run on a GPU yet) costs two minutes, not the whole call.
-    timeout 120 "$bin/sm90_timeline" --variant "$v" --d "$d" --s $rest || rc=1
+    # A variant that hangs (none has run on a GPU yet) costs a minute, not the whole call.
+    timeout 60 "$bin/sm90_timeline" --variant "$v" --d "$d" --s $rest || rc=1
     echo
   done >"$out/variants.md" 2>&1
 }
