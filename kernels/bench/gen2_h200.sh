@@ -45,7 +45,10 @@ variants() {
               "keys176 128 16384" "keys176 128 4096" "keys176 128 1024" "keys176 128 4096 --causal"
               "keys80 256 16384" "keys80 256 4096" "keys80 256 1024 --causal"
               "overlap 128 16384 --narrow" "overlap 128 16384" "overlap 64 16384 --narrow"
-              "overlap 128 4096 --causal --narrow" "overlap 256 16384" "overlap 256 1024 --causal")
+              "overlap 128 4096 --causal --narrow" "overlap 256 16384" "overlap 256 1024 --causal"
+              "cluster_kv 256 16384" "cluster_kv 256 4096" "cluster_kv 256 1024"
+              "cluster_kv 128 12288" "cluster_kv 128 16384 --narrow" "cluster_kv 128 3072"
+              "cluster_kv 64 12288" "cluster_kv 64 16384 --narrow")
   local r v d rest
   for r in "${runs[@]}"; do
     read -r v d rest <<<"$r"

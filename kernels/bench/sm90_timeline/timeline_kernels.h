@@ -22,11 +22,18 @@ struct Sm90Overlap : Tr {
   static constexpr bool kOverlap = true;
 };
 
+// K/V halves multicast between the two CTAs of a cluster (Sm90TraitsBase::kClusterKV).
+template <typename Tr>
+struct Sm90ClusterKV : Tr {
+  static constexpr bool kClusterKV = true;
+};
+
 enum class Sm90Variant {
   kRescaleOnChange,  // the production tiling (wide or narrow) with kRescaleOnChange
   kKeys176,          // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
   kKeys80,           // d=256: two consumer warpgroups on 128 x 80 tiles
   kOverlap,          // the narrow tiling (two consumer warpgroups) with kOverlap
+  kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
 };
 
 // Launches the traced kernel (bf16) with the wide or narrow tiling of head dim D; `trace` holds

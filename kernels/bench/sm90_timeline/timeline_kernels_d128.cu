@@ -34,6 +34,11 @@ cudaError_t LaunchVariantSm90<128>(const FlashParams& params, Sm90Variant v, boo
       return LaunchFlashFwdSm90<Sm90RescaleOnChange<Narrow>>(params, sms, stream);
     case Sm90Variant::kKeys176:
       return LaunchFlashFwdSm90<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>(params, sms, stream);
+    case Sm90Variant::kClusterKV:
+      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+        if (!narrow) return LaunchFlashFwdSm90<Sm90ClusterKV<Wide>>(params, sms, stream);
+      }
+      return LaunchFlashFwdSm90<Sm90ClusterKV<Narrow>>(params, sms, stream);
     case Sm90Variant::kOverlap:
       return LaunchFlashFwdSm90<Sm90Overlap<Narrow>>(params, sms, stream);
     default:

@@ -34,6 +34,11 @@ cudaError_t LaunchVariantSm90<256>(const FlashParams& params, Sm90Variant v, boo
       return LaunchFlashFwdSm90<Sm90RescaleOnChange<Narrow>>(params, sms, stream);
     case Sm90Variant::kKeys80:
       return LaunchFlashFwdSm90<Sm90TraitsBase<256, __nv_bfloat16, 80, 2, 2>>(params, sms, stream);
+    case Sm90Variant::kClusterKV:
+      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+        if (!narrow) return LaunchFlashFwdSm90<Sm90ClusterKV<Wide>>(params, sms, stream);
+      }
+      return LaunchFlashFwdSm90<Sm90ClusterKV<Narrow>>(params, sms, stream);
     case Sm90Variant::kOverlap:
       return LaunchFlashFwdSm90<Sm90Overlap<Narrow>>(params, sms, stream);
     default:

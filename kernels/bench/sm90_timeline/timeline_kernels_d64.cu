@@ -33,6 +33,11 @@ cudaError_t LaunchVariantSm90<64>(const FlashParams& params, Sm90Variant v, bool
       }
       return LaunchFlashFwdSm90<Sm90RescaleOnChange<Narrow>>(params, sms, stream);
 
+    case Sm90Variant::kClusterKV:
+      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+        if (!narrow) return LaunchFlashFwdSm90<Sm90ClusterKV<Wide>>(params, sms, stream);
+      }
+      return LaunchFlashFwdSm90<Sm90ClusterKV<Narrow>>(params, sms, stream);
     case Sm90Variant::kOverlap:
       return LaunchFlashFwdSm90<Sm90Overlap<Narrow>>(params, sms, stream);
     default:

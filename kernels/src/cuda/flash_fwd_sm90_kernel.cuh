@@ -155,6 +155,21 @@ struct Sm90Bars {
   __device__ __forceinline__ uint64_t* Empty(int st) const { return base + 4 + 2 * S + st; }
 };
 
+// Tr::kClusterKV: this CTA's half of a K or V tile (rows rank * BN/2 ..), one 64-column slab at a
+// time so that each lands where the whole tile's slab rows go, multicast to both CTAs of the
+// cluster; the map's boxes are {64, BN/2, 1, 1}.
+template <typename Tr>
+__device__ __forceinline__ void Sm90LoadHalfKV(const CUtensorMap& map, uint8_t* tile, int row, int hk,
+                                               uint64_t* full) {
+  constexpr int kHalf = Tr::kBlockN / 2;
+  const int rank = int(ptx::ClusterCtaRank());
+#pragma unroll
+  for (int k = 0; k < Tr::kSlabs; ++k) {
+    ptx::TmaLoad4dMulticast(tile + k * Tr::kBlockN * 128 + rank * kHalf * 128, &map, 0, row + rank * kHalf,
+                            k, hk, full, uint16_t(0x3));
+  }
+}
+
 // Producer, one tile: Q (once the consumers are done with that buffer's last Q), then K and V of
 // each key tile into the stage ring. q_loads counts the Q tiles loaded before this one.
 template <typename Tr>
@@ -172,9 +187,17 @@ __device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile&
     ptx::MbarWait(bars.Empty(st), ring.phase ^ 1);
     const int row = t.k_start + nb * Tr::kBlockN;
     ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKVBytes);
-    ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, bars.FullK(st));
+    if constexpr (Tr::kClusterKV) {
+      Sm90LoadHalfKV<Tr>(P.tk, smem + Tr::kKOff + st * Tr::kKVBytes, row, hk, bars.FullK(st));
+    } else {
+      ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, bars.FullK(st));
+    }
     ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
-    ptx::TmaLoad4d(smem + Tr::kVOff + st * Tr::kKVBytes, &P.tv, 0, row, 0, hk, bars.FullV(st));
+    if constexpr (Tr::kClusterKV) {
+      Sm90LoadHalfKV<Tr>(P.tv, smem + Tr::kVOff + st * Tr::kKVBytes, row, hk, bars.FullV(st));
+    } else {
+      ptx::TmaLoad4d(smem + Tr::kVOff + st * Tr::kKVBytes, &P.tv, 0, row, 0, hk, bars.FullV(st));
+    }
     ring.Advance();
   }
 }
@@ -500,7 +523,12 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
         tr.Mark(Sm90TraceLayout::kPvDone);
-        if (lane == 0) ptx::MbarArrive(bars.Empty(st));
+        if (lane == 0) {
+          ptx::MbarArrive(bars.Empty(st));
+          // The partner CTA's producer also writes this stage (its half of the tile): it waits
+          // for this warp too.
+          if constexpr (Tr::kClusterKV) ptx::MbarArriveRemote(bars.Empty(st), ptx::ClusterCtaRank() ^ 1);
+        }
         ring.Advance();
         if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
       }
@@ -559,6 +587,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   constexpr int S = Tr::kStages;
   const Sm90Bars<S> bars{reinterpret_cast<uint64_t*>(smem + Tr::kBarOff)};
   constexpr uint32_t kConsumerWarps = Tr::kConsumerWGs * 4;  // each arrives once per release
+  static_assert(!(Tr::kClusterKV && Tr::kOverlap), "the overlapped key loop has no cluster release");
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
@@ -568,26 +597,46 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     for (int i = 0; i < S; ++i) {
       ptx::MbarInit(bars.FullK(i), 1);
       ptx::MbarInit(bars.FullV(i), 1);
-      ptx::MbarInit(bars.Empty(i), kConsumerWarps);
+      // Tr::kClusterKV: the consumer warps of both CTAs of the cluster release each stage.
+      ptx::MbarInit(bars.Empty(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
     }
     ptx::FenceMbarInit();
   }
-  __syncthreads();
+  if constexpr (Tr::kClusterKV) {
+    ptx::ClusterSync();  // the partner's barriers exist before its loads and arrivals reach them
+  } else {
+    __syncthreads();
+  }
 
   // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
   const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
                            P.p.batch, P.p.has_right};
   auto for_each_tile = [&](auto&& fn) {
     uint32_t q_loads = 0;  // Q tiles loaded so far (tiles with at least one key tile)
-    for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
-      const int j = sched.Tile(r);
-      if (j >= sched.Total()) continue;
-      int m_block, h, b;
-      sched.Decode(j, &m_block, &h, &b);
-      Sm90Tile t;
-      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) continue;
-      fn(t, h, q_loads);
-      q_loads += t.nb_max > t.nb_min;
+    if constexpr (Tr::kClusterKV) {
+      // Pairs of row blocks (2p, 2p + 1) of one (sequence, head), the CTAs of cluster c taking
+      // pairs c, c + G/2, ...: both see the same key tiles in the same order.
+      const int m_pairs = sched.m_blocks / 2, clusters = int(gridDim.x) / 2;
+      const int pairs = m_pairs * sched.heads * sched.batch;
+      for (int j = int(blockIdx.x) / 2; j < pairs; j += clusters) {
+        const int hb = j / m_pairs;
+        Sm90Tile t;
+        MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, 2 * (j % m_pairs) + int(ptx::ClusterCtaRank()),
+                                               hb / sched.heads, &t);
+        fn(t, hb % sched.heads, q_loads);
+        q_loads += t.nb_max > t.nb_min;
+      }
+    } else {
+      for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
+        const int j = sched.Tile(r);
+        if (j >= sched.Total()) continue;
+        int m_block, h, b;
+        sched.Decode(j, &m_block, &h, &b);
+        Sm90Tile t;
+        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) continue;
+        fn(t, h, q_loads);
+        q_loads += t.nb_max > t.nb_min;
+      }
     }
   };
   Sm90Ring<S> ring;
@@ -620,6 +669,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     Sm90ReleaseStoredQ(ost, bars, threadIdx.x % 128);
     if (P.tma_o && threadIdx.x % 128 == 0) ptx::BulkWait();  // O written before the CTA exits
   }
+  // The partner may still write into this CTA's stages and arrive on its barriers until it is done.
+  if constexpr (Tr::kClusterKV) ptx::ClusterSync();
 #endif
 }
 

@@ -73,6 +73,14 @@ inline cudaError_t Sm90SmCount(int* sms) {
   return err;
 }
 
+// Whether a launch's arguments suit Tr::kClusterKV: no mask, and every sequence of the same length,
+// a multiple of two row blocks (a cluster's two CTAs then always have tiles of one (sequence,
+// head) with the same key tiles).
+inline bool Sm90ClusterKvApplies(const FlashParams& p, int block_m) {
+  return !p.has_left && !p.has_right && p.max_seqlen_q > 0 && p.max_seqlen_q % (2 * block_m) == 0 &&
+         int64_t(p.total_q) == int64_t(p.batch) * p.max_seqlen_q;
+}
+
 // `trace`: the timeline buffer of a traced tiling (Sm90Traced), grid * kConsumerWGs *
 // Sm90TraceLayout::kPerWarpgroup entries; nullptr otherwise.
 template <typename Tr>
@@ -89,9 +97,14 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
             params.o_row_stride % 8 == 0 &&
             EncodeRowsMap<T, D>(&P.to, params.o, params.total_q, params.num_heads, 64,
                                 params.o_row_stride, 1);
+  // Tr::kClusterKV: each CTA loads half a K/V tile, slab by slab (Sm90LoadHalfKV).
+  constexpr int kKvBoxRows = Tr::kClusterKV ? Tr::kBlockN / 2 : Tr::kBlockN;
+  constexpr int kKvBoxSlabs = Tr::kClusterKV ? 1 : D / 64;
   if (!EncodeRowsMap<T, D>(&P.tq, params.q, params.total_q, params.num_heads, Tr::kBlockM) ||
-      !EncodeRowsMap<T, D>(&P.tk, params.k, params.total_k, params.num_kv_heads, Tr::kBlockN) ||
-      !EncodeRowsMap<T, D>(&P.tv, params.v, params.total_k, params.num_kv_heads, Tr::kBlockN)) {
+      !EncodeRowsMap<T, D>(&P.tk, params.k, params.total_k, params.num_kv_heads, kKvBoxRows, 0,
+                           kKvBoxSlabs) ||
+      !EncodeRowsMap<T, D>(&P.tv, params.v, params.total_k, params.num_kv_heads, kKvBoxRows, 0,
+                           kKvBoxSlabs)) {
     return cudaErrorInvalidValue;
   }
   auto kernel = &FlashFwdSm90Kernel<Tr>;
@@ -102,8 +115,32 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
                         params.num_heads * params.batch;
   if (tiles == 0) return cudaSuccess;
   const int grid = static_cast<int>(tiles < sms ? tiles : sms);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(P);
-  return cudaGetLastError();
+  if constexpr (Tr::kClusterKV) {
+    if (!Sm90ClusterKvApplies(params, Tr::kBlockM)) return cudaErrorNotSupported;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(grid & ~1));  // whole clusters; tiles come in pairs
+    config.blockDim = dim3(Tr::kThreads);
+    config.dynamicSmemBytes = Tr::kSmemAlloc;
+    config.stream = stream;
+    cudaLaunchAttribute cluster = {};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    // A GPC with an odd number of free SMs leaves one idle: a persistent grid of more clusters
+    // than fit at once would run its last ones as a second wave.
+    int clusters = 0;
+    err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+    if (err != cudaSuccess) return err;
+    if (clusters == 0) return cudaErrorNotSupported;
+    if (2 * clusters < int(config.gridDim.x)) config.gridDim = dim3(unsigned(2 * clusters));
+    return cudaLaunchKernelEx(&config, kernel, P);
+  } else {
+    kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(P);
+    return cudaGetLastError();
+  }
 }
 
 // Estimated time of a launch with the tiling Tr, in units of one 64-row x 128-key product step:

@@ -28,6 +28,11 @@ struct Sm90TraitsBase {
   // S of the next key tile issued before P V of this one (its softmax overlaps that P V): an
   // experiment of bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kOverlap = false;
+  // K/V tiles shared by the two CTAs of a cluster: each loads half of every tile and multicasts
+  // it to both (half the L2 traffic); the pair computes two row blocks of one (sequence, head).
+  // Non-causal, unwindowed, equal-length sequences of a multiple of 2 * kBlockM queries only (the
+  // launcher checks): an experiment of bench/sm90_timeline, off in every dispatched tiling.
+  static constexpr bool kClusterKV = false;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
