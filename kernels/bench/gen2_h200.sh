@@ -5,10 +5,13 @@
 #  2. the standard sweep (bench_vs_torch.py: bf16 and fp16, B*S = 16k, H*D = 2048, s = 512..16k,
 #     d = 64/128/256, causal off and on; generation 1, generation 2, torch flash and cuDNN);
 #  3. the variants of timeline_kernels.h against production (sm90_timeline --variant);
-#  4. the generation-2 GPU tests.
+#  4. the generation-2 GPU tests;
+#  softmax_variants and accuracy (not in the default list): the split key loop and the polynomial
+#  exponentials against production; each kernel's error against float64 attention.
 # BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
-# and bench_vs_torch.py; the results go to OUT_DIR (timeline.md, sweep.md, variants.md, tests.txt).
-#   kernels/bench/gen2_h200.sh BIN OUT_DIR [timeline|sweep|variants|tests ...]
+# bench_vs_torch.py and accuracy_vs_fp64.py; the results go to OUT_DIR (timeline.md, sweep.md,
+# variants.md, softmax_variants.md, accuracy.md, tests.txt).
+#   kernels/bench/gen2_h200.sh BIN OUT_DIR [timeline|sweep|variants|softmax_variants|accuracy|tests ...]
 set -uo pipefail
 bin=$(cd "$1" && pwd)
 out=$2
@@ -60,6 +63,29 @@ variants() {
   done >"$out/variants.md" 2>&1
 }
 
+# The split key loop (unmasked tiles without the mask) and the exponentials partly by polynomial,
+# each against production.
+softmax_variants() {
+  local shapes=("64 16384" "64 4096 --causal" "64 1024" "128 16384" "128 16384 --narrow" "128 4096"
+                "128 1024" "128 4096 --causal" "256 16384" "256 4096" "256 1024 --causal")
+  local v s
+  for s in "${shapes[@]}"; do
+    for v in split_mask exp2_poly4 exp2_poly8; do
+      echo "== sm90_timeline --variant $v --d ${s/ / --s }"
+      # shellcheck disable=SC2086
+      timeout 60 "$bin/sm90_timeline" --variant "$v" --d ${s/ / --s } || rc=1
+      echo
+    done
+  done >"$out/softmax_variants.md" 2>&1
+}
+
+# Each kernel's error against float64 attention (accuracy_vs_fp64.py).
+accuracy() {
+  (cd "$bin" && python3 accuracy_vs_fp64.py \
+      --lib gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2 \
+      --out "$out/accuracy.md") >"$out/accuracy.log" 2>&1 || rc=1
+}
+
 tests() {
   "$bin/gpu_attention_test" --gtest_filter='Gen2/*' >"$out/tests.txt" 2>&1 || rc=1
   tail -n 3 "$out/tests.txt"
@@ -68,8 +94,9 @@ tests() {
 for p in "${parts[@]}"; do
   start=$(date +%s)
   case $p in
-    timeline | sweep | variants | tests) "$p" ;;
-    *) echo "gen2_h200.sh: unknown part '$p' (timeline, sweep, variants, tests)" >&2; exit 2 ;;
+    timeline | sweep | variants | softmax_variants | accuracy | tests) "$p" ;;
+    *) echo "gen2_h200.sh: unknown part '$p' (timeline sweep variants softmax_variants accuracy tests)" >&2
+       exit 2 ;;
   esac
   echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"
 done

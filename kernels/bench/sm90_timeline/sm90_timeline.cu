@@ -10,7 +10,7 @@
 // (ABBA order, same inputs) and checks that their outputs agree; exits 1 when they do not.
 //
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
-//                 [--variant rescale_on_change|keys176|keys80|overlap|cluster_kv]
+//                 [--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask|exp2_poly4|exp2_poly8]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -74,7 +74,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--variant" && i + 1 < argc) o.variant = argv[++i];
     else {
       std::fprintf(stderr, "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N] "
-                           "[--variant rescale_on_change|keys176|keys80|overlap|cluster_kv]\n");
+                           "[--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask|exp2_poly4|exp2_poly8]\n");
       std::exit(2);
     }
   }
@@ -167,11 +167,11 @@ struct Stat {
   }
 };
 
-// One warpgroup's recorded iteration.
+// One warpgroup's recorded iteration: Sm90TraceLayout's slots, the tag (t[kTag]) among them.
 struct Iter {
-  unsigned long long tag;
   unsigned long long t[Layout::kSlots];
 };
+static_assert(sizeof(Iter) == Layout::kSlots * sizeof(unsigned long long));
 
 void Analyse(const Options& o, const std::vector<unsigned long long>& trace, int grid, int wgs) {
   enum { kKWait, kS, kSoftmax, kVWait, kPv, kNext, kEpilogue, kPhases };
@@ -259,6 +259,9 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   else if (o.variant == "keys80") v = Sm90Variant::kKeys80;
   else if (o.variant == "overlap") v = Sm90Variant::kOverlap;
   else if (o.variant == "cluster_kv") v = Sm90Variant::kClusterKV;
+  else if (o.variant == "split_mask") v = Sm90Variant::kSplitMask;
+  else if (o.variant == "exp2_poly4") v = Sm90Variant::kExp2Poly4;
+  else if (o.variant == "exp2_poly8") v = Sm90Variant::kExp2Poly8;
   else {
     std::fprintf(stderr, "unknown --variant %s\n", o.variant.c_str());
     return 2;
