@@ -6,12 +6,12 @@
 #     d = 64/128/256, causal off and on; generation 1, generation 2, torch flash and cuDNN);
 #  3. the variants of timeline_kernels.h against production (sm90_timeline --variant);
 #  4. the generation-2 GPU tests;
-#  softmax_variants and accuracy (not in the default list): the split key loop and the polynomial
-#  exponentials against production; each kernel's error against float64 attention.
+#  not in the default list: accuracy (each kernel's error against float64 attention), clocks
+#  (rate, SM clock and power under sustained load), sass (cuobjdump) and ncu_sections (Nsight
+#  Compute).
 # BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
-# bench_vs_torch.py and accuracy_vs_fp64.py; the results go to OUT_DIR (timeline.md, sweep.md,
-# variants.md, softmax_variants.md, accuracy.md, tests.txt).
-#   kernels/bench/gen2_h200.sh BIN OUT_DIR [timeline|sweep|variants|softmax_variants|accuracy|tests ...]
+# and the Python tools of kernels/bench; the results go to OUT_DIR, one file per part.
+#   kernels/bench/gen2_h200.sh BIN OUT_DIR [PART ...]   (PART: one of the names in the case below)
 set -uo pipefail
 bin=$(cd "$1" && pwd)
 out=$2
@@ -63,27 +63,35 @@ variants() {
   done >"$out/variants.md" 2>&1
 }
 
-# The split key loop (unmasked tiles without the mask) and the exponentials partly by polynomial,
-# each against production.
-softmax_variants() {
-  local shapes=("64 16384" "64 4096 --causal" "64 1024" "128 16384" "128 16384 --narrow" "128 4096"
-                "128 1024" "128 4096 --causal" "256 16384" "256 4096" "256 1024 --causal")
-  local v s
-  for s in "${shapes[@]}"; do
-    for v in split_mask exp2_poly4 exp2_poly8; do
-      echo "== sm90_timeline --variant $v --d ${s/ / --s }"
-      # shellcheck disable=SC2086
-      timeout 60 "$bin/sm90_timeline" --variant "$v" --d ${s/ / --s } || rc=1
-      echo
-    done
-  done >"$out/softmax_variants.md" 2>&1
-}
-
 # Each kernel's error against float64 attention (accuracy_vs_fp64.py).
 accuracy() {
   (cd "$bin" && python3 accuracy_vs_fp64.py \
       --lib gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2 \
       --out "$out/accuracy.md") >"$out/accuracy.log" 2>&1 || rc=1
+}
+
+# Rate, SM clock and power of gen2, cuDNN and flash under sustained load (clocks_under_load.py).
+clocks() {
+  (cd "$bin" && python3 clocks_under_load.py --lib gen2=./libattn_kernels_capi.so@2 \
+      --out "$out/clocks.md") >"$out/clocks.log" 2>&1 || rc=1
+}
+
+# SASS of the library's and sm90_timeline's kernels (xz), for reading off the GPU host.
+sass() {
+  cuobjdump -sass "$bin/libattn_kernels_capi.so" | xz -T4 >"$out/capi.sass.xz" || rc=1
+  cuobjdump -sass "$bin/sm90_timeline" | xz -T4 >"$out/timeline.sass.xz" || rc=1
+}
+
+# Nsight Compute's main sections for the production kernel (the third launch: after two warm-ups).
+ncu_sections() {
+  local s
+  for s in "128 16384" "64 16384" "256 16384"; do
+    # shellcheck disable=SC2086
+    timeout 120 ncu --kernel-name-base mangled -k 'regex:KernelINS1_1[46]Sm90(Wide|Narrow)Traits' \
+      --launch-skip 2 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats "$bin/sm90_timeline" --d ${s/ / --s } --reps 3 || rc=1
+  done >"$out/ncu.txt" 2>&1
 }
 
 tests() {
@@ -94,8 +102,9 @@ tests() {
 for p in "${parts[@]}"; do
   start=$(date +%s)
   case $p in
-    timeline | sweep | variants | softmax_variants | accuracy | tests) "$p" ;;
-    *) echo "gen2_h200.sh: unknown part '$p' (timeline sweep variants softmax_variants accuracy tests)" >&2
+    timeline | sweep | variants | accuracy | clocks | sass | ncu_sections | tests) "$p" ;;
+    *) echo "gen2_h200.sh: unknown part '$p' (timeline sweep variants accuracy clocks" \
+            "sass ncu_sections tests)" >&2
        exit 2 ;;
   esac
   echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"
