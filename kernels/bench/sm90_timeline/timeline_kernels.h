@@ -28,12 +28,29 @@ struct Sm90ClusterKV : Tr {
   static constexpr bool kClusterKV = true;
 };
 
+// Unmasked key tiles in a loop of their own (Sm90TraitsBase::kSplitMaskLoop).
+template <typename Tr>
+struct Sm90SplitMask : Tr {
+  static constexpr bool kSplitMaskLoop = true;
+};
+
+// kSplitMaskLoop with every n-th exponential of the unmasked tiles by polynomial
+// (Sm90TraitsBase::kExp2PolyEvery).
+template <typename Tr, int n>
+struct Sm90Exp2Poly : Tr {
+  static constexpr bool kSplitMaskLoop = true;
+  static constexpr int kExp2PolyEvery = n;
+};
+
 enum class Sm90Variant {
   kRescaleOnChange,  // the production tiling (wide or narrow) with kRescaleOnChange
   kKeys176,          // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
   kKeys80,           // d=256: two consumer warpgroups on 128 x 80 tiles
   kOverlap,          // the narrow tiling (two consumer warpgroups) with kOverlap
   kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
+  kSplitMask,        // the production tiling (wide or narrow) with kSplitMaskLoop
+  kExp2Poly4,        // kSplitMask, and every 4th exponential of unmasked tiles by polynomial
+  kExp2Poly8,        // the same, every 8th
 };
 
 // Launches the traced kernel (bf16) with the wide or narrow tiling of head dim D; `trace` holds

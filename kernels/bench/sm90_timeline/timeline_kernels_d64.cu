@@ -38,6 +38,21 @@ cudaError_t LaunchVariantSm90<64>(const FlashParams& params, Sm90Variant v, bool
         if (!narrow) return LaunchFlashFwdSm90<Sm90ClusterKV<Wide>>(params, sms, stream);
       }
       return LaunchFlashFwdSm90<Sm90ClusterKV<Narrow>>(params, sms, stream);
+    case Sm90Variant::kSplitMask:
+      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+        if (!narrow) return LaunchFlashFwdSm90<Sm90SplitMask<Wide>>(params, sms, stream);
+      }
+      return LaunchFlashFwdSm90<Sm90SplitMask<Narrow>>(params, sms, stream);
+    case Sm90Variant::kExp2Poly4:
+      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+        if (!narrow) return LaunchFlashFwdSm90<Sm90Exp2Poly<Wide, 4>>(params, sms, stream);
+      }
+      return LaunchFlashFwdSm90<Sm90Exp2Poly<Narrow, 4>>(params, sms, stream);
+    case Sm90Variant::kExp2Poly8:
+      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
+        if (!narrow) return LaunchFlashFwdSm90<Sm90Exp2Poly<Wide, 8>>(params, sms, stream);
+      }
+      return LaunchFlashFwdSm90<Sm90Exp2Poly<Narrow, 8>>(params, sms, stream);
     case Sm90Variant::kOverlap:
       return LaunchFlashFwdSm90<Sm90Overlap<Narrow>>(params, sms, stream);
     default:

@@ -33,6 +33,13 @@ struct Sm90TraitsBase {
   // Non-causal, unwindowed, equal-length sequences of a multiple of 2 * kBlockM queries only (the
   // launcher checks): an experiment of bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kClusterKV = false;
+  // Key tiles that need no mask run in a loop of their own, compiled without it (at d=128 with
+  // three consumer warpgroups the mask made ptxas spill 88 bytes).
+  static constexpr bool kSplitMaskLoop = false;
+  // > 0: in unmasked key tiles (kSplitMaskLoop), every kExp2PolyEvery-th exponential of a row is
+  // computed by a polynomial on the FMA pipes (Exp2Poly) instead of the MUFU. An experiment of
+  // bench/sm90_timeline, 0 in every dispatched tiling.
+  static constexpr int kExp2PolyEvery = 0;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
