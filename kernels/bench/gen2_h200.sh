@@ -46,15 +46,13 @@ variants() {
   local runs=("rescale_on_change 64 16384" "rescale_on_change 64 4096 --causal"
               "rescale_on_change 128 16384" "rescale_on_change 256 16384"
               "keys176 128 16384" "keys176 128 4096" "keys176 128 1024" "keys176 128 4096 --causal"
-              "keys80 256 16384" "keys80 256 4096" "keys80 256 2048" "keys80 256 1024 --causal"
+              "keys80 256 16384 --narrow" "keys80 256 4096 --narrow" "keys80 256 2048 --narrow"
+              "keys80 256 1024 --causal --narrow" "keys80 256 4096 --causal --narrow"
+              "keys80 256 16384 --causal --narrow"
               "overlap 128 16384 --narrow" "overlap 256 16384"
               "cluster_kv 256 16384" "cluster_kv 128 12288"
-              "split_mask 64 16384" "split_mask 64 4096 --causal" "split_mask 64 1024"
               "split_mask 128 16384" "split_mask 128 4096 --causal" "split_mask 256 16384"
-              "split_mask 256 4096"
-              "exp2_poly8 64 16384" "exp2_poly8 64 4096 --causal" "exp2_poly8 128 16384 --narrow"
-              "exp2_poly8 256 16384" "exp2_poly8 256 4096" "exp2_poly8 256 1024 --causal"
-              "exp2_poly4 256 4096" "exp2_poly4 64 4096 --causal")
+              "split_mask 256 4096" "split_mask 256 4096 --causal --narrow")
   local r v d rest
   for r in "${runs[@]}"; do
     read -r v d rest <<<"$r"

@@ -10,7 +10,7 @@
 // (ABBA order, same inputs) and checks that their outputs agree; exits 1 when they do not.
 //
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
-//                 [--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask|exp2_poly4|exp2_poly8]
+//                 [--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -75,7 +75,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--variant" && i + 1 < argc) o.variant = argv[++i];
     else {
       std::fprintf(stderr, "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N] "
-                           "[--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask|exp2_poly4|exp2_poly8]\n");
+                           "[--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask]\n");
       std::exit(2);
     }
   }
@@ -282,8 +282,6 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   else if (o.variant == "overlap") v = Sm90Variant::kOverlap;
   else if (o.variant == "cluster_kv") v = Sm90Variant::kClusterKV;
   else if (o.variant == "split_mask") v = Sm90Variant::kSplitMask;
-  else if (o.variant == "exp2_poly4") v = Sm90Variant::kExp2Poly4;
-  else if (o.variant == "exp2_poly8") v = Sm90Variant::kExp2Poly8;
   else {
     std::fprintf(stderr, "unknown --variant %s\n", o.variant.c_str());
     return 2;

@@ -34,14 +34,6 @@ struct Sm90SplitMask : Tr {
   static constexpr bool kSplitMaskLoop = true;
 };
 
-// kSplitMaskLoop with every n-th exponential of the unmasked tiles by polynomial
-// (Sm90TraitsBase::kExp2PolyEvery).
-template <typename Tr, int n>
-struct Sm90Exp2Poly : Tr {
-  static constexpr bool kSplitMaskLoop = true;
-  static constexpr int kExp2PolyEvery = n;
-};
-
 enum class Sm90Variant {
   kRescaleOnChange,  // the production tiling (wide or narrow) with kRescaleOnChange
   kKeys176,          // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
@@ -49,8 +41,6 @@ enum class Sm90Variant {
   kOverlap,          // the narrow tiling (two consumer warpgroups) with kOverlap
   kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
   kSplitMask,        // the production tiling (wide or narrow) with kSplitMaskLoop
-  kExp2Poly4,        // kSplitMask, and every 4th exponential of unmasked tiles by polynomial
-  kExp2Poly8,        // the same, every 8th
 };
 
 // Launches the traced kernel (bf16) with the wide or narrow tiling of head dim D; `trace` holds

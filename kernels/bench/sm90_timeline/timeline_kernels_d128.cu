@@ -9,12 +9,10 @@ cudaError_t LaunchTracedSm90<128>(const FlashParams& params, bool narrow, int sm
                                 unsigned long long* trace, int* consumer_wgs, int* block_m) {
   using Wide = Sm90Traced<Sm90WideTraits<128, __nv_bfloat16>>;
   using Narrow = Sm90Traced<Sm90NarrowTraits<128, __nv_bfloat16>>;
-  if constexpr (Wide::kBlockM != Narrow::kBlockM) {
-    if (!narrow) {
-      *consumer_wgs = Wide::kConsumerWGs;
-      *block_m = Wide::kBlockM;
-      return LaunchFlashFwdSm90<Wide>(params, sms, stream, trace);
-    }
+  if (!narrow) {
+    *consumer_wgs = Wide::kConsumerWGs;
+    *block_m = Wide::kBlockM;
+    return LaunchFlashFwdSm90<Wide>(params, sms, stream, trace);
   }
   *consumer_wgs = Narrow::kConsumerWGs;
   *block_m = Narrow::kBlockM;
@@ -28,32 +26,16 @@ cudaError_t LaunchVariantSm90<128>(const FlashParams& params, Sm90Variant v, boo
   using Narrow = Sm90NarrowTraits<128, __nv_bfloat16>;
   switch (v) {
     case Sm90Variant::kRescaleOnChange:
-      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
-        if (!narrow) return LaunchFlashFwdSm90<Sm90RescaleOnChange<Wide>>(params, sms, stream);
-      }
+      if (!narrow) return LaunchFlashFwdSm90<Sm90RescaleOnChange<Wide>>(params, sms, stream);
       return LaunchFlashFwdSm90<Sm90RescaleOnChange<Narrow>>(params, sms, stream);
     case Sm90Variant::kKeys176:
       return LaunchFlashFwdSm90<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>(params, sms, stream);
     case Sm90Variant::kClusterKV:
-      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
-        if (!narrow) return LaunchFlashFwdSm90<Sm90ClusterKV<Wide>>(params, sms, stream);
-      }
+      if (!narrow) return LaunchFlashFwdSm90<Sm90ClusterKV<Wide>>(params, sms, stream);
       return LaunchFlashFwdSm90<Sm90ClusterKV<Narrow>>(params, sms, stream);
     case Sm90Variant::kSplitMask:
-      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
-        if (!narrow) return LaunchFlashFwdSm90<Sm90SplitMask<Wide>>(params, sms, stream);
-      }
+      if (!narrow) return LaunchFlashFwdSm90<Sm90SplitMask<Wide>>(params, sms, stream);
       return LaunchFlashFwdSm90<Sm90SplitMask<Narrow>>(params, sms, stream);
-    case Sm90Variant::kExp2Poly4:
-      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
-        if (!narrow) return LaunchFlashFwdSm90<Sm90Exp2Poly<Wide, 4>>(params, sms, stream);
-      }
-      return LaunchFlashFwdSm90<Sm90Exp2Poly<Narrow, 4>>(params, sms, stream);
-    case Sm90Variant::kExp2Poly8:
-      if constexpr (Wide::kBlockM != Narrow::kBlockM) {
-        if (!narrow) return LaunchFlashFwdSm90<Sm90Exp2Poly<Wide, 8>>(params, sms, stream);
-      }
-      return LaunchFlashFwdSm90<Sm90Exp2Poly<Narrow, 8>>(params, sms, stream);
     case Sm90Variant::kOverlap:
       return LaunchFlashFwdSm90<Sm90Overlap<Narrow>>(params, sms, stream);
     default:

@@ -222,27 +222,10 @@ __device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& 
   }
 }
 
-// 2^x for x <= 0 on the FMA and integer pipes instead of the MUFU: x = j + f with j an integer
-// (rounded by adding 1.5 * 2^23) and |f| <= 1/2, 2^f by a degree-3 polynomial fitted for relative
-// error (at most 7.5e-5, below half a unit in P's last place in fp16 or bf16), and j added to the
-// exponent field. x below -126 gives about 1e-38 rather than 0: for scores only, never -inf.
-__device__ __forceinline__ float Exp2Poly(float x) {
-  x = fmaxf(x, -126.0f);
-  const float rounded = x + 12582912.0f;  // j in the low mantissa bits
-  const float f = x - (rounded - 12582912.0f);
-  float p = fmaf(0.0551716682f, f, 0.242611122f);
-  p = fmaf(p, f, 0.693260986f);
-  p = fmaf(p, f, 0.999928074f);
-  // (bits of `rounded`) << 23 is j << 23: the constant's own bits shift out.
-  return __int_as_float(__float_as_int(p) + (__float_as_int(rounded) << 23));
-}
-
 // Online softmax of one score tile (log2 domain, scale folded in): updates the row max and sum,
 // leaves P = exp2(s * scale - max) in s and the factor O must be rescaled by in corr (applied
-// separately, once no product writing O is in flight). kPolyEvery > 0: every kPolyEvery-th
-// exponential of a row is Exp2Poly's (unmasked tiles only: no score is -inf), which takes load off
-// the MUFU, the unit the exponentials otherwise all queue on.
-template <int BN, int kPolyEvery = 0>
+// separately, once no product writing O is in flight).
+template <int BN>
 __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
 #pragma unroll
@@ -260,9 +243,7 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
     for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float x = fmaf(s[4 * c + 2 * hf + e], sl2, -ms);
-        constexpr int kEvery = kPolyEvery > 0 ? kPolyEvery : 1;
-        const float pe = kPolyEvery > 0 && (2 * c + e) % kEvery == kEvery - 1 ? Exp2Poly(x) : exp2f(x);
+        const float pe = exp2f(fmaf(s[4 * c + 2 * hf + e], sl2, -ms));
         s[4 * c + 2 * hf + e] = pe;
         sum += pe;
       }
@@ -528,10 +509,8 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         if (nb == t.nb_min) release_q();
         if constexpr (decltype(masked)::value) {
           mask(s, nb);
-          Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
-        } else {
-          Sm90Softmax<BN, Tr::kExp2PolyEvery>(s, row_max, row_sum, corr, p.scale_log2);
         }
+        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
         if constexpr (Tr::kRescaleOnChange) {
           // Warp-uniform: the branch needs no reconvergence. corr is exactly 1 when no max moved.
           if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);

@@ -33,13 +33,9 @@ struct Sm90TraitsBase {
   // Non-causal, unwindowed, equal-length sequences of a multiple of 2 * kBlockM queries only (the
   // launcher checks): an experiment of bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kClusterKV = false;
-  // Key tiles that need no mask run in a loop of their own, compiled without it (at d=128 with
-  // three consumer warpgroups the mask made ptxas spill 88 bytes).
+  // Key tiles that need no mask run in a loop of their own, compiled without it (the d=64 tilings
+  // set it; see Sm90WideTraits).
   static constexpr bool kSplitMaskLoop = false;
-  // > 0: in unmasked key tiles (kSplitMaskLoop), every kExp2PolyEvery-th exponential of a row is
-  // computed by a polynomial on the FMA pipes (Exp2Poly) instead of the MUFU. An experiment of
-  // bench/sm90_timeline, 0 in every dispatched tiling.
-  static constexpr int kExp2PolyEvery = 0;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
@@ -82,24 +78,32 @@ struct Sm90Traced : Tr {
   static constexpr bool kTrace = true;
 };
 
-// Two tilings per head dim: wide (3 consumer warpgroups, 192-row tiles, where registers allow) and
-// narrow (2 warpgroups, 128 rows). Wide wins everywhere measured except short causal problems,
-// where its larger diagonal tiles waste more (H200, bf16/fp16, s_q <= 1k causal: narrow 0.73-0.76x
-// cuDNN against wide 0.63-0.70x; from 2k up wide is ahead). d=128 wide spills 88 bytes and still
-// wins (median 0.91x against 0.86x cuDNN); d=256 has no room for a third warpgroup.
+// Two tilings per head dim. d=64/128: wide (3 consumer warpgroups, 192-row tiles) and narrow (2,
+// 128 rows). Wide wins everywhere measured except short causal problems, where its larger diagonal
+// tiles waste more (H200, bf16/fp16, s_q <= 1k causal: narrow 0.73-0.76x cuDNN against wide
+// 0.63-0.70x; from 2k up wide is ahead). d=128 wide spills 88 bytes and still wins (median 0.91x
+// against 0.86x cuDNN). d=256 has no room for a third warpgroup: its "wide" tiling has 80-key
+// tiles (225 KiB of shared memory), its narrow one 64; 80 keys were 1.8-4.6% faster non-causal at
+// 2k-16k and 3.7% slower causal at 1k (bench/sm90_timeline, H200). d=64 runs its unmasked key
+// tiles in a loop without the mask (kSplitMaskLoop: 1-2% faster causal, level non-causal); at
+// d=128 that loop spilled more and was 11-13% slower.
 template <int D, typename T>
 struct Sm90WideTraits;
 template <typename T>
-struct Sm90WideTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 3> {};
+struct Sm90WideTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 3> {
+  static constexpr bool kSplitMaskLoop = true;
+};
 template <typename T>
 struct Sm90WideTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 3> {};
 template <typename T>
-struct Sm90WideTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {};
+struct Sm90WideTraits<256, T> : Sm90TraitsBase<256, T, 80, 2, 2> {};
 
 template <int D, typename T>
 struct Sm90NarrowTraits;
 template <typename T>
-struct Sm90NarrowTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 2> {};
+struct Sm90NarrowTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 2> {
+  static constexpr bool kSplitMaskLoop = true;
+};
 template <typename T>
 struct Sm90NarrowTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 2> {};
 template <typename T>
