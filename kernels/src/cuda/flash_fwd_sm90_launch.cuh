@@ -196,10 +196,11 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = Sm90SmCount(&sms);
   if (err != cudaSuccess) return err;
-  if constexpr (Wide::kBlockM == Narrow::kBlockM) {  // d=256: 80-key tiles unless causal
+  if constexpr (Wide::kBlockM == Narrow::kBlockM) {  // d=256: 80-key tiles but for short causal
     // ATTN_SM90_TILING (a measurement knob): 1 = wide (80 keys), 2 = narrow (64).
     const int mode = Sm90EnvInt("ATTN_SM90_TILING", 0);
-    const bool narrow = mode == 2 || (mode != 1 && params.has_right);
+    const bool narrow = mode == 2 || (mode != 1 && params.has_right &&
+                                      params.max_seqlen_q <= kSm90NarrowMaxSeqlenQ);
     return narrow ? LaunchFlashFwdSm90<Narrow>(params, sms, stream)
                   : LaunchFlashFwdSm90<Wide>(params, sms, stream);
   } else {

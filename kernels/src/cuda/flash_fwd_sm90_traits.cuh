@@ -83,10 +83,11 @@ struct Sm90Traced : Tr {
 // tiles waste more (H200, bf16/fp16, s_q <= 1k causal: narrow 0.73-0.76x cuDNN against wide
 // 0.63-0.70x; from 2k up wide is ahead). d=128 wide spills 88 bytes and still wins (median 0.91x
 // against 0.86x cuDNN). d=256 has no room for a third warpgroup: its "wide" tiling has 80-key
-// tiles (225 KiB of shared memory), its narrow one 64; 80 keys were 1.8-4.6% faster non-causal at
-// 2k-16k and 3.7% slower causal at 1k (bench/sm90_timeline, H200). d=64 runs its unmasked key
-// tiles in a loop without the mask (kSplitMaskLoop: 1-2% faster causal, level non-causal); at
-// d=128 that loop spilled more and was 11-13% slower.
+// tiles (225 KiB of shared memory), its narrow one 64 (bench/sm90_timeline, H200: 80 keys 1.8-4.6%
+// faster non-causal at 2k-16k and causal at 4k-16k, level causal at 2k, 3.7% slower causal at
+// 1k). d=64 and d=256 run their unmasked key tiles in a loop without the mask (kSplitMaskLoop:
+// d=64 1-2% faster causal, level non-causal; d=256 0.6-1.8% faster); at d=128 that loop spilled
+// more (140 bytes against 88) and was 11-13% slower.
 template <int D, typename T>
 struct Sm90WideTraits;
 template <typename T>
@@ -96,7 +97,9 @@ struct Sm90WideTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 3> {
 template <typename T>
 struct Sm90WideTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 3> {};
 template <typename T>
-struct Sm90WideTraits<256, T> : Sm90TraitsBase<256, T, 80, 2, 2> {};
+struct Sm90WideTraits<256, T> : Sm90TraitsBase<256, T, 80, 2, 2> {
+  static constexpr bool kSplitMaskLoop = true;
+};
 
 template <int D, typename T>
 struct Sm90NarrowTraits;
@@ -107,7 +110,9 @@ struct Sm90NarrowTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 2> {
 template <typename T>
 struct Sm90NarrowTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 2> {};
 template <typename T>
-struct Sm90NarrowTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {};
+struct Sm90NarrowTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {
+  static constexpr bool kSplitMaskLoop = true;
+};
 
 // Launches with many tiles (where no tiling estimate is made) use the narrow tiling for causal (or
 // right-windowed) problems with at most this many queries.
