@@ -405,7 +405,8 @@ __device__ __forceinline__ void Sm90PackP(uint32_t (&pa)[BN / 16][4], const floa
 // waited for at once; the warpgroups' interleaving keeps the tensor cores busy during each one's
 // softmax. (An FA3-style variant, S of the next key tile issued before the softmax and the
 // warpgroups taking turns on named barriers, measured 3-15% slower at d=128 and 28% slower at
-// d=256 on the H200, and was removed; docs/PERF.md.)
+// d=256 on the H200, and was removed; the kOverlap experiment without turn-taking is slower too,
+// because ptxas moves its softmax below the P V wait: docs/PERF.md.)
 template <typename Tr>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,

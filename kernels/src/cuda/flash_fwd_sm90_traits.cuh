@@ -25,8 +25,10 @@ struct Sm90TraitsBase {
   // O is rescaled only when some row of the warp has a new maximum (corr != 1): an experiment
   // of bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kRescaleOnChange = false;
-  // S of the next key tile issued before P V of this one (its softmax overlaps that P V): an
-  // experiment of bench/sm90_timeline, off in every dispatched tiling.
+  // S of the next key tile issued before P V of this one, meant to run its softmax during that
+  // P V: an experiment of bench/sm90_timeline, off in every dispatched tiling. Its SASS (H200
+  // build, d=128 and d=256) shows ptxas scheduling the whole softmax after the wait for the P V,
+  // so nothing overlaps: it needs a scheduling fence between the softmax and that wait.
   static constexpr bool kOverlap = false;
   // K/V tiles shared by the two CTAs of a cluster: each loads half of every tile and multicasts
   // it to both (half the L2 traffic); the pair computes two row blocks of one (sequence, head).
