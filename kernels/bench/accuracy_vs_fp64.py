@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_vs_torch import load_lib
+from bench_vs_torch import load_lib, packed_inputs, run_ours, write_text
 
 
 def reference(qt, kt, vt, causal):
@@ -66,19 +66,14 @@ def main():
         for causal in [bool(int(x)) for x in args.causal.split(",")]:
             for d in [int(x) for x in args.dims.split(",")]:
                 h = 2048 // d
-                q, k, v = (torch.randn(b * s, h, d, device=dev, dtype=dtype) for _ in range(3))
-                cu = (torch.arange(b + 1, device=dev, dtype=torch.int32) * s).contiguous()
-                qt, kt, vt = (x.view(b, s, h, d).transpose(1, 2) for x in (q, k, v))
+                q, k, v, cu, (qt, kt, vt) = packed_inputs(b, s, h, d, dtype, dev)
                 ref = reference(qt, kt, vt, causal).transpose(1, 2).reshape(b * s, h, d)
                 outs = {}
                 for name, fn in libs:
                     o = torch.full_like(q, float("nan"))
-                    rc = fn(dcode, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
-                            cu.data_ptr(), cu.data_ptr(), b, b * s, b * s, s, s, h, h, d, 0.0,
-                            int(causal), -1, -1, torch.cuda.current_stream().cuda_stream)
+                    run_ours(fn, dcode, q, k, v, o, cu, b, s, h, d, causal,
+                             torch.cuda.current_stream().cuda_stream)
                     torch.cuda.synchronize()
-                    if rc != 0:
-                        raise RuntimeError(f"{name}: attn_flash_fwd returned {rc}")
                     outs[name] = o
                 for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
                                  ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -99,11 +94,7 @@ def main():
                                       + " ".join(f"{x:.1e}" for x in per_class.tolist()) + " |")
     lines += ["", "| dtype | causal | d | pair | share of elements differing | "
               "mean abs difference by column mod 8 |", "|---|---|---|---|---|---|"] + diff_lines
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+    write_text("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,31 @@ def load_lib(spec):
     return lambda *a: fn(*a, int(gen))
 
 
+def packed_inputs(b, s, h, d, dtype, dev):
+    """N(0, 1) q, k, v packed as [b * s, h, d], the cu_seqlens of b sequences of s, and torch's
+    [B, H, S, D] views of the same data."""
+    q, k, v = (torch.randn(b * s, h, d, device=dev, dtype=dtype) for _ in range(3))
+    cu = (torch.arange(b + 1, device=dev, dtype=torch.int32) * s).contiguous()
+    views = tuple(x.view(b, s, h, d).transpose(1, 2) for x in (q, k, v))
+    return q, k, v, cu, views
+
+
+def run_ours(fn, dcode, q, k, v, o, cu, b, s, h, d, causal, stream):
+    """One forward call of a load_lib function on packed tensors (equal lengths, default scale)."""
+    rc = fn(dcode, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None, cu.data_ptr(),
+            cu.data_ptr(), b, b * s, b * s, s, s, h, h, d, 0.0, int(causal), -1, -1, stream)
+    if rc != 0:
+        raise RuntimeError(f"attn_flash_fwd returned {rc}")
+
+
+def write_text(text, path):
+    """Prints text and, when path is set, writes it there."""
+    print(text)
+    if path:
+        with open(path, "w") as fh:
+            fh.write(text)
+
+
 def events_ms(fn, n):
     """Device time of n back-to-back calls of fn, between two CUDA events."""
     a = torch.cuda.Event(enable_timing=True)
@@ -123,25 +148,13 @@ def main():
                 h = 2048 // d
                 for s in [int(x) for x in args.seqlens.split(",")]:
                     b = max(1, args.tokens // s)
-                    q = torch.randn(b * s, h, d, device=dev, dtype=dtype)
-                    k = torch.randn(b * s, h, d, device=dev, dtype=dtype)
-                    v = torch.randn(b * s, h, d, device=dev, dtype=dtype)
-                    o = torch.full_like(q, float("nan"))
-                    cu = (torch.arange(b + 1, device=dev, dtype=torch.int32) * s).contiguous()
-                    stream = torch.cuda.current_stream().cuda_stream
                     # torch wants [B, H, S, D]: transposed views of the same packed data.
-                    qt = q.view(b, s, h, d).transpose(1, 2)
-                    kt = k.view(b, s, h, d).transpose(1, 2)
-                    vt = v.view(b, s, h, d).transpose(1, 2)
+                    q, k, v, cu, (qt, kt, vt) = packed_inputs(b, s, h, d, dtype, dev)
+                    o = torch.full_like(q, float("nan"))
+                    stream = torch.cuda.current_stream().cuda_stream
 
                     def make_ours(fn):
-                      def ours():
-                        rc = fn(dcode, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
-                                cu.data_ptr(), cu.data_ptr(), b, b * s, b * s, s, s, h, h, d, 0.0,
-                                int(causal), -1, -1, stream)
-                        if rc != 0:
-                            raise RuntimeError(f"attn_flash_fwd returned {rc}")
-                      return ours
+                      return lambda: run_ours(fn, dcode, q, k, v, o, cu, b, s, h, d, causal, stream)
 
                     def sdpa():
                         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -224,10 +237,7 @@ def main():
         if ratios:
             lines.append(f"ours/{key} for s>=1k: min {min(ratios):.3f}, median "
                          f"{statistics.median(ratios):.3f} (n={len(ratios)})")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as fh:
-        fh.write(text)
+    write_text("\n".join(lines) + "\n", args.out)
 
 
 def write_multi(args, libs, rows):
@@ -274,10 +284,7 @@ def write_multi(args, libs, rows):
                 lines.append(f"d={d}: {names[0]}/{key} for s>=1k: min {min(ratios):.3f}, median "
                              f"{statistics.median(ratios):.3f}, max {max(ratios):.3f} "
                              f"(n={len(ratios)})")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as fh:
-        fh.write(text)
+    write_text("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_vs_torch import load_lib
+from bench_vs_torch import load_lib, packed_inputs, run_ours, write_text
 
 
 def sampled(fn, seconds):
@@ -74,19 +74,14 @@ def main():
     for shape in args.shapes.split(","):
         d, s, causal = (int(x) for x in shape.split(":"))
         h, b = 2048 // d, max(1, args.tokens // s)
-        q, k, v = (torch.randn(b * s, h, d, device=dev, dtype=dtype) for _ in range(3))
+        q, k, v, cu, (qt, kt, vt) = packed_inputs(b, s, h, d, dtype, dev)
         o = torch.empty_like(q)
-        cu = (torch.arange(b + 1, device=dev, dtype=torch.int32) * s).contiguous()
-        qt, kt, vt = (x.view(b, s, h, d).transpose(1, 2) for x in (q, k, v))
         stream = torch.cuda.current_stream().cuda_stream
         flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
         kernels = []
         for name, fn in libs:
             def ours(fn=fn):
-                rc = fn(dcode, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None, cu.data_ptr(),
-                        cu.data_ptr(), b, b * s, b * s, s, s, h, h, d, 0.0, causal, -1, -1, stream)
-                if rc != 0:
-                    raise RuntimeError(f"{name}: attn_flash_fwd returned {rc}")
+                run_ours(fn, dcode, q, k, v, o, cu, b, s, h, d, causal, stream)
             kernels.append((name, ours, None))
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             kernels.append((name, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal)), be))
@@ -102,11 +97,7 @@ def main():
             lines.append(f"| {d} | {s} | {causal} | {name} | {tf:.0f} | {mhz:.0f} | {watts:.0f} | "
                          f"{tf / (mhz / 1e3):.0f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+    write_text("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

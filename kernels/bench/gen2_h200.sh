@@ -20,6 +20,7 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(timeline variants sweep tests)
 mkdir -p "$out"
 rc=0
+gens=gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2  # bench_vs_torch.py --lib
 
 timeline() {
   # d, s, flags: where v7.1 measured lowest against cuDNN (docs/PERF.md), and a long d=128 for
@@ -36,8 +37,7 @@ timeline() {
 }
 
 sweep() {
-  (cd "$bin" && python3 bench_vs_torch.py \
-      --lib gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2 \
+  (cd "$bin" && python3 bench_vs_torch.py --lib "$gens" \
       --dims 64,128,256 --seqlens 512,1024,2048,4096,8192,16384 --dtypes bf16,fp16 \
       --causal 0,1 --reps 5 --min-ms 10 --out "$out/sweep.md") >"$out/sweep.log" 2>&1 || rc=1
 }
@@ -58,7 +58,7 @@ variants() {
     read -r v d rest <<<"$r"
     echo "== sm90_timeline --variant $v --d $d --s $rest"
     # shellcheck disable=SC2086
-    # A variant that hangs (none has run on a GPU yet) costs a minute, not the whole call.
+    # A variant that hangs costs a minute, not the whole call.
     timeout 60 "$bin/sm90_timeline" --variant "$v" --d "$d" --s $rest || rc=1
     echo
   done >"$out/variants.md" 2>&1
@@ -66,9 +66,8 @@ variants() {
 
 # Each kernel's error against float64 attention (accuracy_vs_fp64.py).
 accuracy() {
-  (cd "$bin" && python3 accuracy_vs_fp64.py \
-      --lib gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2 \
-      --out "$out/accuracy.md") >"$out/accuracy.log" 2>&1 || rc=1
+  (cd "$bin" && python3 accuracy_vs_fp64.py --lib "$gens" --out "$out/accuracy.md") \
+      >"$out/accuracy.log" 2>&1 || rc=1
 }
 
 # Rate, SM clock and power of gen2, cuDNN and flash under sustained load (clocks_under_load.py).

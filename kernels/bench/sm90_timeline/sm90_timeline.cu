@@ -132,6 +132,18 @@ cudaError_t LaunchProduction(const Options& o, const FlashParams& p) {
   }
 }
 
+// Device time of one call of fn (ms).
+template <typename Fn>
+float OneLaunchMs(cudaEvent_t a, cudaEvent_t b, Fn&& fn) {
+  CHECK_CUDA(cudaEventRecord(a));
+  CHECK_CUDA(fn());
+  CHECK_CUDA(cudaEventRecord(b));
+  CHECK_CUDA(cudaEventSynchronize(b));
+  float t = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+  return t;
+}
+
 template <typename Fn>
 double MedianMs(int reps, Fn&& fn) {
   cudaEvent_t a, b;
@@ -139,12 +151,7 @@ double MedianMs(int reps, Fn&& fn) {
   CHECK_CUDA(cudaEventCreate(&b));
   std::vector<float> ms;
   for (int i = 0; i < reps + 2; ++i) {
-    CHECK_CUDA(cudaEventRecord(a));
-    CHECK_CUDA(fn());
-    CHECK_CUDA(cudaEventRecord(b));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    const float t = OneLaunchMs(a, b, fn);
     if (i >= 2) ms.push_back(t);  // two warm-up launches
   }
   std::sort(ms.begin(), ms.end());
@@ -251,23 +258,6 @@ float FromBf16(uint16_t b) {
   return f;
 }
 
-// Device time of one call of fn (ms).
-template <typename Fn>
-float OneLaunchMs(cudaEvent_t a, cudaEvent_t b, Fn&& fn) {
-  CHECK_CUDA(cudaEventRecord(a));
-  CHECK_CUDA(fn());
-  CHECK_CUDA(cudaEventRecord(b));
-  CHECK_CUDA(cudaEventSynchronize(b));
-  float t = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-  return t;
-}
-
-double Quantile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, size_t(q * v.size()))];
-}
-
 // Production and the variant on the same inputs, then their outputs side by side. The board's
 // clock follows its power draw with a lag of tenths of a second, so blocks of one kernel's
 // launches timed one after the other run at different clocks (a cool first block measured up to
@@ -303,7 +293,7 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
     OneLaunchMs(ea, eb, prod);
     OneLaunchMs(ea, eb, var);
   }
-  std::vector<double> prod_ms, var_ms, ratio;
+  Stat prod_ms, var_ms, ratio;
   for (int r = 0; r < 2 * o.reps; ++r) {
     double tp, tv;
     if (r % 2 == 0) {
@@ -313,9 +303,9 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
       tv = OneLaunchMs(ea, eb, var);
       tp = OneLaunchMs(ea, eb, prod);
     }
-    prod_ms.push_back(tp);
-    var_ms.push_back(tv);
-    ratio.push_back(tp / tv);
+    prod_ms.Add(tp);
+    var_ms.Add(tv);
+    ratio.Add(tp / tv);
   }
   CHECK_CUDA(cudaEventDestroy(ea));
   CHECK_CUDA(cudaEventDestroy(eb));
@@ -333,14 +323,14 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
     if (!(d <= 2e-2)) ++bad;  // NaN (the poison) counts
     if (d > max_diff) max_diff = d;
   }
-  const double pm = Quantile(prod_ms, 0.5), vm = Quantile(var_ms, 0.5);
+  const double pm = prod_ms.Pct(0.5), vm = var_ms.Pct(0.5);
   std::printf("sm90_timeline: d=%d bf16 s=%d causal=%d, %s tiling, variant %s\n", o.d, o.s,
               int(o.causal), o.narrow ? "narrow" : "wide", o.variant.c_str());
   std::printf("| kernel | ms (median of %zu rounds) | TFLOP/s | production / kernel per round: median "
-              "(p10 - p90) |\n| --- | --- | --- | --- |\n", ratio.size());
+              "(p10 - p90) |\n| --- | --- | --- | --- |\n", ratio.v.size());
   std::printf("| production | %.4f | %.0f | 1 |\n", pm, flop / pm / 1e9);
   std::printf("| %s | %.4f | %.0f | %.3f (%.3f - %.3f) |\n", o.variant.c_str(), vm, flop / vm / 1e9,
-              Quantile(ratio, 0.5), Quantile(ratio, 0.1), Quantile(ratio, 0.9));
+              ratio.Pct(0.5), ratio.Pct(0.1), ratio.Pct(0.9));
   std::printf("outputs: max |variant - production| = %.3g, %zu of %zu elements beyond 2e-2\n", max_diff,
               bad, elems);
   return bad == 0 ? 0 : 1;

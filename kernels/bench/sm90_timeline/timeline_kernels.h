@@ -1,6 +1,7 @@
 // The builds of the sm_90a forward kernel that sm90_timeline launches besides the production one
-// (one translation unit per head dim, timeline_kernels_d*.cu): the traced kernel, and variants
-// that are tried against production before any of them is dispatched to.
+// (defined in timeline_launch.cuh, one translation unit per head dim: timeline_kernels_d*.cu):
+// the traced kernel, and variants that are tried against production before any of them is
+// dispatched to.
 #pragma once
 
 #include <cuda_runtime_api.h>

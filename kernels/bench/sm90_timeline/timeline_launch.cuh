@@ -1,0 +1,54 @@
+// The definitions behind timeline_kernels.h, instantiated once per head dim by
+// timeline_kernels_d*.cu (one translation unit each, as the library's kernels are).
+#pragma once
+
+#include "flash_fwd_sm90_launch.cuh"
+#include "timeline_kernels.h"
+
+namespace attn::kernels::cuda {
+
+// Head dim D's wide or narrow tiling (bf16), each wrapped in Wrap.
+template <int D, template <typename> class Wrap>
+cudaError_t LaunchTilingSm90(const FlashParams& params, bool narrow, int sms, cudaStream_t stream,
+                             unsigned long long* trace = nullptr) {
+  if (narrow) return LaunchFlashFwdSm90<Wrap<Sm90NarrowTraits<D, __nv_bfloat16>>>(params, sms, stream, trace);
+  return LaunchFlashFwdSm90<Wrap<Sm90WideTraits<D, __nv_bfloat16>>>(params, sms, stream, trace);
+}
+
+template <int D>
+cudaError_t LaunchTracedSm90(const FlashParams& params, bool narrow, int sms, cudaStream_t stream,
+                             unsigned long long* trace, int* consumer_wgs, int* block_m) {
+  using Wide = Sm90WideTraits<D, __nv_bfloat16>;
+  using Narrow = Sm90NarrowTraits<D, __nv_bfloat16>;
+  *consumer_wgs = narrow ? Narrow::kConsumerWGs : Wide::kConsumerWGs;
+  *block_m = narrow ? Narrow::kBlockM : Wide::kBlockM;
+  return LaunchTilingSm90<D, Sm90Traced>(params, narrow, sms, stream, trace);
+}
+
+template <int D>
+cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool narrow, int sms,
+                              cudaStream_t stream) {
+  switch (v) {
+    case Sm90Variant::kRescaleOnChange:
+      return LaunchTilingSm90<D, Sm90RescaleOnChange>(params, narrow, sms, stream);
+    case Sm90Variant::kClusterKV:
+      return LaunchTilingSm90<D, Sm90ClusterKV>(params, narrow, sms, stream);
+    case Sm90Variant::kSplitMask:
+      return LaunchTilingSm90<D, Sm90SplitMask>(params, narrow, sms, stream);
+    case Sm90Variant::kOverlap:
+      return LaunchFlashFwdSm90<Sm90Overlap<Sm90NarrowTraits<D, __nv_bfloat16>>>(params, sms, stream);
+    case Sm90Variant::kKeys176:
+      if constexpr (D == 128) {
+        return LaunchFlashFwdSm90<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>(params, sms, stream);
+      }
+      return cudaErrorNotSupported;
+    case Sm90Variant::kKeys80:
+      if constexpr (D == 256) {
+        return LaunchFlashFwdSm90<Sm90TraitsBase<256, __nv_bfloat16, 80, 2, 2>>(params, sms, stream);
+      }
+      return cudaErrorNotSupported;
+  }
+  return cudaErrorNotSupported;
+}
+
+}  // namespace attn::kernels::cuda
