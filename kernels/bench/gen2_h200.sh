@@ -7,8 +7,9 @@
 #  3. the variants of timeline_kernels.h against production (sm90_timeline --variant);
 #  4. the generation-2 GPU tests;
 #  not in the default list: accuracy (each kernel's error against float64 attention), clocks
-#  (rate, SM clock and power under sustained load), sass (cuobjdump) and ncu_sections (Nsight
-#  Compute).
+#  (rate, SM clock and power under sustained load), sass (cuobjdump), ncu_sections (Nsight
+#  Compute), tests_tilings (the tests with each tiling forced) and sanitize (memcheck and
+#  racecheck).
 # BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
 # and the Python tools of kernels/bench; the results go to OUT_DIR, one file per part.
 #   kernels/bench/gen2_h200.sh BIN OUT_DIR [PART ...]   (PART: one of the names in the case below)
@@ -53,6 +54,8 @@ variants() {
               "cluster_kv 256 16384" "cluster_kv 128 12288"
               "split_mask 128 16384" "split_mask 128 4096 --causal" "split_mask 256 16384"
               "split_mask 256 4096" "split_mask 256 4096 --causal --narrow")
+  # GEN2_VARIANTS="v d s [flags];v d s [flags];...": these runs instead.
+  [ -z "${GEN2_VARIANTS:-}" ] || IFS=';' read -ra runs <<<"$GEN2_VARIANTS"
   local r v d rest
   for r in "${runs[@]}"; do
     read -r v d rest <<<"$r"
@@ -99,12 +102,35 @@ tests() {
   tail -n 3 "$out/tests.txt"
 }
 
+# The generation-2 tests with each tiling forced (ATTN_SM90_TILING: 1 wide, 2 narrow).
+tests_tilings() {
+  local t
+  for t in 1 2; do
+    echo "== ATTN_SM90_TILING=$t"
+    ATTN_SM90_TILING=$t "$bin/gpu_attention_test" --gtest_filter='Gen2/*' 2>&1 | tail -n 4 || rc=1
+  done >"$out/tests_tilings.txt" 2>&1
+  grep -q FAILED "$out/tests_tilings.txt" && rc=1
+  cat "$out/tests_tilings.txt"
+}
+
+# compute-sanitizer's memcheck and racecheck on the small generation-2 problems.
+sanitize() {
+  local tool
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool"
+    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/gpu_attention_test" \
+      --gtest_filter='Gen2/GpuSmoke*' 2>&1 | tail -n 6 || rc=1
+  done >"$out/sanitize.txt" 2>&1
+  cat "$out/sanitize.txt"
+}
+
 for p in "${parts[@]}"; do
   start=$(date +%s)
   case $p in
-    timeline | sweep | variants | accuracy | clocks | sass | ncu_sections | tests) "$p" ;;
+    timeline | sweep | variants | accuracy | clocks | sass | ncu_sections | tests | tests_tilings | \
+      sanitize) "$p" ;;
     *) echo "gen2_h200.sh: unknown part '$p' (timeline sweep variants accuracy clocks" \
-            "sass ncu_sections tests)" >&2
+            "sass ncu_sections tests tests_tilings sanitize)" >&2
        exit 2 ;;
   esac
   echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"

@@ -10,7 +10,9 @@
 // (ABBA order, same inputs) and checks that their outputs agree; exits 1 when they do not.
 //
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
-//                 [--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask]
+//                 [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|
+//                            overlap_keys176|cluster_kv|split_mask|release_k_early
+//                            [--production wide|narrow]]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -52,6 +54,9 @@ struct Options {
   int s = 4096;
   bool causal = false;
   bool narrow = false;
+  // --production wide|narrow: the tiling production runs with against a variant (default: the
+  // variant's, from --narrow).
+  std::string production;
   int reps = 20;
   std::string variant;  // empty: the timeline
 };
@@ -73,11 +78,19 @@ Options Parse(int argc, char** argv) {
     else if (a == "--causal") o.causal = true;
     else if (a == "--narrow") o.narrow = true;
     else if (a == "--variant" && i + 1 < argc) o.variant = argv[++i];
+    else if (a == "--production" && i + 1 < argc) o.production = argv[++i];
     else {
-      std::fprintf(stderr, "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N] "
-                           "[--variant rescale_on_change|keys176|keys80|overlap|cluster_kv|split_mask]\n");
+      std::fprintf(stderr,
+                   "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N]\n"
+                   "         [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|\n"
+                   "                    overlap_keys176|cluster_kv|split_mask|release_k_early\n"
+                   "                    [--production wide|narrow]]\n");
       std::exit(2);
     }
+  }
+  if (!o.production.empty() && o.production != "wide" && o.production != "narrow") {
+    std::fprintf(stderr, "--production must be wide or narrow\n");
+    std::exit(2);
   }
   if (o.d != 64 && o.d != 128 && o.d != 256) {
     std::fprintf(stderr, "--d must be 64, 128 or 256\n");
@@ -270,8 +283,11 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   else if (o.variant == "keys176") v = Sm90Variant::kKeys176;
   else if (o.variant == "keys80") v = Sm90Variant::kKeys80;
   else if (o.variant == "overlap") v = Sm90Variant::kOverlap;
+  else if (o.variant == "overlap_pingpong") v = Sm90Variant::kOverlapPingPong;
+  else if (o.variant == "overlap_keys176") v = Sm90Variant::kOverlapKeys176;
   else if (o.variant == "cluster_kv") v = Sm90Variant::kClusterKV;
   else if (o.variant == "split_mask") v = Sm90Variant::kSplitMask;
+  else if (o.variant == "release_k_early") v = Sm90Variant::kReleaseKEarly;
   else {
     std::fprintf(stderr, "unknown --variant %s\n", o.variant.c_str());
     return 2;
@@ -282,7 +298,8 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
     return 2;
   }
   CHECK_CUDA(cudaDeviceSynchronize());
-  setenv("ATTN_SM90_TILING", o.narrow ? "2" : "1", 1);
+  const bool prod_narrow = o.production.empty() ? o.narrow : o.production == "narrow";
+  setenv("ATTN_SM90_TILING", prod_narrow ? "2" : "1", 1);
   auto prod = [&] { return LaunchProduction(o, p); };
   auto var = [&] { return LaunchVariant(o, p, sms, v); };
   cudaEvent_t ea, eb;
@@ -324,8 +341,9 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
     if (d > max_diff) max_diff = d;
   }
   const double pm = prod_ms.Pct(0.5), vm = var_ms.Pct(0.5);
-  std::printf("sm90_timeline: d=%d bf16 s=%d causal=%d, %s tiling, variant %s\n", o.d, o.s,
-              int(o.causal), o.narrow ? "narrow" : "wide", o.variant.c_str());
+  std::printf("sm90_timeline: d=%d bf16 s=%d causal=%d, variant %s on the %s tiling, production %s\n",
+              o.d, o.s, int(o.causal), o.variant.c_str(), o.narrow ? "narrow" : "wide",
+              prod_narrow ? "narrow" : "wide");
   std::printf("| kernel | ms (median of %zu rounds) | TFLOP/s | production / kernel per round: median "
               "(p10 - p90) |\n| --- | --- | --- | --- |\n", ratio.v.size());
   std::printf("| production | %.4f | %.0f | 1 |\n", pm, flop / pm / 1e9);

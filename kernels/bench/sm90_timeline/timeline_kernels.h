@@ -23,6 +23,19 @@ struct Sm90Overlap : Tr {
   static constexpr bool kOverlap = true;
 };
 
+// kOverlap with the consumer warpgroups taking turns to issue (Sm90TraitsBase::kPingPong).
+template <typename Tr>
+struct Sm90OverlapPingPong : Tr {
+  static constexpr bool kOverlap = true;
+  static constexpr bool kPingPong = true;
+};
+
+// K released once its S is complete (Sm90TraitsBase::kReleaseKEarly).
+template <typename Tr>
+struct Sm90ReleaseKEarly : Tr {
+  static constexpr bool kReleaseKEarly = true;
+};
+
 // K/V halves multicast between the two CTAs of a cluster (Sm90TraitsBase::kClusterKV).
 template <typename Tr>
 struct Sm90ClusterKV : Tr {
@@ -39,9 +52,12 @@ enum class Sm90Variant {
   kRescaleOnChange,  // the production tiling (wide or narrow) with kRescaleOnChange
   kKeys176,          // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
   kKeys80,           // d=256: two consumer warpgroups on 128 x 80 tiles
-  kOverlap,          // the narrow tiling (two consumer warpgroups) with kOverlap
+  kOverlap,          // the production tiling (wide or narrow) with kOverlap
+  kOverlapPingPong,  // the production tiling (wide or narrow) with kOverlap and kPingPong
+  kOverlapKeys176,   // d=128: kKeys176's tiles with kOverlap and kPingPong
   kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
   kSplitMask,        // the production tiling (wide or narrow) with kSplitMaskLoop
+  kReleaseKEarly,    // the production tiling (wide or narrow) with kReleaseKEarly
 };
 
 // Launches the traced kernel (bf16) with the wide or narrow tiling of head dim D; `trace` holds

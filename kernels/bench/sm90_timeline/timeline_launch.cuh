@@ -36,7 +36,17 @@ cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool nar
     case Sm90Variant::kSplitMask:
       return LaunchTilingSm90<D, Sm90SplitMask>(params, narrow, sms, stream);
     case Sm90Variant::kOverlap:
-      return LaunchFlashFwdSm90<Sm90Overlap<Sm90NarrowTraits<D, __nv_bfloat16>>>(params, sms, stream);
+      return LaunchTilingSm90<D, Sm90Overlap>(params, narrow, sms, stream);
+    case Sm90Variant::kReleaseKEarly:
+      return LaunchTilingSm90<D, Sm90ReleaseKEarly>(params, narrow, sms, stream);
+    case Sm90Variant::kOverlapPingPong:
+      return LaunchTilingSm90<D, Sm90OverlapPingPong>(params, narrow, sms, stream);
+    case Sm90Variant::kOverlapKeys176:
+      if constexpr (D == 128) {
+        return LaunchFlashFwdSm90<Sm90OverlapPingPong<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>>(
+            params, sms, stream);
+      }
+      return cudaErrorNotSupported;
     case Sm90Variant::kKeys176:
       if constexpr (D == 128) {
         return LaunchFlashFwdSm90<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>(params, sms, stream);

@@ -143,8 +143,8 @@ struct Sm90Ring {
   }
 };
 
-// The CTA's mbarriers: Q full/empty per Q buffer (two), then per stage K full, V full and K/V
-// empty.
+// The CTA's mbarriers: Q full/empty per Q buffer (two), then per stage K full, V full, K empty
+// and V empty.
 template <int S>
 struct Sm90Bars {
   uint64_t* base;
@@ -152,7 +152,8 @@ struct Sm90Bars {
   __device__ __forceinline__ uint64_t* EmptyQ(int b) const { return base + 2 + b; }
   __device__ __forceinline__ uint64_t* FullK(int st) const { return base + 4 + st; }
   __device__ __forceinline__ uint64_t* FullV(int st) const { return base + 4 + S + st; }
-  __device__ __forceinline__ uint64_t* Empty(int st) const { return base + 4 + 2 * S + st; }
+  __device__ __forceinline__ uint64_t* EmptyK(int st) const { return base + 4 + 2 * S + st; }
+  __device__ __forceinline__ uint64_t* EmptyV(int st) const { return base + 4 + 3 * S + st; }
 };
 
 // Tr::kClusterKV: this CTA's half of a K or V tile (rows rank * BN/2 ..), one 64-column slab at a
@@ -184,14 +185,15 @@ __device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile&
                  bars.FullQ(q.buf));
   for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
     const int st = ring.st;
-    ptx::MbarWait(bars.Empty(st), ring.phase ^ 1);
     const int row = t.k_start + nb * Tr::kBlockN;
+    ptx::MbarWait(bars.EmptyK(st), ring.phase ^ 1);
     ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKVBytes);
     if constexpr (Tr::kClusterKV) {
       Sm90LoadHalfKV<Tr>(P.tk, smem + Tr::kKOff + st * Tr::kKVBytes, row, hk, bars.FullK(st));
     } else {
       ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, bars.FullK(st));
     }
+    ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
     ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
     if constexpr (Tr::kClusterKV) {
       Sm90LoadHalfKV<Tr>(P.tv, smem + Tr::kVOff + st * Tr::kKVBytes, row, hk, bars.FullV(st));
@@ -401,6 +403,28 @@ __device__ __forceinline__ void Sm90PackP(uint32_t (&pa)[BN / 16][4], const floa
     for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::Pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
+// Turn-taking of the consumer warpgroups for issuing products (Tr::kPingPong, with kOverlap):
+// warpgroup c waits on named barrier kFirstBar + c before it issues, then lets c + 1 (cyclically)
+// go, so the warpgroups' products reach the tensor cores in a fixed order and one warpgroup's
+// softmax runs while the others' products do. Every warpgroup takes the same number of turns per
+// tile (the CTA's warpgroups share its key tiles). The last warpgroup's Start lets the first go.
+template <typename Tr>
+struct Sm90IssueTurn {
+  static constexpr int kFirstBar = 4;  // 1..3: the TMA-store epilogue's
+  int cw;
+  __device__ __forceinline__ void Begin() const {
+    if constexpr (Tr::kPingPong) ptx::NamedBarSync(kFirstBar + cw, 256);
+  }
+  __device__ __forceinline__ void End() const {
+    if constexpr (Tr::kPingPong) ptx::NamedBarArrive(kFirstBar + (cw + 1) % Tr::kConsumerWGs, 256);
+  }
+  __device__ __forceinline__ void Start() const {
+    if constexpr (Tr::kPingPong) {
+      if (cw == Tr::kConsumerWGs - 1) End();
+    }
+  }
+};
+
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA. Every product is
 // waited for at once; the warpgroups' interleaving keeps the tensor cores busy during each one's
 // softmax. (An FA3-style variant, S of the next key tile issued before the softmax and the
@@ -435,6 +459,15 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   auto release_q = [&] {
     if (!tma_o && lane == 0) ptx::MbarArrive(bars.EmptyQ(q.buf));
   };
+  // A stage's K (once the S reading it is complete) and V (once the P V is) go back to the
+  // producer; Tr::kClusterKV: the partner CTA's producer also writes the stage (its half of each
+  // tile), so it waits for this CTA's warps too.
+  auto release = [&](uint64_t* bar) {
+    if (lane == 0) {
+      ptx::MbarArrive(bar);
+      if constexpr (Tr::kClusterKV) ptx::MbarArriveRemote(bar, ptx::ClusterCtaRank() ^ 1);
+    }
+  };
   if (t.nb_max == t.nb_min) Sm90ReleaseStoredQ(ost, bars, tid);
 
   float o[Tr::kPvChunks][Tr::kPvN / 2];
@@ -453,45 +486,57 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
     Sm90ReleaseStoredQ(ost, bars, tid);  // the store had the Q wait to read its rows
     if constexpr (Tr::kOverlap) {
       // S of the next key tile is issued before P V of this one, and its softmax runs while that
-      // P V is on the tensor cores; O is rescaled once the P V is complete.
+      // P V is on the tensor cores; O is rescaled once the P V is complete. Each tile's V is
+      // waited for right after its softmax, before the wait for the previous P V: the mbarrier
+      // poll loop ends a basic block, and ptxas hoists a wgmma wait to the top of its block (with
+      // the two waits in one block it ran the whole softmax after the P V wait).
       auto softmax = [&](int nb) {
         if (nb == t.nb_min) release_q();
         mask(s, nb);
         Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
       };
+      // Tr::kPingPong: the warpgroups take turns to issue (Sm90IssueTurn).
+      const Sm90IssueTurn<Tr> turn{cw};
       int st = ring.st;
       int nb = t.nb_max - 1;
       ptx::MbarWait(bars.FullK(st), ring.phase);
+      turn.Begin();
       mma.IssueS(s, st);
+      turn.End();
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
+      release(bars.EmptyK(st));
       softmax(nb);
       Sm90PackP<T, BN>(pa, s);
+      ptx::MbarWait(bars.FullV(st), ring.phase);
       for (;;) {
         const int st_prev = st;
-        const uint32_t phase_prev = ring.phase;
         ring.Advance();
         if (--nb < t.nb_min) {
-          ptx::MbarWait(bars.FullV(st_prev), phase_prev);
+          turn.Begin();
           mma.IssuePV(o, pa, st_prev);
+          turn.End();
           ptx::WgmmaWait<0>();
 #pragma unroll
           for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-          if (lane == 0) ptx::MbarArrive(bars.Empty(st_prev));
+          release(bars.EmptyV(st_prev));
           break;
         }
         st = ring.st;
         ptx::MbarWait(bars.FullK(st), ring.phase);
+        turn.Begin();
         mma.IssueS(s, st);
-        ptx::MbarWait(bars.FullV(st_prev), phase_prev);
         mma.IssuePV(o, pa, st_prev);
+        turn.End();
         ptx::WgmmaWait<1>();  // S complete; P V may still run
         ptx::RegFence(s);
+        release(bars.EmptyK(st));
         softmax(nb);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
         ptx::WgmmaWait<0>();
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-        if (lane == 0) ptx::MbarArrive(bars.Empty(st_prev));
+        release(bars.EmptyV(st_prev));
         Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, BN>(pa, s);
       }
@@ -506,6 +551,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         mma.IssueS(s, st);
         ptx::WgmmaWait<0>();
         ptx::RegFence(s);
+        if constexpr (Tr::kReleaseKEarly) release(bars.EmptyK(st));
         tr.Mark(Sm90TraceLayout::kSDone);
         if (nb == t.nb_min) release_q();
         if constexpr (decltype(masked)::value) {
@@ -527,12 +573,8 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
         tr.Mark(Sm90TraceLayout::kPvDone);
-        if (lane == 0) {
-          ptx::MbarArrive(bars.Empty(st));
-          // The partner CTA's producer also writes this stage (its half of the tile): it waits
-          // for this warp too.
-          if constexpr (Tr::kClusterKV) ptx::MbarArriveRemote(bars.Empty(st), ptx::ClusterCtaRank() ^ 1);
-        }
+        if constexpr (!Tr::kReleaseKEarly) release(bars.EmptyK(st));
+        release(bars.EmptyV(st));
         ring.Advance();
         if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
       };
@@ -611,7 +653,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   constexpr int S = Tr::kStages;
   const Sm90Bars<S> bars{reinterpret_cast<uint64_t*>(smem + Tr::kBarOff)};
   constexpr uint32_t kConsumerWarps = Tr::kConsumerWGs * 4;  // each arrives once per release
-  static_assert(!(Tr::kClusterKV && Tr::kOverlap), "the overlapped key loop has no cluster release");
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
@@ -622,7 +663,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       ptx::MbarInit(bars.FullK(i), 1);
       ptx::MbarInit(bars.FullV(i), 1);
       // Tr::kClusterKV: the consumer warps of both CTAs of the cluster release each stage.
-      ptx::MbarInit(bars.Empty(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
+      ptx::MbarInit(bars.EmptyK(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
+      ptx::MbarInit(bars.EmptyV(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
     }
     ptx::FenceMbarInit();
   }
@@ -686,6 +728,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         tr.end = tr.it + Sm90TraceLayout::kPerWarpgroup;
       }
     }
+    Sm90IssueTurn<Tr>{wg - 1}.Start();
     uint32_t tile_no = 0;
     for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
       Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++);

@@ -25,11 +25,15 @@ struct Sm90TraitsBase {
   // O is rescaled only when some row of the warp has a new maximum (corr != 1): an experiment
   // of bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kRescaleOnChange = false;
-  // S of the next key tile issued before P V of this one, meant to run its softmax during that
-  // P V: an experiment of bench/sm90_timeline, off in every dispatched tiling. Its SASS (H200
-  // build, d=128 and d=256) shows ptxas scheduling the whole softmax after the wait for the P V,
-  // so nothing overlaps: it needs a scheduling fence between the softmax and that wait.
+  // A stage's K goes back to the producer as soon as the S reading it is complete, not with its
+  // V after the P V: the next K can load during the softmax.
+  static constexpr bool kReleaseKEarly = false;
+  // S of the next key tile issued before P V of this one, its softmax running during that P V
+  // (this loop always releases K early: it holds two stages at once): an experiment of
+  // bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kOverlap = false;
+  // With kOverlap: the consumer warpgroups take turns issuing their products (Sm90IssueTurn).
+  static constexpr bool kPingPong = false;
   // K/V tiles shared by the two CTAs of a cluster: each loads half of every tile and multicasts
   // it to both (half the L2 traffic); the pair computes two row blocks of one (sequence, head).
   // Non-causal, unwindowed, equal-length sequences of a multiple of 2 * kBlockM queries only (the
@@ -46,8 +50,9 @@ struct Sm90TraitsBase {
 
   static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D * 2;
   static constexpr uint32_t kKVBytes = uint32_t(kBlockN) * D * 2;  // one K (or V) tile
-  // Barriers: per Q buffer full and empty, then per stage K full, V full, K/V empty (Sm90Bars).
-  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 3 * kStages);
+  // Barriers: per Q buffer full and empty, then per stage K full, V full, K empty, V empty
+  // (Sm90Bars).
+  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages);
   // Two Q buffers where shared memory allows: the next tile's Q then loads while this tile runs,
   // so a consumer warpgroup that finishes its tile early starts the next one at once instead of
   // waiting for the slowest warpgroup to release the shared Q (d=256: one buffer only).
