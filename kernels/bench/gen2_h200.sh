@@ -21,7 +21,8 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(timeline variants sweep tests)
 mkdir -p "$out"
 rc=0
-gens=gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2  # bench_vs_torch.py --lib
+# bench_vs_torch.py --lib; GEN2_LIBS overrides it (e.g. to add an earlier build's library).
+gens=${GEN2_LIBS:-gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2}
 
 timeline() {
   # d, s, flags: where v7.1 measured lowest against cuDNN (docs/PERF.md), and a long d=128 for

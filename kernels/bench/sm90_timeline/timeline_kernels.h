@@ -55,6 +55,7 @@ enum class Sm90Variant {
   kOverlap,          // the production tiling (wide or narrow) with kOverlap
   kOverlapPingPong,  // the production tiling (wide or narrow) with kOverlap and kPingPong
   kOverlapKeys176,   // d=128: kKeys176's tiles with kOverlap and kPingPong
+  kOverlapKeys64,    // d=128: three consumer warpgroups on 192 x 64 tiles (4 stages) with kOverlap
   kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
   kSplitMask,        // the production tiling (wide or narrow) with kSplitMaskLoop
   kReleaseKEarly,    // the production tiling (wide or narrow) with kReleaseKEarly

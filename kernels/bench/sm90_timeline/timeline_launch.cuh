@@ -47,6 +47,12 @@ cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool nar
             params, sms, stream);
       }
       return cudaErrorNotSupported;
+    case Sm90Variant::kOverlapKeys64:
+      if constexpr (D == 128) {
+        return LaunchFlashFwdSm90<Sm90Overlap<Sm90TraitsBase<128, __nv_bfloat16, 64, 4, 3>>>(params, sms,
+                                                                                            stream);
+      }
+      return cudaErrorNotSupported;
     case Sm90Variant::kKeys176:
       if constexpr (D == 128) {
         return LaunchFlashFwdSm90<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>(params, sms, stream);

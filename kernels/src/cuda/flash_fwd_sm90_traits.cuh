@@ -105,7 +105,7 @@ template <typename T>
 struct Sm90WideTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 3> {};
 template <typename T>
 struct Sm90WideTraits<256, T> : Sm90TraitsBase<256, T, 80, 2, 2> {
-  static constexpr bool kSplitMaskLoop = true;
+  static constexpr bool kOverlap = true;
 };
 
 template <int D, typename T>
