@@ -12,12 +12,14 @@ Usage: python3 bench_vs_torch.py --lib path/to/libattn_kernels_capi.so --out tab
 Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; causal off/on.
 FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events around N back-to-back launches
 (N chosen per function so that one timing covers >= --min-ms, default 20 ms), divided by N;
-median over --reps such timings after warm-up. torch's sdpa_kernel backend context is entered
-outside the timed region, so neither it nor a single launch's host overhead is counted.
+median over --reps such timings after warm-up, the functions' timings interleaved in alternating
+order, or with --soak-ms each function soaked alone first (time_all says why). torch's sdpa_kernel backend context is entered outside the timed region, so neither it
+nor a single launch's host overhead is counted.
 """
 import math
 import os
 import argparse
+import contextlib
 import ctypes
 import datetime
 import statistics
@@ -100,16 +102,36 @@ def events_ms(fn, n):
     return a.elapsed_time(b)
 
 
-def time_ms(fn, warmup, reps, min_ms):
-    """Median per-call time (ms) and the launches per timing N."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    one = events_ms(fn, 1)
-    n = max(1, min(1000, math.ceil(min_ms / max(one, 1e-3))))
-    events_ms(fn, n)  # fill the launch queue once at this N before timing
-    times = [events_ms(fn, n) / n for _ in range(reps)]
-    return statistics.median(times), n
+def time_all(fns, warmup, reps, min_ms, soak_ms=0.0):
+    """Median per-call time (ms) and launches per timing N of each (name, fn, ctx) in fns; ctx()
+    is entered around the calls, outside the timed region. The board's clock follows its power
+    draw with a lag of tenths of a second, so timing one function right after another favours
+    whichever draws less or runs first after a pause. soak_ms = 0: the timings are interleaved in
+    alternating order (A B C, C B A, ...), so every function runs at the same mix of clocks (work
+    per clock). soak_ms > 0: each function runs alone for soak_ms before its timings, so each is
+    timed at the clock its own sustained power draw allows (as in a long run of it)."""
+    ns = {}
+    for name, fn, ctx in fns:
+        with ctx():
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+            one = events_ms(fn, 1)
+            ns[name] = max(1, min(1000, math.ceil(min_ms / max(one, 1e-3))))
+            events_ms(fn, ns[name])  # fill the launch queue once at this N before timing
+    times = {name: [] for name, _, _ in fns}
+    if soak_ms > 0:
+        for name, fn, ctx in fns:
+            with ctx():
+                per_call = events_ms(fn, ns[name]) / ns[name]
+                events_ms(fn, max(1, math.ceil(soak_ms / max(per_call, 1e-3))))
+                times[name] = [events_ms(fn, ns[name]) / ns[name] for _ in range(reps)]
+    else:
+        for r in range(reps):
+            for name, fn, ctx in (fns if r % 2 == 0 else fns[::-1]):
+                with ctx():
+                    times[name].append(events_ms(fn, ns[name]) / ns[name])
+    return {name: (statistics.median(t), ns[name]) for name, t in times.items()}
 
 
 def main():
@@ -121,6 +143,9 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--min-ms", type=float, default=20.0,
                     help="each timing covers N back-to-back launches, N >= min-ms / one launch")
+    ap.add_argument("--soak-ms", type=float, default=0.0,
+                    help="run each function alone this long before timing it (its own sustained "
+                         "clock); 0: interleave the functions' timings (the same clocks for all)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--dims", default="64,128")
@@ -160,25 +185,23 @@ def main():
                         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
                     flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
-                    t_var = {}
-                    n_var = {}
-                    for name, fn in libs:
-                        t_var[name], n_var[name] = time_ms(make_ours(fn), args.warmup, args.reps,
-                                                           args.min_ms)
-                    t_ours = t_var[libs[0][0]]
-                    res = {"flash": None, "cudnn": None}
+                    fns = [(name, make_ours(fn), contextlib.nullcontext) for name, fn in libs]
                     ref = None
                     for name, be in backends:
                         try:
-                            with sdpa_kernel(be):  # outside the timed region
+                            with sdpa_kernel(be):
                                 out = sdpa()
-                                if ref is None and name == "flash":
-                                    ref = out
-                                res[name], _ = time_ms(sdpa, args.warmup, args.reps, args.min_ms)
+                            if ref is None and name == "flash":
+                                ref = out
+                            fns.append((name, sdpa, lambda be=be: sdpa_kernel(be)))
                         except Exception as e:  # backend not available for this shape
                             print(f"# {name} failed for {dname} causal={causal} d={d} s={s}: {e}",
                                   file=sys.stderr)
-                            res[name] = None
+                    timed = time_all(fns, args.warmup, args.reps, args.min_ms, args.soak_ms)
+                    t_var = {name: timed[name][0] for name, _ in libs}
+                    n_var = {name: timed[name][1] for name, _ in libs}
+                    t_ours = t_var[libs[0][0]]
+                    res = {name: timed[name][0] if name in timed else None for name in ("flash", "cudnn")}
                     if ref is None:
                         with sdpa_kernel(SDPBackend.MATH):
                             ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(),
@@ -222,7 +245,8 @@ def main():
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"date {datetime.date.today().isoformat()}, tokens/batch {args.tokens}, H*D = 2048, "
              f"median of {args.reps} timings after {args.warmup} warm-up, each timing N "
-             f"back-to-back launches >= {args.min_ms:g} ms (CUDA events). TFLOP/s.", "",
+             f"back-to-back launches >= {args.min_ms:g} ms (CUDA events), {timing_order(args)}. "
+             f"TFLOP/s.", "",
              "| dtype | causal | d | s | ours | flash | cudnn | ours/flash | ours/cudnn | rel err vs torch |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -240,6 +264,12 @@ def main():
     write_text("\n".join(lines) + "\n", args.out)
 
 
+def timing_order(args):
+    if args.soak_ms > 0:
+        return f"each function soaked alone for {args.soak_ms:g} ms before its timings"
+    return "the functions' timings interleaved in alternating order"
+
+
 def write_multi(args, libs, rows):
     names = [n for n, _ in libs]
     f = lambda x: f"{x:.1f}" if x is not None else "n/a"
@@ -247,7 +277,8 @@ def write_multi(args, libs, rows):
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"date {datetime.date.today().isoformat()}, tokens/batch {args.tokens}, H*D = 2048, "
              f"median of {args.reps} timings after {args.warmup} warm-up, each timing N "
-             f"back-to-back launches >= {args.min_ms:g} ms (CUDA events). TFLOP/s; "
+             f"back-to-back launches >= {args.min_ms:g} ms (CUDA events), {timing_order(args)}. "
+             f"TFLOP/s; "
              f"variants: {', '.join(names)}.", "",
              "| dtype | causal | d | s | flash | cudnn | " +
              " | ".join(f"{n} | {n}/flash | {n}/cudnn | {n} err" for n in names) + " |",

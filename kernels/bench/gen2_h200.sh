@@ -8,8 +8,8 @@
 #  4. the generation-2 GPU tests;
 #  not in the default list: accuracy (each kernel's error against float64 attention), clocks
 #  (rate, SM clock and power under sustained load), sass (cuobjdump), ncu_sections (Nsight
-#  Compute), tests_tilings (the tests with each tiling forced) and sanitize (memcheck and
-#  racecheck).
+#  Compute), tests_tilings (the tests with each tiling forced), sanitize (memcheck and
+#  racecheck) and sweep_soaked (the sweep with each kernel timed at its own sustained clock).
 # BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
 # and the Python tools of kernels/bench; the results go to OUT_DIR, one file per part.
 #   kernels/bench/gen2_h200.sh BIN OUT_DIR [PART ...]   (PART: one of the names in the case below)
@@ -38,10 +38,20 @@ timeline() {
   done >"$out/timeline.md" 2>&1
 }
 
+# The standard sweep: interleaved timings (every kernel at the same clocks: work per clock), and
+# soaked ones (each kernel first run alone for 0.5 s: the clock its own power draw allows).
 sweep() {
+  standard_sweep sweep
+}
+sweep_soaked() {
+  standard_sweep sweep_soaked --soak-ms 500
+}
+standard_sweep() {
+  local name=$1
+  shift
   (cd "$bin" && python3 bench_vs_torch.py --lib "$gens" \
       --dims 64,128,256 --seqlens 512,1024,2048,4096,8192,16384 --dtypes bf16,fp16 \
-      --causal 0,1 --reps 5 --min-ms 10 --out "$out/sweep.md") >"$out/sweep.log" 2>&1 || rc=1
+      --causal 0,1 --reps 5 --min-ms 10 "$@" --out "$out/$name.md") >"$out/$name.log" 2>&1 || rc=1
 }
 
 variants() {
@@ -98,9 +108,14 @@ ncu_sections() {
   done >"$out/ncu.txt" 2>&1
 }
 
+# gtest's count lines (ran, passed, skipped, failed) of the output on stdin.
+gtest_counts() {
+  grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test|^\[=+\] [0-9]+ tests? '
+}
+
 tests() {
   "$bin/gpu_attention_test" --gtest_filter='Gen2/*' >"$out/tests.txt" 2>&1 || rc=1
-  tail -n 3 "$out/tests.txt"
+  gtest_counts <"$out/tests.txt"
 }
 
 # The generation-2 tests with each tiling forced (ATTN_SM90_TILING: 1 wide, 2 narrow).
@@ -108,7 +123,7 @@ tests_tilings() {
   local t
   for t in 1 2; do
     echo "== ATTN_SM90_TILING=$t"
-    ATTN_SM90_TILING=$t "$bin/gpu_attention_test" --gtest_filter='Gen2/*' 2>&1 | tail -n 4 || rc=1
+    ATTN_SM90_TILING=$t "$bin/gpu_attention_test" --gtest_filter='Gen2/*' 2>&1 | gtest_counts || rc=1
   done >"$out/tests_tilings.txt" 2>&1
   grep -q FAILED "$out/tests_tilings.txt" && rc=1
   cat "$out/tests_tilings.txt"
@@ -128,10 +143,10 @@ sanitize() {
 for p in "${parts[@]}"; do
   start=$(date +%s)
   case $p in
-    timeline | sweep | variants | accuracy | clocks | sass | ncu_sections | tests | tests_tilings | \
-      sanitize) "$p" ;;
+    timeline | sweep | sweep_soaked | variants | accuracy | clocks | sass | ncu_sections | tests | \
+      tests_tilings | sanitize) "$p" ;;
     *) echo "gen2_h200.sh: unknown part '$p' (timeline sweep variants accuracy clocks" \
-            "sass ncu_sections tests tests_tilings sanitize)" >&2
+            "sass ncu_sections tests tests_tilings sanitize sweep_soaked)" >&2
        exit 2 ;;
   esac
   echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"

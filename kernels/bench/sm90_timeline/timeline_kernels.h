@@ -61,12 +61,20 @@ enum class Sm90Variant {
   kReleaseKEarly,    // the production tiling (wide or narrow) with kReleaseKEarly
 };
 
+// What a traced launch ran: its consumer warpgroups, tile rows and keys, and whether its key loop
+// is the overlapped one (Sm90TraitsBase::kOverlap), which records no timeline.
+struct Sm90TracedShape {
+  int consumer_wgs = 0;
+  int block_m = 0;
+  int block_n = 0;
+  bool overlap = false;
+};
+
 // Launches the traced kernel (bf16) with the wide or narrow tiling of head dim D; `trace` holds
-// grid * 3 * Sm90TraceLayout::kPerWarpgroup entries. Sets *consumer_wgs and *block_m to what was
-// launched.
+// grid * 3 * Sm90TraceLayout::kPerWarpgroup entries. Sets *shape to what was launched.
 template <int D>
 cudaError_t LaunchTracedSm90(const FlashParams& params, bool narrow, int sms, cudaStream_t stream,
-                             unsigned long long* trace, int* consumer_wgs, int* block_m);
+                             unsigned long long* trace, Sm90TracedShape* shape);
 
 // Launches variant v of head dim D (bf16), untraced; cudaErrorNotSupported where v does not apply
 // to D.

@@ -4,7 +4,7 @@
 namespace attn::kernels::cuda {
 
 template cudaError_t LaunchTracedSm90<64>(const FlashParams&, bool, int, cudaStream_t, unsigned long long*,
-                                          int*, int*);
+                                          Sm90TracedShape*);
 template cudaError_t LaunchVariantSm90<64>(const FlashParams&, Sm90Variant, bool, int, cudaStream_t);
 
 }  // namespace attn::kernels::cuda

@@ -17,11 +17,16 @@ cudaError_t LaunchTilingSm90(const FlashParams& params, bool narrow, int sms, cu
 
 template <int D>
 cudaError_t LaunchTracedSm90(const FlashParams& params, bool narrow, int sms, cudaStream_t stream,
-                             unsigned long long* trace, int* consumer_wgs, int* block_m) {
-  using Wide = Sm90WideTraits<D, __nv_bfloat16>;
-  using Narrow = Sm90NarrowTraits<D, __nv_bfloat16>;
-  *consumer_wgs = narrow ? Narrow::kConsumerWGs : Wide::kConsumerWGs;
-  *block_m = narrow ? Narrow::kBlockM : Wide::kBlockM;
+                             unsigned long long* trace, Sm90TracedShape* shape) {
+  auto describe = [shape](auto traits) {
+    using Tr = decltype(traits);
+    *shape = {Tr::kConsumerWGs, Tr::kBlockM, Tr::kBlockN, Tr::kOverlap};
+  };
+  if (narrow) {
+    describe(Sm90NarrowTraits<D, __nv_bfloat16>{});
+  } else {
+    describe(Sm90WideTraits<D, __nv_bfloat16>{});
+  }
   return LaunchTilingSm90<D, Sm90Traced>(params, narrow, sms, stream, trace);
 }
 

@@ -6,9 +6,10 @@
 //    the Q tile, then K and V tiles into a ring of kStages stages with TMA, running ahead into the
 //    next tile (its Q into the second Q buffer where there is one, else as soon as the
 //    consumers' last S of the current tile is done, so the next tile's loads overlap this one's
-//    last products and epilogue). Each stage has a
-//    "full" mbarrier for K and one for V (the TMA's transaction bytes complete them) and an
-//    "empty" mbarrier the consumer warps arrive on once they are done with the stage.
+//    last products and epilogue). Each stage has a "full" mbarrier for K and one for V (the
+//    TMA's transaction bytes complete them) and an "empty" one for each, which the consumer warps
+//    arrive on once they are done with that tile (V once its P V is complete; K then too, or
+//    once its S is complete in the overlapped loop, which holds two stages at a time).
 //  - the other warpgroups, the consumers, take the registers (setmaxnreg.inc) and own 64 query
 //    rows each: S = Q K^T (wgmma, both operands in shared memory), masking and the online softmax in
 //    registers, then O += P V with P in registers (the accumulator layout of S is the A-fragment
@@ -425,12 +426,13 @@ struct Sm90IssueTurn {
   }
 };
 
-// Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA. Every product is
-// waited for at once; the warpgroups' interleaving keeps the tensor cores busy during each one's
-// softmax. (An FA3-style variant, S of the next key tile issued before the softmax and the
-// warpgroups taking turns on named barriers, measured 3-15% slower at d=128 and 28% slower at
-// d=256 on the H200, and was removed; the kOverlap experiment without turn-taking is slower too,
-// because ptxas moves its softmax below the P V wait: docs/PERF.md.)
+// Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA. Two key loops:
+//  - the plain one waits for every product at once; the warpgroups' interleaving keeps the tensor
+//    cores busy during each one's softmax;
+//  - Tr::kOverlap (d=256's 80-key tiling) issues S of the next key tile with P V of this one and
+//    runs the softmax under that P V: 3-7% faster at d=256 on the H200; at d=128 its two
+//    warpgroups are 8% slower than the plain loop's three, which have no registers for it
+//    (docs/PERF.md).
 template <typename Tr>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
@@ -609,7 +611,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   } else {
     Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
   }
-  if (t.nb_max > t.nb_min) {
+  if (!Tr::kOverlap && t.nb_max > t.nb_min) {  // the overlapped loop records no timeline
     tr.Mark(Sm90TraceLayout::kEpilogueDone);
     tr.Next();
   }

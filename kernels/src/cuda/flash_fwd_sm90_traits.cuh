@@ -92,9 +92,11 @@ struct Sm90Traced : Tr {
 // against 0.86x cuDNN). d=256 has no room for a third warpgroup: its "wide" tiling has 80-key
 // tiles (225 KiB of shared memory), its narrow one 64 (bench/sm90_timeline, H200: 80 keys 1.8-4.6%
 // faster non-causal at 2k-16k and causal at 4k-16k, level causal at 2k, 3.7% slower causal at
-// 1k). d=64 and d=256 run their unmasked key tiles in a loop without the mask (kSplitMaskLoop:
-// d=64 1-2% faster causal, level non-causal; d=256 0.6-1.8% faster); at d=128 that loop spilled
-// more (140 bytes against 88) and was 11-13% slower.
+// 1k). d=64 and d=256's narrow tiling run their unmasked key tiles in a loop without the mask
+// (kSplitMaskLoop: d=64 1-2% faster causal, level non-causal; d=256 0.6-1.8% faster); at d=128
+// that loop spilled more (140 bytes against 88) and was 11-13% slower. d=256's wide tiling
+// overlaps each key tile's softmax with the previous P V (kOverlap: 3-7% faster at 1k-16k, causal
+// or not; level on the narrow tiling at causal 1k).
 template <int D, typename T>
 struct Sm90WideTraits;
 template <typename T>
