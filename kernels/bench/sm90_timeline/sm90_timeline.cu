@@ -11,8 +11,7 @@
 //
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
 //                 [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|
-//                            overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early|
-//                            prefetch_s
+//                            overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early
 //                            [--production wide|narrow]]
 #include <cuda_runtime_api.h>
 
@@ -85,8 +84,7 @@ Options Parse(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N]\n"
                    "         [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|\n"
-                   "                    overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early|\n"
-                   "                    prefetch_s\n"
+                   "                    overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early\n"
                    "                    [--production wide|narrow]]\n");
       std::exit(2);
     }
@@ -293,7 +291,6 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   else if (o.variant == "cluster_kv") v = Sm90Variant::kClusterKV;
   else if (o.variant == "split_mask") v = Sm90Variant::kSplitMask;
   else if (o.variant == "release_k_early") v = Sm90Variant::kReleaseKEarly;
-  else if (o.variant == "prefetch_s") v = Sm90Variant::kPrefetchS;
   else {
     std::fprintf(stderr, "unknown --variant %s\n", o.variant.c_str());
     return 2;

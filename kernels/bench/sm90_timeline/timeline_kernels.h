@@ -30,12 +30,6 @@ struct Sm90OverlapPingPong : Tr {
   static constexpr bool kPingPong = true;
 };
 
-// The next tile's first S before this tile's epilogue (Sm90TraitsBase::kPrefetchS).
-template <typename Tr>
-struct Sm90PrefetchS : Tr {
-  static constexpr bool kPrefetchS = true;
-};
-
 // K released once its S is complete (Sm90TraitsBase::kReleaseKEarly).
 template <typename Tr>
 struct Sm90ReleaseKEarly : Tr {
@@ -65,7 +59,6 @@ enum class Sm90Variant {
   kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
   kSplitMask,        // the production tiling (wide or narrow) with kSplitMaskLoop
   kReleaseKEarly,    // the production tiling (wide or narrow) with kReleaseKEarly
-  kPrefetchS,        // the production tiling (wide or narrow) with kPrefetchS (d=64, d=128)
 };
 
 // What a traced launch ran: its consumer warpgroups, tile rows and keys, and whether its key loop

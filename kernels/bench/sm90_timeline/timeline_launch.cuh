@@ -44,9 +44,6 @@ cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool nar
       return LaunchTilingSm90<D, Sm90Overlap>(params, narrow, sms, stream);
     case Sm90Variant::kReleaseKEarly:
       return LaunchTilingSm90<D, Sm90ReleaseKEarly>(params, narrow, sms, stream);
-    case Sm90Variant::kPrefetchS:
-      if constexpr (D != 256) return LaunchTilingSm90<D, Sm90PrefetchS>(params, narrow, sms, stream);
-      return cudaErrorNotSupported;
     case Sm90Variant::kOverlapPingPong:
       return LaunchTilingSm90<D, Sm90OverlapPingPong>(params, narrow, sms, stream);
     case Sm90Variant::kOverlapKeys176:

@@ -426,15 +426,6 @@ struct Sm90IssueTurn {
   }
 };
 
-// What a consumer warpgroup carries from one tile to the next: with Tr::kPrefetchS, the next
-// tile's first S, issued before this tile's epilogue so that the tensor cores have it to work on
-// while the warpgroups write O.
-template <typename Tr>
-struct Sm90Carry {
-  float s[Tr::kBlockN / 2];
-  bool s_issued = false;
-};
-
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA. Two key loops:
 //  - the plain one waits for every product at once; the warpgroups' interleaving keeps the tensor
 //    cores busy during each one's softmax;
@@ -442,14 +433,11 @@ struct Sm90Carry {
 //    runs the softmax under that P V: 3-7% faster at d=256 on the H200; at d=128 its two
 //    warpgroups are 8% slower than the plain loop's three, which have no registers for it
 //    (docs/PERF.md).
-template <typename Tr, typename FindNext>
+template <typename Tr>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
                                             Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
-                                            Sm90OStore& ost, Sm90TraceOf<Tr>& tr, uint32_t tile_no,
-                                            Sm90Carry<Tr>& carry, FindNext find_next) {
-  static_assert(!Tr::kPrefetchS || (Tr::kQBufs == 2 && !Tr::kOverlap && !Tr::kClusterKV),
-                "the next tile's S needs its own Q buffer and the plain key loop");
+                                            Sm90OStore& ost, Sm90TraceOf<Tr>& tr, uint32_t tile_no) {
   using T = typename Tr::T;
   constexpr int BN = Tr::kBlockN;
   const FlashParams& p = P.p;
@@ -492,13 +480,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
   float corr[2];
-  float s_tile[BN / 2];
-  float(&s)[BN / 2] = Tr::kPrefetchS ? carry.s : s_tile;
-  // Tr::kPrefetchS: the first key tile's S was issued at the end of the previous tile.
-  const bool s_issued = Tr::kPrefetchS && carry.s_issued;
-  carry.s_issued = false;
-  bool prefetch = false;  // Tr::kPrefetchS: the next tile's first S goes out before the epilogue
-  Sm90Mma<Tr> mma_next = mma;
+  float s[BN / 2];
   uint32_t pa[BN / 16][4];
 
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
@@ -566,11 +548,9 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         const int st = ring.st;
         tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb));
         tr.Mark(Sm90TraceLayout::kKWait);
-        if (!s_issued || nb != t.nb_max - 1) {
-          ptx::MbarWait(bars.FullK(st), ring.phase);
-          tr.Mark(Sm90TraceLayout::kSIssued);
-          mma.IssueS(s, st);
-        }
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        tr.Mark(Sm90TraceLayout::kSIssued);
+        mma.IssueS(s, st);
         ptx::WgmmaWait<0>();
         ptx::RegFence(s);
         if constexpr (Tr::kReleaseKEarly) release(bars.EmptyK(st));
@@ -620,39 +600,16 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       } else {
         for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) step(nb, std::true_type{});
       }
-      if constexpr (Tr::kPrefetchS) {
-        Sm90Tile next;
-        int h_next;
-        if (find_next(&next, &h_next) && next.nb_max > next.nb_min) {
-          // Its Q is the next Q tile loaded, into the other buffer; its first K is next in the ring.
-          const Sm90QSlot qn(q_loads + 1, Tr::kQBufs);
-          mma_next.sq = ptx::SmemAddr(smem + Tr::kQOff + qn.buf * Tr::kQBytes) + cw * 64 * 128;
-          ptx::MbarWait(bars.FullQ(qn.buf), qn.phase);
-          ptx::MbarWait(bars.FullK(ring.st), ring.phase);
-          prefetch = true;
-        }
-      }
     }
   }
-  auto epilogue = [&] {
-    if (tma_o) {
-      Sm90EpilogueTma<Tr>(P, t, h, cw, tid, smem + Tr::kQOff + q.buf * Tr::kQBytes + cw * 64 * 128, o,
-                          row_max, row_sum);
-      ost.pending_buf = q.buf;
-      // One Q buffer: the producer needs it back before this warpgroup's next tile can start.
-      if (Tr::kQBufs == 1) Sm90ReleaseStoredQ(ost, bars, tid);
-    } else {
-      Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
-    }
-  };
-  if (Tr::kPrefetchS && prefetch) {
-    // A copy of the epilogue of its own: ptxas waits for the products in flight where paths
-    // with and without one join, so the join must come after the epilogue.
-    mma_next.IssueS(s, ring.st);
-    carry.s_issued = true;
-    epilogue();
+  if (tma_o) {
+    Sm90EpilogueTma<Tr>(P, t, h, cw, tid, smem + Tr::kQOff + q.buf * Tr::kQBytes + cw * 64 * 128, o,
+                        row_max, row_sum);
+    ost.pending_buf = q.buf;
+    // One Q buffer: the producer needs it back before this warpgroup's next tile can start.
+    if (Tr::kQBufs == 1) Sm90ReleaseStoredQ(ost, bars, tid);
   } else {
-    epilogue();
+    Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
   }
   if (!Tr::kOverlap && t.nb_max > t.nb_min) {  // the overlapped loop records no timeline
     tr.Mark(Sm90TraceLayout::kEpilogueDone);
@@ -689,20 +646,6 @@ struct Sm90Schedule {
     *b = hb / heads;
   }
 };
-
-// The CTA's first tile from round r on (false: none left).
-template <int BM, int BN>
-__device__ __forceinline__ bool Sm90FindTile(const Sm90Schedule& sched, const FlashParams& p, int r,
-                                             Sm90Tile* t, int* h) {
-  for (; r * int(gridDim.x) < sched.Total(); ++r) {
-    const int j = sched.Tile(r);
-    if (j >= sched.Total()) continue;
-    int m_block, b;
-    sched.Decode(j, &m_block, h, &b);
-    if (MakeSm90Tile<BM, BN>(p, m_block, b, t)) return true;
-  }
-  return false;
-}
 
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ Sm90Params P) {
@@ -748,7 +691,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         Sm90Tile t;
         MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, 2 * (j % m_pairs) + int(ptx::ClusterCtaRank()),
                                                hb / sched.heads, &t);
-        fn(t, hb % sched.heads, q_loads, [](Sm90Tile*, int*) { return false; });
+        fn(t, hb % sched.heads, q_loads);
         q_loads += t.nb_max > t.nb_min;
       }
     } else {
@@ -759,10 +702,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         sched.Decode(j, &m_block, &h, &b);
         Sm90Tile t;
         if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) continue;
-        // fn may look up the CTA's next tile (only Tr::kPrefetchS does).
-        fn(t, h, q_loads, [&sched, &P, r](Sm90Tile* tn, int* hn) {
-          return Sm90FindTile<Tr::kBlockM, Tr::kBlockN>(sched, P.p, r + 1, tn, hn);
-        });
+        fn(t, h, q_loads);
         q_loads += t.nb_max > t.nb_min;
       }
     }
@@ -776,7 +716,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   if (wg == 0) {
     ptx::SetMaxNRegDec<Tr::kProducerRegs>();
     if (threadIdx.x == 0) {
-      for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads, auto) {
+      for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
         if (t.nb_max > t.nb_min) Sm90Produce<Tr>(P, t, h, smem, bars, ring, q_loads);
       });
     }
@@ -792,9 +732,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     }
     Sm90IssueTurn<Tr>{wg - 1}.Start();
     uint32_t tile_no = 0;
-    Sm90Carry<Tr> carry;
-    for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads, auto find_next) {
-      Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, carry, find_next);
+    for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
+      Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++);
     });
     Sm90ReleaseStoredQ(ost, bars, threadIdx.x % 128);
     if (P.tma_o && threadIdx.x % 128 == 0) ptx::BulkWait();  // O written before the CTA exits

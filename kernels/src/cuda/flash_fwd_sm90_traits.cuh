@@ -34,9 +34,6 @@ struct Sm90TraitsBase {
   static constexpr bool kOverlap = false;
   // With kOverlap: the consumer warpgroups take turns issuing their products (Sm90IssueTurn).
   static constexpr bool kPingPong = false;
-  // The next tile's first S issued before this tile's epilogue (Sm90Carry): an experiment of
-  // bench/sm90_timeline, off in every dispatched tiling.
-  static constexpr bool kPrefetchS = false;
   // K/V tiles shared by the two CTAs of a cluster: each loads half of every tile and multicasts
   // it to both (half the L2 traffic); the pair computes two row blocks of one (sequence, head).
   // Non-causal, unwindowed, equal-length sequences of a multiple of 2 * kBlockM queries only (the
