@@ -25,14 +25,16 @@ struct Sm90TraitsBase {
   // O is rescaled only when some row of the warp has a new maximum (corr != 1): an experiment
   // of bench/sm90_timeline, off in every dispatched tiling.
   static constexpr bool kRescaleOnChange = false;
-  // A stage's K goes back to the producer as soon as the S reading it is complete, not with its
-  // V after the P V: the next K can load during the softmax.
+  // The plain key loop gives a stage's K back to the producer as soon as the S reading it is
+  // complete, not with its V after the P V: an experiment of bench/sm90_timeline (H200: 0.94-0.96
+  // at d=128, 0.99-1.00 elsewhere), off in every dispatched tiling.
   static constexpr bool kReleaseKEarly = false;
-  // S of the next key tile issued before P V of this one, its softmax running during that P V
-  // (this loop always releases K early: it holds two stages at once): an experiment of
-  // bench/sm90_timeline, off in every dispatched tiling.
+  // The overlapped key loop: S of the next key tile issued with P V of this one, its softmax
+  // running during that P V (this loop always gives K back early: it holds two stages at once).
+  // d=256's wide tiling sets it (Sm90WideTraits).
   static constexpr bool kOverlap = false;
-  // With kOverlap: the consumer warpgroups take turns issuing their products (Sm90IssueTurn).
+  // With kOverlap: the consumer warpgroups take turns issuing their products (Sm90IssueTurn): an
+  // experiment of bench/sm90_timeline (H200: slower than kOverlap alone), off everywhere.
   static constexpr bool kPingPong = false;
   // K/V tiles shared by the two CTAs of a cluster: each loads half of every tile and multicasts
   // it to both (half the L2 traffic); the pair computes two row blocks of one (sequence, head).
@@ -95,8 +97,10 @@ struct Sm90Traced : Tr {
 // 1k). d=64 and d=256's narrow tiling run their unmasked key tiles in a loop without the mask
 // (kSplitMaskLoop: d=64 1-2% faster causal, level non-causal; d=256 0.6-1.8% faster); at d=128
 // that loop spilled more (140 bytes against 88) and was 11-13% slower. d=256's wide tiling
-// overlaps each key tile's softmax with the previous P V (kOverlap: 3-7% faster at 1k-16k, causal
-// or not; level on the narrow tiling at causal 1k).
+// overlaps each key tile's softmax with the previous P V (kOverlap: 3.0-6.8% faster at every shape
+// the wide tiling serves, 1k-16k non-causal and 2k-16k causal; at causal 1k the narrow plain
+// loop stays 4% ahead of it). At d=64/128 the overlap loses to the plain loop with three
+// warpgroups, which have no registers for it.
 template <int D, typename T>
 struct Sm90WideTraits;
 template <typename T>
