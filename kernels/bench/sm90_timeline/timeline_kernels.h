@@ -62,7 +62,7 @@ enum class Sm90Variant {
 };
 
 // What a traced launch ran: its consumer warpgroups, tile rows and keys, and whether its key loop
-// is the overlapped one (Sm90TraitsBase::kOverlap), which records no timeline.
+// is the overlapped one (Sm90TraitsBase::kOverlap), whose records read differently.
 struct Sm90TracedShape {
   int consumer_wgs = 0;
   int block_m = 0;

@@ -54,12 +54,19 @@ struct Sm90Params {
 // consumer warpgroup writes clock64() at fixed points of each key-tile iteration, up to kMaxIters
 // iterations per warpgroup. Slot 0 of an iteration holds its tile round and key tile, the rest are
 // SM clock readings: the K wait begins, S issued, S complete, softmax done, V ready, P V complete,
-// and the epilogue done (last key tile of a tile only, else 0).
+// and the epilogue done (last key tile of a tile only, else 0). The overlapped key loop's records
+// carry flags in the tag (below).
 struct Sm90TraceLayout {
   static constexpr int kSlots = 8;
   static constexpr int kMaxIters = 2048;
   static constexpr int kPerWarpgroup = kSlots * kMaxIters;
   enum Slot { kTag = 0, kKWait, kSIssued, kSDone, kSoftmaxDone, kVReady, kPvDone, kEpilogueDone };
+  // Tag bits of the overlapped key loop's records (Tr::kOverlap): there the P V of the previous
+  // key tile is issued with the S, at kSIssued, and kVReady..kPvDone is the part of its wait left
+  // after the softmax; a record may lack the S (the last) or the P V (the first).
+  static constexpr unsigned long long kOverlapped = 1ull << 63;
+  static constexpr unsigned long long kHasS = 1ull << 62;
+  static constexpr unsigned long long kHasPv = 1ull << 61;
 };
 
 struct Sm90Trace {
@@ -499,45 +506,71 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       };
       // Tr::kPingPong: the warpgroups take turns to issue (Sm90IssueTurn).
       const Sm90IssueTurn<Tr> turn{cw};
+      // Timeline records (Sm90TraceLayout::kOverlapped): one per S, the P V issued with it
+      // included; the first has no P V, a last one only the last P V.
+      auto begin = [&](int nb, unsigned long long products) {
+        tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb) |
+                 Sm90TraceLayout::kOverlapped | products);
+        tr.Mark(Sm90TraceLayout::kKWait);
+      };
       int st = ring.st;
       int nb = t.nb_max - 1;
+      begin(nb, Sm90TraceLayout::kHasS);
       ptx::MbarWait(bars.FullK(st), ring.phase);
       turn.Begin();
+      tr.Mark(Sm90TraceLayout::kSIssued);
       mma.IssueS(s, st);
       turn.End();
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
+      tr.Mark(Sm90TraceLayout::kSDone);
       release(bars.EmptyK(st));
       softmax(nb);
       Sm90PackP<T, BN>(pa, s);
+      tr.Mark(Sm90TraceLayout::kSoftmaxDone);
       ptx::MbarWait(bars.FullV(st), ring.phase);
+      tr.Mark(Sm90TraceLayout::kVReady);
+      tr.Mark(Sm90TraceLayout::kPvDone);
       for (;;) {
         const int st_prev = st;
         ring.Advance();
+        tr.Next();
         if (--nb < t.nb_min) {
+          begin(nb + 1, Sm90TraceLayout::kHasPv);
           turn.Begin();
+          tr.Mark(Sm90TraceLayout::kSIssued);
           mma.IssuePV(o, pa, st_prev);
           turn.End();
+          tr.Mark(Sm90TraceLayout::kSDone);
+          tr.Mark(Sm90TraceLayout::kSoftmaxDone);
+          tr.Mark(Sm90TraceLayout::kVReady);
           ptx::WgmmaWait<0>();
 #pragma unroll
           for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+          tr.Mark(Sm90TraceLayout::kPvDone);
           release(bars.EmptyV(st_prev));
           break;
         }
         st = ring.st;
+        begin(nb, Sm90TraceLayout::kHasS | Sm90TraceLayout::kHasPv);
         ptx::MbarWait(bars.FullK(st), ring.phase);
         turn.Begin();
+        tr.Mark(Sm90TraceLayout::kSIssued);
         mma.IssueS(s, st);
         mma.IssuePV(o, pa, st_prev);
         turn.End();
         ptx::WgmmaWait<1>();  // S complete; P V may still run
         ptx::RegFence(s);
+        tr.Mark(Sm90TraceLayout::kSDone);
         release(bars.EmptyK(st));
         softmax(nb);
+        tr.Mark(Sm90TraceLayout::kSoftmaxDone);
         ptx::MbarWait(bars.FullV(st), ring.phase);
+        tr.Mark(Sm90TraceLayout::kVReady);
         ptx::WgmmaWait<0>();
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+        tr.Mark(Sm90TraceLayout::kPvDone);
         release(bars.EmptyV(st_prev));
         Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, BN>(pa, s);
@@ -611,7 +644,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   } else {
     Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
   }
-  if (!Tr::kOverlap && t.nb_max > t.nb_min) {  // the overlapped loop records no timeline
+  if (t.nb_max > t.nb_min) {
     tr.Mark(Sm90TraceLayout::kEpilogueDone);
     tr.Next();
   }
