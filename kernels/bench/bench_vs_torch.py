@@ -13,8 +13,9 @@ Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; c
 FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events around N back-to-back launches
 (N chosen per function so that one timing covers >= --min-ms, default 20 ms), divided by N;
 median over --reps such timings after warm-up, the functions' timings interleaved in alternating
-order, or with --soak-ms each function soaked alone first (time_all says why). torch's sdpa_kernel backend context is entered outside the timed region, so neither it
-nor a single launch's host overhead is counted.
+order, or with --soak-ms each function soaked alone first (time_all says why). torch's
+sdpa_kernel backend context is entered outside the timed region, so neither it nor a single
+launch's host overhead is counted.
 """
 import math
 import os
@@ -201,7 +202,8 @@ def main():
                     t_var = {name: timed[name][0] for name, _ in libs}
                     n_var = {name: timed[name][1] for name, _ in libs}
                     t_ours = t_var[libs[0][0]]
-                    res = {name: timed[name][0] if name in timed else None for name in ("flash", "cudnn")}
+                    res = {name: timed[name][0] if name in timed else None
+                           for name in ("flash", "cudnn")}
                     if ref is None:
                         with sdpa_kernel(SDPBackend.MATH):
                             ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(),

@@ -7,7 +7,8 @@
 // inputs in the same run, so the trace's own cost shows.
 //
 // With --variant, times a variant of the kernel (timeline_kernels.h) against production instead
-// (ABBA order, same inputs) and checks that their outputs agree; exits 1 when they do not.
+// (single launches in alternating order, same inputs) and checks that their outputs agree; exits 1
+// when they do not.
 //
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
 //                 [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|

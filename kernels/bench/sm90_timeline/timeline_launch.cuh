@@ -30,6 +30,13 @@ cudaError_t LaunchTracedSm90(const FlashParams& params, bool narrow, int sms, cu
   return LaunchTilingSm90<D, Sm90Traced>(params, narrow, sms, stream, trace);
 }
 
+// Tr, a tiling of one head dim of its own, when D is that head dim.
+template <int D, typename Tr>
+cudaError_t LaunchFixedSm90(const FlashParams& params, int sms, cudaStream_t stream) {
+  if constexpr (D == Tr::kHeadDim) return LaunchFlashFwdSm90<Tr>(params, sms, stream);
+  return cudaErrorNotSupported;
+}
+
 template <int D>
 cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool narrow, int sms,
                               cudaStream_t stream) {
@@ -47,27 +54,15 @@ cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool nar
     case Sm90Variant::kOverlapPingPong:
       return LaunchTilingSm90<D, Sm90OverlapPingPong>(params, narrow, sms, stream);
     case Sm90Variant::kOverlapKeys176:
-      if constexpr (D == 128) {
-        return LaunchFlashFwdSm90<Sm90OverlapPingPong<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>>(
-            params, sms, stream);
-      }
-      return cudaErrorNotSupported;
+      return LaunchFixedSm90<D, Sm90OverlapPingPong<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>>(
+          params, sms, stream);
     case Sm90Variant::kOverlapKeys64:
-      if constexpr (D == 128) {
-        return LaunchFlashFwdSm90<Sm90Overlap<Sm90TraitsBase<128, __nv_bfloat16, 64, 4, 3>>>(params, sms,
-                                                                                            stream);
-      }
-      return cudaErrorNotSupported;
+      return LaunchFixedSm90<D, Sm90Overlap<Sm90TraitsBase<128, __nv_bfloat16, 64, 4, 3>>>(params, sms,
+                                                                                         stream);
     case Sm90Variant::kKeys176:
-      if constexpr (D == 128) {
-        return LaunchFlashFwdSm90<Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>(params, sms, stream);
-      }
-      return cudaErrorNotSupported;
+      return LaunchFixedSm90<D, Sm90TraitsBase<128, __nv_bfloat16, 176, 2, 2>>(params, sms, stream);
     case Sm90Variant::kKeys80:
-      if constexpr (D == 256) {
-        return LaunchFlashFwdSm90<Sm90TraitsBase<256, __nv_bfloat16, 80, 2, 2>>(params, sms, stream);
-      }
-      return cudaErrorNotSupported;
+      return LaunchFixedSm90<D, Sm90TraitsBase<256, __nv_bfloat16, 80, 2, 2>>(params, sms, stream);
   }
   return cudaErrorNotSupported;
 }
