@@ -54,6 +54,9 @@ struct Case {
   uint64_t seed = 1;
   bool with_lse = true;
   FwdGeneration gen = FwdGeneration::kAuto;
+  // Run without the forward kernel's workspace: generation 2 then deals causal tiles in its fixed
+  // order instead of from the tile counter.
+  bool no_workspace = false;
 };
 
 const char* GenName(FwdGeneration g) {
@@ -64,7 +67,8 @@ std::string Describe(const Case& c) {
   std::string s = std::string(GenName(c.gen)) + " " + attn::kernels::DTypeName(c.dtype) + " d=" + std::to_string(c.head_dim) +
                   (c.causal ? " causal" : "") + " H=" + std::to_string(c.num_heads) +
                   " Hkv=" + std::to_string(c.num_kv_heads) + " win=(" + std::to_string(c.window_left) +
-                  "," + std::to_string(c.window_right) + ") seed=" + std::to_string(c.seed) + " lq=[";
+                  "," + std::to_string(c.window_right) + ") seed=" + std::to_string(c.seed) +
+                  (c.no_workspace ? " no-workspace" : "") + " lq=[";
   for (int l : c.len_q) s += std::to_string(l) + ",";
   s += "] lk=[";
   for (int l : (c.len_k.empty() ? c.len_q : c.len_k)) s += std::to_string(l) + ",";
@@ -171,10 +175,11 @@ void RunAndCheck(Case c) {
       GTEST_SKIP() << st2.message();
     }
   }
-  const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);  // split-KV partials (decode)
+  // Decode: the split-KV partials; forward: generation 2's tile counter.
+  const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
-  void* ws = ws_bytes > 0 ? dws.ptr : nullptr;
+  void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
   const cudaError_t err = c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
                                                         : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
@@ -319,6 +324,26 @@ TEST_P(GpuCausal, QueriesFewerThanKeys) {
     c.len_k = {1000, 513, 1200};
     c.seed = NextSeed();
     RunAndCheck(c);
+  }
+}
+
+// Causal tiles in the fixed order (no counter) and from the counter, on ragged batches with more
+// tiles than SMs: both orders cover every tile once.
+TEST_P(GpuCausal, FixedAndCountedTileOrders) {
+  SKIP_WITHOUT_GPU();
+  for (int d : {64, 128}) {
+    for (bool no_workspace : {true, false}) {
+      Case c;
+      c.gen = GetParam();
+      c.head_dim = d;
+      c.causal = true;
+      c.num_heads = 8;
+      c.num_kv_heads = 2;
+      c.len_q = {700, 1, 1025, 333, 2048, 129};
+      c.no_workspace = no_workspace;
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
   }
 }
 

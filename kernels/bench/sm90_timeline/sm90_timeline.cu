@@ -12,7 +12,8 @@
 //
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
 //                 [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|
-//                            overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early
+//                            overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early|
+//                            skip_hidden|fma_exp2_2|fma_exp2_3|fma_exp2_4
 //                            [--production wide|narrow]]
 #include <cuda_runtime_api.h>
 
@@ -85,7 +86,8 @@ Options Parse(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N]\n"
                    "         [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|\n"
-                   "                    overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early\n"
+                   "                    overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early|\n"
+                   "                    skip_hidden|fma_exp2_2|fma_exp2_3|fma_exp2_4\n"
                    "                    [--production wide|narrow]]\n");
       std::exit(2);
     }
@@ -307,6 +309,10 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   else if (o.variant == "cluster_kv") v = Sm90Variant::kClusterKV;
   else if (o.variant == "split_mask") v = Sm90Variant::kSplitMask;
   else if (o.variant == "release_k_early") v = Sm90Variant::kReleaseKEarly;
+  else if (o.variant == "skip_hidden") v = Sm90Variant::kSkipHidden;
+  else if (o.variant == "fma_exp2_2") v = Sm90Variant::kFmaExp2Of8_2;
+  else if (o.variant == "fma_exp2_3") v = Sm90Variant::kFmaExp2Of8_3;
+  else if (o.variant == "fma_exp2_4") v = Sm90Variant::kFmaExp2Of8_4;
   else {
     std::fprintf(stderr, "unknown --variant %s\n", o.variant.c_str());
     return 2;
@@ -410,6 +416,8 @@ int main(int argc, char** argv) {
   p.scale = 1.0f / std::sqrt(float(o.d));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   p.has_right = o.causal;
+  // The tile counter of the dynamic schedule (causal), as Run gives it from the workspace.
+  CHECK_CUDA(cudaMalloc(&p.tile_counter, 16));
   const double flop = 4.0 * batch * heads * double(o.s) * o.s * o.d * (o.causal ? 0.5 : 1.0);
   if (!o.variant.empty()) return RunVariant(o, p, sms, elems, flop);
 

@@ -48,6 +48,21 @@ struct Sm90SplitMask : Tr {
   static constexpr bool kSplitMaskLoop = true;
 };
 
+// Key tiles none of a warpgroup's rows may see skipped (Sm90TraitsBase::kSkipHiddenTiles).
+template <typename Tr>
+struct Sm90SkipHidden : Tr {
+  static constexpr bool kSkipHiddenTiles = true;
+};
+
+// N of every 8 exp2 of the softmax on the FMA pipe (Sm90TraitsBase::kFmaExp2Of8).
+template <int N>
+struct Sm90FmaExp2 {
+  template <typename Tr>
+  struct Of8 : Tr {
+    static constexpr int kFmaExp2Of8 = N;
+  };
+};
+
 enum class Sm90Variant {
   kRescaleOnChange,  // the production tiling (wide or narrow) with kRescaleOnChange
   kKeys176,          // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
@@ -59,6 +74,10 @@ enum class Sm90Variant {
   kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
   kSplitMask,        // the production tiling (wide or narrow) with kSplitMaskLoop
   kReleaseKEarly,    // the production tiling (wide or narrow) with kReleaseKEarly
+  kSkipHidden,       // the production tiling (wide or narrow) with kSkipHiddenTiles
+  kFmaExp2Of8_2,     // the production tiling (wide or narrow) with kFmaExp2Of8 = 2
+  kFmaExp2Of8_3,     // ... = 3
+  kFmaExp2Of8_4,     // ... = 4
 };
 
 // What a traced launch ran: its consumer warpgroups, tile rows and keys, and whether its key loop

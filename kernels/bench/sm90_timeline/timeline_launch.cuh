@@ -51,6 +51,14 @@ cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool nar
       return LaunchTilingSm90<D, Sm90Overlap>(params, narrow, sms, stream);
     case Sm90Variant::kReleaseKEarly:
       return LaunchTilingSm90<D, Sm90ReleaseKEarly>(params, narrow, sms, stream);
+    case Sm90Variant::kSkipHidden:
+      return LaunchTilingSm90<D, Sm90SkipHidden>(params, narrow, sms, stream);
+    case Sm90Variant::kFmaExp2Of8_2:
+      return LaunchTilingSm90<D, Sm90FmaExp2<2>::template Of8>(params, narrow, sms, stream);
+    case Sm90Variant::kFmaExp2Of8_3:
+      return LaunchTilingSm90<D, Sm90FmaExp2<3>::template Of8>(params, narrow, sms, stream);
+    case Sm90Variant::kFmaExp2Of8_4:
+      return LaunchTilingSm90<D, Sm90FmaExp2<4>::template Of8>(params, narrow, sms, stream);
     case Sm90Variant::kOverlapPingPong:
       return LaunchTilingSm90<D, Sm90OverlapPingPong>(params, narrow, sms, stream);
     case Sm90Variant::kOverlapKeys176:

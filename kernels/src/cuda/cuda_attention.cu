@@ -341,9 +341,13 @@ Status CanImplement(const AttentionArgs& args) {
   return Status::Ok();
 }
 
+// The forward kernel's share of the workspace: generation 2's tile counter (FlashParams).
+constexpr size_t kFwdWorkspaceBytes = 16;
+
 size_t WorkspaceBytes(const AttentionArgs& args) {
   if (!CanImplement(args).ok()) return 0;
-  return PlanDecode(args).workspace;
+  const DecodePlan plan = PlanDecode(args);
+  return plan.use ? plan.workspace : kFwdWorkspaceBytes;
 }
 
 bool UsesDecodeKernel(const AttentionArgs& args) { return PlanDecode(args).use; }
@@ -389,7 +393,12 @@ cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream,
               ? RunDecodeTyped<__half>(p, args.head_dim, paged, stream)
               : RunDecodeTyped<__nv_bfloat16>(p, args.head_dim, paged, stream);
   } else if (gen2) {
-    const FlashParams p = MakeParams(args);
+    FlashParams p = MakeParams(args);
+    // A caller that sized the workspace for a decode-shaped call (forcing generation 2) may have
+    // none: the kernel then keeps its fixed schedule.
+    if (workspace != nullptr && WorkspaceBytes(args) >= kFwdWorkspaceBytes) {
+      p.tile_counter = static_cast<unsigned int*>(workspace);
+    }
     err = args.dtype == DType::kFloat16 ? RunSm90Typed<__half>(p, stream)
                                         : RunSm90Typed<__nv_bfloat16>(p, stream);
   } else {

@@ -45,6 +45,10 @@ struct Sm90Params {
   CUtensorMap tv;
   CUtensorMap to;  // O as {64, rows, D/64, heads}, boxes of {64, 64, 1, 1} (the TMA-store epilogue)
   int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
+  int hb_group;  // the cost-ordered schedule's (sequence, head) pairs per L2 group (Sm90Schedule)
+  // The cost-ordered schedule's next-tile counter, zeroed before the launch: CTAs then take their
+  // tiles one at a time as they finish (Sm90Schedule); nullptr: each CTA's tiles are fixed.
+  unsigned int* tile_counter;
   // Timeline (traits with kTrace only, bench/sm90_timeline): Sm90TraceLayout slots per
   // (CTA, consumer warpgroup); nullptr otherwise.
   unsigned long long* trace;
@@ -151,11 +155,53 @@ struct Sm90Ring {
   }
 };
 
+// The tile a Q buffer holds under the dynamic schedule, as the producer hands it to the consumers
+// (written before the arrival that completes the buffer's "full" phase): its head and its view
+// of the sequence, so that the consumers read no global memory (cu_seqlens) after the Q wait;
+// head -1 once there are no tiles left.
+struct Sm90TileSlot {
+  int h;
+  int m0, q_start, k_start, s_q, s_k, off, nb_min, nb_max;
+  __device__ __forceinline__ void Put(const Sm90Tile& t, int head) {
+    m0 = t.m0;
+    q_start = t.q_start;
+    k_start = t.k_start;
+    s_q = t.s_q;
+    s_k = t.s_k;
+    off = t.off;
+    nb_min = t.nb_min;
+    nb_max = t.nb_max;
+    h = head;
+  }
+  // Each value is lane 0's, so that the compiler knows it is the same across the warp (as with
+  // the warpgroup index in FlashFwdSm90Kernel): read by every lane, ptxas wrapped the consumers'
+  // products in reconvergence barriers (27 BSSY and 12 WARPSYNC more at d=64), and the kernel ran
+  // 5-10% slower on the H200, causal or not.
+  __device__ __forceinline__ int Get(Sm90Tile* t) const {
+    auto lane0 = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+    t->m0 = lane0(m0);
+    t->q_start = lane0(q_start);
+    t->k_start = lane0(k_start);
+    t->s_q = lane0(s_q);
+    t->s_k = lane0(s_k);
+    t->off = lane0(off);
+    t->nb_min = lane0(nb_min);
+    t->nb_max = lane0(nb_max);
+    return lane0(h);
+  }
+};
+
+static_assert(sizeof(Sm90TileSlot) <= Sm90TraitsBase<64, __half, 64, 2>::kTileSlotBytes, "tile slot");
+
 // The CTA's mbarriers: Q full/empty per Q buffer (two), then per stage K full, V full, K empty
-// and V empty.
+// and V empty; after them, per Q buffer, the dynamic schedule's tile (Sm90TileSlot).
 template <int S>
 struct Sm90Bars {
   uint64_t* base;
+  // Plain shared-memory accesses: the mbarrier arrive and wait around them are compiler fences.
+  __device__ __forceinline__ Sm90TileSlot* TileOfQ(int b) const {
+    return reinterpret_cast<Sm90TileSlot*>(base + 4 + 4 * S) + b;
+  }
   __device__ __forceinline__ uint64_t* FullQ(int b) const { return base + b; }
   __device__ __forceinline__ uint64_t* EmptyQ(int b) const { return base + 2 + b; }
   __device__ __forceinline__ uint64_t* FullK(int st) const { return base + 4 + st; }
@@ -179,15 +225,13 @@ __device__ __forceinline__ void Sm90LoadHalfKV(const CUtensorMap& map, uint8_t* 
   }
 }
 
-// Producer, one tile: Q (once the consumers are done with that buffer's last Q), then K and V of
-// each key tile into the stage ring. q_loads counts the Q tiles loaded before this one.
+// Producer, one tile: Q into buffer q (free: its "empty" phase waited for), then K and V of
+// each key tile into the stage ring.
 template <typename Tr>
 __device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile& t, int h,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                            Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
+                                            Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q) {
   const int hk = h / P.p.heads_per_kv;
-  const Sm90QSlot q(q_loads, Tr::kQBufs);
-  ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);  // a fresh barrier passes parity 1 at once
   ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
   ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
                  bars.FullQ(q.buf));
@@ -232,10 +276,25 @@ __device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& 
   }
 }
 
+// 2^x for x <= 0 on the FMA and integer pipes instead of the MUFU (whose 16 results per SM and
+// clock bound the softmax at d=64): x = n + f with n an integer and |f| <= 1/2, 2^f by a degree-3
+// polynomial (relative error 1.0e-4, below the rounding of P to 16 bits), n added to the exponent
+// field. x is clamped to -127, where the sum of the fields is 0: -inf (a masked score) gives 0.
+__device__ __forceinline__ float Exp2OnFma(float x) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound holds round(x) in its low bits
+  x = fmaxf(x, -127.0f);
+  const float t = x + kRound;
+  const float f = x - (t - kRound);
+  const float p = fmaf(fmaf(fmaf(0.0550087575f, f, 0.242211385f), f, 0.693282993f), f, 1.0f);
+  // t's bits are kRound's plus round(x); shifted by 23 only round(x) << 23 is left of them.
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
 // Online softmax of one score tile (log2 domain, scale folded in): updates the row max and sum,
 // leaves P = exp2(s * scale - max) in s and the factor O must be rescaled by in corr (applied
-// separately, once no product writing O is in flight).
-template <int BN>
+// separately, once no product writing O is in flight). kFmaExp2Of8 of every 8 scores of a row
+// take Exp2OnFma, the rest the MUFU's exp2.
+template <int BN, int kFmaExp2Of8 = 0>
 __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
 #pragma unroll
@@ -253,7 +312,8 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
     for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = exp2f(fmaf(s[4 * c + 2 * hf + e], sl2, -ms));
+        const float x = fmaf(s[4 * c + 2 * hf + e], sl2, -ms);
+        const float pe = (2 * c + e) % 8 < kFmaExp2Of8 ? Exp2OnFma(x) : exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
         sum += pe;
       }
@@ -444,7 +504,8 @@ template <typename Tr>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
                                             Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
-                                            Sm90OStore& ost, Sm90TraceOf<Tr>& tr, uint32_t tile_no) {
+                                            Sm90OStore& ost, Sm90TraceOf<Tr>& tr, uint32_t tile_no,
+                                            bool q_ready) {
   using T = typename Tr::T;
   constexpr int BN = Tr::kBlockN;
   const FlashParams& p = P.p;
@@ -477,7 +538,11 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       if constexpr (Tr::kClusterKV) ptx::MbarArriveRemote(bar, ptx::ClusterCtaRank() ^ 1);
     }
   };
-  if (t.nb_max == t.nb_min) Sm90ReleaseStoredQ(ost, bars, tid);
+  if (t.nb_max == t.nb_min) {
+    Sm90ReleaseStoredQ(ost, bars, tid);
+    // q_ready (the dynamic schedule): a tile without key tiles has its Q buffer too, unloaded.
+    if (q_ready && lane == 0) ptx::MbarArrive(bars.EmptyQ(q.buf));
+  }
 
   float o[Tr::kPvChunks][Tr::kPvN / 2];
 #pragma unroll
@@ -490,8 +555,9 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   float s[BN / 2];
   uint32_t pa[BN / 16][4];
 
+  bool skipped_last = false;  // Tr::kSkipHiddenTiles: the timeline has no record to end here
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
-    ptx::MbarWait(bars.FullQ(q.buf), q.phase);
+    if (!q_ready) ptx::MbarWait(bars.FullQ(q.buf), q.phase);
     Sm90ReleaseStoredQ(ost, bars, tid);  // the store had the Q wait to read its rows
     if constexpr (Tr::kOverlap) {
       // S of the next key tile is issued before P V of this one, and its softmax runs while that
@@ -502,7 +568,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       auto softmax = [&](int nb) {
         if (nb == t.nb_min) release_q();
         mask(s, nb);
-        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+        Sm90Softmax<BN, Tr::kFmaExp2Of8>(s, row_max, row_sum, corr, p.scale_log2);
       };
       // Tr::kPingPong: the warpgroups take turns to issue (Sm90IssueTurn).
       const Sm90IssueTurn<Tr> turn{cw};
@@ -576,6 +642,36 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         Sm90PackP<T, BN>(pa, s);
       }
     } else {
+      // Tr::kSkipHiddenTiles: the key tiles none of this warpgroup's rows may see (beyond their
+      // causal or window edge) lie at either end of the CTA's range; the warpgroup computes only
+      // [wnb_min, wnb_max). For each other tile it waits for the stage to be loaded (so that its
+      // release counts for this use of the stage) and gives it back; the softmax state is what
+      // the all-masked tile leaves. A warpgroup whose rows all lie past the sequence end computes
+      // every tile all the same: left alone, one warpgroup's S, softmax and P V run one after the
+      // other with nothing to fill the tensor cores between them (H200, d=64/128 s=1k: 2-5%
+      // slower than computing the rows that are never stored).
+      int wnb_min = t.nb_min, wnb_max = t.nb_max;
+      if constexpr (Tr::kSkipHiddenTiles) {
+        const int wg_first = t.m0 + 64 * cw;
+        const int wg_last = min(wg_first + 63, t.s_q - 1);
+        if (wg_last >= wg_first) {
+          if (p.has_right) {
+            wnb_max = min(wnb_max, (min(t.s_k, wg_last + t.off + p.right + 1) + BN - 1) / BN);
+          }
+          if (p.has_left) wnb_min = max(wnb_min, max(0, wg_first + t.off - p.left) / BN);
+          wnb_max = max(wnb_max, wnb_min);
+        }
+        skipped_last = wnb_min > t.nb_min || wnb_max == wnb_min;
+      }
+      auto idle = [&](int nb) {
+        const int st = ring.st;
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
+        if (nb == t.nb_min) release_q();
+        release(bars.EmptyK(st));
+        release(bars.EmptyV(st));
+        ring.Advance();
+      };
       // One key tile; `masked` (a std::bool_constant) compiles the mask in or out.
       auto step = [&](int nb, auto masked) {
         const int st = ring.st;
@@ -592,7 +688,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         if constexpr (decltype(masked)::value) {
           mask(s, nb);
         }
-        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+        Sm90Softmax<BN, Tr::kFmaExp2Of8>(s, row_max, row_sum, corr, p.scale_log2);
         if constexpr (Tr::kRescaleOnChange) {
           // Warp-uniform: the branch needs no reconvergence. corr is exactly 1 when no max moved.
           if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);
@@ -613,6 +709,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         ring.Advance();
         if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
       };
+      for (int nb = t.nb_max - 1; nb >= wnb_max; --nb) idle(nb);
       if constexpr (Tr::kSplitMaskLoop) {
         // The tiles that need a mask (the sequence end and the causal diagonal: the highest; a
         // left window's edge: the lowest) run a copy of the step with it, the rest one without:
@@ -622,17 +719,18 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
           return (n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
                  (p.has_left && n0 < m_last + t.off - p.left);
         };
-        int nb = t.nb_max - 1;
-        while (nb >= t.nb_min) {
+        int nb = wnb_max - 1;
+        while (nb >= wnb_min) {
           if (need_mask(nb)) {
             step(nb--, std::true_type{});
           } else {
-            for (; nb >= t.nb_min && !need_mask(nb); --nb) step(nb, std::false_type{});
+            for (; nb >= wnb_min && !need_mask(nb); --nb) step(nb, std::false_type{});
           }
         }
       } else {
-        for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) step(nb, std::true_type{});
+        for (int nb = wnb_max - 1; nb >= wnb_min; --nb) step(nb, std::true_type{});
       }
+      for (int nb = wnb_min - 1; nb >= t.nb_min; --nb) idle(nb);
     }
   }
   if (tma_o) {
@@ -644,7 +742,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   } else {
     Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
   }
-  if (t.nb_max > t.nb_min) {
+  if (t.nb_max > t.nb_min && !skipped_last) {
     tr.Mark(Sm90TraceLayout::kEpilogueDone);
     tr.Next();
   }
@@ -656,21 +754,33 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
 // index, so tiles are ordered by cost instead (row blocks slowest, from the last) and handed out
 // longest-first in a snake (round r takes j = rG + c, or rG + G-1-c when r is odd), which evens
 // out the CTAs' sums; a plain round-robin over row-block-fastest tiles would give some CTAs only
-// the long row blocks (when G is close to a multiple of the row-block count).
+// the long row blocks (when G is close to a multiple of the row-block count). With a tile counter
+// (Tr::kDynamicSchedule, Sm90ProduceDynamic) the CTAs take the cost-ordered tiles one at a time
+// as they finish instead: longest first to whichever CTA is free. The cost order can run over
+// groups of hb_group (sequence, head) pairs in turn, longest first within each group, so that the
+// CTAs at work share the K/V of one group (ATTN_SM90_L2_MB; measured on the H200 and left off:
+// up to 12% faster at causal 1k-2k in the fixed order, but the snake's pairing of rounds no
+// longer balances the CTAs and long problems ran up to 44% slower; with the counter, up to 14%
+// slower at 4k-16k and -8% to +7% at 1k-2k).
 struct Sm90Schedule {
   int m_blocks, heads, batch;
   bool by_cost;
-  __device__ __forceinline__ int Total() const { return m_blocks * heads * batch; }
-  // Global index of the CTA's tile in round r (may be >= Total() in the last round).
-  __device__ __forceinline__ int Tile(int r) const {
-    const int c = (by_cost && (r & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    return r * gridDim.x + c;
+  int hb_group;
+  __host__ __device__ __forceinline__ int Total() const { return m_blocks * heads * batch; }
+  // Global index of CTA c's tile in round r of a grid of g CTAs (may be >= Total() in the last
+  // round).
+  __host__ __device__ __forceinline__ int Tile(int r, int c, int g) const {
+    return r * g + ((by_cost && (r & 1)) ? g - 1 - c : c);
   }
-  __device__ __forceinline__ void Decode(int j, int* m_block, int* h, int* b) const {
+  __host__ __device__ __forceinline__ void Decode(int j, int* m_block, int* h, int* b) const {
     int hb;
     if (by_cost) {
-      *m_block = m_blocks - 1 - j / (heads * batch);
-      hb = j % (heads * batch);
+      const int hbs = heads * batch;
+      const int group = j / (hb_group * m_blocks);
+      const int in_group = j - group * hb_group * m_blocks;
+      const int group_hbs = hbs - group * hb_group < hb_group ? hbs - group * hb_group : hb_group;
+      *m_block = m_blocks - 1 - in_group / group_hbs;
+      hb = group * hb_group + in_group % group_hbs;
     } else {
       *m_block = j % m_blocks;
       hb = j / m_blocks;
@@ -679,6 +789,43 @@ struct Sm90Schedule {
     *b = hb / heads;
   }
 };
+
+// The producer under the dynamic schedule (P.tile_counter): the CTA's first tile is its index,
+// each next one the counter's next value past the grid, taken as soon as the tile before has its
+// Q buffer (so the atomic's latency passes under that tile's loads). Each tile with rows gets a
+// Q buffer and its description there (Sm90TileSlot), loaded or not (no key tile); the buffer
+// after the last tile gets head -1.
+template <typename Tr>
+__device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm90Schedule& sched,
+                                                   uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                                   Sm90Ring<Tr::kStages>& ring) {
+  int j = int(blockIdx.x);
+  for (uint32_t n = 0;;) {
+    Sm90Tile t;
+    int h = -1;
+    if (j < sched.Total()) {
+      int m_block, b;
+      sched.Decode(j, &m_block, &h, &b);
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) {  // past its sequence
+        j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+        continue;
+      }
+    }
+    const Sm90QSlot q(n++, Tr::kQBufs);
+    ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);
+    bars.TileOfQ(q.buf)->Put(t, h);
+    if (h < 0) {
+      ptx::MbarArrive(bars.FullQ(q.buf));
+      return;
+    }
+    j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+    if (t.nb_max > t.nb_min) {
+      Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
+    } else {
+      ptx::MbarArrive(bars.FullQ(q.buf));
+    }
+  }
+}
 
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ Sm90Params P) {
@@ -711,7 +858,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
 
   // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
   const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
-                           P.p.batch, P.p.has_right};
+                           P.p.batch, P.p.has_right, P.hb_group};
+  // Tilings without Tr::kDynamicSchedule: each role walks the fixed schedule's tiles with rows.
   auto for_each_tile = [&](auto&& fn) {
     uint32_t q_loads = 0;  // Q tiles loaded so far (tiles with at least one key tile)
     if constexpr (Tr::kClusterKV) {
@@ -729,7 +877,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       }
     } else {
       for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
-        const int j = sched.Tile(r);
+        const int j = sched.Tile(r, int(blockIdx.x), int(gridDim.x));
         if (j >= sched.Total()) continue;
         int m_block, h, b;
         sched.Decode(j, &m_block, &h, &b);
@@ -740,6 +888,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       }
     }
   };
+  // Tilings with Tr::kDynamicSchedule, on a launch without the counter: the fixed schedule's next
+  // tile with rows after round r, and r past it; false when there is none.
+  auto fixed_next = [&](int& r, Sm90Tile& t, int& h) {
+    while (r * int(gridDim.x) < sched.Total()) {
+      const int j = sched.Tile(r++, int(blockIdx.x), int(gridDim.x));
+      if (j >= sched.Total()) continue;
+      int m_block, b;
+      sched.Decode(j, &m_block, &h, &b);
+      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) return true;
+    }
+    return false;
+  };
   Sm90Ring<S> ring;
   // The warpgroup index, read from lane 0 so that the compiler knows it is the same across each
   // warp: a branch on it (the consumers' per-warpgroup epilogue choice) then needs no
@@ -749,9 +909,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   if (wg == 0) {
     ptx::SetMaxNRegDec<Tr::kProducerRegs>();
     if (threadIdx.x == 0) {
-      for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
-        if (t.nb_max > t.nb_min) Sm90Produce<Tr>(P, t, h, smem, bars, ring, q_loads);
-      });
+      auto produce = [&](const Sm90Tile& t, int h, uint32_t q_loads) {
+        if (t.nb_max == t.nb_min) return;
+        const Sm90QSlot q(q_loads, Tr::kQBufs);
+        ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);  // a fresh barrier passes parity 1 at once
+        Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
+      };
+      if constexpr (Tr::kDynamicSchedule) {
+        if (P.tile_counter != nullptr) {
+          Sm90ProduceDynamic<Tr>(P, sched, smem, bars, ring);
+        } else {
+          Sm90Tile t;
+          int r = 0, h = 0;
+          uint32_t q_loads = 0;
+          while (fixed_next(r, t, h)) {
+            produce(t, h, q_loads);
+            q_loads += t.nb_max > t.nb_min;
+          }
+        }
+      } else {
+        for_each_tile(produce);
+      }
     }
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
@@ -765,9 +943,31 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     }
     Sm90IssueTurn<Tr>{wg - 1}.Start();
     uint32_t tile_no = 0;
-    for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
-      Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++);
-    });
+    if constexpr (Tr::kDynamicSchedule) {
+      // Q buffers used so far: the fixed schedule uses one per tile with key tiles; the dynamic
+      // one, one per tile with rows (its description comes with it, Sm90ProduceDynamic).
+      uint32_t q_loads = 0;
+      int r = 0;
+      for (;;) {  // one call site of Sm90Consume: its registers are allocated once
+        Sm90Tile t;
+        int h = 0;
+        const bool dynamic = P.tile_counter != nullptr;
+        if (dynamic) {
+          const Sm90QSlot q(q_loads, Tr::kQBufs);
+          ptx::MbarWait(bars.FullQ(q.buf), q.phase);
+          h = bars.TileOfQ(q.buf)->Get(&t);
+          if (h < 0) break;
+        } else if (!fixed_next(r, t, h)) {
+          break;
+        }
+        Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, dynamic);
+        q_loads += dynamic || t.nb_max > t.nb_min;
+      }
+    } else {
+      for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
+        Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, false);
+      });
+    }
     Sm90ReleaseStoredQ(ost, bars, threadIdx.x % 128);
     if (P.tma_o && threadIdx.x % 128 == 0) ptx::BulkWait();  // O written before the CTA exits
   }

@@ -73,6 +73,26 @@ inline cudaError_t Sm90SmCount(int* sms) {
   return err;
 }
 
+// (sequence, head) pairs per L2 group of the cost-ordered schedule (Sm90Schedule): as many as
+// have their K/V within ATTN_SM90_L2_MB MiB (a measurement knob; unset or 0: one group of all).
+inline int Sm90HbGroup(const FlashParams& p, int d) {
+  const int hbs = p.num_heads * p.batch;
+  const int mib = Sm90EnvInt("ATTN_SM90_L2_MB", 0);
+  if (mib <= 0 || hbs <= 0) return hbs > 0 ? hbs : 1;
+  // K and V of one pair, in 16-bit elements; the heads of one KV head (GQA) share theirs.
+  const int64_t kv_bytes = std::max<int64_t>(1, int64_t(p.max_seqlen_k) * d * 2 * 2 / p.heads_per_kv);
+  return int(std::clamp<int64_t>((int64_t(mib) << 20) / kv_bytes, 1, hbs));
+}
+
+// Whether the CTAs take tiles from the counter as they finish (Sm90Schedule): for the cost-ordered
+// (causal or right-windowed) schedule, given a counter; ATTN_SM90_DYNAMIC=0 (a measurement knob)
+// keeps the fixed snake order.
+template <typename Tr>
+bool Sm90DynamicSchedule(const FlashParams& p) {
+  return Tr::kDynamicSchedule && !Tr::kClusterKV && p.has_right && p.tile_counter != nullptr &&
+         Sm90EnvInt("ATTN_SM90_DYNAMIC", 1) != 0;
+}
+
 // Whether a launch's arguments suit Tr::kClusterKV: no mask, and every sequence of the same length,
 // a multiple of two row blocks (a cluster's two CTAs then always have tiles of one (sequence,
 // head) with the same key tiles).
@@ -91,6 +111,12 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   Sm90Params P;
   P.p = params;
   P.trace = trace;
+  P.hb_group = Sm90HbGroup(params, D);
+  P.tile_counter = Sm90DynamicSchedule<Tr>(params) ? params.tile_counter : nullptr;
+  if (P.tile_counter != nullptr) {
+    const cudaError_t zero = cudaMemsetAsync(P.tile_counter, 0, sizeof(unsigned int), stream);
+    if (zero != cudaSuccess) return zero;
+  }
   // O through shared memory and TMA stores (needs 16-byte aligned rows); ATTN_SM90_TMA_O=0 stores
   // from registers instead (a measurement knob: on the H200 that is 5-15% slower at s <= 1k).
   P.tma_o = Sm90EnvInt("ATTN_SM90_TMA_O", 1) != 0 && reinterpret_cast<uintptr_t>(params.o) % 16 == 0 &&
@@ -144,35 +170,57 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
 }
 
 // Estimated time of a launch with the tiling Tr, in units of one 64-row x 128-key product step:
-// the tiles (key tiles visited, plus a fixed cost per tile for its pipeline fill and epilogue)
-// dealt to the persistent CTAs as the kernel deals them (Sm90Schedule), the busiest CTA's sum.
-// Rows of the tile past the sequence end still cost (the tile quantisation of, e.g., 192-row
-// tiles on s = 1k); a narrow (2-warpgroup) row costs kNarrowRowCost times a wide one (its
-// softmax is hidden behind one other warpgroup's products instead of two).
+// the tiles (the key tiles each warpgroup computes, plus a fixed cost per tile for its pipeline
+// fill and epilogue) dealt to the persistent CTAs as the kernel deals them (Sm90Schedule), the
+// busiest CTA's sum. Rows of the tile past the sequence end still cost, and so do the key tiles
+// beyond a warpgroup's causal or window edge unless the tiling skips them (kSkipHiddenTiles); a
+// narrow (2-warpgroup) row costs kNarrowRowCost times a wide one
+// (its softmax is hidden behind one other warpgroup's products instead of two).
 template <typename Tr>
 double Sm90TilingCost(const FlashParams& p, int sms) {
   constexpr double kFixedPerTile = 0.5;  // key tiles
   constexpr double kNarrowRowCost = 1.15;  // H200, s = 2k non-causal: 1.15-1.18
-  const int m_blocks = (p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t hb = int64_t(p.num_heads) * p.batch;
-  const int64_t tiles = m_blocks * hb;
+  const Sm90Schedule sched{(p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.num_heads, p.batch,
+                           p.has_right, Sm90HbGroup(p, Tr::kHeadDim)};
+  const int m_blocks = sched.m_blocks;
+  const int64_t tiles = sched.Total();
   const int grid = int(std::min<int64_t>(tiles, sms));
-  const double row_cost = (Tr::kConsumerWGs == 2 ? kNarrowRowCost : 1.0) * Tr::kConsumerWGs;
   const int off = p.max_seqlen_k - p.max_seqlen_q;
-  auto key_tiles = [&](int m) {
-    const int m0 = m * Tr::kBlockM;
-    const int m_last = std::min(m0 + Tr::kBlockM, p.max_seqlen_q) - 1;
-    const int lo = p.has_left ? std::max(0, m0 + off - p.left) : 0;
-    const int hi = p.has_right ? std::min(p.max_seqlen_k, m_last + off + p.right + 1) : p.max_seqlen_k;
+  // Key tiles seen by query rows [first, last] (none when first > last).
+  auto key_tiles = [&](int first, int last) {
+    if (first > last) return 0;
+    const int lo = p.has_left ? std::max(0, first + off - p.left) : 0;
+    const int hi = p.has_right ? std::min(p.max_seqlen_k, last + off + p.right + 1) : p.max_seqlen_k;
     return hi > lo ? (hi + Tr::kBlockN - 1) / Tr::kBlockN - lo / Tr::kBlockN : 0;
   };
-  if (!p.has_right) {  // equal tiles (a left window is ignored: near-equal), dealt round-robin
+  auto tile_cost = [&](int m) {
+    const int m0 = m * Tr::kBlockM;
+    double sum = 0.0;
+    if constexpr (Tr::kSkipHiddenTiles) {  // rows past the end compute the CTA's key tiles
+      const int all = key_tiles(m0, std::min(m0 + Tr::kBlockM, p.max_seqlen_q) - 1);
+      for (int w = 0; w < Tr::kConsumerWGs; ++w) {
+        const int first = m0 + 64 * w;
+        sum += (first < p.max_seqlen_q ? key_tiles(first, std::min(first + 63, p.max_seqlen_q - 1)) : all) +
+               kFixedPerTile;
+      }
+    } else {
+      sum = (key_tiles(m0, std::min(m0 + Tr::kBlockM, p.max_seqlen_q) - 1) + kFixedPerTile) *
+            Tr::kConsumerWGs;
+    }
+    return sum * (Tr::kConsumerWGs == 2 ? kNarrowRowCost : 1.0) * Tr::kBlockN / 128;
+  };
+  if (!p.has_right) {  // equal tiles but the last row block (a left window: near-equal), round-robin
     const int64_t rounds = (tiles + grid - 1) / grid;
-    return double(rounds) * (key_tiles(m_blocks - 1) + kFixedPerTile) * row_cost * Tr::kBlockN / 128;
+    return double(rounds) * std::max(tile_cost(m_blocks - 1), tile_cost(std::max(0, m_blocks - 2)));
   }
-  // Longest first in a snake: round r hands tile r * grid + c to CTA c (r even) or grid - 1 - c.
-  // The busiest CTA is looked for among a few (the ends, the quarters, and those next to the last
-  // round's edge), each walked over its rounds, so the estimate costs O(rounds), not O(tiles).
+  if (Sm90DynamicSchedule<Tr>(p)) {  // longest first to the first free CTA: near the average
+    double sum = 0.0;
+    for (int m = 0; m < m_blocks; ++m) sum += tile_cost(m);
+    return sum * double(p.num_heads) * p.batch / grid;
+  }
+  // Longest first in a snake. The busiest CTA is looked for among a few (the ends, the quarters,
+  // and those next to the last round's edge), each walked over its rounds, so the estimate costs
+  // O(rounds), not O(tiles).
   const int rem = int(tiles % grid);
   const int cand[] = {0, 1, grid / 4, grid / 2, 3 * grid / 4, grid - 2, grid - 1,
                       rem - 1, rem, grid - 1 - rem, grid - rem};
@@ -180,13 +228,16 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
   for (const int c : cand) {
     if (c < 0 || c >= grid) continue;
     double sum = 0.0;
-    for (int64_t r = 0; r * grid < tiles; ++r) {
-      const int64_t j = r * grid + ((r & 1) ? grid - 1 - c : c);
-      if (j < tiles) sum += key_tiles(m_blocks - 1 - int(j / hb)) + kFixedPerTile;
+    for (int r = 0; int64_t(r) * grid < tiles; ++r) {
+      const int j = sched.Tile(r, c, grid);
+      if (j >= tiles) continue;
+      int m, h, b;
+      sched.Decode(j, &m, &h, &b);
+      sum += tile_cost(m);
     }
     busiest = std::max(busiest, sum);
   }
-  return busiest * row_cost * Tr::kBlockN / 128;
+  return busiest;
 }
 
 template <typename T, int D>

@@ -44,6 +44,18 @@ struct Sm90TraitsBase {
   // Key tiles that need no mask run in a loop of their own, compiled without it (the d=64 tilings
   // set it; see Sm90WideTraits).
   static constexpr bool kSplitMaskLoop = false;
+  // Causal and right-windowed launches with a tile counter (FlashParams) deal their tiles to the
+  // CTAs as they finish (Sm90ProduceDynamic) instead of in a fixed order. The code for it changes
+  // how ptxas compiles the consumers' loop, for better or worse by head dim (H200, against the
+  // fixed order's code): d=128 1-5% faster everywhere, d=64 3% faster causal at 1k-2k and 1-2%
+  // slower non-causal, d=256 1.5-3.7% slower everywhere; the d=64/128 tilings set it.
+  static constexpr bool kDynamicSchedule = false;
+  // The plain key loop skips the key tiles none of a warpgroup's rows may see (Sm90Consume): an
+  // experiment of bench/sm90_timeline, off in every dispatched tiling.
+  static constexpr bool kSkipHiddenTiles = false;
+  // Of every 8 scores of a row, this many take their exp2 on the FMA pipe (Exp2OnFma), easing
+  // the MUFU: an experiment of bench/sm90_timeline, 0 in every dispatched tiling.
+  static constexpr int kFmaExp2Of8 = 0;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
@@ -52,9 +64,10 @@ struct Sm90TraitsBase {
 
   static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D * 2;
   static constexpr uint32_t kKVBytes = uint32_t(kBlockN) * D * 2;  // one K (or V) tile
-  // Barriers: per Q buffer full and empty, then per stage K full, V full, K empty, V empty
-  // (Sm90Bars).
-  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages);
+  // Barriers: per Q buffer full and empty, then per stage K full, V full, K empty, V empty; then
+  // the tile each Q buffer holds (Sm90Bars, Sm90TileSlot).
+  static constexpr uint32_t kTileSlotBytes = 40;
+  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages) + 2 * kTileSlotBytes;
   // Two Q buffers where shared memory allows: the next tile's Q then loads while this tile runs,
   // so a consumer warpgroup that finishes its tile early starts the next one at once instead of
   // waiting for the slowest warpgroup to release the shared Q (d=256: one buffer only).
@@ -106,9 +119,12 @@ struct Sm90WideTraits;
 template <typename T>
 struct Sm90WideTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 3> {
   static constexpr bool kSplitMaskLoop = true;
+  static constexpr bool kDynamicSchedule = true;
 };
 template <typename T>
-struct Sm90WideTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 3> {};
+struct Sm90WideTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 3> {
+  static constexpr bool kDynamicSchedule = true;
+};
 template <typename T>
 struct Sm90WideTraits<256, T> : Sm90TraitsBase<256, T, 80, 2, 2> {
   static constexpr bool kOverlap = true;
@@ -119,9 +135,12 @@ struct Sm90NarrowTraits;
 template <typename T>
 struct Sm90NarrowTraits<64, T> : Sm90TraitsBase<64, T, 128, 4, 2> {
   static constexpr bool kSplitMaskLoop = true;
+  static constexpr bool kDynamicSchedule = true;
 };
 template <typename T>
-struct Sm90NarrowTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 2> {};
+struct Sm90NarrowTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 2> {
+  static constexpr bool kDynamicSchedule = true;
+};
 template <typename T>
 struct Sm90NarrowTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {
   static constexpr bool kSplitMaskLoop = true;

@@ -51,6 +51,11 @@ struct FlashParams {
   bool has_right = false;
   int32_t left = 0;
   int32_t right = 0;
+
+  // The sm_90a kernel's tile counter (4 bytes of the caller's workspace, zeroed by its launch):
+  // causal and right-windowed problems then deal tiles longest first to whichever CTA is free.
+  // nullptr: the CTAs' tiles are fixed in advance.
+  unsigned int* tile_counter = nullptr;
 };
 
 // Implemented per (dtype, head dim) in instantiations/flash_fwd_*.cu.

@@ -31,8 +31,10 @@ bool Compiled();
 Status CanImplement(const AttentionArgs& args);
 
 // Device scratch Run needs for args, in bytes: the split-KV partials of the decode kernel
-// (splits * total_q * num_heads * (head_dim + 1) floats), 0 when no split is made. Depends on the
-// current device (its SM count); pass Run a buffer of at least this size, 256-byte aligned.
+// (splits * total_q * num_heads * (head_dim + 1) floats), 0 when no split is made; for the forward
+// kernel 16 bytes (generation 2's tile counter: with none, causal problems keep a fixed, slower
+// tile order). Depends on the current device (its SM count); pass Run a buffer of at least this
+// size, 256-byte aligned, used by one launch at a time (launches on one stream may share it).
 size_t WorkspaceBytes(const AttentionArgs& args);
 
 // True when Run sends args to the decode kernel (max_seqlen_q <= 16), false for the forward kernel.
