@@ -276,10 +276,11 @@ __device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& 
   }
 }
 
-// 2^x for x <= 0 on the FMA and integer pipes instead of the MUFU (whose 16 results per SM and
-// clock bound the softmax at d=64): x = n + f with n an integer and |f| <= 1/2, 2^f by a degree-3
-// polynomial (relative error 1.0e-4, below the rounding of P to 16 bits), n added to the exponent
-// field. x is clamped to -127, where the sum of the fields is 0: -inf (a masked score) gives 0.
+// 2^x for x <= 0 on the FMA and integer pipes instead of the MUFU (16 results per SM and clock):
+// x = n + f with n an integer and |f| <= 1/2, 2^f by a degree-3 polynomial (relative error
+// 1.0e-4, below the rounding of P to 16 bits), n added to the exponent field. x is clamped to
+// -127, where the sum of the fields is 0: -inf (a masked score) gives 0. Only the experiment
+// Tr::kFmaExp2Of8 uses it: the softmax is not bound by the MUFU's throughput (H200, below).
 __device__ __forceinline__ float Exp2OnFma(float x) {
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound holds round(x) in its low bits
   x = fmaxf(x, -127.0f);
@@ -859,7 +860,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
   const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
                            P.p.batch, P.p.has_right, P.hb_group};
-  // Tilings without Tr::kDynamicSchedule: each role walks the fixed schedule's tiles with rows.
+  // The cluster experiment keeps its pairs of row blocks in the fixed order.
+  constexpr bool kDynamic = Tr::kDynamicSchedule && !Tr::kClusterKV;
+  // Tilings without kDynamic: each role walks the fixed schedule's tiles with rows.
   auto for_each_tile = [&](auto&& fn) {
     uint32_t q_loads = 0;  // Q tiles loaded so far (tiles with at least one key tile)
     if constexpr (Tr::kClusterKV) {
@@ -888,7 +891,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       }
     }
   };
-  // Tilings with Tr::kDynamicSchedule, on a launch without the counter: the fixed schedule's next
+  // Tilings with kDynamic, on a launch without the counter: the fixed schedule's next
   // tile with rows after round r, and r past it; false when there is none.
   auto fixed_next = [&](int& r, Sm90Tile& t, int& h) {
     while (r * int(gridDim.x) < sched.Total()) {
@@ -915,7 +918,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);  // a fresh barrier passes parity 1 at once
         Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
       };
-      if constexpr (Tr::kDynamicSchedule) {
+      if constexpr (kDynamic) {
         if (P.tile_counter != nullptr) {
           Sm90ProduceDynamic<Tr>(P, sched, smem, bars, ring);
         } else {
@@ -943,7 +946,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     }
     Sm90IssueTurn<Tr>{wg - 1}.Start();
     uint32_t tile_no = 0;
-    if constexpr (Tr::kDynamicSchedule) {
+    if constexpr (kDynamic) {
       // Q buffers used so far: the fixed schedule uses one per tile with key tiles; the dynamic
       // one, one per tile with rows (its description comes with it, Sm90ProduceDynamic).
       uint32_t q_loads = 0;

@@ -51,10 +51,13 @@ struct Sm90TraitsBase {
   // slower non-causal, d=256 1.5-3.7% slower everywhere; the d=64/128 tilings set it.
   static constexpr bool kDynamicSchedule = false;
   // The plain key loop skips the key tiles none of a warpgroup's rows may see (Sm90Consume): an
-  // experiment of bench/sm90_timeline, off in every dispatched tiling.
+  // experiment of bench/sm90_timeline (H200: 2-3% faster at causal 2k, within what the code
+  // change alone moves the loop by; slower at causal 1k, where the narrow tiling stays ahead), off
+  // in every dispatched tiling.
   static constexpr bool kSkipHiddenTiles = false;
-  // Of every 8 scores of a row, this many take their exp2 on the FMA pipe (Exp2OnFma), easing
-  // the MUFU: an experiment of bench/sm90_timeline, 0 in every dispatched tiling.
+  // Of every 8 scores of a row, this many take their exp2 on the FMA pipe (Exp2OnFma) instead of
+  // the MUFU: an experiment of bench/sm90_timeline (H200: 0.81-0.95x, the more the slower, at
+  // every head dim), 0 in every dispatched tiling.
   static constexpr int kFmaExp2Of8 = 0;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
