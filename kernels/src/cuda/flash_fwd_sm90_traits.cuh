@@ -48,7 +48,7 @@ struct Sm90TraitsBase {
   // CTAs as they finish (Sm90ProduceDynamic) instead of in a fixed order. The code for it changes
   // how ptxas compiles the consumers' loop, for better or worse by head dim (H200, against the
   // fixed order's code): d=128 1-5% faster everywhere, d=64 3% faster causal at 1k-2k and 1-2%
-  // slower non-causal, d=256 1.5-3.7% slower everywhere; the d=64/128 tilings set it.
+  // slower non-causal, d=256 up to 3.7% slower (median 1.5%); the d=64/128 tilings set it.
   static constexpr bool kDynamicSchedule = false;
   // The plain key loop skips the key tiles none of a warpgroup's rows may see (Sm90Consume): an
   // experiment of bench/sm90_timeline (H200: 2-3% faster at causal 2k, within what the code
