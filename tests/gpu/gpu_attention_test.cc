@@ -309,20 +309,27 @@ INSTANTIATE_TEST_SUITE_P(Gen2, GpuLong,
                          LongName);
 
 // ---- Causal with s_q != s_k (long), sliding windows ---------------------------------------
-class GpuCausal : public ::testing::TestWithParam<FwdGeneration> {};
-
-TEST_P(GpuCausal, QueriesFewerThanKeys) {
-  SKIP_WITHOUT_GPU();
-  for (int d : {64, 128}) {
+class GpuCausal : public ::testing::TestWithParam<FwdGeneration> {
+ protected:
+  // A causal case of head dim d on this suite's generation, with a fresh seed.
+  Case CausalCase(int d) const {
     Case c;
     c.gen = GetParam();
     c.head_dim = d;
     c.causal = true;
+    c.seed = NextSeed();
+    return c;
+  }
+};
+
+TEST_P(GpuCausal, QueriesFewerThanKeys) {
+  SKIP_WITHOUT_GPU();
+  for (int d : {64, 128}) {
+    Case c = CausalCase(d);
     c.num_heads = 2;
     c.num_kv_heads = 2;
     c.len_q = {1, 17, 300};
     c.len_k = {1000, 513, 1200};
-    c.seed = NextSeed();
     RunAndCheck(c);
   }
 }
@@ -333,15 +340,11 @@ TEST_P(GpuCausal, FixedAndCountedTileOrders) {
   SKIP_WITHOUT_GPU();
   for (int d : {64, 128}) {
     for (bool no_workspace : {true, false}) {
-      Case c;
-      c.gen = GetParam();
-      c.head_dim = d;
-      c.causal = true;
+      Case c = CausalCase(d);
       c.num_heads = 8;
       c.num_kv_heads = 2;
       c.len_q = {700, 1, 1025, 333, 2048, 129};
       c.no_workspace = no_workspace;
-      c.seed = NextSeed();
       RunAndCheck(c);
     }
   }
@@ -350,16 +353,12 @@ TEST_P(GpuCausal, FixedAndCountedTileOrders) {
 TEST_P(GpuCausal, QueriesMoreThanKeysRowsWithoutKeys) {
   SKIP_WITHOUT_GPU();
   for (DType t : {DType::kFloat16, DType::kBFloat16}) {
-    Case c;
-    c.gen = GetParam();
+    Case c = CausalCase(64);
     c.dtype = t;
-    c.head_dim = 64;
-    c.causal = true;
     c.num_heads = 3;
     c.num_kv_heads = 1;
     c.len_q = {1000, 300, 129};
     c.len_k = {200, 7, 1};  // many rows see no key: o = 0, lse = -inf
-    c.seed = NextSeed();
     RunAndCheck(c);
   }
 }

@@ -395,8 +395,10 @@ cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream,
   } else if (gen2) {
     FlashParams p = MakeParams(args);
     // A caller that sized the workspace for a decode-shaped call (forcing generation 2) may have
-    // none: the kernel then keeps its fixed schedule.
-    if (workspace != nullptr && WorkspaceBytes(args) >= kFwdWorkspaceBytes) {
+    // none: the kernel then keeps its fixed schedule. `sized` is the plan WorkspaceBytes sized it
+    // by (under kAuto, the one above).
+    const DecodePlan sized = gen == FwdGeneration::kAuto ? plan : PlanDecode(args);
+    if (workspace != nullptr && (!sized.use || sized.workspace >= kFwdWorkspaceBytes)) {
       p.tile_counter = static_cast<unsigned int*>(workspace);
     }
     err = args.dtype == DType::kFloat16 ? RunSm90Typed<__half>(p, stream)
