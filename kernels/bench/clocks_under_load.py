@@ -2,7 +2,8 @@
 """Rate, SM clock and board power of each forward kernel under sustained load.
 
 Usage: python3 clocks_under_load.py --lib gen2=libattn_kernels_capi.so@2 [--seconds 2]
-                                    [--shapes 128:16384:0,64:16384:0] [--out table.md]
+                                    [--shapes 128:16384:0,64:16384:0] [--backends cudnn,flash]
+                                    [--out table.md]
 (the --lib syntax is bench_vs_torch.py's; torch's cuDNN and flash backends run alongside). Each
 kernel runs back to back for --seconds after a warm-up of the same length while nvidia-smi samples
 the SM clock and power every 50 ms; the table gives TFLOP/s over the timed window, the median
@@ -60,6 +61,7 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--backends", default="cudnn,flash", help="torch SDPA backends run alongside")
     ap.add_argument("--out")
     args = ap.parse_args()
     libs = [(n, load_lib(p)) for n, p in (item.split("=", 1) for item in args.lib.split(","))]
@@ -84,6 +86,8 @@ def main():
                 run_ours(fn, dcode, q, k, v, o, cu, b, s, h, d, causal, stream)
             kernels.append((name, ours, None))
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            if name not in args.backends.split(","):
+                continue
             kernels.append((name, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal)), be))
         for name, fn, be in kernels:
             if be is not None:

@@ -46,6 +46,9 @@ struct Sm90Params {
   CUtensorMap to;  // O as {64, rows, D/64, heads}, boxes of {64, 64, 1, 1} (the TMA-store epilogue)
   int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
   int hb_group;  // the cost-ordered schedule's (sequence, head) pairs per L2 group (Sm90Schedule)
+  // Under the tile counter: 1, a CTA claims its next tile once it has issued every load of the
+  // current one (Sm90ProduceDynamic); 0, as soon as the current one has its Q buffer.
+  int late_claim;
   // The cost-ordered schedule's next-tile counter, zeroed before the launch: CTAs then take their
   // tiles one at a time as they finish (Sm90Schedule); nullptr: each CTA's tiles are fixed.
   unsigned int* tile_counter;
@@ -819,12 +822,13 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
       ptx::MbarArrive(bars.FullQ(q.buf));
       return;
     }
-    j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+    if (!P.late_claim) j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
     if (t.nb_max > t.nb_min) {
       Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
     } else {
       ptx::MbarArrive(bars.FullQ(q.buf));
     }
+    if (P.late_claim) j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
   }
 }
 

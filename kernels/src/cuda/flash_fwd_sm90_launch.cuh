@@ -73,15 +73,26 @@ inline cudaError_t Sm90SmCount(int* sms) {
   return err;
 }
 
-// (sequence, head) pairs per L2 group of the cost-ordered schedule (Sm90Schedule): as many as
-// have their K/V within ATTN_SM90_L2_MB MiB (a measurement knob; unset or 0: one group of all).
+// (sequence, head) pairs per L2 group of the cost-ordered schedule (Sm90Schedule). Where the K/V
+// of all pairs overflows L2, the plain cost order (every pair's longest row block, then every
+// pair's next one, ...) reads each K/V tile from memory about once per row block; groups of pairs
+// whose K/V fits in kSm90L2GroupBytes are visited one after the other instead, so each K/V is
+// read about once. Groups of fewer than kSm90MinL2Group pairs are not formed (long sequences: the
+// CTAs working at one time share a few pairs' K/V anyway). ATTN_SM90_L2_MB (a measurement knob)
+// overrides the rule: 0, one group of all; N, groups whose K/V fits in N MiB.
+constexpr int64_t kSm90L2GroupBytes = int64_t(12) << 20;
+constexpr int kSm90MinL2Group = 4;
 inline int Sm90HbGroup(const FlashParams& p, int d) {
   const int hbs = p.num_heads * p.batch;
-  const int mib = Sm90EnvInt("ATTN_SM90_L2_MB", 0);
-  if (mib <= 0 || hbs <= 0) return hbs > 0 ? hbs : 1;
+  if (hbs <= 0) return 1;
   // K and V of one pair, in 16-bit elements; the heads of one KV head (GQA) share theirs.
   const int64_t kv_bytes = std::max<int64_t>(1, int64_t(p.max_seqlen_k) * d * 2 * 2 / p.heads_per_kv);
-  return int(std::clamp<int64_t>((int64_t(mib) << 20) / kv_bytes, 1, hbs));
+  const int mib = Sm90EnvInt("ATTN_SM90_L2_MB", -1);
+  if (mib == 0) return hbs;
+  const int64_t budget = mib > 0 ? int64_t(mib) << 20 : kSm90L2GroupBytes;
+  const int64_t group = std::clamp<int64_t>(budget / kv_bytes, 1, hbs);
+  if (mib < 0 && (group < kSm90MinL2Group || hbs * kv_bytes <= 2 * kSm90L2GroupBytes)) return hbs;
+  return int(group);
 }
 
 // Whether the CTAs take tiles from the counter as they finish (Sm90Schedule): for the cost-ordered
@@ -112,6 +123,7 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   P.p = params;
   P.trace = trace;
   P.hb_group = Sm90HbGroup(params, D);
+  P.late_claim = Sm90EnvInt("ATTN_SM90_LATE_CLAIM", 1);
   P.tile_counter = Sm90DynamicSchedule<Tr>(params) ? params.tile_counter : nullptr;
   if (P.tile_counter != nullptr) {
     const cudaError_t zero = cudaMemsetAsync(P.tile_counter, 0, sizeof(unsigned int), stream);
