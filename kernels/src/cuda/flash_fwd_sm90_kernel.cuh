@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flash_fwd_sm90_schedule.h"
 #include "flash_fwd_sm90_traits.cuh"
 #include "flash_params.h"
 #include "ptx.cuh"
@@ -46,9 +47,7 @@ struct Sm90Params {
   CUtensorMap to;  // O as {64, rows, D/64, heads}, boxes of {64, 64, 1, 1} (the TMA-store epilogue)
   int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
   int hb_group;  // the cost-ordered schedule's (sequence, head) pairs per L2 group (Sm90Schedule)
-  // Under the tile counter: 1, a CTA claims its next tile once it has issued every load of the
-  // current one (Sm90ProduceDynamic); 0, as soon as the current one has its Q buffer.
-  int late_claim;
+  int l2_phases;  // Sm90Schedule::phased
   // The cost-ordered schedule's next-tile counter, zeroed before the launch: CTAs then take their
   // tiles one at a time as they finish (Sm90Schedule); nullptr: each CTA's tiles are fixed.
   unsigned int* tile_counter;
@@ -752,53 +751,14 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   }
 }
 
-// Persistent tile order. Without a causal/right window all tiles cost the same: global tile j
-// has its row block fastest (the CTAs working at one time share the K/V of a few heads in L2) and
-// CTA c takes j = c, c + G, c + 2G, ... (G CTAs). With one, a row block's cost grows with its
-// index, so tiles are ordered by cost instead (row blocks slowest, from the last) and handed out
-// longest-first in a snake (round r takes j = rG + c, or rG + G-1-c when r is odd), which evens
-// out the CTAs' sums; a plain round-robin over row-block-fastest tiles would give some CTAs only
-// the long row blocks (when G is close to a multiple of the row-block count). With a tile counter
-// (Tr::kDynamicSchedule, Sm90ProduceDynamic) the CTAs take the cost-ordered tiles one at a time
-// as they finish instead: longest first to whichever CTA is free. The cost order can run over
-// groups of hb_group (sequence, head) pairs in turn, longest first within each group, so that the
-// CTAs at work share the K/V of one group (ATTN_SM90_L2_MB; measured on the H200 and left off:
-// up to 12% faster at causal 1k-2k in the fixed order, but the snake's pairing of rounds no
-// longer balances the CTAs and long problems ran up to 44% slower; with the counter, up to 14%
-// slower at 4k-16k and -8% to +7% at 1k-2k).
-struct Sm90Schedule {
-  int m_blocks, heads, batch;
-  bool by_cost;
-  int hb_group;
-  __host__ __device__ __forceinline__ int Total() const { return m_blocks * heads * batch; }
-  // Global index of CTA c's tile in round r of a grid of g CTAs (may be >= Total() in the last
-  // round).
-  __host__ __device__ __forceinline__ int Tile(int r, int c, int g) const {
-    return r * g + ((by_cost && (r & 1)) ? g - 1 - c : c);
-  }
-  __host__ __device__ __forceinline__ void Decode(int j, int* m_block, int* h, int* b) const {
-    int hb;
-    if (by_cost) {
-      const int hbs = heads * batch;
-      const int group = j / (hb_group * m_blocks);
-      const int in_group = j - group * hb_group * m_blocks;
-      const int group_hbs = hbs - group * hb_group < hb_group ? hbs - group * hb_group : hb_group;
-      *m_block = m_blocks - 1 - in_group / group_hbs;
-      hb = group * hb_group + in_group % group_hbs;
-    } else {
-      *m_block = j % m_blocks;
-      hb = j / m_blocks;
-    }
-    *h = hb % heads;
-    *b = hb / heads;
-  }
-};
-
 // The producer under the dynamic schedule (P.tile_counter): the CTA's first tile is its index,
-// each next one the counter's next value past the grid, taken as soon as the tile before has its
-// Q buffer (so the atomic's latency passes under that tile's loads). Each tile with rows gets a
-// Q buffer and its description there (Sm90TileSlot), loaded or not (no key tile); the buffer
-// after the last tile gets head -1.
+// each next one the counter's next value past the grid, claimed once every load of the tile before
+// is issued (its consumers then have the last kStages key tiles of it left, time enough for the
+// atomic and the next Q load). Claimed at the start of the tile before instead, each CTA holds one
+// tile ahead: the first 2G tiles are then paired at random, not longest with shortest (H200: 2-4%
+// slower at causal 1k-4k with L2 groups, level without). Each tile with rows gets a Q buffer and
+// its description there (Sm90TileSlot), loaded or not (no key tile); the buffer after the last
+// tile gets head -1.
 template <typename Tr>
 __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm90Schedule& sched,
                                                    uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
@@ -822,13 +782,12 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
       ptx::MbarArrive(bars.FullQ(q.buf));
       return;
     }
-    if (!P.late_claim) j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
     if (t.nb_max > t.nb_min) {
       Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
     } else {
       ptx::MbarArrive(bars.FullQ(q.buf));
     }
-    if (P.late_claim) j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+    j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
   }
 }
 
@@ -863,7 +822,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
 
   // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
   const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
-                           P.p.batch, P.p.has_right, P.hb_group};
+                           P.p.batch, P.p.has_right, P.hb_group, P.l2_phases != 0};
   // The cluster experiment keeps its pairs of row blocks in the fixed order.
   constexpr bool kDynamic = Tr::kDynamicSchedule && !Tr::kClusterKV;
   // Tilings without kDynamic: each role walks the fixed schedule's tiles with rows.

@@ -1,0 +1,72 @@
+// Persistent tile order of the sm_90a forward kernel (flash_fwd_sm90_kernel.cuh), shared by the
+// kernel, its launcher's cost model and the host tests: plain C++ where no CUDA compiler is.
+#pragma once
+
+#if defined(__CUDACC__)
+#define ATTN_SM90_HD __host__ __device__ __forceinline__
+#else
+#define ATTN_SM90_HD inline
+#endif
+
+namespace attn::kernels::cuda {
+
+// Without a causal/right window all tiles cost the same: global tile j has its row block fastest
+// (the CTAs working at one time share the K/V of a few heads in L2) and CTA c takes j = c, c + G,
+// c + 2G, ... (G CTAs). With one, a row block's cost grows with its index, so tiles are ordered by
+// cost instead (row blocks slowest, from the last) and handed out longest-first in a snake (round
+// r takes j = rG + c, or rG + G-1-c when r is odd), which evens out the CTAs' sums; a plain
+// round-robin over row-block-fastest tiles would give some CTAs only the long row blocks (when G
+// is close to a multiple of the row-block count). With a tile counter (Tr::kDynamicSchedule,
+// Sm90ProduceDynamic) the CTAs take the cost-ordered tiles one at a time as they finish instead:
+// longest first to whichever CTA is free.
+//
+// L2 groups (hb_group < all pairs, Sm90HbGroup): the cost order over all (sequence, head) pairs
+// reads each K/V tile from memory about once per row block when the K/V of all pairs overflows L2
+// (at causal 1k, d=128 on the H200: 650 MB per launch against 192 MB of Q, K and V). The order
+// then runs over groups of hb_group pairs in turn, longest first within each group, so the CTAs at
+// work share one group's K/V. Each group's longest tiles then come last, though, when the CTAs
+// finish the group before it; for the last group nothing is left to even out the CTAs' ends.
+// Phased (under the counter with enough row blocks, Sm90PhasedOrder): phase p holds the row blocks [hi / 2, hi) of every pair, hi = m_blocks
+// >> p, in groups of hb_group << p pairs (those row blocks see about half the keys of the phase
+// before). K/V is read about twice instead of once, and the launch ends on the shortest tiles of
+// every pair, as the plain cost order does.
+struct Sm90Schedule {
+  int m_blocks, heads, batch;
+  bool by_cost;
+  int hb_group;
+  bool phased;
+  ATTN_SM90_HD int Total() const { return m_blocks * heads * batch; }
+  // Global index of CTA c's tile in round r of a grid of g CTAs (may be >= Total() in the last
+  // round).
+  ATTN_SM90_HD int Tile(int r, int c, int g) const {
+    return r * g + ((by_cost && (r & 1)) ? g - 1 - c : c);
+  }
+  ATTN_SM90_HD void Decode(int j, int* m_block, int* h, int* b) const {
+    int hb;
+    if (by_cost) {
+      const int hbs = heads * batch;
+      int hi = m_blocks, group_hbs = hb_group, first = 0;
+      if (phased) {
+        while ((hi >> 1) > 0 && j - first >= (hi - (hi >> 1)) * hbs) {
+          first += (hi - (hi >> 1)) * hbs;
+          hi >>= 1;
+          group_hbs = 2 * group_hbs < hbs ? 2 * group_hbs : hbs;
+        }
+      }
+      const int rows = phased ? hi - (hi >> 1) : m_blocks;  // row blocks per pair in the phase
+      const int local = j - first;
+      const int group = local / (group_hbs * rows);
+      const int in_group = local - group * group_hbs * rows;
+      const int this_hbs = hbs - group * group_hbs < group_hbs ? hbs - group * group_hbs : group_hbs;
+      *m_block = hi - 1 - in_group / this_hbs;
+      hb = group * group_hbs + in_group % this_hbs;
+    } else {
+      *m_block = j % m_blocks;
+      hb = j / m_blocks;
+    }
+    *h = hb % heads;
+    *b = hb / heads;
+  }
+};
+
+}  // namespace attn::kernels::cuda
