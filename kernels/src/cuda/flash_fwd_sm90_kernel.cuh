@@ -821,8 +821,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   }
 
   // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
+  // The fixed order never runs in phases (Sm90PhasedOrder): with `false` here the compiler drops
+  // the phases' walk from the consumers, whose code is then the same as before phases existed.
   const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
-                           P.p.batch, P.p.has_right, P.hb_group, P.l2_phases != 0};
+                           P.p.batch, P.p.has_right, P.hb_group, false};
   // The cluster experiment keeps its pairs of row blocks in the fixed order.
   constexpr bool kDynamic = Tr::kDynamicSchedule && !Tr::kClusterKV;
   // Tilings without kDynamic: each role walks the fixed schedule's tiles with rows.
@@ -885,7 +887,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       };
       if constexpr (kDynamic) {
         if (P.tile_counter != nullptr) {
-          Sm90ProduceDynamic<Tr>(P, sched, smem, bars, ring);
+          Sm90Schedule counted = sched;
+          counted.phased = P.l2_phases != 0;
+          Sm90ProduceDynamic<Tr>(P, counted, smem, bars, ring);
         } else {
           Sm90Tile t;
           int r = 0, h = 0;

@@ -102,12 +102,12 @@ inline int Sm90HbGroup(const FlashParams& p, int d) {
 // with at least kSm90PhasedMinRowBlocks row blocks. H200, causal, against groups without phases:
 // d=128 4k +3% sustained and +8% interleaved, 2k +1% and +4%; with 8 row blocks (1k), where the
 // last group's tail is short, 3% slower sustained (K/V is read about twice); under the fixed snake
-// (d=256) 1-3% slower. ATTN_SM90_L2_PHASES (a measurement knob): 0 off, 1 on.
+// (d=256) 1-3% slower, so the fixed order has no phases. ATTN_SM90_L2_PHASES (a measurement
+// knob): 0 off, 1 on (under the counter).
 constexpr int kSm90PhasedMinRowBlocks = 10;
 inline bool Sm90PhasedOrder(int m_blocks, bool counter) {
   const int knob = Sm90EnvInt("ATTN_SM90_L2_PHASES", -1);
-  if (knob >= 0) return knob != 0;
-  return counter && m_blocks >= kSm90PhasedMinRowBlocks;
+  return counter && (knob >= 0 ? knob != 0 : m_blocks >= kSm90PhasedMinRowBlocks);
 }
 
 // Whether the CTAs take tiles from the counter as they finish (Sm90Schedule): for the cost-ordered
