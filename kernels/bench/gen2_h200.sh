@@ -7,8 +7,8 @@
 #  3. the variants of timeline_kernels.h against production (sm90_timeline --variant);
 #  4. the generation-2 GPU tests;
 #  not in the default list: accuracy (each kernel's error against float64 attention), clocks
-#  (rate, SM clock and power under sustained load), sass (cuobjdump), ncu_sections (Nsight
-#  Compute), tests_tilings (the tests with each tiling forced), sanitize (memcheck and
+#  (rate, SM clock and power under sustained load), sass (cuobjdump), traffic (DRAM bytes per
+#  launch, Nsight Compute), ncu_sections (Nsight Compute), tests_tilings (the tests with each tiling forced), sanitize (memcheck and
 #  racecheck) and sweep_soaked (the sweep with each kernel timed at its own sustained clock).
 # BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
 # and the Python tools of kernels/bench; the results go to OUT_DIR, one file per part.
@@ -101,6 +101,17 @@ sass() {
   cuobjdump -sass "$bin/sm90_timeline" | xz -T4 >"$out/timeline.sass.xz" || rc=1
 }
 
+# DRAM bytes per launch of gen2 and cuDNN (memory_traffic.py under Nsight Compute), short causal
+# and non-causal shapes, where the tile order decides how often K/V comes from memory.
+traffic() {
+  (cd "$bin" && timeout 300 ncu --clock-control none \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+      -k 'regex:FlashFwdSm90|cudnn' --csv --page raw python3 memory_traffic.py \
+      --lib gen2=./libattn_kernels_capi.so@2 \
+      --shapes 64:1024:1,128:1024:1,128:2048:1,256:1024:1,64:1024:0,128:1024:0) \
+      >"$out/traffic.csv" 2>"$out/traffic.log" || rc=1
+}
+
 # Nsight Compute's main sections for the production kernel (the third launch: after two warm-ups).
 ncu_sections() {
   local s
@@ -148,10 +159,10 @@ sanitize() {
 for p in "${parts[@]}"; do
   start=$(date +%s)
   case $p in
-    timeline | sweep | sweep_soaked | variants | accuracy | clocks | sass | ncu_sections | tests | \
-      tests_tilings | sanitize) "$p" ;;
+    timeline | sweep | sweep_soaked | variants | accuracy | clocks | sass | traffic | ncu_sections | \
+      tests | tests_tilings | sanitize) "$p" ;;
     *) echo "gen2_h200.sh: unknown part '$p' (timeline sweep variants accuracy clocks" \
-            "sass ncu_sections tests tests_tilings sanitize sweep_soaked)" >&2
+            "sass traffic ncu_sections tests tests_tilings sanitize sweep_soaked)" >&2
        exit 2 ;;
   esac
   echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"
