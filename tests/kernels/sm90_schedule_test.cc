@@ -1,6 +1,7 @@
 // The sm_90a kernel's persistent tile order (flash_fwd_sm90_schedule.h), checked on the host: every
 // order visits each (row block, sequence, head) tile exactly once, the cost orders go longest
-// first, and the L2-grouped orders keep the pairs at work within their groups.
+// first, the L2-grouped orders keep the pairs at work within their groups, and the groups and
+// phases form where the rules say.
 #include "flash_fwd_sm90_schedule.h"
 
 #include <gtest/gtest.h>
@@ -101,6 +102,49 @@ TEST(Sm90Schedule, GroupedOrdersStayWithinTheirGroups) {
       }
     }
   }
+}
+
+// The standard sweep's problems (16k tokens, H * D = 2048): K and V of one (sequence, head) pair.
+long long KvBytes(int s, int d) { return (long long)s * d * 2 * 2; }
+
+TEST(Sm90L2Groups, FormWhereAllKvOverflowsL2AndAGroupHoldsFourPairs) {
+  constexpr long long kMiB = 1ll << 20;
+  // d=128 causal 1k: 256 pairs of 0.5 MiB -> 24 per group (12 MiB); 2k: 128 of 1 MiB -> 12.
+  EXPECT_EQ(Sm90L2GroupPairs(256, KvBytes(1024, 128), -1), 24);
+  EXPECT_EQ(Sm90L2GroupPairs(128, KvBytes(2048, 128), -1), 12);
+  // d=64 8k: 64 pairs of 2 MiB -> 6; d=128 8k: 32 of 4 MiB -> 3 would be too few: one group.
+  EXPECT_EQ(Sm90L2GroupPairs(64, KvBytes(8192, 64), -1), 6);
+  EXPECT_EQ(Sm90L2GroupPairs(32, KvBytes(8192, 128), -1), 32);
+  // All K/V within 24 MiB: it stays in L2 anyway, one group.
+  EXPECT_EQ(Sm90L2GroupPairs(24, 1 * kMiB, -1), 24);
+  EXPECT_EQ(Sm90L2GroupPairs(25, 1 * kMiB, -1), 12);
+  // The knob: 0 turns the groups off; N MiB forms them whatever the rule says, at least one pair.
+  EXPECT_EQ(Sm90L2GroupPairs(256, KvBytes(1024, 128), 0), 256);
+  EXPECT_EQ(Sm90L2GroupPairs(8, KvBytes(1024, 128), 1), 2);
+  EXPECT_EQ(Sm90L2GroupPairs(8, 3 * kMiB, 1), 1);
+  EXPECT_EQ(Sm90L2GroupPairs(8, 1, 1), 8);
+  EXPECT_EQ(Sm90L2GroupPairs(0, 1, -1), 1);
+  // Wherever groups form, a group's K/V fits in the budget and holds at least kSm90MinL2Group.
+  for (int hbs : {1, 3, 16, 64, 256, 4096}) {
+    for (long long kv = 1024; kv <= 64 * kMiB; kv *= 2) {
+      const int g = Sm90L2GroupPairs(hbs, kv, -1);
+      ASSERT_GE(g, 1);
+      ASSERT_LE(g, hbs);
+      if (g < hbs) {
+        EXPECT_LE(g * kv, kSm90L2GroupBytes) << hbs << " pairs of " << kv;
+        EXPECT_GE(g, kSm90MinL2Group) << hbs << " pairs of " << kv;
+      }
+    }
+  }
+}
+
+TEST(Sm90L2Groups, PhasesOnlyUnderTheCounterWithTenRowBlocks) {
+  EXPECT_FALSE(Sm90PhasedOrder(8, true, -1));  // causal 1k, 128-row tiles
+  EXPECT_TRUE(Sm90PhasedOrder(11, true, -1));  // causal 2k, 192-row tiles
+  EXPECT_FALSE(Sm90PhasedOrder(22, false, -1));  // the fixed snake never
+  EXPECT_TRUE(Sm90PhasedOrder(8, true, 1));
+  EXPECT_FALSE(Sm90PhasedOrder(22, true, 0));
+  EXPECT_FALSE(Sm90PhasedOrder(22, false, 1));
 }
 
 }  // namespace

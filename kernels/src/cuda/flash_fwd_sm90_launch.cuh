@@ -73,41 +73,15 @@ inline cudaError_t Sm90SmCount(int* sms) {
   return err;
 }
 
-// (sequence, head) pairs per L2 group of the cost-ordered schedule (Sm90Schedule). Where the K/V
-// of all pairs overflows L2, the plain cost order (every pair's longest row block, then every
-// pair's next one, ...) reads each K/V tile from memory about once per row block; groups of pairs
-// whose K/V fits in kSm90L2GroupBytes are visited one after the other instead, so each K/V is
-// read about once (H200, d=128 causal 1k: 202 MB read per launch against 650 MB, cuDNN 201 MB).
-// The board's power limit makes that traffic cost clock: sustained, the groups ran d=128 causal 1k
-// 19% faster at a 12% higher clock, and 4-19% faster at every causal shape from 1k to 8k where
-// they form, d=64/128/256. Groups of fewer than kSm90MinL2Group pairs are not formed (long
-// sequences: the CTAs working at one time share a few pairs' K/V anyway). ATTN_SM90_L2_MB (a measurement knob)
-// overrides the rule: 0, one group of all; N, groups whose K/V fits in N MiB.
-constexpr int64_t kSm90L2GroupBytes = int64_t(12) << 20;
-constexpr int kSm90MinL2Group = 4;
+// The L2 groups and phases of the cost-ordered schedule for a launch (Sm90L2GroupPairs,
+// Sm90PhasedOrder), with the measurement knobs ATTN_SM90_L2_MB and ATTN_SM90_L2_PHASES.
 inline int Sm90HbGroup(const FlashParams& p, int d) {
-  const int hbs = p.num_heads * p.batch;
-  if (hbs <= 0) return 1;
   // K and V of one pair, in 16-bit elements; the heads of one KV head (GQA) share theirs.
-  const int64_t kv_bytes = std::max<int64_t>(1, int64_t(p.max_seqlen_k) * d * 2 * 2 / p.heads_per_kv);
-  const int mib = Sm90EnvInt("ATTN_SM90_L2_MB", -1);
-  if (mib == 0) return hbs;
-  const int64_t budget = mib > 0 ? int64_t(mib) << 20 : kSm90L2GroupBytes;
-  const int64_t group = std::clamp<int64_t>(budget / kv_bytes, 1, hbs);
-  if (mib < 0 && (group < kSm90MinL2Group || hbs * kv_bytes <= 2 * kSm90L2GroupBytes)) return hbs;
-  return int(group);
+  const int64_t kv_bytes = int64_t(p.max_seqlen_k) * d * 2 * 2 / std::max(1, p.heads_per_kv);
+  return Sm90L2GroupPairs(p.num_heads * p.batch, kv_bytes, Sm90EnvInt("ATTN_SM90_L2_MB", -1));
 }
-
-// Whether the L2-grouped cost order runs in phases (Sm90Schedule::phased): under the tile counter,
-// with at least kSm90PhasedMinRowBlocks row blocks. H200, causal, against groups without phases:
-// d=128 4k +3% sustained and +8% interleaved, 2k +1% and +4%; with 8 row blocks (1k), where the
-// last group's tail is short, 3% slower sustained (K/V is read about twice); under the fixed snake
-// (d=256) 1-3% slower, so the fixed order has no phases. ATTN_SM90_L2_PHASES (a measurement
-// knob): 0 off, 1 on (under the counter).
-constexpr int kSm90PhasedMinRowBlocks = 10;
-inline bool Sm90PhasedOrder(int m_blocks, bool counter) {
-  const int knob = Sm90EnvInt("ATTN_SM90_L2_PHASES", -1);
-  return counter && (knob >= 0 ? knob != 0 : m_blocks >= kSm90PhasedMinRowBlocks);
+inline bool Sm90Phased(int m_blocks, bool counter) {
+  return Sm90PhasedOrder(m_blocks, counter, Sm90EnvInt("ATTN_SM90_L2_PHASES", -1));
 }
 
 // Whether the CTAs take tiles from the counter as they finish (Sm90Schedule): for the cost-ordered
@@ -139,8 +113,8 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   P.trace = trace;
   P.hb_group = Sm90HbGroup(params, D);
   P.tile_counter = Sm90DynamicSchedule<Tr>(params) ? params.tile_counter : nullptr;
-  P.l2_phases = Sm90PhasedOrder((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM,
-                                P.tile_counter != nullptr);
+  P.l2_phases = Sm90Phased((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM,
+                           P.tile_counter != nullptr);
   if (P.tile_counter != nullptr) {
     const cudaError_t zero = cudaMemsetAsync(P.tile_counter, 0, sizeof(unsigned int), stream);
     if (zero != cudaSuccess) return zero;
@@ -210,8 +184,8 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
   constexpr double kNarrowRowCost = 1.15;  // H200, s = 2k non-causal: 1.15-1.18
   const Sm90Schedule sched{(p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.num_heads, p.batch,
                            p.has_right, Sm90HbGroup(p, Tr::kHeadDim),
-                           Sm90PhasedOrder((p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM,
-                                           Sm90DynamicSchedule<Tr>(p))};
+                           Sm90Phased((p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM,
+                                      Sm90DynamicSchedule<Tr>(p))};
   const int m_blocks = sched.m_blocks;
   const int64_t tiles = sched.Total();
   const int grid = int(std::min<int64_t>(tiles, sms));
