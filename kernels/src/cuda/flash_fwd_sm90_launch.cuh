@@ -182,10 +182,9 @@ template <typename Tr>
 double Sm90TilingCost(const FlashParams& p, int sms) {
   constexpr double kFixedPerTile = 0.5;  // key tiles
   constexpr double kNarrowRowCost = 1.15;  // H200, s = 2k non-causal: 1.15-1.18
+  // Only the fixed snake is walked below, and it never runs in phases.
   const Sm90Schedule sched{(p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.num_heads, p.batch,
-                           p.has_right, Sm90HbGroup(p, Tr::kHeadDim),
-                           Sm90Phased((p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM,
-                                      Sm90DynamicSchedule<Tr>(p))};
+                           p.has_right, Sm90HbGroup(p, Tr::kHeadDim), false};
   const int m_blocks = sched.m_blocks;
   const int64_t tiles = sched.Total();
   const int grid = int(std::min<int64_t>(tiles, sms));
