@@ -20,16 +20,16 @@ namespace attn::kernels::cuda {
 // Sm90ProduceDynamic) the CTAs take the cost-ordered tiles one at a time as they finish instead:
 // longest first to whichever CTA is free.
 //
-// L2 groups (hb_group < all pairs, Sm90HbGroup): the cost order over all (sequence, head) pairs
-// reads each K/V tile from memory about once per row block when the K/V of all pairs overflows L2
-// (at causal 1k, d=128 on the H200: 650 MB per launch against 192 MB of Q, K and V). The order
-// then runs over groups of hb_group pairs in turn, longest first within each group, so the CTAs at
-// work share one group's K/V. Each group's longest tiles then come last, though, when the CTAs
-// finish the group before it; for the last group nothing is left to even out the CTAs' ends.
-// Phased (under the counter with enough row blocks, Sm90PhasedOrder): phase p holds the row blocks [hi / 2, hi) of every pair, hi = m_blocks
-// >> p, in groups of hb_group << p pairs (those row blocks see about half the keys of the phase
-// before). K/V is read about twice instead of once, and the launch ends on the shortest tiles of
-// every pair, as the plain cost order does.
+// L2 groups (hb_group < all pairs, Sm90L2GroupPairs): the cost order over all (sequence, head)
+// pairs reads each K/V tile from memory about once per row block when the K/V of all pairs
+// overflows L2 (at causal 1k, d=128 on the H200: 650 MB per launch against 192 MB of Q, K and V).
+// The order then runs over groups of hb_group pairs in turn, longest first within each group, so
+// the CTAs at work share one group's K/V. Each group's longest tiles then come last, though, when
+// the CTAs finish the group before it; for the last group nothing is left to even out the CTAs'
+// ends. Phased (under the counter with enough row blocks, Sm90PhasedOrder): phase p holds the row
+// blocks [hi / 2, hi) of every pair, hi = m_blocks >> p, in groups of hb_group << p pairs (those
+// row blocks see about half the keys of the phase before). K/V is read about twice instead of
+// once, and the launch ends on the shortest tiles of every pair, as the plain cost order does.
 struct Sm90Schedule {
   int m_blocks, heads, batch;
   bool by_cost;
