@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_vs_torch import load_lib, packed_inputs, run_ours, write_text
+from bench_vs_torch import dtype_of, load_libs, packed_inputs, run_ours, write_text
 
 
 def reference(qt, kt, vt, causal):
@@ -45,10 +45,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--out")
     args = ap.parse_args()
-    libs = []
-    for item in args.lib.split(","):
-        name, path = item.split("=", 1)
-        libs.append((name, load_lib(path)))
+    libs = load_libs(args.lib)
     dev = torch.device("cuda")
     torch.manual_seed(1)
     names = [n for n, _ in libs] + ["flash", "cudnn"]
@@ -61,8 +58,7 @@ def main():
     s = args.s
     b = max(1, args.tokens // s)
     for dname in args.dtypes.split(","):
-        dtype = torch.bfloat16 if dname == "bf16" else torch.float16
-        dcode = 2 if dname == "bf16" else 1
+        dtype, dcode = dtype_of(dname)
         for causal in [bool(int(x)) for x in args.causal.split(",")]:
             for d in [int(x) for x in args.dims.split(",")]:
                 h = 2048 // d

@@ -66,6 +66,27 @@ def load_lib(spec):
     return lambda *a: fn(*a, int(gen))
 
 
+def load_libs(spec):
+    """--lib's value, comma-separated items NAME=SPEC (SPEC as load_lib's; an item without a name
+    is v<index>): [(name, function)]."""
+    libs = []
+    for i, item in enumerate(spec.split(",")):
+        name, path = item.split("=", 1) if "=" in item else (f"v{i}", item)
+        libs.append((name, load_lib(path)))
+    return libs
+
+
+def dtype_of(name):
+    """'bf16' or 'fp16': the torch dtype and the C API's dtype code."""
+    return (torch.bfloat16, 2) if name == "bf16" else (torch.float16, 1)
+
+
+def sweep_shape(shape, tokens):
+    """'d:s:causal' of the standard sweep (H * D = 2048, B * S = tokens): d, s, causal, h, b."""
+    d, s, causal = (int(x) for x in shape.split(":"))
+    return d, s, causal, 2048 // d, max(1, tokens // s)
+
+
 def packed_inputs(b, s, h, d, dtype, dev):
     """N(0, 1) q, k, v packed as [b * s, h, d], the cu_seqlens of b sequences of s, and torch's
     [B, H, S, D] views of the same data."""
@@ -155,10 +176,7 @@ def main():
     ap.add_argument("--backends", default="flash,cudnn")
     args = ap.parse_args()
 
-    libs = []
-    for i, item in enumerate(args.lib.split(",")):
-        name, path = item.split("=", 1) if "=" in item else (f"v{i}", item)
-        libs.append((name, load_lib(path)))
+    libs = load_libs(args.lib)
     multi = len(libs) > 1
     backends = [x for x in (("flash", SDPBackend.FLASH_ATTENTION),
                             ("cudnn", SDPBackend.CUDNN_ATTENTION))
@@ -167,8 +185,7 @@ def main():
     torch.manual_seed(0)
     rows = []
     for dname in args.dtypes.split(","):
-        dtype = torch.bfloat16 if dname == "bf16" else torch.float16
-        dcode = 2 if dname == "bf16" else 1
+        dtype, dcode = dtype_of(dname)
         for causal in [bool(int(x)) for x in args.causal.split(",")]:
             for d in [int(x) for x in args.dims.split(",")]:
                 h = 2048 // d

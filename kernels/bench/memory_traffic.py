@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_vs_torch import load_lib, packed_inputs, run_ours
+from bench_vs_torch import dtype_of, load_libs, packed_inputs, run_ours, sweep_shape
 
 
 def main():
@@ -24,15 +24,13 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tokens", type=int, default=16384)
     args = ap.parse_args()
-    libs = [(n, load_lib(p)) for n, p in (item.split("=", 1) for item in args.lib.split(","))]
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    dcode = 2 if args.dtype == "bf16" else 1
+    libs = load_libs(args.lib)
+    dtype, dcode = dtype_of(args.dtype)
     dev = torch.device("cuda")
     order = []
     calls = []
     for shape in args.shapes.split(","):
-        d, s, causal = (int(x) for x in shape.split(":"))
-        h, b = 2048 // d, max(1, args.tokens // s)
+        d, s, causal, h, b = sweep_shape(shape, args.tokens)
         q, k, v, cu, (qt, kt, vt) = packed_inputs(b, s, h, d, dtype, dev)
         o = torch.empty_like(q)
         stream = torch.cuda.current_stream().cuda_stream

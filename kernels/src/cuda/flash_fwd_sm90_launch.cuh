@@ -111,10 +111,10 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   Sm90Params P;
   P.p = params;
   P.trace = trace;
+  const int m_blocks = (params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   P.hb_group = Sm90HbGroup(params, D);
   P.tile_counter = Sm90DynamicSchedule<Tr>(params) ? params.tile_counter : nullptr;
-  P.l2_phases = Sm90Phased((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM,
-                           P.tile_counter != nullptr);
+  P.l2_phases = Sm90Phased(m_blocks, P.tile_counter != nullptr);
   if (P.tile_counter != nullptr) {
     const cudaError_t zero = cudaMemsetAsync(P.tile_counter, 0, sizeof(unsigned int), stream);
     if (zero != cudaSuccess) return zero;
@@ -139,8 +139,7 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM (or per tile when there are fewer), each looping over tiles.
-  const int64_t tiles = int64_t((params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM) *
-                        params.num_heads * params.batch;
+  const int64_t tiles = int64_t(m_blocks) * params.num_heads * params.batch;
   if (tiles == 0) return cudaSuccess;
   const int grid = static_cast<int>(tiles < sms ? tiles : sms);
   if constexpr (Tr::kClusterKV) {
