@@ -470,8 +470,8 @@ TEST_P(GpuSmoke, SmallShapes) {
         c.causal = causal;
         c.num_heads = 2;
         c.num_kv_heads = 1;
-        c.len_q = {1, 70, 130};
-        c.len_k = {9, 70, 150};
+        c.len_q = {1, 70, 130, 250};
+        c.len_k = {9, 70, 150, 250};
         c.window_left = causal ? 40 : -1;
         c.seed = NextSeed();
         RunAndCheck(c);

@@ -48,6 +48,7 @@ struct Sm90Params {
   int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
   int hb_group;  // the cost-ordered schedule's (sequence, head) pairs per L2 group (Sm90Schedule)
   int l2_phases;  // Sm90Schedule::phased
+  int narrow_tail;  // Sm90RowBlock's narrow tail (three-warpgroup tilings only)
   // The cost-ordered schedule's next-tile counter, zeroed before the launch: CTAs then take their
   // tiles one at a time as they finish (Sm90Schedule); nullptr: each CTA's tiles are fixed.
   unsigned int* tile_counter;
@@ -115,6 +116,7 @@ struct Sm90QSlot {
 // The CTA's view of its work: sequence bounds, the key tiles it visits and its mask offsets.
 struct Sm90Tile {
   int m0 = 0;        // first query row of the CTA within its sequence
+  int m_end = 0;     // past its last row (Sm90RowBlock): at most m0 + kBlockM, at most s_q
   int q_start = 0;   // packed row of the sequence's first query
   int k_start = 0;   // packed row of its first key
   int s_q = 0;
@@ -125,15 +127,15 @@ struct Sm90Tile {
 };
 
 template <int BM, int BN>
-__device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, int b, Sm90Tile* t) {
+__device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, int b, bool narrow_tail,
+                                             Sm90Tile* t) {
   t->q_start = p.cu_seqlens_q[b];
   t->s_q = p.cu_seqlens_q[b + 1] - t->q_start;
-  t->m0 = m_block * BM;
-  if (t->m0 >= t->s_q) return false;
+  if (!Sm90RowBlock(m_block, t->s_q, BM, narrow_tail, &t->m0, &t->m_end)) return false;
   t->k_start = p.cu_seqlens_k[b];
   t->s_k = p.cu_seqlens_k[b + 1] - t->k_start;
   t->off = t->s_k - t->s_q;
-  const int m_last = min(t->m0 + BM, t->s_q) - 1;
+  const int m_last = t->m_end - 1;
   int n_lo = 0;
   int n_hi = t->s_k;
   if (p.has_left) n_lo = max(0, t->m0 + t->off - p.left);
@@ -141,6 +143,13 @@ __device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, 
   t->nb_min = n_lo / BN;
   t->nb_max = n_hi > n_lo ? (n_hi + BN - 1) / BN : t->nb_min;
   return true;
+}
+
+// Whether a launch cuts its row blocks with Sm90RowBlock's narrow tail: three-warpgroup tilings
+// only (false at compile time for the others, whose code then stays as it was).
+template <typename Tr>
+__device__ __forceinline__ bool Sm90NarrowTail(const Sm90Params& P) {
+  return Tr::kConsumerWGs == 3 && P.narrow_tail != 0;
 }
 
 // Position in the K/V stage ring; producer and consumers step through it in the same order,
@@ -163,9 +172,10 @@ struct Sm90Ring {
 // head -1 once there are no tiles left.
 struct Sm90TileSlot {
   int h;
-  int m0, q_start, k_start, s_q, s_k, off, nb_min, nb_max;
+  int m0, m_end, q_start, k_start, s_q, s_k, off, nb_min, nb_max;
   __device__ __forceinline__ void Put(const Sm90Tile& t, int head) {
     m0 = t.m0;
+    m_end = t.m_end;
     q_start = t.q_start;
     k_start = t.k_start;
     s_q = t.s_q;
@@ -182,6 +192,7 @@ struct Sm90TileSlot {
   __device__ __forceinline__ int Get(Sm90Tile* t) const {
     auto lane0 = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
     t->m0 = lane0(m0);
+    t->m_end = lane0(m_end);
     t->q_start = lane0(q_start);
     t->k_start = lane0(k_start);
     t->s_q = lane0(s_q);
@@ -518,7 +529,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   const Sm90QSlot q(q_loads, Tr::kQBufs);
   const Sm90Mma<Tr> mma{ptx::SmemAddr(smem + Tr::kQOff + q.buf * Tr::kQBytes) + cw * 64 * 128,
                         ptx::SmemAddr(smem + Tr::kKOff), ptx::SmemAddr(smem + Tr::kVOff)};
-  const int m_last = min(t.m0 + Tr::kBlockM, t.s_q) - 1;
+  const int m_last = t.m_end - 1;
   auto mask = [&](float (&s)[BN / 2], int nb) {
     const int n0 = nb * BN;
     const bool need = (n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
@@ -751,6 +762,35 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   }
 }
 
+// A consumer warpgroup with no rows in a narrow-tail tile (Sm90RowBlock) sits it out: it gives
+// each stage back once it is loaded (so that its arrivals count for this use of the stage) and the
+// Q buffer with the last, and stores nothing (its rows past m_end may be the next tile's). Kept
+// out of Sm90Consume, whose code then stays that of every other tile. (Without the narrow tail, a
+// warpgroup whose rows lie past the sequence end computes them, and never stores them.)
+template <typename Tr>
+__device__ __forceinline__ void Sm90SitOut(const Sm90Tile& t, const Sm90Bars<Tr::kStages>& bars,
+                                           Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
+                                           Sm90OStore& ost, bool q_ready) {
+  const int tid = threadIdx.x % 128;
+  const bool lane0 = tid % 32 == 0;
+  const Sm90QSlot q(q_loads, Tr::kQBufs);
+  if (t.nb_max > t.nb_min && !q_ready) ptx::MbarWait(bars.FullQ(q.buf), q.phase);
+  Sm90ReleaseStoredQ(ost, bars, tid);
+  // A tile without key tiles has its Q buffer only under the dynamic schedule (q_ready).
+  if (t.nb_max == t.nb_min && q_ready && lane0) ptx::MbarArrive(bars.EmptyQ(q.buf));
+  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+    const int st = ring.st;
+    ptx::MbarWait(bars.FullK(st), ring.phase);
+    ptx::MbarWait(bars.FullV(st), ring.phase);
+    if (lane0) {
+      ptx::MbarArrive(bars.EmptyK(st));
+      ptx::MbarArrive(bars.EmptyV(st));
+      if (nb == t.nb_min) ptx::MbarArrive(bars.EmptyQ(q.buf));
+    }
+    ring.Advance();
+  }
+}
+
 // The producer under the dynamic schedule (P.tile_counter): the CTA's first tile is its index,
 // each next one the counter's next value past the grid, claimed once every load of the tile before
 // is issued (its consumers then have the last kStages key tiles of it left, time enough for the
@@ -770,7 +810,7 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
     if (j < sched.Total()) {
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) {  // past its sequence
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) {  // past its sequence
         j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
         continue;
       }
@@ -839,7 +879,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         const int hb = j / m_pairs;
         Sm90Tile t;
         MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, 2 * (j % m_pairs) + int(ptx::ClusterCtaRank()),
-                                               hb / sched.heads, &t);
+                                               hb / sched.heads, false, &t);
         fn(t, hb % sched.heads, q_loads);
         q_loads += t.nb_max > t.nb_min;
       }
@@ -850,7 +890,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         int m_block, h, b;
         sched.Decode(j, &m_block, &h, &b);
         Sm90Tile t;
-        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) continue;
+        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) continue;
         fn(t, h, q_loads);
         q_loads += t.nb_max > t.nb_min;
       }
@@ -866,7 +906,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       if (j >= sched.Total()) continue;
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, &t)) return true;
+      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) return true;
     }
     return false;
   };
@@ -915,6 +955,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     }
     Sm90IssueTurn<Tr>{wg - 1}.Start();
     uint32_t tile_no = 0;
+    auto sits_out = [&](const Sm90Tile& t) { return Sm90NarrowTail<Tr>(P) && t.m0 + 64 * (wg - 1) >= t.m_end; };
     if constexpr (kDynamic) {
       // Q buffers used so far: the fixed schedule uses one per tile with key tiles; the dynamic
       // one, one per tile with rows (its description comes with it, Sm90ProduceDynamic).
@@ -932,12 +973,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         } else if (!fixed_next(r, t, h)) {
           break;
         }
-        Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, dynamic);
+        if (sits_out(t)) {
+          Sm90SitOut<Tr>(t, bars, ring, q_loads, ost, dynamic);
+        } else {
+          Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, dynamic);
+        }
         q_loads += dynamic || t.nb_max > t.nb_min;
       }
     } else {
       for_each_tile([&](const Sm90Tile& t, int h, uint32_t q_loads) {
-        Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, false);
+        if (sits_out(t)) {
+          Sm90SitOut<Tr>(t, bars, ring, q_loads, ost, false);
+        } else {
+          Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, false);
+        }
       });
     }
     Sm90ReleaseStoredQ(ost, bars, threadIdx.x % 128);

@@ -84,13 +84,23 @@ inline bool Sm90Phased(int m_blocks, bool counter) {
   return Sm90PhasedOrder(m_blocks, counter, Sm90EnvInt("ATTN_SM90_L2_PHASES", -1));
 }
 
-// Whether the CTAs take tiles from the counter as they finish (Sm90Schedule): for the cost-ordered
-// (causal or right-windowed) schedule, given a counter; ATTN_SM90_DYNAMIC=0 (a measurement knob)
-// keeps the fixed snake order.
+// Whether a launch of the tiling Tr cuts its row blocks with a narrow tail (Sm90RowBlock): the
+// three-warpgroup tilings; ATTN_SM90_NARROW_TAIL=0 (a measurement knob) cuts them plainly.
+template <typename Tr>
+bool Sm90NarrowTailApplies() {
+  return Tr::kConsumerWGs == 3 && !Tr::kClusterKV && Sm90EnvInt("ATTN_SM90_NARROW_TAIL", 1) != 0;
+}
+
+// Whether the CTAs take tiles from the counter as they finish (Sm90Schedule), given a counter: for
+// the cost-ordered (causal or right-windowed) schedule, and for any schedule with a narrow tail,
+// whose tiles differ in cost (a fixed round-robin over row-block-fastest tiles gives a CTA the same
+// row block each round when the grid is a multiple of the row-block count: the narrow tail's time
+// would go to waiting for the others). ATTN_SM90_DYNAMIC=0 (a measurement knob) keeps the fixed
+// order.
 template <typename Tr>
 bool Sm90DynamicSchedule(const FlashParams& p) {
-  return Tr::kDynamicSchedule && !Tr::kClusterKV && p.has_right && p.tile_counter != nullptr &&
-         Sm90EnvInt("ATTN_SM90_DYNAMIC", 1) != 0;
+  return Tr::kDynamicSchedule && !Tr::kClusterKV && (p.has_right || Sm90NarrowTailApplies<Tr>()) &&
+         p.tile_counter != nullptr && Sm90EnvInt("ATTN_SM90_DYNAMIC", 1) != 0;
 }
 
 // Whether a launch's arguments suit Tr::kClusterKV: no mask, and every sequence of the same length,
@@ -114,7 +124,8 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   const int m_blocks = (params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   P.hb_group = Sm90HbGroup(params, D);
   P.tile_counter = Sm90DynamicSchedule<Tr>(params) ? params.tile_counter : nullptr;
-  P.l2_phases = Sm90Phased(m_blocks, P.tile_counter != nullptr);
+  P.l2_phases = Sm90Phased(m_blocks, P.tile_counter != nullptr && params.has_right);
+  P.narrow_tail = Sm90NarrowTailApplies<Tr>();
   if (P.tile_counter != nullptr) {
     const cudaError_t zero = cudaMemsetAsync(P.tile_counter, 0, sizeof(unsigned int), stream);
     if (zero != cudaSuccess) return zero;
@@ -173,14 +184,19 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
 // Estimated time of a launch with the tiling Tr, in units of one 64-row x 128-key product step:
 // the tiles (the key tiles each warpgroup computes, plus a fixed cost per tile for its pipeline
 // fill and epilogue) dealt to the persistent CTAs as the kernel deals them (Sm90Schedule), the
-// busiest CTA's sum. Rows of the tile past the sequence end still cost, and so do the key tiles
-// beyond a warpgroup's causal or window edge unless the tiling skips them (kSkipHiddenTiles); a
-// narrow (2-warpgroup) row costs kNarrowRowCost times a wide one
-// (its softmax is hidden behind one other warpgroup's products instead of two).
+// busiest CTA's sum. Rows of the tile past the sequence end still cost (but for a warpgroup that
+// sits a narrow-tail tile out), and so do the key tiles beyond a warpgroup's causal or window edge
+// unless the tiling skips them (kSkipHiddenTiles); a row of the narrow (2-warpgroup) tiling costs
+// kNarrowRowCost times a wide one (its softmax is hidden behind one other warpgroup's products
+// instead of two), and a row of a wide tile that one warpgroup sits out kSitOutRowCost (the wide
+// tiling's consumers have fewer registers, and spill at d=128).
 template <typename Tr>
 double Sm90TilingCost(const FlashParams& p, int sms) {
   constexpr double kFixedPerTile = 0.5;  // key tiles
   constexpr double kNarrowRowCost = 1.15;  // H200, s = 2k non-causal: 1.15-1.18
+  // H200, bf16, s = 1k, d=64/128: what the narrow tail's gain non-causal implies (5-8%); at 1.15
+  // the estimate chose the wide tiling for causal 1k, 5-9% slower than the narrow one.
+  constexpr double kSitOutRowCost = 1.4;
   // Only the fixed snake is walked below, and it never runs in phases.
   const Sm90Schedule sched{(p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.num_heads, p.batch,
                            p.has_right, Sm90HbGroup(p, Tr::kHeadDim), false};
@@ -195,30 +211,35 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
     const int hi = p.has_right ? std::min(p.max_seqlen_k, last + off + p.right + 1) : p.max_seqlen_k;
     return hi > lo ? (hi + Tr::kBlockN - 1) / Tr::kBlockN - lo / Tr::kBlockN : 0;
   };
+  const bool narrow_tail = Sm90NarrowTailApplies<Tr>();
   auto tile_cost = [&](int m) {
-    const int m0 = m * Tr::kBlockM;
+    int m0 = 0, m_end = 0;
+    if (!Sm90RowBlock(m, p.max_seqlen_q, Tr::kBlockM, narrow_tail, &m0, &m_end)) return 0.0;
     double sum = 0.0;
+    // The warpgroups that compute (the others sit the tile out).
+    const int wgs = narrow_tail ? std::min(Tr::kConsumerWGs, (m_end - m0 + 63) / 64) : Tr::kConsumerWGs;
     if constexpr (Tr::kSkipHiddenTiles) {  // rows past the end compute the CTA's key tiles
-      const int all = key_tiles(m0, std::min(m0 + Tr::kBlockM, p.max_seqlen_q) - 1);
+      const int all = key_tiles(m0, m_end - 1);
       for (int w = 0; w < Tr::kConsumerWGs; ++w) {
         const int first = m0 + 64 * w;
-        sum += (first < p.max_seqlen_q ? key_tiles(first, std::min(first + 63, p.max_seqlen_q - 1)) : all) +
-               kFixedPerTile;
+        if (w >= wgs) continue;
+        sum += (first < m_end ? key_tiles(first, std::min(first + 63, m_end - 1)) : all) + kFixedPerTile;
       }
     } else {
-      sum = (key_tiles(m0, std::min(m0 + Tr::kBlockM, p.max_seqlen_q) - 1) + kFixedPerTile) *
-            Tr::kConsumerWGs;
+      sum = (key_tiles(m0, m_end - 1) + kFixedPerTile) * wgs;
     }
-    return sum * (Tr::kConsumerWGs == 2 ? kNarrowRowCost : 1.0) * Tr::kBlockN / 128;
+    const double row_cost =
+        Tr::kConsumerWGs == 2 ? kNarrowRowCost : (wgs < Tr::kConsumerWGs ? kSitOutRowCost : 1.0);
+    return sum * row_cost * Tr::kBlockN / 128;
   };
-  if (!p.has_right) {  // equal tiles but the last row block (a left window: near-equal), round-robin
-    const int64_t rounds = (tiles + grid - 1) / grid;
-    return double(rounds) * std::max(tile_cost(m_blocks - 1), tile_cost(std::max(0, m_blocks - 2)));
-  }
-  if (Sm90DynamicSchedule<Tr>(p)) {  // longest first to the first free CTA: near the average
+  if (Sm90DynamicSchedule<Tr>(p)) {  // to the first free CTA (longest first if causal): the average
     double sum = 0.0;
     for (int m = 0; m < m_blocks; ++m) sum += tile_cost(m);
     return sum * double(p.num_heads) * p.batch / grid;
+  }
+  if (!p.has_right) {  // equal tiles but the last row block (a left window: near-equal), round-robin
+    const int64_t rounds = (tiles + grid - 1) / grid;
+    return double(rounds) * std::max(tile_cost(m_blocks - 1), tile_cost(std::max(0, m_blocks - 2)));
   }
   // Longest first in a snake. The busiest CTA is looked for among a few (the ends, the quarters,
   // and those next to the last round's edge), each walked over its rounds, so the estimate costs

@@ -69,6 +69,26 @@ struct Sm90Schedule {
   }
 };
 
+// Rows [*m0, *m_end) of row block m_block of a sequence of s_q queries, in tiles of block_m rows
+// (64 per consumer warpgroup). Plain: m_block * block_m on, the last block cut at s_q. Narrow tail
+// (the three-warpgroup tilings, Sm90Params::narrow_tail): where the last block would hold at most
+// 64 rows, it and the block before share their rows as two blocks of at most block_m - 64, so no
+// block leaves two of the three warpgroups without rows (at s_q = 1024 with 192-row blocks: 4 x 192
+// + 2 x 128 instead of 5 x 192 + 64). The block count, ceil(s_q / block_m), is the same either way;
+// a warpgroup whose rows lie past *m_end sits the tile out (Sm90Consume). False past the sequence.
+ATTN_SM90_HD bool Sm90RowBlock(int m_block, int s_q, int block_m, bool narrow_tail, int* m0, int* m_end) {
+  *m0 = m_block * block_m;
+  if (*m0 >= s_q) return false;
+  *m_end = *m0 + block_m < s_q ? *m0 + block_m : s_q;
+  const int full = s_q / block_m, rem = s_q - full * block_m;
+  if (narrow_tail && full >= 1 && rem > 0 && rem <= 64 && m_block >= full - 1) {
+    const int base = (full - 1) * block_m, first = block_m - 64;  // the two blocks' rows from base
+    *m0 = m_block == full - 1 ? base : base + first;
+    *m_end = m_block == full - 1 ? base + first : s_q;
+  }
+  return true;
+}
+
 // (sequence, head) pairs per L2 group of the cost-ordered schedule, given `hbs` pairs whose K and
 // V take `kv_bytes` each. Where the K/V of all pairs overflows L2, the plain cost order reads each
 // K/V tile from memory about once per row block; groups of pairs whose K/V fits in
