@@ -762,11 +762,11 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   }
 }
 
-// A consumer warpgroup with no rows in a narrow-tail tile (Sm90RowBlock) sits it out: it gives
-// each stage back once it is loaded (so that its arrivals count for this use of the stage) and the
-// Q buffer with the last, and stores nothing (its rows past m_end may be the next tile's). Kept
-// out of Sm90Consume, whose code then stays that of every other tile. (Without the narrow tail, a
-// warpgroup whose rows lie past the sequence end computes them, and never stores them.)
+// A consumer warpgroup with no rows in its tile (under the narrow tail, Sm90RowBlock) sits it
+// out: it gives each stage back once it is loaded (so that its arrivals count for this use of the
+// stage) and the Q buffer with the last, and stores nothing (its rows past m_end may be the next
+// tile's). Kept out of Sm90Consume, whose code then stays that of every other tile. (Without the
+// narrow tail, a warpgroup whose rows lie past the sequence end computes them, never stored.)
 template <typename Tr>
 __device__ __forceinline__ void Sm90SitOut(const Sm90Tile& t, const Sm90Bars<Tr::kStages>& bars,
                                            Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
@@ -810,7 +810,7 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
     if (j < sched.Total()) {
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) {  // past its sequence
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) {
         j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
         continue;
       }
@@ -890,7 +890,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         int m_block, h, b;
         sched.Decode(j, &m_block, &h, &b);
         Sm90Tile t;
-        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) continue;
+        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) {
+          continue;
+        }
         fn(t, h, q_loads);
         q_loads += t.nb_max > t.nb_min;
       }
@@ -955,7 +957,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     }
     Sm90IssueTurn<Tr>{wg - 1}.Start();
     uint32_t tile_no = 0;
-    auto sits_out = [&](const Sm90Tile& t) { return Sm90NarrowTail<Tr>(P) && t.m0 + 64 * (wg - 1) >= t.m_end; };
+    auto sits_out = [&](const Sm90Tile& t) {
+      return Sm90NarrowTail<Tr>(P) && t.m0 + 64 * (wg - 1) >= t.m_end;
+    };
     if constexpr (kDynamic) {
       // Q buffers used so far: the fixed schedule uses one per tile with key tiles; the dynamic
       // one, one per tile with rows (its description comes with it, Sm90ProduceDynamic).
