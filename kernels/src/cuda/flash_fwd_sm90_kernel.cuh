@@ -507,6 +507,26 @@ struct Sm90IssueTurn {
   }
 };
 
+// Waits for the ring's current stage to be loaded and gives its K and V back unread (so that the
+// arrivals count for this use of the stage), then moves the ring on: a key tile a consumer warp
+// skips. Tr::kClusterKV: the partner CTA's producer writes the stage too, so it is told as well.
+template <typename Tr>
+__device__ __forceinline__ void Sm90PassStage(const Sm90Bars<Tr::kStages>& bars,
+                                              Sm90Ring<Tr::kStages>& ring, bool lane0) {
+  const int st = ring.st;
+  ptx::MbarWait(bars.FullK(st), ring.phase);
+  ptx::MbarWait(bars.FullV(st), ring.phase);
+  if (lane0) {
+    ptx::MbarArrive(bars.EmptyK(st));
+    ptx::MbarArrive(bars.EmptyV(st));
+    if constexpr (Tr::kClusterKV) {
+      ptx::MbarArriveRemote(bars.EmptyK(st), ptx::ClusterCtaRank() ^ 1);
+      ptx::MbarArriveRemote(bars.EmptyV(st), ptx::ClusterCtaRank() ^ 1);
+    }
+  }
+  ring.Advance();
+}
+
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the CTA. Two key loops:
 //  - the plain one waits for every product at once; the warpgroups' interleaving keeps the tensor
 //    cores busy during each one's softmax;
@@ -678,13 +698,8 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         skipped_last = wnb_min > t.nb_min || wnb_max == wnb_min;
       }
       auto idle = [&](int nb) {
-        const int st = ring.st;
-        ptx::MbarWait(bars.FullK(st), ring.phase);
-        ptx::MbarWait(bars.FullV(st), ring.phase);
+        Sm90PassStage<Tr>(bars, ring, lane == 0);
         if (nb == t.nb_min) release_q();
-        release(bars.EmptyK(st));
-        release(bars.EmptyV(st));
-        ring.Advance();
       };
       // One key tile; `masked` (a std::bool_constant) compiles the mask in or out.
       auto step = [&](int nb, auto masked) {
@@ -779,15 +794,8 @@ __device__ __forceinline__ void Sm90SitOut(const Sm90Tile& t, const Sm90Bars<Tr:
   // A tile without key tiles has its Q buffer only under the dynamic schedule (q_ready).
   if (t.nb_max == t.nb_min && q_ready && lane0) ptx::MbarArrive(bars.EmptyQ(q.buf));
   for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-    const int st = ring.st;
-    ptx::MbarWait(bars.FullK(st), ring.phase);
-    ptx::MbarWait(bars.FullV(st), ring.phase);
-    if (lane0) {
-      ptx::MbarArrive(bars.EmptyK(st));
-      ptx::MbarArrive(bars.EmptyV(st));
-      if (nb == t.nb_min) ptx::MbarArrive(bars.EmptyQ(q.buf));
-    }
-    ring.Advance();
+    Sm90PassStage<Tr>(bars, ring, lane0);
+    if (nb == t.nb_min && lane0) ptx::MbarArrive(bars.EmptyQ(q.buf));
   }
 }
 
