@@ -13,7 +13,7 @@
 //   sm90_timeline --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
 //                 [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|
 //                            overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early|
-//                            skip_hidden|fma_exp2_2|fma_exp2_3|fma_exp2_4
+//                            trim_edges|fma_exp2_2|fma_exp2_3|fma_exp2_4
 //                            [--production wide|narrow]]
 #include <cuda_runtime_api.h>
 
@@ -87,7 +87,7 @@ Options Parse(int argc, char** argv) {
                    "usage: sm90_timeline --d 64|128|256 --s N [--causal] [--narrow] [--reps N]\n"
                    "         [--variant rescale_on_change|keys176|keys80|overlap|overlap_pingpong|\n"
                    "                    overlap_keys176|overlap_keys64|cluster_kv|split_mask|release_k_early|\n"
-                   "                    skip_hidden|fma_exp2_2|fma_exp2_3|fma_exp2_4\n"
+                   "                    trim_edges|fma_exp2_2|fma_exp2_3|fma_exp2_4\n"
                    "                    [--production wide|narrow]]\n");
       std::exit(2);
     }
@@ -309,7 +309,7 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   else if (o.variant == "cluster_kv") v = Sm90Variant::kClusterKV;
   else if (o.variant == "split_mask") v = Sm90Variant::kSplitMask;
   else if (o.variant == "release_k_early") v = Sm90Variant::kReleaseKEarly;
-  else if (o.variant == "skip_hidden") v = Sm90Variant::kSkipHidden;
+  else if (o.variant == "trim_edges") v = Sm90Variant::kTrimEdges;
   else if (o.variant == "fma_exp2_2") v = Sm90Variant::kFmaExp2Of8_2;
   else if (o.variant == "fma_exp2_3") v = Sm90Variant::kFmaExp2Of8_3;
   else if (o.variant == "fma_exp2_4") v = Sm90Variant::kFmaExp2Of8_4;

@@ -48,10 +48,10 @@ struct Sm90SplitMask : Tr {
   static constexpr bool kSplitMaskLoop = true;
 };
 
-// Key tiles none of a warpgroup's rows may see skipped (Sm90TraitsBase::kSkipHiddenTiles).
+// Each warpgroup's edge key tiles trimmed (Sm90TraitsBase::kTrimEdgeTiles).
 template <typename Tr>
-struct Sm90SkipHidden : Tr {
-  static constexpr bool kSkipHiddenTiles = true;
+struct Sm90TrimEdges : Tr {
+  static constexpr bool kTrimEdgeTiles = true;
 };
 
 // N of every 8 exp2 of the softmax on the FMA pipe (Sm90TraitsBase::kFmaExp2Of8).
@@ -74,7 +74,7 @@ enum class Sm90Variant {
   kClusterKV,        // the production tiling (wide or narrow) with kClusterKV
   kSplitMask,        // the production tiling (wide or narrow) with kSplitMaskLoop
   kReleaseKEarly,    // the production tiling (wide or narrow) with kReleaseKEarly
-  kSkipHidden,       // the production tiling (wide or narrow) with kSkipHiddenTiles
+  kTrimEdges,        // the production tiling (wide or narrow) with kTrimEdgeTiles (d=64/128)
   kFmaExp2Of8_2,     // the production tiling (wide or narrow) with kFmaExp2Of8 = 2
   kFmaExp2Of8_3,     // ... = 3
   kFmaExp2Of8_4,     // ... = 4

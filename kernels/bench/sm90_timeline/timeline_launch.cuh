@@ -7,11 +7,15 @@
 
 namespace attn::kernels::cuda {
 
-// Head dim D's wide or narrow tiling (bf16), each wrapped in Wrap.
+// Head dim D's wide or narrow tiling (bf16), each wrapped in Wrap; the wide one as production
+// runs it (Sm90MaskedWideTraits where the launch has a mask).
 template <int D, template <typename> class Wrap>
 cudaError_t LaunchTilingSm90(const FlashParams& params, bool narrow, int sms, cudaStream_t stream,
                              unsigned long long* trace = nullptr) {
   if (narrow) return LaunchFlashFwdSm90<Wrap<Sm90NarrowTraits<D, __nv_bfloat16>>>(params, sms, stream, trace);
+  if (params.has_left || params.has_right) {
+    return LaunchFlashFwdSm90<Wrap<Sm90MaskedWideTraits<D, __nv_bfloat16>>>(params, sms, stream, trace);
+  }
   return LaunchFlashFwdSm90<Wrap<Sm90WideTraits<D, __nv_bfloat16>>>(params, sms, stream, trace);
 }
 
@@ -51,8 +55,9 @@ cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool nar
       return LaunchTilingSm90<D, Sm90Overlap>(params, narrow, sms, stream);
     case Sm90Variant::kReleaseKEarly:
       return LaunchTilingSm90<D, Sm90ReleaseKEarly>(params, narrow, sms, stream);
-    case Sm90Variant::kSkipHidden:
-      return LaunchTilingSm90<D, Sm90SkipHidden>(params, narrow, sms, stream);
+    case Sm90Variant::kTrimEdges:
+      if constexpr (D == 256) return cudaErrorNotSupported;  // 64- and 80-key tiles
+      else return LaunchTilingSm90<D, Sm90TrimEdges>(params, narrow, sms, stream);
     case Sm90Variant::kFmaExp2Of8_2:
       return LaunchTilingSm90<D, Sm90FmaExp2<2>::template Of8>(params, narrow, sms, stream);
     case Sm90Variant::kFmaExp2Of8_3:

@@ -448,25 +448,28 @@ struct Sm90Mma {
   static constexpr int BN = Tr::kBlockN;
   uint32_t sq, sk, sv;  // shared addresses: this warpgroup's Q rows, K stage 0, V stage 0
 
-  // Issues S = Q K^T over D / 16 steps of 16 columns (4 per 128-byte slab row) and commits.
-  __device__ __forceinline__ void IssueS(float (&s)[BN / 2], int st) const {
+  // Issues S = Q K^T over D / 16 steps of 16 columns (4 per 128-byte slab row) and commits: for
+  // the first kKeys keys of the stage's tile (all BN, or the first half, Tr::kTrimMaskedTiles).
+  template <int kKeys = BN>
+  __device__ __forceinline__ void IssueS(float (&s)[kKeys / 2], int st) const {
     ptx::WgmmaFence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       const uint32_t kofs = (ks % 4) * 32;  // 16 columns = 32 bytes inside the swizzled row
       const uint64_t da = ptx::SmemDesc(sq + (ks / 4) * Tr::kBlockM * 128 + kofs, 16);
       const uint64_t db = ptx::SmemDesc(sk + st * Tr::kKVBytes + (ks / 4) * BN * 128 + kofs, 16);
-      ptx::WgmmaSS<T, BN>(s, da, db, ks > 0);
+      ptx::WgmmaSS<T, kKeys>(s, da, db, ks > 0);
     }
     ptx::WgmmaCommit();
   }
 
-  // Issues O += P V, 16 keys per step, and commits.
+  // Issues O += P V over the first kKeys keys of the stage's tile, 16 keys per step, and commits.
+  template <int kKeys = BN>
   __device__ __forceinline__ void IssuePV(float (&o)[Tr::kPvChunks][Tr::kPvN / 2],
-                                          const uint32_t (&pa)[BN / 16][4], int st) const {
+                                          const uint32_t (&pa)[kKeys / 16][4], int st) const {
     ptx::WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
+    for (int kk = 0; kk < kKeys / 16; ++kk)
 #pragma unroll
       for (int nc = 0; nc < Tr::kPvChunks; ++nc) {
         const uint32_t addr = sv + st * Tr::kKVBytes + nc * (Tr::kPvN / 64) * BN * 128 + kk * 2048;
@@ -542,6 +545,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
                                             bool q_ready) {
   using T = typename Tr::T;
   constexpr int BN = Tr::kBlockN;
+  static_assert(!Tr::kTrimEdgeTiles || BN == 128, "half-width key tiles are m64n64 products");
   const FlashParams& p = P.p;
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
@@ -550,11 +554,13 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   const Sm90Mma<Tr> mma{ptx::SmemAddr(smem + Tr::kQOff + q.buf * Tr::kQBytes) + cw * 64 * 128,
                         ptx::SmemAddr(smem + Tr::kKOff), ptx::SmemAddr(smem + Tr::kVOff)};
   const int m_last = t.m_end - 1;
-  auto mask = [&](float (&s)[BN / 2], int nb) {
+  // s: the scores of the tile's first 2 * extent(s) keys (all BN, or half of them).
+  auto mask = [&](auto& s, int nb) {
+    constexpr int kKeys = 2 * int(std::extent_v<std::remove_reference_t<decltype(s)>>);
     const int n0 = nb * BN;
     const bool need = (n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
                       (p.has_left && n0 < m_last + t.off - p.left);
-    if (need) Sm90Mask<BN>(s, p, t, r0, n0, lane);
+    if (need) Sm90Mask<kKeys>(s, p, t, r0, n0, lane);
   };
   // TMA-store epilogue for warpgroups whose rows all lie in the sequence (others store directly).
   const bool tma_o = P.tma_o && t.m0 + 64 * cw + 64 <= t.s_q && t.nb_max > t.nb_min;
@@ -588,8 +594,10 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   float corr[2];
   float s[BN / 2];
   uint32_t pa[BN / 16][4];
+  float s_half[BN / 4];  // Tr::kTrimEdgeTiles: a half-width key tile's
+  uint32_t pa_half[BN / 32][4];
 
-  bool skipped_last = false;  // Tr::kSkipHiddenTiles: the timeline has no record to end here
+  bool skipped_last = false;  // Tr::kTrimEdgeTiles: the timeline has no record to end here
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     if (!q_ready) ptx::MbarWait(bars.FullQ(q.buf), q.phase);
     Sm90ReleaseStoredQ(ost, bars, tid);  // the store had the Q wait to read its rows
@@ -676,24 +684,27 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         Sm90PackP<T, BN>(pa, s);
       }
     } else {
-      // Tr::kSkipHiddenTiles: the key tiles none of this warpgroup's rows may see (beyond their
+      // Tr::kTrimEdgeTiles: the key tiles none of this warpgroup's rows may see (beyond their
       // causal or window edge) lie at either end of the CTA's range; the warpgroup computes only
-      // [wnb_min, wnb_max). For each other tile it waits for the stage to be loaded (so that its
-      // release counts for this use of the stage) and gives it back; the softmax state is what
-      // the all-masked tile leaves. A warpgroup whose rows all lie past the sequence end computes
-      // every tile all the same: left alone, one warpgroup's S, softmax and P V run one after the
-      // other with nothing to fill the tensor cores between them (H200, d=64/128 s=1k: 2-5%
-      // slower than computing the rows that are never stored).
+      // [wnb_min, wnb_max), and the highest of them only in its first half when its rows see no
+      // key beyond (the causal diagonal where it crosses the middle of a key tile, a sequence
+      // ending in the first half of its last tile). For each skipped tile it waits for the stage
+      // to be loaded (so that its release counts for this use of the stage) and gives it back;
+      // the softmax state is what the all-masked tile leaves. A warpgroup whose rows all lie past
+      // the sequence end computes every tile all the same: left alone, one warpgroup's S, softmax
+      // and P V run one after the other with nothing to fill the tensor cores between them
+      // (H200, d=64/128 s=1k: 2-5% slower than computing the rows that are never stored).
       int wnb_min = t.nb_min, wnb_max = t.nb_max;
-      if constexpr (Tr::kSkipHiddenTiles) {
+      bool half_top = false;  // tile wnb_max - 1 in its first half only
+      if constexpr (Tr::kTrimEdgeTiles) {
         const int wg_first = t.m0 + 64 * cw;
-        const int wg_last = min(wg_first + 63, t.s_q - 1);
+        const int wg_last = min(wg_first + 63, t.m_end - 1);
         if (wg_last >= wg_first) {
-          if (p.has_right) {
-            wnb_max = min(wnb_max, (min(t.s_k, wg_last + t.off + p.right + 1) + BN - 1) / BN);
-          }
+          const int vis_hi = p.has_right ? min(t.s_k - 1, wg_last + t.off + p.right) : t.s_k - 1;
+          wnb_max = min(wnb_max, (vis_hi + 1 + BN - 1) / BN);
           if (p.has_left) wnb_min = max(wnb_min, max(0, wg_first + t.off - p.left) / BN);
           wnb_max = max(wnb_max, wnb_min);
+          half_top = wnb_max > wnb_min && vis_hi < (wnb_max - 1) * BN + BN / 2;
         }
         skipped_last = wnb_min > t.nb_min || wnb_max == wnb_min;
       }
@@ -701,14 +712,16 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         Sm90PassStage<Tr>(bars, ring, lane == 0);
         if (nb == t.nb_min) release_q();
       };
-      // One key tile; `masked` (a std::bool_constant) compiles the mask in or out.
-      auto step = [&](int nb, auto masked) {
+      // One key tile; `masked` (a std::bool_constant) compiles the mask in or out. s and pa hold
+      // the scores and P of the keys computed: all the tile's (BN) or its first half.
+      auto step = [&](int nb, auto masked, auto& s, auto& pa) {
+        constexpr int kKeys = 2 * int(std::extent_v<std::remove_reference_t<decltype(s)>>);
         const int st = ring.st;
         tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb));
         tr.Mark(Sm90TraceLayout::kKWait);
         ptx::MbarWait(bars.FullK(st), ring.phase);
         tr.Mark(Sm90TraceLayout::kSIssued);
-        mma.IssueS(s, st);
+        mma.template IssueS<kKeys>(s, st);
         ptx::WgmmaWait<0>();
         ptx::RegFence(s);
         if constexpr (Tr::kReleaseKEarly) release(bars.EmptyK(st));
@@ -717,18 +730,18 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         if constexpr (decltype(masked)::value) {
           mask(s, nb);
         }
-        Sm90Softmax<BN, Tr::kFmaExp2Of8>(s, row_max, row_sum, corr, p.scale_log2);
+        Sm90Softmax<kKeys, Tr::kFmaExp2Of8>(s, row_max, row_sum, corr, p.scale_log2);
         if constexpr (Tr::kRescaleOnChange) {
           // Warp-uniform: the branch needs no reconvergence. corr is exactly 1 when no max moved.
           if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);
         } else {
           Sm90Rescale<Tr>(o, corr);
         }
-        Sm90PackP<T, BN>(pa, s);
+        Sm90PackP<T, kKeys>(pa, s);
         tr.Mark(Sm90TraceLayout::kSoftmaxDone);
         ptx::MbarWait(bars.FullV(st), ring.phase);
         tr.Mark(Sm90TraceLayout::kVReady);
-        mma.IssuePV(o, pa, st);
+        mma.template IssuePV<kKeys>(o, pa, st);
         ptx::WgmmaWait<0>();
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
@@ -739,6 +752,10 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
       };
       for (int nb = t.nb_max - 1; nb >= wnb_max; --nb) idle(nb);
+      int nb_top = wnb_max - 1;  // the first key tile the loops below compute
+      if constexpr (Tr::kTrimEdgeTiles) {
+        if (half_top) step(nb_top--, std::true_type{}, s_half, pa_half);
+      }
       if constexpr (Tr::kSplitMaskLoop) {
         // The tiles that need a mask (the sequence end and the causal diagonal: the highest; a
         // left window's edge: the lowest) run a copy of the step with it, the rest one without:
@@ -748,16 +765,16 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
           return (n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
                  (p.has_left && n0 < m_last + t.off - p.left);
         };
-        int nb = wnb_max - 1;
+        int nb = nb_top;
         while (nb >= wnb_min) {
           if (need_mask(nb)) {
-            step(nb--, std::true_type{});
+            step(nb--, std::true_type{}, s, pa);
           } else {
-            for (; nb >= wnb_min && !need_mask(nb); --nb) step(nb, std::false_type{});
+            for (; nb >= wnb_min && !need_mask(nb); --nb) step(nb, std::false_type{}, s, pa);
           }
         }
       } else {
-        for (int nb = wnb_max - 1; nb >= wnb_min; --nb) step(nb, std::true_type{});
+        for (int nb = nb_top; nb >= wnb_min; --nb) step(nb, std::true_type{}, s, pa);
       }
       for (int nb = wnb_min - 1; nb >= t.nb_min; --nb) idle(nb);
     }

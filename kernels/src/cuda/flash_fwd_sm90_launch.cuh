@@ -186,7 +186,8 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
 // fill and epilogue) dealt to the persistent CTAs as the kernel deals them (Sm90Schedule), the
 // busiest CTA's sum. Rows of the tile past the sequence end still cost (but for a warpgroup that
 // sits a narrow-tail tile out), and so do the key tiles beyond a warpgroup's causal or window edge
-// unless the tiling skips them (kSkipHiddenTiles); a row of the narrow (2-warpgroup) tiling costs
+// unless the tiling trims them (kTrimEdgeTiles: skipped, and a half-width edge tile costs
+// kHalfTileCost); a row of the narrow (2-warpgroup) tiling costs
 // kNarrowRowCost times a wide one (its softmax is hidden behind one other warpgroup's products
 // instead of two), and a row of a wide tile that one warpgroup sits out kSitOutRowCost (the wide
 // tiling's consumers have fewer registers, and spill at d=128).
@@ -197,6 +198,7 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
   // H200, bf16, s = 1k, d=64/128: what the narrow tail's gain non-causal implies (5-10%); at 1.15
   // the estimate chose the wide tiling for causal 1k, 5-9% slower than the narrow one.
   constexpr double kSitOutRowCost = 1.4;
+  constexpr double kHalfTileCost = 0.5;
   // Only the fixed snake is walked below, and it never runs in phases.
   const Sm90Schedule sched{(p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.num_heads, p.batch,
                            p.has_right, Sm90HbGroup(p, Tr::kHeadDim), false};
@@ -218,12 +220,20 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
     double sum = 0.0;
     // The warpgroups that compute (the others sit the tile out).
     const int wgs = narrow_tail ? std::min(Tr::kConsumerWGs, (m_end - m0 + 63) / 64) : Tr::kConsumerWGs;
-    if constexpr (Tr::kSkipHiddenTiles) {  // rows past the end compute the CTA's key tiles
+    if constexpr (Tr::kTrimEdgeTiles) {  // rows past the end compute the CTA's key tiles
       const int all = key_tiles(m0, m_end - 1);
-      for (int w = 0; w < Tr::kConsumerWGs; ++w) {
+      for (int w = 0; w < wgs; ++w) {
         const int first = m0 + 64 * w;
-        if (w >= wgs) continue;
-        sum += (first < m_end ? key_tiles(first, std::min(first + 63, m_end - 1)) : all) + kFixedPerTile;
+        if (first >= m_end) {
+          sum += all + kFixedPerTile;
+          continue;
+        }
+        const int last = std::min(first + 63, m_end - 1);
+        const int tiles = key_tiles(first, last);
+        // The highest key this warpgroup's rows may see, and whether it lies in its tile's first half.
+        const int hi = p.has_right ? std::min(p.max_seqlen_k, last + off + p.right + 1) : p.max_seqlen_k;
+        const bool half = tiles > 0 && (hi - 1) % Tr::kBlockN < Tr::kBlockN / 2;
+        sum += tiles - (half ? 1.0 - kHalfTileCost : 0.0) + kFixedPerTile;
       }
     } else {
       sum = (key_tiles(m0, m_end - 1) + kFixedPerTile) * wgs;
@@ -263,10 +273,9 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
   return busiest;
 }
 
-template <typename T, int D>
-cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
-  using Wide = Sm90WideTraits<D, T>;
-  using Narrow = Sm90NarrowTraits<D, T>;
+// One launch on the tiling Wide or Narrow of one head dim.
+template <typename Wide, typename Narrow>
+cudaError_t RunFlashFwdSm90Tilings(const FlashParams& params, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = Sm90SmCount(&sms);
   if (err != cudaSuccess) return err;
@@ -279,14 +288,16 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
                   : LaunchFlashFwdSm90<Wide>(params, sms, stream);
   } else {
     // ATTN_SM90_TILING (a measurement knob): 1 = wide, 2 = narrow, 3 = narrow for causal problems
-    // of <= 1k queries only (the earlier rule); otherwise the cheaper by Sm90TilingCost (up to 64k
-    // tiles: its walk is O(tiles / SMs) per candidate CTA), else the earlier rule.
+    // of <= 1k queries only (the earlier rule); otherwise the cheaper by Sm90TilingCost. With a
+    // tile counter that estimate costs O(row blocks); without one, a causal launch's walks the
+    // snake, O(tiles / SMs) per candidate CTA, so past 64k tiles the earlier rule decides.
     const int mode = Sm90EnvInt("ATTN_SM90_TILING", 0);
     bool narrow;
     if (mode == 1 || mode == 2) {
       narrow = mode == 2;
-    } else if (mode == 3 || int64_t(params.max_seqlen_q / Narrow::kBlockM + 1) * params.num_heads *
-                                         params.batch > (1 << 16)) {
+    } else if (mode == 3 || (params.tile_counter == nullptr &&
+                             int64_t(params.max_seqlen_q / Narrow::kBlockM + 1) * params.num_heads *
+                                     params.batch > (1 << 16))) {
       // Many tiles: quantisation is negligible, so only the causal diagonal's waste matters.
       narrow = params.has_right && params.max_seqlen_q <= kSm90NarrowMaxSeqlenQ;
     } else {
@@ -295,6 +306,14 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
     return narrow ? LaunchFlashFwdSm90<Narrow>(params, sms, stream)
                   : LaunchFlashFwdSm90<Wide>(params, sms, stream);
   }
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
+  if (params.has_left || params.has_right) {
+    return RunFlashFwdSm90Tilings<Sm90MaskedWideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, stream);
+  }
+  return RunFlashFwdSm90Tilings<Sm90WideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, stream);
 }
 
 }  // namespace attn::kernels::cuda

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace attn::kernels::cuda {
 
@@ -50,11 +51,11 @@ struct Sm90TraitsBase {
   // fixed order's code): d=128 1-5% faster everywhere, d=64 3% faster causal at 1k-2k and 1-2%
   // slower non-causal, d=256 up to 3.7% slower (median 1.5%); the d=64/128 tilings set it.
   static constexpr bool kDynamicSchedule = false;
-  // The plain key loop skips the key tiles none of a warpgroup's rows may see (Sm90Consume): an
-  // experiment of bench/sm90_timeline (H200: 2-3% faster at causal 2k, within what the code
-  // change alone moves the loop by; slower at causal 1k, where the narrow tiling stays ahead), off
-  // in every dispatched tiling.
-  static constexpr bool kSkipHiddenTiles = false;
+  // The plain key loop trims the key tiles at the edge of what each warpgroup's rows may see
+  // (Sm90Consume): it skips those none of its rows may see, and computes the highest of the rest
+  // in its first half only (S and P V of BN / 2 keys) where its rows see no key beyond (BN = 128
+  // only: the m64n64 products).
+  static constexpr bool kTrimEdgeTiles = false;
   // Of every 8 scores of a row, this many take their exp2 on the FMA pipe (Exp2OnFma) instead of
   // the MUFU: an experiment of bench/sm90_timeline (H200: 0.81-0.95x, the more the slower, at
   // every head dim), 0 in every dispatched tiling.
@@ -148,6 +149,20 @@ template <typename T>
 struct Sm90NarrowTraits<256, T> : Sm90TraitsBase<256, T, 64, 2, 2> {
   static constexpr bool kSplitMaskLoop = true;
 };
+
+// The wide tiling of launches with a causal or window mask. d=64 trims each warpgroup's edge key
+// tiles there (kTrimEdgeTiles; H200, against the untrimmed tiling in the same run: causal 2k-4k
+// +3-9%, and at causal 1k it overtakes the narrow tiling, +3%). It is a kernel of its own: compiled
+// into the one unmasked launches run, the trim's code moved ptxas's schedule of the unmasked loop,
+// 1.5-2% slower non-causal at every length. The d=64 narrow tiling and d=128 do without: there the
+// trim measured -1.6% (d=64 narrow, causal 1k) and level (d=128 narrow), and d=128's wide tiling
+// spilled more (128 bytes against 80) and was 2% slower non-causal.
+template <int D, typename T>
+struct Sm90TrimmedWideTraits : Sm90WideTraits<D, T> {
+  static constexpr bool kTrimEdgeTiles = true;
+};
+template <int D, typename T>
+using Sm90MaskedWideTraits = std::conditional_t<D == 64, Sm90TrimmedWideTraits<D, T>, Sm90WideTraits<D, T>>;
 
 // Launches with many tiles (where no tiling estimate is made) use the narrow tiling for causal (or
 // right-windowed) problems with at most this many queries.
