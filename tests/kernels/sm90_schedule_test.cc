@@ -1,7 +1,7 @@
 // The sm_90a kernel's persistent tile order (flash_fwd_sm90_schedule.h), checked on the host: every
 // order visits each (row block, sequence, head) tile exactly once, the cost orders go longest
 // first, the L2-grouped orders keep the pairs at work within their groups, the groups and phases
-// form where the rules say, and the row blocks (plain or with a narrow tail) cover each sequence.
+// form where the rules say, and the row blocks (plain, narrow tail or short head) cover each sequence.
 #include "flash_fwd_sm90_schedule.h"
 
 #include <gtest/gtest.h>
@@ -147,44 +147,68 @@ TEST(Sm90L2Groups, PhasesOnlyUnderTheCounterWithTenRowBlocks) {
   EXPECT_FALSE(Sm90PhasedOrder(22, false, 1));
 }
 
-// Row blocks cover [0, s_q) exactly, in order, each within block_m rows; the count is ceil(s_q /
-// block_m) either way. Narrow tail: no block has at most 64 rows unless the sequence does, and only
-// the last two blocks differ from the plain cut.
-TEST(Sm90RowBlocks, PartitionTheSequenceAndLeaveNoLoneWarpgroup) {
+// Row blocks cover [0, s_q) exactly, in order, each within block_m rows and starting on a whole
+// warpgroup (64 rows), so no warpgroup's rows reach into another block; the count is ceil(s_q /
+// block_m) under every cut. Narrow tail: no block has at most 64 rows unless the sequence does,
+// and only the last two blocks differ from the plain cut. Short head: where the plain cut's last
+// block would leave a warpgroup without rows, block 0 holds those rows rounded up to whole
+// warpgroups and every later block but the last is full; elsewhere it is the plain cut.
+TEST(Sm90RowBlocks, PartitionTheSequenceOnWholeWarpgroups) {
   for (const int block_m : {128, 192}) {
     for (int s_q = 1; s_q <= 5 * block_m + 1; ++s_q) {
-      for (const bool narrow_tail : {false, true}) {
-        if (narrow_tail && block_m != 192) continue;  // three-warpgroup tilings only
+      for (const int cut : {kSm90CutPlain, kSm90CutNarrowTail, kSm90CutShortHead}) {
+        if (cut != kSm90CutPlain && block_m != 192) continue;  // three-warpgroup tilings only
         const int blocks = (s_q + block_m - 1) / block_m;
+        const int rem = s_q % block_m;
+        const bool short_head = cut == kSm90CutShortHead && s_q > block_m && rem > 0 && rem <= block_m - 64;
         int next = 0;
         for (int m = 0; m < blocks; ++m) {
           int m0 = -1, m_end = -1, p0 = -1, p_end = -1;
-          ASSERT_TRUE(Sm90RowBlock(m, s_q, block_m, narrow_tail, &m0, &m_end)) << s_q << " block " << m;
-          ASSERT_TRUE(Sm90RowBlock(m, s_q, block_m, false, &p0, &p_end));
-          ASSERT_EQ(m0, next) << "s_q " << s_q << " block " << m << " narrow_tail " << narrow_tail;
+          ASSERT_TRUE(Sm90RowBlock(m, s_q, block_m, cut, &m0, &m_end)) << s_q << " block " << m;
+          ASSERT_TRUE(Sm90RowBlock(m, s_q, block_m, kSm90CutPlain, &p0, &p_end));
+          ASSERT_EQ(m0, next) << "s_q " << s_q << " block " << m << " cut " << cut;
+          ASSERT_EQ(m0 % 64, 0) << "s_q " << s_q << " block " << m << " cut " << cut;
           ASSERT_GT(m_end, m0);
           ASSERT_LE(m_end - m0, block_m);
-          if (narrow_tail && s_q > 64) ASSERT_GT(m_end - m0, 64) << "s_q " << s_q << " block " << m;
-          if (m < blocks - 2 || !narrow_tail) {
+          if (cut == kSm90CutNarrowTail && s_q > 64) ASSERT_GT(m_end - m0, 64) << "s_q " << s_q << " block " << m;
+          if (short_head) {
+            if (m == 0) ASSERT_EQ(m_end, (rem + 63) / 64 * 64) << "s_q " << s_q;
+            if (m > 0 && m < blocks - 1) ASSERT_EQ(m_end - m0, block_m) << "s_q " << s_q << " block " << m;
+          } else if (cut == kSm90CutPlain || cut == kSm90CutShortHead || m < blocks - 2) {
             ASSERT_EQ(m0, p0);
             ASSERT_EQ(m_end, p_end);
           }
           next = m_end;
         }
-        ASSERT_EQ(next, s_q) << "s_q " << s_q << " narrow_tail " << narrow_tail;
+        ASSERT_EQ(next, s_q) << "s_q " << s_q << " cut " << cut;
         int m0 = 0, m_end = 0;
-        EXPECT_FALSE(Sm90RowBlock(blocks, s_q, block_m, narrow_tail, &m0, &m_end));
+        EXPECT_FALSE(Sm90RowBlock(blocks, s_q, block_m, cut, &m0, &m_end));
       }
     }
   }
-  // The standard sweep's s = 1024 with 192-row blocks: 4 x 192, then 2 x 128.
   int m0 = 0, m_end = 0;
-  ASSERT_TRUE(Sm90RowBlock(4, 1024, 192, true, &m0, &m_end));
+  // The standard sweep's s = 1024 with 192-row blocks. Narrow tail: 4 x 192, then 2 x 128.
+  ASSERT_TRUE(Sm90RowBlock(4, 1024, 192, kSm90CutNarrowTail, &m0, &m_end));
   EXPECT_EQ(m0, 768);
   EXPECT_EQ(m_end, 896);
-  ASSERT_TRUE(Sm90RowBlock(5, 1024, 192, true, &m0, &m_end));
+  ASSERT_TRUE(Sm90RowBlock(5, 1024, 192, kSm90CutNarrowTail, &m0, &m_end));
   EXPECT_EQ(m0, 896);
   EXPECT_EQ(m_end, 1024);
+  // Short head: 64, then 5 x 192.
+  ASSERT_TRUE(Sm90RowBlock(0, 1024, 192, kSm90CutShortHead, &m0, &m_end));
+  EXPECT_EQ(m0, 0);
+  EXPECT_EQ(m_end, 64);
+  ASSERT_TRUE(Sm90RowBlock(5, 1024, 192, kSm90CutShortHead, &m0, &m_end));
+  EXPECT_EQ(m0, 832);
+  EXPECT_EQ(m_end, 1024);
+  // s = 1000: a 64-row head, and the last block ends at the sequence (rows 1000.. of its third
+  // warpgroup are computed, never stored).
+  ASSERT_TRUE(Sm90RowBlock(5, 1000, 192, kSm90CutShortHead, &m0, &m_end));
+  EXPECT_EQ(m0, 832);
+  EXPECT_EQ(m_end, 1000);
+  // s = 2048: 128 rows left over, a head of two warpgroups.
+  ASSERT_TRUE(Sm90RowBlock(0, 2048, 192, kSm90CutShortHead, &m0, &m_end));
+  EXPECT_EQ(m_end, 128);
 }
 
 }  // namespace

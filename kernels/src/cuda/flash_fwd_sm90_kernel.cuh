@@ -48,7 +48,7 @@ struct Sm90Params {
   int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
   int hb_group;  // the cost-ordered schedule's (sequence, head) pairs per L2 group (Sm90Schedule)
   int l2_phases;  // Sm90Schedule::phased
-  int narrow_tail;  // Sm90RowBlock's narrow tail (three-warpgroup tilings only)
+  int row_cut;  // Sm90RowCut: how Sm90RowBlock cuts the sequences (three-warpgroup tilings only)
   // The cost-ordered schedule's next-tile counter, zeroed before the launch: CTAs then take their
   // tiles one at a time as they finish (Sm90Schedule); nullptr: each CTA's tiles are fixed.
   unsigned int* tile_counter;
@@ -127,11 +127,11 @@ struct Sm90Tile {
 };
 
 template <int BM, int BN>
-__device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, int b, bool narrow_tail,
+__device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, int b, int row_cut,
                                              Sm90Tile* t) {
   t->q_start = p.cu_seqlens_q[b];
   t->s_q = p.cu_seqlens_q[b + 1] - t->q_start;
-  if (!Sm90RowBlock(m_block, t->s_q, BM, narrow_tail, &t->m0, &t->m_end)) return false;
+  if (!Sm90RowBlock(m_block, t->s_q, BM, row_cut, &t->m0, &t->m_end)) return false;
   t->k_start = p.cu_seqlens_k[b];
   t->s_k = p.cu_seqlens_k[b + 1] - t->k_start;
   t->off = t->s_k - t->s_q;
@@ -145,11 +145,11 @@ __device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, 
   return true;
 }
 
-// Whether a launch cuts its row blocks with Sm90RowBlock's narrow tail: three-warpgroup tilings
-// only (false at compile time for the others, whose code then stays as it was).
+// How a launch cuts its row blocks (Sm90RowCut): plainly but for three-warpgroup tilings (plain
+// at compile time for the others, whose code then stays as it was).
 template <typename Tr>
-__device__ __forceinline__ bool Sm90NarrowTail(const Sm90Params& P) {
-  return Tr::kConsumerWGs == 3 && P.narrow_tail != 0;
+__device__ __forceinline__ int Sm90CutOf(const Sm90Params& P) {
+  return Tr::kConsumerWGs == 3 ? P.row_cut : int(kSm90CutPlain);
 }
 
 // Position in the K/V stage ring; producer and consumers step through it in the same order,
@@ -794,11 +794,12 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   }
 }
 
-// A consumer warpgroup with no rows in its tile (under the narrow tail, Sm90RowBlock) sits it
-// out: it gives each stage back once it is loaded (so that its arrivals count for this use of the
-// stage) and the Q buffer with the last, and stores nothing (its rows past m_end may be the next
-// tile's). Kept out of Sm90Consume, whose code then stays that of every other tile. (Without the
-// narrow tail, a warpgroup whose rows lie past the sequence end computes them, never stored.)
+// A consumer warpgroup with no rows in its tile (under a narrow tail or short head, Sm90RowBlock)
+// sits it out: it gives each stage back once it is loaded (so that its arrivals count for this
+// use of the stage) and the Q buffer with the last, and stores nothing (its rows past m_end may be
+// the next tile's). Kept out of Sm90Consume, whose code then stays that of every other tile.
+// (Under the plain cut, a warpgroup whose rows lie past the sequence end computes them, never
+// stored.)
 template <typename Tr>
 __device__ __forceinline__ void Sm90SitOut(const Sm90Tile& t, const Sm90Bars<Tr::kStages>& bars,
                                            Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
@@ -835,7 +836,7 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
     if (j < sched.Total()) {
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) {
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
         j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
         continue;
       }
@@ -915,7 +916,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         int m_block, h, b;
         sched.Decode(j, &m_block, &h, &b);
         Sm90Tile t;
-        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) {
+        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
           continue;
         }
         fn(t, h, q_loads);
@@ -933,7 +934,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       if (j >= sched.Total()) continue;
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90NarrowTail<Tr>(P), &t)) return true;
+      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) return true;
     }
     return false;
   };
@@ -983,7 +984,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     Sm90IssueTurn<Tr>{wg - 1}.Start();
     uint32_t tile_no = 0;
     auto sits_out = [&](const Sm90Tile& t) {
-      return Sm90NarrowTail<Tr>(P) && t.m0 + 64 * (wg - 1) >= t.m_end;
+      return Sm90CutOf<Tr>(P) != kSm90CutPlain && t.m0 + 64 * (wg - 1) >= t.m_end;
     };
     if constexpr (kDynamic) {
       // Q buffers used so far: the fixed schedule uses one per tile with key tiles; the dynamic

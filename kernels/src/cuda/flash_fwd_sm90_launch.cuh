@@ -84,22 +84,30 @@ inline bool Sm90Phased(int m_blocks, bool counter) {
   return Sm90PhasedOrder(m_blocks, counter, Sm90EnvInt("ATTN_SM90_L2_PHASES", -1));
 }
 
-// Whether a launch of the tiling Tr cuts its row blocks with a narrow tail (Sm90RowBlock): the
-// three-warpgroup tilings; ATTN_SM90_NARROW_TAIL=0 (a measurement knob) cuts them plainly.
+// How a launch of the tiling Tr cuts its row blocks (Sm90RowCut): the three-warpgroup tilings with
+// a narrow tail, but with a short head where the tiling trims its edge tiles (kTrimEdgeTiles) and
+// the launch has a right (causal) edge; the others plainly. H200, d=64 causal, short head against
+// narrow tail: +1.5-3.6% at 1k-2k sustained, +0.5-2% per clock. d=128's untrimmed wide tiling
+// gained 0-4.6% at causal 2k-8k, but the estimate then chose it over the narrow tiling at causal
+// 1k, where it ran 7% slower. ATTN_SM90_ROW_CUT (a measurement knob: 0 plain, 1 narrow tail, 2
+// short head) overrides it for the three-warpgroup tilings.
 template <typename Tr>
-bool Sm90NarrowTailApplies() {
-  return Tr::kConsumerWGs == 3 && !Tr::kClusterKV && Sm90EnvInt("ATTN_SM90_NARROW_TAIL", 1) != 0;
+int Sm90RowCutFor(const FlashParams& p) {
+  if (Tr::kConsumerWGs != 3 || Tr::kClusterKV) return kSm90CutPlain;
+  const int knob = Sm90EnvInt("ATTN_SM90_ROW_CUT", -1);
+  if (knob >= kSm90CutPlain && knob <= kSm90CutShortHead) return knob;
+  return Tr::kTrimEdgeTiles && p.has_right ? kSm90CutShortHead : kSm90CutNarrowTail;
 }
 
 // Whether the CTAs take tiles from the counter as they finish (Sm90Schedule), given a counter: for
-// the cost-ordered (causal or right-windowed) schedule, and for any schedule with a narrow tail,
-// whose tiles differ in cost (a fixed round-robin over row-block-fastest tiles gives a CTA the same
-// row block each round when the grid is a multiple of the row-block count: the narrow tail's time
-// would go to waiting for the others). ATTN_SM90_DYNAMIC=0 (a measurement knob) keeps the fixed
-// order.
+// the cost-ordered (causal or right-windowed) schedule, and for any schedule whose cut leaves
+// blocks with a warpgroup sitting out, whose tiles differ in cost (a fixed round-robin over
+// row-block-fastest tiles gives a CTA the same row block each round when the grid is a multiple
+// of the row-block count: the narrow tail's time would go to waiting for the others).
+// ATTN_SM90_DYNAMIC=0 (a measurement knob) keeps the fixed order.
 template <typename Tr>
 bool Sm90DynamicSchedule(const FlashParams& p) {
-  return Tr::kDynamicSchedule && !Tr::kClusterKV && (p.has_right || Sm90NarrowTailApplies<Tr>()) &&
+  return Tr::kDynamicSchedule && !Tr::kClusterKV && (p.has_right || Sm90RowCutFor<Tr>(p) != kSm90CutPlain) &&
          p.tile_counter != nullptr && Sm90EnvInt("ATTN_SM90_DYNAMIC", 1) != 0;
 }
 
@@ -125,7 +133,7 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
   P.hb_group = Sm90HbGroup(params, D);
   P.tile_counter = Sm90DynamicSchedule<Tr>(params) ? params.tile_counter : nullptr;
   P.l2_phases = Sm90Phased(m_blocks, P.tile_counter != nullptr && params.has_right);
-  P.narrow_tail = Sm90NarrowTailApplies<Tr>();
+  P.row_cut = Sm90RowCutFor<Tr>(params);
   if (P.tile_counter != nullptr) {
     const cudaError_t zero = cudaMemsetAsync(P.tile_counter, 0, sizeof(unsigned int), stream);
     if (zero != cudaSuccess) return zero;
@@ -185,9 +193,9 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
 // the tiles (the key tiles each warpgroup computes, plus a fixed cost per tile for its pipeline
 // fill and epilogue) dealt to the persistent CTAs as the kernel deals them (Sm90Schedule), the
 // busiest CTA's sum. Rows of the tile past the sequence end still cost (but for a warpgroup that
-// sits a narrow-tail tile out), and so do the key tiles beyond a warpgroup's causal or window edge
-// unless the tiling trims them (kTrimEdgeTiles: skipped, and a half-width edge tile costs
-// kHalfTileCost); a row of the narrow (2-warpgroup) tiling costs
+// sits a tile out under a narrow tail or short head), and so do the key tiles beyond a
+// warpgroup's causal or window edge unless the tiling trims them (kTrimEdgeTiles: skipped, and a
+// half-width edge tile costs kHalfTileCost); a row of the narrow (2-warpgroup) tiling costs
 // kNarrowRowCost times a wide one (its softmax is hidden behind one other warpgroup's products
 // instead of two), and a row of a wide tile that one warpgroup sits out kSitOutRowCost (the wide
 // tiling's consumers have fewer registers, and spill at d=128).
@@ -213,13 +221,14 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
     const int hi = p.has_right ? std::min(p.max_seqlen_k, last + off + p.right + 1) : p.max_seqlen_k;
     return hi > lo ? (hi + Tr::kBlockN - 1) / Tr::kBlockN - lo / Tr::kBlockN : 0;
   };
-  const bool narrow_tail = Sm90NarrowTailApplies<Tr>();
+  const int cut = Sm90RowCutFor<Tr>(p);
   auto tile_cost = [&](int m) {
     int m0 = 0, m_end = 0;
-    if (!Sm90RowBlock(m, p.max_seqlen_q, Tr::kBlockM, narrow_tail, &m0, &m_end)) return 0.0;
+    if (!Sm90RowBlock(m, p.max_seqlen_q, Tr::kBlockM, cut, &m0, &m_end)) return 0.0;
     double sum = 0.0;
     // The warpgroups that compute (the others sit the tile out).
-    const int wgs = narrow_tail ? std::min(Tr::kConsumerWGs, (m_end - m0 + 63) / 64) : Tr::kConsumerWGs;
+    const int wgs =
+        cut != kSm90CutPlain ? std::min(Tr::kConsumerWGs, (m_end - m0 + 63) / 64) : Tr::kConsumerWGs;
     if constexpr (Tr::kTrimEdgeTiles) {  // rows past the end compute the CTA's key tiles
       const int all = key_tiles(m0, m_end - 1);
       for (int w = 0; w < wgs; ++w) {

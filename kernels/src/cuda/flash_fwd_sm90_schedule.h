@@ -69,22 +69,37 @@ struct Sm90Schedule {
   }
 };
 
-// Rows [*m0, *m_end) of row block m_block of a sequence of s_q queries, in tiles of block_m rows
-// (64 per consumer warpgroup). Plain: m_block * block_m on, the last block cut at s_q. Narrow tail
-// (the three-warpgroup tilings, Sm90Params::narrow_tail): where the last block would hold at most
-// 64 rows, it and the block before share their rows as two blocks of at most block_m - 64, so no
-// block leaves two of the three warpgroups without rows (at s_q = 1024 with 192-row blocks: 4 x 192
-// + 2 x 128 instead of 5 x 192 + 64). The block count, ceil(s_q / block_m), is the same either way;
-// a warpgroup whose rows lie past *m_end sits the tile out (Sm90Consume). False past the sequence.
-ATTN_SM90_HD bool Sm90RowBlock(int m_block, int s_q, int block_m, bool narrow_tail, int* m0, int* m_end) {
+// How a sequence's rows are cut into row blocks of block_m rows (64 per consumer warpgroup), by
+// Sm90RowBlock. Plain: m_block * block_m on, the last block cut at s_q. The other two leave no
+// block with rows for only one of three warpgroups where a plain cut would, so that the tile's
+// other warpgroups need not compute rows past the sequence: a warpgroup whose rows lie past the
+// block's end sits the tile out (Sm90SitOut). Three-warpgroup tilings only.
+//  - Narrow tail (unmasked launches): where the last block would hold at most 64 rows, it and the
+//    block before share their rows as two blocks of at most block_m - 64 (at s_q = 1024 with
+//    192-row blocks: 4 x 192 + 2 x 128 instead of 5 x 192 + 64).
+//  - Short head (causal launches of the trimmed tiling, whose first rows see the fewest keys): where
+//    the last block would hold at most block_m - 64 rows, those rows, rounded up to whole
+//    warpgroups, form block 0 instead, and full blocks follow (at s_q = 1024: 64 + 5 x 192). The
+//    sit-out then falls on the cheapest tile, not on the two most expensive.
+enum Sm90RowCut : int { kSm90CutPlain = 0, kSm90CutNarrowTail = 1, kSm90CutShortHead = 2 };
+
+// Rows [*m0, *m_end) of row block m_block of a sequence of s_q queries, cut as `cut` says
+// (Sm90RowCut); each block starts on a multiple of 64 rows. The block count is ceil(s_q /
+// block_m) either way. False past the sequence.
+ATTN_SM90_HD bool Sm90RowBlock(int m_block, int s_q, int block_m, int cut, int* m0, int* m_end) {
   *m0 = m_block * block_m;
   if (*m0 >= s_q) return false;
   *m_end = *m0 + block_m < s_q ? *m0 + block_m : s_q;
   const int full = s_q / block_m, rem = s_q - full * block_m;
-  if (narrow_tail && full >= 1 && rem > 0 && rem <= 64 && m_block >= full - 1) {
+  if (full < 1 || rem == 0) return true;
+  if (cut == kSm90CutNarrowTail && rem <= 64 && m_block >= full - 1) {
     const int base = (full - 1) * block_m, first = block_m - 64;  // the two blocks' rows from base
     *m0 = m_block == full - 1 ? base : base + first;
     *m_end = m_block == full - 1 ? base + first : s_q;
+  } else if (cut == kSm90CutShortHead && rem <= block_m - 64) {
+    const int head = (rem + 63) / 64 * 64;
+    *m0 = m_block == 0 ? 0 : head + (m_block - 1) * block_m;
+    *m_end = m_block == 0 ? head : (*m0 + block_m < s_q ? *m0 + block_m : s_q);
   }
   return true;
 }
