@@ -68,7 +68,8 @@ variants() {
               "cluster_kv 256 16384 --narrow" "cluster_kv 128 12288"
               "split_mask 128 16384" "split_mask 128 4096 --causal"
               "split_mask 256 4096 --causal --narrow"
-              "trim_edges 64 2048 --causal" "trim_edges 128 2048 --causal" "trim_edges 64 1024 --causal --narrow"
+              "trim_edges 64 16384" "trim_edges 128 2048 --causal"
+              "trim_edges 64 1024 --causal --narrow"
               "fma_exp2_2 64 16384" "fma_exp2_2 64 4096 --causal")
   # GEN2_VARIANTS="v d s [flags];v d s [flags];...": these runs instead.
   [ -z "${GEN2_VARIANTS:-}" ] || IFS=';' read -ra runs <<<"$GEN2_VARIANTS"

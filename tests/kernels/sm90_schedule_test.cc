@@ -160,7 +160,8 @@ TEST(Sm90RowBlocks, PartitionTheSequenceOnWholeWarpgroups) {
         if (cut != kSm90CutPlain && block_m != 192) continue;  // three-warpgroup tilings only
         const int blocks = (s_q + block_m - 1) / block_m;
         const int rem = s_q % block_m;
-        const bool short_head = cut == kSm90CutShortHead && s_q > block_m && rem > 0 && rem <= block_m - 64;
+        const bool short_head =
+            cut == kSm90CutShortHead && s_q > block_m && rem > 0 && rem <= block_m - 64;
         int next = 0;
         for (int m = 0; m < blocks; ++m) {
           int m0 = -1, m_end = -1, p0 = -1, p_end = -1;
@@ -170,10 +171,14 @@ TEST(Sm90RowBlocks, PartitionTheSequenceOnWholeWarpgroups) {
           ASSERT_EQ(m0 % 64, 0) << "s_q " << s_q << " block " << m << " cut " << cut;
           ASSERT_GT(m_end, m0);
           ASSERT_LE(m_end - m0, block_m);
-          if (cut == kSm90CutNarrowTail && s_q > 64) ASSERT_GT(m_end - m0, 64) << "s_q " << s_q << " block " << m;
+          if (cut == kSm90CutNarrowTail && s_q > 64) {
+            ASSERT_GT(m_end - m0, 64) << "s_q " << s_q << " block " << m;
+          }
           if (short_head) {
             if (m == 0) ASSERT_EQ(m_end, (rem + 63) / 64 * 64) << "s_q " << s_q;
-            if (m > 0 && m < blocks - 1) ASSERT_EQ(m_end - m0, block_m) << "s_q " << s_q << " block " << m;
+            if (m > 0 && m < blocks - 1) {
+              ASSERT_EQ(m_end - m0, block_m) << "s_q " << s_q << " block " << m;
+            }
           } else if (cut == kSm90CutPlain || cut == kSm90CutShortHead || m < blocks - 2) {
             ASSERT_EQ(m0, p0);
             ASSERT_EQ(m_end, p_end);

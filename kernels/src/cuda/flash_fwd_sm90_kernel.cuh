@@ -449,7 +449,7 @@ struct Sm90Mma {
   uint32_t sq, sk, sv;  // shared addresses: this warpgroup's Q rows, K stage 0, V stage 0
 
   // Issues S = Q K^T over D / 16 steps of 16 columns (4 per 128-byte slab row) and commits: for
-  // the first kKeys keys of the stage's tile (all BN, or the first half, Tr::kTrimMaskedTiles).
+  // the first kKeys keys of the stage's tile (all BN, or the first half, Tr::kTrimEdgeTiles).
   template <int kKeys = BN>
   __device__ __forceinline__ void IssueS(float (&s)[kKeys / 2], int st) const {
     ptx::WgmmaFence();

@@ -107,8 +107,9 @@ int Sm90RowCutFor(const FlashParams& p) {
 // ATTN_SM90_DYNAMIC=0 (a measurement knob) keeps the fixed order.
 template <typename Tr>
 bool Sm90DynamicSchedule(const FlashParams& p) {
-  return Tr::kDynamicSchedule && !Tr::kClusterKV && (p.has_right || Sm90RowCutFor<Tr>(p) != kSm90CutPlain) &&
-         p.tile_counter != nullptr && Sm90EnvInt("ATTN_SM90_DYNAMIC", 1) != 0;
+  return Tr::kDynamicSchedule && !Tr::kClusterKV &&
+         (p.has_right || Sm90RowCutFor<Tr>(p) != kSm90CutPlain) && p.tile_counter != nullptr &&
+         Sm90EnvInt("ATTN_SM90_DYNAMIC", 1) != 0;
 }
 
 // Whether a launch's arguments suit Tr::kClusterKV: no mask, and every sequence of the same length,

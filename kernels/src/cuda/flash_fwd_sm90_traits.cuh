@@ -162,7 +162,8 @@ struct Sm90TrimmedWideTraits : Sm90WideTraits<D, T> {
   static constexpr bool kTrimEdgeTiles = true;
 };
 template <int D, typename T>
-using Sm90MaskedWideTraits = std::conditional_t<D == 64, Sm90TrimmedWideTraits<D, T>, Sm90WideTraits<D, T>>;
+using Sm90MaskedWideTraits =
+    std::conditional_t<D == 64, Sm90TrimmedWideTraits<D, T>, Sm90WideTraits<D, T>>;
 
 // Launches with many tiles (where no tiling estimate is made) use the narrow tiling for causal (or
 // right-windowed) problems with at most this many queries.
