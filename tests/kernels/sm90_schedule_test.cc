@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <set>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace attn::kernels::cuda {
@@ -191,29 +192,23 @@ TEST(Sm90RowBlocks, PartitionTheSequenceOnWholeWarpgroups) {
       }
     }
   }
-  int m0 = 0, m_end = 0;
+  // Rows {m0, m_end} of block m (the block exists).
+  auto rows = [](int m, int s_q, int cut) {
+    int m0 = -1, m_end = -1;
+    EXPECT_TRUE(Sm90RowBlock(m, s_q, 192, cut, &m0, &m_end)) << "s_q " << s_q << " block " << m;
+    return std::pair{m0, m_end};
+  };
   // The standard sweep's s = 1024 with 192-row blocks. Narrow tail: 4 x 192, then 2 x 128.
-  ASSERT_TRUE(Sm90RowBlock(4, 1024, 192, kSm90CutNarrowTail, &m0, &m_end));
-  EXPECT_EQ(m0, 768);
-  EXPECT_EQ(m_end, 896);
-  ASSERT_TRUE(Sm90RowBlock(5, 1024, 192, kSm90CutNarrowTail, &m0, &m_end));
-  EXPECT_EQ(m0, 896);
-  EXPECT_EQ(m_end, 1024);
+  EXPECT_EQ(rows(4, 1024, kSm90CutNarrowTail), std::pair(768, 896));
+  EXPECT_EQ(rows(5, 1024, kSm90CutNarrowTail), std::pair(896, 1024));
   // Short head: 64, then 5 x 192.
-  ASSERT_TRUE(Sm90RowBlock(0, 1024, 192, kSm90CutShortHead, &m0, &m_end));
-  EXPECT_EQ(m0, 0);
-  EXPECT_EQ(m_end, 64);
-  ASSERT_TRUE(Sm90RowBlock(5, 1024, 192, kSm90CutShortHead, &m0, &m_end));
-  EXPECT_EQ(m0, 832);
-  EXPECT_EQ(m_end, 1024);
+  EXPECT_EQ(rows(0, 1024, kSm90CutShortHead), std::pair(0, 64));
+  EXPECT_EQ(rows(5, 1024, kSm90CutShortHead), std::pair(832, 1024));
   // s = 1000: a 64-row head, and the last block ends at the sequence (rows 1000.. of its third
   // warpgroup are computed, never stored).
-  ASSERT_TRUE(Sm90RowBlock(5, 1000, 192, kSm90CutShortHead, &m0, &m_end));
-  EXPECT_EQ(m0, 832);
-  EXPECT_EQ(m_end, 1000);
+  EXPECT_EQ(rows(5, 1000, kSm90CutShortHead), std::pair(832, 1000));
   // s = 2048: 128 rows left over, a head of two warpgroups.
-  ASSERT_TRUE(Sm90RowBlock(0, 2048, 192, kSm90CutShortHead, &m0, &m_end));
-  EXPECT_EQ(m_end, 128);
+  EXPECT_EQ(rows(0, 2048, kSm90CutShortHead).second, 128);
 }
 
 }  // namespace

@@ -216,10 +216,14 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
   const int grid = int(std::min<int64_t>(tiles, sms));
   const int off = p.max_seqlen_k - p.max_seqlen_q;
   // Key tiles seen by query rows [first, last] (none when first > last).
+  // Past the last key query row `last` may see.
+  auto key_end = [&](int last) {
+    return p.has_right ? std::min(p.max_seqlen_k, last + off + p.right + 1) : p.max_seqlen_k;
+  };
   auto key_tiles = [&](int first, int last) {
     if (first > last) return 0;
     const int lo = p.has_left ? std::max(0, first + off - p.left) : 0;
-    const int hi = p.has_right ? std::min(p.max_seqlen_k, last + off + p.right + 1) : p.max_seqlen_k;
+    const int hi = key_end(last);
     return hi > lo ? (hi + Tr::kBlockN - 1) / Tr::kBlockN - lo / Tr::kBlockN : 0;
   };
   const int cut = Sm90RowCutFor<Tr>(p);
@@ -240,9 +244,8 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
         }
         const int last = std::min(first + 63, m_end - 1);
         const int tiles = key_tiles(first, last);
-        // The highest key this warpgroup's rows may see, and whether it lies in its tile's first half.
-        const int hi = p.has_right ? std::min(p.max_seqlen_k, last + off + p.right + 1) : p.max_seqlen_k;
-        const bool half = tiles > 0 && (hi - 1) % Tr::kBlockN < Tr::kBlockN / 2;
+        // Whether the last key this warpgroup's rows may see lies in its tile's first half.
+        const bool half = tiles > 0 && (key_end(last) - 1) % Tr::kBlockN < Tr::kBlockN / 2;
         sum += tiles - (half ? 1.0 - kHalfTileCost : 0.0) + kFixedPerTile;
       }
     } else {
