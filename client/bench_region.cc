@@ -56,7 +56,9 @@ absl::StatusOr<std::unique_ptr<BenchRegion>> BenchRegion::Create(
   const v1::AttendRequest& r = *inline_request;
   const uint64_t q = r.q().data().size(), k = r.k().data().size(), v = r.v().data().size();
   const uint64_t lse = r.return_lse() ? 4 * uint64_t(r.q().shape(0)) * r.q().shape(1) : 0;
-  const uint64_t bytes = q + k + v + q + lse;
+  // lse's offset a multiple of 4 (its element size) whatever the tensors' sizes.
+  const uint64_t lse_at = (q + k + v + q + 3) / 4 * 4;
+  const uint64_t bytes = lse_at + lse;
   std::unique_ptr<BenchRegion> b(new BenchRegion(inline_request));
   if (kind == Kind::kHost) {
     auto region = HostRegion::Create(bytes);
@@ -79,7 +81,7 @@ absl::StatusOr<std::unique_ptr<BenchRegion>> BenchRegion::Create(
   *b->request_.mutable_k() = InRegion(r.k(), name, q);
   *b->request_.mutable_v() = InRegion(r.v(), name, q + k);
   *b->request_.mutable_o_region() = RegionSliceOf(name, q + k + v, q);
-  if (lse > 0) *b->request_.mutable_lse_region() = RegionSliceOf(name, q + k + v + q, lse);
+  if (lse > 0) *b->request_.mutable_lse_region() = RegionSliceOf(name, lse_at, lse);
   return b;
 }
 

@@ -1,6 +1,7 @@
 #include "attn/kernels/attention.h"
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 namespace attn::kernels {
@@ -21,6 +22,34 @@ float EffectiveSoftmaxScale(const AttentionArgs& args) {
 
 namespace {
 Status Invalid(std::string msg) { return {StatusCode::kInvalidArgument, std::move(msg)}; }
+
+// Every array is read and written as its element type: it must start at a multiple of that
+// type's size (null pointers pass; they are checked where they are required).
+Status CheckAlignment(const AttentionArgs& a) {
+  const size_t elem = DTypeSize(a.dtype);
+  struct Array {
+    const void* p;
+    size_t align;
+    const char* name;
+  };
+  const Array arrays[] = {{a.q, elem, "q"},
+                          {a.k, elem, "k"},
+                          {a.v, elem, "v"},
+                          {a.o, elem, "o"},
+                          {a.lse, sizeof(float), "lse"},
+                          {a.cu_seqlens_q, sizeof(int32_t), "cu_seqlens_q"},
+                          {a.cu_seqlens_k, sizeof(int32_t), "cu_seqlens_k"},
+                          {a.paged.page_indptr, sizeof(int32_t), "paged.page_indptr"},
+                          {a.paged.page_indices, sizeof(int32_t), "paged.page_indices"},
+                          {a.paged.seqlens_k, sizeof(int32_t), "paged.seqlens_k"}};
+  for (const Array& x : arrays) {
+    if (reinterpret_cast<uintptr_t>(x.p) % x.align != 0) {
+      return Invalid(std::string(x.name) + " is not aligned to " + std::to_string(x.align) +
+                     " bytes, the size of its elements");
+    }
+  }
+  return Status::Ok();
+}
 }  // namespace
 
 Status ValidateCommon(const AttentionArgs& a) {
@@ -52,7 +81,7 @@ Status ValidateCommon(const AttentionArgs& a) {
                 !a.paged.seqlens_k)) {
     return Invalid("paged: num_pages must be >= 1 and page_indptr, page_indices, seqlens_k set");
   }
-  return Status::Ok();
+  return CheckAlignment(a);
 }
 
 Status ValidatePageTable(const AttentionArgs& a) {

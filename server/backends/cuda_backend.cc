@@ -113,10 +113,11 @@ PackedLayout PlanLayout(std::span<const std::unique_ptr<AttendJob>> jobs) {
 kernels::DType ComputeDType(const AttendJob& job) {
   if (job.key.wire_dtype != kernels::DType::kFloat32) return job.key.wire_dtype;
   for (std::string_view t : {job.q_bytes, job.k_bytes, job.v_bytes}) {
-    const float* p = reinterpret_cast<const float*>(t.data());
     const size_t n = t.size() / 4;
     for (size_t i = 0; i < n; ++i) {
-      if (!(std::fabs(p[i]) <= 60000.0f)) return kernels::DType::kBFloat16;
+      float x;  // through memcpy: no alignment assumed of the request's bytes
+      std::memcpy(&x, t.data() + 4 * i, 4);
+      if (!(std::fabs(x) <= 60000.0f)) return kernels::DType::kBFloat16;
     }
   }
   return kernels::DType::kFloat16;

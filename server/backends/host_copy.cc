@@ -32,36 +32,44 @@ size_t DestElementBytes(ElementCast cast) {
   return 1;
 }
 
+// Element i of an array of T at p, and its store: through memcpy, so that a source or
+// destination at any byte address is read and written without undefined behaviour (compilers
+// make these plain loads and stores).
+template <typename T>
+T LoadAt(const char* p, size_t i) {
+  T x;
+  std::memcpy(&x, p + i * sizeof(T), sizeof(T));
+  return x;
+}
+template <typename T>
+void StoreAt(char* p, size_t i, T x) {
+  std::memcpy(p + i * sizeof(T), &x, sizeof(T));
+}
+
 // Elements [first, first + count) of c.
 void CopyPart(const HostCopy& c, size_t first, size_t count) {
   const char* src = static_cast<const char*>(c.src) + first * SourceElementBytes(c.cast);
   char* dst = static_cast<char*>(c.dst) + first * DestElementBytes(c.cast);
+  using kernels::cpu::Bf16BitsToFloat;
+  using kernels::cpu::FloatToBf16Bits;
+  using kernels::cpu::FloatToHalfBits;
+  using kernels::cpu::HalfBitsToFloat;
   switch (c.cast) {
     case ElementCast::kNone:
       std::memcpy(dst, src, count);
       return;
     case ElementCast::kFloatToHalf:
-    case ElementCast::kFloatToBf16: {
-      const float* in = reinterpret_cast<const float*>(src);
-      uint16_t* out = reinterpret_cast<uint16_t*>(dst);
-      if (c.cast == ElementCast::kFloatToHalf) {
-        for (size_t i = 0; i < count; ++i) out[i] = kernels::cpu::FloatToHalfBits(in[i]);
-      } else {
-        for (size_t i = 0; i < count; ++i) out[i] = kernels::cpu::FloatToBf16Bits(in[i]);
-      }
+      for (size_t i = 0; i < count; ++i) StoreAt(dst, i, FloatToHalfBits(LoadAt<float>(src, i)));
       return;
-    }
+    case ElementCast::kFloatToBf16:
+      for (size_t i = 0; i < count; ++i) StoreAt(dst, i, FloatToBf16Bits(LoadAt<float>(src, i)));
+      return;
     case ElementCast::kHalfToFloat:
-    case ElementCast::kBf16ToFloat: {
-      const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
-      float* out = reinterpret_cast<float*>(dst);
-      if (c.cast == ElementCast::kHalfToFloat) {
-        for (size_t i = 0; i < count; ++i) out[i] = kernels::cpu::HalfBitsToFloat(in[i]);
-      } else {
-        for (size_t i = 0; i < count; ++i) out[i] = kernels::cpu::Bf16BitsToFloat(in[i]);
-      }
+      for (size_t i = 0; i < count; ++i) StoreAt(dst, i, HalfBitsToFloat(LoadAt<uint16_t>(src, i)));
       return;
-    }
+    case ElementCast::kBf16ToFloat:
+      for (size_t i = 0; i < count; ++i) StoreAt(dst, i, Bf16BitsToFloat(LoadAt<uint16_t>(src, i)));
+      return;
   }
 }
 

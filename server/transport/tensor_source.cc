@@ -17,7 +17,7 @@ bool Overlap(const ResolvedBytes& a, const ResolvedBytes& b) {
 }  // namespace
 
 absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const std::string& field,
-                                           uint64_t want_bytes, const std::string& owner,
+                                           SliceShape want, const std::string& owner,
                                            const RegionRegistry* registry) {
   if (registry == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -27,9 +27,9 @@ absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const s
   if (slice.region().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".region (the region's name) is empty"));
   }
-  if (slice.bytes() != want_bytes) {
+  if (slice.bytes() != want.bytes) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".bytes is ", slice.bytes(),
-                                                   ", but the tensor needs ", want_bytes));
+                                                   ", but the tensor needs ", want.bytes));
   }
   auto region = registry->Find(owner, slice.region(), absl::StrCat(field, ".region"));
   if (!region.ok()) return region.status();
@@ -39,6 +39,12 @@ absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const s
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": offset ", slice.offset(), " + bytes ", slice.bytes(),
         " runs past the end of region '", slice.region(), "' (", size, " bytes)"));
+  }
+  if (slice.offset() % want.element_bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": offset ", slice.offset(), " is not a multiple of ", want.element_bytes,
+        ", the size of the tensor's elements: a tensor in a region must start at a multiple of "
+        "its element size (2 for float16 and bfloat16, 4 for float32 and lse)"));
   }
   ResolvedBytes out;
   out.data = (*region)->data() + slice.offset();
@@ -51,10 +57,10 @@ absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const s
 }
 
 absl::StatusOr<ResolvedBytes> ResolveTensor(const v1::Tensor& t, const std::string& field,
-                                            uint64_t want_bytes, const std::string& owner,
+                                            SliceShape want, const std::string& owner,
                                             const RegionRegistry* registry) {
   if (t.has_region()) {
-    return ResolveSlice(t.region(), absl::StrCat(field, ".region"), want_bytes, owner, registry);
+    return ResolveSlice(t.region(), absl::StrCat(field, ".region"), want, owner, registry);
   }
   ResolvedBytes out;
   out.data = const_cast<char*>(t.data().data());
@@ -74,6 +80,7 @@ struct TensorFields {
   const v1::RegionSlice* o_region;    // null: o goes into the response
   const v1::RegionSlice* lse_region;  // null: lse (if asked for) goes into the response
   bool return_lse;
+  uint64_t element_bytes;  // of q, k, v and o (lse is float32)
   uint64_t q_bytes, kv_bytes, lse_bytes;
 };
 
@@ -84,17 +91,19 @@ struct ResolvedTensors {
 absl::StatusOr<ResolvedTensors> ResolveFields(const TensorFields& f, const std::string& owner,
                                               const RegionRegistry* registry) {
   ResolvedTensors t;
-  ASSIGN_OR_RETURN(t.q, ResolveTensor(*f.q, "q", f.q_bytes, owner, registry));
-  ASSIGN_OR_RETURN(t.k, ResolveTensor(*f.k, f.k_name, f.kv_bytes, owner, registry));
-  ASSIGN_OR_RETURN(t.v, ResolveTensor(*f.v, f.v_name, f.kv_bytes, owner, registry));
+  const SliceShape q{f.q_bytes, f.element_bytes}, kv{f.kv_bytes, f.element_bytes};
+  ASSIGN_OR_RETURN(t.q, ResolveTensor(*f.q, "q", q, owner, registry));
+  ASSIGN_OR_RETURN(t.k, ResolveTensor(*f.k, f.k_name, kv, owner, registry));
+  ASSIGN_OR_RETURN(t.v, ResolveTensor(*f.v, f.v_name, kv, owner, registry));
   if (f.o_region != nullptr) {
-    ASSIGN_OR_RETURN(t.o, ResolveSlice(*f.o_region, "o_region", f.q_bytes, owner, registry));
+    ASSIGN_OR_RETURN(t.o, ResolveSlice(*f.o_region, "o_region", q, owner, registry));
   }
   if (f.lse_region != nullptr) {
     if (!f.return_lse) {
       return absl::InvalidArgumentError("lse_region is set, but return_lse is false");
     }
-    ASSIGN_OR_RETURN(t.lse, ResolveSlice(*f.lse_region, "lse_region", f.lse_bytes, owner, registry));
+    ASSIGN_OR_RETURN(t.lse, ResolveSlice(*f.lse_region, "lse_region",
+                                         SliceShape{f.lse_bytes, sizeof(float)}, owner, registry));
   }
   // An output that overlaps an input (or the other output) would be read while it is written.
   const std::string k_region = absl::StrCat(f.k_name, ".region");
@@ -172,7 +181,7 @@ absl::Status ResolveAttendTensors(const v1::AttendRequest& r, const std::string&
   const uint64_t elem = kernels::DTypeSize(key.wire_dtype);
   TensorFields f{&r.q(), &r.k(), &r.v(), "k", "v",
                  r.has_o_region() ? &r.o_region() : nullptr,
-                 r.has_lse_region() ? &r.lse_region() : nullptr, r.return_lse(),
+                 r.has_lse_region() ? &r.lse_region() : nullptr, r.return_lse(), elem,
                  uint64_t(job->total_q) * key.num_heads * key.head_dim * elem,
                  uint64_t(job->total_k) * key.num_kv_heads * key.head_dim * elem,
                  uint64_t(job->total_q) * key.num_heads * sizeof(float)};
@@ -194,7 +203,7 @@ absl::Status ResolveStepTensors(const v1::StepRequest& r, const std::string& own
   const uint64_t elem = kernels::DTypeSize(key.wire_dtype);
   TensorFields f{&r.q(), &r.k_new(), &r.v_new(), "k_new", "v_new",
                  r.has_o_region() ? &r.o_region() : nullptr,
-                 r.has_lse_region() ? &r.lse_region() : nullptr, r.return_lse(),
+                 r.has_lse_region() ? &r.lse_region() : nullptr, r.return_lse(), elem,
                  uint64_t(job->total_q) * key.num_heads * key.head_dim * elem,
                  uint64_t(job->total_q) * key.num_kv_heads * key.head_dim * elem,
                  uint64_t(job->total_q) * key.num_heads * sizeof(float)};

@@ -1,8 +1,13 @@
 // Where a request tensor's bytes are: in the message (Tensor.data) or in a shared-memory region
 // of the caller's (Tensor.region, AttendRequest.o_region / lse_region). Every check on a region
 // slice happens here, before any work: the region exists for this identity, the slice has the
-// tensor's size and lies inside the region (without overflow).
+// tensor's size, starts at a multiple of the tensor's element size and lies inside the region
+// (without overflow).
 //
+// Alignment: a region starts on a page (host regions are mmap'ed memfds) or at the start of a
+// CUDA allocation (256-byte aligned at least), so an offset that is a multiple of the element
+// size gives an address aligned for that element: every reader (the CPU kernel, the float32
+// conversions, the CUDA kernels' packed copies) may then load the elements as their type.
 #pragma once
 
 #include <cstdint>
@@ -28,17 +33,24 @@ struct ResolvedBytes {
   bool device_registered = false;
 };
 
+// What a slice must hold: its byte size, and the size of one element (2 for float16 and
+// bfloat16, 4 for float32 and lse), which its offset must be a multiple of.
+struct SliceShape {
+  uint64_t bytes = 0;
+  uint64_t element_bytes = 1;
+};
+
 // The bytes a slice names. registry null: shared memory is off (FAILED_PRECONDITION). field is
-// the slice's name in messages ("q.region", "o_region"); want_bytes the size it must have.
+// the slice's name in messages ("q.region", "o_region").
 absl::StatusOr<ResolvedBytes> ResolveSlice(const v1::RegionSlice& slice, const std::string& field,
-                                           uint64_t want_bytes, const std::string& owner,
+                                           SliceShape want, const std::string& owner,
                                            const RegionRegistry* registry);
 
-// A tensor's bytes: t.data (already checked to be want_bytes long), or t.region resolved as
+// A tensor's bytes: t.data (already checked to be want.bytes long), or t.region resolved as
 // ResolveSlice does under the name "<field>.region". The result's data is not to be written
 // when it points into the message.
 absl::StatusOr<ResolvedBytes> ResolveTensor(const v1::Tensor& t, const std::string& field,
-                                            uint64_t want_bytes, const std::string& owner,
+                                            SliceShape want, const std::string& owner,
                                             const RegionRegistry* registry);
 
 // Points job's q/k/v sources and o/lse destinations at the request's regions where it names

@@ -10,7 +10,7 @@
 //   registrations refused (past the allocation, another device, not a VMM allocation's);
 // - Attends whose tensors all lie in GPU regions, large and aligned (the kernel reading and
 //   writing the region in place) and not (gathered by device-to-device copies), checked against
-//   the float64 reference;
+//   the float64 reference; offsets that are not a multiple of the element size refused by name;
 // - Attend and a large step through host regions registered with the GPU (copied straight
 //   between the region and the device), and the same through staging when attnd registers none
 //   (--shm_max_registered_bytes=0), with the metrics of each.
@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -224,8 +225,11 @@ class CudaRegionTest : public ::testing::Test {
   std::mt19937_64 rng_{std::random_device{}()};
 };
 
-// Where a step's tensors go: q, k_new, v_new back to back in `in` from in_at; o then lse back to
-// back in `out` from out_at.
+// The first multiple of 4 from at on: where lse (float32) may start.
+uint64_t LseOffsetFrom(uint64_t at) { return (at + 3) / 4 * 4; }
+
+// Where a step's tensors go: q, k_new, v_new back to back in `in` from in_at; o then lse in
+// `out` from out_at (lse at the first multiple of 4 after o).
 struct Placement {
   std::string in, out;
   uint64_t in_at = 0, out_at = 0;
@@ -250,7 +254,8 @@ v1::StepRequest InRegions(const v1::StepRequest& step, const Placement& at, Writ
   const uint64_t o_bytes = step.q().data().size();
   *r.mutable_o_region() = RegionSliceOf(at.out, at.out_at, o_bytes);
   if (r.return_lse()) {
-    *r.mutable_lse_region() = RegionSliceOf(at.out, at.out_at + o_bytes, LseBytes(step));
+    *r.mutable_lse_region() =
+        RegionSliceOf(at.out, LseOffsetFrom(at.out_at + o_bytes), LseBytes(step));
   }
   return r;
 }
@@ -435,12 +440,12 @@ void AttendThroughHostRegions(client::Client& client, HostAttend& h) {
 }
 
 // An Attend whose q, k, v, o and lse lie in GPU region `name` from byte `at` on (q, k, v, then
-// o and lse, back to back), its inputs written there.
+// o back to back, lse at the first multiple of 4 after o), its inputs written there.
 struct GpuAttend {
   testing::RandomRequest random;
   v1::AttendRequest request;
   GpuBuffer* buffer = nullptr;
-  uint64_t o_at = 0, o_bytes = 0, lse_bytes = 0;
+  uint64_t o_at = 0, o_bytes = 0, lse_at = 0, lse_bytes = 0;
 };
 
 GpuAttend MakeGpuAttend(int32_t seq, const std::string& name, GpuBuffer& buffer, uint64_t at,
@@ -463,10 +468,11 @@ GpuAttend MakeGpuAttend(int32_t seq, const std::string& name, GpuBuffer& buffer,
   }
   g.o_at = next;
   g.o_bytes = g.random.q.data.size();
+  g.lse_at = LseOffsetFrom(g.o_at + g.o_bytes);
   g.lse_bytes = 4 * 8 * uint64_t(seq);
   *g.request.mutable_o_region() = RegionSliceOf(name, g.o_at, g.o_bytes);
-  *g.request.mutable_lse_region() = RegionSliceOf(name, g.o_at + g.o_bytes, g.lse_bytes);
-  EXPECT_LE(g.o_at + g.o_bytes + g.lse_bytes, buffer.bytes());
+  *g.request.mutable_lse_region() = RegionSliceOf(name, g.lse_at, g.lse_bytes);
+  EXPECT_LE(g.lse_at + g.lse_bytes, buffer.bytes());
   return g;
 }
 
@@ -474,7 +480,7 @@ GpuAttend MakeGpuAttend(int32_t seq, const std::string& name, GpuBuffer& buffer,
 void CheckGpuAttend(const GpuAttend& g, const testing::ReferenceResult& ref) {
   client::Tensor o{g.random.q.dtype, g.random.q.shape, g.buffer->Read(g.o_at, g.o_bytes)};
   EXPECT_LT(testing::ErrorAgainstReference(g.random, o), kOTolerance);
-  const std::string lse_bytes = g.buffer->Read(g.o_at + g.o_bytes, g.lse_bytes);
+  const std::string lse_bytes = g.buffer->Read(g.lse_at, g.lse_bytes);
   const float* lse = reinterpret_cast<const float*>(lse_bytes.data());
   ASSERT_EQ(lse_bytes.size(), 4 * ref.lse.size());
   double worst = 0;
@@ -531,6 +537,86 @@ TEST_F(CudaRegionTest, AttendWithTensorsInGpuRegionsMatchesTheReference) {
                   responses[i].timing().batch_requests());
     }
   }
+}
+
+// On the CUDA backend too, a GPU-region slice whose offset is not a multiple of its element size
+// (2 for bf16, 4 for lse) is refused by name before any work, for Attend and for steps, the
+// output left as it was; the same request at element-aligned offsets that are not 16-byte aligned
+// is then answered correctly (through device copies).
+TEST_F(CudaRegionTest, GpuOffsetsOffTheElementSizeAreRefusedByName) {
+  StartAttnd();
+  GpuBuffer& g = RegisterGpu("g");
+  ASSERT_FALSE(HasFailure());
+  GpuAttend attend = MakeGpuAttend(100, "g", g, 2, rng_);  // q at 2: element-aligned, not 16
+  const testing::ReferenceResult ref = testing::ReferenceFor(attend.random);
+  struct Case {
+    const char* name;
+    std::function<void(v1::AttendRequest&)> corrupt;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"k odd", [](auto& r) { r.mutable_k()->mutable_region()->set_offset(r.k().region().offset() + 1); },
+       "k.region: offset"},
+      {"v odd", [](auto& r) { r.mutable_v()->mutable_region()->set_offset(r.v().region().offset() - 1); },
+       "v.region: offset"},
+      {"o odd", [](auto& r) { r.mutable_o_region()->set_offset(r.o_region().offset() + 1); },
+       "o_region: offset"},
+      {"lse at 2 mod 4",
+       [](auto& r) { r.mutable_lse_region()->set_offset(r.lse_region().offset() + 2); },
+       "lse_region: offset"},
+  };
+  for (const Case& c : cases) {
+    v1::AttendRequest bad = attend.request;
+    c.corrupt(bad);
+    g.Poison();
+    v1::AttendResponse response;
+    grpc::ClientContext ctx;
+    client_->PrepareContext(&ctx, std::chrono::milliseconds(30000));
+    const grpc::Status st = client_->stub()->Attend(&ctx, bad, &response);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_NE(st.error_message().find(c.message), std::string::npos) << st.error_message();
+    EXPECT_NE(st.error_message().find("a tensor in a region must start at a multiple of its "
+                                      "element size"),
+              std::string::npos)
+        << st.error_message();
+    EXPECT_EQ(g.Read(attend.o_at, 64), std::string(64, '\xff')) << c.name << ": o was written";
+  }
+  g.Poison();
+  uint64_t at = attend.request.q().region().offset();
+  for (const client::Tensor* t : {&attend.random.q, &attend.random.k, &attend.random.v}) {
+    g.Write(at, t->data);
+    at += t->data.size();
+  }
+  v1::AttendResponse response;
+  grpc::ClientContext ctx;
+  client_->PrepareContext(&ctx, std::chrono::milliseconds(30000));
+  const grpc::Status st = client_->stub()->Attend(&ctx, attend.request, &response);
+  ASSERT_TRUE(st.ok()) << st.error_message() << "\n" << attnd_->Log();
+  CheckGpuAttend(attend, ref);
+
+  // A step: k_new at an odd offset, lse at 2 mod 4; nothing appended.
+  const std::string id = CreateSession();
+  auto write = [&](uint64_t offset, const std::string& bytes) { g.Write(offset, bytes); };
+  v1::StepRequest step = testing::RandomStep(id, 0, 3, kSpec, rng_);
+  step.set_return_lse(true);
+  const v1::StepRequest good = InRegions(step, {"g", "g", 0, 1 << 20}, write);
+  for (int which = 0; which < 2; ++which) {
+    v1::StepRequest bad = good;
+    if (which == 0) {
+      bad.mutable_k_new()->mutable_region()->set_offset(good.k_new().region().offset() + 1);
+    } else {
+      bad.mutable_lse_region()->set_offset(good.lse_region().offset() + 2);
+    }
+    v1::StepResponse step_response;
+    const grpc::Status refused = testing::Step(client_->stub(), bad, &step_response);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(refused.error_message().find(which == 0 ? "k_new.region: offset" : "lse_region: offset"),
+              std::string::npos)
+        << refused.error_message();
+  }
+  v1::StepResponse step_response;
+  ASSERT_TRUE(testing::Step(client_->stub(), good, &step_response).ok());
+  EXPECT_EQ(step_response.cached_tokens(), 3);
 }
 
 // A CUDA VMM allocation shared by its file descriptor: an Attend in place through it against the

@@ -291,6 +291,62 @@ TEST_F(CpuAttentionTest, RejectsBadArguments) {
   EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kUnimplemented);
 }
 
+// Every array must start at a multiple of its element size: a misaligned one is refused by name
+// (Run never loads from it), an aligned one at any such offset is taken.
+TEST_F(CpuAttentionTest, RejectsMisalignedArrays) {
+  static const int32_t cu[3] = {0, 4, 0};
+  std::vector<float> buf(8 * 4 * 8 + 16);
+  std::vector<float> lse(4 * 4 + 4);
+  char* base = reinterpret_cast<char*>(buf.data());
+  auto args = [&](DType dtype) {
+    AttentionArgs a;
+    a.dtype = dtype;
+    a.q = a.k = a.v = a.o = base + 64;
+    a.lse = lse.data();
+    a.cu_seqlens_q = a.cu_seqlens_k = cu;
+    a.total_q = a.total_k = a.max_seqlen_q = a.max_seqlen_k = 4;
+    a.num_heads = a.num_kv_heads = 2;
+    a.head_dim = 8;
+    return a;
+  };
+  auto expect_refused = [](const AttentionArgs& a, const std::string& part) {
+    const kernels::Status st = kernels::cpu::CanImplement(a);
+    EXPECT_EQ(st.code(), kernels::StatusCode::kInvalidArgument) << part;
+    EXPECT_NE(st.message().find(part), std::string::npos) << st.message();
+    std::vector<char> ws(kernels::cpu::WorkspaceBytes(a, 1) + 64);
+    void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) & ~63ull);
+    EXPECT_EQ(kernels::cpu::Run(a, aligned, nullptr).code(), kernels::StatusCode::kInvalidArgument);
+  };
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const size_t elem = kernels::DTypeSize(dtype);
+    EXPECT_TRUE(kernels::cpu::CanImplement(args(dtype)).ok());
+    for (size_t skew = 1; skew < 4; ++skew) {
+      AttentionArgs a = args(dtype);
+      a.k = base + 64 + skew;  // the first fuzz finding: float32 K at an odd offset
+      if (skew % elem == 0) {
+        EXPECT_TRUE(kernels::cpu::CanImplement(a).ok()) << skew;
+      } else {
+        expect_refused(a, "k is not aligned to " + std::to_string(elem) + " bytes");
+      }
+    }
+    AttentionArgs a = args(dtype);
+    a.q = base + 1;
+    expect_refused(a, "q is not aligned");
+    a = args(dtype);
+    a.v = base + 3;
+    expect_refused(a, "v is not aligned");
+    a = args(dtype);
+    a.o = base + 1;
+    expect_refused(a, "o is not aligned");
+  }
+  AttentionArgs a = args(DType::kBFloat16);
+  a.lse = reinterpret_cast<float*>(reinterpret_cast<char*>(lse.data()) + 2);
+  expect_refused(a, "lse is not aligned to 4 bytes");
+  a = args(DType::kBFloat16);
+  a.cu_seqlens_k = reinterpret_cast<const int32_t*>(reinterpret_cast<const char*>(cu) + 1);
+  expect_refused(a, "cu_seqlens_k is not aligned to 4 bytes");
+}
+
 // Paged K/V: each sequence's keys and values are scattered over pages of a pool in shuffled
 // order (pages not contiguous, a sequence's pages not in pool order), with a partial last page,
 // empty and 1-token caches, and pages shared by two sequences (a forked prefix). The output must

@@ -28,6 +28,14 @@ struct RegionCase {
 };
 void PrintTo(const RegionCase& c, std::ostream* os) { *os << c.name; }
 
+// The rig's request as float32: the same bytes, read as head_dim 32 instead of 64 bfloat16.
+void AsFloat32(v1::AttendRequest& r) {
+  for (v1::Tensor* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
+    t->set_dtype(v1::DTYPE_FLOAT32);
+    t->set_shape(2, t->shape(2) / 2);
+  }
+}
+
 std::vector<RegionCase> Cases() {
   const auto IA = StatusCode::INVALID_ARGUMENT;
   const auto NF = StatusCode::NOT_FOUND;
@@ -94,6 +102,61 @@ std::vector<RegionCase> Cases() {
        IA, "o_region overlaps lse_region"},
       {"RegionClearedNoData",  // q neither in a region nor in the message: its data is empty
        [](auto& r, auto&) { r.mutable_q()->clear_region(); }, IA, "q.data has 0 bytes"},
+      // Offsets that are not a multiple of the element size (2 for bfloat16, 4 for float32 and
+      // lse), each slice otherwise inside its region: refused before any element is read.
+      {"QOffsetOdd", [](auto& r, auto&) { r.mutable_q()->mutable_region()->set_offset(1); }, IA,
+       "q.region: offset 1 is not a multiple of 2, the size of the tensor's elements: a tensor "
+       "in a region must start at a multiple of its element size"},
+      {"KOffsetOdd",
+       [](auto& r, auto& rig) { r.mutable_k()->mutable_region()->set_offset(rig.q_bytes() + 1); },
+       IA, "k.region: offset 32769 is not a multiple of 2"},
+      {"VOffsetOdd",
+       [](auto& r, auto& rig) {
+         r.mutable_v()->mutable_region()->set_offset(rig.q_bytes() + rig.kv_bytes() - 1);
+       },
+       IA, "v.region: offset 49151 is not a multiple of 2"},
+      {"OutputOffsetOdd", [](auto& r, auto&) { r.mutable_o_region()->set_offset(3); }, IA,
+       "o_region: offset 3 is not a multiple of 2"},
+      {"LseOffsetNotMultipleOf4",  // a multiple of 2 (o's element size), not of 4
+       [](auto& r, auto& rig) {
+         r.set_return_lse(true);
+         *r.mutable_lse_region() =
+             client::RegionSliceOf("out", rig.lse_offset() + 2, rig.lse_bytes());
+       },
+       IA, "lse_region: offset 32770 is not a multiple of 4"},
+      {"LseOffsetOdd",
+       [](auto& r, auto& rig) {
+         r.set_return_lse(true);
+         *r.mutable_lse_region() =
+             client::RegionSliceOf("out", rig.lse_offset() + 1, rig.lse_bytes());
+       },
+       IA, "lse_region: offset 32769 is not a multiple of 4"},
+      // The inputs fuzzing found: float32 tensors (the same bytes, as head_dim 32) with k, or v,
+      // at an offset that is even but not a multiple of 4.
+      {"Float32KOffsetNotMultipleOf4",
+       [](auto& r, auto& rig) {
+         AsFloat32(r);
+         r.mutable_k()->mutable_region()->set_offset(rig.q_bytes() + 2);
+       },
+       IA, "k.region: offset 32770 is not a multiple of 4"},
+      {"Float32VOffsetNotMultipleOf4",
+       [](auto& r, auto& rig) {
+         AsFloat32(r);
+         r.mutable_v()->mutable_region()->set_offset(rig.q_bytes() + rig.kv_bytes() - 6);
+       },
+       IA, "v.region: offset 49146 is not a multiple of 4"},
+      {"Float32QOffsetNotMultipleOf4",
+       [](auto& r, auto&) {
+         AsFloat32(r);
+         r.mutable_q()->mutable_region()->set_offset(6);
+       },
+       IA, "q.region: offset 6 is not a multiple of 4"},
+      {"Float32OutputOffsetNotMultipleOf4",
+       [](auto& r, auto&) {
+         AsFloat32(r);
+         r.mutable_o_region()->set_offset(10);
+       },
+       IA, "o_region: offset 10 is not a multiple of 4"},
   };
 }
 
@@ -173,6 +236,55 @@ TEST_P(RegionBadInput, StreamItem) {
 
 INSTANTIATE_TEST_SUITE_P(Matrix, RegionBadInput, ::testing::ValuesIn(Cases()),
                          [](const auto& info) { return info.param.name; });
+
+// Any offset that is a multiple of the element size is taken, also one that is not 16-byte
+// aligned: the answer through such slices equals the inline one, bit for bit.
+TEST_F(RegionBadInput, ElementAlignedOffsetsAreServed) {
+  struct Layout {
+    const char* dtype;
+    uint64_t q, k, v, o, lse;  // the gap before each slice (inputs in "in2", outputs in "out2")
+  };
+  for (const Layout& at : {Layout{"bfloat16", 2, 6, 10, 2, 2}, Layout{"float32", 4, 8, 12, 4, 4}}) {
+    const bool f32 = std::string(at.dtype) == "float32";
+    const size_t q = rig_->q_bytes(), kv = rig_->kv_bytes();
+    const uint64_t q_at = at.q, k_at = q_at + q + at.k, v_at = k_at + kv + at.v;
+    auto in = client::HostRegion::Create(v_at + kv);
+    auto out = client::HostRegion::Create(at.o + q + at.lse + rig_->lse_bytes());
+    ASSERT_TRUE(in.ok() && out.ok());
+    std::memcpy((*in)->data() + q_at, rig_->random().q.data.data(), q);
+    std::memcpy((*in)->data() + k_at, rig_->random().k.data.data(), kv);
+    std::memcpy((*in)->data() + v_at, rig_->random().v.data.data(), kv);
+    ASSERT_TRUE(rig_->regions().Register("in2", **in).ok());
+    ASSERT_TRUE(rig_->regions().Register("out2", **out).ok());
+    v1::AttendRequest inline_request = rig_->InlineRequest(true);
+    v1::AttendRequest request = rig_->RegionRequest(true, true);
+    if (f32) {
+      AsFloat32(inline_request);
+      AsFloat32(request);
+    }
+    for (auto [t, offset] : {std::pair{request.mutable_q(), q_at}, std::pair{request.mutable_k(), k_at},
+                             std::pair{request.mutable_v(), v_at}}) {
+      t->mutable_region()->set_region("in2");
+      t->mutable_region()->set_offset(offset);
+    }
+    const uint64_t lse_at = at.o + q + at.lse;
+    *request.mutable_o_region() = client::RegionSliceOf("out2", at.o, q);
+    *request.mutable_lse_region() = client::RegionSliceOf("out2", lse_at, rig_->lse_bytes());
+    std::memset((*out)->data(), 0x5a, (*out)->size());
+    v1::AttendResponse inline_response, response;
+    ASSERT_TRUE(rig_->Attend(inline_request, &inline_response).ok());
+    const absl::Status st = rig_->Attend(request, &response);
+    ASSERT_TRUE(st.ok()) << at.dtype << ": " << st;
+    EXPECT_EQ(std::memcmp((*out)->data() + at.o, inline_response.o().data().data(), q), 0)
+        << at.dtype << ": o differs from the inline answer";
+    EXPECT_EQ(std::memcmp((*out)->data() + lse_at, inline_response.lse().data().data(),
+                          rig_->lse_bytes()),
+              0)
+        << at.dtype << ": lse differs from the inline answer";
+    ASSERT_TRUE(rig_->regions().Unregister("in2").ok());
+    ASSERT_TRUE(rig_->regions().Unregister("out2").ok());
+  }
+}
 
 // SharedMemory RPCs with bad fields.
 class RegionRpcBadInput : public ::testing::Test {

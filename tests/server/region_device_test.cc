@@ -1,9 +1,10 @@
 // Regions as a device backend meets them, with the device faked (no GPU needed): host regions
 // registered with the device once at RegisterRegion and unregistered only after the last request
 // holding them, before the unmapping; the cap and a refusal leaving a region to staging; and GPU
-// regions named by a session step (all or nothing, bounds, overlap, refused by name where the
-// backend has no GPU); CUDA VMM descriptors handed to the import once and closed after it, or
-// with their connection, and not claimable as another kind.
+// regions named by a session step or an Attend (all or nothing, bounds, overlap, offsets that are
+// not a multiple of the element size, refused by name where the backend has no GPU); CUDA VMM
+// descriptors handed to the import once and closed after it, or with their connection, and not
+// claimable as another kind.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -13,6 +14,8 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "transport/region_registry.h"
@@ -412,6 +415,24 @@ TEST_F(StepGpuRegionTest, BadGpuStepsAreRefusedByName) {
        absl::StatusCode::kInvalidArgument, "lse_region overlaps v_new.region"},
       {"unknown GPU region", [](auto& r) { r.mutable_k_new()->mutable_region()->set_region("gg"); },
        absl::StatusCode::kNotFound, "k_new.region.region: no region named 'gg'"},
+      // Offsets that are not a multiple of the element size (2 for bf16, 4 for lse).
+      {"q at an odd offset", [](auto& r) { r.mutable_q()->mutable_region()->set_offset(1); },
+       absl::StatusCode::kInvalidArgument,
+       "q.region: offset 1 is not a multiple of 2, the size of the tensor's elements"},
+      {"k_new at an odd offset",
+       [](auto& r) { r.mutable_k_new()->mutable_region()->set_offset(kQBytes + 1); },
+       absl::StatusCode::kInvalidArgument, "k_new.region: offset 1537 is not a multiple of 2"},
+      {"v_new at an odd offset",
+       [](auto& r) { r.mutable_v_new()->mutable_region()->set_offset(kQBytes + kKvBytes + 7); },
+       absl::StatusCode::kInvalidArgument, "v_new.region: offset 2311 is not a multiple of 2"},
+      {"o at an odd offset", [](auto& r) { r.mutable_o_region()->set_offset(kOut + 1); },
+       absl::StatusCode::kInvalidArgument, "o_region: offset 3073 is not a multiple of 2"},
+      {"lse at 2 mod 4",
+       [](auto& r) { r.mutable_lse_region()->set_offset(kOut + kQBytes + 2); },
+       absl::StatusCode::kInvalidArgument, "lse_region: offset 4610 is not a multiple of 4"},
+      {"lse at an odd offset",
+       [](auto& r) { r.mutable_lse_region()->set_offset(kOut + kQBytes + 3); },
+       absl::StatusCode::kInvalidArgument, "lse_region: offset 4611 is not a multiple of 4"},
   };
   for (const BadCase& c : cases) {
     v1::StepRequest r = StepIn("g", "g", kOut);
@@ -421,6 +442,66 @@ TEST_F(StepGpuRegionTest, BadGpuStepsAreRefusedByName) {
     EXPECT_NE(st.message().find(c.message), std::string::npos) << c.name << ": " << st;
     job_.reset();
     EXPECT_EQ(InFlight("g"), 0) << c.name << ": a refused step holds nothing";
+  }
+}
+
+// Element-aligned offsets that are not multiples of 16 are taken (the CUDA backend serves them
+// through device copies instead of in place): resolution points at exactly those bytes.
+TEST_F(StepGpuRegionTest, ElementAlignedGpuOffsetsAreTaken) {
+  constexpr uint64_t kOut = 2 * kQBytes + 34;  // 2 mod 16, past the inputs
+  v1::StepRequest r = StepIn("g", "g", kOut);
+  r.mutable_q()->mutable_region()->set_offset(2);
+  r.mutable_k_new()->mutable_region()->set_offset(kQBytes + 6);
+  r.mutable_v_new()->mutable_region()->set_offset(kQBytes + kKvBytes + 10);
+  r.mutable_lse_region()->set_offset(kOut + kQBytes + 2);  // 4 mod 16
+  const absl::Status st = Resolve(r);
+  ASSERT_TRUE(st.ok()) << st;
+  const char* base = registry_.Find("alice", "g", "g").value()->data();
+  EXPECT_EQ(job_->q_bytes.data(), base + 2);
+  EXPECT_EQ(job_->k_bytes.data(), base + kQBytes + 6);
+  EXPECT_EQ(job_->v_bytes.data(), base + kQBytes + kKvBytes + 10);
+  EXPECT_EQ(job_->o_out, base + kOut);
+  EXPECT_EQ(job_->lse_out, base + kOut + kQBytes + 2);
+  EXPECT_TRUE(job_->device_tensors);
+}
+
+// Attend's tensors in GPU regions: the same offset rule, float32 refused by name as before it.
+TEST_F(StepGpuRegionTest, AttendGpuOffsetsFollowTheElementRule) {
+  auto attend = [](uint64_t q_at, uint64_t k_at, uint64_t v_at, uint64_t o_at, uint64_t lse_at) {
+    v1::AttendRequest r;
+    for (auto [t, at, bytes] : {std::tuple{r.mutable_q(), q_at, kQBytes},
+                                std::tuple{r.mutable_k(), k_at, kKvBytes},
+                                std::tuple{r.mutable_v(), v_at, kKvBytes}}) {
+      t->set_dtype(v1::DTYPE_BFLOAT16);
+      *t->mutable_region() = Slice("g", at, bytes);
+    }
+    *r.mutable_o_region() = Slice("g", o_at, kQBytes);
+    r.set_return_lse(true);
+    *r.mutable_lse_region() = Slice("g", lse_at, kLseBytes);
+    return r;
+  };
+  auto resolve = [&](const v1::AttendRequest& r) {
+    job_ = StepJob();
+    job_->total_k = kTokens;
+    return ResolveAttendTensors(r, "alice", &registry_, job_.get());
+  };
+  constexpr uint64_t kK = kQBytes, kV = kQBytes + kKvBytes, kO = 2 * kQBytes,
+                     kLse = 3 * kQBytes;
+  EXPECT_TRUE(resolve(attend(0, kK, kV, kO, kLse)).ok());
+  EXPECT_TRUE(resolve(attend(2, kK + 2, kV + 2, kO + 2, kLse + 4)).ok());
+  const std::vector<std::pair<v1::AttendRequest, std::string>> bad = {
+      {attend(1, kK, kV, kO, kLse), "q.region: offset 1 is not a multiple of 2"},
+      {attend(0, kK + 1, kV, kO, kLse), "k.region: offset 1537 is not a multiple of 2"},
+      {attend(0, kK, kV + 3, kO, kLse), "v.region: offset 2307 is not a multiple of 2"},
+      {attend(0, kK, kV, kO + 1, kLse), "o_region: offset 3073 is not a multiple of 2"},
+      {attend(0, kK, kV, kO, kLse + 2), "lse_region: offset 4610 is not a multiple of 4"},
+  };
+  for (const auto& [r, message] : bad) {
+    const absl::Status st = resolve(r);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << message << ": " << st;
+    EXPECT_NE(st.message().find(message), std::string::npos) << st;
+    job_.reset();
+    EXPECT_EQ(InFlight("g"), 0) << message << ": a refused request holds nothing";
   }
 }
 

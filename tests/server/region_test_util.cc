@@ -51,7 +51,7 @@ bool RegionRig::Start() {
   std::mt19937_64 rng(11);
   random_ = MakeRandomRequest({.seq_q = options_.seq, .seq_k = options_.seq}, rng);
   auto in = client::HostRegion::Create(q_bytes() + 2 * kv_bytes());
-  auto out = client::HostRegion::Create(o_bytes() + lse_bytes());
+  auto out = client::HostRegion::Create(o_bytes() + lse_bytes() + kOutSlack);
   if (!in.ok() || !out.ok()) return false;
   in_ = std::move(*in);
   out_ = std::move(*out);

@@ -25,7 +25,11 @@ class RegionRig {
  public:
   explicit RegionRig(RegionRigOptions options = {}) : options_(std::move(options)) {}
   ~RegionRig();
-  // Starts everything and registers "in" (q, k, v filled in) and "out" (room for o and lse).
+  // Bytes of "out" past o and lse: room to move a slice by a few bytes and still fit.
+  static constexpr size_t kOutSlack = 16;
+
+  // Starts everything and registers "in" (q, k, v filled in, back to back, no room to spare) and
+  // "out" (room for o and lse, then kOutSlack bytes).
   bool Start();
 
   v1::AttendRequest InlineRequest(bool lse) const;

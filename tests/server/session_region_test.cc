@@ -155,6 +155,7 @@ TEST(SessionRegionTest, BadRegionFieldsAreRefusedByNameAndChangeNothing) {
   step.set_return_lse(true);
   const v1::StepRequest good = InRegions(step, rig, {});
   const uint64_t q_bytes = step.q().data().size();
+  const uint64_t kv_bytes = step.k_new().data().size();
   constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
   const std::vector<BadRegionCase> cases = {
       {"unknown region", [](auto& r) { r.mutable_q()->mutable_region()->set_region("nope"); },
@@ -177,6 +178,29 @@ TEST(SessionRegionTest, BadRegionFieldsAreRefusedByNameAndChangeNothing) {
        grpc::StatusCode::INVALID_ARGUMENT, "o_region overlaps lse_region"},
       {"data and region", [](auto& r) { r.mutable_v_new()->set_data(std::string(8, 'x')); },
        grpc::StatusCode::INVALID_ARGUMENT, "v_new.data and v_new.region are both set"},
+      // Offsets that are not a multiple of the element size (2 for the cache's 16-bit dtype, 4
+      // for lse), each slice otherwise inside its region.
+      {"q at an odd offset", [](auto& r) { r.mutable_q()->mutable_region()->set_offset(1); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "q.region: offset 1 is not a multiple of 2, the size of the tensor's elements"},
+      {"k_new at an odd offset",
+       [](auto& r) { r.mutable_k_new()->mutable_region()->set_offset(r.k_new().region().offset() + 3); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "k_new.region: offset " + std::to_string(q_bytes + 3) + " is not a multiple of 2"},
+      {"v_new at an odd offset",
+       [](auto& r) { r.mutable_v_new()->mutable_region()->set_offset(r.v_new().region().offset() - 1); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "v_new.region: offset " + std::to_string(q_bytes + kv_bytes - 1) + " is not a multiple of 2"},
+      {"o at an odd offset", [](auto& r) { r.mutable_o_region()->set_offset(5); },
+       grpc::StatusCode::INVALID_ARGUMENT, "o_region: offset 5 is not a multiple of 2"},
+      {"lse at an offset of 2 mod 4",
+       [](auto& r) { r.mutable_lse_region()->set_offset(r.lse_region().offset() + 2); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "lse_region: offset " + std::to_string(q_bytes + 2) + " is not a multiple of 4"},
+      {"lse at an odd offset",
+       [](auto& r) { r.mutable_lse_region()->set_offset(r.lse_region().offset() + 1); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "lse_region: offset " + std::to_string(q_bytes + 1) + " is not a multiple of 4"},
   };
   for (const BadRegionCase& c : cases) {
     v1::StepRequest bad = good;

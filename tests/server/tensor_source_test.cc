@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "transport/region_registry.h"
 
 namespace attn {
@@ -52,7 +54,7 @@ class TensorSourceTest : public ::testing::Test {
 TEST_F(TensorSourceTest, InlineDataIsUsedWhereItIs) {
   v1::Tensor t;
   t.set_data("abcd");
-  auto b = ResolveTensor(t, "k_new", 4, "alice", &registry_);
+  auto b = ResolveTensor(t, "k_new", {4, 2}, "alice", &registry_);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->data, t.data().data());
   EXPECT_EQ(b->bytes, 4u);
@@ -60,7 +62,7 @@ TEST_F(TensorSourceTest, InlineDataIsUsedWhereItIs) {
 }
 
 TEST_F(TensorSourceTest, RegionSliceIsHeldWhileUsed) {
-  auto b = ResolveTensor(InRegion(256, 1024), "k_new", 1024, "alice", &registry_);
+  auto b = ResolveTensor(InRegion(256, 1024), "k_new", {1024, 2}, "alice", &registry_);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->data, base_ + 256);
   EXPECT_EQ(b->bytes, 1024u);
@@ -73,23 +75,56 @@ TEST_F(TensorSourceTest, RegionSliceIsHeldWhileUsed) {
 }
 
 TEST_F(TensorSourceTest, ErrorsNameTheCallersField) {
-  auto b = ResolveTensor(InRegion(0, 100), "k_new", 128, "alice", &registry_);
+  auto b = ResolveTensor(InRegion(0, 100), "k_new", {128, 2}, "alice", &registry_);
   EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(b.status().message().find("k_new.region.bytes is 100, but the tensor needs 128"),
             std::string::npos)
       << b.status();
-  b = ResolveTensor(InRegion(kRegionBytes - 8, 16), "v_new", 16, "alice", &registry_);
+  b = ResolveTensor(InRegion(kRegionBytes - 8, 16), "v_new", {16, 2}, "alice", &registry_);
   EXPECT_NE(b.status().message().find("v_new.region: offset"), std::string::npos) << b.status();
-  b = ResolveTensor(InRegion(0, 16), "q", 16, "bob", &registry_);
+  b = ResolveTensor(InRegion(0, 16), "q", {16, 2}, "bob", &registry_);
   EXPECT_EQ(b.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(b.status().message().find("q.region.region: no region named 'r'"), std::string::npos);
   v1::RegionSlice o;
   o.set_region("r");
   o.set_bytes(16);
-  auto s = ResolveSlice(o, "o_region", 16, "alice", nullptr);
+  auto s = ResolveSlice(o, "o_region", {16, 2}, "alice", nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.status().message().find("o_region names a shared-memory region"), std::string::npos);
   EXPECT_EQ(InFlight(), 0);  // nothing held after the failures
+}
+
+// A slice starts at a multiple of its element size; any such offset is taken, the others are
+// refused by name with the offset and the rule, holding nothing.
+TEST_F(TensorSourceTest, OffsetsMustBeMultiplesOfTheElementSize) {
+  for (uint64_t element : {1, 2, 4}) {
+    for (uint64_t offset = 0; offset < 12; ++offset) {
+      auto b = ResolveTensor(InRegion(1024 + offset, 64), "k", {64, element}, "alice", &registry_);
+      if (offset % element == 0) {
+        ASSERT_TRUE(b.ok()) << element << " " << offset << ": " << b.status();
+        EXPECT_EQ(b->data, base_ + 1024 + offset);
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data) % element, 0u);
+        continue;
+      }
+      EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(b.status().message().find(
+                    absl::StrCat("k.region: offset ", 1024 + offset, " is not a multiple of ",
+                                 element, ", the size of the tensor's elements: a tensor in a "
+                                 "region must start at a multiple of its element size")),
+                std::string::npos)
+          << b.status();
+      EXPECT_EQ(InFlight(), 0);
+    }
+  }
+  v1::RegionSlice lse;
+  lse.set_region("r");
+  lse.set_offset(6);
+  lse.set_bytes(32);
+  auto s = ResolveSlice(lse, "lse_region", {32, 4}, "alice", &registry_);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("lse_region: offset 6 is not a multiple of 4"),
+            std::string::npos)
+      << s.status();
 }
 
 }  // namespace

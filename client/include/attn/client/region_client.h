@@ -74,9 +74,11 @@ class RegionClient {
   std::mutex socket_mu_;  // one descriptor and its answer at a time
 };
 
-// A slice of a region: bytes at offset of the region named region.
+// A slice of a region: bytes at offset of the region named region. attnd takes only offsets that
+// are multiples of the element size (2 for float16/bfloat16, 4 for float32 and lse).
 v1::RegionSlice RegionSliceOf(const std::string& region, uint64_t offset, uint64_t bytes);
-// A request tensor whose elements lie in a region at offset (its byte size from shape and dtype).
+// A request tensor whose elements lie in a region at offset (its byte size from shape and dtype;
+// offset a multiple of the element size).
 v1::Tensor RegionTensor(DType dtype, const std::vector<int64_t>& shape, const std::string& region,
                         uint64_t offset);
 

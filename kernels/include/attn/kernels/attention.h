@@ -66,7 +66,8 @@ struct PagedKv {
 //   cu_seqlens_q/k [batch + 1] int32, cu[0] == 0, non-decreasing, cu[batch] == total.
 // Sequence b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows likewise.
 // All pointers live where the backend computes: host memory for the CPU backend, device memory
-// for the CUDA backend (cu_seqlens included).
+// for the CUDA backend (cu_seqlens included), each aligned to its element's size (dtype's for
+// q, k, v and o, 4 bytes for lse and the int32 arrays).
 //
 // Masking, for query i of a sequence with s_q queries and s_k keys, aligned bottom-right:
 // the query sits at key position p = i + s_k - s_q, and sees key j when
@@ -110,7 +111,8 @@ struct AttentionArgs {
 float EffectiveSoftmaxScale(const AttentionArgs& args);
 
 // Checks what every backend needs: positive sizes, num_heads % num_kv_heads == 0, non-null
-// pointers, window values >= -1. It does not read cu_seqlens (they may be device memory).
+// pointers aligned to their element's size, window values >= -1. It does not read cu_seqlens
+// (they may be device memory).
 Status ValidateCommon(const AttentionArgs& args);
 
 // True when args reads K/V through a page table.

@@ -63,7 +63,8 @@ inline uint16_t FloatToBf16Bits(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// dst[0..n) = src[offset .. offset + n) converted to float and multiplied by scale.
+// dst[0..n) = src[offset .. offset + n) converted to float and multiplied by scale. base is aligned
+// to t's size (ValidateCommon refuses arrays that are not), so its elements load as their type.
 inline void LoadRow(DType t, const void* base, int64_t offset, int n, float* dst, float scale) {
   if (t == DType::kFloat32) {
     const float* p = static_cast<const float*>(base) + offset;
