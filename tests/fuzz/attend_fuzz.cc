@@ -2,10 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstring>
 #include <string_view>
 #include <vector>
@@ -16,9 +12,7 @@
 
 #include "rpc/attend_request_decoder.h"
 #include "rpc/attend_validation.h"
-#include "transport/region_registry.h"
 #include "transport/tensor_source.h"
-#include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/dtype_convert.h"
 #include "attn/v1/attention.pb.h"
 
@@ -53,39 +47,6 @@ double MaxAbs(std::string_view bytes, v1::DType dtype) {
     m = std::max(m, double(std::fabs(x)));
   }
   return m;
-}
-
-// The fuzzed client's shared-memory region "r0" (kRegionBytes), registered to identity "fuzz"
-// in a registry of its own: requests may name it, or any other name, in every region field.
-struct FuzzRegions {
-  RegionRegistry registry{RegionRegistry::Options{}, nullptr};
-  SharedRegion* r0 = nullptr;
-};
-
-FuzzRegions* MakeRegions() {
-  auto* f = new FuzzRegions();
-  const int fd = memfd_create("fuzz-r0", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0 || ftruncate(fd, kRegionBytes) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
-    std::abort();
-  }
-  auto region = SharedRegion::MapMemfd(fd, kRegionBytes);
-  close(fd);
-  if (!region.ok()) std::abort();
-  std::shared_ptr<SharedRegion> shared = std::move(*region);
-  f->r0 = shared.get();
-  auto handle = f->registry.AddPending(std::move(shared), 1);
-  v1::RegisterRegionRequest r;
-  r.set_name("r0");
-  r.set_kind(v1::REGION_KIND_HOST);
-  r.set_handle(handle.value());
-  if (!f->registry.Register("fuzz", r).ok()) std::abort();
-  return f;
-}
-
-// One per process: a fuzzer's inputs all run against the same region (refilled per input).
-FuzzRegions& Regions() {
-  static FuzzRegions* regions = MakeRegions();
-  return *regions;
 }
 
 // The wire path's reader on the same bytes, cut into pieces where the input says (after each
@@ -163,44 +124,30 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
   }
   AttendJob& job = **job_or;
   if (job.total_q > kMaxTokens || job.total_k > kMaxTokens) return out;
-  // Region fields: the same resolution attnd runs, against region "r0" of identity "fuzz",
+  // Region fields: the same resolution attnd runs, against the regions of identity "fuzz",
   // refilled with a fixed finite pattern so that a run never depends on the ones before it.
-  FuzzRegions& regions = Regions();
-  std::memset(regions.r0->data(), 0x3c, regions.r0->size());
-  if (absl::Status st = ResolveAttendTensors(request, "fuzz", &regions.registry, &job); !st.ok()) {
+  FuzzRegions& regions = FuzzRegions::Get();
+  if (request.q().has_region() || request.k().has_region() || request.v().has_region() ||
+      request.has_o_region() || request.has_lse_region()) {
+    regions.Fill(0);
+  }
+  if (absl::Status st = ResolveAttendTensors(request, FuzzRegions::kOwner, &regions.registry(),
+                                             &job);
+      !st.ok()) {
     if (st.message().empty()) out.violation = "region error without a message";
     return out;
   }
-  for (auto [view, name] : {std::pair{job.q_bytes, "q"}, std::pair{job.k_bytes, "k"},
-                            std::pair{job.v_bytes, "v"}}) {
-    const char* base = regions.r0->data();
-    const bool in_region = view.data() >= base && view.data() < base + regions.r0->size();
-    if (in_region && view.data() + view.size() > base + regions.r0->size()) {
-      out.violation = absl::StrCat(name, " resolved past the end of its region");
-      return out;
-    }
-  }
+  out.violation = regions.CheckResolved(job);
+  if (!out.violation.empty()) return out;
   out.valid = true;
+  if (job.device_tensors) {  // a device backend's request: nothing here may read it
+    out.on_gpu = true;
+    return out;
+  }
 
   v1::AttendResponse response;
-  job.response = &response;
-  PrepareAttendResponse(job, &response);
-  const kernels::AttentionArgs args = job.HostArgs();
-  if (kernels::Status st = kernels::ValidateCommon(args); !st.ok()) {
-    out.violation = absl::StrCat("validated request fails kernels::ValidateCommon: ", st.message());
-    return out;
-  }
-  if (kernels::Status st = kernels::cpu::CanImplement(args); !st.ok()) {
-    out.violation = absl::StrCat("validated request fails cpu::CanImplement: ", st.message());
-    return out;
-  }
-  std::vector<char> workspace(kernels::cpu::WorkspaceBytes(args, 1) + 64);
-  void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace.data()) + 63) &
-                                     ~uintptr_t{63});
-  if (kernels::Status st = kernels::cpu::Run(args, ws, nullptr); !st.ok()) {
-    out.violation = absl::StrCat("cpu::Run failed on a validated request: ", st.message());
-    return out;
-  }
+  out.violation = ComputeAttendOnCpu(job, &response);
+  if (!out.violation.empty()) return out;
   out.computed = true;
 
   // Output shape and size are what the contract says; o is in the response or in its region.

@@ -1,18 +1,31 @@
-// Replays every input under tests/fuzz/regressions/ (inputs that once crashed or broke an
-// invariant in attend_fuzzer) and the seed corpus tests/fuzz/corpus/ through the fuzzer's code
-// path, in the normal build.
+// Replays, in the normal build, through each fuzz target's own code path: every input under
+// tests/fuzz/regressions/<target>/ (inputs that once crashed or broke an invariant there) and the
+// seed corpus tests/fuzz/corpus/<target>/, for the targets attend, session and region.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
 #include <vector>
 
+#include "attend_fuzz.h"
 #include "attn/v1/attention.pb.h"
+#include "region_fuzz.h"
 #include "session_fuzz.h"
 
 namespace {
+
+using attn::fuzz::Outcome;
+
+struct Target {
+  const char* name;
+  Outcome (*run)(const uint8_t*, size_t);
+};
+const Target kTargets[] = {{"attend", attn::fuzz::RunAttendInput},
+                           {"session", attn::fuzz::RunSessionInput},
+                           {"region", attn::fuzz::RunRegionInput}};
 
 // Regular files under dir, sorted; none when dir does not exist (git keeps no empty folder).
 std::vector<std::filesystem::path> FilesUnder(const std::string& dir) {
@@ -30,26 +43,48 @@ std::string Read(const std::filesystem::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-TEST(FuzzRegression, EveryRegressionInputPasses) {
-  const auto files = FilesUnder(ATTN_FUZZ_DIR "/regressions");
-  for (const auto& f : files) {
-    const std::string bytes = Read(f);
-    const auto out = attn::fuzz::RunInput(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                                bytes.size());
-    EXPECT_TRUE(out.violation.empty()) << f.filename() << ": " << out.violation;
-  }
-  std::cout << files.size() << " regression inputs replayed\n";
+Outcome RunOn(const Target& t, const std::string& bytes) {
+  return t.run(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
 }
 
-TEST(FuzzRegression, EverySeedIsValidAndComputed) {
-  const auto files = FilesUnder(ATTN_FUZZ_DIR "/corpus");
-  ASSERT_FALSE(files.empty());
-  for (const auto& f : files) {
-    const std::string bytes = Read(f);
-    const auto out = attn::fuzz::RunInput(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                                bytes.size());
-    EXPECT_TRUE(out.computed) << f.filename() << " is not a valid, computed request";
-    EXPECT_TRUE(out.violation.empty()) << f.filename() << ": " << out.violation;
+TEST(FuzzRegression, EveryRegressionInputPasses) {
+  size_t replayed = 0;
+  for (const Target& t : kTargets) {
+    for (const auto& f : FilesUnder(std::string(ATTN_FUZZ_DIR "/regressions/") + t.name)) {
+      const Outcome out = RunOn(t, Read(f));
+      EXPECT_TRUE(out.violation.empty()) << t.name << "/" << f.filename() << ": " << out.violation;
+      ++replayed;
+    }
+  }
+  std::cout << replayed << " regression inputs replayed\n";
+}
+
+// The inputs fuzzing found first: float32 K, then V, in a host region at an offset that is not
+// a multiple of 4. Refused, by name, before the kernel reads them.
+TEST(FuzzRegression, MisalignedFloat32RegionInputsAreRefused) {
+  for (const char* name : {"misaligned_f32_k_region.pb", "misaligned_f32_v_region.pb"}) {
+    const std::string bytes = Read(std::string(ATTN_FUZZ_DIR "/regressions/attend/") + name);
+    ASSERT_FALSE(bytes.empty()) << name;
+    const Outcome out = attn::fuzz::RunAttendInput(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                                   bytes.size());
+    EXPECT_TRUE(out.parsed) << name;
+    EXPECT_FALSE(out.valid) << name;
+    EXPECT_FALSE(out.computed) << name;
+    EXPECT_TRUE(out.violation.empty()) << name << ": " << out.violation;
+  }
+}
+
+TEST(FuzzRegression, EverySeedIsAcceptedAndRun) {
+  for (const Target& t : kTargets) {
+    const auto files = FilesUnder(std::string(ATTN_FUZZ_DIR "/corpus/") + t.name);
+    ASSERT_FALSE(files.empty()) << t.name;
+    for (const auto& f : files) {
+      const Outcome out = RunOn(t, Read(f));
+      EXPECT_TRUE(out.valid) << t.name << "/" << f.filename() << " is not accepted";
+      // Seeds with GPU regions are resolved only (a device backend's requests).
+      EXPECT_TRUE(out.computed || out.on_gpu) << t.name << "/" << f.filename() << " did not run";
+      EXPECT_TRUE(out.violation.empty()) << t.name << "/" << f.filename() << ": " << out.violation;
+    }
   }
 }
 
@@ -57,17 +92,57 @@ TEST(FuzzRegression, GarbageIsRejectedQuietly) {
   const std::string garbage[] = {"", "\x0a", "\x0a\xff\xff\xff\xff\x0f", std::string(64, '\xff'),
                                  "\x0a\x02\x08\x01\x12\x00"};
   for (const std::string& g : garbage) {
-    const auto out =
-        attn::fuzz::RunInput(reinterpret_cast<const uint8_t*>(g.data()), g.size());
-    EXPECT_FALSE(out.computed);
-    EXPECT_TRUE(out.violation.empty()) << out.violation;
+    for (const Target& t : kTargets) {
+      const Outcome out = RunOn(t, g);
+      // The region target makes a request of any 3 bytes (a template, edited): it may run.
+      if (std::string(t.name) != "region") EXPECT_FALSE(out.computed) << t.name;
+      EXPECT_TRUE(out.violation.empty()) << t.name << ": " << out.violation;
+    }
   }
+}
+
+// The region target's oracle on inputs built here: a float32 Attend (the first finding's shape)
+// with every tensor in r0 runs and equals its inline twin; K moved 2 bytes (a multiple of 2, not
+// of 4) is refused; a bfloat16 one all in the GPU region resolves only; a step with its tensors in
+// r1 and outputs in r0 runs and equals its twin.
+TEST(FuzzRegression, RegionTargetRunsAlignedSlicesAndRefusesOthers) {
+  using attn::fuzz::RegionEdit;
+  using attn::fuzz::RegionInput;
+  using N = attn::fuzz::RegionName;
+  using S = attn::fuzz::RegionSlot;
+  auto run = [](const std::string& input) {
+    return attn::fuzz::RunRegionInput(reinterpret_cast<const uint8_t*>(input.data()),
+                                      input.size());
+  };
+  std::vector<RegionEdit> edits = {{S::kQ, N::kR0, 0},    {S::kK, N::kR0, 128},
+                                   {S::kV, N::kR0, 384},  {S::kO, N::kR0, 640},
+                                   {S::kLse, N::kR0, 1024}};
+  Outcome out = run(RegionInput(0, 5, 0, edits));
+  EXPECT_TRUE(out.computed);
+  EXPECT_TRUE(out.violation.empty()) << out.violation;
+  edits[1].offset = 130;
+  out = run(RegionInput(0, 5, 0, edits));
+  EXPECT_TRUE(out.parsed);
+  EXPECT_FALSE(out.valid);
+  EXPECT_TRUE(out.violation.empty()) << out.violation;
+  for (RegionEdit& e : edits) e.region = N::kG0;
+  edits[1].offset = 128;
+  out = run(RegionInput(1, 5, 0, edits));
+  EXPECT_TRUE(out.on_gpu);
+  EXPECT_FALSE(out.computed);
+  EXPECT_TRUE(out.violation.empty()) << out.violation;
+  const std::vector<RegionEdit> step = {{S::kQ, N::kR1, 0},   {S::kK, N::kR1, 512},
+                                        {S::kV, N::kR1, 1024}, {S::kO, N::kR0, 16},
+                                        {S::kLse, N::kR0, 4096}};
+  out = run(RegionInput(4, 9, 0, step));
+  EXPECT_TRUE(out.computed);
+  EXPECT_TRUE(out.violation.empty()) << out.violation;
 }
 
 // A session program built here: every op, the answers checked by the fuzz path's own model.
 TEST(FuzzRegression, SessionProgramRunsCleanAndLeavesEveryPageFree) {
   using attn::fuzz::SessionOp;
-  std::string p = attn::fuzz::kSessionMagic;
+  std::string p;
   attn::v1::CreateSessionRequest create;
   create.set_num_layers(2);
   create.set_num_kv_heads(2);
@@ -108,7 +183,7 @@ TEST(FuzzRegression, SessionProgramRunsCleanAndLeavesEveryPageFree) {
   on_fork.set_session_id("#1");
   attn::fuzz::AppendRecord(&p, SessionOp::kStep, on_fork.SerializeAsString());
   attn::fuzz::AppendRecord(&p, SessionOp::kStep, step(1, 1, 6).SerializeAsString());
-  const auto out = attn::fuzz::RunInput(reinterpret_cast<const uint8_t*>(p.data()), p.size());
+  const auto out = attn::fuzz::RunSessionInput(reinterpret_cast<const uint8_t*>(p.data()), p.size());
   EXPECT_TRUE(out.computed);
   EXPECT_TRUE(out.violation.empty()) << out.violation;
   // The same program with a truncate past the start and a step of another dtype: refused, and
@@ -118,7 +193,7 @@ TEST(FuzzRegression, SessionProgramRunsCleanAndLeavesEveryPageFree) {
   attn::v1::StepRequest wrong = step(0, 1, 7);
   wrong.mutable_q()->set_dtype(attn::v1::DTYPE_BFLOAT16);
   attn::fuzz::AppendRecord(&p, SessionOp::kStep, wrong.SerializeAsString());
-  const auto out2 = attn::fuzz::RunInput(reinterpret_cast<const uint8_t*>(p.data()), p.size());
+  const auto out2 = attn::fuzz::RunSessionInput(reinterpret_cast<const uint8_t*>(p.data()), p.size());
   EXPECT_TRUE(out2.violation.empty()) << out2.violation;
 }
 

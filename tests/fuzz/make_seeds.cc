@@ -1,9 +1,13 @@
-// Writes the fuzzer's seed corpus: small valid AttendRequests covering every dtype, causal,
-// GQA/MQA, packed batches (zero-length sequences included), windows, scales and LSE; and
-// session programs (session_fuzz.h) over every session RPC.
-//   make_attend_seeds <dir>
+// Writes the fuzz targets' seed corpora, one folder per target: attend/ (small valid
+// AttendRequests covering every dtype, causal, GQA/MQA, packed batches with zero-length
+// sequences, windows, scales, LSE, tensors and outputs in region r0), session/ (programs,
+// session_fuzz.h, over every session RPC) and region/ (region_fuzz.h: each template with its
+// tensors in r0, in r1, at offsets that are multiples of the element size but not of 16, and in
+// the GPU region).
+//   make_fuzz_seeds <dir>
 // The checked-in tests/fuzz/corpus/ was written by it; scripts/fuzz.sh refreshes it.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -11,6 +15,7 @@
 
 #include "attn/kernels/dtype_convert.h"
 #include "attn/v1/attention.pb.h"
+#include "region_fuzz.h"
 
 namespace {
 
@@ -63,7 +68,7 @@ void Fill(attn::v1::Tensor* t, DType dtype, int64_t tokens, int heads, int d, st
   }
 }
 
-// Session programs (session_fuzz.h): "SESS", then [op][length, 2 bytes LE][message] records.
+// Session programs (session_fuzz.h): [op][length, 2 bytes LE][message] records.
 void Record(std::string* p, int op, const std::string& message) {
   p->push_back(static_cast<char>(op));
   p->push_back(static_cast<char>(message.size() & 0xff));
@@ -89,7 +94,7 @@ std::vector<std::pair<std::string, std::string>> SessionSeeds(std::mt19937& rng)
   std::vector<std::pair<std::string, std::string>> seeds;
   for (DType dtype : {attn::v1::DTYPE_FLOAT16, attn::v1::DTYPE_BFLOAT16}) {
     const bool f16 = dtype == attn::v1::DTYPE_FLOAT16;
-    std::string p = "SESS";
+    std::string p;
     attn::v1::CreateSessionRequest c;
     c.set_num_layers(2);
     c.set_num_kv_heads(f16 ? 2 : 1);
@@ -128,6 +133,55 @@ std::vector<std::pair<std::string, std::string>> SessionSeeds(std::mt19937& rng)
   return seeds;
 }
 
+// A region input (region_fuzz.h) of template t: q, k, v in region `in`, o (and lse when the
+// template returns it) in `out`, back to back, each at the next multiple of `align` plus `skew`
+// (lse: plus skew rounded up to a multiple of 4).
+std::string PlacedRegionInput(uint8_t t, attn::fuzz::RegionName in, attn::fuzz::RegionName out,
+                              uint64_t align, uint64_t skew, uint8_t flags) {
+  using attn::fuzz::RegionSlot;
+  const attn::fuzz::RegionTemplateInfo info = attn::fuzz::DescribeRegionTemplate(t);
+  const std::vector<uint64_t>& bytes = info.bytes;
+  std::vector<attn::fuzz::RegionEdit> edits;
+  uint64_t at = 0;
+  for (int s = 0; s < (info.lse ? 5 : 4); ++s) {
+    const auto slot = static_cast<RegionSlot>(s);
+    if (s == 3 && in != out) at = 0;  // outputs from the start of their own region
+    at = (at + align - 1) / align * align + (slot == RegionSlot::kLse ? (skew + 3) / 4 * 4 : skew);
+    edits.push_back({slot, s < 3 ? in : out, static_cast<uint32_t>(at), 0});
+    at += bytes[s];
+  }
+  return attn::fuzz::RegionInput(t, static_cast<uint8_t>(7 * t + 1), flags, edits);
+}
+
+std::vector<std::pair<std::string, std::string>> RegionSeeds() {
+  using attn::fuzz::RegionName;
+  std::vector<std::pair<std::string, std::string>> seeds;
+  for (uint8_t t = 0; t < attn::fuzz::RegionTemplateCount(); ++t) {
+    const std::string n = "template" + std::to_string(t);
+    const bool f32 = attn::fuzz::DescribeRegionTemplate(t).element_bytes == 4;
+    seeds.emplace_back(n + "_r0", PlacedRegionInput(t, RegionName::kR0, RegionName::kR0, 16, 0, 0));
+    seeds.emplace_back(n + "_r1_to_r0",
+                       PlacedRegionInput(t, RegionName::kR1, RegionName::kR0, 16, 0, 0));
+    // Multiples of the element size (4 covers float32 too), not of 16.
+    seeds.emplace_back(n + "_element_aligned",
+                       PlacedRegionInput(t, RegionName::kR0, RegionName::kR1, 16, 4, 0));
+    // GPU regions: float32 is refused there, and steps take them only where the backend
+    // computes on a GPU (flags bit 1).
+    if (!f32) {
+      seeds.emplace_back(n + "_gpu",
+                         PlacedRegionInput(t, RegionName::kG0, RegionName::kG0, 16, 0, 2));
+    }
+  }
+  return seeds;
+}
+
+bool Write(const std::string& dir, const std::string& name, const std::string& bytes) {
+  std::ofstream out(dir + "/" + name + ".pb", std::ios::binary);
+  out << bytes;
+  if (!out) std::fprintf(stderr, "cannot write %s/%s.pb\n", dir.c_str(), name.c_str());
+  return static_cast<bool>(out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -160,6 +214,17 @@ int main(int argc, char** argv) {
       {"region_inputs", bf16, {4}, {6}, 2, 1, 8, false, -2, -2, 0, false, false, true},
       {"region_outputs_lse", f32, {3}, {5}, 2, 2, 4, true, -2, -2, 0, true, false, true, true},
   };
+  const std::string attend_dir = std::string(argv[1]) + "/attend";
+  const std::string session_dir = std::string(argv[1]) + "/session";
+  const std::string region_dir = std::string(argv[1]) + "/region";
+  for (const std::string& d : {attend_dir, session_dir, region_dir}) {
+    std::error_code ec;
+    std::filesystem::create_directories(d, ec);
+    if (ec) {
+      std::fprintf(stderr, "cannot create %s: %s\n", d.c_str(), ec.message().c_str());
+      return 1;
+    }
+  }
   std::mt19937 rng(1234);
   for (const Seed& s : seeds) {
     AttendRequest r;
@@ -203,20 +268,13 @@ int main(int argc, char** argv) {
       }
     }
     r.set_request_id(7);
-    std::ofstream out(std::string(argv[1]) + "/" + s.name + ".pb", std::ios::binary);
-    out << r.SerializeAsString();
-    if (!out) {
-      std::fprintf(stderr, "cannot write %s/%s.pb\n", argv[1], s.name);
-      return 1;
-    }
+    if (!Write(attend_dir, s.name, r.SerializeAsString())) return 1;
   }
   for (const auto& [name, program] : SessionSeeds(rng)) {
-    std::ofstream out(std::string(argv[1]) + "/" + name + ".pb", std::ios::binary);
-    out << program;
-    if (!out) {
-      std::fprintf(stderr, "cannot write %s/%s.pb\n", argv[1], name.c_str());
-      return 1;
-    }
+    if (!Write(session_dir, name, program)) return 1;
+  }
+  for (const auto& [name, input] : RegionSeeds()) {
+    if (!Write(region_dir, name, input)) return 1;
   }
   return 0;
 }

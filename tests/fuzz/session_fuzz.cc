@@ -2,7 +2,8 @@
 
 #include <cmath>
 #include <cstring>
-#include <future>
+#include <condition_variable>
+#include <mutex>
 #include <map>
 #include <memory>
 #include <set>
@@ -18,42 +19,8 @@
 namespace attn::fuzz {
 namespace {
 
-constexpr int64_t kPageBytes = 2048;
-constexpr int64_t kPages = 96;
-constexpr int64_t kMaxSessionTokens = 96;
 constexpr int kMaxRecords = 64;
-
-const std::vector<int32_t>& SessionHeadDims() {
-  static const std::vector<int32_t> dims = {1, 2, 4, 8, 16, 32, 64};
-  return dims;
-}
-
-// The engine the program runs on: built once, shared by every input (each input closes its
-// sessions, and leaves every page free, or that is a violation).
-struct Engine {
-  std::unique_ptr<CpuBackend> backend;
-  std::unique_ptr<KvPagePool> pool;
-  std::unique_ptr<SessionManager> manager;
-};
-Engine& TheEngine() {
-  static Engine* e = [] {
-    auto* engine = new Engine;
-    CpuBackend::Options bo;
-    bo.threads = 1;
-    bo.kv_cache_bytes = 2 * kPages * kPageBytes;
-    bo.kv_page_bytes = kPageBytes;
-    engine->backend = std::move(*CpuBackend::Create(bo));
-    engine->pool = std::move(*KvPagePool::Create({kPages, kPageBytes, 12345}));
-    SessionManager::Options mo;
-    mo.replica_id = "fuzz";
-    mo.max_sessions = 8;
-    mo.max_session_tokens = kMaxSessionTokens;
-    mo.head_dims = SessionHeadDims();
-    engine->manager = std::move(*SessionManager::Create(mo, engine->pool.get(), nullptr));
-    return engine;
-  }();
-  return *e;
-}
+constexpr int64_t kPages = SessionEngine::kPages;
 
 double Element(const std::string& bytes, kernels::DType dtype, size_t i) {
   uint16_t h;
@@ -135,7 +102,7 @@ std::string CheckStep(const Session& s, const v1::StepRequest& r, const v1::Step
 
 class Program {
  public:
-  explicit Program(Outcome* out) : e_(TheEngine()), out_(out) {}
+  explicit Program(Outcome* out) : e_(SessionEngine::Get()), out_(out) {}
   ~Program() {
     for (const std::string& id : ids_) e_.manager->Close(id, "").status().IgnoreError();
     if (out_->violation.empty() && e_.pool->FreePages() != kPages) {
@@ -281,9 +248,7 @@ class Program {
         job->done = [&status, m](absl::Status st) { status[m] = std::move(st); };
         batch.push_back(std::move(job));
       }
-      std::promise<void> finished;
-      e_.backend->RunBatch(std::move(batch), [&](const BatchReport&) { finished.set_value(); });
-      finished.get_future().wait();
+      e_.RunBatchAndWait(std::move(batch));
       for (size_t m = 0; m < members.size(); ++m) {
         works[m]->session->ReleaseLayer(works[m]->layer);
         if (out_->violation.empty()) {
@@ -311,7 +276,7 @@ class Program {
     out_->violation = CheckStep(**s, r, resp, k, v);
   }
 
-  Engine& e_;
+  SessionEngine& e_;
   Outcome* out_;
   std::vector<std::string> ids_;
   Model model_;
@@ -328,11 +293,9 @@ void AppendRecord(std::string* program, SessionOp op, const std::string& message
 
 Outcome RunSessionInput(const uint8_t* data, size_t size) {
   Outcome out;
-  const size_t magic = sizeof(kSessionMagic) - 1;
-  if (size < magic || std::memcmp(data, kSessionMagic, magic) != 0) return out;
   out.parsed = out.valid = true;
   Program program(&out);
-  size_t at = magic;
+  size_t at = 0;
   for (int records = 0; at + 3 <= size && records < kMaxRecords; ++records) {
     const uint8_t op = data[at];
     const size_t len = data[at + 1] | (size_t{data[at + 2]} << 8);
@@ -347,12 +310,65 @@ Outcome RunSessionInput(const uint8_t* data, size_t size) {
   return out;
 }
 
-Outcome RunInput(const uint8_t* data, size_t size) {
-  const size_t magic = sizeof(kSessionMagic) - 1;
-  if (size >= magic && std::memcmp(data, kSessionMagic, magic) == 0) {
-    return RunSessionInput(data, size);
+const std::vector<int32_t>& SessionHeadDims() {
+  static const std::vector<int32_t> dims = {1, 2, 4, 8, 16, 32, 64};
+  return dims;
+}
+
+SessionEngine& SessionEngine::Get() {
+  static SessionEngine* e = [] {
+    auto* engine = new SessionEngine;
+    CpuBackend::Options bo;
+    bo.threads = 1;
+    bo.kv_cache_bytes = 2 * kPages * kPageBytes;
+    bo.kv_page_bytes = kPageBytes;
+    engine->backend = std::move(*CpuBackend::Create(bo));
+    engine->pool = std::move(*KvPagePool::Create({kPages, kPageBytes, 12345}));
+    SessionManager::Options mo;
+    mo.replica_id = "fuzz";
+    mo.max_sessions = 8;
+    mo.max_session_tokens = kMaxSessionTokens;
+    mo.head_dims = SessionHeadDims();
+    // A few: each remembered id is memory kept past its input, which makes libFuzzer run the
+    // input again and scan the heap for leaks (most of a run's time) until the list is full.
+    mo.remembered_ids = 4;
+    engine->manager = std::move(*SessionManager::Create(mo, engine->pool.get(), nullptr));
+    return engine;
+  }();
+  return *e;
+}
+
+void SessionEngine::RunBatchAndWait(Batch batch) {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t left = batch.size() + 1;  // every job's release, and the batch's end
+  auto one_less = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    if (--left == 0) cv.notify_all();
+  };
+  for (auto& job : batch) job->released = ReleaseNotice(one_less);
+  backend->RunBatch(std::move(batch), [&](const BatchReport&) { one_less(); });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return left == 0; });
+}
+
+std::vector<absl::Status> SessionEngine::RunSteps(std::vector<std::unique_ptr<AttendJob>> jobs) {
+  std::vector<absl::Status> status(jobs.size(), absl::UnknownError("not run"));
+  std::vector<std::shared_ptr<StepWork>> works;
+  Batch batch;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const std::shared_ptr<StepWork> work = jobs[i]->step;
+    if (!work->session->AcquireLayer(work->layer, [] {})) {
+      status[i] = absl::InternalError("the layer was busy with no step in progress");
+      continue;
+    }
+    works.push_back(work);
+    jobs[i]->done = [&status, i](absl::Status st) { status[i] = std::move(st); };
+    batch.push_back(std::move(jobs[i]));
   }
-  return RunAttendInput(data, size);
+  if (!batch.empty()) RunBatchAndWait(std::move(batch));
+  for (const auto& work : works) work->session->ReleaseLayer(work->layer);
+  return status;
 }
 
 }  // namespace attn::fuzz

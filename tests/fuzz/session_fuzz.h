@@ -1,23 +1,27 @@
-// The session half of the fuzz target: bytes -> a program of session requests (CreateSession,
-// Step, BatchStep, TruncateSession, ForkSession, CloseSession, each a serialized attn.v1
-// message) run through the server's own session manager, step validation and CPU backend, with
-// every answer checked against a float64 model of the caches, and every page back on the free
-// list once the program's sessions are closed.
+// The session target (session_fuzzer.cc): bytes -> a program of session requests
+// (CreateSession, Step, BatchStep, TruncateSession, ForkSession, CloseSession, each a serialized
+// attn.v1 message) run through the server's own session manager, step validation and CPU backend,
+// with every answer checked against a float64 model of the caches, and every page back on the
+// free list once the program's sessions are closed.
 //
-// Input: kSessionMagic, then records of [op: 1 byte][length: 2 bytes, little-endian][message].
+// Input: records of [op: 1 byte][length: 2 bytes, little-endian][message].
 // A session_id "#k" names the k-th session the program created (modulo their count).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "attend_fuzz.h"
+#include "absl/status/status.h"
+#include "backends/cpu_backend.h"
+#include "fuzz_env.h"
+#include "sessions/kv_page_pool.h"
+#include "sessions/session_manager.h"
 
 namespace attn::fuzz {
 
-inline constexpr char kSessionMagic[] = "SESS";
 enum class SessionOp : uint8_t { kCreate = 0, kStep, kBatchStep, kTruncate, kFork, kClose, kCount };
 
 Outcome RunSessionInput(const uint8_t* data, size_t size);
@@ -25,8 +29,28 @@ Outcome RunSessionInput(const uint8_t* data, size_t size);
 // Appends one record to a program (for seeds and tests).
 void AppendRecord(std::string* program, SessionOp op, const std::string& message);
 
-// Either half, by the input's first bytes: a session program when it starts with kSessionMagic,
-// else an AttendRequest.
-Outcome RunInput(const uint8_t* data, size_t size);
+// What session programs (and the region target's steps) run on: one CPU backend (one thread),
+// page pool and session manager per process, shared by every input; each input closes the
+// sessions it made, after which every page must be free.
+struct SessionEngine {
+  static constexpr int64_t kPageBytes = 2048;
+  static constexpr int64_t kPages = 96;
+  static constexpr int64_t kMaxSessionTokens = 96;
+
+  static SessionEngine& Get();
+  // Runs batch on the backend and waits until it is done and each of its jobs is destroyed, so
+  // that what they held (pages, memory) is back before the caller goes on.
+  void RunBatchAndWait(Batch batch);
+  // Runs jobs (validated steps of one BatchKey, each on a layer of its own) as one batch, as
+  // RunBatchAndWait does, holding their layers meanwhile; their statuses.
+  std::vector<absl::Status> RunSteps(std::vector<std::unique_ptr<AttendJob>> jobs);
+
+  std::unique_ptr<CpuBackend> backend;
+  std::unique_ptr<KvPagePool> pool;
+  std::unique_ptr<SessionManager> manager;
+};
+
+// Head dims session programs may use (the manager's).
+const std::vector<int32_t>& SessionHeadDims();
 
 }  // namespace attn::fuzz
