@@ -1,11 +1,11 @@
 #include "session_fuzz.h"
 
 #include <cmath>
-#include <cstring>
 #include <condition_variable>
-#include <mutex>
+#include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 
 #include "absl/strings/str_cat.h"
