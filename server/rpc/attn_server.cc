@@ -165,6 +165,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE,
                                std::min(options.tcp_read_chunk_bytes, (1 << 30) / 8) * 8);
   }
+  // Clients may keep idle connections alive with pings every 10 s or more (the client library
+  // pings every 30 s): gRPC's default policy would close a connection pinged more often than
+  // every 5 minutes without data. attnd pings an idle client every 60 s, so that connections of
+  // vanished clients go within a minute and a half.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
   for (const auto& [name, value] : options.grpc_args) builder.AddChannelArgument(name, value);
   HandOffToGrpc(s->service_.get());  // its handlers run on gRPC's threads from now on
   HandOffToGrpc(s->region_service_.get());
