@@ -119,6 +119,29 @@ int attn_run(int dtype, const void* q, const void* k, const void* v, void* o, fl
       attn::kernels::cuda::Run(a, workspace, reinterpret_cast<cudaStream_t>(stream)));
 }
 
+// attn_run with the forward kernel's generation forced: gen 1 / 2 (FwdGeneration; 0 = Run's own
+// choice, as attn_run). -(StatusCode) when that generation cannot run the arguments.
+int attn_run_gen(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                 const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch, int total_q,
+                 int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads, int num_kv_heads,
+                 int head_dim, float softmax_scale, int causal, int window_left, int window_right,
+                 int page_size, int num_pages, const int32_t* page_indptr,
+                 const int32_t* page_indices, const int32_t* seqlens_k, void* workspace,
+                 uintptr_t stream, int gen) {
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
+               max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
+               causal, window_left, window_right);
+  SetPaged(&a, page_size, num_pages, page_indptr, page_indices, seqlens_k);
+  const auto g = static_cast<attn::kernels::cuda::FwdGeneration>(gen);
+  const attn::kernels::Status st = g == attn::kernels::cuda::FwdGeneration::kGen2
+                                       ? attn::kernels::cuda::CanImplementGen2(a)
+                                       : attn::kernels::cuda::CanImplement(a);
+  if (!st.ok()) return -static_cast<int>(st.code());
+  return static_cast<int>(
+      attn::kernels::cuda::Run(a, workspace, reinterpret_cast<cudaStream_t>(stream), g));
+}
+
 // WorkspaceBytes of the attn_run arguments (pointers may be any non-null value); and whether Run
 // picks the decode kernel for them (1) or the forward kernel (0).
 size_t attn_workspace_bytes(int dtype, int batch, int total_q, int total_k, int max_seqlen_q,

@@ -65,16 +65,17 @@ FlashParams MakeParams(const AttentionArgs& a) {
   p.lse = a.lse;
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
+  p.total_k = a.total_k;
   if (IsPaged(a)) {
     p.page_indptr = a.paged.page_indptr;
     p.page_indices = a.paged.page_indices;
     p.seqlens_k = a.paged.seqlens_k;
     p.page_size = a.paged.page_size;
     p.page_shift = Log2IfPow2(a.paged.page_size);
+    p.total_k = a.paged.num_pages * a.paged.page_size;  // < 2^31 (CanImplement)
   }
   p.batch = a.batch;
   p.total_q = a.total_q;
-  p.total_k = a.total_k;
   p.max_seqlen_q = a.max_seqlen_q;
   p.max_seqlen_k = a.max_seqlen_k;
   p.num_heads = a.num_heads;
@@ -262,17 +263,20 @@ cudaError_t RunTyped(const FlashParams& p, bool paged, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t RunSm90Typed(const FlashParams& p, cudaStream_t stream) {
+cudaError_t RunSm90Typed(const FlashParams& p, bool paged, cudaStream_t stream) {
   switch (p.head_dim) {
+#define ATTN_SM90_CASE(D) \
+  case D: return paged ? RunFlashFwdSm90Paged<T, D>(p, stream) : RunFlashFwdSm90<T, D>(p, stream);
 #ifdef ATTN_SM90_HDIM_64
-    case 64: return RunFlashFwdSm90<T, 64>(p, stream);
+    ATTN_SM90_CASE(64)
 #endif
 #ifdef ATTN_SM90_HDIM_128
-    case 128: return RunFlashFwdSm90<T, 128>(p, stream);
+    ATTN_SM90_CASE(128)
 #endif
 #ifdef ATTN_SM90_HDIM_256
-    case 256: return RunFlashFwdSm90<T, 256>(p, stream);
+    ATTN_SM90_CASE(256)
 #endif
+#undef ATTN_SM90_CASE
     default: return cudaErrorInvalidValue;
   }
 }
@@ -359,7 +363,12 @@ Status CanImplementGen2(const AttentionArgs& args) {
     return {StatusCode::kUnimplemented, "CUDA generation 2: head_dim " + std::to_string(args.head_dim) +
                                             " is not compiled for sm_90a in this build"};
   }
-  if (IsPaged(args)) return {StatusCode::kUnimplemented, "CUDA generation 2: paged K/V is not supported"};
+  // Paged K/V: each TMA box holds rows of one page, whole 1024-byte swizzle atoms (8 rows).
+  if (IsPaged(args) && args.paged.page_size % 8 != 0) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: paged.page_size " +
+                                            std::to_string(args.paged.page_size) +
+                                            " is not a multiple of 8"};
+  }
   // The persistent schedule numbers (64-row block, head, sequence) tiles in an int.
   if ((int64_t(args.max_seqlen_q) + 63) / 64 * args.num_heads * args.batch > INT32_MAX) {
     return {StatusCode::kUnimplemented, "CUDA generation 2: too many query tiles for one launch"};
@@ -401,8 +410,8 @@ cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream,
     if (workspace != nullptr && (!sized.use || sized.workspace >= kFwdWorkspaceBytes)) {
       p.tile_counter = static_cast<unsigned int*>(workspace);
     }
-    err = args.dtype == DType::kFloat16 ? RunSm90Typed<__half>(p, stream)
-                                        : RunSm90Typed<__nv_bfloat16>(p, stream);
+    err = args.dtype == DType::kFloat16 ? RunSm90Typed<__half>(p, paged, stream)
+                                        : RunSm90Typed<__nv_bfloat16>(p, paged, stream);
   } else {
     const FlashParams p = MakeParams(args);
     err = args.dtype == DType::kFloat16 ? RunTyped<__half>(p, paged, stream)

@@ -55,6 +55,10 @@ struct Sm90Params {
   // Timeline (traits with kTrace only, bench/sm90_timeline): Sm90TraceLayout slots per
   // (CTA, consumer warpgroup); nullptr otherwise.
   unsigned long long* trace;
+  // Paged K/V (Tr::kPaged): rows per TMA box of K and V (Sm90PagedBoxRows); tk and tv then view
+  // the page pools as rows of num_pages * page_size (FlashParams::total_k) with boxes of
+  // {64, kv_box_rows, 1, 1}.
+  int kv_box_rows;
 };
 
 // Timeline of the consumer warpgroups, for the traced build of the kernel only: thread 0 of each
@@ -126,14 +130,20 @@ struct Sm90Tile {
   int nb_max = 0;
 };
 
-template <int BM, int BN>
+// kPaged: k_start is the sequence's first entry of the page table (page_indices) instead.
+template <int BM, int BN, bool kPaged = false>
 __device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, int b, int row_cut,
                                              Sm90Tile* t) {
   t->q_start = p.cu_seqlens_q[b];
   t->s_q = p.cu_seqlens_q[b + 1] - t->q_start;
   if (!Sm90RowBlock(m_block, t->s_q, BM, row_cut, &t->m0, &t->m_end)) return false;
-  t->k_start = p.cu_seqlens_k[b];
-  t->s_k = p.cu_seqlens_k[b + 1] - t->k_start;
+  if constexpr (kPaged) {
+    t->k_start = p.page_indptr[b];
+    t->s_k = p.seqlens_k[b];
+  } else {
+    t->k_start = p.cu_seqlens_k[b];
+    t->s_k = p.cu_seqlens_k[b + 1] - t->k_start;
+  }
   t->off = t->s_k - t->s_q;
   const int m_last = t->m_end - 1;
   int n_lo = 0;
@@ -238,12 +248,115 @@ __device__ __forceinline__ void Sm90LoadHalfKV(const CUtensorMap& map, uint8_t* 
   }
 }
 
+// The producer warp's own state under paged K/V (Tr::kPaged; unused otherwise): its lane, the
+// tail barrier (Sm90PagedTraits::kTailBarOff) and that barrier's next phase.
+struct Sm90PagedLoad {
+  uint64_t* tail_bar = nullptr;
+  uint32_t tail_phase = 0;
+  int lane = 0;
+};
+
+// Paged K/V: the pool row where chunk `lane` (P.kv_box_rows rows, all in one page) of key tile nb
+// starts; a row below the pool (the box is then all zeros, read from nowhere) for a chunk past
+// the sequence's keys or past the tile.
+template <typename Tr>
+__device__ __forceinline__ int Sm90PagedChunkRow(const FlashParams& p, const Sm90Tile& t, int nb,
+                                                 int rows, int lane) {
+  const int j0 = nb * Tr::kBlockN + lane * rows;
+  if (lane * rows >= Tr::kBlockN || j0 >= t.s_k) return -rows;
+  const int page = p.page_shift >= 0 ? j0 >> p.page_shift : j0 / p.page_size;
+  return __ldg(p.page_indices + t.k_start + page) * p.page_size + (j0 - page * p.page_size);
+}
+
+// Producer, one tile, paged K/V: all 32 lanes of the producer warp. Lane 0 loads Q; for each key
+// tile, lane c loads chunk c of K and of V (one TMA box of P.kv_box_rows rows per 64-column slab;
+// the chunk's page number was read a tile ahead). The chunk that holds the sequence's last key
+// may end in rows past it: the unused rows of the last page, whose bytes are anything (NaN
+// too). K's are masked (the scores are set to -inf), but V's would meet P = 0 in P V, and
+// 0 * NaN is NaN: that chunk of V lands on the tail barrier, the warp waits for it, zeroes the
+// rows past the last key, and only then completes V's "full" phase (whose other boxes count
+// against the transaction bytes as usual). Chunks wholly past the last key load zeros.
+template <typename Tr>
+__device__ __forceinline__ void Sm90ProducePaged(const Sm90Params& P, const Sm90Tile& t, int h,
+                                                 uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                                 Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q,
+                                                 Sm90PagedLoad& pl) {
+  constexpr int BN = Tr::kBlockN;
+  const int hk = h / P.p.heads_per_kv;
+  const int lane = pl.lane;
+  const int rows = P.kv_box_rows;
+  const bool loads = lane * rows < BN;
+  const uint32_t chunk_bytes = uint32_t(rows) * 128 * Tr::kSlabs;
+  if (lane == 0) {
+    ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
+    ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
+                   bars.FullQ(q.buf));
+  }
+  int row = Sm90PagedChunkRow<Tr>(P.p, t, t.nb_max - 1, rows, lane);
+  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+    const int st = ring.st;
+    const int row_next = nb > t.nb_min ? Sm90PagedChunkRow<Tr>(P.p, t, nb - 1, rows, lane) : 0;
+    uint8_t* k_dst = smem + Tr::kKOff + st * Tr::kKVBytes + lane * rows * 128;
+    uint8_t* v_tile = smem + Tr::kVOff + st * Tr::kKVBytes;
+    ptx::MbarWait(bars.EmptyK(st), ring.phase ^ 1);
+    if (lane == 0) ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKVBytes);
+    __syncwarp();
+    if (loads) {
+#pragma unroll
+      for (int k = 0; k < Tr::kSlabs; ++k) {
+        ptx::TmaLoad4d(k_dst + k * BN * 128, &P.tk, 0, row, k, hk, bars.FullK(st));
+      }
+    }
+    const int keys = t.s_k - nb * BN;  // > 0: a visited tile holds keys
+    const int tail_chunk = keys < BN && keys % rows != 0 ? keys / rows : -1;
+    ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
+    if (lane == 0) {
+      if (tail_chunk < 0) {
+        ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
+      } else {
+        ptx::MbarExpectTx(bars.FullV(st), Tr::kKVBytes - chunk_bytes);
+        ptx::MbarArriveExpectTx(pl.tail_bar, chunk_bytes);
+      }
+    }
+    __syncwarp();
+    if (loads) {
+      uint64_t* bar = lane == tail_chunk ? pl.tail_bar : bars.FullV(st);
+#pragma unroll
+      for (int k = 0; k < Tr::kSlabs; ++k) {
+        ptx::TmaLoad4d(v_tile + lane * rows * 128 + k * BN * 128, &P.tv, 0, row, k, hk, bar);
+      }
+    }
+    if (tail_chunk >= 0) {
+      ptx::MbarWait(pl.tail_bar, pl.tail_phase);
+      pl.tail_phase ^= 1;
+      // 16-byte pieces of the rows [keys, end of the chunk), every slab (a zero row needs no
+      // swizzle).
+      const int pieces = ((tail_chunk + 1) * rows - keys) * Tr::kSlabs * 8;
+      for (int i = lane; i < pieces; i += 32) {
+        const int rs = i >> 3;
+        *reinterpret_cast<uint4*>(v_tile + (rs % Tr::kSlabs) * BN * 128 + (keys + rs / Tr::kSlabs) * 128 +
+                                  (i & 7) * 16) = make_uint4(0, 0, 0, 0);
+      }
+      ptx::FenceProxyAsyncShared();
+      __syncwarp();
+      if (lane == 0) ptx::MbarArrive(bars.FullV(st));
+    }
+    row = row_next;
+    ring.Advance();
+  }
+}
+
 // Producer, one tile: Q into buffer q (free: its "empty" phase waited for), then K and V of
 // each key tile into the stage ring.
 template <typename Tr>
 __device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile& t, int h,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                            Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q) {
+                                            Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q,
+                                            Sm90PagedLoad& pl) {
+  if constexpr (Tr::kPaged) {
+    Sm90ProducePaged<Tr>(P, t, h, smem, bars, ring, q, pl);
+    return;
+  }
   const int hk = h / P.p.heads_per_kv;
   ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
   ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
@@ -825,10 +938,23 @@ __device__ __forceinline__ void Sm90SitOut(const Sm90Tile& t, const Sm90Bars<Tr:
 // slower at causal 1k-4k with L2 groups, level without). Each tile with rows gets a Q buffer and
 // its description there (Sm90TileSlot), loaded or not (no key tile); the buffer after the last
 // tile gets head -1.
+// Paged K/V (Tr::kPaged): the whole producer warp runs this, lane 0 taking the counter's values and
+// writing the tile descriptions.
 template <typename Tr>
 __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm90Schedule& sched,
                                                    uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                                   Sm90Ring<Tr::kStages>& ring) {
+                                                   Sm90Ring<Tr::kStages>& ring, Sm90PagedLoad& pl) {
+  // The counter's next value past the grid.
+  auto next = [&]() -> int {
+    if constexpr (Tr::kPaged) {
+      unsigned int v = 0;
+      if (pl.lane == 0) v = atomicAdd(P.tile_counter, 1u);
+      return int(gridDim.x) + int(__shfl_sync(0xffffffffu, v, 0));
+    } else {
+      return int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+    }
+  };
+  const bool leader = !Tr::kPaged || pl.lane == 0;
   int j = int(blockIdx.x);
   for (uint32_t n = 0;;) {
     Sm90Tile t;
@@ -836,24 +962,24 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
     if (j < sched.Total()) {
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
-        j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN, Tr::kPaged>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
+        j = next();
         continue;
       }
     }
     const Sm90QSlot q(n++, Tr::kQBufs);
     ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);
-    bars.TileOfQ(q.buf)->Put(t, h);
+    if (leader) bars.TileOfQ(q.buf)->Put(t, h);
     if (h < 0) {
-      ptx::MbarArrive(bars.FullQ(q.buf));
+      if (leader) ptx::MbarArrive(bars.FullQ(q.buf));
       return;
     }
     if (t.nb_max > t.nb_min) {
-      Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
-    } else {
+      Sm90Produce<Tr>(P, t, h, smem, bars, ring, q, pl);
+    } else if (leader) {
       ptx::MbarArrive(bars.FullQ(q.buf));
     }
-    j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+    j = next();
   }
 }
 
@@ -878,6 +1004,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       ptx::MbarInit(bars.EmptyK(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
       ptx::MbarInit(bars.EmptyV(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
     }
+    if constexpr (Tr::kPaged) ptx::MbarInit(reinterpret_cast<uint64_t*>(smem + Tr::kTailBarOff), 1);
     ptx::FenceMbarInit();
   }
   if constexpr (Tr::kClusterKV) {
@@ -916,7 +1043,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         int m_block, h, b;
         sched.Decode(j, &m_block, &h, &b);
         Sm90Tile t;
-        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
+        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN, Tr::kPaged>(P.p, m_block, b, Sm90CutOf<Tr>(P),
+                                                                &t)) {
           continue;
         }
         fn(t, h, q_loads);
@@ -934,7 +1062,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       if (j >= sched.Total()) continue;
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) return true;
+      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN, Tr::kPaged>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
+        return true;
+      }
     }
     return false;
   };
@@ -946,18 +1076,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (wg == 0) {
     ptx::SetMaxNRegDec<Tr::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    // One thread issues every load; paged K/V: the whole first warp (Sm90ProducePaged).
+    if (Tr::kPaged ? threadIdx.x < 32 : threadIdx.x == 0) {
+      Sm90PagedLoad pl;
+      if constexpr (Tr::kPaged) {
+        pl.tail_bar = reinterpret_cast<uint64_t*>(smem + Tr::kTailBarOff);
+        pl.lane = int(threadIdx.x);
+      }
       auto produce = [&](const Sm90Tile& t, int h, uint32_t q_loads) {
         if (t.nb_max == t.nb_min) return;
         const Sm90QSlot q(q_loads, Tr::kQBufs);
         ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);  // a fresh barrier passes parity 1 at once
-        Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
+        Sm90Produce<Tr>(P, t, h, smem, bars, ring, q, pl);
       };
       if constexpr (kDynamic) {
         if (P.tile_counter != nullptr) {
           Sm90Schedule counted = sched;
           counted.phased = P.l2_phases != 0;
-          Sm90ProduceDynamic<Tr>(P, counted, smem, bars, ring);
+          Sm90ProduceDynamic<Tr>(P, counted, smem, bars, ring, pl);
         } else {
           Sm90Tile t;
           int r = 0, h = 0;

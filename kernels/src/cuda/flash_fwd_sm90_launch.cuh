@@ -145,13 +145,18 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
             params.o_row_stride % 8 == 0 &&
             EncodeRowsMap<T, D>(&P.to, params.o, params.total_q, params.num_heads, 64,
                                 params.o_row_stride, 1);
-  // Tr::kClusterKV: each CTA loads half a K/V tile, slab by slab (Sm90LoadHalfKV).
-  constexpr int kKvBoxRows = Tr::kClusterKV ? Tr::kBlockN / 2 : Tr::kBlockN;
-  constexpr int kKvBoxSlabs = Tr::kClusterKV ? 1 : D / 64;
+  // Tr::kClusterKV: each CTA loads half a K/V tile, slab by slab (Sm90LoadHalfKV). Tr::kPaged: a
+  // chunk of rows of one page per box, slab by slab (Sm90ProducePaged), over the pools' rows.
+  const int kv_box_rows = Tr::kPaged       ? Sm90PagedBoxRows(params.page_size, Tr::kBlockN)
+                          : Tr::kClusterKV ? Tr::kBlockN / 2
+                                           : Tr::kBlockN;
+  constexpr int kKvBoxSlabs = Tr::kClusterKV || Tr::kPaged ? 1 : D / 64;
+  const int kv_rows = Tr::kPaged ? std::max(1, params.total_k) : params.total_k;
+  P.kv_box_rows = kv_box_rows;
   if (!EncodeRowsMap<T, D>(&P.tq, params.q, params.total_q, params.num_heads, Tr::kBlockM) ||
-      !EncodeRowsMap<T, D>(&P.tk, params.k, params.total_k, params.num_kv_heads, kKvBoxRows, 0,
+      !EncodeRowsMap<T, D>(&P.tk, params.k, kv_rows, params.num_kv_heads, kv_box_rows, 0,
                            kKvBoxSlabs) ||
-      !EncodeRowsMap<T, D>(&P.tv, params.v, params.total_k, params.num_kv_heads, kKvBoxRows, 0,
+      !EncodeRowsMap<T, D>(&P.tv, params.v, kv_rows, params.num_kv_heads, kv_box_rows, 0,
                            kKvBoxSlabs)) {
     return cudaErrorInvalidValue;
   }
@@ -327,6 +332,15 @@ cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
     return RunFlashFwdSm90Tilings<Sm90MaskedWideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, stream);
   }
   return RunFlashFwdSm90Tilings<Sm90WideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, stream);
+}
+
+// Paged K/V: the masked launches' two tilings serve every launch (chunked prefill and steps over
+// a cache are causal; an unmasked paged launch runs d=64's trimmed wide tiling, whose trim then
+// skips nothing), two kernels per (dtype, head dim) instead of three.
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90Paged(const FlashParams& params, cudaStream_t stream) {
+  return RunFlashFwdSm90Tilings<Sm90PagedTraits<Sm90MaskedWideTraits<D, T>>,
+                                Sm90PagedTraits<Sm90NarrowTraits<D, T>>>(params, stream);
 }
 
 }  // namespace attn::kernels::cuda

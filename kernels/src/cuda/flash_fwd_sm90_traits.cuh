@@ -60,6 +60,9 @@ struct Sm90TraitsBase {
   // the MUFU: an experiment of bench/sm90_timeline (H200: 0.81-0.95x, the more the slower, at
   // every head dim), 0 in every dispatched tiling.
   static constexpr int kFmaExp2Of8 = 0;
+  // K and V read through the page table (FlashParams::page_*) instead of contiguous rows
+  // (Sm90PagedTraits).
+  static constexpr bool kPaged = false;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
@@ -164,6 +167,40 @@ struct Sm90TrimmedWideTraits : Sm90WideTraits<D, T> {
 template <int D, typename T>
 using Sm90MaskedWideTraits =
     std::conditional_t<D == 64, Sm90TrimmedWideTraits<D, T>, Sm90WideTraits<D, T>>;
+
+// A tiling reading K and V from page pools (Sm90ProducePaged): the producer's whole first warp
+// loads, each lane a chunk of rows of one page (more registers for it: 32 instead of 24 where two
+// consumer warpgroups take 240, which still fills the register file exactly), and one more
+// mbarrier (kTailBarOff) stages the V chunk that holds the sequence's last key.
+template <typename Tr>
+struct Sm90PagedTraits : Tr {
+  static constexpr bool kPaged = true;
+  static constexpr int kProducerRegs = 32;
+  static constexpr uint32_t kTailBarOff = Tr::kSmemBytes;
+  static constexpr uint32_t kSmemBytes = Tr::kSmemBytes + 8;
+  static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
+  static_assert(Tr::kSmemBytes % 8 == 0, "mbarrier alignment");
+  static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
+  static_assert(128 * (kProducerRegs + Tr::kConsumerWGs * Tr::kConsumerRegs) <= 65536, "register file");
+};
+
+// Rows per TMA box of a paged K/V tile (Sm90ProducePaged): a common divisor of the page size and
+// the key tile, a multiple of 8 (whole 1024-byte swizzle atoms; the page size must be a multiple
+// of 8) and at most 64, so that the V chunk holding a sequence's last key has few rows to clear.
+constexpr int Sm90PagedBoxRows(int page_size, int block_n) {
+  int a = page_size, b = block_n;
+  while (b != 0) {
+    const int r = a % b;
+    a = b;
+    b = r;
+  }
+  while (a > 64) a /= 2;
+  return a;
+}
+static_assert(Sm90PagedBoxRows(16, 128) == 16 && Sm90PagedBoxRows(256, 128) == 64 &&
+                  Sm90PagedBoxRows(64, 80) == 16 && Sm90PagedBoxRows(80, 80) == 40 &&
+                  Sm90PagedBoxRows(24, 128) == 8,
+              "box rows");
 
 // Launches with many tiles (where no tiling estimate is made) use the narrow tiling for causal (or
 // right-windowed) problems with at most this many queries.

@@ -27,7 +27,7 @@ struct FlashParams {
 
   int32_t batch = 0;
   int32_t total_q = 0;
-  int32_t total_k = 0;
+  int32_t total_k = 0;  // paged K/V: rows of each page pool (num_pages * page_size)
   int32_t max_seqlen_q = 0;
   int32_t max_seqlen_k = 0;
   int32_t num_heads = 0;
@@ -64,9 +64,13 @@ cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream);
 // The same kernel reading K/V through the page table (instantiations/flash_fwd_paged_*.cu).
 template <typename T, int D>
 cudaError_t RunFlashFwdPaged(const FlashParams& params, cudaStream_t stream);
-// The sm_90a kernel (wgmma + TMA, instantiations/flash_fwd_sm90_*.cu), contiguous K/V only, head
-// dims 64, 128 and 256; rows of q, k and v 16-byte aligned.
+// The sm_90a kernel (wgmma + TMA, instantiations/flash_fwd_sm90_*.cu), head dims 64, 128 and 256;
+// rows of q, k and v 16-byte aligned.
 template <typename T, int D>
 cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream);
+// The same kernel reading K/V through the page table (instantiations/flash_fwd_sm90_paged_*.cu);
+// page_size a multiple of 8.
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90Paged(const FlashParams& params, cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

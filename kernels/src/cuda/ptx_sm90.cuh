@@ -70,6 +70,11 @@ __device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes
   cp::mbarrier_arrive_expect_tx(cp::sem_release, cp::scope_cta, cp::space_shared, bar, bytes);
 }
 
+// Adds transaction bytes to the current phase without arriving (the arrival comes later).
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  cp::mbarrier_expect_tx(cp::sem_relaxed, cp::scope_cta, cp::space_shared, bar, bytes);
+}
+
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) { cp::mbarrier_arrive(bar); }
 
 // Blocks until the phase of `bar` with the given parity has completed.

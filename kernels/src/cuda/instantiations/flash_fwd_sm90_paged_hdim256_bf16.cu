@@ -1,0 +1,6 @@
+// One explicit instantiation: sm_90a flash forward over paged K/V, head dim 256, bf16.
+#include "../flash_fwd_sm90_launch.cuh"
+
+namespace attn::kernels::cuda {
+template cudaError_t RunFlashFwdSm90Paged<__nv_bfloat16, 256>(const FlashParams&, cudaStream_t);
+}  // namespace attn::kernels::cuda
