@@ -257,25 +257,26 @@ struct Sm90PagedLoad {
 };
 
 // Paged K/V: the pool row where chunk `lane` (P.kv_box_rows rows, all in one page) of key tile nb
-// starts; a row below the pool (the box is then all zeros, read from nowhere) for a chunk past
-// the sequence's keys or past the tile.
+// starts, for a chunk that holds keys of the sequence (0 for the others, which are not loaded).
 template <typename Tr>
 __device__ __forceinline__ int Sm90PagedChunkRow(const FlashParams& p, const Sm90Tile& t, int nb,
                                                  int rows, int lane) {
   const int j0 = nb * Tr::kBlockN + lane * rows;
-  if (lane * rows >= Tr::kBlockN || j0 >= t.s_k) return -rows;
+  if (lane * rows >= Tr::kBlockN || j0 >= t.s_k) return 0;
   const int page = p.page_shift >= 0 ? j0 >> p.page_shift : j0 / p.page_size;
   return __ldg(p.page_indices + t.k_start + page) * p.page_size + (j0 - page * p.page_size);
 }
 
 // Producer, one tile, paged K/V: all 32 lanes of the producer warp. Lane 0 loads Q; for each key
 // tile, lane c loads chunk c of K and of V (one TMA box of P.kv_box_rows rows per 64-column slab;
-// the chunk's page number was read a tile ahead). The chunk that holds the sequence's last key
-// may end in rows past it: the unused rows of the last page, whose bytes are anything (NaN
-// too). K's are masked (the scores are set to -inf), but V's would meet P = 0 in P V, and
-// 0 * NaN is NaN: that chunk of V lands on the tail barrier, the warp waits for it, zeroes the
-// rows past the last key, and only then completes V's "full" phase (whose other boxes count
-// against the transaction bytes as usual). Chunks wholly past the last key load zeros.
+// the chunk's page number was read a tile ahead), for the chunks that hold keys of the sequence.
+// The tile holding the sequence's last key ("tail") ends in rows past it: in its last loaded
+// chunk, the unused rows of the last page, whose bytes are anything (NaN too); past that chunk,
+// whatever the stage held. K's are masked (their scores are set to -inf), but V's would meet
+// P = 0 in P V, and 0 * NaN is NaN. So in a tail tile V's chunk with the last key lands on the
+// tail barrier, the warp waits for it, writes zeros over every row past the last key, and only
+// then arrives on V's "full" barrier (whose transaction bytes are those of the other chunks).
+// No box is issued wholly outside the sequence's keys.
 template <typename Tr>
 __device__ __forceinline__ void Sm90ProducePaged(const Sm90Params& P, const Sm90Tile& t, int h,
                                                  uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
@@ -285,7 +286,6 @@ __device__ __forceinline__ void Sm90ProducePaged(const Sm90Params& P, const Sm90
   const int hk = h / P.p.heads_per_kv;
   const int lane = pl.lane;
   const int rows = P.kv_box_rows;
-  const bool loads = lane * rows < BN;
   const uint32_t chunk_bytes = uint32_t(rows) * 128 * Tr::kSlabs;
   if (lane == 0) {
     ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
@@ -296,10 +296,15 @@ __device__ __forceinline__ void Sm90ProducePaged(const Sm90Params& P, const Sm90
   for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
     const int st = ring.st;
     const int row_next = nb > t.nb_min ? Sm90PagedChunkRow<Tr>(P.p, t, nb - 1, rows, lane) : 0;
+    const int keys = t.s_k - nb * BN;  // > 0: a visited tile holds keys
+    const bool tail = keys < BN;
+    const int chunks = tail ? (keys + rows - 1) / rows : BN / rows;  // chunks with keys
+    const int last_part = tail && keys % rows != 0 ? chunks - 1 : -1;  // the chunk on the tail barrier
+    const bool loads = lane < chunks;
     uint8_t* k_dst = smem + Tr::kKOff + st * Tr::kKVBytes + lane * rows * 128;
     uint8_t* v_tile = smem + Tr::kVOff + st * Tr::kKVBytes;
     ptx::MbarWait(bars.EmptyK(st), ring.phase ^ 1);
-    if (lane == 0) ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKVBytes);
+    if (lane == 0) ptx::MbarArriveExpectTx(bars.FullK(st), uint32_t(chunks) * chunk_bytes);
     __syncwarp();
     if (loads) {
 #pragma unroll
@@ -307,35 +312,34 @@ __device__ __forceinline__ void Sm90ProducePaged(const Sm90Params& P, const Sm90
         ptx::TmaLoad4d(k_dst + k * BN * 128, &P.tk, 0, row, k, hk, bars.FullK(st));
       }
     }
-    const int keys = t.s_k - nb * BN;  // > 0: a visited tile holds keys
-    const int tail_chunk = keys < BN && keys % rows != 0 ? keys / rows : -1;
     ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
     if (lane == 0) {
-      if (tail_chunk < 0) {
+      if (!tail) {
         ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
       } else {
-        ptx::MbarExpectTx(bars.FullV(st), Tr::kKVBytes - chunk_bytes);
-        ptx::MbarArriveExpectTx(pl.tail_bar, chunk_bytes);
+        ptx::MbarExpectTx(bars.FullV(st), uint32_t(chunks - (last_part >= 0)) * chunk_bytes);
+        if (last_part >= 0) ptx::MbarArriveExpectTx(pl.tail_bar, chunk_bytes);
       }
     }
     __syncwarp();
     if (loads) {
-      uint64_t* bar = lane == tail_chunk ? pl.tail_bar : bars.FullV(st);
+      uint64_t* bar = lane == last_part ? pl.tail_bar : bars.FullV(st);
 #pragma unroll
       for (int k = 0; k < Tr::kSlabs; ++k) {
         ptx::TmaLoad4d(v_tile + lane * rows * 128 + k * BN * 128, &P.tv, 0, row, k, hk, bar);
       }
     }
-    if (tail_chunk >= 0) {
-      ptx::MbarWait(pl.tail_bar, pl.tail_phase);
-      pl.tail_phase ^= 1;
-      // 16-byte pieces of the rows [keys, end of the chunk), every slab (a zero row needs no
-      // swizzle).
-      const int pieces = ((tail_chunk + 1) * rows - keys) * Tr::kSlabs * 8;
+    if (tail) {
+      if (last_part >= 0) {
+        ptx::MbarWait(pl.tail_bar, pl.tail_phase);
+        pl.tail_phase ^= 1;
+      }
+      // 16-byte pieces of the rows [keys, BN), every slab (a zero row needs no swizzle).
+      const int pieces = (BN - keys) * Tr::kSlabs * 8;
       for (int i = lane; i < pieces; i += 32) {
         const int rs = i >> 3;
-        *reinterpret_cast<uint4*>(v_tile + (rs % Tr::kSlabs) * BN * 128 + (keys + rs / Tr::kSlabs) * 128 +
-                                  (i & 7) * 16) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(v_tile + (rs % Tr::kSlabs) * BN * 128 +
+                                  (keys + rs / Tr::kSlabs) * 128 + (i & 7) * 16) = make_uint4(0, 0, 0, 0);
       }
       ptx::FenceProxyAsyncShared();
       __syncwarp();

@@ -169,19 +169,18 @@ using Sm90MaskedWideTraits =
     std::conditional_t<D == 64, Sm90TrimmedWideTraits<D, T>, Sm90WideTraits<D, T>>;
 
 // A tiling reading K and V from page pools (Sm90ProducePaged): the producer's whole first warp
-// loads, each lane a chunk of rows of one page (more registers for it: 32 instead of 24 where two
-// consumer warpgroups take 240, which still fills the register file exactly), and one more
-// mbarrier (kTailBarOff) stages the V chunk that holds the sequence's last key.
+// loads, each lane a chunk of rows of one page, and one more mbarrier (kTailBarOff) stages the V
+// chunk that holds the sequence's last key. The register split stays the tiling's: setmaxnreg
+// moves registers within the CTA's launch allocation (384 threads x 168 = 128 x (24 + 2 x 240)),
+// so two consumer warpgroups at 240 leave the producer 24.
 template <typename Tr>
 struct Sm90PagedTraits : Tr {
   static constexpr bool kPaged = true;
-  static constexpr int kProducerRegs = 32;
   static constexpr uint32_t kTailBarOff = Tr::kSmemBytes;
   static constexpr uint32_t kSmemBytes = Tr::kSmemBytes + 8;
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
   static_assert(Tr::kSmemBytes % 8 == 0, "mbarrier alignment");
   static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
-  static_assert(128 * (kProducerRegs + Tr::kConsumerWGs * Tr::kConsumerRegs) <= 65536, "register file");
 };
 
 // Rows per TMA box of a paged K/V tile (Sm90ProducePaged): a common divisor of the page size and
