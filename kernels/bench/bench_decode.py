@@ -156,7 +156,7 @@ def prefill_point(lib, C, Pc, D, ppages, args, gen, dev, dt):
     for ps in ppages:
         pk, pv, indptr, indices, seqlens, npg = paged_copy(k, v, ps, gen)
         wsp, _ = workspace_of(lib, 1, C, 0, C, L, D, dev, ps, npg)
-        for g, key in ((0, f"page{ps}"), (1, f"page{ps}_g1")):
+        for g, key in ((0, f"page{ps}"), (1, f"page{ps}_g1"), (2, f"page{ps}_g2")):
             if g and not has_gen:
                 continue
             call = lambda g=g: run_args(lib, q, pk, pv, o, cu_q, None, 1, C, 0, C, L, D, True, wsp,
@@ -195,6 +195,7 @@ def prefill_point(lib, C, Pc, D, ppages, args, gen, dev, dt):
     f = lambda x: f"{x:.1f}" if x is not None else "n/a"
     print(f"prefill d={D} chunk {C} over {Pc}: contig {f(row['contig'])} "
           + " ".join(f"page{ps} {f(row.get(f'page{ps}'))} (g1 {f(row.get(f'page{ps}_g1'))}, "
+                     f"g2 {f(row.get(f'page{ps}_g2'))}, "
                      f"err {row.get(f'page{ps}_err', float('nan')):.1e})" for ps in ppages)
           + f" torch {f(row['flash'])} TFLOP/s", flush=True)
     return row
@@ -406,27 +407,28 @@ def main():
                      f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
                      " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
                      f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
-    gens = [g for g in ("g1",) if any(r["kind"] == "prefill" and f"page{ppages[0]}_g1" in r for r in rows)] \
-        if ppages else []
+    # Forced generations measured (libraries with attn_run_gen): g1, g2.
+    gens = [g for g in ("g1", "g2")
+            if ppages and any(r["kind"] == "prefill" and f"page{ppages[0]}_{g}" in r for r in rows)]
     lines += ["", "Chunked prefill, batch 1, GQA 32/8, bf16, causal (bottom-right): TFLOP/s. contig: "
-              "the forward kernel Run picks on contiguous K/V (generation 2 on Hopper); pageN: Run's "
-              "choice on pages of N tokens in shuffled order; pageN g1: generation 1 forced. All with "
-              "the workspace (generation 2's tile counter).", "",
+              "the forward kernel the plan picks on contiguous K/V (generation 2 on Hopper); pageN: "
+              "the plan's choice on pages of N tokens in shuffled order; pageN g1 / g2: generation 1 "
+              "/ 2 forced. All with the workspace (generation 2's tile counter).", "",
               "| d | chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
-              "".join(f" | page{ps} g1" for ps in ppages for _ in gens) + " | " +
+              "".join(f" | page{ps} {g}" for ps in ppages for g in gens) + " | " +
               " | ".join(f"page{ps}/contig" for ps in ppages) +
-              "".join(f" | page{ps} g1/contig" for ps in ppages for _ in gens) +
+              "".join(f" | page{ps} {g}/contig" for ps in ppages for g in gens) +
               " | torch SDPA (lower-right bias) | torch backend | err vs torch | max err page vs contig |",
               "|---" * (8 + 2 * len(ppages) * (1 + len(gens))) + "|"]
     for r in rows:
         if r["kind"] != "prefill":
             continue
-        perr = max((r[f"page{ps}_err"] for ps in ppages), default=float("nan"))
+        perr = max((r[k] for k in r if k.startswith("page") and k.endswith("_err")), default=float("nan"))
         lines.append(f"| {r['D']} | {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
                      " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) +
-                     "".join(f" | {f2(r.get(f'page{ps}_g1'))}" for ps in ppages for _ in gens) + " | " +
+                     "".join(f" | {f2(r.get(f'page{ps}_{g}'))}" for ps in ppages for g in gens) + " | " +
                      " | ".join(r3(r[f'page{ps}'], r['contig']) for ps in ppages) +
-                     "".join(f" | {r3(r.get(f'page{ps}_g1'), r['contig'])}" for ps in ppages for _ in gens) +
+                     "".join(f" | {r3(r.get(f'page{ps}_{g}'), r['contig'])}" for ps in ppages for g in gens) +
                      f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} | {perr:.1e} |")
     if any(r["kind"] == "steps" for r in rows):
         lines += ["", f"Multi-token steps over paged caches (pages of {args.steps_page}, shuffled), GQA "
