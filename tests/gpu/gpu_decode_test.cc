@@ -59,6 +59,9 @@ struct Case {
   // compiled for sm_90a, a page size that is not a multiple of 8).
   FwdGeneration gen = FwdGeneration::kAuto;
   bool no_workspace = false;  // run without the workspace (generation 2: its fixed tile order)
+  // > 0: planned with PlanOptions::decode_splits (MakePlan, then Run with the plan), which the plan
+  // must take; 0: Run's own plan (Run(args, workspace, stream[, gen])).
+  int decode_splits = 0;
   uint64_t seed = 1;
 };
 
@@ -250,13 +253,24 @@ void RunAndCheck(Case c) {
     // the forward shapes).
     EXPECT_TRUE(st2.ok()) << st2.message();
   }
-  const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);
+  attn::kernels::cuda::PlanOptions options;
+  options.generation = c.gen;
+  options.decode_splits = c.decode_splits;
+  attn::kernels::cuda::Plan plan;
+  const attn::kernels::Status ps_st = attn::kernels::cuda::MakePlan(a, options, &plan);
+  ASSERT_TRUE(ps_st.ok()) << ps_st.message();
+  if (c.decode_splits > 0) {
+    ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
+    EXPECT_EQ(plan.decode_splits, std::min(c.decode_splits, 64));
+  }
+  const size_t ws_bytes = c.decode_splits > 0 ? plan.workspace_bytes : attn::kernels::cuda::WorkspaceBytes(a);
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
   ASSERT_EQ(cudaMemset(dws.ptr, 0xFF, ws_bytes == 0 ? 1 : ws_bytes), cudaSuccess);
   void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
-  const cudaError_t err = c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
-                                                        : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
+  const cudaError_t err = c.decode_splits > 0       ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
+                          : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
+                                                          : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -412,6 +426,27 @@ TEST(GpuDecodeSplits, LengthsAroundSplitBoundaries) {
       c.len_q = {1};
       c.len_k = {len};
       c.expect_decode = 1;
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
+  }
+}
+
+// The plan's split count forced (PlanOptions::decode_splits): no split, a few, more than the rule
+// picks and past the cap (64), contiguous and paged; the partials are poisoned first.
+TEST(GpuDecodeSplits, SplitsForcedByThePlanOptions) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16}) {
+    for (int splits : {1, 3, 40, 100}) {
+      Case c;
+      c.head_dim = 128;
+      c.num_heads = 32;
+      c.num_kv_heads = 8;
+      c.page_size = page;
+      c.len_q = {1, 2};
+      c.len_k = {4097, 1000};
+      c.causal = true;
+      c.decode_splits = splits;
       c.seed = NextSeed();
       RunAndCheck(c);
     }
