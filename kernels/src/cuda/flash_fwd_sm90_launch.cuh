@@ -1,6 +1,8 @@
-// Host side of the sm_90a forward kernel: TMA tensor maps (encoded through the driver entry point
-// the runtime hands out, so nothing links libcuda) and the launch. Explicitly instantiated once
-// per (dtype, head dim) in instantiations/flash_fwd_sm90_*.cu.
+// Host side of the sm_90a forward kernel: its plan (the tiling by Sm90TilingCost, the row cut, L2
+// groups and tile order, from host-known values: PlanFlashFwdSm90), TMA tensor maps (encoded
+// through the driver entry point the runtime hands out, so nothing links libcuda) and the launch
+// of a plan (RunFlashFwdSm90). Explicitly instantiated once per (dtype, head dim) and K/V layout in
+// instantiations/flash_fwd_sm90_*.cu.
 #pragma once
 
 #include <cuda.h>
