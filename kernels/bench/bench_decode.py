@@ -10,9 +10,12 @@ Decode: GQA 32/8, d=128, bf16, one query token per sequence, batch x cache as in
   Inputs are rotated over enough copies that K+V of one launch is never L2-resident from the
   previous launch (>= 4x the L2 over the copies), for every implementation alike.
 Chunked prefill: a chunk of C queries over P cached keys plus the chunk (s_k = P + C, causal,
-  bottom-right aligned), batch 1, 32/8 heads, d=128: ours paged vs ours contiguous (the forward
-  kernel), and torch flash with a lower-right causal bias where it runs. TFLOP/s with FLOPs
-  4 * H * D * sum over queries of keys seen.
+  bottom-right aligned), batch 1, 32/8 heads, d in --prefill-dims: ours paged (pages shuffled, the
+  last one padded with NaN; Run's choice, and generation 1 forced) vs ours contiguous (the forward
+  kernel), all with the workspace, and torch flash with a lower-right causal bias where it runs.
+  TFLOP/s with FLOPs 4 * H * D * sum over queries of keys seen.
+Multi-token steps (--steps BxQxL): B sequences of Q queries over L cached keys, paged: the decode
+  kernel (Run's choice for Q <= 16) against the generation-2 forward kernel forced.
 Times: CUDA events around N back-to-back launches (N so that one timing covers >= --min-ms),
   divided by N; median of --reps timings after warm-up.
 """
@@ -38,6 +41,11 @@ def load(path):
                                                         ctypes.c_size_t]
     lib.attn_workspace_bytes.restype = ctypes.c_size_t
     lib.attn_workspace_bytes.argtypes = [I] * 11
+    try:  # libraries built before attn_run_gen have only Run's own choice
+        lib.attn_run_gen.restype = I
+        lib.attn_run_gen.argtypes = lib.attn_run.argtypes + [I]
+    except AttributeError:
+        pass
     return lib
 
 
@@ -87,15 +95,172 @@ def paged_pool(kc, b, L, ps, gen):
     return pool, indptr, indices, seqlens, npg
 
 
+H, HKV = 32, 8
+
+
+def run_args(lib, q, k, v, o, cu_q, cu_k, b, tq, tk, mq, mk, D, causal, ws, stream, paged=None,
+             gen=0):
+    """One attn_run (gen 0) or attn_run_gen call; raises on a non-zero return."""
+    ps, npg, indptr, indices, seqlens = paged if paged else (0, 0, None, None, None)
+    a = [2, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None, cu_q.data_ptr(),
+         cu_k.data_ptr() if cu_k is not None else None, b, tq, tk, mq, mk, H, HKV, D, 0.0,
+         int(causal), -1, -1, ps, npg, indptr.data_ptr() if paged else None,
+         indices.data_ptr() if paged else None, seqlens.data_ptr() if paged else None,
+         ws.data_ptr() if ws is not None else None, stream]
+    rc = lib.attn_run(*a) if gen == 0 else lib.attn_run_gen(*a, gen)
+    if rc != 0:
+        raise RuntimeError(f"attn_run returned {rc}")
+
+
+def workspace_of(lib, b, tq, tk, mq, mk, D, dev, ps=0, npg=0):
+    n = lib.attn_workspace_bytes(2, b, tq, tk, mq, mk, H, HKV, D, ps, npg)
+    return torch.empty(max(n, 16), dtype=torch.uint8, device=dev), n
+
+
+def paged_copy(k, v, ps, gen):
+    """K and V [L, HKV, D] as page pools of ps tokens in shuffled order (the last page padded with
+    NaN), with the table: (pool_k, pool_v, indptr, indices, seqlens, num_pages)."""
+    L = k.shape[0]
+    Lp = (L + ps - 1) // ps * ps
+    kp = torch.full((Lp,) + tuple(k.shape[1:]), float("nan"), device=k.device, dtype=k.dtype)
+    vp = torch.full_like(kp, float("nan"))
+    kp[:L] = k
+    vp[:L] = v
+    pool_k, indptr, indices, _, npg = paged_pool(kp, 1, Lp, ps, gen)
+    pool_v = torch.empty_like(pool_k)
+    pool_v[indices.long()] = vp.view(pool_v.shape)
+    seqlens = torch.tensor([L], device=k.device, dtype=torch.int32)
+    return pool_k, pool_v, indptr, indices, seqlens, npg
+
+
+def prefill_point(lib, C, Pc, D, ppages, args, gen, dev, dt):
+    """One chunk of C queries over Pc cached keys, head dim D: contiguous, paged (Run's choice and
+    generation 1 forced) and torch; TFLOP/s and errors."""
+    stream = torch.cuda.current_stream().cuda_stream
+    L = Pc + C
+    q = torch.randn(C, H, D, device=dev, dtype=dt)
+    k = torch.randn(L, HKV, D, device=dev, dtype=dt)
+    v = torch.randn(L, HKV, D, device=dev, dtype=dt)
+    o = torch.full_like(q, float("nan"))
+    cu_q = torch.tensor([0, C], device=dev, dtype=torch.int32)
+    cu_k = torch.tensor([0, L], device=dev, dtype=torch.int32)
+    flops = 4.0 * H * D * (C * Pc + C * (C + 1) / 2)
+    ws, _ = workspace_of(lib, 1, C, L, C, L, D, dev)
+    res = {}
+    contig = lambda: run_args(lib, q, k, v, o, cu_q, cu_k, 1, C, L, C, L, D, True, ws, stream)
+    res["contig"] = time_ms(contig, args.warmup, args.reps, args.min_ms)
+    contig()
+    torch.cuda.synchronize()
+    ours_o = o.float().clone()
+    has_gen = hasattr(lib, "attn_run_gen")
+    for ps in ppages:
+        pk, pv, indptr, indices, seqlens, npg = paged_copy(k, v, ps, gen)
+        wsp, _ = workspace_of(lib, 1, C, 0, C, L, D, dev, ps, npg)
+        for g, key in ((0, f"page{ps}"), (1, f"page{ps}_g1"), (2, f"page{ps}_g2")):
+            if g and not has_gen:
+                continue
+            call = lambda g=g: run_args(lib, q, pk, pv, o, cu_q, None, 1, C, 0, C, L, D, True, wsp,
+                                        stream, (ps, npg, indptr, indices, seqlens), g)
+            res[key] = time_ms(call, args.warmup, args.reps, args.min_ms)
+            o.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            res[key + "_err"] = ((o.float() - ours_o).norm() / ours_o.norm()).item()
+        del pk, pv
+    qt = q.view(1, C, H, D).transpose(1, 2)
+    kt = k.view(1, L, HKV, D).transpose(1, 2)
+    vt = v.view(1, L, HKV, D).transpose(1, 2)
+    res["flash"] = None
+    res["err"] = float("nan")
+    res["torch_be"] = "n/a"
+    from torch.nn.attention.bias import causal_lower_right
+    bias = causal_lower_right(C, L)
+    for be_name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                        ("mem-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
+                res["flash"] = time_ms(lambda: F.scaled_dot_product_attention(
+                    qt, kt, vt, attn_mask=bias, enable_gqa=True), args.warmup, args.reps,
+                    args.min_ms)
+            ref = out.transpose(1, 2).reshape(C, H, D).float()
+            res["err"] = ((ours_o - ref).norm() / ref.norm()).item()
+            res["torch_be"] = be_name
+            break
+        except Exception as e:
+            print(f"# torch {be_name} lower-right causal failed for {C}x{Pc}: {e}", file=sys.stderr)
+    tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
+    row = dict(kind="prefill", C=C, P=Pc, D=D,
+               **{k2: (tf(v2) if not k2.endswith(("err", "_be")) else v2) for k2, v2 in res.items()})
+    f = lambda x: f"{x:.1f}" if x is not None else "n/a"
+    print(f"prefill d={D} chunk {C} over {Pc}: contig {f(row['contig'])} "
+          + " ".join(f"page{ps} {f(row.get(f'page{ps}'))} (g1 {f(row.get(f'page{ps}_g1'))}, "
+                     f"g2 {f(row.get(f'page{ps}_g2'))}, "
+                     f"err {row.get(f'page{ps}_err', float('nan')):.1e})" for ps in ppages)
+          + f" torch {f(row['flash'])} TFLOP/s", flush=True)
+    return row
+
+
+def steps_point(lib, b, nq, L, ps, args, gen, dev, dt):
+    """b sequences of nq new queries over L cached keys each (causal), paged: the decode kernel
+    (Run's choice) against generation 2 forced; microseconds and TB/s of K+V."""
+    stream = torch.cuda.current_stream().cuda_stream
+    D = 128
+    Lt = L + nq
+    q = torch.randn(b * nq, H, D, device=dev, dtype=dt)
+    k = torch.randn(b * Lt, HKV, D, device=dev, dtype=dt)
+    v = torch.randn(b * Lt, HKV, D, device=dev, dtype=dt)
+    o = torch.full_like(q, float("nan"))
+    Lp = (Lt + ps - 1) // ps * ps
+    kpad = torch.zeros(b * Lp, HKV, D, device=dev, dtype=dt)
+    vpad = torch.zeros_like(kpad)
+    for i in range(b):
+        kpad[i * Lp:i * Lp + Lt] = k[i * Lt:(i + 1) * Lt]
+        vpad[i * Lp:i * Lp + Lt] = v[i * Lt:(i + 1) * Lt]
+    pool_k, indptr, indices, _, npg = paged_pool(kpad, b, Lp, ps, gen)
+    pool_v = torch.empty_like(pool_k)
+    pool_v[indices.long()] = vpad.view(pool_v.shape)
+    seqlens = torch.full((b,), Lt, dtype=torch.int32, device=dev)
+    cu_q = (torch.arange(b + 1, device=dev, dtype=torch.int32) * nq).contiguous()
+    ws, _ = workspace_of(lib, b, b * nq, 0, nq, Lt, D, dev, ps, npg)
+    paged = (ps, npg, indptr, indices, seqlens)
+    res = {}
+    outs = {}
+    for g, key in ((0, "decode"), (2, "gen2")):
+        if g and not hasattr(lib, "attn_run_gen"):
+            res[key] = None
+            continue
+        call = lambda g=g: run_args(lib, q, pool_k, pool_v, o, cu_q, None, b, b * nq, 0, nq, Lt, D,
+                                    True, ws, stream, paged, g)
+        res[key] = time_ms(call, args.warmup, args.reps, args.min_ms)
+        o.fill_(float("nan"))
+        call()
+        torch.cuda.synchronize()
+        outs[key] = o.float().clone()
+    err = ((outs["gen2"] - outs["decode"]).norm() / outs["decode"].norm()).item() \
+        if "gen2" in outs else float("nan")
+    kv = 2.0 * b * Lt * HKV * D * 2
+    tb = lambda t: kv / (t * 1e-3) / 1e12 if t else None
+    row = dict(kind="steps", b=b, nq=nq, L=L, decode_us=res["decode"] * 1e3,
+               gen2_us=res["gen2"] * 1e3 if res["gen2"] else None, decode_tb=tb(res["decode"]),
+               gen2_tb=tb(res["gen2"]), err=err)
+    print(f"steps {b}x{nq}x{L}: decode {row['decode_us']:.1f} us, gen2 "
+          f"{row['gen2_us'] if row['gen2_us'] else float('nan'):.1f} us, err {err:.1e}", flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--decode", default="1x4096,16x4096,64x4096,16x32768,128x8192")
     ap.add_argument("--pages", default="16,64")
-    ap.add_argument("--prefill", default="512x8192,2048x8192,512x32768,2048x32768",
+    ap.add_argument("--prefill", default="512x4096,2048x4096,512x32768,2048x32768",
                     help="CHUNKxCACHED list for chunked prefill")
     ap.add_argument("--prefill-pages", default="16,64")
+    ap.add_argument("--prefill-dims", default="128", help="head dims of the chunked prefill points")
+    ap.add_argument("--steps", default="", help="BATCHxQUERIESxCACHED list of multi-token steps")
+    ap.add_argument("--steps-page", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--min-ms", type=float, default=20.0)
@@ -104,7 +269,7 @@ def main():
     lib = load(args.lib)
     dev = torch.device("cuda")
     dt = torch.bfloat16
-    H, HKV, D = 32, 8, 128
+    D = 128
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     stream = torch.cuda.current_stream().cuda_stream
@@ -131,6 +296,8 @@ def main():
 
     # ---------------- decode ----------------
     for item in args.decode.split(","):
+        if not item:
+            continue
         b, L = (int(x) for x in item.split("x"))
         kv_bytes = 2 * b * L * HKV * D * 2
         copies = max(1, min(16, math.ceil(4 * l2 / kv_bytes)))
@@ -205,72 +372,18 @@ def main():
 
     # ---------------- chunked prefill ----------------
     ppages = [int(x) for x in args.prefill_pages.split(",") if x]
-    for item in args.prefill.split(","):
-        if not item:
-            continue
-        C, Pc = (int(x) for x in item.split("x"))
-        L = Pc + C
-        q = torch.randn(C, H, D, device=dev, dtype=dt)
-        k = torch.randn(L, HKV, D, device=dev, dtype=dt)
-        v = torch.randn(L, HKV, D, device=dev, dtype=dt)
-        o = torch.full_like(q, float("nan"))
-        cu_q = torch.tensor([0, C], device=dev, dtype=torch.int32)
-        cu_k = torch.tensor([0, L], device=dev, dtype=torch.int32)
-        flops = 4.0 * H * D * (C * Pc + C * (C + 1) / 2)
-        res = {}
-        res["contig"] = time_ms(lambda: run_ours(q, k, v, o, cu_q, cu_k, 1, C, L, C, L, True, None),
-                                args.warmup, args.reps, args.min_ms)
-        run_ours(q, k, v, o, cu_q, cu_k, 1, C, L, C, L, True, None)
-        torch.cuda.synchronize()
-        ours_o = o.float().clone()
-        for ps in ppages:
-            Lp = (L + ps - 1) // ps * ps
-            kp = torch.zeros(Lp, HKV, D, device=dev, dtype=dt)
-            vp = torch.zeros(Lp, HKV, D, device=dev, dtype=dt)
-            kp[:L] = k
-            vp[:L] = v
-            pool_k, indptr, indices, _, npg = paged_pool(kp, 1, Lp, ps, gen)
-            pool_v = torch.empty_like(pool_k)
-            pool_v[indices.long()] = vp.view(pool_v.shape)
-            seqlens = torch.tensor([L], device=dev, dtype=torch.int32)
-            call = lambda: run_ours(q, pool_k, pool_v, o, cu_q, None, 1, C, 0, C, L, True, None,
-                                    (ps, npg, indptr, indices, seqlens))
-            res[f"page{ps}"] = time_ms(call, args.warmup, args.reps, args.min_ms)
-            o.fill_(float("nan"))
-            call()
-            torch.cuda.synchronize()
-            res[f"page{ps}_err"] = ((o.float() - ours_o).norm() / ours_o.norm()).item()
-        qt = q.view(1, C, H, D).transpose(1, 2)
-        kt = k.view(1, L, HKV, D).transpose(1, 2)
-        vt = v.view(1, L, HKV, D).transpose(1, 2)
-        res["flash"] = None
-        res["err"] = float("nan")
-        res["torch_be"] = "n/a"
-        from torch.nn.attention.bias import causal_lower_right
-        bias = causal_lower_right(C, L)
-        for be_name, be in (("flash", SDPBackend.FLASH_ATTENTION),
-                            ("mem-efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            try:
-                with sdpa_kernel(be):
-                    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
-                    res["flash"] = time_ms(lambda: F.scaled_dot_product_attention(
-                        qt, kt, vt, attn_mask=bias, enable_gqa=True), args.warmup, args.reps,
-                        args.min_ms)
-                ref = out.transpose(1, 2).reshape(C, H, D).float()
-                res["err"] = ((ours_o - ref).norm() / ref.norm()).item()
-                res["torch_be"] = be_name
-                break
-            except Exception as e:
-                print(f"# torch {be_name} lower-right causal failed for {item}: {e}", file=sys.stderr)
-        tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
-        row = dict(kind="prefill", C=C, P=Pc, **{k2: (tf(v2) if not k2.endswith(("err", "_be")) else v2)
-                                                for k2, v2 in res.items()})
-        rows.append(row)
-        f = lambda x: f"{x:.1f}" if x is not None else "n/a"
-        print(f"prefill chunk {C} over {Pc}: contig {f(row['contig'])} "
-              + " ".join(f"page{ps} {f(row[f'page{ps}'])}" for ps in ppages)
-              + f" torch-flash {f(row['flash'])} TFLOP/s", flush=True)
-        del q, k, v, o
+    pdims = [int(x) for x in args.prefill_dims.split(",") if x]
+    items = [x for x in args.prefill.split(",") if x]
+    for D in pdims:
+        for item in items:
+            C, Pc = (int(x) for x in item.split("x"))
+            rows.append(prefill_point(lib, C, Pc, D, ppages, args, gen, dev, dt))
+            torch.cuda.empty_cache()
+
+    # ---------------- multi-token steps ----------------
+    for item in [x for x in args.steps.split(",") if x]:
+        b, nq, L = (int(x) for x in item.split("x"))
+        rows.append(steps_point(lib, b, nq, L, args.steps_page, args, gen, dev, dt))
         torch.cuda.empty_cache()
 
     # ---------------- table ----------------
@@ -294,18 +407,42 @@ def main():
                      f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
                      " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
                      f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
-    lines += ["", "Chunked prefill, batch 1, GQA 32/8, d=128, bf16, causal (bottom-right): TFLOP/s.", "",
-              "| chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
-              " | " + " | ".join(f"page{ps}/contig" for ps in ppages) +
-              " | torch SDPA (lower-right bias) | torch backend | err vs torch |",
-              "|---" * (6 + 2 * len(ppages)) + "|"]
+    # Forced generations measured (libraries with attn_run_gen): g1, g2.
+    gens = [g for g in ("g1", "g2")
+            if ppages and any(r["kind"] == "prefill" and f"page{ppages[0]}_{g}" in r for r in rows)]
+    lines += ["", "Chunked prefill, batch 1, GQA 32/8, bf16, causal (bottom-right): TFLOP/s. contig: "
+              "the forward kernel the plan picks on contiguous K/V (generation 2 on Hopper); pageN: "
+              "the plan's choice on pages of N tokens in shuffled order; pageN g1 / g2: generation 1 "
+              "/ 2 forced. All with the workspace (generation 2's tile counter).", "",
+              "| d | chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
+              "".join(f" | page{ps} {g}" for ps in ppages for g in gens) + " | " +
+              " | ".join(f"page{ps}/contig" for ps in ppages) +
+              "".join(f" | page{ps} {g}/contig" for ps in ppages for g in gens) +
+              " | torch SDPA (lower-right bias) | torch backend | err vs torch | max err page vs contig |",
+              "|---" * (8 + 2 * len(ppages) * (1 + len(gens))) + "|"]
     for r in rows:
         if r["kind"] != "prefill":
             continue
-        lines.append(f"| {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
-                     " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) + " | " +
+        perr = max((r[k] for k in r if k.startswith("page") and k.endswith("_err")), default=float("nan"))
+        lines.append(f"| {r['D']} | {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
+                     " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) +
+                     "".join(f" | {f2(r.get(f'page{ps}_{g}'))}" for ps in ppages for g in gens) + " | " +
                      " | ".join(r3(r[f'page{ps}'], r['contig']) for ps in ppages) +
-                     f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} |")
+                     "".join(f" | {r3(r.get(f'page{ps}_{g}'), r['contig'])}" for ps in ppages for g in gens) +
+                     f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} | {perr:.1e} |")
+    if any(r["kind"] == "steps" for r in rows):
+        lines += ["", f"Multi-token steps over paged caches (pages of {args.steps_page}, shuffled), GQA "
+                  "32/8, d=128, bf16, causal: us per launch and TB/s of K+V read. decode: Run's choice "
+                  "(the split-KV decode kernel for <= 16 queries); gen2: the generation-2 forward "
+                  "kernel forced.", "",
+                  "| batch x queries x cache | decode us | gen2 us | decode TB/s | gen2 TB/s | gen2/decode speed | err gen2 vs decode |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["kind"] != "steps":
+                continue
+            lines.append(f"| {r['b']} x {r['nq']} x {r['L'] // 1024}k | {r['decode_us']:.1f} | "
+                         f"{f2(r['gen2_us'])} | {r['decode_tb']:.2f} | {f2(r['gen2_tb'])} | "
+                         f"{r3(r['decode_us'], r['gen2_us'])} | {r['err']:.1e} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "w") as fh:

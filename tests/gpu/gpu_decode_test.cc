@@ -34,6 +34,7 @@ namespace {
 
 using attn::kernels::AttentionArgs;
 using attn::kernels::DType;
+using attn::kernels::cuda::FwdGeneration;
 using attn::testing::DeviceBuffer;
 using attn::testing::HeadDimCompiled;
 using attn::testing::HostTensor;
@@ -53,6 +54,14 @@ struct Case {
   bool share_prefix = false;  // sequence 1 shares sequence 0's leading full pages (paged)
   bool with_lse = true;
   int expect_decode = -1;  // 1/0: UsesDecodeKernel must say so; -1: not checked
+  // kAuto: the kernel Run picks; kGen2: the generation-2 forward kernel, forced (the case skips
+  // where CanImplementGen2 refuses for a reason the case expects: no Hopper GPU, a head dim not
+  // compiled for sm_90a, a page size that is not a multiple of 8).
+  FwdGeneration gen = FwdGeneration::kAuto;
+  bool no_workspace = false;  // run without the workspace (generation 2: its fixed tile order)
+  // > 0: planned with PlanOptions::decode_splits (MakePlan, then Run with the plan), which the plan
+  // must take; 0: Run's own plan (Run(args, workspace, stream[, gen])).
+  int decode_splits = 0;
   uint64_t seed = 1;
 };
 
@@ -61,7 +70,9 @@ std::string Describe(const Case& c) {
                   " H=" + std::to_string(c.num_heads) + " Hkv=" + std::to_string(c.num_kv_heads) +
                   (c.causal ? " causal" : "") + " win=(" + std::to_string(c.window_left) + "," +
                   std::to_string(c.window_right) + ") page=" + std::to_string(c.page_size) +
-                  (c.share_prefix ? " shared-prefix" : "") + " seed=" + std::to_string(c.seed) +
+                  (c.share_prefix ? " shared-prefix" : "") +
+                  (c.gen == FwdGeneration::kGen2 ? " gen2" : "") +
+                  (c.no_workspace ? " no-workspace" : "") + " seed=" + std::to_string(c.seed) +
                   " lq=[";
   for (int l : c.len_q) s += std::to_string(l) + ",";
   s += "] lk=[";
@@ -229,11 +240,37 @@ void RunAndCheck(Case c) {
   if (c.expect_decode >= 0) {
     EXPECT_EQ(attn::kernels::cuda::UsesDecodeKernel(a), c.expect_decode == 1);
   }
-  const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);
+  const attn::kernels::Status st2 = attn::kernels::cuda::CanImplementGen2(a);
+  if (c.gen == FwdGeneration::kGen2 && !st2.ok()) {
+    const bool expected = !attn::testing::IsHopper() || st2.message().find("not compiled") != std::string::npos ||
+                          (ps % 8 != 0 && st2.message().find("multiple of 8") != std::string::npos);
+    ASSERT_TRUE(expected) << st2.message();
+    GTEST_SKIP() << st2.message();
+  }
+  if (attn::testing::IsHopper() && ps > 0 && ps % 8 == 0 && (D == 64 || D == 128 || D == 256) &&
+      st2.message().find("not compiled") == std::string::npos) {
+    // On Hopper every paged shape with such pages has the generation-2 kernel (Run's choice for
+    // the forward shapes).
+    EXPECT_TRUE(st2.ok()) << st2.message();
+  }
+  attn::kernels::cuda::PlanOptions options;
+  options.generation = c.gen;
+  options.decode_splits = c.decode_splits;
+  attn::kernels::cuda::Plan plan;
+  const attn::kernels::Status ps_st = attn::kernels::cuda::MakePlan(a, options, &plan);
+  ASSERT_TRUE(ps_st.ok()) << ps_st.message();
+  if (c.decode_splits > 0) {
+    ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
+    EXPECT_EQ(plan.decode_splits, std::min(c.decode_splits, 64));
+  }
+  const size_t ws_bytes = c.decode_splits > 0 ? plan.workspace_bytes : attn::kernels::cuda::WorkspaceBytes(a);
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
   ASSERT_EQ(cudaMemset(dws.ptr, 0xFF, ws_bytes == 0 ? 1 : ws_bytes), cudaSuccess);
-  const cudaError_t err = attn::kernels::cuda::Run(a, ws_bytes > 0 ? dws.ptr : nullptr, nullptr);
+  void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
+  const cudaError_t err = c.decode_splits > 0       ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
+                          : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
+                                                          : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -395,6 +432,27 @@ TEST(GpuDecodeSplits, LengthsAroundSplitBoundaries) {
   }
 }
 
+// The plan's split count forced (PlanOptions::decode_splits): no split, a few, more than the rule
+// picks and past the cap (64), contiguous and paged; the partials are poisoned first.
+TEST(GpuDecodeSplits, SplitsForcedByThePlanOptions) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16}) {
+    for (int splits : {1, 3, 40, 100}) {
+      Case c;
+      c.head_dim = 128;
+      c.num_heads = 32;
+      c.num_kv_heads = 8;
+      c.page_size = page;
+      c.len_q = {1, 2};
+      c.len_k = {4097, 1000};
+      c.causal = true;
+      c.decode_splits = splits;
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
+  }
+}
+
 // ---- Empty caches, shared prefixes, non-power-of-two pages, no LSE ---------------------------
 TEST(GpuPagedDecode, EmptyCachesGiveZeroAndMinusInf) {
   SKIP_WITHOUT_GPU();
@@ -474,7 +532,8 @@ TEST(GpuDecodeRouting, DecodeShapedStatelessArgsUseDecode) {
   RunAndCheck(c);
 }
 
-// ---- Paged prefill (forward kernel through the page table): chunks over a cached prefix -------
+// ---- Paged prefill (forward kernel through the page table, the one Run picks: generation 2 on
+// Hopper for pages of a multiple of 8 rows and d = 64/128/256, else generation 1) --------------
 struct PrefillParam {
   DType dtype;
   int head_dim;
@@ -513,7 +572,7 @@ std::vector<PrefillParam> AllPrefill() {
   std::vector<PrefillParam> v;
   for (DType t : {DType::kFloat16, DType::kBFloat16})
     for (int d : {32, 64, 96, 128, 256})
-      for (int page : {16, 32, 64, 128, 24}) v.push_back({t, d, page});
+      for (int page : {16, 32, 64, 128, 24, 20}) v.push_back({t, d, page});
   return v;
 }
 
@@ -525,6 +584,130 @@ std::string PrefillName(const ::testing::TestParamInfo<PrefillParam>& info) {
 void PrintTo(const PrefillParam& p, std::ostream* os) { *os << PrefillName({p, 0}); }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuPagedPrefill, ::testing::ValuesIn(AllPrefill()), PrefillName);
+
+// ---- Paged prefill on the generation-2 kernel (forced): every page size, shuffled pages --------
+// Page sizes of the session pools (16 at the default --kv_page_tokens and 2 KiB rows; 8 to 256 for
+// other rows), and multiples of 8 that divide neither key tile (48, 80: chunks cross pages).
+struct Gen2PagedParam {
+  DType dtype;
+  int head_dim;
+  int page;
+};
+
+class GpuPagedGen2 : public ::testing::TestWithParam<Gen2PagedParam> {
+ protected:
+  Case Base() const {
+    const Gen2PagedParam& gp = GetParam();
+    Case c;
+    c.dtype = gp.dtype;
+    c.head_dim = gp.head_dim;
+    c.num_heads = 8;
+    c.num_kv_heads = 2;
+    c.page_size = gp.page;
+    c.causal = true;
+    c.gen = FwdGeneration::kGen2;
+    c.seed = NextSeed();
+    return c;
+  }
+};
+
+// Chunks of new queries over cached keys (s_k = cached + chunk), ragged, the last page partial
+// (rows past the last key are NaN in the pool), with the tile counter and without.
+TEST_P(GpuPagedGen2, ChunksOverCachedKeys) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base();
+  c.len_q = {17, 130, 64, 257, 1};
+  c.len_k = {17, 1000, 300, 777, 77};
+  RunAndCheck(c);
+  c = Base();
+  c.len_q = {200, 64, 3};
+  c.len_k = {450, 64, 129};
+  c.no_workspace = true;
+  RunAndCheck(c);
+}
+
+// Multi-token steps (2-16 queries, as speculative verification sends), empty caches, a shared
+// (forked) prefix, and one long sequence.
+TEST_P(GpuPagedGen2, StepsEmptyCachesSharedPages) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base();
+  c.len_q = {2, 16, 5, 9, 3};
+  c.len_k = {40, 16, 700, 2049, 3};
+  RunAndCheck(c);
+  c = Base();
+  c.len_q = {3, 20, 1, 7};
+  c.len_k = {0, 50, 0, 0};  // empty caches: o = 0, lse = -inf
+  RunAndCheck(c);
+  c = Base();
+  c.share_prefix = true;
+  c.len_q = {100, 260};
+  c.len_k = {900, 1300};
+  RunAndCheck(c);
+}
+
+// Not causal (the unmasked loop), a sliding window, and more queries than keys.
+TEST_P(GpuPagedGen2, FullAndWindowed) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base();
+  c.causal = false;
+  c.len_q = {129, 40, 200};
+  c.len_k = {700, 20, 451};
+  RunAndCheck(c);
+  c = Base();
+  c.causal = false;
+  c.window_left = 90;
+  c.window_right = 0;
+  c.num_kv_heads = 1;  // MQA
+  c.len_q = {129, 300};
+  c.len_k = {700, 20};
+  RunAndCheck(c);
+}
+
+std::vector<Gen2PagedParam> AllGen2Paged() {
+  std::vector<Gen2PagedParam> v;
+  for (int d : {64, 128, 256}) {
+    for (int page : {8, 16, 32, 48, 64, 80, 128, 256}) v.push_back({DType::kBFloat16, d, page});
+    for (int page : {16, 64}) v.push_back({DType::kFloat16, d, page});
+  }
+  return v;
+}
+
+std::string Gen2PagedName(const ::testing::TestParamInfo<Gen2PagedParam>& info) {
+  const Gen2PagedParam& p = info.param;
+  return std::string(DName(p.dtype)) + "_d" + std::to_string(p.head_dim) + "_" + Layout(p.page);
+}
+
+void PrintTo(const Gen2PagedParam& p, std::ostream* os) { *os << Gen2PagedName({p, 0}); }
+
+INSTANTIATE_TEST_SUITE_P(All, GpuPagedGen2, ::testing::ValuesIn(AllGen2Paged()), Gen2PagedName);
+
+// Pages that are not a multiple of 8 rows have no generation-2 kernel: CanImplementGen2 says why,
+// and Run (auto) takes generation 1 for them (GpuPagedPrefill's page 20 cases).
+TEST(GpuPagedGen2Misc, PageSizeNotMultipleOf8) {
+  SKIP_WITHOUT_GPU();
+  if (!attn::testing::IsHopper()) GTEST_SKIP() << "no Hopper GPU: generation 2 is not offered";
+  AttentionArgs a;
+  alignas(16) int32_t dummy[4] = {};
+  a.q = a.k = a.v = dummy;  // not read: only their alignment is looked at
+  a.o = dummy;
+  a.cu_seqlens_q = dummy;
+  a.total_q = 100;
+  a.max_seqlen_q = 100;
+  a.max_seqlen_k = 640;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  a.head_dim = 128;
+  a.paged.page_size = 20;
+  a.paged.num_pages = 64;
+  a.paged.page_indptr = a.paged.page_indices = a.paged.seqlens_k = dummy;
+  if (!HeadDimCompiled(128)) GTEST_SKIP() << "head dim 128 is not compiled into this build";
+  const attn::kernels::Status st = attn::kernels::cuda::CanImplementGen2(a);
+  if (st.message().find("not compiled") != std::string::npos) GTEST_SKIP() << st.message();
+  EXPECT_EQ(st.code(), attn::kernels::StatusCode::kUnimplemented);
+  EXPECT_NE(st.message().find("page_size 20"), std::string::npos) << st.message();
+  a.paged.page_size = 24;
+  EXPECT_TRUE(attn::kernels::cuda::CanImplementGen2(a).ok());
+}
 
 TEST(GpuDecodeMisc, CanImplementPaged) {
   AttentionArgs a;
