@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import grpc
+import numpy as np
 
 from . import _proto, _tensors, _wire
 from .errors import AttndError, InvalidArgument, error_for, status_code
@@ -223,9 +224,11 @@ def _output_slice(regions: RegionTable, x: Any, name: str) -> Optional[Tuple[str
     """Where out (or lse_out) lies in a registered region, or None when it lies in none."""
     if x is None:
         return None
-    p = _tensors.payload(x, name)
-    if p.source is not x:
+    contiguous = x.is_contiguous() if _tensors.is_torch(x) else getattr(
+        getattr(x, "flags", None), "c_contiguous", True)
+    if not contiguous:
         raise InvalidArgument(f"{name} must be contiguous (it is written in place)")
+    p = _tensors.payload(x, name)
     found = _place(regions, p)
     return None if found is None else (found[0], found[1], p.nbytes)
 
@@ -314,10 +317,13 @@ def prepare_batch_step(regions: RegionTable, items: Sequence[Any]) -> Tuple[byte
 
 def prepare_echo(payload: Any, response_bytes: int) -> bytes:
     if isinstance(payload, (bytes, bytearray, memoryview)):
-        buf, n = payload, memoryview(payload).nbytes
-    else:
-        p = _tensors.payload(payload, "payload")
-        buf, n = p.data, p.nbytes
+        buf = payload
+    elif _tensors.is_torch(payload):
+        torch = _tensors._load_torch()
+        buf = payload.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data
+    else:  # any numpy array: its bytes
+        buf = np.ascontiguousarray(payload).reshape(-1).view(np.uint8).data
+    n = memoryview(buf).nbytes
     m = _wire.echo_request(buf, n, int(response_bytes))
     return _tensors.assemble(m.parts, m.size)
 

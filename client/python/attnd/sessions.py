@@ -57,8 +57,10 @@ def _split_host_port(target: str, hostport: str) -> Tuple[str, str]:
             raise InvalidArgument(f"target {target!r}: unclosed '['")
         host, rest = hostport[1:close], hostport[close + 1:]
         port = rest[1:] if rest.startswith(":") else ""
-    else:
+    elif ":" in hostport:
         host, _, port = hostport.rpartition(":")
+    else:
+        host, port = hostport, ""
     if not port:
         raise InvalidArgument(f"target {target!r} has no port (expected host:port, e.g. "
                               "attnd-headless.attnd.svc.cluster.local:50051)")
