@@ -42,7 +42,7 @@ def attnd_binary() -> str:
 class Server:
     """One attnd process on loopback ports the kernel picked."""
 
-    def __init__(self, *flags: str, backend: str = BACKEND):
+    def __init__(self, *flags: str, backend: str = BACKEND, secure_client: Optional[dict] = None):
         self.log = tempfile.NamedTemporaryFile(prefix="attnd-py-", suffix=".log", delete=False)
         args = [attnd_binary(), "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
                 f"--backend={backend}", "--max_queue_delay_us=100"]
@@ -51,7 +51,7 @@ class Server:
         self.proc = subprocess.Popen(args + list(flags), stdout=self.log, stderr=subprocess.STDOUT)
         self.port, self.metrics_port = self._ports()
         self.target = f"127.0.0.1:{self.port}"
-        with attnd.Client(self.target, wait_for_ready=True) as c:
+        with attnd.Client(self.target, wait_for_ready=True, **(secure_client or {})) as c:
             deadline = time.monotonic() + 30
             while not c.health(timeout=5):
                 if time.monotonic() > deadline:

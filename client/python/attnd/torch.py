@@ -416,8 +416,11 @@ def _make_cache_classes() -> Tuple[type, type]:
 
         def __init__(self, client: Any, config: Any = None, *, num_layers: Optional[int] = None,
                      num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
-                     **options: Any):
-            if config is not None:
+                     remote: Optional[RemoteKVCache] = None, **options: Any):
+            if remote is not None:  # fork(): the forked sessions
+                client, num_layers = remote.client, remote.num_layers
+                num_kv_heads, head_dim = remote.num_kv_heads, remote.head_dim
+            elif config is not None:
                 c = _text_config(config)
                 num_layers = num_layers or c.num_hidden_layers
                 num_kv_heads = num_kv_heads or getattr(c, "num_key_value_heads", None) or \
@@ -427,7 +430,8 @@ def _make_cache_classes() -> Tuple[type, type]:
             if not (num_layers and num_kv_heads and head_dim):
                 raise InvalidArgument("AttndCache needs the model's config (or num_layers, "
                                       "num_kv_heads and head_dim)")
-            self.remote = RemoteKVCache(client, num_layers, num_kv_heads, head_dim, **options)
+            self.remote = remote or RemoteKVCache(client, num_layers, num_kv_heads, head_dim,
+                                                  **options)
             layers = [AttndLayer(self, i) for i in range(num_layers)]
             try:
                 super().__init__(layers=layers)
@@ -486,6 +490,10 @@ def _make_cache_classes() -> Tuple[type, type]:
 
         def crop(self, max_length: int) -> None:
             self.remote.crop(max_length)
+
+        def fork(self) -> "AttndCache":
+            """A new AttndCache sharing this one's contents (copy-on-write in attnd)."""
+            return AttndCache(None, remote=self.remote.fork())
 
         def reorder_cache(self, beam_idx: torch.Tensor) -> None:
             self.remote.reorder(beam_idx.tolist())

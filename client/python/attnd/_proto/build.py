@@ -11,7 +11,7 @@ Run by ``pip install`` (setup.py) and by the CMake build; by hand::
 
     python3 -m attnd._proto.build [--proto-dir DIR] [--out FILE]
 
-protoc comes from PATH (``protoc``) or, failing that, from grpc_tools (``python3 -m
+protoc is $ATTND_PROTOC, else ``protoc`` on PATH, else grpc_tools (``python3 -m
 grpc_tools.protoc``).
 """
 
@@ -35,9 +35,7 @@ MODULE_NAME = "_descriptor_set.py"
 def default_proto_dir() -> Optional[Path]:
     """proto/ of the source tree this package sits in (client/python/attnd/_proto -> proto/)."""
     env = os.environ.get("ATTND_PROTO_DIR")
-    if env:
-        return Path(env)
-    candidate = Path(__file__).resolve().parents[4] / "proto"
+    candidate = Path(env) if env else Path(__file__).resolve().parents[4] / "proto"
     return candidate if (candidate / PROTO_FILES[-1]).is_file() else None
 
 
@@ -53,7 +51,7 @@ def proto_digest(proto_dir: Path) -> str:
 
 def _protoc_commands() -> list[list[str]]:
     commands = []
-    protoc = shutil.which("protoc")
+    protoc = os.environ.get("ATTND_PROTOC") or shutil.which("protoc")
     if protoc:
         commands.append([protoc])
     try:
