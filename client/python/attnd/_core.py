@@ -233,11 +233,18 @@ def _output_slice(regions: RegionTable, x: Any, name: str) -> Optional[Tuple[str
     return None if found is None else (found[0], found[1], p.nbytes)
 
 
+_NOWHERE = (None, None, None)
+
+
 def _inputs(regions: RegionTable, q: Any, k: Any, v: Any, names: Tuple[str, str, str]):
+    """Payloads of q, k, v, where each lies in a registered region (or None), and the CUDA
+    device of those in GPU regions (None when none is)."""
     ps = (_tensors.payload(q, names[0]), _tensors.payload(k, names[1]), _tensors.payload(v, names[2]))
+    if not regions.entries:
+        return ps, _NOWHERE, None
     placed = tuple(_place(regions, p) for p in ps)
-    devices = {p.cuda for p in ps if p.cuda >= 0}
-    return ps, placed, (devices.pop() if devices else None)
+    device = next((p.cuda for p, at in zip(ps, placed) if at is not None and p.cuda >= 0), None)
+    return ps, placed, device
 
 
 def _outputs(regions: RegionTable, out: Any, lse_out: Any) -> Tuple[Optional[_wire.Outputs], bool, bool]:
@@ -259,8 +266,8 @@ def prepare_attend(regions: RegionTable, q: Any, k: Any, v: Any, *,
     m = _wire.attend_request(ps[0], ps[1], ps[2], placed, _seqlens(cu_seqlens_q),
                              _seqlens(cu_seqlens_k), causal, float(scale or 0.0), _window(window),
                              return_lse, high_priority, request_id, outputs)
-    return Prepared(_tensors.assemble(m.parts, m.size), maker, out, lse_out, o_in, lse_in,
-                    device if any(placed) else None)
+    return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in,
+                    device)
 
 
 def _seqlens(values: Optional[Sequence[int]]) -> Optional[Sequence[int]]:
@@ -283,7 +290,7 @@ def step_message(regions: RegionTable, session: Any, layer: int, q: Any, k_new: 
     outputs, o_in, lse_in = _outputs(regions, out, lse_out)
     m = _wire.step_request(session_id_of(session), int(layer), ps[0], ps[1], ps[2], placed,
                            float(scale or 0.0), return_lse, _window(window), outputs)
-    return m, maker, o_in, lse_in, (device if any(placed) else None)
+    return m, maker, o_in, lse_in, device
 
 
 def prepare_step(regions: RegionTable, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
@@ -291,7 +298,7 @@ def prepare_step(regions: RegionTable, session: Any, layer: int, q: Any, k_new: 
                  lse_out: Any) -> Prepared:
     m, maker, o_in, lse_in, sync = step_message(regions, session, layer, q, k_new, v_new, scale,
                                                 return_lse, window, out, lse_out)
-    return Prepared(_tensors.assemble(m.parts, m.size), maker, out, lse_out, o_in, lse_in, sync)
+    return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in, sync)
 
 
 def as_step_item(item: Any) -> StepItem:
@@ -312,7 +319,7 @@ def prepare_batch_step(regions: RegionTable, items: Sequence[Any]) -> Tuple[byte
         messages.append(m)
         prepared.append(Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync))
     m = _wire.batch_step_request(messages)
-    return _tensors.assemble(m.parts, m.size), prepared
+    return _tensors.assemble(m.parts, m.size, m.cuda), prepared
 
 
 def prepare_echo(payload: Any, response_bytes: int) -> bytes:
@@ -325,7 +332,7 @@ def prepare_echo(payload: Any, response_bytes: int) -> bytes:
         buf = np.ascontiguousarray(payload).reshape(-1).view(np.uint8).data
     n = memoryview(buf).nbytes
     m = _wire.echo_request(buf, n, int(response_bytes))
-    return _tensors.assemble(m.parts, m.size)
+    return _tensors.assemble(m.parts, m.size, m.cuda)
 
 
 # ---- answers ------------------------------------------------------------------------------------

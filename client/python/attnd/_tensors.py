@@ -48,10 +48,12 @@ def _load_torch() -> Any:
 
         _TORCH_CODES.update({torch.float32: FLOAT32, torch.float16: FLOAT16,
                              torch.bfloat16: BFLOAT16})
-        # Outputs on the CPU are tensors over the received (immutable) message: torch warns once
-        # that it cannot mark them read-only. They are the caller's alone.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable",
-                                category=UserWarning)
+        # Outputs on the CPU are tensors over the received (immutable) message, which only they
+        # hold: torch warns, once per process, that it cannot mark such tensors read-only. That
+        # one warning is spent here, silenced.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.frombuffer(b"\0", dtype=torch.uint8)
         _torch = torch
     return _torch
 
@@ -95,15 +97,19 @@ class Payload:
 
 def payload(x: Any, name: str) -> Payload:
     """The Payload of a numpy array or torch tensor (made contiguous if it is not: a copy)."""
-    if isinstance(x, np.ndarray):
-        code = _NP_CODES.get(x.dtype)
+    if type(x) is np.ndarray:
+        dt = x.dtype
+        code = _NP_CODES.get(dt)
         if code is None:
             raise InvalidArgument(f"{name}: dtype {x.dtype} is not supported: use float32, float16, "
                                   "bfloat16 (ml_dtypes) or uint16 holding bfloat16 bits")
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
-        buf = x.view(np.uint16).data if code == BFLOAT16 else x.data
+        # ml_dtypes' bfloat16 exports no buffer format: its bits as uint16
+        buf = x.view(np.uint16).data if dt is BFLOAT16_NP else x.data
         return Payload(code, x.shape, x.nbytes, buf, 0, -1, x)
+    if isinstance(x, np.ndarray):  # a subclass
+        return payload(np.asarray(x), name)
     if is_torch(x):
         torch = _load_torch()
         code = _TORCH_CODES.get(x.dtype)
@@ -185,14 +191,14 @@ _pybytes_new.restype = ctypes.py_object
 _pybytes_new.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
 
 
-def assemble(parts: Sequence[Any], total: int) -> bytes:
+def assemble(parts: Sequence[Any], total: int, cuda: bool = False) -> bytes:
     """The message of parts (bytes, buffers, and CUDA tensors) as one bytes object.
 
-    CPU parts are joined (one copy each); a message with CUDA tensors is written into a fresh bytes
+    CPU parts are joined (one copy each); a message with CUDA tensors (`cuda`) is written into a fresh bytes
     object that nobody else has seen yet, each tensor copied from the device straight into its
     place, so that device data is copied once, not to a host tensor and again into the message.
     """
-    if not any(is_torch(p) for p in parts):
+    if not cuda:
         return b"".join(parts)
     torch = _load_torch()
     out = _pybytes_new(None, total)

@@ -114,11 +114,12 @@ def _tensor_head(number: int, dtype: int, shape: Tuple[int, ...], nbytes: int) -
 class Message:
     """A message being written: its parts (bytes and tensor payloads, in order) and size."""
 
-    __slots__ = ("parts", "size")
+    __slots__ = ("parts", "size", "cuda")
 
     def __init__(self) -> None:
         self.parts: List[Any] = []
         self.size = 0
+        self.cuda = False  # a part is a CUDA tensor
 
     def add(self, b: bytes) -> None:
         if b:
@@ -136,11 +137,14 @@ class Message:
         if p.nbytes:
             self.parts.append(p.data)
             self.size += p.nbytes
+            if p.cuda >= 0:
+                self.cuda = True
 
     def embed(self, number: int, inner: "Message") -> None:
         self.add(_tag(number, _LEN) + varint(inner.size))
         self.parts.extend(inner.parts)
         self.size += inner.size
+        self.cuda = self.cuda or inner.cuda
 
 
 @dataclass
@@ -294,49 +298,119 @@ class TensorView:
         self.region: Optional[str] = None
 
 
+def _varint_at(buf: bytes, at: int, end: int) -> Tuple[int, int]:
+    """A varint at buf[at] (the one-byte case inline, the rest in _read_varint)."""
+    if at < end:
+        b = buf[at]
+        if b < 0x80:
+            return b, at + 1
+    return _read_varint(buf, at, end)
+
+
 def read_tensor(buf: bytes, span: Tuple[int, int], what: str) -> TensorView:
     t = TensorView()
-    for number, wt, value in fields(buf, span[0], span[1]):
-        if number == TENSOR_DTYPE and wt == _VARINT:
-            t.dtype = value
-        elif number == TENSOR_SHAPE and wt == _LEN:
-            at, end = value
-            t.shape = []
-            while at < end:
-                s, at = _read_varint(buf, at, end)
-                t.shape.append(signed64(s))
-        elif number == TENSOR_SHAPE and wt == _VARINT:  # unpacked encoding
-            t.shape.append(signed64(value))
-        elif number == TENSOR_DATA and wt == _LEN:
-            t.start, t.end = value
-        elif number == TENSOR_REGION and wt == _LEN:
-            for n2, w2, v2 in fields(buf, value[0], value[1]):
+    at, end = span
+    while at < end:
+        key, at = _varint_at(buf, at, end)
+        number, wt = key >> 3, key & 7
+        if wt == _VARINT:
+            value, at = _varint_at(buf, at, end)
+            if number == TENSOR_DTYPE:
+                t.dtype = value
+            elif number == TENSOR_SHAPE:  # unpacked encoding
+                t.shape.append(signed64(value))
+            continue
+        if wt != _LEN:
+            at = _skip(buf, at, end, number, wt)
+            continue
+        n, at = _varint_at(buf, at, end)
+        stop = at + n
+        if stop > end:
+            raise Malformed(f"{what}: field {number}: length {n} runs past the end of its message")
+        if number == TENSOR_DATA:
+            t.start, t.end = at, stop
+        elif number == TENSOR_SHAPE:
+            shape = []
+            while at < stop:
+                v, at = _varint_at(buf, at, stop)
+                shape.append(signed64(v))
+            t.shape = shape
+        elif number == TENSOR_REGION:
+            for n2, w2, v2 in fields(buf, at, stop):
                 if n2 == SLICE_REGION and w2 == _LEN:
                     t.region = bytes(buf[v2[0]:v2[1]]).decode()
+        at = stop
     if t.dtype not in DTYPE_BYTES:
         raise Malformed(f"{what}: unknown dtype {t.dtype}")
     need = DTYPE_BYTES[t.dtype]
-    for s in t.shape:
-        if s < 0:
+    for x in t.shape:
+        if x < 0:
             raise Malformed(f"{what}: impossible shape {t.shape}")
-        need *= s
+        need *= x
     if t.region is None and t.end - t.start != need:
         raise Malformed(f"{what}: {t.end - t.start} bytes where its shape {t.shape} and dtype "
                         f"need {need}")
     return t
 
 
-@dataclass(frozen=True)
-class ServerTiming:
-    """Server-side timing of one request, in microseconds (attn.v1 ServerTiming)."""
+def _skip(buf: bytes, at: int, end: int, number: int, wt: int) -> int:
+    """Past a field of another wire type than the reader expects (as protobuf skips unknowns)."""
+    if wt == _VARINT:
+        return _read_varint(buf, at, end)[1]
+    if wt == _FIXED64:
+        at += 8
+    elif wt == _FIXED32:
+        at += 4
+    elif wt == _LEN:
+        n, at = _read_varint(buf, at, end)
+        at += n
+    else:
+        raise Malformed(f"field {number}: unsupported wire type {wt}")
+    if at > end:
+        raise Malformed(f"field {number} runs past the end of its message")
+    return at
 
-    queue_us: float = 0.0
-    transfer_us: float = 0.0
-    compute_us: float = 0.0
-    total_us: float = 0.0
-    batch_requests: int = 0
-    batch_tokens: int = 0
-    host_copy_us: float = 0.0
+
+class ServerTiming:
+    """Server-side timing of one request, in microseconds (attn.v1 ServerTiming): queue_us,
+    transfer_us, compute_us, total_us, batch_requests, batch_tokens, host_copy_us. Read from
+    the received message when first asked for."""
+
+    __slots__ = ("_buf", "_start", "_end", "_values")
+    _FIELDS = ("queue_us", "transfer_us", "compute_us", "total_us", "batch_requests",
+               "batch_tokens", "host_copy_us")
+
+    def __init__(self, buf: bytes = b"", span: Tuple[int, int] = (0, 0)):
+        self._buf = buf
+        self._start, self._end = span
+        self._values: Optional[dict] = None
+
+    def _parse(self) -> dict:
+        values = {"queue_us": 0.0, "transfer_us": 0.0, "compute_us": 0.0, "total_us": 0.0,
+                  "batch_requests": 0, "batch_tokens": 0, "host_copy_us": 0.0}
+        for number, wt, value in fields(self._buf, self._start, self._end):
+            if wt == _FIXED64 and number in _TIMING_DOUBLES:
+                values[_TIMING_DOUBLES[number]] = struct.unpack("<d", value)[0]
+            elif wt == _VARINT and number in _TIMING_INTS:
+                values[_TIMING_INTS[number]] = signed64(value)
+        self._values = values
+        self._buf = b""
+        return values
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ServerTiming._FIELDS:
+            values = self._values if self._values is not None else self._parse()
+            return values[name]
+        raise AttributeError(name)
+
+    def as_dict(self) -> dict:
+        return dict(self._values if self._values is not None else self._parse())
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, ServerTiming) and self.as_dict() == other.as_dict()
+
+    def __repr__(self) -> str:
+        return "ServerTiming(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
 
 
 _TIMING_DOUBLES = {1: "queue_us", 2: "transfer_us", 3: "compute_us", 4: "total_us",
@@ -345,13 +419,7 @@ _TIMING_INTS = {5: "batch_requests", 6: "batch_tokens"}
 
 
 def read_timing(buf: bytes, span: Tuple[int, int]) -> ServerTiming:
-    values: dict = {}
-    for number, wt, value in fields(buf, span[0], span[1]):
-        if wt == _FIXED64 and number in _TIMING_DOUBLES:
-            values[_TIMING_DOUBLES[number]] = struct.unpack("<d", value)[0]
-        elif wt == _VARINT and number in _TIMING_INTS:
-            values[_TIMING_INTS[number]] = signed64(value)
-    return ServerTiming(**values)
+    return ServerTiming(buf, span)
 
 
 _EMPTY_TIMING = ServerTiming()
@@ -376,26 +444,36 @@ class Response:
 def read_response(buf: bytes, span: Optional[Tuple[int, int]], step: bool) -> Response:
     """An AttendResponse (step=False) or StepResponse (step=True) in buf[span] (all of buf when
     span is None)."""
-    start, end = span if span is not None else (0, len(buf))
+    at, end = span if span is not None else (0, len(buf))
     r = Response()
     timing_field = STEP_RESP_TIMING if step else ATTEND_RESP_TIMING
-    for number, wt, value in fields(buf, start, end):
+    while at < end:
+        key, at = _varint_at(buf, at, end)
+        number, wt = key >> 3, key & 7
         if wt == _LEN:
+            n, at = _varint_at(buf, at, end)
+            stop = at + n
+            if stop > end:
+                raise Malformed(f"field {number}: length {n} runs past the end of its message")
             if number == RESP_O:
-                r.o = read_tensor(buf, value, "o")
+                r.o = read_tensor(buf, (at, stop), "o")
             elif number == RESP_LSE:
-                r.lse = read_tensor(buf, value, "lse")
+                r.lse = read_tensor(buf, (at, stop), "lse")
             elif number == timing_field:
-                r.timing = read_timing(buf, value)
+                r.timing = ServerTiming(buf, (at, stop))
             elif not step and number == ATTEND_RESP_STATUS_MESSAGE:
-                r.status_message = bytes(buf[value[0]:value[1]]).decode("utf-8", "replace")
+                r.status_message = bytes(buf[at:stop]).decode("utf-8", "replace")
+            at = stop
         elif wt == _VARINT:
+            value, at = _varint_at(buf, at, end)
             if step and number == STEP_RESP_CACHED:
                 r.cached_tokens = signed64(value)
             elif not step and number == ATTEND_RESP_REQUEST_ID:
                 r.request_id = value
             elif not step and number == ATTEND_RESP_STATUS_CODE:
                 r.status_code = signed64(value)
+        else:
+            at = _skip(buf, at, end, number, wt)
     return r
 
 

@@ -12,6 +12,7 @@ HTTP/2 connections).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import time
@@ -364,14 +365,25 @@ def _deliver(result: Any, return_exceptions: bool) -> Any:
     return result
 
 
+def _registered(ch: Any) -> Dict[str, Any]:
+    """grpcio >= 1.63 registers a method with the channel once (`_registered_method`), which saves
+    work on every call; older ones do not take the argument."""
+    try:
+        params = inspect.signature(ch.unary_unary).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"_registered_method": True} if "_registered_method" in params else {}
+
+
 def _callables(ch: grpc.Channel) -> Dict[str, Any]:
     raw = _wire.identity
+    reg = _registered(ch)
     out: Dict[str, Any] = {}
     for name in ("Attend", "Step", "BatchStep", "Echo"):
         out[name] = ch.unary_unary(_proto.ATTENTION[name], request_serializer=raw,
-                                   response_deserializer=raw)
+                                   response_deserializer=raw, **reg)
     out["AttendStream"] = ch.stream_stream(_proto.ATTENTION["AttendStream"], request_serializer=raw,
-                                           response_deserializer=raw)
+                                           response_deserializer=raw, **reg)
     typed = (("CreateSession", _proto.ATTENTION, _proto.CreateSessionResponse),
              ("TruncateSession", _proto.ATTENTION, _proto.TruncateSessionResponse),
              ("ForkSession", _proto.ATTENTION, _proto.ForkSessionResponse),
@@ -383,7 +395,7 @@ def _callables(ch: grpc.Channel) -> Dict[str, Any]:
              ("Check", _proto.HEALTH, _proto.HealthCheckResponse))
     for name, paths, response in typed:
         out[name] = ch.unary_unary(paths[name], request_serializer=_serialize,
-                                   response_deserializer=response.FromString)
+                                   response_deserializer=response.FromString, **reg)
     return out
 
 
