@@ -218,9 +218,6 @@ class OwnDecoder(nn.Module):
         self.blocks = nn.ModuleList(Block(s, i) for i in range(s.layers))
         self.norm = RMSNorm(s.hidden)
         self.head = nn.Linear(s.hidden, s.vocab, bias=False)
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
 
     def forward(self, ids: torch.Tensor, cache: Any, timer: LayerTimer) -> torch.Tensor:
         past = cache.seq_length()
@@ -229,6 +226,16 @@ class OwnDecoder(nn.Module):
         for blk in self.blocks:
             x = blk(x, positions, cache, timer)
         return self.head(self.norm(x)).float()
+
+
+def own_decoder(s: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> OwnDecoder:
+    if device.type == "cuda":  # made on the device (torch >= 2.0): no host copy of the weights
+        with torch.device(device):
+            model = OwnDecoder(s)
+    else:
+        model = OwnDecoder(s)
+    init_weights(model, seed)
+    return model.to(dtype)
 
 
 class OwnRunner:
@@ -303,6 +310,7 @@ class HFRunner:
     def new_cache(self, batch: int) -> Any:
         from transformers import DynamicCache
 
+        set_attn_implementation(self.model, self._implementation())
         if self.backend == "remote":
             return at.AttndCache(self.client, self.model.config, transport=self.transport,
                                  record_latency=True, copy_outputs=False)
@@ -312,7 +320,6 @@ class HFRunner:
             return DynamicCache()
 
     def forward(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-        set_attn_implementation(self.model, self._implementation())
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         return out.logits.float()
 
@@ -372,10 +379,22 @@ def build_hf(s: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> A
                          num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
                          max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=False)
-    torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config)
+    init_weights(model, seed)
     return model.to(dtype).eval()
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of our own drawing, the same for every build with the same seed: N(0, 0.02)
+    for matrices and embeddings, ones for norms."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
 
 
 # ---- one run ------------------------------------------------------------------------------------
@@ -498,37 +517,37 @@ def warm_up(runner: Any, prompts: torch.Tensor, chunk: int) -> None:
     sync(prompts.device)
 
 
-def teacher_forced(runners: Dict[str, Any], prompt: torch.Tensor, tokens: List[int],
-                   chunk: int) -> Dict[str, Any]:
-    """Top-1 agreement when every model is fed the same tokens (batch 1)."""
-    seq = torch.cat([prompt[0], torch.tensor(tokens, device=prompt.device)])[None, :]
-    plen = prompt.shape[1]
-    logits: Dict[str, torch.Tensor] = {}
-    for name, runner in runners.items():
-        cache = runner.new_cache(1)
-        parts = []
-        at_ = 0
-        while at_ < seq.shape[1] - 1:
-            n = chunk if at_ < plen else 1  # prefill in chunks, then one token a step
-            n = min(n, plen - at_) if at_ < plen else 1
-            parts.append(runner.forward(seq[:, at_:at_ + n], cache)[0])
-            at_ += n
-        runner.close(cache)
-        logits[name] = torch.cat(parts)  # [positions, vocab]: predictions of tokens 1..end
+def forced_logits(runner: Any, seq: torch.Tensor, plen: int, chunk: int) -> torch.Tensor:
+    """The logits at every position of seq [1, n] (predicting tokens 1..n-1) when fed seq itself:
+    the prompt in chunks, then one token a step. [n - 1, vocab]"""
+    cache = runner.new_cache(1)
+    parts = []
+    at_ = 0
+    while at_ < seq.shape[1] - 1:
+        n = min(chunk, plen - at_) if at_ < plen else 1
+        parts.append(runner.forward(seq[:, at_:at_ + n], cache)[0])
+        at_ += n
+    runner.close(cache)
+    return torch.cat(parts)[: seq.shape[1] - 1]
+
+
+def teacher_forced(logits: Dict[str, torch.Tensor], plen: int, decoded: int) -> Dict[str, Any]:
+    """Top-1 agreement of the models fed the same tokens: fp32 (local, float32), local (SDPA in
+    the model's dtype) and remote (attention in attnd), at every position and at the decoded
+    ones; and the largest logit differences."""
     decode = slice(plen - 1, None)
 
     def agree(a: str, b: str, part: slice) -> float:
         return float((logits[a][part].argmax(-1) == logits[b][part].argmax(-1)).float().mean())
 
-    out = {"positions": int(logits["remote"].shape[0]), "decode_positions": len(tokens)}
+    out: Dict[str, Any] = {"positions": int(logits["remote"].shape[0]), "decode_positions": decoded}
     for part_name, part in (("all", slice(None)), ("decode", decode)):
         out[part_name] = {
             "remote_vs_local": agree("remote", "local", part),
             "local_vs_fp32": agree("local", "fp32", part),
             "remote_vs_fp32": agree("remote", "fp32", part),
         }
-    diff = (logits["remote"] - logits["local"]).abs().max()
-    out["max_logit_diff_remote_vs_local"] = float(diff)
+    out["max_logit_diff_remote_vs_local"] = float((logits["remote"] - logits["local"]).abs().max())
     out["max_logit_diff_local_vs_fp32"] = float((logits["local"] - logits["fp32"]).abs().max())
     out["target_met"] = out["decode"]["remote_vs_local"] >= out["decode"]["local_vs_fp32"]
     return out
@@ -601,13 +620,16 @@ def main() -> int:
 
     client = attnd.Client(args.target, timeout=600)
     info = client.info()
+    # Exact agreement is expected of attnd's CPU backend (float32 arithmetic throughout) in float32
+    # mode; its CUDA kernels round the softmax weights to 16 bits, and bfloat16 models round
+    # everything: those runs report their agreement (and the teacher-forced comparison) instead.
+    exact = small and info.backend == "cpu"
     if use_hf:
         at.register_transformers(client)
         model = build_hf(s, device, dtype, args.seed)
         make = lambda backend, transport: HFRunner(model, backend, client, transport)  # noqa: E731
     else:
-        torch.manual_seed(args.seed)
-        model = OwnDecoder(s).to(device=device, dtype=dtype).eval()
+        model = own_decoder(s, device, torch.float32, args.seed).to(dtype).eval()
         make = lambda backend, transport: OwnRunner(model, backend, client, transport)  # noqa: E731
     print(f"model: {make('local', 'grpc').name}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, "
           f"d={s.head_dim}, hidden {s.hidden}, vocab {s.vocab}, {str(dtype)[6:]} on {device}; "
@@ -664,29 +686,33 @@ def main() -> int:
                 print(f"  attention per layer: local p50 {la['p50_us']:.0f} us, p99 "
                       f"{la['p99_us']:.0f} us; remote p50 {ra['p50_us']:.0f} us, p99 "
                       f"{ra['p99_us']:.0f} us ({ra['n']} calls)")
-                if not (c["speculative_equals_greedy_local"] and
-                        c["speculative_equals_greedy_remote"]):
+                if exact and not (c["speculative_equals_greedy_local"] and
+                                  c["speculative_equals_greedy_remote"]):
                     failures.append(f"batch {batch} {transport}: speculative decoding != greedy")
-                if small and not (c["tokens_identical"] and c["fork_tokens_identical"]):
+                if exact and not (c["tokens_identical"] and c["fork_tokens_identical"]):
                     failures.append(f"batch {batch} {transport}: tokens differ")
-        if args.teacher_forced:
-            fp32 = build_hf(s, device, torch.float32, args.seed) if use_hf else \
-                copy.deepcopy(model).float()
-            fp32_runner = HFRunner(fp32, "local", client, "grpc") if use_hf else \
-                OwnRunner(fp32, "local", client, "grpc")
+        if args.teacher_forced and 1 in batches:
             prompt = torch.randint(0, s.vocab, (1, args.prompt), generator=gen).to(device)
             tokens = generate(make("local", "grpc"), prompt, args, None).tokens[0]
+            seq = torch.cat([prompt[0], torch.tensor(tokens, device=device)])[None, :]
+            logits = {"local": forced_logits(make("local", "grpc"), seq, args.prompt, args.chunk)}
+            fp32 = build_hf(s, device, torch.float32, args.seed) if use_hf else \
+                own_decoder(s, device, torch.float32, args.seed).eval()
+            fp32_runner = HFRunner(fp32, "local", client, "grpc") if use_hf else \
+                OwnRunner(fp32, "local", client, "grpc")
+            logits["fp32"] = forced_logits(fp32_runner, seq, args.prompt, args.chunk)
+            del fp32, fp32_runner
             for transport in transports:
-                tf = teacher_forced({"fp32": fp32_runner, "local": make("local", "grpc"),
-                                     "remote": make("remote", transport)}, prompt, tokens,
-                                    args.chunk)
+                logits["remote"] = forced_logits(make("remote", transport), seq, args.prompt,
+                                                 args.chunk)
+                tf = teacher_forced(logits, args.prompt, len(tokens))
                 tf["transport"] = transport
                 results.setdefault("teacher_forced", []).append(tf)
                 print(f"\nteacher-forced, {transport} ({tf['positions']} positions, "
                       f"{tf['decode_positions']} decoded): top-1 agreement at decode positions: "
-                      f"attnd vs local {tf['decode']['remote_vs_local']:.4f}, local bf16 vs "
-                      f"fp32 {tf['decode']['local_vs_fp32']:.4f}, attnd vs fp32 "
-                      f"{tf['decode']['remote_vs_fp32']:.4f}; all positions: "
+                      f"attnd vs local {tf['decode']['remote_vs_local']:.4f}, local "
+                      f"{str(dtype)[6:]} vs fp32 {tf['decode']['local_vs_fp32']:.4f}, attnd vs "
+                      f"fp32 {tf['decode']['remote_vs_fp32']:.4f}; all positions: "
                       f"{tf['all']['remote_vs_local']:.4f} / {tf['all']['local_vs_fp32']:.4f} / "
                       f"{tf['all']['remote_vs_fp32']:.4f}; largest logit difference attnd vs "
                       f"local {tf['max_logit_diff_remote_vs_local']:.3g} (local vs fp32 "
@@ -698,7 +724,7 @@ def main() -> int:
     for f in failures:
         print("FAIL:", f)
     if not failures:
-        print("\nPASS" if small else "\ndone")
+        print("\nPASS" if exact else "\ndone")
     return 1 if failures else 0
 
 

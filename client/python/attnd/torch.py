@@ -191,7 +191,7 @@ class RemoteKVCache:
     def _step_grpc(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    scale: float, window: Optional[Tuple[int, int]]) -> torch.Tensor:
         # One copy of each tensor to the host in the session's dtype (rows are views of it).
-        host = [x.detach().to(device="cpu", dtype=self.kv_dtype).contiguous() for x in (q, k, v)]
+        host = [x.detach().to(dtype=self.kv_dtype).contiguous().to("cpu") for x in (q, k, v)]
         if len(self.sessions) == 1:
             r = self.sessions[0].step(layer, host[0][0], host[1][0], host[2][0], scale=scale,
                                       window=window)

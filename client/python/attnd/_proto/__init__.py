@@ -55,7 +55,7 @@ def _message_class(descriptor: Any) -> type:
 
 POOL = descriptor_pool.DescriptorPool()
 for _file in descriptor_pb2.FileDescriptorSet.FromString(_load_serialized()).file:
-    POOL.Add(_file)
+    POOL.AddSerializedFile(_file.SerializeToString())  # dependencies come first in the set
 
 _ATTN = "attn.v1."
 _MESSAGES = (
