@@ -36,7 +36,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -347,7 +346,7 @@ _TIMED: Dict[int, str] = {}
 
 
 def _timed_sdpa(timer: LayerTimer) -> str:
-    """An attention implementation "sdpa-timed-N": transformers' SDPA, timed by `timer`."""
+    """An attention implementation "sdpa_timed_N": transformers' SDPA, timed by `timer`."""
     key = id(timer)
     if key not in _TIMED:
         from transformers import AttentionInterface
@@ -359,7 +358,7 @@ def _timed_sdpa(timer: LayerTimer) -> str:
             timer.stop(token)
             return out
 
-        name = f"sdpa-timed-{len(_TIMED)}"
+        name = f"sdpa_timed_{len(_TIMED)}"
         AttentionInterface.register(name, forward)
         try:
             from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface

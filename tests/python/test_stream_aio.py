@@ -10,7 +10,7 @@ import pytest
 
 import attnd
 import attnd.aio
-from conftest import TOLERANCE, Server, check_lse, make, metric, reference, relative_error, values
+from conftest import TOLERANCE, check_lse, make, metric, reference, relative_error, values
 
 
 def _items(rng, n, bad_at=()):

@@ -12,14 +12,21 @@ replicas), ``attnd.regions`` (shared memory), ``attnd.torch`` (a PyTorch attenti
 transformers integration). Errors are ``attnd.AttndError`` with the gRPC code and attnd's message.
 """
 
-from ._core import (AttendItem, AttendResult, SessionInfo, StepItem, StepResult,  # noqa: F401
+from ._core import (AttendItem, AttendResult, SessionInfo, StepItem, StepResult,
                     TruncateResult)
-from ._wire import ServerTiming  # noqa: F401
-from .client import Client, Session  # noqa: F401
-from .errors import (AlreadyExists, AttndError, BatchStepError, Cancelled,  # noqa: F401
+from ._wire import ServerTiming
+from .client import Client, Session
+from .errors import (AlreadyExists, AttndError, BatchStepError, Cancelled,
                      DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                      ResourceExhausted, Unauthenticated, Unavailable)
-from .regions import CudaRegion, HostRegion  # noqa: F401
-from .sessions import AsyncSessionClient, ReplicaInfo, SessionClient  # noqa: F401
+from .regions import CudaRegion, HostRegion
+from .sessions import AsyncSessionClient, ReplicaInfo, SessionClient
 
 __version__ = "0.1.0"
+__all__ = [
+    "AlreadyExists", "AsyncSessionClient", "AttendItem", "AttendResult", "AttndError",
+    "BatchStepError", "Cancelled", "Client", "CudaRegion", "DeadlineExceeded",
+    "FailedPrecondition", "HostRegion", "InvalidArgument", "NotFound", "ReplicaInfo",
+    "ResourceExhausted", "ServerTiming", "Session", "SessionClient", "SessionInfo", "StepItem",
+    "StepResult", "TruncateResult", "Unauthenticated", "Unavailable",
+]

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import grpc
 
 from . import _core, _proto, _wire
-from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepItem, StepResult,
+from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
 from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
 from .regions import CudaRegion, HostRegion, Registered, RegionSocket, RegionTable, next_region_name

@@ -196,13 +196,33 @@ class _CudaDriver:
         return bytes(handle)
 
 
-class _CudaArray:
-    """Exposes device memory through __cuda_array_interface__ (for torch.as_tensor)."""
+class _DeviceAllocation:
+    """Device memory of a GPU region: freed by free(), or once nothing refers to it any more
+    (the region and every tensor over it gone). Torch tensors over it hold it through
+    __cuda_array_interface__."""
 
-    def __init__(self, ptr: int, nbytes: int, owner: Any):
+    def __init__(self, driver: "_CudaDriver", ctx: ctypes.c_void_p, ptr: int, nbytes: int,
+                 owned: bool, keep: Any = None):
+        self.driver, self.ctx, self.ptr, self.nbytes, self.owned = driver, ctx, ptr, nbytes, owned
+        self.keep = keep  # from_tensor: the tensor whose allocation this is
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
                                          "data": (ptr, False), "version": 2}
-        self._owner = owner  # keeps the region alive while a tensor over it exists
+
+    def free(self) -> None:
+        if self.owned and self.ptr:
+            self.driver.push(self.ctx)
+            try:
+                self.driver.free(self.ptr)
+            finally:
+                self.driver.pop()
+        self.ptr = 0
+        self.keep = None
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown: the driver may be gone already
+            pass
 
 
 class CudaRegion:
@@ -221,21 +241,22 @@ class CudaRegion:
             raise InvalidArgument("a region needs at least one byte")
         torch = _tensors._load_torch()
         self.cuda_device = int(device)
-        self._driver = _CudaDriver.get()
-        self._ctx = self._driver.context(self.cuda_device)
-        self._keep = _keep
-        self._owned = _existing is None
-        self._driver.push(self._ctx)
+        driver = _CudaDriver.get()
+        ctx = driver.context(self.cuda_device)
+        driver.push(ctx)
         try:
-            if _existing is None:
-                self.address, self.nbytes = self._driver.alloc(int(nbytes)), int(nbytes)
-            else:
-                self.address, self.nbytes = _existing
-            self.ipc_handle = self._driver.ipc_handle(self.address)
+            ptr, size = (driver.alloc(int(nbytes)), int(nbytes)) if _existing is None else _existing
+            try:
+                self.ipc_handle = driver.ipc_handle(ptr)
+            except AttndError:
+                if _existing is None:
+                    driver.free(ptr)
+                raise
         finally:
-            self._driver.pop()
-        self._bytes = torch.as_tensor(_CudaArray(self.address, self.nbytes, self),
-                                      device=f"cuda:{self.cuda_device}")
+            driver.pop()
+        self._allocation = _DeviceAllocation(driver, ctx, ptr, size, _existing is None, _keep)
+        self.address, self.nbytes = ptr, size
+        self._bytes = torch.as_tensor(self._allocation, device=f"cuda:{self.cuda_device}")
         self._alloc = _BumpAllocator(self.nbytes)
 
     @classmethod
@@ -263,17 +284,12 @@ class CudaRegion:
         self._alloc.next = 0
 
     def close(self) -> None:
-        """Frees memory this region allocated. Unregister it from every client first: attnd must
-        not hold an imported handle of freed memory."""
-        if self._owned and self.address:
-            self._driver.push(self._ctx)
-            try:
-                self._driver.free(self.address)
-            finally:
-                self._driver.pop()
+        """Frees memory this region allocated, now (tensors over it must not be used after).
+        Unregister it from every client first: attnd must not hold an imported handle of freed
+        memory. Without close(), the memory goes when the region and its tensors are all gone."""
+        self._allocation.free()
         self.address = 0
         self._bytes = None
-        self._keep = None
 
     def __enter__(self) -> "CudaRegion":
         return self

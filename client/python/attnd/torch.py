@@ -29,7 +29,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import _tensors
 from ._core import StepItem
 from .errors import AttndError, InvalidArgument
 from .regions import CudaRegion
@@ -527,7 +526,11 @@ def __getattr__(name: str) -> Any:  # AttndCache exists once transformers is imp
 
 def transformers_available() -> bool:
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401  (only to know whether it is there)
     except ImportError:
         return False
     return True
+
+
+__all__ = ["AttndCache", "IMPLEMENTATION", "RemoteAttention", "RemoteKVCache",
+           "attnd_attention_forward", "register_transformers", "transformers_available"]
