@@ -33,5 +33,5 @@ def test_remote_decoder_small(server, model):
     if BACKEND == "cpu":  # exact agreement is what the CPU backend promises (the example checks it)
         assert "tokens: identical" in run.stdout and "PASS" in run.stdout
         assert "equals greedy: local True, remote True" in run.stdout
-    else:
-        assert "done" in run.stdout
+    else:  # the CUDA backend's 16-bit softmax weights: agreement is reported, not required
+        assert "done" in run.stdout or "PASS" in run.stdout
