@@ -56,6 +56,9 @@ class Metrics {
 
   void ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds, int64_t received_bytes,
                       int64_t sent_bytes);
+  // attn_stream_items_total{code}: one AttendStream item answered with its own status (the
+  // stream itself is counted once in attn_requests_total{rpc="AttendStream"} when it ends).
+  void ObserveStreamItem(grpc::StatusCode code);
   void ObserveQueueSeconds(double seconds);
   void ObserveBatch(const BatchReport& report);
   void SetPendingRequests(int64_t n);
@@ -109,6 +112,8 @@ class Metrics {
 
   prometheus::Family<prometheus::Counter>* requests_family_ = nullptr;
   std::array<PerRpc, static_cast<int>(Rpc::kCount)> rpcs_;
+  prometheus::Family<prometheus::Counter>* stream_items_family_ = nullptr;
+  std::array<std::atomic<prometheus::Counter*>, kNumCodes> stream_items_{};
   prometheus::Histogram* queue_ = nullptr;
   prometheus::Histogram* compute_ = nullptr;
   prometheus::Histogram* transfer_ = nullptr;

@@ -399,6 +399,9 @@ class AttendStreamReactor final
     response.set_status_code(static_cast<int32_t>(st.code()));
     if (!st.ok()) response.set_status_message(std::string(st.message()));
     item->reply = item->call.Encode(st.ok());
+    if (service_->metrics_) {
+      service_->metrics_->ObserveStreamItem(static_cast<grpc::StatusCode>(st.code()));
+    }
     service_->OnCallAnswered();
     bool finish;
     {
