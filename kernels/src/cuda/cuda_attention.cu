@@ -381,7 +381,14 @@ Status CanImplement(const AttentionArgs& args) {
     if (!Fp8HeadDimCompiled(args.head_dim)) {
       return {StatusCode::kUnimplemented, "CUDA backend: float8_e4m3 k and v with head_dim " +
                                               std::to_string(args.head_dim) +
-                                              " (64, 128 or 256 of this build's head dims)"};
+                                              " are not compiled into this build (head dims 64, "
+                                              "128, 256 of ATTN_HEAD_DIMS, for sm_90a)"};
+    }
+    DeviceInfo info;
+    if (!GetDeviceInfo(&info) || info.major != 9 || info.minor != 0) {
+      return {StatusCode::kUnimplemented,
+              "CUDA backend: float8_e4m3 k and v need a compute capability 9.0 device (the kernel "
+              "is compiled for sm_90a)"};
     }
     if (args.max_seqlen_q > kDecodeMaxSeqlenQ) {
       return {StatusCode::kUnimplemented,
