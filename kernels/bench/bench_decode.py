@@ -265,14 +265,19 @@ def steps_point(lib, b, nq, L, ps, args, gen, dev, dt):
 
 
 def quantize_e4m3(x, b, L):
-    """x [b*L, HKV, D] -> (codes as uint8 [b*L, HKV, D], scales float32 [b, HKV], dequantized x in
-    x's dtype): per (sequence, KV head) scale amax / 448, round to nearest even, clamped to +-448."""
+    """x [b*L, HKV, D] -> (codes as uint8 [b*L, HKV, D], scales float32 [b, HKV]): per (sequence,
+    KV head) scale amax / 448, round to nearest even, clamped to +-448."""
     xs = x.float().view(b, L, HKV, -1)
     amax = xs.abs().amax(dim=(1, 3))  # [b, HKV]
     scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
     q = (xs / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    deq = (q.float() * scale[:, None, :, None]).to(x.dtype).view_as(x)
-    return q.view(torch.uint8).view_as(x).contiguous(), scale.contiguous(), deq
+    return q.view(torch.uint8).view_as(x).contiguous(), scale.contiguous()
+
+
+def dequantize_e4m3(codes, scale, b, L):
+    """The float32 values the codes of quantize_e4m3 stand for, [b*L, HKV, D]."""
+    v = codes.view(torch.float8_e4m3fn).float().view(b, L, HKV, -1)
+    return (v * scale[:, None, :, None]).view_as(codes)
 
 
 def run_fp8(lib, q, k, v, o, cu_q, cu_k, b, tq, tk, mq, mk, D, ks, vs, stream, paged=None):
@@ -342,7 +347,7 @@ def fp8_point(lib, b, L, args, dev, dt, l2):
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).view(bb, H, D)
     ref_bf = sdpa(ks[0], vs[0])
-    ref_f8 = sdpa(fk[0][2], fv[0][2])
+    ref_f8 = sdpa(dequantize_e4m3(*fk[0], b, L), dequantize_e4m3(*fv[0], b, L))
     o_bf, o_f8 = o_bf[:bb], o_f8[:bb]
     err = lambda x, r: ((x - r).norm() / r.norm()).item()
     splits = lib.attn_plan_decode_splits(2, 1, b, 1, L, H, HKV, D)
@@ -409,6 +414,106 @@ def main():
     def workspace(b, tq, tk, mq, mk, ps=0, npg=0):
         n = lib.attn_workspace_bytes(2, b, tq, tk, mq, mk, H, HKV, D, ps, npg)
         return (torch.empty(n, dtype=torch.uint8, device=dev) if n else None), n
+
+    ppages = [int(x) for x in args.prefill_pages.split(",") if x]
+    pdims = [int(x) for x in args.prefill_dims.split(",") if x]
+    items = [x for x in args.prefill.split(",") if x]
+
+    def write_table(final):
+        """The tables of the rows so far, to --out (printed too when final): after each
+        section, so that a run cut short keeps what it measured."""
+        lines = []
+        f2 = lambda x: f"{x:.2f}" if x is not None else "n/a"
+        r3 = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
+        lines += [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                  f"date {datetime.date.today().isoformat()}, L2 {l2 >> 20} MiB. Median of {args.reps} "
+                  f"timings after {args.warmup} warm-up, each N back-to-back launches >= "
+                  f"{args.min_ms:g} ms (CUDA events), inputs rotated over copies (>= 4x L2).", "",
+                  "Decode, GQA 32/8, d=128, bf16, 1 query token: TB/s of K+V read.", "",
+                  "| batch x cache | splits | ours contig | " +
+                  " | ".join(f"ours page{ps}" for ps in pages) +
+                  " | torch flash | torch cuDNN | ours/cuDNN | " +
+                  " | ".join(f"page{ps}/contig" for ps in pages) + " | ours us | cuDNN us | err vs torch |",
+                  "|---" * (9 + 2 * len(pages)) + "|"]
+        for r in rows:
+            if r["kind"] != "decode":
+                continue
+            lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits']} | {f2(r['ours'])} | " +
+                         " | ".join(f2(r[f'page{ps}']) for ps in pages) +
+                         f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
+                         " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
+                         f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
+        sweeps = [r for r in rows if r["kind"] == "decode" and r.get("sweep")]
+        if sweeps:
+            sps = sorted({sp for r in sweeps for sp in r["sweep"]})
+            lines += ["", "Batch-1 decode, KV splits forced (GQA 32/8, d=128, bf16): us per launch (TB/s); "
+                      "plan: the plan's own choice (its splits in brackets).", "",
+                      "| cache | plan | " + " | ".join(f"{sp} splits" for sp in sps) + " | torch cuDNN | "
+                      "plan/cuDNN speed | max err vs plan |", "|---" * (5 + len(sps)) + "|"]
+            for r in sweeps:
+                kvb = 2 * r["b"] * r["L"] * HKV * 128 * 2
+                cell = lambda t: f"{t * 1e3:.1f} ({kvb / (t * 1e-3) / 1e12:.2f})"
+                cud = r["us"].get("cudnn")
+                lines.append(f"| {r['L'] // 1024}k | {r['us']['ours']:.1f} ({r['ours']:.2f}) [{r['splits']}] | " +
+                             " | ".join(cell(r["sweep"][sp][0]) if sp in r["sweep"] else "n/a" for sp in sps) +
+                             f" | {f2(cud)} | {r3(cud, r['us']['ours'])} | "
+                             f"{max(e for _, e in r['sweep'].values()):.1e} |")
+        fp8s = [r for r in rows if r["kind"] == "fp8"]
+        if fp8s:
+            lines += ["", "FP8 (e4m3) K/V decode vs bf16 K/V decode, GQA 32/8, d=128, bf16 queries, 1 token: "
+                      "steps/s (launches per second) and us; TB/s counts the bytes read (FP8: half). err: "
+                      "relative L2 vs torch SDPA (math, float32) on the K/V values each computes with; quant: "
+                      "the quantization's own effect (SDPA on dequantized vs bf16 K/V).", "",
+                      "| batch x cache | splits bf16/fp8 | bf16 steps/s | fp8 steps/s | fp8/bf16 | fp8 page16 steps/s | "
+                      "bf16 TB/s | fp8 TB/s | err bf16 | err fp8 | quant | page16 vs contig |",
+                      "|---" * 12 + "|"]
+            for r in fp8s:
+                lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits_bf']}/{r['splits']} | "
+                             f"{1e6 / r['bf16_us']:.0f} | {1e6 / r['fp8_us']:.0f} | {r['bf16_us'] / r['fp8_us']:.3f} | "
+                             f"{1e6 / r['fp8p_us']:.0f} | {r['bf16_bytes'] / (r['bf16_us'] * 1e-6) / 1e12:.2f} | "
+                             f"{r['bf16_bytes'] / 2 / (r['fp8_us'] * 1e-6) / 1e12:.2f} | {r['err_bf']:.1e} | "
+                             f"{r['err_f8']:.1e} | {r['err_quant']:.1e} | {r['page_err']:.1e} |")
+        # Forced generations measured (libraries with attn_run_gen): g1, g2.
+        gens = [g for g in ("g1", "g2")
+                if ppages and any(r["kind"] == "prefill" and f"page{ppages[0]}_{g}" in r for r in rows)]
+        lines += ["", "Chunked prefill, batch 1, GQA 32/8, bf16, causal (bottom-right): TFLOP/s. contig: "
+                  "the forward kernel the plan picks on contiguous K/V (generation 2 on Hopper); pageN: "
+                  "the plan's choice on pages of N tokens in shuffled order; pageN g1 / g2: generation 1 "
+                  "/ 2 forced. All with the workspace (generation 2's tile counter).", "",
+                  "| d | chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
+                  "".join(f" | page{ps} {g}" for ps in ppages for g in gens) + " | " +
+                  " | ".join(f"page{ps}/contig" for ps in ppages) +
+                  "".join(f" | page{ps} {g}/contig" for ps in ppages for g in gens) +
+                  " | torch SDPA (lower-right bias) | torch backend | err vs torch | max err page vs contig |",
+                  "|---" * (8 + 2 * len(ppages) * (1 + len(gens))) + "|"]
+        for r in rows:
+            if r["kind"] != "prefill":
+                continue
+            perr = max((r[k] for k in r if k.startswith("page") and k.endswith("_err")), default=float("nan"))
+            lines.append(f"| {r['D']} | {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
+                         " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) +
+                         "".join(f" | {f2(r.get(f'page{ps}_{g}'))}" for ps in ppages for g in gens) + " | " +
+                         " | ".join(r3(r[f'page{ps}'], r['contig']) for ps in ppages) +
+                         "".join(f" | {r3(r.get(f'page{ps}_{g}'), r['contig'])}" for ps in ppages for g in gens) +
+                         f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} | {perr:.1e} |")
+        if any(r["kind"] == "steps" for r in rows):
+            lines += ["", f"Multi-token steps over paged caches (pages of {args.steps_page}, shuffled), GQA "
+                      "32/8, d=128, bf16, causal: us per launch and TB/s of K+V read. decode: Run's choice "
+                      "(the split-KV decode kernel for <= 16 queries); gen2: the generation-2 forward "
+                      "kernel forced.", "",
+                      "| batch x queries x cache | decode us | gen2 us | decode TB/s | gen2 TB/s | gen2/decode speed | err gen2 vs decode |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in rows:
+                if r["kind"] != "steps":
+                    continue
+                lines.append(f"| {r['b']} x {r['nq']} x {r['L'] // 1024}k | {r['decode_us']:.1f} | "
+                             f"{f2(r['gen2_us'])} | {r['decode_tb']:.2f} | {f2(r['gen2_tb'])} | "
+                             f"{r3(r['decode_us'], r['gen2_us'])} | {r['err']:.1e} |")
+        text = "\n".join(lines) + "\n"
+        if final:
+            print(text)
+        with open(args.out, "w") as fh:
+            fh.write(text)
 
     # ---------------- decode ----------------
     for item in args.decode.split(","):
@@ -502,118 +607,31 @@ def main():
         del qs, ks, vs, qt, kt, vt, o, ref
         torch.cuda.empty_cache()
 
+    write_table(False)
+
     # ---------------- FP8 K/V decode ----------------
     for item in [x for x in args.fp8.split(",") if x]:
         b, L = (int(x) for x in item.split("x"))
         rows.append(fp8_point(lib, b, L, args, dev, dt, l2))
 
+    write_table(False)
+
     # ---------------- chunked prefill ----------------
-    ppages = [int(x) for x in args.prefill_pages.split(",") if x]
-    pdims = [int(x) for x in args.prefill_dims.split(",") if x]
-    items = [x for x in args.prefill.split(",") if x]
     for D in pdims:
         for item in items:
             C, Pc = (int(x) for x in item.split("x"))
             rows.append(prefill_point(lib, C, Pc, D, ppages, args, gen, dev, dt))
             torch.cuda.empty_cache()
 
+    write_table(False)
+
     # ---------------- multi-token steps ----------------
     for item in [x for x in args.steps.split(",") if x]:
         b, nq, L = (int(x) for x in item.split("x"))
         rows.append(steps_point(lib, b, nq, L, args.steps_page, args, gen, dev, dt))
         torch.cuda.empty_cache()
+    write_table(True)
 
-    # ---------------- table ----------------
-    f2 = lambda x: f"{x:.2f}" if x is not None else "n/a"
-    r3 = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
-    lines += [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"date {datetime.date.today().isoformat()}, L2 {l2 >> 20} MiB. Median of {args.reps} "
-              f"timings after {args.warmup} warm-up, each N back-to-back launches >= "
-              f"{args.min_ms:g} ms (CUDA events), inputs rotated over copies (>= 4x L2).", "",
-              "Decode, GQA 32/8, d=128, bf16, 1 query token: TB/s of K+V read.", "",
-              "| batch x cache | splits | ours contig | " +
-              " | ".join(f"ours page{ps}" for ps in pages) +
-              " | torch flash | torch cuDNN | ours/cuDNN | " +
-              " | ".join(f"page{ps}/contig" for ps in pages) + " | ours us | cuDNN us | err vs torch |",
-              "|---" * (8 + 2 * len(pages)) + "|"]
-    for r in rows:
-        if r["kind"] != "decode":
-            continue
-        lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits']} | {f2(r['ours'])} | " +
-                     " | ".join(f2(r[f'page{ps}']) for ps in pages) +
-                     f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
-                     " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
-                     f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
-    sweeps = [r for r in rows if r["kind"] == "decode" and r.get("sweep")]
-    if sweeps:
-        sps = sorted({sp for r in sweeps for sp in r["sweep"]})
-        lines += ["", "Batch-1 decode, KV splits forced (GQA 32/8, d=128, bf16): us per launch (TB/s); "
-                  "plan: the plan's own choice (its splits in brackets).", "",
-                  "| cache | plan | " + " | ".join(f"{sp} splits" for sp in sps) + " | torch cuDNN | "
-                  "plan/cuDNN speed | max err vs plan |", "|---" * (4 + len(sps)) + "|"]
-        for r in sweeps:
-            kvb = 2 * r["b"] * r["L"] * HKV * D * 2
-            cell = lambda t: f"{t * 1e3:.1f} ({kvb / (t * 1e-3) / 1e12:.2f})"
-            cud = r["us"].get("cudnn")
-            lines.append(f"| {r['L'] // 1024}k | {r['us']['ours']:.1f} ({r['ours']:.2f}) [{r['splits']}] | " +
-                         " | ".join(cell(r["sweep"][sp][0]) if sp in r["sweep"] else "n/a" for sp in sps) +
-                         f" | {f2(cud)} | {r3(cud, r['us']['ours'])} | "
-                         f"{max(e for _, e in r['sweep'].values()):.1e} |")
-    fp8s = [r for r in rows if r["kind"] == "fp8"]
-    if fp8s:
-        lines += ["", "FP8 (e4m3) K/V decode vs bf16 K/V decode, GQA 32/8, d=128, bf16 queries, 1 token: "
-                  "steps/s (launches per second) and us; TB/s counts the bytes read (FP8: half). err: "
-                  "relative L2 vs torch SDPA (math, float32) on the K/V values each computes with; quant: "
-                  "the quantization's own effect (SDPA on dequantized vs bf16 K/V).", "",
-                  "| batch x cache | splits bf16/fp8 | bf16 steps/s | fp8 steps/s | fp8/bf16 | fp8 page16 steps/s | "
-                  "bf16 TB/s | fp8 TB/s | err bf16 | err fp8 | quant | page16 vs contig |",
-                  "|---" * 12 + "|"]
-        for r in fp8s:
-            lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits_bf']}/{r['splits']} | "
-                         f"{1e6 / r['bf16_us']:.0f} | {1e6 / r['fp8_us']:.0f} | {r['bf16_us'] / r['fp8_us']:.3f} | "
-                         f"{1e6 / r['fp8p_us']:.0f} | {r['bf16_bytes'] / (r['bf16_us'] * 1e-6) / 1e12:.2f} | "
-                         f"{r['bf16_bytes'] / 2 / (r['fp8_us'] * 1e-6) / 1e12:.2f} | {r['err_bf']:.1e} | "
-                         f"{r['err_f8']:.1e} | {r['err_quant']:.1e} | {r['page_err']:.1e} |")
-    # Forced generations measured (libraries with attn_run_gen): g1, g2.
-    gens = [g for g in ("g1", "g2")
-            if ppages and any(r["kind"] == "prefill" and f"page{ppages[0]}_{g}" in r for r in rows)]
-    lines += ["", "Chunked prefill, batch 1, GQA 32/8, bf16, causal (bottom-right): TFLOP/s. contig: "
-              "the forward kernel the plan picks on contiguous K/V (generation 2 on Hopper); pageN: "
-              "the plan's choice on pages of N tokens in shuffled order; pageN g1 / g2: generation 1 "
-              "/ 2 forced. All with the workspace (generation 2's tile counter).", "",
-              "| d | chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
-              "".join(f" | page{ps} {g}" for ps in ppages for g in gens) + " | " +
-              " | ".join(f"page{ps}/contig" for ps in ppages) +
-              "".join(f" | page{ps} {g}/contig" for ps in ppages for g in gens) +
-              " | torch SDPA (lower-right bias) | torch backend | err vs torch | max err page vs contig |",
-              "|---" * (8 + 2 * len(ppages) * (1 + len(gens))) + "|"]
-    for r in rows:
-        if r["kind"] != "prefill":
-            continue
-        perr = max((r[k] for k in r if k.startswith("page") and k.endswith("_err")), default=float("nan"))
-        lines.append(f"| {r['D']} | {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
-                     " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) +
-                     "".join(f" | {f2(r.get(f'page{ps}_{g}'))}" for ps in ppages for g in gens) + " | " +
-                     " | ".join(r3(r[f'page{ps}'], r['contig']) for ps in ppages) +
-                     "".join(f" | {r3(r.get(f'page{ps}_{g}'), r['contig'])}" for ps in ppages for g in gens) +
-                     f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} | {perr:.1e} |")
-    if any(r["kind"] == "steps" for r in rows):
-        lines += ["", f"Multi-token steps over paged caches (pages of {args.steps_page}, shuffled), GQA "
-                  "32/8, d=128, bf16, causal: us per launch and TB/s of K+V read. decode: Run's choice "
-                  "(the split-KV decode kernel for <= 16 queries); gen2: the generation-2 forward "
-                  "kernel forced.", "",
-                  "| batch x queries x cache | decode us | gen2 us | decode TB/s | gen2 TB/s | gen2/decode speed | err gen2 vs decode |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in rows:
-            if r["kind"] != "steps":
-                continue
-            lines.append(f"| {r['b']} x {r['nq']} x {r['L'] // 1024}k | {r['decode_us']:.1f} | "
-                         f"{f2(r['gen2_us'])} | {r['decode_tb']:.2f} | {f2(r['gen2_tb'])} | "
-                         f"{r3(r['decode_us'], r['gen2_us'])} | {r['err']:.1e} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as fh:
-        fh.write(text)
 
 
 if __name__ == "__main__":

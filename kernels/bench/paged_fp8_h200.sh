@@ -17,13 +17,13 @@
 # Every step runs under `timeout`, within BUDGET_S seconds in all (default 540); a step that does
 # not fit in what is left is skipped and said so. The last thing printed is the table of steps.
 #   kernels/bench/paged_fp8_h200.sh BIN OUT [BUDGET_S]
-# BIN: gpu_decode_test, gpu_decode_test_trap (optional: gpu_decode_test serves), 
+# BIN: gpu_decode_test, gpu_decode_test_trap (optional: gpu_decode_test serves),
 #      libattn_kernels_capi.so, bench_decode.py. OUT: where every log and table goes.
 set -u
 bin=$(cd "$1" && pwd)
-out=$2
 budget=${3:-540}
-mkdir -p "$out"
+mkdir -p "$2"
+out=$(cd "$2" && pwd)
 t0=$(date +%s)
 status="$out/status.tsv"
 : >"$status"
