@@ -1,7 +1,7 @@
 // The one runtime-to-template dispatch of the CUDA backend, for the (dtype, head dim) pairs
 // compiled into this build (ATTN_HDIM_<d>). MakePlan decides, from host-known values:
-//   max_seqlen_q <= kDecodeMaxSeqlenQ: the split-KV decode kernel (contiguous or paged K/V), with
-//     its row blocks and splits (PlanDecode);
+//   max_seqlen_q <= kDecodeMaxSeqlenQ: the split-KV decode kernel (contiguous or paged K/V; FP8
+//     K/V: its FP8 variant, RunDecodeFp8), with its row blocks and splits (PlanDecode);
 //   otherwise: generation 2 (sm_90a, where CanImplementGen2 holds; ATTN_SM90_HDIM_<d>), with its
 //     tiling and tile order (PlanFlashFwdSm90[Paged]<T, D>), else generation 1.
 // Run turns AttentionArgs into the kernel's parameters (FlashParams, DecodeParams) and launches
