@@ -16,6 +16,7 @@ awk -F'\t' '
       else if (o ~ /flash_fwd_sm90_hdim/) f = "gen2 (sm_90a)"
       else if (o ~ /flash_fwd_paged_hdim/) f = "gen1 paged"
       else if (o ~ /flash_fwd_hdim/) f = "gen1"
+      else if (o ~ /decode_fp8_hdim/) f = "decode fp8 kv"
       else if (o ~ /decode_hdim/) f = "decode"
       else if (o ~ /cuda_attention\.cu/) f = "dispatch"
       else if (o ~ /sm90_variants/) f = "sm90_variants (bench)"

@@ -146,6 +146,47 @@ int attn_run_gen(int dtype, const void* q, const void* k, const void* v, void* o
   return PlanAndRun(a, gen, workspace, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// attn_run over FP8 (e4m3) K/V: k and v hold e4m3 codes (contiguous or page pools), k_scale and
+// v_scale the float32 scales of [batch, num_kv_heads] (device memory); q and o of dtype. The
+// library's workspace when `workspace` is null.
+int attn_run_fp8kv(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                   const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch, int total_q,
+                   int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads, int num_kv_heads,
+                   int head_dim, float softmax_scale, int causal, int window_left, int window_right,
+                   int page_size, int num_pages, const int32_t* page_indptr,
+                   const int32_t* page_indices, const int32_t* seqlens_k, const float* k_scale,
+                   const float* v_scale, void* workspace, uintptr_t stream) {
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
+               max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
+               causal, window_left, window_right);
+  SetPaged(&a, page_size, num_pages, page_indptr, page_indices, seqlens_k);
+  a.kv_dtype = attn::kernels::DType::kFloat8E4M3;
+  a.kv_scales = {k_scale, v_scale};
+  return PlanAndRun(a, 0, workspace, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// The KV splits the decode plan (with this library's plan options) gives a decode shape of batch
+// sequences with max_seqlen_q queries each over max_seqlen_k keys (fp8_kv: FP8 K/V); -(StatusCode)
+// when the plan is refused, 0 when the shape goes to the forward kernel.
+int attn_plan_decode_splits(int dtype, int fp8_kv, int batch, int max_seqlen_q, int max_seqlen_k,
+                            int num_heads, int num_kv_heads, int head_dim) {
+  static int dummy = 0;
+  static const float scale = 1.0f;
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, &dummy, &dummy, &dummy, &dummy, nullptr, &dummy, &dummy, batch,
+               batch * max_seqlen_q, batch * max_seqlen_k, max_seqlen_q, max_seqlen_k, num_heads,
+               num_kv_heads, head_dim, 0.0f, 0, -1, -1);
+  if (fp8_kv) {
+    a.kv_dtype = attn::kernels::DType::kFloat8E4M3;
+    a.kv_scales = {&scale, &scale};
+  }
+  attn::kernels::cuda::Plan plan;
+  const attn::kernels::Status st = attn::kernels::cuda::MakePlan(a, g_options, &plan);
+  if (!st.ok()) return -static_cast<int>(st.code());
+  return plan.kernel == attn::kernels::cuda::Plan::Kernel::kDecode ? plan.decode_splits : 0;
+}
+
 // WorkspaceBytes of the attn_run arguments (pointers may be any non-null value); and whether Run
 // picks the decode kernel for them (1) or the forward kernel (0).
 size_t attn_workspace_bytes(int dtype, int batch, int total_q, int total_k, int max_seqlen_q,

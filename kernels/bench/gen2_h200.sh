@@ -8,12 +8,12 @@
 #  (rate, SM clock and power under sustained load), sass (cuobjdump), traffic (DRAM bytes per
 #  launch, Nsight Compute), ncu_sections (Nsight Compute), tests_tilings (the tests with each tiling forced), sanitize (memcheck and
 #  racecheck), sweep_soaked (the sweep with each kernel timed at its own sustained clock) and
-#  paged (generation 2 over paged K/V: gpu_decode_test's paged suites in 8 shards at once,
-#  memcheck and racecheck on small paged cases, and bench_decode.py's chunked prefill and
-#  multi-token steps against contiguous generation 2 and generation 1).
-# BIN holds sm90_variants (-DATTN_SM90_VARIANTS=ON), gpu_attention_test, gpu_decode_test,
-# libattn_kernels_capi.so
-# and the Python tools of kernels/bench; the results go to OUT_DIR, one file per part.
+#  paged (paged_fp8_h200.sh: generation 2 over paged K/V, decode splits and FP8 K/V decode:
+#  smoke cases, gpu_decode_test in 8 shards, bench_decode.py, memcheck and racecheck, each bounded).
+# BIN holds sm90_variants (-DATTN_SM90_VARIANTS=ON), gpu_attention_test, gpu_decode_test (and for
+# 'paged' gpu_decode_test_trap, a -DATTN_SM90_HANG_TRAP=ON build of it), libattn_kernels_capi.so,
+# paged_fp8_h200.sh and the Python tools of kernels/bench; the results go to OUT_DIR, one file per
+# part.
 #   kernels/bench/gen2_h200.sh BIN OUT_DIR [PART ...]   (PART: one of the names in the case below)
 set -uo pipefail
 bin=$(cd "$1" && pwd)
@@ -141,29 +141,11 @@ sanitize() {
   cat "$out/sanitize.txt"
 }
 
+# Paged generation 2, the decode splits and FP8 K/V decode: paged_fp8_h200.sh (bounded: a smoke
+# case per head dim first, each step under a timeout, nothing that forces generation 2 on paged
+# K/V after a hang), its logs and tables in OUT_DIR/paged.
 paged() {
-  local f='*GpuPagedGen2*:*GpuPagedPrefill*:GpuDecodeSmoke*:GpuPagedDecode*:*GpuDecodeSteps*' i tool
-  # The float64 reference is the slow part: 8 processes share the GPU.
-  for i in 0 1 2 3 4 5 6 7; do
-    GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 300 "$bin/gpu_decode_test" --gtest_filter="$f" \
-      >"$out/paged_tests_$i.txt" 2>&1 &
-  done
-  wait
-  cat "$out"/paged_tests_[0-7].txt >"$out/paged_tests.txt" && rm -f "$out"/paged_tests_[0-7].txt
-  gtest_counts <"$out/paged_tests.txt"
-  grep -q -E '^\[  FAILED  \]' "$out/paged_tests.txt" && rc=1
-  local small='GpuDecodeSmoke.*:*GpuPagedGen2.StepsEmptyCachesSharedPages/bf16_d128_page16:*GpuPagedGen2.FullAndWindowed/bf16_d64_page48'
-  for tool in memcheck racecheck; do
-    echo "== compute-sanitizer --tool $tool"
-    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/gpu_decode_test" \
-      --gtest_filter="$small" 2>&1 | tail -n 6 || rc=1
-  done >"$out/paged_sanitize.txt" 2>&1
-  cat "$out/paged_sanitize.txt"
-  (cd "$bin" && timeout 300 python3 bench_decode.py --lib ./libattn_kernels_capi.so --decode "" \
-      --prefill 512x4096,2048x4096,512x32768,2048x32768 --prefill-dims 64,128,256 \
-      --prefill-pages 16,64 --steps 64x4x4096,16x16x4096,32x8x8192,128x2x2048 --reps 7 \
-      --min-ms 10 --out "$out/paged_bench.md") >"$out/paged_bench.log" 2>&1 || rc=1
-  tail -n 30 "$out/paged_bench.md"
+  bash "$bin/paged_fp8_h200.sh" "$bin" "$out/paged" "${GEN2_PAGED_BUDGET_S:-540}" || rc=1
 }
 
 for p in "${parts[@]}"; do

@@ -1,7 +1,7 @@
 // The one runtime-to-template dispatch of the CUDA backend, for the (dtype, head dim) pairs
 // compiled into this build (ATTN_HDIM_<d>). MakePlan decides, from host-known values:
-//   max_seqlen_q <= kDecodeMaxSeqlenQ: the split-KV decode kernel (contiguous or paged K/V), with
-//     its row blocks and splits (PlanDecode);
+//   max_seqlen_q <= kDecodeMaxSeqlenQ: the split-KV decode kernel (contiguous or paged K/V; FP8
+//     K/V: its FP8 variant, RunDecodeFp8), with its row blocks and splits (PlanDecode);
 //   otherwise: generation 2 (sm_90a, where CanImplementGen2 holds; ATTN_SM90_HDIM_<d>), with its
 //     tiling and tile order (PlanFlashFwdSm90[Paged]<T, D>), else generation 1.
 // Run turns AttentionArgs into the kernel's parameters (FlashParams, DecodeParams) and launches
@@ -18,6 +18,7 @@
 #include <string>
 
 #include "decode_params.h"
+#include "decode_plan.h"
 #include "flash_params.h"
 
 namespace attn::kernels::cuda {
@@ -141,16 +142,9 @@ bool GetDeviceInfo(DeviceInfo* out) {
 }
 
 // The decode kernel's plan for args (max_seqlen_q <= kDecodeMaxSeqlenQ), from host-known values
-// only (batch, heads, max lengths, the SM count): its row blocks and KV splits, and the workspace
-// the splits need.
-//
-// Splits: none when the (sequence, KV head, row block) CTAs number at least 90% of the SMs (two
-// CTAs fit per SM, so such a grid is resident at once or nearly); else the fewest splits whose
-// wave efficiency over one CTA per SM (CTAs / (waves * SMs)) is within 10% of the best, with at
-// least 8 key tiles (2 per warp) per split and at most kDecodeMaxSplits. Measured on the H200
-// (GQA 32/8, d=128, docs/PERF.md): one CTA per SM with no split beats two per SM with two splits
-// (16 x 4k: 4.21 vs 3.97 TB/s; 16 x 32k: 4.59 vs 4.45), and 1 x 4k peaks at 8-16 splits (1.19-1.23
-// TB/s) against 0.80 at 32. forced_splits > 0 (PlanOptions::decode_splits) overrides the rule.
+// only (batch, heads, max lengths, the SM count): its row blocks and KV splits (DecodeSplits, of
+// the 16-bit or the FP8 kernel's tiles and occupancy), and the workspace the splits need.
+// forced_splits > 0 (PlanOptions::decode_splits) overrides the rule.
 void PlanDecode(const AttentionArgs& a, int forced_splits, Plan* plan) {
   plan->kernel = Plan::Kernel::kDecode;
   const int group = a.num_heads / a.num_kv_heads;
@@ -161,25 +155,18 @@ void PlanDecode(const AttentionArgs& a, int forced_splits, Plan* plan) {
   DeviceInfo info;
   if (!GetDeviceInfo(&info)) return;  // Run reports the device error at launch
   plan->decode_pdl = info.major >= 9;
-  const double slots = double(info.sms);
-  const double base = double(a.batch) * a.num_kv_heads * plan->decode_m_blocks;
-  const int tiles = (a.max_seqlen_k + DecodeWarpN(a.head_dim) - 1) / DecodeWarpN(a.head_dim);
-  const int max_splits = std::max(1, std::min(kDecodeMaxSplits, tiles / (2 * kDecodeWarps)));
-  auto eff = [&](int s) {
-    const double ctas = base * s;
-    return ctas / (std::ceil(ctas / slots) * slots);
-  };
-  int splits = 1;
-  if (base < 0.9 * slots && max_splits > 1) {
-    double best = 0;
-    for (int s = 1; s <= max_splits; ++s) best = std::max(best, eff(s));
-    for (int s = 1; s <= max_splits; ++s) {
-      if (eff(s) >= 0.9 * best) {
-        splits = s;
-        break;
-      }
-    }
-  }
+  const bool fp8 = IsFp8Kv(a);
+  DecodeSplitShape shape;
+  shape.batch = a.batch;
+  shape.num_kv_heads = a.num_kv_heads;
+  shape.m_blocks = plan->decode_m_blocks;
+  shape.max_seqlen_k = a.max_seqlen_k;
+  shape.warp_n = fp8 ? DecodeFp8WarpN(a.head_dim) : DecodeWarpN(a.head_dim);
+  shape.warps = kDecodeWarps;
+  shape.ctas_per_sm = fp8 ? DecodeFp8MinBlocks(a.head_dim) : DecodeMinBlocks(a.head_dim);
+  shape.sms = info.sms;
+  shape.max_splits = kDecodeMaxSplits;
+  int splits = DecodeSplits(shape);
   if (forced_splits > 0) splits = std::min(forced_splits, kDecodeMaxSplits);
   plan->decode_splits = splits;
   if (splits > 1) {
@@ -223,6 +210,10 @@ DecodeParams MakeDecodeParams(const AttentionArgs& a, const Plan& plan, void* wo
     const size_t rows = size_t(a.total_q) * a.num_heads;
     p.part_o = static_cast<float*>(workspace);
     p.part_lse = p.part_o + size_t(plan.decode_splits) * rows * a.head_dim;
+  }
+  if (IsFp8Kv(a)) {
+    p.k_scale = a.kv_scales.k;
+    p.v_scale = a.kv_scales.v;
   }
   p.pdl = plan.decode_pdl;
   return p;
@@ -294,6 +285,37 @@ cudaError_t RunSm90Typed(const FlashParams& p, const Sm90Launch& launch, bool pa
   }
 }
 
+template <typename T>
+cudaError_t RunDecodeFp8Typed(const DecodeParams& p, int head_dim, bool paged, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef ATTN_FP8_HDIM_64
+    case 64: return RunDecodeFp8<T, 64>(p, paged, stream);
+#endif
+#ifdef ATTN_FP8_HDIM_128
+    case 128: return RunDecodeFp8<T, 128>(p, paged, stream);
+#endif
+#ifdef ATTN_FP8_HDIM_256
+    case 256: return RunDecodeFp8<T, 256>(p, paged, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+bool Fp8HeadDimCompiled(int d) {
+  switch (d) {
+#ifdef ATTN_FP8_HDIM_64
+    case 64: return true;
+#endif
+#ifdef ATTN_FP8_HDIM_128
+    case 128: return true;
+#endif
+#ifdef ATTN_FP8_HDIM_256
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
 bool Sm90HeadDimCompiled(int d) {
   switch (d) {
 #ifdef ATTN_SM90_HDIM_64
@@ -355,12 +377,36 @@ Status CanImplement(const AttentionArgs& args) {
   if (args.batch > 65535 || args.num_heads > 65535 || args.num_kv_heads > 65535) {
     return {StatusCode::kInvalidArgument, "CUDA backend: batch and num_heads must be <= 65535 (grid limit)"};
   }
+  if (IsFp8Kv(args)) {
+    if (!Fp8HeadDimCompiled(args.head_dim)) {
+      return {StatusCode::kUnimplemented, "CUDA backend: float8_e4m3 k and v with head_dim " +
+                                              std::to_string(args.head_dim) +
+                                              " are not compiled into this build (head dims 64, "
+                                              "128, 256 of ATTN_HEAD_DIMS, for sm_90a)"};
+    }
+    DeviceInfo info;
+    if (!GetDeviceInfo(&info) || info.major != 9 || info.minor != 0) {
+      return {StatusCode::kUnimplemented,
+              "CUDA backend: float8_e4m3 k and v need a compute capability 9.0 device (the kernel "
+              "is compiled for sm_90a)"};
+    }
+    if (args.max_seqlen_q > kDecodeMaxSeqlenQ) {
+      return {StatusCode::kUnimplemented,
+              "CUDA backend: float8_e4m3 k and v run with at most " +
+                  std::to_string(kDecodeMaxSeqlenQ) +
+                  " queries per sequence (max_seqlen_q, the decode kernel); got " +
+                  std::to_string(args.max_seqlen_q)};
+    }
+  }
   return Status::Ok();
 }
 
 Status CanImplementGen2(const AttentionArgs& args) {
   Status s = CanImplement(args);
   if (!s.ok()) return s;
+  if (IsFp8Kv(args)) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: float8_e4m3 k and v are not supported"};
+  }
   if (!Sm90HeadDimCompiled(args.head_dim)) {
     return {StatusCode::kUnimplemented, "CUDA generation 2: head_dim " + std::to_string(args.head_dim) +
                                             " is not compiled for sm_90a in this build"};
@@ -402,6 +448,11 @@ Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* pla
     PlanDecode(args, options.decode_splits, &p);
     *plan = p;
     return Status::Ok();
+  }
+  if (IsFp8Kv(args)) {  // only the decode kernel reads FP8 K/V
+    return {StatusCode::kUnimplemented,
+            "CUDA backend: float8_e4m3 k and v run on the decode kernel only (a forced forward "
+            "generation cannot)"};
   }
   bool gen2 = false;
   if (options.generation == FwdGeneration::kGen2) {
@@ -453,11 +504,18 @@ cudaError_t Run(const AttentionArgs& args, const Plan& plan, void* workspace, cu
     case Plan::Kernel::kDecode: {
       if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
       const DecodeParams p = MakeDecodeParams(args, plan, workspace);
-      err = args.dtype == DType::kFloat16 ? RunDecodeTyped<__half>(p, args.head_dim, paged, stream)
-                                          : RunDecodeTyped<__nv_bfloat16>(p, args.head_dim, paged, stream);
+      if (IsFp8Kv(args)) {
+        err = args.dtype == DType::kFloat16
+                  ? RunDecodeFp8Typed<__half>(p, args.head_dim, paged, stream)
+                  : RunDecodeFp8Typed<__nv_bfloat16>(p, args.head_dim, paged, stream);
+      } else {
+        err = args.dtype == DType::kFloat16 ? RunDecodeTyped<__half>(p, args.head_dim, paged, stream)
+                                            : RunDecodeTyped<__nv_bfloat16>(p, args.head_dim, paged, stream);
+      }
       break;
     }
     case Plan::Kernel::kGen2: {
+      if (IsFp8Kv(args)) return cudaErrorInvalidValue;  // a plan of other arguments
       FlashParams p = MakeParams(args);
       // Without a workspace the kernel keeps its fixed tile order.
       if (plan.gen2_tile_counter && workspace != nullptr) {
@@ -476,6 +534,7 @@ cudaError_t Run(const AttentionArgs& args, const Plan& plan, void* workspace, cu
       break;
     }
     default: {
+      if (IsFp8Kv(args)) return cudaErrorInvalidValue;  // a plan of other arguments
       const FlashParams p = MakeParams(args);
       err = args.dtype == DType::kFloat16 ? RunTyped<__half>(p, paged, stream)
                                           : RunTyped<__nv_bfloat16>(p, paged, stream);

@@ -814,6 +814,11 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
 
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ Sm90Params P) {
+  // The final tiling's register split (a derived traits type may change it) within the launch
+  // allocation (Sm90TraitsBase::kLaunchRegs): else the consumers' setmaxnreg.inc never returns.
+  static_assert(128 * (Tr::kProducerRegs + Tr::kConsumerWGs * Tr::kConsumerRegs) <=
+                    Tr::kThreads * Tr::kLaunchRegs,
+                "register split above the launch allocation");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));

@@ -71,7 +71,12 @@ struct Sm90TraitsBase {
   // Register split (setmaxnreg): 128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 64K.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
-  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
+  // setmaxnreg moves registers within the CTA's allocation at launch, kThreads times the
+  // per-thread count __launch_bounds__(kThreads, 1) caps ptxas at (65536 / kThreads, a multiple of
+  // 8: 168 at 384 threads, 128 at 512): a split above it makes setmaxnreg.inc wait for ever.
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
+                "register split above the launch allocation");
 
   static_assert(D % 64 == 0, "head dim must be a multiple of 64 (one 128-byte swizzle row)");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176,

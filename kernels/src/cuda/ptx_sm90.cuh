@@ -6,6 +6,9 @@
 #include <cuda/ptx>
 
 #include <cstdint>
+#if defined(ATTN_SM90_HANG_TRAP)
+#include <cstdio>
+#endif
 
 #include "wgmma_ops.cuh"
 
@@ -78,9 +81,27 @@ __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) { cp::mbarrier_arrive(bar); }
 
 // Blocks until the phase of `bar` with the given parity has completed.
+//
+// Builds with ATTN_SM90_HANG_TRAP (CMake option of the same name; a debugging build, never the
+// shipped one) give up after about 2^32 clock cycles (2 s at the H200's clocks; a launch's
+// longest legitimate wait is microseconds): the thread prints which barrier of which CTA it
+// waited on, and traps, so that a protocol error ends the launch with an error (the process gets
+// cudaErrorLaunchFailure) instead of hanging the GPU.
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+#if defined(ATTN_SM90_HANG_TRAP)
+  const long long start = clock64();
+  while (!cp::mbarrier_try_wait_parity(bar, parity)) {
+    if (clock64() - start > (1ll << 32)) {
+      printf("MbarWait: no completion: block %d thread %d, barrier at shared 0x%x, parity %u\n",
+             int(blockIdx.x), int(threadIdx.x),
+             unsigned(__cvta_generic_to_shared(bar)), unsigned(parity));
+      __trap();
+    }
+  }
+#else
   while (!cp::mbarrier_try_wait_parity(bar, parity)) {
   }
+#endif
 }
 
 // 4-D tiled TMA load into shared memory, completing on `bar` (transaction bytes).

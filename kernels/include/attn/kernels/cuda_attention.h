@@ -4,9 +4,14 @@
 // count); Run launches what the plan says. The plan of one batch shape serves every launch of it.
 //  - decode (max_seqlen_q <= 16 queries per sequence): a split-KV ("flash-decoding") kernel. One
 //    CTA computes all the query heads of one KV head (GQA packed as rows of mma.sync m16n8k16
-//    tiles), so each K/V byte is read once per group; the keys of each sequence are split over
-//    enough CTAs to fill the GPU in whole waves, and a combine kernel merges the splits by their
-//    LSE. The fp32 partials live in the caller's workspace (Plan::workspace_bytes).
+//    tiles), so each K/V byte is read once per group; where the batch leaves SMs idle the keys of
+//    each sequence are split over enough CTAs to fill every CTA slot of the GPU (batch-1 decode
+//    included), and a combine kernel, launched as a programmatic dependent (sm_90), merges the
+//    splits by their LSE. The fp32 partials live in the caller's workspace
+//    (Plan::workspace_bytes). FP8 K/V (AttentionArgs::kv_dtype float8_e4m3, head dims 64, 128 and
+//    256) runs a kernel of the same structure that converts the e4m3 codes to fp16 in registers
+//    (the k scale folded into the softmax scale, the v scale into the normalisation); FP8 K/V has
+//    no forward kernel here (CanImplement refuses more than 16 queries per sequence).
 //  - forward (everything else): one fused FlashAttention kernel in two generations:
 //    generation 2 (sm_90a: wgmma, TMA, warp specialisation) on compute capability 9.0 devices where
 //    CanImplementGen2 holds (head dims 64/128/256 compiled for 90a; contiguous K/V, and paged K/V
@@ -28,8 +33,9 @@ namespace attn::kernels::cuda {
 bool Compiled();
 
 // OK when a kernel of this build can run args: dtype fp16/bf16, a compiled head dim, sizes in
-// range (paged: num_pages * page_size < 2^31). Does not read cu_seqlens or page tables (device
-// memory); callers validate them on the host first (ValidateCuSeqlens, ValidatePageTable).
+// range (paged: num_pages * page_size < 2^31); FP8 K/V: head dim 64, 128 or 256 and at most 16
+// queries per sequence. Does not read cu_seqlens, page tables or FP8 scales (device memory);
+// callers validate them on the host first (ValidateCuSeqlens, ValidatePageTable, ValidateKvScales).
 Status CanImplement(const AttentionArgs& args);
 
 // Which kernel Run uses. kAuto: the decode kernel for decode shapes, else generation 2 where
@@ -41,7 +47,7 @@ enum class FwdGeneration : uint8_t { kAuto = 0, kGen1 = 1, kGen2 = 2 };
 // alternatives on the same arguments. The defaults are the rules.
 struct PlanOptions {
   FwdGeneration generation = FwdGeneration::kAuto;
-  int decode_splits = 0;  // decode kernel: > 0 forces that many KV splits (at most 64)
+  int decode_splits = 0;  // decode kernels: > 0 forces that many KV splits (at most 64)
   // Generation 2:
   int gen2_tiling = 0;          // 0 its estimate; 1 wide; 2 narrow; 3 narrow for causal <= 1k queries
   int gen2_row_cut = -1;        // -1 its rule; 0 plain, 1 narrow tail, 2 short head (3-warpgroup tilings)
