@@ -96,7 +96,8 @@ void Batcher::DispatchReadyNow() {
 
 void Batcher::Dispatch(Queue& q, JobBatch batch, Clock::time_point now) {
   for (auto& job : batch) {
-    job->queue_us = Micros(now - job->arrival);
+    const Clock::time_point from = job->ready != Clock::time_point{} ? job->ready : job->arrival;
+    job->queue_us = Micros(now - from);
     if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
   }
   q.runner->RunBatch(std::move(batch), [this, &q](const BatchReport& r) { FinishBatch(q, r); });

@@ -96,6 +96,9 @@ struct Job {
   bool runs_alone = false;
 
   Clock::time_point arrival;
+  // When it was decoded, validated and ready to queue (its inputs staged): where its queueing
+  // time (queue_us) starts. Unset: from arrival.
+  Clock::time_point ready;
   Clock::time_point deadline = Clock::time_point::max();
   // True once the caller has gone away; queued work is then dropped.
   std::function<bool()> is_cancelled;

@@ -177,6 +177,7 @@ absl::Status AttentionService::SubmitJob(grpc::CallbackServerContext* ctx,
     }
     on_done(std::move(st));
   };
+  job->ready = Clock::now();
   absl::Status st = batcher_->Submit(job);
   if (!st.ok()) slot->Release();  // not taken: done will not run
   return st;

@@ -111,6 +111,12 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (options.drain_quiet_ms < 0) {
     return absl::InvalidArgumentError("--drain_quiet_ms must be >= 0");
   }
+  if (options.step_idle_poll_us < 0 || options.step_idle_poll_us > 1'000'000) {
+    return absl::InvalidArgumentError("--step_idle_poll_us must be in [0, 1000000]");
+  }
+  if (options.step_lanes < 0 || options.step_lanes > 64) {
+    return absl::InvalidArgumentError("--step_lanes must be in [0, 64] (0: as many as --streams)");
+  }
   if (options.max_pending_per_client < 0) {
     return absl::InvalidArgumentError("--max_pending_per_client must be >= 0 (0: unlimited)");
   }
@@ -293,6 +299,9 @@ absl::Status AttnServer::CreateSessions(const BackendInfo& info) {
   ASSIGN_OR_RETURN(sessions_, SessionManager::Create(mo, kv_pool_.get(), metrics_.get()));
   StepPipeline::Options pipeline;
   pipeline.completion_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
+  // A GPU launch is done in tens of microseconds: a lane looks for the next one a little before
+  // it sleeps (the CPU backend's lane computes on every core and sleeps at once).
+  if (backend_->HasGpu()) pipeline.idle_poll = std::chrono::microseconds(options_.step_idle_poll_us);
   ASSIGN_OR_RETURN(step_pipeline_, StepPipeline::Create(pipeline, step_device_.get()));
   Log(absl::StrCat("replica ", mo.replica_id, ": KV cache of ", region.num_pages, " pages (",
                    2 * region.num_pages * region.page_bytes, " bytes, ",

@@ -150,6 +150,7 @@ absl::StatusOr<std::unique_ptr<StepJob>> AttentionService::MakeStepJob(
     on_done(std::move(st));
   };
   job->input_hold = std::move(call);
+  job->ready = Clock::now();
   return job;
 }
 

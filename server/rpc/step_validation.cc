@@ -141,8 +141,17 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
   key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
   key.page_tokens = shape.page_tokens;
   key.decode = job->total_q == 1;
-  RETURN_IF_ERROR(ResolveStepTensors(r, regions.owner, regions.registry, regions.gpu_regions,
-                                     job.get()));
+  const bool any_region = r.q().has_region() || r.k_new().has_region() ||
+                          r.v_new().has_region() || r.has_o_region() || r.has_lse_region();
+  if (any_region) {
+    RETURN_IF_ERROR(ResolveStepTensors(r, regions.owner, regions.registry, regions.gpu_regions,
+                                       job.get()));
+  } else {
+    // Every tensor in the message (its data fields, or the received slices): nothing to resolve.
+    job->q_bytes = r.q().data();
+    job->k_bytes = r.k_new().data();
+    job->v_bytes = r.v_new().data();
+  }
   // Outputs written into regions take no room in the response.
   const int64_t o_bytes = static_cast<int64_t>(job->OBytes());
   const int64_t lse_bytes = static_cast<int64_t>(job->LseBytes());

@@ -105,6 +105,14 @@ void StepPipeline::LaneLoop(int lane) {
     Work work;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (options_.idle_poll.count() > 0 && queue_.empty() && !stop_) {
+        const auto until = Clock::now() + options_.idle_poll;
+        while (queue_.empty() && !stop_ && Clock::now() < until) {
+          lock.unlock();
+          std::this_thread::yield();
+          lock.lock();
+        }
+      }
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping with nothing left
       work = std::move(queue_.front());

@@ -17,6 +17,7 @@
 // device is borrowed and must outlive it.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -42,6 +43,10 @@ class StepPipeline : public BatchRunner {
     // Threads that finish the steps of large launches (copy the lse, tell the callers) in
     // parallel while the lane goes on to its next launch.
     int completion_threads = 2;
+    // How long a lane that has just finished a launch looks for the next batch (yielding the
+    // core) before it sleeps: a lone caller's next step, coming one network round trip later,
+    // then starts without a thread's wake-up (tens of microseconds). 0: it sleeps at once.
+    std::chrono::microseconds idle_poll{0};
   };
   static absl::StatusOr<std::unique_ptr<StepPipeline>> Create(const Options& options,
                                                               StepDevice* device);
