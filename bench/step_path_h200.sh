@@ -41,5 +41,11 @@ run "${common[@]}" --sessions 256 --batch_step 64 --step_coding stub,wire --csv 
 run --target 127.0.0.1:$port --mode unary --concurrency 1 --seq 128 --heads 16 --head_dim 128 \
     --dtype bf16 --duration_s "${LEVEL_S:-2}" --warmup_s 0.5
 stop_attnd
+# Four step lanes instead of two, and lanes that sleep at once (no look for the next launch).
+start_attnd --kv_cache_bytes=17179869184 --step_lanes=4 --step_idle_poll_us=0 || exit 1
+run "${common[@]}" --sessions 1 --step_coding stub --csv "$out/decode.csv" --label lone_nopoll
+run "${common[@]}" --sessions 256 --batch_step 64 --step_coding stub --csv "$out/decode.csv" \
+    --label batch64x4_lanes4
+stop_attnd
 "$bin/attn-step-bench" --seconds 2 | tee "$out/step_bench.txt"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -43,12 +43,12 @@ using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
 
 // Attend and AttendStream are raw methods (grpc::ByteBuffer in and out): their tensors go from
 // gRPC's received slices into the backend's staging with one copy, and their outputs back out as
-// slices of the buffers the backend wrote them into (attend_request_decoder.h,
-// attend_response_encoder.h). Echo is raw too: its answer is the request's own slices
-// (echo_wire.h), so that it measures the transport alone. Step and BatchStep are raw too: each
-// step's tensors are copied once out of the received slices (step_request_decoder.h), and its
-// outputs sent from the buffers they were written into. The bytes on the wire are protobuf's,
-// as for every other method.
+// slices of the memory the backend brought them back into (attend_request_decoder.h,
+// response_encoder.h). Echo is raw too: its answer is the request's own slices (echo_wire.h), so
+// that it measures the transport alone. Step and BatchStep are raw too: each step's tensors stay
+// in the received slices (step_request_decoder.h) until the step pipeline copies them, once,
+// into its launch's staging, and each output is sent from the launch's output staging
+// (docs/STEP_PATH.md). The bytes on the wire are protobuf's, as for every other method.
 class AttentionService final : public AttentionCallbackBase {
  public:
   struct Options {
