@@ -138,7 +138,9 @@ int Run() {
     v1::StepRequest* step = request.add_steps();
     step->set_session_id(sessions[i]->id());
     const std::pair<v1::Tensor*, int> tensors[] = {
-        {step->mutable_q(), heads}, {step->mutable_k_new(), kv_heads}, {step->mutable_v_new(), kv_heads}};
+        {step->mutable_q(), heads},
+        {step->mutable_k_new(), kv_heads},
+        {step->mutable_v_new(), kv_heads}};
     for (const auto& [t, h] : tensors) {
       t->set_dtype(v1::DTYPE_BFLOAT16);
       for (int64_t s : {int64_t{1}, int64_t(h), int64_t(d)}) t->add_shape(s);

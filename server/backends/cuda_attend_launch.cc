@@ -369,7 +369,8 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
     k_tokens += job->total_k;
   }
 
-  DeviceBuffer dev_in(&state_->device_pool(), lane.stream), dev_out(&state_->device_pool(), lane.stream);
+  DevicePool* pool = &state_->device_pool();
+  DeviceBuffer dev_in(pool, lane.stream), dev_out(pool, lane.stream);
   RETURN_IF_ERROR(dev_in.Allocate(layout.in_bytes));
   RETURN_IF_ERROR(dev_out.Allocate(layout.out_bytes));
 
@@ -384,7 +385,7 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   args.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev_in.get() + layout.cu_q);
   args.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev_in.get() + layout.cu_k);
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
-  DeviceBuffer workspace(&state_->device_pool(), lane.stream);
+  DeviceBuffer workspace(pool, lane.stream);
   RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
 
   cudaStream_t s = lane.stream;
@@ -425,7 +426,8 @@ absl::Status CudaBackend::LaunchInPlace(Lane& lane, std::span<std::unique_ptr<At
     cu_bytes += 2 * AlignUp(sizeof(int32_t) * jobs[i]->cu_seqlens_q.size());
   }
   ASSIGN_OR_RETURN(PinnedBuffer host_cu, state_->pinned_pool().Acquire(cu_bytes));
-  DeviceBuffer dev_cu(&state_->device_pool(), lane.stream), workspace(&state_->device_pool(), lane.stream);
+  DevicePool* pool = &state_->device_pool();
+  DeviceBuffer dev_cu(pool, lane.stream), workspace(pool, lane.stream);
   RETURN_IF_ERROR(dev_cu.Allocate(cu_bytes));
   std::vector<kernels::AttentionArgs> args;
   args.reserve(jobs.size());

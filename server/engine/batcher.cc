@@ -17,7 +17,9 @@ constexpr auto kSweepInterval = std::chrono::milliseconds(5);
 absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
                                                          BatchRunner* attends, BatchRunner* steps,
                                                          Metrics* metrics) {
-  if (options.max_batch_tokens < 1) return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
+  if (options.max_batch_tokens < 1) {
+    return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
+  }
   if (options.max_queue_delay_us < 0) {
     return absl::InvalidArgumentError("max_queue_delay_us must be >= 0");
   }
