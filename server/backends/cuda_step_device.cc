@@ -112,6 +112,23 @@ absl::Status CopyOutputs(const StepLaunch& l, const char* dev, cudaStream_t stre
 
 }  // namespace
 
+absl::StatusOr<char*> CudaStepDevice::LaneMemory::Get(DevicePool* pool, cudaStream_t stream,
+                                                      size_t bytes) {
+  if (bytes == 0) return nullptr;
+  // Kept while it fits and is not four times (and a MiB) larger than needed: a lane that ran a
+  // long prefill does not hold its memory through the decode steps after it.
+  if (buffer_ && capacity_ >= bytes && capacity_ <= 4 * bytes + (size_t{1} << 20)) {
+    return buffer_->get();
+  }
+  buffer_.reset();  // back to the pool (stream-ordered) before the new one is taken
+  capacity_ = 0;
+  auto buffer = std::make_unique<DeviceBuffer>(pool, stream);
+  RETURN_IF_ERROR(buffer->Allocate(bytes));
+  buffer_ = std::move(buffer);
+  capacity_ = bytes;
+  return buffer_->get();
+}
+
 absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
     const Options& options, std::shared_ptr<CudaDeviceState> state) {
   if (options.lanes < 1 || options.lanes > 64) {
@@ -171,9 +188,9 @@ CudaStepDevice::~CudaStepDevice() {
   cudaSetDevice(state_->device());
   for (auto& lane : lanes_) {
     if (lane->stream) cudaStreamSynchronize(lane->stream);
-    lane->in.reset();
-    lane->out.reset();
-    lane->workspace.reset();
+    lane->in.Release();
+    lane->out.Release();
+    lane->workspace.Release();
     for (cudaEvent_t e : lane->events) {
       if (e) cudaEventDestroy(e);
     }
@@ -217,9 +234,11 @@ absl::Status CudaStepDevice::Launch(int lane_index, const StepLaunch& l) {
   Lane& lane = *lanes_[lane_index];
   absl::Status st = Enqueue(lane, l);
   if (!st.ok()) {
-    lane.in.reset();
-    lane.out.reset();
-    lane.workspace.reset();
+    // Whatever the lane kept goes back too: smaller launches retried after an exhaustion get
+    // the whole pool.
+    lane.in.Release();
+    lane.out.Release();
+    lane.workspace.Release();
     if (!absl::IsResourceExhausted(st)) state_->NoteIfDeviceLost(lane.stream);
   }
   return st;
@@ -230,32 +249,29 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   const BatchKey& key = l.key;
   cudaStream_t stream = lane.stream;
   DevicePool* pool = &state_->device_pool();
-  lane.in = std::make_unique<DeviceBuffer>(pool, stream);
-  lane.out = std::make_unique<DeviceBuffer>(pool, stream);
-  lane.workspace = std::make_unique<DeviceBuffer>(pool, stream);
   // The device's output: o and lse of the whole launch (a launch in place writes its member's
   // regions instead).
   const size_t tokens = l.in_place ? 0 : size_t(l.total_q);
   const size_t dev_out_bytes =
       l.in_place ? 0 : s.lse + (l.any_lse ? sizeof(float) * key.num_heads * tokens : 0);
-  RETURN_IF_ERROR(lane.in->Allocate(s.in_bytes));
-  RETURN_IF_ERROR(lane.out->Allocate(dev_out_bytes));
-  char* in = lane.in->get();
+  ASSIGN_OR_RETURN(char* in, lane.in.Get(pool, stream, s.in_bytes));
+  ASSIGN_OR_RETURN(char* dev_out, lane.out.Get(pool, stream, dev_out_bytes));
   const StepJob& first = *l.members.front();
 
   kernels::AttentionArgs args = l.HostArgs();
   args.q = l.in_place ? first.q_bytes.data() : in + s.q;
   args.k = kv_.k;
   args.v = kv_.v;
-  args.o = l.in_place ? first.o_out : lane.out->get() + s.o;
-  float* dev_lse = reinterpret_cast<float*>(lane.out->get() + s.lse);
+  args.o = l.in_place ? first.o_out : dev_out + s.o;
+  float* dev_lse = l.in_place ? nullptr : reinterpret_cast<float*>(dev_out + s.lse);
   args.lse = !l.any_lse ? nullptr : l.in_place ? reinterpret_cast<float*>(first.lse_out) : dev_lse;
   args.cu_seqlens_q = reinterpret_cast<const int32_t*>(in + s.cu_q);
   args.paged.page_indptr = reinterpret_cast<const int32_t*>(in + s.indptr);
   args.paged.page_indices = reinterpret_cast<const int32_t*>(in + s.indices);
   args.paged.seqlens_k = reinterpret_cast<const int32_t*>(in + s.seqlens);
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
-  RETURN_IF_ERROR(lane.workspace->Allocate(kernels::cuda::WorkspaceBytes(args)));
+  ASSIGN_OR_RETURN(char* workspace,
+                   lane.workspace.Get(pool, stream, kernels::cuda::WorkspaceBytes(args)));
   const char* new_k = l.in_place ? first.k_bytes.data() : in + s.k;
   const char* new_v = l.in_place ? first.v_bytes.data() : in + s.v;
 
@@ -281,9 +297,9 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
                                     l.row_bytes, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
   RETURN_IF_CUDA_ERROR("attention kernel",
-                       kernels::cuda::Run(args, lane.workspace->get(), stream));
+                       kernels::cuda::Run(args, workspace, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
-  if (!l.in_place) RETURN_IF_ERROR(CopyOutputs(l, lane.out->get(), stream));
+  if (!l.in_place) RETURN_IF_ERROR(CopyOutputs(l, dev_out, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], stream));
   sync_on_error.Done();
   lane.expected_bytes = l.kv_bytes_read + double(s.in_bytes + dev_out_bytes);
@@ -297,9 +313,6 @@ absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepL
   // sleeps through most of its expected time first, leaving the core to the transport.
   const cudaError_t e =
       WaitForLaunch(ev[3], l.members.size(), lane.device_us_per_byte * lane.expected_bytes);
-  lane.in.reset();
-  lane.out.reset();
-  lane.workspace.reset();
   if (e != cudaSuccess) {
     state_->NoteIfDeviceLost(lane.stream);
     return CudaError("step launch", e);

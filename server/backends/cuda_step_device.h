@@ -46,12 +46,25 @@ class CudaStepDevice : public StepDevice {
   absl::StatusOr<StepLaunchTimes> Wait(int lane, const StepLaunch& launch) override;
 
  private:
+  // Device memory a lane keeps from launch to launch (from the device pool, on the lane's
+  // stream), so that a launch like the last one allocates nothing; regrown when a launch needs
+  // more, or much less.
+  class LaneMemory {
+   public:
+    // At least `bytes` (null for none), valid for the lane's launches until the next call.
+    absl::StatusOr<char*> Get(DevicePool* pool, cudaStream_t stream, size_t bytes);
+    void Release() { buffer_.reset(); }
+
+   private:
+    std::unique_ptr<DeviceBuffer> buffer_;
+    size_t capacity_ = 0;
+  };
   struct Lane {
     cudaStream_t stream = nullptr;
     cudaEvent_t events[4] = {};  // start, inputs and rows in, kernel done, outputs out
     PinnedBuffer staging;        // input staging, grown on demand, reused launch after launch
-    // Device memory of the launch in flight, freed (stream-ordered) once it is waited for.
-    std::unique_ptr<DeviceBuffer> in, out, workspace;
+    // The device copy of the input staging, the launch's outputs, the kernel's workspace.
+    LaneMemory in, out, workspace;
     // Device time per byte moved of this lane's large launches, the fastest seen lately: at
     // least how long the next one will take.
     double device_us_per_byte = 0;
