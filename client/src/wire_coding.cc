@@ -269,8 +269,12 @@ absl::Status DecodeOutputs(WireReader& r, absl::string_view what, Name prefix,
     size_t offset;
     uint64_t number, at;
   };
-  std::vector<FieldAt> fields;
-  std::string head, tensor;
+  // Scratch kept by the thread from call to call (the items of a BatchStep answer are decoded one
+  // after another, never nested): no allocation per item once they have grown.
+  thread_local std::vector<FieldAt> fields;
+  thread_local std::string head, tensor;
+  fields.clear();
+  head.clear();
   while (!r.AtLimit()) {
     const uint64_t at = r.position();
     wire::Tag tag;

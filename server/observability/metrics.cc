@@ -193,7 +193,7 @@ void Metrics::Build(const Options& o) {
       .Set(1);
 }
 
-void Metrics::ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds,
+void Metrics::ObserveRequest(Rpc rpc, absl::StatusCode code, double seconds,
                              int64_t received_bytes, int64_t sent_bytes) {
   PerRpc& p = rpcs_[static_cast<int>(rpc)];
   const int c = static_cast<int>(code);
@@ -201,7 +201,7 @@ void Metrics::ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds,
     prometheus::Counter* counter = p.requests[c].load(std::memory_order_acquire);
     if (counter == nullptr) {
       // Family::Add returns the same series for the same labels, so a race here is harmless.
-      counter = &requests_family_->Add({{"rpc", RpcName(rpc)}, {"code", GrpcCodeName(code)}});
+      counter = &requests_family_->Add({{"rpc", RpcName(rpc)}, {"code", StatusCodeName(code)}});
       p.requests[c].store(counter, std::memory_order_release);
     }
     counter->Increment();

@@ -8,10 +8,10 @@
 #include <memory>
 #include <string>
 
-#include <grpcpp/support/status.h>
-
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/backend.h"
+#include "memory/memory_bytes.h"
+#include "observability/batch_report.h"
 
 namespace prometheus {
 class Registry;
@@ -54,7 +54,7 @@ class Metrics {
   // The port /metrics is served on (useful with port 0), or 0.
   int port() const { return port_; }
 
-  void ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds, int64_t received_bytes,
+  void ObserveRequest(Rpc rpc, absl::StatusCode code, double seconds, int64_t received_bytes,
                       int64_t sent_bytes);
   // attn_stream_items_total{code}: one AttendStream item answered with its own status (the
   // stream itself is counted once in attn_requests_total{rpc="AttendStream"} when it ends).

@@ -15,6 +15,7 @@
 #include <google/protobuf/util/message_differencer.h>
 
 #include "rpc/attend_request_decoder.h"
+#include "engine/backend.h"
 #include "rpc/attend_validation.h"
 #include "transport/region_registry.h"
 #include "transport/tensor_source.h"
@@ -183,8 +184,8 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
   out.valid = true;
 
   v1::AttendResponse response;
-  job.response = &response;
-  PrepareAttendResponse(job, &response);
+  PrepareAttendResponse(job, request, &response);
+  PrepareHostOutputs(job);  // as the CPU backend's Prepare
   const kernels::AttentionArgs args = job.HostArgs();
   if (kernels::Status st = kernels::ValidateCommon(args); !st.ok()) {
     out.violation = absl::StrCat("validated request fails kernels::ValidateCommon: ", st.message());
@@ -206,10 +207,12 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
   // Output shape and size are what the contract says; o is in the response or in its region.
   const v1::Tensor& o = response.o();
   const v1::DType dtype = request.q().dtype();
-  const std::string_view o_bytes =
-      job.o_out != nullptr ? std::string_view(job.o_out, job.q_bytes.size()) : o.data();
+  // Written into its region, or into the job's own output (what the answer is sent from).
+  const std::string_view o_bytes(job.o_out, job.OBytes());
+  const bool in_region = request.has_o_region();
   if (o.dtype() != dtype || o_bytes.size() != job.q_bytes.size() ||
-      (job.o_out != nullptr) != o.has_region()) {
+      in_region != o.has_region() || in_region != job.o.empty() ||
+      (!in_region && job.o_out != job.o.data)) {
     out.violation = "o has the wrong dtype or size, or its region is not reported";
     return out;
   }

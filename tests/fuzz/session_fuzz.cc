@@ -1,5 +1,6 @@
 #include "session_fuzz.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -13,7 +14,8 @@
 #include "rpc/step_validation.h"
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
-#include "sessions/step_work.h"
+#include "backends/cpu_step_device.h"
+#include "sessions/step_pipeline.h"
 
 namespace attn::fuzz {
 namespace {
@@ -32,6 +34,8 @@ const std::vector<int32_t>& SessionHeadDims() {
 // sessions, and leaves every page free, or that is a violation).
 struct Engine {
   std::unique_ptr<CpuBackend> backend;
+  std::unique_ptr<CpuStepDevice> device;
+  std::unique_ptr<StepPipeline> pipeline;
   std::unique_ptr<KvPagePool> pool;
   std::unique_ptr<SessionManager> manager;
 };
@@ -40,9 +44,12 @@ Engine& TheEngine() {
     auto* engine = new Engine;
     CpuBackend::Options bo;
     bo.threads = 1;
-    bo.kv_cache_bytes = 2 * kPages * kPageBytes;
-    bo.kv_page_bytes = kPageBytes;
     engine->backend = std::move(*CpuBackend::Create(bo));
+    CpuStepDevice::Options so;
+    so.kv_cache_bytes = 2 * kPages * kPageBytes;
+    so.kv_page_bytes = kPageBytes;
+    engine->device = std::move(*CpuStepDevice::Create(so, engine->backend->thread_pool()));
+    engine->pipeline = std::move(*StepPipeline::Create({}, engine->device.get()));
     engine->pool = std::move(*KvPagePool::Create({kPages, kPageBytes, 12345}));
     SessionManager::Options mo;
     mo.replica_id = "fuzz";
@@ -234,7 +241,7 @@ class Program {
     for (auto& step : *b.mutable_steps()) step.set_session_id(Resolve(step.session_id()));
     const size_t n = static_cast<size_t>(b.steps_size());
     std::vector<v1::StepResponse> responses(n);
-    std::vector<std::unique_ptr<AttendJob>> jobs(n);
+    std::vector<std::unique_ptr<StepJob>> jobs(n);
     for (size_t i = 0; i < n; ++i) {
       const v1::StepRequest& r = b.steps(static_cast<int>(i));
       auto s = e_.manager->Find(r.session_id(), "");
@@ -242,8 +249,9 @@ class Program {
       RequestLimits limits;
       limits.max_tensor_elements = kMaxTensorElements;
       limits.head_dims = SessionHeadDims();
-      auto job = ValidateStepRequest(r, *s, limits, StepRegions{}, &responses[i]);
+      auto job = ValidateStepRequest(r, *s, limits, StepRegions{});
       if (!Note(job.status()) || !job.ok()) continue;
+      PrepareStepResponse(**job, r, &responses[i]);
       jobs[i] = std::move(*job);
     }
     for (;;) {
@@ -251,7 +259,7 @@ class Program {
       std::set<std::pair<const Session*, int32_t>> held;
       for (size_t i = 0; i < n; ++i) {
         if (!jobs[i]) continue;
-        const StepWork& w = *jobs[i]->step;
+        const StepJob& w = *jobs[i];
         if (!held.insert({w.session.get(), w.layer}).second) continue;  // a later round
         if (!w.session->AcquireLayer(w.layer, [] {})) {
           out_->violation = "a layer was busy with no step in progress";
@@ -265,27 +273,42 @@ class Program {
     }
   }
 
-  // Runs the round's jobs (taking them), one batch per BatchKey, and gives their layers back.
-  void RunRound(std::vector<std::unique_ptr<AttendJob>>& jobs, std::vector<size_t> left,
+  // Runs the round's jobs (taking them), one batch per BatchKey, through the step pipeline as
+  // attnd does, and gives their layers back.
+  void RunRound(std::vector<std::unique_ptr<StepJob>>& jobs, std::vector<size_t> left,
                 const v1::BatchStepRequest& b, std::vector<v1::StepResponse>& responses) {
     while (!left.empty()) {
       const BatchKey key = jobs[left.front()]->key;
-      Batch batch;
+      JobBatch batch;
       std::vector<size_t> members, rest;
-      std::vector<std::shared_ptr<StepWork>> works;
+      std::vector<std::pair<std::shared_ptr<Session>, int32_t>> layers;
       for (size_t i : left) (jobs[i]->key == key ? members : rest).push_back(i);
       std::vector<absl::Status> status(members.size());
+      std::atomic<size_t> outstanding{members.size()};
+      std::promise<void> all_done;
       for (size_t m = 0; m < members.size(); ++m) {
-        std::unique_ptr<AttendJob> job = std::move(jobs[members[m]]);
-        works.push_back(job->step);
-        job->done = [&status, m](absl::Status st) { status[m] = std::move(st); };
+        std::unique_ptr<StepJob> job = std::move(jobs[members[m]]);
+        layers.emplace_back(job->session, job->layer);
+        v1::StepResponse* response = &responses[members[m]];
+        const StepJob* raw = job.get();
+        // The answer as attnd fills it from the job (its outputs into the response's data).
+        job->done = [&, m, response, raw](absl::Status st) {
+          if (st.ok()) {
+            response->set_cached_tokens(raw->cached_tokens);
+            response->mutable_o()->set_data(raw->o.data, raw->o.size);
+            if (!raw->lse.empty()) response->mutable_lse()->set_data(raw->lse.data, raw->lse.size);
+          }
+          status[m] = std::move(st);
+          if (outstanding.fetch_sub(1) == 1) all_done.set_value();
+        };
         batch.push_back(std::move(job));
       }
       std::promise<void> finished;
-      e_.backend->RunBatch(std::move(batch), [&](const BatchReport&) { finished.set_value(); });
+      e_.pipeline->RunBatch(std::move(batch), [&](const BatchReport&) { finished.set_value(); });
       finished.get_future().wait();
+      all_done.get_future().wait();
       for (size_t m = 0; m < members.size(); ++m) {
-        works[m]->session->ReleaseLayer(works[m]->layer);
+        layers[m].first->ReleaseLayer(layers[m].second);
         if (out_->violation.empty()) {
           After(b.steps(static_cast<int>(members[m])), responses[members[m]], status[m]);
         }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "transport/region_registry.h"
+#include "sessions/step_job.h"
 #include "transport/tensor_source.h"
 
 namespace attn {
@@ -135,8 +136,8 @@ v1::StepRequest StepIn(const std::string& in, const std::string& out, uint64_t o
   return r;
 }
 
-std::unique_ptr<AttendJob> StepJob() {
-  auto job = std::make_unique<AttendJob>();
+std::unique_ptr<StepJob> MakeStepJob() {
+  auto job = std::make_unique<StepJob>();
   job->total_q = kTokens;
   job->return_lse = true;
   job->key.wire_dtype = kernels::DType::kBFloat16;
@@ -225,9 +226,9 @@ TEST(HostRegionDeviceTest, RegisteredOnceAndUnregisteredAfterTheLastRequestBefor
   EXPECT_EQ(device.registered, 2);
   EXPECT_EQ(registry.RegisteredHostBytes(), int64_t{2} * kHostBytes);
 
-  auto job = StepJob();
+  auto job = MakeStepJob();
   ASSERT_TRUE(ResolveStepTensors(StepIn("in", "out"), "alice", &registry, false, job.get()).ok());
-  const AttendJob::HostRegistered& r = job->host_registered;
+  const Job::HostRegistered& r = job->host_registered;
   EXPECT_TRUE(r.q && r.k && r.v && r.o && r.lse);
   EXPECT_FALSE(job->device_tensors);
 
@@ -252,7 +253,7 @@ TEST(HostRegionDeviceTest, RegionsPastTheCapAreLeftToStaging) {
                   .ok());
   EXPECT_EQ(device.registered, 1);
   EXPECT_EQ(registry.RegisteredHostBytes(), int64_t{kHostBytes});
-  auto job = StepJob();
+  auto job = MakeStepJob();
   ASSERT_TRUE(ResolveStepTensors(StepIn("in", "out"), "alice", &registry, false, job.get()).ok());
   EXPECT_TRUE(job->host_registered.q);
   EXPECT_FALSE(job->host_registered.o);
@@ -274,7 +275,7 @@ TEST(HostRegionDeviceTest, ARefusalLeavesTheRegionToStaging) {
   ASSERT_TRUE(registry.Register("alice", HostRegistration("out", MemfdHandle(registry, kHostBytes)))
                   .ok());
   EXPECT_EQ(registry.RegisteredHostBytes(), 0);
-  auto job = StepJob();
+  auto job = MakeStepJob();
   ASSERT_TRUE(ResolveStepTensors(StepIn("in", "out"), "alice", &registry, false, job.get()).ok());
   EXPECT_FALSE(job->host_registered.q);
   job.reset();
@@ -329,7 +330,7 @@ class StepGpuRegionTest : public ::testing::Test {
             .ok());
   }
   absl::Status Resolve(const v1::StepRequest& r, bool gpu_regions = true) {
-    job_ = StepJob();
+    job_ = MakeStepJob();
     return ResolveStepTensors(r, "alice", &registry_, gpu_regions, job_.get());
   }
   int64_t InFlight(const std::string& name) {
@@ -341,7 +342,7 @@ class StepGpuRegionTest : public ::testing::Test {
 
   FakeDevice device_;
   RegionRegistry registry_{DeviceOptions(&device_), nullptr};
-  std::unique_ptr<AttendJob> job_;
+  std::unique_ptr<StepJob> job_;
 };
 
 TEST_F(StepGpuRegionTest, AllInGpuRegionsIsADeviceStep) {

@@ -15,11 +15,14 @@ struct ServerOptions {
   int threads = 0;                               // CPU backend workers; 0: one per core
   int64_t max_message_bytes = 256ll << 20;
   int64_t max_batch_tokens = 16384;
-  int64_t max_queue_delay_us = 500;
+  int64_t max_queue_delay_us = 500;  // an Attend's wait for company while the backend is busy
+  bool gather_when_idle = false;     // ... and while it is idle too
   int64_t max_queue_size = 1024;
   int64_t max_tensor_elements = int64_t{1} << 28;
   int64_t max_inflight_bytes = int64_t{4} << 30;  // tensor bytes of queued + running requests
-  int streams = 2;                               // CUDA streams
+  int streams = 2;                               // CUDA streams of Attend
+  int step_lanes = 0;  // CUDA streams (and staging) of session steps; 0: as many as streams
+  int64_t step_idle_poll_us = 200;  // a GPU step lane's look for the next launch before it sleeps
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
   // On SIGTERM: new calls get UNAVAILABLE until none has arrived or been answered for
@@ -43,14 +46,16 @@ struct ServerOptions {
   // KV-cache sessions. The cache region: 0 picks the default (CPU: 256 MiB of host memory;
   // CUDA: 80% of the device memory free at start after the device pool's bound and 1 GiB of
   // headroom). A page holds kv_page_tokens tokens of a 2 KiB KV row (8 KV heads x 128 x 2 bytes)
-  // of keys and as many of values; rows of other sizes fit page_bytes / row tokens.
+  // of keys and as many of values; rows of other sizes fit page_bytes / row tokens, or, where
+  // they do not divide a page, whole rows in runs of adjacent pages.
   int64_t kv_cache_bytes = 0;
   int64_t kv_page_tokens = 16;
   int64_t max_sessions = 1024;
   int64_t max_session_tokens = 131072;  // per layer
   double session_ttl_s = 600;
   std::string replica_id;  // empty: random per start
-  // Session steps wait for company only while the backend is busy; this adds a delay (us).
+  // Session steps wait for company only while the step pipeline is busy, at most this long (us;
+  // 0: not at all, a step goes into the next launch the pipeline can take).
   int64_t max_step_delay_us = 0;
   // Tests: shuffles the KV cache's free list so that page tables are not contiguous (0: off).
   uint64_t kv_shuffle_seed = 0;

@@ -1,4 +1,4 @@
-#include "rpc/attend_response_encoder.h"
+#include "rpc/response_encoder.h"
 
 #include <optional>
 #include <string>
@@ -17,10 +17,11 @@ using wire::kLengthDelimited;
 using wire::MakeTag;
 using wire::VarintSize;
 
-// gRPC frees a slice's bytes on whichever thread drops the last reference to it.
-void FreeBytes(void* p) {
-  TakeBackFromGrpc(p);
-  delete[] static_cast<char*>(p);
+// gRPC releases a slice on whichever thread drops the last reference to it: the output's owner
+// goes with it (a pinned buffer back to its pool, say).
+void ReleaseOwner(void* holder) {
+  TakeBackFromGrpc(holder);
+  delete static_cast<std::shared_ptr<const void>*>(holder);
 }
 
 // A message being written as slices: its small fields in one string (copied once into a slice
@@ -41,12 +42,11 @@ class SliceWriter {
     for (size_t i = 0; i < owned_.size(); ++i) {
       if (cuts_[i] > at) slices.push_back(all.sub(at, cuts_[i]));
       at = cuts_[i];
-      // The slice owns the buffer from here: gRPC calls FreeBytes when it drops its last
-      // reference.
-      const size_t size = owned_[i].size;
-      char* data = owned_[i].data.release();
-      HandOffToGrpc(data);
-      slices.emplace_back(data, size, &FreeBytes);
+      // The slice holds the output's owner from here: gRPC calls ReleaseOwner when it drops its
+      // last reference.
+      auto* holder = new std::shared_ptr<const void>(std::move(owned_[i].owner));
+      HandOffToGrpc(holder);
+      slices.emplace_back(owned_[i].data, owned_[i].size, &ReleaseOwner, holder);
     }
     if (at < head_.size()) slices.push_back(all.sub(at, head_.size()));
     return grpc::ByteBuffer(slices.data(), slices.size());

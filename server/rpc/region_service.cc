@@ -1,6 +1,7 @@
-#include "transport/region_service.h"
+#include "rpc/region_service.h"
 
 #include "common/status_util.h"
+#include "rpc/grpc_status.h"
 #include "common/tsan_annotations.h"
 #include "transport/region_registry.h"
 
