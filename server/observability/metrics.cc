@@ -211,12 +211,12 @@ void Metrics::ObserveRequest(Rpc rpc, absl::StatusCode code, double seconds,
   if (sent_bytes > 0) p.sent->Increment(static_cast<double>(sent_bytes));
 }
 
-void Metrics::ObserveStreamItem(grpc::StatusCode code) {
+void Metrics::ObserveStreamItem(absl::StatusCode code) {
   const int c = static_cast<int>(code);
   if (c < 0 || c >= kNumCodes) return;
   prometheus::Counter* counter = stream_items_[c].load(std::memory_order_acquire);
   if (counter == nullptr) {
-    counter = &stream_items_family_->Add({{"code", GrpcCodeName(code)}});
+    counter = &stream_items_family_->Add({{"code", StatusCodeName(code)}});
     stream_items_[c].store(counter, std::memory_order_release);
   }
   counter->Increment();

@@ -58,7 +58,7 @@ class Metrics {
                       int64_t sent_bytes);
   // attn_stream_items_total{code}: one AttendStream item answered with its own status (the
   // stream itself is counted once in attn_requests_total{rpc="AttendStream"} when it ends).
-  void ObserveStreamItem(grpc::StatusCode code);
+  void ObserveStreamItem(absl::StatusCode code);
   void ObserveQueueSeconds(double seconds);
   void ObserveBatch(const BatchReport& report);
   void SetPendingRequests(int64_t n);

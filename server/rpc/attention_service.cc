@@ -411,7 +411,7 @@ class AttendStreamReactor final
     if (!st.ok()) response.set_status_message(std::string(st.message()));
     item->reply = item->call.Encode(st.ok());
     if (service_->metrics_) {
-      service_->metrics_->ObserveStreamItem(static_cast<grpc::StatusCode>(st.code()));
+      service_->metrics_->ObserveStreamItem(st.code());
     }
     service_->OnCallAnswered();
     bool finish;
