@@ -8,12 +8,12 @@
 #     elsewhere) keeps everything that forces generation 2 on paged K/V out of the later steps.
 #  2. tests: all of gpu_decode_test (decode, FP8 decode, paged prefill on generation 1 and 2 forced,
 #     steps, splits) in 8 shards at once, each under a timeout.
-#  3. bench: bench_decode.py: decode points with torch flash and cuDNN beside (batch 1 at 4k, 32k,
+#  3. sanitize: compute-sanitizer memcheck and racecheck on small decode, FP8 and paged cases.
+#  4. bench: bench_decode.py: decode points with torch flash and cuDNN beside (batch 1 at 4k, 32k,
 #     128k with a sweep of forced splits; 16 x 4k, 64 x 4k, 16 x 32k, 128 x 8k), FP8 K/V decode vs
 #     bf16 K/V decode, paged chunked prefill (chunks of 512 and 2048 over 4k cached keys, pages of
 #     16 and 64, d = 128 and 64: contiguous generation 2, the plan's paged choice, generation 1 and
 #     2 forced) and multi-token steps.
-#  4. sanitize: compute-sanitizer memcheck and racecheck on small decode, FP8 and paged cases.
 # Every step runs under `timeout`, within BUDGET_S seconds in all (default 540); a step that does
 # not fit in what is left is skipped and said so. The last thing printed is the table of steps.
 #   kernels/bench/paged_fp8_h200.sh BIN OUT [BUDGET_S]
@@ -99,7 +99,15 @@ step "tests gpu_decode_test ($filter)" 170 "$out/tests.txt" bash -c "$(declare -
   trap_bin='$trap_bin' filter='$filter' out='$out' shards"
 grep -hE '^\[  FAILED  \] [A-Za-z]' "$out/tests.txt" | sort -u >"$out/tests_failed.txt"
 
-# 3. bench
+# 3. sanitize (the shipped build: no trap), before the bench: a run cut short keeps its verdicts
+small='GpuDecodeSmoke.*:GpuFp8DecodeMisc.*:*GpuFp8Decode.CachesStepsAndSplits/bf16_d128_gqa4_page16'
+[ $gen2_paged = hang ] || small+=':*GpuPagedGen2.StepsEmptyCachesSharedPages/bf16_d128_page16:*GpuPagedGen2.FullAndWindowed/bf16_d64_page48'
+for tool in memcheck racecheck; do
+  step "compute-sanitizer $tool" 70 "$out/sanitize_$tool.txt" compute-sanitizer --tool "$tool" \
+    --error-exitcode 3 "$test_bin" --gtest_filter="$small"
+done
+
+# 4. bench
 bench_args=(--decode 1x4096,1x32768,1x131072,16x4096,64x4096,16x32768,128x8192 --pages 16,64
             --split-sweep 8,16,24,32,48,64 --fp8 64x4096,16x32768,128x8192
             --prefill 512x4096,2048x4096 --prefill-dims 128,64 --prefill-pages 16,64
@@ -111,14 +119,6 @@ else
 fi
 step "bench bench_decode.py" 210 "$out/bench.log" bash -c "cd '$bin' && exec python3 bench_decode.py \
   --lib ./libattn_kernels_capi.so --out '$out/bench.md' ${bench_args[*]@Q}"
-
-# 4. sanitize (the shipped build: no trap)
-small='GpuDecodeSmoke.*:GpuFp8DecodeMisc.*:*GpuFp8Decode.CachesStepsAndSplits/bf16_d128_gqa4_page16'
-[ $gen2_paged = hang ] || small+=':*GpuPagedGen2.StepsEmptyCachesSharedPages/bf16_d128_page16:*GpuPagedGen2.FullAndWindowed/bf16_d64_page48'
-for tool in memcheck racecheck; do
-  step "compute-sanitizer $tool" 110 "$out/sanitize_$tool.txt" compute-sanitizer --tool "$tool" \
-    --error-exitcode 3 "$test_bin" --gtest_filter="$small"
-done
 
 # Summary: the steps, the failed tests, the bench's tables.
 {
