@@ -30,8 +30,9 @@
 // --cache_tokens (not timed), so the cache length holds however long the run. Per level it prints
 // the decode run (a row per --step_coding: stub, the default, sends request messages built once
 // through the generated stub; wire and protobuf go through the client library's Step/BatchStep
-// with ClientOptions::wire_coding on and off) and Echo of the same bytes (each call's serialized
-// request out, its o and lse bytes back) at the same concurrency, with
+// with ClientOptions::wire_coding on and off; shm and gpu put every tensor in a host or GPU region
+// of the caller's) and Echo of the same bytes (each call's serialized request out, its o and lse
+// bytes back; for shm and gpu, calls of the same tensor-free size) at the same concurrency, with
 //   steps/s    (session, layer) steps per second; tokens/s = steps/s / L (a token has passed every
 //              layer); p50/p99 per call; queue_us/compute_us the server's timing (mean per call);
 //   cache      mean cache length after a step; KV_GB/s the K and V bytes the steps read per second
@@ -99,7 +100,8 @@ ABSL_FLAG(bool, lse, false, "decode: ask for the log-sum-exp too");
 ABSL_FLAG(std::string, step_coding, "stub",
           "decode: comma-separated codings of the decode calls, one row each on the same sessions: "
           "stub (request messages built once, the generated stub), wire and protobuf (the client "
-          "library's Step/BatchStep with ClientOptions::wire_coding on and off)");
+          "library's Step/BatchStep with ClientOptions::wire_coding on and off), shm and gpu "
+          "(every tensor in a host or GPU region of the caller's; attnd --allow_shared_memory)");
 ABSL_FLAG(std::string, transport, "grpc",
           "unary mode: grpc (tensors in the messages), shm (each worker's q, k, v and o in a "
           "host shared-memory region of its own) or cuda-ipc (in GPU memory of device 0 shared "
@@ -789,9 +791,9 @@ int Decode() {
   o.lse = absl::GetFlag(FLAGS_lse);
   o.codings.clear();
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_step_coding), ',')) {
-    if (part != "stub" && part != "wire" && part != "protobuf") {
+    if (part != "stub" && part != "wire" && part != "protobuf" && part != "shm" && part != "gpu") {
       std::cerr << "attn-bench: bad --step_coding entry '" << part
-                << "' (stub, wire or protobuf)" << std::endl;
+                << "' (stub, wire, protobuf, shm or gpu)" << std::endl;
       return 64;
     }
     o.codings.emplace_back(part);

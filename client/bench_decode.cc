@@ -7,7 +7,9 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -16,7 +18,13 @@
 #include <thread>
 #include <vector>
 
+#ifdef ATTN_BENCH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "absl/strings/str_cat.h"
+#include "attn/client/host_region.h"
+#include "attn/client/region_client.h"
 #include "attn/client/session.h"
 
 namespace attn::client {
@@ -45,7 +53,7 @@ struct Row {
   std::vector<CallSample> samples;
   double echo_steps_ratio = kNaN, echo_p50_ratio = kNaN;
 
-  bool decode() const { return mode != "echo"; }
+  bool decode() const { return mode.rfind("echo", 0) != 0; }
   double StepsPerS() const { return steps / seconds; }
   double CallsPerS() const { return calls / seconds; }
   double MeanCache() const { return steps > 0 ? cached_tokens / steps : 0; }
@@ -118,6 +126,40 @@ class Recorder {
   Row row_;
 };
 
+// A caller's decode calls through same-host regions (codings shm and gpu): one region holding,
+// per layer and session, the step's q, k_new and v_new and room for its o (and lse), and the
+// requests (built once) that name those slices instead of carrying bytes. shm: a host memfd
+// region whose inputs the caller writes before each call (the one copy a client that produces
+// them on the host pays); gpu: GPU memory of device 0 shared by a CUDA IPC handle, written once
+// (a model's tensors already live there).
+struct RegionCoding {
+  std::unique_ptr<RegionClient> regions;
+  std::unique_ptr<HostRegion> host;
+  void* device = nullptr;
+  std::string name;
+  std::vector<v1::StepRequest> step;        // per layer (Step mode)
+  std::vector<v1::BatchStepRequest> batch;  // per layer (BatchStep mode)
+  std::vector<v1::EchoRequest> echo;        // per layer: a call of the same (tensor-free) size
+  // Per layer, where each session's inputs go in the region, and the bytes written there.
+  std::vector<std::vector<std::pair<uint64_t, std::string>>> writes;
+
+  ~RegionCoding() {
+#ifdef ATTN_BENCH_CUDA
+    if (device != nullptr) {
+      if (regions) (void)regions->Unregister(name);  // attnd closes its import before the free
+      cudaFree(device);
+    }
+#endif
+  }
+  // Copies the inputs of layer's call into a host region (nothing for a GPU region).
+  void WriteInputs(int layer) {
+    if (!host) return;
+    for (const auto& [at, bytes] : writes[layer]) std::memcpy(host->data() + at, bytes.data(), bytes.size());
+  }
+};
+
+bool RegionCodingName(const std::string& coding) { return coding == "shm" || coding == "gpu"; }
+
 // One caller: its sessions (all on one replica), the requests it sends per layer, prebuilt.
 struct Caller {
   std::shared_ptr<SessionClient> sessions;
@@ -130,6 +172,7 @@ struct Caller {
   std::vector<std::vector<StepInput>> inputs;
   // The replica again, through the library's wire coding and its protobuf coding.
   std::shared_ptr<Client> wire, protobuf;
+  std::map<std::string, std::unique_ptr<RegionCoding>> region;  // by coding (shm, gpu)
   absl::Status status;                      // of the setup
 };
 
@@ -150,6 +193,8 @@ class DecodeBench {
   absl::Status Setup(Caller& c, int first, int count);
   absl::Status Prefill(Client& client, const std::string& id);
   void BuildRequests(Caller& c);
+  // The region of coding (shm or gpu) for c's calls, and their requests.
+  absl::Status SetupRegion(Caller& c, int index, const std::string& coding);
   // A Step (one) or BatchStep (many) call of `items` steps.
   CallOutcome Tally(const grpc::Status& st, int items, const v1::StepResponse* one,
                     const v1::BatchStepResponse* many);
@@ -165,7 +210,8 @@ class DecodeBench {
   };
   CallOutcome DecodeCall(Caller& c, int layer, const std::string& coding, Answers* answers);
   void DecodeLoop(Caller& c, Recorder& rec, const std::string& coding);
-  void EchoLoop(Caller& c, Recorder& rec);
+  // Echo of each call's bytes: inline (coding empty) or those of coding's region requests.
+  void EchoLoop(Caller& c, Recorder& rec, const std::string& coding);
   // coding: the decode row's (empty for the Echo row).
   Row Measure(std::vector<Caller>& callers, bool echo, const std::string& coding);
   bool RunLevel(int sessions, std::vector<Row>* rows);
@@ -246,6 +292,111 @@ absl::Status DecodeBench::Setup(Caller& c, int first, int count) {
     if (absl::Status st = Prefill(*c.client, s->session_id); !st.ok()) return st;
   }
   BuildRequests(c);
+  for (const std::string& coding : o_.codings) {
+    if (!RegionCodingName(coding)) continue;
+    if (absl::Status st = SetupRegion(c, first, coding); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeBench::SetupRegion(Caller& c, int index, const std::string& coding) {
+  auto r = std::make_unique<RegionCoding>();
+  auto regions = RegionClient::Connect(c.client.get());
+  if (!regions.ok()) {
+    return absl::Status(regions.status().code(),
+                        absl::StrCat("--step_coding ", coding, " needs attnd --allow_shared_memory: ",
+                                     regions.status().message()));
+  }
+  r->regions = std::move(*regions);
+  r->name = absl::StrCat("decode-", coding, "-", index);
+  // Each step's slices, 256-byte aligned (steps over GPU regions run in place when aligned).
+  const size_t n = c.ids.size();
+  const uint64_t elem = DTypeBytes(o_.dtype);
+  const uint64_t q = uint64_t(o_.heads) * o_.head_dim * elem;
+  const uint64_t kv = uint64_t(o_.kv_heads) * o_.head_dim * elem;
+  const uint64_t lse = o_.lse ? 4 * uint64_t(o_.heads) : 0;
+  auto align = [](uint64_t b) { return (b + 255) / 256 * 256; };
+  const uint64_t per_step = align(q) + 2 * align(kv) + align(q) + align(lse);
+  const uint64_t bytes = per_step * n * o_.layers;
+  std::string initial(bytes, '\0');  // the inputs as first written (a GPU region's for good)
+  r->writes.resize(o_.layers);
+  for (int layer = 0; layer < o_.layers; ++layer) {
+    v1::BatchStepRequest batch;
+    for (size_t j = 0; j < n; ++j) {
+      const StepInput& in = c.inputs[layer][j];
+      const uint64_t at = per_step * (uint64_t(layer) * n + j);
+      const uint64_t k_at = at + align(q), v_at = k_at + align(kv), o_at = v_at + align(kv);
+      v1::StepRequest step = BuildStepRequest(in);
+      std::string* q_bytes = step.mutable_q()->mutable_data();
+      std::string* k_bytes = step.mutable_k_new()->mutable_data();
+      std::string* v_bytes = step.mutable_v_new()->mutable_data();
+      for (const auto& [offset, data] : {std::pair{at, q_bytes}, std::pair{k_at, k_bytes},
+                                         std::pair{v_at, v_bytes}}) {
+        std::memcpy(initial.data() + offset, data->data(), data->size());
+        r->writes[layer].emplace_back(offset, std::move(*data));
+      }
+      step.mutable_q()->clear_data();
+      step.mutable_k_new()->clear_data();
+      step.mutable_v_new()->clear_data();
+      *step.mutable_q()->mutable_region() = RegionSliceOf(r->name, at, q);
+      *step.mutable_k_new()->mutable_region() = RegionSliceOf(r->name, k_at, kv);
+      *step.mutable_v_new()->mutable_region() = RegionSliceOf(r->name, v_at, kv);
+      *step.mutable_o_region() = RegionSliceOf(r->name, o_at, q);
+      if (o_.lse) *step.mutable_lse_region() = RegionSliceOf(r->name, o_at + align(q), lse);
+      *batch.add_steps() = step;
+      if (o_.batch_step == 0) r->step.push_back(std::move(step));
+    }
+    // Echo: a call of the same size both ways (the request, and an answer of n responses
+    // without data: each its o and lse shapes and slices, its timing and cached_tokens).
+    v1::StepResponse answer;
+    answer.mutable_o()->set_dtype(batch.steps(0).q().dtype());
+    *answer.mutable_o()->mutable_shape() = batch.steps(0).q().shape();
+    *answer.mutable_o()->mutable_region() = batch.steps(0).o_region();
+    answer.set_cached_tokens(o_.cache_tokens + o_.decode_window);
+    answer.mutable_timing()->set_queue_us(12.5);
+    answer.mutable_timing()->set_compute_us(21.25);
+    answer.mutable_timing()->set_total_us(80.5);
+    answer.mutable_timing()->set_batch_requests(static_cast<int32_t>(n));
+    v1::EchoRequest e;
+    if (o_.batch_step > 0) {
+      e.set_payload(batch.SerializeAsString());
+      v1::BatchStepResponse all;
+      for (size_t j = 0; j < n; ++j) *all.add_results()->mutable_response() = answer;
+      e.set_response_bytes(static_cast<int64_t>(all.ByteSizeLong()));
+      r->batch.push_back(std::move(batch));
+    } else {
+      e.set_payload(r->step.back().SerializeAsString());
+      e.set_response_bytes(static_cast<int64_t>(answer.ByteSizeLong()));
+    }
+    r->echo.push_back(std::move(e));
+  }
+  if (coding == "shm") {
+    auto host = HostRegion::Create(bytes);
+    if (!host.ok()) return host.status();
+    r->host = std::move(*host);
+    std::memcpy(r->host->data(), initial.data(), bytes);
+    auto info = r->regions->Register(r->name, *r->host);
+    if (!info.ok()) return info.status();
+  } else {
+#ifdef ATTN_BENCH_CUDA
+    if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&r->device, bytes) != cudaSuccess) {
+      return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", bytes, " bytes failed"));
+    }
+    if (cudaMemcpy(r->device, initial.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+      return absl::InternalError("cudaMemcpy into the GPU region failed");
+    }
+    cudaIpcMemHandle_t h;
+    if (cudaIpcGetMemHandle(&h, r->device) != cudaSuccess) {
+      return absl::InternalError("cudaIpcGetMemHandle failed");
+    }
+    auto info = r->regions->RegisterCuda(
+        r->name, std::string(reinterpret_cast<const char*>(&h), sizeof(h)), 0, bytes);
+    if (!info.ok()) return info.status();
+#else
+    return absl::UnimplementedError("this attn-bench was built without CUDA: no --step_coding gpu");
+#endif
+  }
+  c.region[coding] = std::move(r);
   return absl::OkStatus();
 }
 
@@ -341,6 +492,15 @@ CallOutcome DecodeBench::DecodeCall(Caller& c, int layer, const std::string& cod
               : c.client->stub()->Step(&ctx, c.step[layer], &answers->one);
     return Tally(st, items, batch ? nullptr : &answers->one, batch ? &answers->many : nullptr);
   }
+  if (RegionCodingName(coding)) {
+    RegionCoding& r = *c.region.at(coding);
+    r.WriteInputs(layer);
+    grpc::ClientContext ctx;
+    c.client->PrepareContext(&ctx, kTimeout);
+    const grpc::Status st = batch ? c.client->stub()->BatchStep(&ctx, r.batch[layer], &answers->many)
+                                  : c.client->stub()->Step(&ctx, r.step[layer], &answers->one);
+    return Tally(st, items, batch ? nullptr : &answers->one, batch ? &answers->many : nullptr);
+  }
   Client& client = coding == "wire" ? *c.wire : *c.protobuf;
   std::vector<absl::StatusOr<StepResult>>& results = answers->results;
   results.clear();
@@ -374,14 +534,15 @@ void DecodeBench::DecodeLoop(Caller& c, Recorder& rec, const std::string& coding
   }
 }
 
-void DecodeBench::EchoLoop(Caller& c, Recorder& rec) {
+void DecodeBench::EchoLoop(Caller& c, Recorder& rec, const std::string& coding) {
   v1::EchoResponse response;
+  const std::vector<v1::EchoRequest>& echo = coding.empty() ? c.echo : c.region.at(coding)->echo;
   for (int64_t k = 0; rec.Running(); ++k) {
     const int layer = static_cast<int>(k % o_.layers);
     grpc::ClientContext ctx;
     c.client->PrepareContext(&ctx, std::chrono::milliseconds(120000));
     const Clock::time_point sent = Clock::now();
-    const grpc::Status st = c.client->stub()->Echo(&ctx, c.echo[layer], &response);
+    const grpc::Status st = c.client->stub()->Echo(&ctx, echo[layer], &response);
     CallOutcome outcome;
     if (st.ok()) {
       outcome.ok_steps = static_cast<int>(c.ids.size());
@@ -400,17 +561,19 @@ Row DecodeBench::Measure(std::vector<Caller>& callers, bool echo, const std::str
   Recorder rec(from, end, o_.max_calls);
   std::vector<std::thread> threads;
   for (auto& c : callers) {
-    threads.emplace_back([&, echo] { echo ? EchoLoop(c, rec) : DecodeLoop(c, rec, coding); });
+    threads.emplace_back(
+        [&, echo] { echo ? EchoLoop(c, rec, coding) : DecodeLoop(c, rec, coding); });
   }
   for (auto& t : threads) t.join();
   Row r = rec.Take(std::chrono::duration<double>(std::min(Clock::now(), end) - from).count());
   r.mode = echo ? "echo" : (o_.batch_step > 0 ? "batch_step" : "step");
-  if (!echo && coding != "stub") r.mode += "/" + coding;
+  if (!coding.empty() && coding != "stub") r.mode += "/" + coding;
   r.callers = static_cast<int>(callers.size());
   double items = 0, req = 0, resp = 0;
   for (const auto& c : callers) {
     items += double(c.ids.size());
-    for (const auto& e : c.echo) {
+    const bool region = RegionCodingName(coding);
+    for (const auto& e : region ? c.region.at(coding)->echo : c.echo) {
       req += double(e.payload().size());
       resp += double(e.response_bytes());
     }
@@ -552,9 +715,18 @@ bool DecodeBench::RunLevel(int sessions, std::vector<Row>* rows) {
   }
   std::vector<Row> decode;
   for (const std::string& coding : o_.codings) decode.push_back(Measure(callers, false, coding));
-  Row echo = Measure(callers, true, "");
+  // The Echo twin of the inline codings (the calls' bytes), and of each region coding (calls of
+  // the same tensor-free size).
+  std::map<std::string, Row> echoes;
+  for (const std::string& coding : o_.codings) {
+    const std::string twin = RegionCodingName(coding) ? coding : "";
+    if (!echoes.count(twin)) echoes.emplace(twin, Measure(callers, true, twin));
+  }
   CloseAll(callers);
-  for (Row& d : decode) {
+  for (auto& c : callers) c.region.clear();
+  for (size_t i = 0; i < decode.size(); ++i) {
+    Row& d = decode[i];
+    const Row& echo = echoes.at(RegionCodingName(o_.codings[i]) ? o_.codings[i] : "");
     if (echo.steps > 0 && d.steps > 0) {
       d.echo_steps_ratio = d.StepsPerS() / echo.StepsPerS();
       d.echo_p50_ratio = d.Percentile(0.5) / echo.Percentile(0.5);
@@ -562,8 +734,10 @@ bool DecodeBench::RunLevel(int sessions, std::vector<Row>* rows) {
     PrintRow(d, o_.layers);
     rows->push_back(std::move(d));
   }
-  PrintRow(echo, o_.layers);
-  rows->push_back(std::move(echo));
+  for (auto& [twin, echo] : echoes) {
+    PrintRow(echo, o_.layers);
+    rows->push_back(std::move(echo));
+  }
   return true;
 }
 

@@ -34,7 +34,10 @@ struct DecodeBenchOptions {
   // How the decode calls are coded, one decode row each, in this order, on the same sessions:
   // "stub" (request messages built once, sent through the generated stub), "wire" and "protobuf"
   // (the client library's Step/BatchStep with ClientOptions::wire_coding on and off: requests
-  // coded from the caller's tensors on every call, results read into StepResults).
+  // coded from the caller's tensors on every call, results read into StepResults), "shm" and
+  // "gpu" (every tensor in a same-host region of the caller's, a host memfd or GPU memory, and
+  // the requests naming their slices; attnd needs --allow_shared_memory, gpu its CUDA backend).
+  // Region codings get an Echo row of their own: calls of the same (tensor-free) size.
   std::vector<std::string> codings = {"stub"};
   std::string csv, json, label;
 };

@@ -10,11 +10,18 @@ build_pkgs=(
   libabsl-dev prometheus-cpp-dev libssl-dev zlib1g-dev libcurl4-openssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
+# The Python client (client/python, built into build/python): what it imports. Small, and
+# installed with the build packages so that scripts/run.sh can show it.
+client_pkgs=(python3 python3-grpcio python3-protobuf python3-numpy)
 # Tools the tests use: promtool and a real Prometheus, openssl for TLS certificates, yamllint,
-# clang for the fuzzer and sanitizer builds, curl for scraping, python3 for the TSan triage.
-test_pkgs=(prometheus openssl yamllint clang libclang-rt-14-dev curl python3)
+# clang for the fuzzer and sanitizer builds, curl for scraping, python3 for the TSan triage, and
+# for the Python client's suites (tests/python) pytest, pip (its install test) and torch (1.13,
+# CPU: the torch suites and the example; `apt-get install python3-torch` took 1m45s on a 2-core VM,
+# 182 MB of packages).
+test_pkgs=(prometheus openssl yamllint clang libclang-rt-14-dev curl python3-pytest python3-pip
+           python3-torch)
 
-want=("${build_pkgs[@]}")
+want=("${build_pkgs[@]}" "${client_pkgs[@]}")
 [ "${ATTN_DEPS_BUILD_ONLY:-0}" = 1 ] || want+=("${test_pkgs[@]}")
 
 missing=()

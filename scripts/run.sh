@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds attnd, attnctl and attn-bench, starts attnd (CUDA backend where
+# Installs what is missing, builds attnd, attnctl, attn-bench and the Python client (build/python),
+# starts attnd (CUDA backend where
 # a GPU is usable, else the CPU backend), shows a first request answered, then keeps serving until
 # Ctrl-C. Flags after the script name go to attnd (e.g. --listen=0.0.0.0:50051); gRPC and metrics
 # listen on loopback unless they say otherwise.
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 build=${ATTN_BUILD_DIR:-build}
 if [ -z "${ATTN_RUN_SKIP_BUILD:-}" ]; then
   ATTN_DEPS_BUILD_ONLY=1 scripts/install-deps.sh
-  ATTN_TARGETS="attnd attnctl attn-bench" scripts/build.sh
+  ATTN_TARGETS="attnd attnctl attn-bench attnd_python" scripts/build.sh
 fi
 attnd=$build/server/attnd
 attnctl=$build/client/attnctl
@@ -68,8 +69,12 @@ else
   "$attnctl" --target "$target" attend --batch 2 --seq 256 --heads 8 --kv-heads 2 \
     --head-dim 128 --dtype bf16 --causal --count 3 --check ||
     echo "run.sh: the first request failed (above)" >&2
-  echo "== clients: $build/client/attnctl --target $target info"
-  echo "            $build/client/attn-bench --target $target --concurrency 1,8"
+  echo "== try: export PYTHONPATH=\$PWD/$build/python"
+  echo "        python3 -m attnd --target $target attend --check --causal"
+  echo "        python3 -m attnd --target $target session --check"
+  [ -n "$metrics" ] && echo "        curl -s http://$metrics/metrics | grep ^attn_"
+  echo "        $build/client/attnctl --target $target info"
+  echo "        $build/client/attn-bench --target $target --concurrency 1,8"
   # Last: a terminal (or a test) that sees this line may press Ctrl-C at once.
   echo "== attnd is serving on $target ($metrics_note); Ctrl-C drains and stops it, a second Ctrl-C at once"
 fi

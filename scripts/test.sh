@@ -66,6 +66,7 @@ fi
 
 if step "install-deps" scripts/install-deps.sh; then
   if step "build" scripts/build.sh "${cuda[@]}" "$@"; then
+    scripts/nvcc_times.sh "$build" || true  # where the CUDA part of the build's time went
     step "ctest" scripts/ctest_retry.sh "$build" --output-on-failure -j "${ATTN_TEST_JOBS:-2}" --timeout 600
     ctest_ran=1
   else

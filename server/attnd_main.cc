@@ -34,7 +34,11 @@ ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
 ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.max_batch_tokens,
           "Most query tokens packed into one batch");
 ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.max_queue_delay_us,
-          "Longest a request waits for others to batch with, microseconds");
+          "Longest an Attend request waits for others to batch with while the backend is busy, "
+          "microseconds (an idle backend takes it at once)");
+ABSL_FLAG(bool, gather_when_idle, kDefaults.gather_when_idle,
+          "Attend requests wait --max_queue_delay_us for company even while the backend is idle "
+          "(packing over latency, for offline batch jobs)");
 ABSL_FLAG(int64_t, max_queue_size, kDefaults.max_queue_size,
           "Most queued requests; beyond it RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_tensor_elements, kDefaults.max_tensor_elements,
@@ -42,7 +46,13 @@ ABSL_FLAG(int64_t, max_tensor_elements, kDefaults.max_tensor_elements,
 ABSL_FLAG(int64_t, max_inflight_bytes, kDefaults.max_inflight_bytes,
           "Most tensor bytes (inputs and outputs) held by queued and running requests; beyond "
           "it RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, streams, kDefaults.streams, "CUDA streams (CUDA backend)");
+ABSL_FLAG(int, streams, kDefaults.streams, "CUDA streams of Attend (CUDA backend)");
+ABSL_FLAG(int, step_lanes, kDefaults.step_lanes,
+          "CUDA streams of session steps, each with its own staging: launches in flight at once "
+          "(CUDA backend); 0: as many as --streams");
+ABSL_FLAG(int64_t, step_idle_poll_us, kDefaults.step_idle_poll_us,
+          "CUDA backend: how long a step lane that finished a launch looks for the next one, "
+          "yielding its core, before it sleeps (microseconds; 0: sleeps at once)");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
@@ -84,8 +94,9 @@ ABSL_FLAG(std::string, replica_id, kDefaults.replica_id,
           "This process's replica id, the prefix of its session ids ([A-Za-z0-9_-]{1,64}); "
           "empty: random per start");
 ABSL_FLAG(int64_t, max_step_delay_us, kDefaults.max_step_delay_us,
-          "Longest a session step waits for others to batch with while the backend is idle, "
-          "microseconds (steps that arrive while it is busy gather anyway)");
+          "Longest a session step waits for others to batch with while the step pipeline is "
+          "busy, microseconds; 0: none, a step goes into the next launch the pipeline can take "
+          "(an idle pipeline takes it at once either way)");
 ABSL_FLAG(bool, allow_shared_memory, kDefaults.allow_shared_memory,
           "Serve same-host clients through shared memory (the SharedMemory service and "
           "Tensor.region): a Unix socket (--shm_socket) takes their sealed memfds");
@@ -148,10 +159,13 @@ attn::ServerOptions OptionsFromFlags() {
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  o.gather_when_idle = absl::GetFlag(FLAGS_gather_when_idle);
   o.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   o.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   o.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   o.streams = absl::GetFlag(FLAGS_streams);
+  o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
+  o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
   o.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);

@@ -114,9 +114,8 @@ class Caller {
   absl::Status RunOne(v1::AttendResponse* response) {
     auto job = ValidateAttendRequest(*request_, *limits_);
     if (!job.ok()) return job.status();
-    (*job)->response = response;
     (*job)->arrival = Clock::now();
-    PrepareAttendResponse(**job, response);
+    (*job)->bytes = AttendJobBytes(**job, *request_);
     if (absl::Status st = backend_->Prepare(**job); !st.ok()) return st;
     std::mutex mu;
     std::condition_variable cv;
@@ -155,7 +154,7 @@ absl::StatusOr<Result> Measure(const Config& config,
   Batcher::Options o;
   o.max_batch_tokens = config.max_batch_tokens;
   ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher,
-                   Batcher::Create(o, backend.get(), nullptr));
+                   Batcher::Create(o, backend.get(), nullptr, nullptr));
   RequestLimits limits;
   limits.head_dims = backend->Info().head_dims;
 

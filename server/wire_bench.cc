@@ -13,11 +13,12 @@
 // With --batch_step N it times a BatchStep of N decode steps instead (q [1, heads, head_dim], k_new
 // and v_new [1, kv_heads, head_dim]):
 //   request, protobuf: gRPC's parse into a BatchStepRequest (what attnd's typed handler got);
-//   request, wire path: DecodeBatchStepRequest, then each step's one copy of its tensors into
-//     host memory of its own (StageWireInputsOnHost; the AttendJob it fills is made here too,
-//     which protobuf's row leaves out);
-//   response, protobuf: each step's o written into its StepResponse, then gRPC's serialization;
-//   response, wire path: each o written into a buffer of its own, then EncodeBatchStepResponse.
+//   request, wire path: DecodeBatchStepRequest, then each step's one copy of its tensors, from
+//     the pieces, into the launch's staging (as the step pipeline stages a launch);
+//   response, protobuf: each step's o written from the launch's output into its StepResponse,
+//     then gRPC's serialization;
+//   response, wire path: EncodeBatchStepResponse with each o a part of the launch's output (the
+//     pinned buffer it came back into on the CUDA backend), sent from there: no copy.
 //   attn-wire-bench --batch_step 64 --heads 32 --kv_heads 8 --head_dim 128
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/byte_buffer.h>
@@ -36,7 +37,7 @@
 #include "attn/util/median_time.h"
 #include "absl/flags/parse.h"
 #include "rpc/attend_request_decoder.h"
-#include "rpc/attend_response_encoder.h"
+#include "rpc/response_encoder.h"
 #include "engine/backend.h"
 #include "rpc/step_request_decoder.h"
 
@@ -130,7 +131,7 @@ void Measure(int seq, std::mt19937_64& rng) {
   }, secs);
   const double resp_wire = MedianSeconds([&] {
     OutputBytes o = OutputBytes::Allocate(tensor);
-    std::memcpy(o.data.get(), staging.data(), tensor);
+    std::memcpy(o.data, staging.data(), tensor);
     grpc::ByteBuffer out = EncodeAttendResponse(header, std::move(o), OutputBytes());
   }, secs);
 
@@ -173,6 +174,7 @@ void MeasureBatchStep(int n, std::mt19937_64& rng) {
       std::abort();
     }
   }, secs);
+  std::vector<char> launch_staging;
   const double req_wire = MedianSeconds([&] {
     std::vector<grpc::Slice> slices;
     if (!received.Dump(&slices).ok()) std::abort();
@@ -182,14 +184,30 @@ void MeasureBatchStep(int n, std::mt19937_64& rng) {
     }
     std::vector<DecodedStepRequest> decoded;
     if (!DecodeBatchStepRequest(pieces, &decoded).ok()) std::abort();
-    // Each step's tensors copied once, as attnd stages a step.
+    // Each step's tensors copied once, into the launch's staging (q, k_new, v_new packed).
+    size_t q_total = 0, kv_total = 0;
     for (const DecodedStepRequest& step : decoded) {
-      AttendJob job;
-      StageWireInputsOnHost(step.data, &job);
+      q_total += step.data.q.size;
+      kv_total += step.data.k.size;
+    }
+    launch_staging.resize(q_total + 2 * kv_total);
+    char* q_at = launch_staging.data();
+    char* k_at = q_at + q_total;
+    char* v_at = k_at + kv_total;
+    for (const DecodedStepRequest& step : decoded) {
+      step.data.q.CopyTo(q_at);
+      step.data.k.CopyTo(k_at);
+      step.data.v.CopyTo(v_at);
+      q_at += step.data.q.size;
+      k_at += step.data.k.size;
+      v_at += step.data.v.size;
     }
   }, secs);
 
-  std::string o_source = RandomBytes(rng, q_bytes);  // what the backend writes, per step
+  // The launch's output: every step's o, as the device brought them back.
+  const std::string o_bytes = RandomBytes(rng, q_bytes * size_t(n));
+  OutputBytes launch_out = OutputBytes::Allocate(o_bytes.size());
+  std::memcpy(launch_out.data, o_bytes.data(), o_bytes.size());
   v1::StepResponse header;
   header.mutable_o()->set_dtype(v1::DTYPE_BFLOAT16);
   for (int64_t s : {int64_t{1}, int64_t(heads), int64_t(d)}) header.mutable_o()->add_shape(s);
@@ -203,7 +221,8 @@ void MeasureBatchStep(int n, std::mt19937_64& rng) {
       v1::StepResponse* r = response.add_results()->mutable_response();
       *r = header;
       r->mutable_o()->mutable_data()->resize(q_bytes);
-      std::memcpy(r->mutable_o()->mutable_data()->data(), o_source.data(), q_bytes);
+      std::memcpy(r->mutable_o()->mutable_data()->data(), launch_out.data + size_t(i) * q_bytes,
+                  q_bytes);
     }
     grpc::ByteBuffer out;
     bool own = false;
@@ -216,8 +235,7 @@ void MeasureBatchStep(int n, std::mt19937_64& rng) {
     std::vector<EncodedStepResult> results(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
       results[i].response = &headers[i];
-      results[i].o = OutputBytes::Allocate(q_bytes);
-      std::memcpy(results[i].o.data.get(), o_source.data(), q_bytes);
+      results[i].o = launch_out.Part(size_t(i) * q_bytes, q_bytes);
     }
     grpc::ByteBuffer out = EncodeBatchStepResponse(results);
   }, secs);
@@ -233,8 +251,8 @@ void MeasureBatchStep(int n, std::mt19937_64& rng) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (const int n = absl::GetFlag(FLAGS_batch_step); n > 0) {
-    std::printf("BatchStep of %d decode steps: request slices -> per-step host copies; response "
-                "outputs -> slices (bf16, %d/%d heads, d=%d, %d-byte slices, one thread, median)\n",
+    std::printf("BatchStep of %d decode steps: request slices -> launch staging; response "
+                "launch output -> slices (bf16, %d/%d heads, d=%d, %d-byte slices, one thread, median)\n",
                 n, absl::GetFlag(FLAGS_heads),
                 absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads)
                                                   : absl::GetFlag(FLAGS_heads),

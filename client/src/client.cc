@@ -2,6 +2,7 @@
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/support/client_callback.h>
 #include <grpcpp/security/credentials.h>
 
 #include <cctype>
@@ -10,6 +11,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "attn/client/wire_coding.h"
 #include "attn/kernels/dtype_convert.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -25,6 +27,35 @@ absl::StatusOr<DType> FromWire(v1::DType t) {
     case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
     default: return absl::InternalError(absl::StrCat("server sent unknown dtype ", t));
   }
+}
+
+// Seconds as a google.protobuf.Duration in JSON ("0.050s").
+std::string JsonDuration(std::chrono::milliseconds d) {
+  return absl::StrCat(d.count() / 1000, ".", absl::Dec(d.count() % 1000, absl::kZeroPad3), "s");
+}
+
+// The channel's default service config: its load-balancing policy, and the retry policy of the
+// calls that change nothing on the server (ClientOptions::retry_max_attempts).
+std::string ServiceConfigJson(const ClientOptions& o) {
+  std::vector<std::string> parts;
+  if (!o.lb_policy.empty()) {
+    parts.push_back(absl::StrCat(R"("loadBalancingConfig":[{")", o.lb_policy, R"(":{}}])"));
+  }
+  if (o.retry_max_attempts > 1) {
+    std::vector<std::string> names;
+    for (const char* m : {"Attend", "Echo", "GetServerInfo"}) {
+      names.push_back(absl::StrCat(R"({"service":"attn.v1.Attention","method":")", m, R"("})"));
+    }
+    names.push_back(R"({"service":"attn.v1.SharedMemory","method":"ListRegions"})");
+    names.push_back(R"({"service":"grpc.health.v1.Health","method":"Check"})");
+    parts.push_back(absl::StrCat(
+        R"("methodConfig":[{"name":[)", absl::StrJoin(names, ","), R"(],"retryPolicy":{)",
+        R"("maxAttempts":)", o.retry_max_attempts, R"(,"initialBackoff":")",
+        JsonDuration(o.retry_initial_backoff), R"(","maxBackoff":")",
+        JsonDuration(o.retry_max_backoff),
+        R"(","backoffMultiplier":2,"retryableStatusCodes":["UNAVAILABLE"]}}])"));
+  }
+  return absl::StrCat("{", absl::StrJoin(parts, ","), "}");
 }
 
 }  // namespace
@@ -139,10 +170,28 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
       }
     }
   }
+  if (options.retry_max_attempts < 1 || options.retry_max_attempts > 5) {
+    // gRPC caps maxAttempts at 5.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "retry_max_attempts must be 1..5 (1: no retries), got ", options.retry_max_attempts));
+  }
+  if (options.retry_initial_backoff.count() <= 0 ||
+      options.retry_max_backoff < options.retry_initial_backoff) {
+    return absl::InvalidArgumentError(
+        "retry_initial_backoff must be > 0 and at most retry_max_backoff");
+  }
+  if (options.keepalive_time.count() < 0 || options.keepalive_timeout.count() < 0) {
+    return absl::InvalidArgumentError("keepalive_time and keepalive_timeout must be >= 0");
+  }
   grpc::ChannelArguments args;
-  if (!options.lb_policy.empty()) {
-    args.SetServiceConfigJSON(
-        absl::StrCat(R"({"loadBalancingConfig":[{")", options.lb_policy, R"(":{}}]})"));
+  args.SetServiceConfigJSON(ServiceConfigJson(options));
+  if (options.retry_max_attempts > 1) {
+    args.SetInt(GRPC_ARG_PER_RPC_RETRY_BUFFER_SIZE,
+                static_cast<int>(std::min<int64_t>(options.retry_buffer_bytes, INT32_MAX)));
+  }
+  if (options.keepalive_time.count() > 0) {
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(options.keepalive_time.count()));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(options.keepalive_timeout.count()));
   }
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
@@ -227,6 +276,29 @@ Client::OpenRawAttendStream(grpc::ClientContext* ctx) {
   return std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>(
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
           channels_[c].get(), attend_stream_methods_[c], ctx));
+}
+
+void Client::StartRawCall(RawMethod method, grpc::ClientContext* ctx,
+                          const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                          std::function<void(grpc::Status)> done) {
+  const size_t c = NextConnection();
+  const grpc::internal::RpcMethod* m = nullptr;
+  switch (method) {
+    case RawMethod::kAttend: m = &attend_methods_[c]; break;
+    case RawMethod::kEcho: m = &echo_methods_[c]; break;
+    case RawMethod::kStep: m = &step_methods_[c]; break;
+    case RawMethod::kBatchStep: m = &batch_step_methods_[c]; break;
+  }
+  // What a generated stub's callback method calls, here with bytes in and out.
+  grpc::internal::CallbackUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channels_[c].get(), *m, ctx, request, response, std::move(done));
+}
+
+void Client::PrepareRawAttendStream(
+    grpc::ClientContext* ctx, grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* reactor) {
+  const size_t c = NextConnection();
+  grpc::internal::ClientCallbackReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+      channels_[c].get(), attend_stream_methods_[c], ctx, reactor);
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const {

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/functional/function_ref.h"
@@ -268,8 +269,12 @@ absl::Status DecodeOutputs(WireReader& r, absl::string_view what, Name prefix,
     size_t offset;
     uint64_t number, at;
   };
-  std::vector<FieldAt> fields;
-  std::string head, tensor;
+  // Scratch kept by the thread from call to call (the items of a BatchStep answer are decoded one
+  // after another, never nested): no allocation per item once they have grown.
+  thread_local std::vector<FieldAt> fields;
+  thread_local std::string head, tensor;
+  fields.clear();
+  head.clear();
   while (!r.AtLimit()) {
     const uint64_t at = r.position();
     wire::Tag tag;
@@ -407,9 +412,29 @@ void BorrowedSlices::Release(void* self) {
 #if defined(__SANITIZE_THREAD__)
   __tsan_acquire(b);
 #endif
-  // Notified under the lock: Wait cannot return (and the object go) before this is done with it.
-  std::lock_guard<std::mutex> lock(b->mu_);
-  if (--b->outstanding_ == 0) b->released_.notify_all();
+  std::function<void()> on_released;
+  {
+    // Notified under the lock: Wait cannot return (and the object go) before this is done with
+    // it.
+    std::lock_guard<std::mutex> lock(b->mu_);
+    if (--b->outstanding_ == 0) {
+      b->released_.notify_all();
+      on_released = std::exchange(b->on_released_, nullptr);
+    }
+  }
+  // Outside the lock and last: it may destroy b.
+  if (on_released) on_released();
+}
+
+void BorrowedSlices::NotifyWhenReleased(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (outstanding_ > 0) {
+      on_released_ = std::move(fn);
+      return;
+    }
+  }
+  fn();
 }
 
 void BorrowedSlices::Wait() {

@@ -10,9 +10,18 @@ Decode: GQA 32/8, d=128, bf16, one query token per sequence, batch x cache as in
   Inputs are rotated over enough copies that K+V of one launch is never L2-resident from the
   previous launch (>= 4x the L2 over the copies), for every implementation alike.
 Chunked prefill: a chunk of C queries over P cached keys plus the chunk (s_k = P + C, causal,
-  bottom-right aligned), batch 1, 32/8 heads, d=128: ours paged vs ours contiguous (the forward
-  kernel), and torch flash with a lower-right causal bias where it runs. TFLOP/s with FLOPs
-  4 * H * D * sum over queries of keys seen.
+  bottom-right aligned), batch 1, 32/8 heads, d in --prefill-dims: ours paged (pages shuffled, the
+  last one padded with NaN; Run's choice, and generation 1 forced) vs ours contiguous (the forward
+  kernel), all with the workspace, and torch flash with a lower-right causal bias where it runs.
+  TFLOP/s with FLOPs 4 * H * D * sum over queries of keys seen.
+Multi-token steps (--steps BxQxL): B sequences of Q queries over L cached keys, paged: the decode
+  kernel (Run's choice for Q <= 16) against the generation-2 forward kernel forced.
+Batch-1 splits (--split-sweep S1,S2,...): at the batch-1 decode points, ours with each forced KV
+  split count beside the plan's own.
+FP8 K/V decode (--fp8 BxL,...): GQA 32/8, d=128, bf16 queries, one token per sequence: ours over
+  bf16 K/V against ours over e4m3 K/V (the same values quantized per (sequence, KV head) with scale
+  amax / 448), contiguous and on pages of 16; steps/s and the ratio, and each one's error against
+  torch SDPA on the values it computes with (bf16: the bf16 K/V; FP8: the dequantized K/V).
 Times: CUDA events around N back-to-back launches (N so that one timing covers >= --min-ms),
   divided by N; median of --reps timings after warm-up.
 """
@@ -38,6 +47,20 @@ def load(path):
                                                         ctypes.c_size_t]
     lib.attn_workspace_bytes.restype = ctypes.c_size_t
     lib.attn_workspace_bytes.argtypes = [I] * 11
+    try:  # libraries built before attn_run_gen have only Run's own choice
+        lib.attn_run_gen.restype = I
+        lib.attn_run_gen.argtypes = lib.attn_run.argtypes + [I]
+    except AttributeError:
+        pass
+    try:  # FP8 K/V and the decode plan's splits (newer libraries)
+        lib.attn_run_fp8kv.restype = I
+        lib.attn_run_fp8kv.argtypes = lib.attn_run.argtypes[:-2] + [P, P, P, ctypes.c_size_t]
+        lib.attn_plan_decode_splits.restype = I
+        lib.attn_plan_decode_splits.argtypes = [I] * 8
+        lib.attn_set_plan_option.restype = I
+        lib.attn_set_plan_option.argtypes = [ctypes.c_char_p, I]
+    except AttributeError:
+        pass
     return lib
 
 
@@ -87,24 +110,287 @@ def paged_pool(kc, b, L, ps, gen):
     return pool, indptr, indices, seqlens, npg
 
 
+H, HKV = 32, 8
+
+
+def run_args(lib, q, k, v, o, cu_q, cu_k, b, tq, tk, mq, mk, D, causal, ws, stream, paged=None,
+             gen=0):
+    """One attn_run (gen 0) or attn_run_gen call; raises on a non-zero return."""
+    ps, npg, indptr, indices, seqlens = paged if paged else (0, 0, None, None, None)
+    a = [2, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None, cu_q.data_ptr(),
+         cu_k.data_ptr() if cu_k is not None else None, b, tq, tk, mq, mk, H, HKV, D, 0.0,
+         int(causal), -1, -1, ps, npg, indptr.data_ptr() if paged else None,
+         indices.data_ptr() if paged else None, seqlens.data_ptr() if paged else None,
+         ws.data_ptr() if ws is not None else None, stream]
+    rc = lib.attn_run(*a) if gen == 0 else lib.attn_run_gen(*a, gen)
+    if rc != 0:
+        raise RuntimeError(f"attn_run returned {rc}")
+
+
+def workspace_of(lib, b, tq, tk, mq, mk, D, dev, ps=0, npg=0):
+    n = lib.attn_workspace_bytes(2, b, tq, tk, mq, mk, H, HKV, D, ps, npg)
+    return torch.empty(max(n, 16), dtype=torch.uint8, device=dev), n
+
+
+def paged_copy(k, v, ps, gen):
+    """K and V [L, HKV, D] as page pools of ps tokens in shuffled order (the last page padded with
+    NaN), with the table: (pool_k, pool_v, indptr, indices, seqlens, num_pages)."""
+    L = k.shape[0]
+    Lp = (L + ps - 1) // ps * ps
+    kp = torch.full((Lp,) + tuple(k.shape[1:]), float("nan"), device=k.device, dtype=k.dtype)
+    vp = torch.full_like(kp, float("nan"))
+    kp[:L] = k
+    vp[:L] = v
+    pool_k, indptr, indices, _, npg = paged_pool(kp, 1, Lp, ps, gen)
+    pool_v = torch.empty_like(pool_k)
+    pool_v[indices.long()] = vp.view(pool_v.shape)
+    seqlens = torch.tensor([L], device=k.device, dtype=torch.int32)
+    return pool_k, pool_v, indptr, indices, seqlens, npg
+
+
+def prefill_point(lib, C, Pc, D, ppages, args, gen, dev, dt):
+    """One chunk of C queries over Pc cached keys, head dim D: contiguous, paged (Run's choice and
+    generation 1 forced) and torch; TFLOP/s and errors."""
+    stream = torch.cuda.current_stream().cuda_stream
+    L = Pc + C
+    q = torch.randn(C, H, D, device=dev, dtype=dt)
+    k = torch.randn(L, HKV, D, device=dev, dtype=dt)
+    v = torch.randn(L, HKV, D, device=dev, dtype=dt)
+    o = torch.full_like(q, float("nan"))
+    cu_q = torch.tensor([0, C], device=dev, dtype=torch.int32)
+    cu_k = torch.tensor([0, L], device=dev, dtype=torch.int32)
+    flops = 4.0 * H * D * (C * Pc + C * (C + 1) / 2)
+    ws, _ = workspace_of(lib, 1, C, L, C, L, D, dev)
+    res = {}
+    contig = lambda: run_args(lib, q, k, v, o, cu_q, cu_k, 1, C, L, C, L, D, True, ws, stream)
+    res["contig"] = time_ms(contig, args.warmup, args.reps, args.min_ms)
+    contig()
+    torch.cuda.synchronize()
+    ours_o = o.float().clone()
+    has_gen = hasattr(lib, "attn_run_gen")
+    for ps in ppages:
+        pk, pv, indptr, indices, seqlens, npg = paged_copy(k, v, ps, gen)
+        wsp, _ = workspace_of(lib, 1, C, 0, C, L, D, dev, ps, npg)
+        for g, key in ((0, f"page{ps}"), (1, f"page{ps}_g1"), (2, f"page{ps}_g2")):
+            if (g and not has_gen) or g not in args.prefill_gens:
+                continue
+            call = lambda g=g: run_args(lib, q, pk, pv, o, cu_q, None, 1, C, 0, C, L, D, True, wsp,
+                                        stream, (ps, npg, indptr, indices, seqlens), g)
+            res[key] = time_ms(call, args.warmup, args.reps, args.min_ms)
+            o.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            res[key + "_err"] = ((o.float() - ours_o).norm() / ours_o.norm()).item()
+        del pk, pv
+    qt = q.view(1, C, H, D).transpose(1, 2)
+    kt = k.view(1, L, HKV, D).transpose(1, 2)
+    vt = v.view(1, L, HKV, D).transpose(1, 2)
+    res["flash"] = None
+    res["err"] = float("nan")
+    res["torch_be"] = "n/a"
+    from torch.nn.attention.bias import causal_lower_right
+    bias = causal_lower_right(C, L)
+    for be_name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                        ("mem-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
+                res["flash"] = time_ms(lambda: F.scaled_dot_product_attention(
+                    qt, kt, vt, attn_mask=bias, enable_gqa=True), args.warmup, args.reps,
+                    args.min_ms)
+            ref = out.transpose(1, 2).reshape(C, H, D).float()
+            res["err"] = ((ours_o - ref).norm() / ref.norm()).item()
+            res["torch_be"] = be_name
+            break
+        except Exception as e:
+            print(f"# torch {be_name} lower-right causal failed for {C}x{Pc}: {e}", file=sys.stderr)
+    tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
+    row = dict(kind="prefill", C=C, P=Pc, D=D,
+               **{k2: (tf(v2) if not k2.endswith(("err", "_be")) else v2) for k2, v2 in res.items()})
+    f = lambda x: f"{x:.1f}" if x is not None else "n/a"
+    print(f"prefill d={D} chunk {C} over {Pc}: contig {f(row['contig'])} "
+          + " ".join(f"page{ps} {f(row.get(f'page{ps}'))} (g1 {f(row.get(f'page{ps}_g1'))}, "
+                     f"g2 {f(row.get(f'page{ps}_g2'))}, "
+                     f"err {row.get(f'page{ps}_err', float('nan')):.1e})" for ps in ppages)
+          + f" torch {f(row['flash'])} TFLOP/s", flush=True)
+    return row
+
+
+def steps_point(lib, b, nq, L, ps, args, gen, dev, dt):
+    """b sequences of nq new queries over L cached keys each (causal), paged: the decode kernel
+    (Run's choice) against generation 2 forced; microseconds and TB/s of K+V."""
+    stream = torch.cuda.current_stream().cuda_stream
+    D = 128
+    Lt = L + nq
+    q = torch.randn(b * nq, H, D, device=dev, dtype=dt)
+    k = torch.randn(b * Lt, HKV, D, device=dev, dtype=dt)
+    v = torch.randn(b * Lt, HKV, D, device=dev, dtype=dt)
+    o = torch.full_like(q, float("nan"))
+    Lp = (Lt + ps - 1) // ps * ps
+    kpad = torch.zeros(b * Lp, HKV, D, device=dev, dtype=dt)
+    vpad = torch.zeros_like(kpad)
+    for i in range(b):
+        kpad[i * Lp:i * Lp + Lt] = k[i * Lt:(i + 1) * Lt]
+        vpad[i * Lp:i * Lp + Lt] = v[i * Lt:(i + 1) * Lt]
+    pool_k, indptr, indices, _, npg = paged_pool(kpad, b, Lp, ps, gen)
+    pool_v = torch.empty_like(pool_k)
+    pool_v[indices.long()] = vpad.view(pool_v.shape)
+    seqlens = torch.full((b,), Lt, dtype=torch.int32, device=dev)
+    cu_q = (torch.arange(b + 1, device=dev, dtype=torch.int32) * nq).contiguous()
+    ws, _ = workspace_of(lib, b, b * nq, 0, nq, Lt, D, dev, ps, npg)
+    paged = (ps, npg, indptr, indices, seqlens)
+    res = {}
+    outs = {}
+    for g, key in ((0, "decode"), (2, "gen2")):
+        if g and not hasattr(lib, "attn_run_gen"):
+            res[key] = None
+            continue
+        call = lambda g=g: run_args(lib, q, pool_k, pool_v, o, cu_q, None, b, b * nq, 0, nq, Lt, D,
+                                    True, ws, stream, paged, g)
+        res[key] = time_ms(call, args.warmup, args.reps, args.min_ms)
+        o.fill_(float("nan"))
+        call()
+        torch.cuda.synchronize()
+        outs[key] = o.float().clone()
+    err = ((outs["gen2"] - outs["decode"]).norm() / outs["decode"].norm()).item() \
+        if "gen2" in outs else float("nan")
+    kv = 2.0 * b * Lt * HKV * D * 2
+    tb = lambda t: kv / (t * 1e-3) / 1e12 if t else None
+    row = dict(kind="steps", b=b, nq=nq, L=L, decode_us=res["decode"] * 1e3,
+               gen2_us=res["gen2"] * 1e3 if res["gen2"] else None, decode_tb=tb(res["decode"]),
+               gen2_tb=tb(res["gen2"]), err=err)
+    print(f"steps {b}x{nq}x{L}: decode {row['decode_us']:.1f} us, gen2 "
+          f"{row['gen2_us'] if row['gen2_us'] else float('nan'):.1f} us, err {err:.1e}", flush=True)
+    return row
+
+
+def quantize_e4m3(x, b, L):
+    """x [b*L, HKV, D] -> (codes as uint8 [b*L, HKV, D], scales float32 [b, HKV]): per (sequence,
+    KV head) scale amax / 448, round to nearest even, clamped to +-448."""
+    xs = x.float().view(b, L, HKV, -1)
+    amax = xs.abs().amax(dim=(1, 3))  # [b, HKV]
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (xs / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).view_as(x).contiguous(), scale.contiguous()
+
+
+def dequantize_e4m3(codes, scale, b, L):
+    """The float32 values the codes of quantize_e4m3 stand for, [b*L, HKV, D]."""
+    v = codes.view(torch.float8_e4m3fn).float().view(b, L, HKV, -1)
+    return (v * scale[:, None, :, None]).view_as(codes)
+
+
+def run_fp8(lib, q, k, v, o, cu_q, cu_k, b, tq, tk, mq, mk, D, ks, vs, stream, paged=None):
+    ps, npg, indptr, indices, seqlens = paged if paged else (0, 0, None, None, None)
+    rc = lib.attn_run_fp8kv(2, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
+                            cu_q.data_ptr(), cu_k.data_ptr() if cu_k is not None else None, b, tq,
+                            tk, mq, mk, H, HKV, D, 0.0, 0, -1, -1, ps, npg,
+                            indptr.data_ptr() if paged else None,
+                            indices.data_ptr() if paged else None,
+                            seqlens.data_ptr() if paged else None, ks.data_ptr(), vs.data_ptr(),
+                            None, stream)
+    if rc != 0:
+        raise RuntimeError(f"attn_run_fp8kv returned {rc}")
+
+
+def fp8_point(lib, b, L, args, dev, dt, l2):
+    """Decode of b sequences over L cached keys: ours over bf16 K/V vs ours over FP8 K/V
+    (contiguous and pages of 16); steps/s."""
+    stream = torch.cuda.current_stream().cuda_stream
+    D = 128
+    bf16_bytes = 2 * b * L * HKV * D * 2
+    copies = max(1, min(16, math.ceil(4 * l2 / (bf16_bytes // 2))))
+    qs = [torch.randn(b, H, D, device=dev, dtype=dt) for _ in range(copies)]
+    ks = [torch.randn(b * L, HKV, D, device=dev, dtype=dt) for _ in range(copies)]
+    vs = [torch.randn(b * L, HKV, D, device=dev, dtype=dt) for _ in range(copies)]
+    fk = [quantize_e4m3(x, b, L) for x in ks]
+    fv = [quantize_e4m3(x, b, L) for x in vs]
+    o = torch.full((b, H, D), float("nan"), device=dev, dtype=dt)
+    cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32)
+    cu_k = (torch.arange(b + 1, device=dev, dtype=torch.int32) * L).contiguous()
+    res = {}
+    # bf16 K/V (the bf16 copies rotate over as many copies as the FP8 ones: >= 4x L2 each)
+    bf = lambda i: run_args(lib, qs[i], ks[i], vs[i], o, cu_q, cu_k, b, b, b * L, 1, L, D, False,
+                            None, stream)
+    res["bf16"] = time_ms(Rotor(bf, copies), args.warmup, args.reps, args.min_ms)
+    bf(0)
+    torch.cuda.synchronize()
+    o_bf = o.float().clone()
+    f8 = lambda i: run_fp8(lib, qs[i], fk[i][0], fv[i][0], o, cu_q, cu_k, b, b, b * L, 1, L, D,
+                           fk[i][1], fv[i][1], stream)
+    res["fp8"] = time_ms(Rotor(f8, copies), args.warmup, args.reps, args.min_ms)
+    o.fill_(float("nan"))
+    f8(0)
+    torch.cuda.synchronize()
+    o_f8 = o.float().clone()
+    gen_p = torch.Generator().manual_seed(b * 13 + L)
+    pk = [paged_pool(x[0], b, L, 16, gen_p) for x in fk]
+    pv = []
+    for i, x in enumerate(fv):
+        pool = torch.empty_like(pk[i][0])
+        pool[pk[i][2].long()] = x[0].view(pool.shape)
+        pv.append(pool)
+    f8p = lambda i: run_fp8(lib, qs[i], pk[i][0], pv[i], o, cu_q, None, b, b, 0, 1, L, D, fk[i][1],
+                            fv[i][1], stream, (16, pk[i][4], pk[i][1], pk[i][2], pk[i][3]))
+    res["fp8_page16"] = time_ms(Rotor(f8p, copies), args.warmup, args.reps, args.min_ms)
+    o.fill_(float("nan"))
+    f8p(0)
+    torch.cuda.synchronize()
+    page_err = ((o.float() - o_f8).norm() / o_f8.norm()).item()  # before o_f8 is cut to bb rows
+    # Each against torch SDPA (math in float32) on the values it computes with, over the first
+    # few sequences (the math backend expands K/V to every query head).
+    bb = min(b, 4)
+    def sdpa(kk, vv):
+        qt = qs[0][:bb].float().view(bb, H, 1, D)
+        kt = kk[:bb * L].float().view(bb, L, HKV, D).transpose(1, 2)
+        vt = vv[:bb * L].float().view(bb, L, HKV, D).transpose(1, 2)
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).view(bb, H, D)
+    ref_bf = sdpa(ks[0], vs[0])
+    ref_f8 = sdpa(dequantize_e4m3(*fk[0], b, L), dequantize_e4m3(*fv[0], b, L))
+    o_bf, o_f8 = o_bf[:bb], o_f8[:bb]
+    err = lambda x, r: ((x - r).norm() / r.norm()).item()
+    splits = lib.attn_plan_decode_splits(2, 1, b, 1, L, H, HKV, D)
+    splits_bf = lib.attn_plan_decode_splits(2, 0, b, 1, L, H, HKV, D)
+    row = dict(kind="fp8", b=b, L=L, splits=splits, splits_bf=splits_bf,
+               bf16_us=res["bf16"] * 1e3, fp8_us=res["fp8"] * 1e3, fp8p_us=res["fp8_page16"] * 1e3,
+               err_bf=err(o_bf, ref_bf), err_f8=err(o_f8, ref_f8), err_quant=err(ref_f8, ref_bf),
+               page_err=page_err, bf16_bytes=bf16_bytes)
+    print(f"fp8 {b}x{L}: bf16 {row['bf16_us']:.1f} us, fp8 {row['fp8_us']:.1f} us "
+          f"(x{row['bf16_us'] / row['fp8_us']:.2f}), fp8 page16 {row['fp8p_us']:.1f} us, "
+          f"err bf16 {row['err_bf']:.1e} fp8 {row['err_f8']:.1e} quant {row['err_quant']:.1e}",
+          flush=True)
+    del qs, ks, vs, fk, fv, pk, pv
+    torch.cuda.empty_cache()
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--decode", default="1x4096,16x4096,64x4096,16x32768,128x8192")
     ap.add_argument("--pages", default="16,64")
-    ap.add_argument("--prefill", default="512x8192,2048x8192,512x32768,2048x32768",
+    ap.add_argument("--prefill", default="512x4096,2048x4096,512x32768,2048x32768",
                     help="CHUNKxCACHED list for chunked prefill")
     ap.add_argument("--prefill-pages", default="16,64")
+    ap.add_argument("--prefill-dims", default="128", help="head dims of the chunked prefill points")
+    ap.add_argument("--prefill-gens", default="0,1,2",
+                    help="paged prefill kernels timed: 0 the plan's choice, 1 / 2 generation 1 / 2 forced")
+    ap.add_argument("--steps", default="", help="BATCHxQUERIESxCACHED list of multi-token steps")
+    ap.add_argument("--steps-page", type=int, default=16)
+    ap.add_argument("--split-sweep", default="", help="forced KV splits timed at batch-1 points")
+    ap.add_argument("--fp8", default="", help="BATCHxCACHED list of FP8 K/V decode points")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--min-ms", type=float, default=20.0)
     args = ap.parse_args()
+    args.prefill_gens = {int(x) for x in args.prefill_gens.split(",") if x}
 
     lib = load(args.lib)
     dev = torch.device("cuda")
     dt = torch.bfloat16
-    H, HKV, D = 32, 8, 128
+    D = 128
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     stream = torch.cuda.current_stream().cuda_stream
@@ -129,8 +415,110 @@ def main():
         n = lib.attn_workspace_bytes(2, b, tq, tk, mq, mk, H, HKV, D, ps, npg)
         return (torch.empty(n, dtype=torch.uint8, device=dev) if n else None), n
 
+    ppages = [int(x) for x in args.prefill_pages.split(",") if x]
+    pdims = [int(x) for x in args.prefill_dims.split(",") if x]
+    items = [x for x in args.prefill.split(",") if x]
+
+    def write_table(final):
+        """The tables of the rows so far, to --out (printed too when final): after each
+        section, so that a run cut short keeps what it measured."""
+        lines = []
+        f2 = lambda x: f"{x:.2f}" if x is not None else "n/a"
+        r3 = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
+        lines += [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                  f"date {datetime.date.today().isoformat()}, L2 {l2 >> 20} MiB. Median of {args.reps} "
+                  f"timings after {args.warmup} warm-up, each N back-to-back launches >= "
+                  f"{args.min_ms:g} ms (CUDA events), inputs rotated over copies (>= 4x L2).", "",
+                  "Decode, GQA 32/8, d=128, bf16, 1 query token: TB/s of K+V read.", "",
+                  "| batch x cache | splits | ours contig | " +
+                  " | ".join(f"ours page{ps}" for ps in pages) +
+                  " | torch flash | torch cuDNN | ours/cuDNN | " +
+                  " | ".join(f"page{ps}/contig" for ps in pages) + " | ours us | cuDNN us | err vs torch |",
+                  "|---" * (9 + 2 * len(pages)) + "|"]
+        for r in rows:
+            if r["kind"] != "decode":
+                continue
+            lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits']} | {f2(r['ours'])} | " +
+                         " | ".join(f2(r[f'page{ps}']) for ps in pages) +
+                         f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
+                         " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
+                         f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
+        sweeps = [r for r in rows if r["kind"] == "decode" and r.get("sweep")]
+        if sweeps:
+            sps = sorted({sp for r in sweeps for sp in r["sweep"]})
+            lines += ["", "Batch-1 decode, KV splits forced (GQA 32/8, d=128, bf16): us per launch (TB/s); "
+                      "plan: the plan's own choice (its splits in brackets).", "",
+                      "| cache | plan | " + " | ".join(f"{sp} splits" for sp in sps) + " | torch cuDNN | "
+                      "plan/cuDNN speed | max err vs plan |", "|---" * (5 + len(sps)) + "|"]
+            for r in sweeps:
+                kvb = 2 * r["b"] * r["L"] * HKV * 128 * 2
+                cell = lambda t: f"{t * 1e3:.1f} ({kvb / (t * 1e-3) / 1e12:.2f})"
+                cud = r["us"].get("cudnn")
+                lines.append(f"| {r['L'] // 1024}k | {r['us']['ours']:.1f} ({r['ours']:.2f}) [{r['splits']}] | " +
+                             " | ".join(cell(r["sweep"][sp][0]) if sp in r["sweep"] else "n/a" for sp in sps) +
+                             f" | {f2(cud)} | {r3(cud, r['us']['ours'])} | "
+                             f"{max(e for _, e in r['sweep'].values()):.1e} |")
+        fp8s = [r for r in rows if r["kind"] == "fp8"]
+        if fp8s:
+            lines += ["", "FP8 (e4m3) K/V decode vs bf16 K/V decode, GQA 32/8, d=128, bf16 queries, 1 token: "
+                      "steps/s (launches per second) and us; TB/s counts the bytes read (FP8: half). err: "
+                      "relative L2 vs torch SDPA (math, float32) on the K/V values each computes with; quant: "
+                      "the quantization's own effect (SDPA on dequantized vs bf16 K/V).", "",
+                      "| batch x cache | splits bf16/fp8 | bf16 steps/s | fp8 steps/s | fp8/bf16 | fp8 page16 steps/s | "
+                      "bf16 TB/s | fp8 TB/s | err bf16 | err fp8 | quant | page16 vs contig |",
+                      "|---" * 12 + "|"]
+            for r in fp8s:
+                lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits_bf']}/{r['splits']} | "
+                             f"{1e6 / r['bf16_us']:.0f} | {1e6 / r['fp8_us']:.0f} | {r['bf16_us'] / r['fp8_us']:.3f} | "
+                             f"{1e6 / r['fp8p_us']:.0f} | {r['bf16_bytes'] / (r['bf16_us'] * 1e-6) / 1e12:.2f} | "
+                             f"{r['bf16_bytes'] / 2 / (r['fp8_us'] * 1e-6) / 1e12:.2f} | {r['err_bf']:.1e} | "
+                             f"{r['err_f8']:.1e} | {r['err_quant']:.1e} | {r['page_err']:.1e} |")
+        # Forced generations measured (libraries with attn_run_gen): g1, g2.
+        gens = [g for g in ("g1", "g2")
+                if ppages and any(r["kind"] == "prefill" and f"page{ppages[0]}_{g}" in r for r in rows)]
+        lines += ["", "Chunked prefill, batch 1, GQA 32/8, bf16, causal (bottom-right): TFLOP/s. contig: "
+                  "the forward kernel the plan picks on contiguous K/V (generation 2 on Hopper); pageN: "
+                  "the plan's choice on pages of N tokens in shuffled order; pageN g1 / g2: generation 1 "
+                  "/ 2 forced. All with the workspace (generation 2's tile counter).", "",
+                  "| d | chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
+                  "".join(f" | page{ps} {g}" for ps in ppages for g in gens) + " | " +
+                  " | ".join(f"page{ps}/contig" for ps in ppages) +
+                  "".join(f" | page{ps} {g}/contig" for ps in ppages for g in gens) +
+                  " | torch SDPA (lower-right bias) | torch backend | err vs torch | max err page vs contig |",
+                  "|---" * (8 + 2 * len(ppages) * (1 + len(gens))) + "|"]
+        for r in rows:
+            if r["kind"] != "prefill":
+                continue
+            perr = max((r[k] for k in r if k.startswith("page") and k.endswith("_err")), default=float("nan"))
+            lines.append(f"| {r['D']} | {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
+                         " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) +
+                         "".join(f" | {f2(r.get(f'page{ps}_{g}'))}" for ps in ppages for g in gens) + " | " +
+                         " | ".join(r3(r[f'page{ps}'], r['contig']) for ps in ppages) +
+                         "".join(f" | {r3(r.get(f'page{ps}_{g}'), r['contig'])}" for ps in ppages for g in gens) +
+                         f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} | {perr:.1e} |")
+        if any(r["kind"] == "steps" for r in rows):
+            lines += ["", f"Multi-token steps over paged caches (pages of {args.steps_page}, shuffled), GQA "
+                      "32/8, d=128, bf16, causal: us per launch and TB/s of K+V read. decode: Run's choice "
+                      "(the split-KV decode kernel for <= 16 queries); gen2: the generation-2 forward "
+                      "kernel forced.", "",
+                      "| batch x queries x cache | decode us | gen2 us | decode TB/s | gen2 TB/s | gen2/decode speed | err gen2 vs decode |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in rows:
+                if r["kind"] != "steps":
+                    continue
+                lines.append(f"| {r['b']} x {r['nq']} x {r['L'] // 1024}k | {r['decode_us']:.1f} | "
+                             f"{f2(r['gen2_us'])} | {r['decode_tb']:.2f} | {f2(r['gen2_tb'])} | "
+                             f"{r3(r['decode_us'], r['gen2_us'])} | {r['err']:.1e} |")
+        text = "\n".join(lines) + "\n"
+        if final:
+            print(text)
+        with open(args.out, "w") as fh:
+            fh.write(text)
+
     # ---------------- decode ----------------
     for item in args.decode.split(","):
+        if not item:
+            continue
         b, L = (int(x) for x in item.split("x"))
         kv_bytes = 2 * b * L * HKV * D * 2
         copies = max(1, min(16, math.ceil(4 * l2 / kv_bytes)))
@@ -149,6 +537,22 @@ def main():
         run_ours(qs[0], ks[0], vs[0], o, cu_q, cu_k, b, b, b * L, 1, L, False, ws)
         torch.cuda.synchronize()
         ours_o = o.float().clone()
+        if hasattr(lib, "attn_plan_decode_splits"):
+            splits = lib.attn_plan_decode_splits(2, 0, b, 1, L, H, HKV, D)
+        sweep = {}
+        if b == 1 and args.split_sweep and hasattr(lib, "attn_set_plan_option"):
+            for sp in [int(x) for x in args.split_sweep.split(",") if x]:
+                lib.attn_set_plan_option(b"decode_splits", sp)
+                try:
+                    t = time_ms(Rotor(lambda i: run_ours(qs[i], ks[i], vs[i], o, cu_q, cu_k, b, b,
+                                                         b * L, 1, L, False, None), copies),
+                                args.warmup, args.reps, args.min_ms)
+                    o.fill_(float("nan"))
+                    run_ours(qs[0], ks[0], vs[0], o, cu_q, cu_k, b, b, b * L, 1, L, False, None)
+                    torch.cuda.synchronize()
+                    sweep[sp] = (t, ((o.float() - ours_o).norm() / ours_o.norm()).item())
+                finally:
+                    lib.attn_set_plan_option(b"reset", 0)
         # torch [B, H, S, D] views of the same data
         qt = [x.view(b, H, 1, D) for x in qs]
         kt = [x.view(b, L, HKV, D).transpose(1, 2) for x in ks]
@@ -191,7 +595,7 @@ def main():
             del pk, pv
             torch.cuda.empty_cache()
         tb = lambda t: kv_bytes / (t * 1e-3) / 1e12 if t else None
-        row = dict(kind="decode", b=b, L=L, splits=splits, copies=copies, err=err,
+        row = dict(kind="decode", b=b, L=L, splits=splits, copies=copies, err=err, sweep=sweep,
                    **{k2: (tb(v2) if not k2.endswith("_err") else v2) for k2, v2 in res.items()},
                    us={k2: v2 * 1e3 for k2, v2 in res.items() if not k2.endswith("_err") and v2})
         rows.append(row)
@@ -203,113 +607,31 @@ def main():
         del qs, ks, vs, qt, kt, vt, o, ref
         torch.cuda.empty_cache()
 
-    # ---------------- chunked prefill ----------------
-    ppages = [int(x) for x in args.prefill_pages.split(",") if x]
-    for item in args.prefill.split(","):
-        if not item:
-            continue
-        C, Pc = (int(x) for x in item.split("x"))
-        L = Pc + C
-        q = torch.randn(C, H, D, device=dev, dtype=dt)
-        k = torch.randn(L, HKV, D, device=dev, dtype=dt)
-        v = torch.randn(L, HKV, D, device=dev, dtype=dt)
-        o = torch.full_like(q, float("nan"))
-        cu_q = torch.tensor([0, C], device=dev, dtype=torch.int32)
-        cu_k = torch.tensor([0, L], device=dev, dtype=torch.int32)
-        flops = 4.0 * H * D * (C * Pc + C * (C + 1) / 2)
-        res = {}
-        res["contig"] = time_ms(lambda: run_ours(q, k, v, o, cu_q, cu_k, 1, C, L, C, L, True, None),
-                                args.warmup, args.reps, args.min_ms)
-        run_ours(q, k, v, o, cu_q, cu_k, 1, C, L, C, L, True, None)
-        torch.cuda.synchronize()
-        ours_o = o.float().clone()
-        for ps in ppages:
-            Lp = (L + ps - 1) // ps * ps
-            kp = torch.zeros(Lp, HKV, D, device=dev, dtype=dt)
-            vp = torch.zeros(Lp, HKV, D, device=dev, dtype=dt)
-            kp[:L] = k
-            vp[:L] = v
-            pool_k, indptr, indices, _, npg = paged_pool(kp, 1, Lp, ps, gen)
-            pool_v = torch.empty_like(pool_k)
-            pool_v[indices.long()] = vp.view(pool_v.shape)
-            seqlens = torch.tensor([L], device=dev, dtype=torch.int32)
-            call = lambda: run_ours(q, pool_k, pool_v, o, cu_q, None, 1, C, 0, C, L, True, None,
-                                    (ps, npg, indptr, indices, seqlens))
-            res[f"page{ps}"] = time_ms(call, args.warmup, args.reps, args.min_ms)
-            o.fill_(float("nan"))
-            call()
-            torch.cuda.synchronize()
-            res[f"page{ps}_err"] = ((o.float() - ours_o).norm() / ours_o.norm()).item()
-        qt = q.view(1, C, H, D).transpose(1, 2)
-        kt = k.view(1, L, HKV, D).transpose(1, 2)
-        vt = v.view(1, L, HKV, D).transpose(1, 2)
-        res["flash"] = None
-        res["err"] = float("nan")
-        res["torch_be"] = "n/a"
-        from torch.nn.attention.bias import causal_lower_right
-        bias = causal_lower_right(C, L)
-        for be_name, be in (("flash", SDPBackend.FLASH_ATTENTION),
-                            ("mem-efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            try:
-                with sdpa_kernel(be):
-                    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
-                    res["flash"] = time_ms(lambda: F.scaled_dot_product_attention(
-                        qt, kt, vt, attn_mask=bias, enable_gqa=True), args.warmup, args.reps,
-                        args.min_ms)
-                ref = out.transpose(1, 2).reshape(C, H, D).float()
-                res["err"] = ((ours_o - ref).norm() / ref.norm()).item()
-                res["torch_be"] = be_name
-                break
-            except Exception as e:
-                print(f"# torch {be_name} lower-right causal failed for {item}: {e}", file=sys.stderr)
-        tf = lambda t: flops / (t * 1e-3) / 1e12 if t else None
-        row = dict(kind="prefill", C=C, P=Pc, **{k2: (tf(v2) if not k2.endswith(("err", "_be")) else v2)
-                                                for k2, v2 in res.items()})
-        rows.append(row)
-        f = lambda x: f"{x:.1f}" if x is not None else "n/a"
-        print(f"prefill chunk {C} over {Pc}: contig {f(row['contig'])} "
-              + " ".join(f"page{ps} {f(row[f'page{ps}'])}" for ps in ppages)
-              + f" torch-flash {f(row['flash'])} TFLOP/s", flush=True)
-        del q, k, v, o
-        torch.cuda.empty_cache()
+    write_table(False)
 
-    # ---------------- table ----------------
-    f2 = lambda x: f"{x:.2f}" if x is not None else "n/a"
-    r3 = lambda a, c: f"{a / c:.3f}" if (a and c) else "n/a"
-    lines += [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"date {datetime.date.today().isoformat()}, L2 {l2 >> 20} MiB. Median of {args.reps} "
-              f"timings after {args.warmup} warm-up, each N back-to-back launches >= "
-              f"{args.min_ms:g} ms (CUDA events), inputs rotated over copies (>= 4x L2).", "",
-              "Decode, GQA 32/8, d=128, bf16, 1 query token: TB/s of K+V read.", "",
-              "| batch x cache | splits | ours contig | " +
-              " | ".join(f"ours page{ps}" for ps in pages) +
-              " | torch flash | torch cuDNN | ours/cuDNN | " +
-              " | ".join(f"page{ps}/contig" for ps in pages) + " | ours us | cuDNN us | err vs torch |",
-              "|---" * (8 + 2 * len(pages)) + "|"]
-    for r in rows:
-        if r["kind"] != "decode":
-            continue
-        lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits']} | {f2(r['ours'])} | " +
-                     " | ".join(f2(r[f'page{ps}']) for ps in pages) +
-                     f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
-                     " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
-                     f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
-    lines += ["", "Chunked prefill, batch 1, GQA 32/8, d=128, bf16, causal (bottom-right): TFLOP/s.", "",
-              "| chunk | cached | ours contig | " + " | ".join(f"ours page{ps}" for ps in ppages) +
-              " | " + " | ".join(f"page{ps}/contig" for ps in ppages) +
-              " | torch SDPA (lower-right bias) | torch backend | err vs torch |",
-              "|---" * (6 + 2 * len(ppages)) + "|"]
-    for r in rows:
-        if r["kind"] != "prefill":
-            continue
-        lines.append(f"| {r['C']} | {r['P'] // 1024}k | {r['contig']:.1f} | " +
-                     " | ".join(f"{r[f'page{ps}']:.1f}" for ps in ppages) + " | " +
-                     " | ".join(r3(r[f'page{ps}'], r['contig']) for ps in ppages) +
-                     f" | {f2(r['flash'])} | {r['torch_be']} | {r['err']:.1e} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as fh:
-        fh.write(text)
+    # ---------------- FP8 K/V decode ----------------
+    for item in [x for x in args.fp8.split(",") if x]:
+        b, L = (int(x) for x in item.split("x"))
+        rows.append(fp8_point(lib, b, L, args, dev, dt, l2))
+
+    write_table(False)
+
+    # ---------------- chunked prefill ----------------
+    for D in pdims:
+        for item in items:
+            C, Pc = (int(x) for x in item.split("x"))
+            rows.append(prefill_point(lib, C, Pc, D, ppages, args, gen, dev, dt))
+            torch.cuda.empty_cache()
+
+    write_table(False)
+
+    # ---------------- multi-token steps ----------------
+    for item in [x for x in args.steps.split(",") if x]:
+        b, nq, L = (int(x) for x in item.split("x"))
+        rows.append(steps_point(lib, b, nq, L, args.steps_page, args, gen, dev, dt))
+        torch.cuda.empty_cache()
+    write_table(True)
+
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ Usage: python3 bench_vs_torch.py --lib path/to/libattn_kernels_capi.so --out tab
        the first is "ours" in the summary lines, each gets its own ratio columns and summary)
        python3 bench_vs_torch.py --lib gen1=a.so@1,gen2=a.so@2 --dims 64,128,256 --out t.md
        (NAME=PATH@G forces forward generation G of that library: 1 = mma.sync, 2 = sm_90a)
-       python3 bench_vs_torch.py --lib a=x.so@2,b=x.so@2%ATTN_SM90_TMA_O=1 --out t.md
-       (PATH%VAR=VALUE%...: environment variables set while that variant runs and is timed;
-       the library reads its measurement knobs at every launch)
+       python3 bench_vs_torch.py --lib a=x.so@2,b=x.so@2%tma_o=0 --out t.md
+       (PATH%NAME=VALUE%...: plan options set while that variant runs and is timed, by the names
+       of capi.cc's attn_set_plan_option: tiling, row_cut, l2_mib, l2_phases, tile_counter,
+       dynamic, tma_o, decode_splits)
 Sweep: bf16 and fp16; B*S = 16k tokens; H*D = 2048; s = 512..16k; d = 64, 128; causal off/on.
 FLOPs = 4*B*H*S*S*D (halved for causal). Times: CUDA events around N back-to-back launches
 (N chosen per function so that one timing covers >= --min-ms, default 20 ms), divided by N;
@@ -18,7 +19,6 @@ sdpa_kernel backend context is entered outside the timed region, so neither it n
 launch's host overhead is counted.
 """
 import math
-import os
 import argparse
 import contextlib
 import ctypes
@@ -33,24 +33,28 @@ import torch.nn.functional as F
 
 def load_lib(spec):
     """PATH, or PATH@G: attn_flash_fwd, or attn_flash_fwd_gen with generation G bound; each
-    %VAR=VALUE suffix is set in the environment around every call of that variant."""
-    spec, *envs = spec.split("%")
-    env = dict(e.split("=", 1) for e in envs)
-    if env:
+    %NAME=VALUE suffix is a plan option (attn_set_plan_option) set around every call of that
+    variant."""
+    spec, *opts = spec.split("%")
+    options = [(k.encode(), int(v)) for k, v in (o.split("=", 1) for o in opts)]
+    if options:
         inner = load_lib(spec)
+        lib = ctypes.CDLL(spec.rsplit("@", 1)[0])
+        lib.attn_set_plan_option.restype = ctypes.c_int
+        lib.attn_set_plan_option.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        for k, v in options:  # fail early on an unknown name
+            if lib.attn_set_plan_option(k, v) != 0:
+                raise ValueError(f"unknown plan option {k.decode()}")
+        lib.attn_set_plan_option(b"reset", 0)
 
-        def with_env(*a):
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
+        def with_options(*a):
+            for k, v in options:
+                lib.attn_set_plan_option(k, v)
             try:
                 return inner(*a)
             finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-        return with_env
+                lib.attn_set_plan_option(b"reset", 0)
+        return with_options
     path, gen = spec.rsplit("@", 1) if "@" in spec else (spec, None)
     lib = ctypes.CDLL(path)
     argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [

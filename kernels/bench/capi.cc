@@ -1,11 +1,14 @@
 // A tiny C ABI over attn::kernels::cuda for ctypes (kernels/bench/bench_vs_torch.py,
 // kernels/bench/bench_decode.py). All pointers are device pointers; `stream` is a cudaStream_t
 // passed as an integer (0: legacy). Functions that run return 0 on success, a cudaError_t (> 0)
-// from the launch, or -(StatusCode) when CanImplement rejects the arguments.
+// from the launch, or -(StatusCode) when the arguments are rejected (CanImplement, MakePlan).
+// Every run plans with this library's current plan options (attn_set_plan_option), the defaults
+// until one is set.
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "attn/kernels/attention.h"
 #include "attn/kernels/cuda_attention.h"
@@ -43,6 +46,34 @@ attn::kernels::AttentionArgs MakeArgs(int dtype, const void* q, const void* k, c
   return a;
 }
 
+// The plan options of every run (attn_set_plan_option): one process times variants side by side.
+attn::kernels::cuda::PlanOptions g_options;
+
+// MakePlan with g_options and generation gen, then Run; a workspace of the plan's size from this
+// library when `workspace` is null and the plan needs one (grown on demand, outside any timed region
+// once warmed up).
+int PlanAndRun(const attn::kernels::AttentionArgs& a, int gen, void* workspace, cudaStream_t stream) {
+  attn::kernels::cuda::PlanOptions o = g_options;
+  o.generation = static_cast<attn::kernels::cuda::FwdGeneration>(gen);
+  attn::kernels::cuda::Plan plan;
+  const attn::kernels::Status st = attn::kernels::cuda::MakePlan(a, o, &plan);
+  if (!st.ok()) return -static_cast<int>(st.code());
+  static void* own = nullptr;
+  static size_t own_size = 0;
+  if (workspace == nullptr && plan.workspace_bytes > 0) {
+    if (plan.workspace_bytes > own_size) {
+      if (own != nullptr) cudaFree(own);
+      own = nullptr;
+      own_size = 0;
+      const cudaError_t err = cudaMalloc(&own, plan.workspace_bytes);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      own_size = plan.workspace_bytes;
+    }
+    workspace = own;
+  }
+  return static_cast<int>(attn::kernels::cuda::Run(a, plan, workspace, stream));
+}
+
 void SetPaged(attn::kernels::AttentionArgs* a, int page_size, int num_pages,
               const int32_t* page_indptr, const int32_t* page_indices, const int32_t* seqlens_k) {
   a->paged.page_size = page_size;
@@ -56,10 +87,9 @@ void SetPaged(attn::kernels::AttentionArgs* a, int page_size, int num_pages,
 
 extern "C" {
 
-// dtype: 1 = fp16, 2 = bf16 (attn::kernels::DType values). Contiguous K/V. When the arguments need
-// a workspace (decode-shaped: split-KV partials), a buffer kept by this library is used (grown on
-// demand, outside any timed region once warmed up). gen: 0 = the kernel Run picks, 1 / 2 = force
-// forward generation 1 / 2 (attn::kernels::cuda::FwdGeneration).
+// dtype: 1 = fp16, 2 = bf16 (attn::kernels::DType values). Contiguous K/V; the workspace is this
+// library's. gen: 0 = the kernel the plan picks, 1 / 2 = force forward generation 1 / 2
+// (attn::kernels::cuda::FwdGeneration).
 int attn_flash_fwd_gen(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
                        const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch,
                        int total_q, int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads,
@@ -69,24 +99,7 @@ int attn_flash_fwd_gen(int dtype, const void* q, const void* k, const void* v, v
       MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
                max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
                causal, window_left, window_right);
-  const auto g = static_cast<attn::kernels::cuda::FwdGeneration>(gen);
-  const attn::kernels::Status st = g == attn::kernels::cuda::FwdGeneration::kGen2
-                                       ? attn::kernels::cuda::CanImplementGen2(a)
-                                       : attn::kernels::cuda::CanImplement(a);
-  if (!st.ok()) return -static_cast<int>(st.code());
-  static void* ws = nullptr;
-  static size_t ws_size = 0;
-  const size_t need = attn::kernels::cuda::WorkspaceBytes(a);
-  if (need > ws_size) {
-    if (ws != nullptr) cudaFree(ws);
-    ws = nullptr;
-    ws_size = 0;
-    const cudaError_t err = cudaMalloc(&ws, need);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    ws_size = need;
-  }
-  return static_cast<int>(
-      attn::kernels::cuda::Run(a, ws, reinterpret_cast<cudaStream_t>(stream), g));
+  return PlanAndRun(a, gen, nullptr, reinterpret_cast<cudaStream_t>(stream));
 }
 
 int attn_flash_fwd(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
@@ -101,7 +114,7 @@ int attn_flash_fwd(int dtype, const void* q, const void* k, const void* v, void*
 
 // The general entry: contiguous K/V when page_size == 0, else K/V page pools read through the CSR
 // page table (page_indptr [batch + 1], page_indices, seqlens_k [batch]; see PagedKv). workspace
-// must hold attn_workspace_bytes(...) bytes of the same arguments.
+// must hold attn_workspace_bytes(...) bytes of the same arguments (null: this library's).
 int attn_run(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
              const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch, int total_q,
              int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads, int num_kv_heads,
@@ -113,10 +126,65 @@ int attn_run(int dtype, const void* q, const void* k, const void* v, void* o, fl
                max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
                causal, window_left, window_right);
   SetPaged(&a, page_size, num_pages, page_indptr, page_indices, seqlens_k);
-  const attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
+  return PlanAndRun(a, 0, workspace, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// attn_run with the forward kernel's generation forced: gen 1 / 2 (FwdGeneration; 0 = Run's own
+// choice, as attn_run). -(StatusCode) when that generation cannot run the arguments.
+int attn_run_gen(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                 const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch, int total_q,
+                 int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads, int num_kv_heads,
+                 int head_dim, float softmax_scale, int causal, int window_left, int window_right,
+                 int page_size, int num_pages, const int32_t* page_indptr,
+                 const int32_t* page_indices, const int32_t* seqlens_k, void* workspace,
+                 uintptr_t stream, int gen) {
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
+               max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
+               causal, window_left, window_right);
+  SetPaged(&a, page_size, num_pages, page_indptr, page_indices, seqlens_k);
+  return PlanAndRun(a, gen, workspace, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// attn_run over FP8 (e4m3) K/V: k and v hold e4m3 codes (contiguous or page pools), k_scale and
+// v_scale the float32 scales of [batch, num_kv_heads] (device memory); q and o of dtype. The
+// library's workspace when `workspace` is null.
+int attn_run_fp8kv(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                   const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch, int total_q,
+                   int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads, int num_kv_heads,
+                   int head_dim, float softmax_scale, int causal, int window_left, int window_right,
+                   int page_size, int num_pages, const int32_t* page_indptr,
+                   const int32_t* page_indices, const int32_t* seqlens_k, const float* k_scale,
+                   const float* v_scale, void* workspace, uintptr_t stream) {
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
+               max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
+               causal, window_left, window_right);
+  SetPaged(&a, page_size, num_pages, page_indptr, page_indices, seqlens_k);
+  a.kv_dtype = attn::kernels::DType::kFloat8E4M3;
+  a.kv_scales = {k_scale, v_scale};
+  return PlanAndRun(a, 0, workspace, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// The KV splits the decode plan (with this library's plan options) gives a decode shape of batch
+// sequences with max_seqlen_q queries each over max_seqlen_k keys (fp8_kv: FP8 K/V); -(StatusCode)
+// when the plan is refused, 0 when the shape goes to the forward kernel.
+int attn_plan_decode_splits(int dtype, int fp8_kv, int batch, int max_seqlen_q, int max_seqlen_k,
+                            int num_heads, int num_kv_heads, int head_dim) {
+  static int dummy = 0;
+  static const float scale = 1.0f;
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, &dummy, &dummy, &dummy, &dummy, nullptr, &dummy, &dummy, batch,
+               batch * max_seqlen_q, batch * max_seqlen_k, max_seqlen_q, max_seqlen_k, num_heads,
+               num_kv_heads, head_dim, 0.0f, 0, -1, -1);
+  if (fp8_kv) {
+    a.kv_dtype = attn::kernels::DType::kFloat8E4M3;
+    a.kv_scales = {&scale, &scale};
+  }
+  attn::kernels::cuda::Plan plan;
+  const attn::kernels::Status st = attn::kernels::cuda::MakePlan(a, g_options, &plan);
   if (!st.ok()) return -static_cast<int>(st.code());
-  return static_cast<int>(
-      attn::kernels::cuda::Run(a, workspace, reinterpret_cast<cudaStream_t>(stream)));
+  return plan.kernel == attn::kernels::cuda::Plan::Kernel::kDecode ? plan.decode_splits : 0;
 }
 
 // WorkspaceBytes of the attn_run arguments (pointers may be any non-null value); and whether Run
@@ -131,6 +199,25 @@ size_t attn_workspace_bytes(int dtype, int batch, int total_q, int total_k, int 
                -1);
   if (page_size > 0) SetPaged(&a, page_size, num_pages, &dummy, &dummy, &dummy);
   return attn::kernels::cuda::WorkspaceBytes(a);
+}
+
+// Sets one plan option of every later run (attn::kernels::cuda::PlanOptions) by name: decode_splits,
+// tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o; "reset" restores the defaults.
+// Returns 0, or -1 for an unknown name.
+int attn_set_plan_option(const char* name, int value) {
+  const std::string n = name;
+  attn::kernels::cuda::PlanOptions& o = g_options;
+  if (n == "reset") o = attn::kernels::cuda::PlanOptions{};
+  else if (n == "decode_splits") o.decode_splits = value;
+  else if (n == "tiling") o.gen2_tiling = value;
+  else if (n == "row_cut") o.gen2_row_cut = value;
+  else if (n == "l2_mib") o.gen2_l2_group_mib = value;
+  else if (n == "l2_phases") o.gen2_l2_phases = value;
+  else if (n == "tile_counter") o.gen2_tile_counter = value != 0;
+  else if (n == "dynamic") o.gen2_dynamic = value != 0;
+  else if (n == "tma_o") o.gen2_tma_store_o = value != 0;
+  else return -1;
+  return 0;
 }
 
 int attn_uses_decode(int max_seqlen_q) {

@@ -1,42 +1,30 @@
 #!/usr/bin/env bash
 # The generation-2 (sm_90a) kernel's measurements of one run on a Hopper GPU host:
-#  1. sm90_timeline on the shapes where the kernel is furthest from cuDNN (per-phase cycles of the
-#     consumer warpgroups, and the share of time with no product waiting);
-#  2. the standard sweep (bench_vs_torch.py: bf16 and fp16, B*S = 16k, H*D = 2048, s = 512..16k,
+#  1. the standard sweep (bench_vs_torch.py: bf16 and fp16, B*S = 16k, H*D = 2048, s = 512..16k,
 #     d = 64/128/256, causal off and on; generation 1, generation 2, torch flash and cuDNN);
-#  3. the variants of timeline_kernels.h against production (sm90_timeline --variant);
-#  4. the generation-2 GPU tests;
+#  2. the variants of variant_kernels.h against production (sm90_variants --variant);
+#  3. the generation-2 GPU tests;
 #  not in the default list: accuracy (each kernel's error against float64 attention), clocks
 #  (rate, SM clock and power under sustained load), sass (cuobjdump), traffic (DRAM bytes per
 #  launch, Nsight Compute), ncu_sections (Nsight Compute), tests_tilings (the tests with each tiling forced), sanitize (memcheck and
-#  racecheck) and sweep_soaked (the sweep with each kernel timed at its own sustained clock).
-# BIN holds sm90_timeline (-DATTN_SM90_TIMELINE=ON), gpu_attention_test, libattn_kernels_capi.so
-# and the Python tools of kernels/bench; the results go to OUT_DIR, one file per part.
+#  racecheck), sweep_soaked (the sweep with each kernel timed at its own sustained clock) and
+#  paged (paged_fp8_h200.sh: generation 2 over paged K/V, decode splits and FP8 K/V decode:
+#  smoke cases, gpu_decode_test in 8 shards, bench_decode.py, memcheck and racecheck, each bounded).
+# BIN holds sm90_variants (-DATTN_SM90_VARIANTS=ON), gpu_attention_test, gpu_decode_test (and for
+# 'paged' gpu_decode_test_trap, a -DATTN_SM90_HANG_TRAP=ON build of it), libattn_kernels_capi.so,
+# paged_fp8_h200.sh and the Python tools of kernels/bench; the results go to OUT_DIR, one file per
+# part.
 #   kernels/bench/gen2_h200.sh BIN OUT_DIR [PART ...]   (PART: one of the names in the case below)
 set -uo pipefail
 bin=$(cd "$1" && pwd)
 out=$2
 shift 2
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(timeline variants sweep tests)
+[ ${#parts[@]} -gt 0 ] || parts=(variants sweep tests)
 mkdir -p "$out"
 rc=0
 # bench_vs_torch.py --lib; GEN2_LIBS overrides it (e.g. to add an earlier build's library).
 gens=${GEN2_LIBS:-gen1=./libattn_kernels_capi.so@1,gen2=./libattn_kernels_capi.so@2}
-
-timeline() {
-  # d, s, flags: where v7.1 measured lowest against cuDNN (docs/PERF.md), and a long d=128 for
-  # reference.
-  local shapes=("128 16384" "128 16384 --narrow" "128 1024" "64 4096 --causal" "64 16384"
-                "256 16384" "256 1024 --causal")
-  local s
-  for s in "${shapes[@]}"; do
-    echo "== sm90_timeline --d ${s/ / --s }"
-    # shellcheck disable=SC2086
-    timeout 60 "$bin/sm90_timeline" --d ${s/ / --s } || rc=1
-    echo
-  done >"$out/timeline.md" 2>&1
-}
 
 # The standard sweep: interleaved timings (every kernel at the same clocks: work per clock), and
 # soaked ones (each kernel first run alone for 0.5 s: the clock its own power draw allows).
@@ -57,29 +45,25 @@ standard_sweep() {
 variants() {
   # d=256's wide tiling runs the overlapped key loop, which ignores rescale_on_change and
   # split_mask (and cluster_kv was measured on the plain loop): at d=256 those run narrow.
-  local runs=("rescale_on_change 64 16384" "rescale_on_change 64 4096 --causal"
-              "rescale_on_change 128 16384" "rescale_on_change 256 16384 --narrow"
-              "keys176 128 16384" "keys176 128 4096" "keys176 128 1024" "keys176 128 4096 --causal"
+  local runs=("keys176 128 16384" "keys176 128 4096" "keys176 128 1024" "keys176 128 4096 --causal"
               "keys80 256 16384 --narrow" "keys80 256 4096 --narrow" "keys80 256 2048 --narrow"
               "keys80 256 1024 --causal --narrow" "keys80 256 4096 --causal --narrow"
               "keys80 256 16384 --causal --narrow"
               "overlap 128 16384 --narrow --production wide" "overlap 256 16384 --production narrow"
               "overlap 256 1024 --causal --production narrow"
-              "cluster_kv 256 16384 --narrow" "cluster_kv 128 12288"
               "split_mask 128 16384" "split_mask 128 4096 --causal"
               "split_mask 256 4096 --causal --narrow"
               "trim_edges 64 16384" "trim_edges 128 2048 --causal"
-              "trim_edges 64 1024 --causal --narrow"
-              "fma_exp2_2 64 16384" "fma_exp2_2 64 4096 --causal")
+              "trim_edges 64 1024 --causal --narrow")
   # GEN2_VARIANTS="v d s [flags];v d s [flags];...": these runs instead.
   [ -z "${GEN2_VARIANTS:-}" ] || IFS=';' read -ra runs <<<"$GEN2_VARIANTS"
   local r v d rest
   for r in "${runs[@]}"; do
     read -r v d rest <<<"$r"
-    echo "== sm90_timeline --variant $v --d $d --s $rest"
+    echo "== sm90_variants --variant $v --d $d --s $rest"
     # shellcheck disable=SC2086
     # A variant that hangs costs a minute, not the whole call.
-    timeout 60 "$bin/sm90_timeline" --variant "$v" --d "$d" --s $rest || rc=1
+    timeout 60 "$bin/sm90_variants" --variant "$v" --d "$d" --s $rest || rc=1
     echo
   done >"$out/variants.md" 2>&1
 }
@@ -96,10 +80,10 @@ clocks() {
       --out "$out/clocks.md") >"$out/clocks.log" 2>&1 || rc=1
 }
 
-# SASS of the library's and sm90_timeline's kernels (xz), for reading off the GPU host.
+# SASS of the library's and sm90_variants' kernels (xz), for reading off the GPU host.
 sass() {
   cuobjdump -sass "$bin/libattn_kernels_capi.so" | xz -T4 >"$out/capi.sass.xz" || rc=1
-  cuobjdump -sass "$bin/sm90_timeline" | xz -T4 >"$out/timeline.sass.xz" || rc=1
+  cuobjdump -sass "$bin/sm90_variants" | xz -T4 >"$out/variants.sass.xz" || rc=1
 }
 
 # DRAM bytes per launch of gen2 and cuDNN (memory_traffic.py under Nsight Compute), short causal
@@ -121,7 +105,7 @@ ncu_sections() {
     timeout 120 ncu --kernel-name-base mangled -k 'regex:KernelINS1_1[46]Sm90(Wide|Narrow)Traits' \
       --launch-skip 2 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      --section InstructionStats "$bin/sm90_timeline" --d ${s/ / --s } --reps 3 || rc=1
+      --section InstructionStats "$bin/sm90_variants" --d ${s/ / --s } --reps 3 || rc=1
   done >"$out/ncu.txt" 2>&1
 }
 
@@ -135,12 +119,12 @@ tests() {
   gtest_counts <"$out/tests.txt"
 }
 
-# The generation-2 tests with each tiling forced (ATTN_SM90_TILING: 1 wide, 2 narrow).
+# The generation-2 tests with each tiling forced (ATTN_TEST_GEN2_TILING: 1 wide, 2 narrow).
 tests_tilings() {
   local t
   for t in 1 2; do
-    echo "== ATTN_SM90_TILING=$t"
-    ATTN_SM90_TILING=$t "$bin/gpu_attention_test" --gtest_filter='Gen2/*' 2>&1 | gtest_counts || rc=1
+    echo "== ATTN_TEST_GEN2_TILING=$t"
+    ATTN_TEST_GEN2_TILING=$t "$bin/gpu_attention_test" --gtest_filter='Gen2/*' 2>&1 | gtest_counts || rc=1
   done >"$out/tests_tilings.txt" 2>&1
   grep -q FAILED "$out/tests_tilings.txt" && rc=1
   cat "$out/tests_tilings.txt"
@@ -157,13 +141,20 @@ sanitize() {
   cat "$out/sanitize.txt"
 }
 
+# Paged generation 2, the decode splits and FP8 K/V decode: paged_fp8_h200.sh (bounded: a smoke
+# case per head dim first, each step under a timeout, nothing that forces generation 2 on paged
+# K/V after a hang), its logs and tables in OUT_DIR/paged.
+paged() {
+  bash "$bin/paged_fp8_h200.sh" "$bin" "$out/paged" "${GEN2_PAGED_BUDGET_S:-540}" || rc=1
+}
+
 for p in "${parts[@]}"; do
   start=$(date +%s)
   case $p in
-    timeline | sweep | sweep_soaked | variants | accuracy | clocks | sass | traffic | ncu_sections | \
-      tests | tests_tilings | sanitize) "$p" ;;
-    *) echo "gen2_h200.sh: unknown part '$p' (timeline sweep variants accuracy clocks" \
-            "sass traffic ncu_sections tests tests_tilings sanitize sweep_soaked)" >&2
+    sweep | sweep_soaked | variants | accuracy | clocks | sass | traffic | ncu_sections | \
+      tests | tests_tilings | sanitize | paged) "$p" ;;
+    *) echo "gen2_h200.sh: unknown part '$p' (sweep variants accuracy clocks" \
+            "sass traffic ncu_sections tests tests_tilings sanitize sweep_soaked paged)" >&2
        exit 2 ;;
   esac
   echo "gen2_h200.sh: $p: $(($(date +%s) - start)) s"

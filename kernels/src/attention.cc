@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace attn::kernels {
 
@@ -11,6 +12,7 @@ const char* DTypeName(DType t) {
     case DType::kFloat32: return "float32";
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat8E4M3: return "float8_e4m3";
   }
   return "unknown";
 }
@@ -73,6 +75,17 @@ Status ValidateCommon(const AttentionArgs& a) {
     return Invalid("window_left and window_right must be >= -1");
   }
   if (!std::isfinite(a.softmax_scale)) return Invalid("softmax_scale must be finite");
+  if (a.dtype == DType::kFloat8E4M3) {
+    return Invalid("dtype (of q and o) must be float32, float16 or bfloat16: float8_e4m3 is for k "
+                   "and v (kv_dtype)");
+  }
+  if (a.kv_dtype && *a.kv_dtype != a.dtype && *a.kv_dtype != DType::kFloat8E4M3) {
+    return Invalid(std::string("kv_dtype must be dtype (") + DTypeName(a.dtype) +
+                   ") or float8_e4m3, got " + DTypeName(*a.kv_dtype));
+  }
+  if (IsFp8Kv(a) && (!a.kv_scales.k || !a.kv_scales.v)) {
+    return Invalid("kv_scales.k and kv_scales.v must be set for float8_e4m3 k and v");
+  }
   if (!a.q || !a.k || !a.v || !a.o || !a.cu_seqlens_q || (!paged && !a.cu_seqlens_k)) {
     return Invalid("q, k, v, o, cu_seqlens_q and cu_seqlens_k must be set");
   }
@@ -104,6 +117,23 @@ Status ValidatePageTable(const AttentionArgs& a) {
         return Invalid("paged.page_indices[" + std::to_string(i) + "] = " +
                        std::to_string(p.page_indices[i]) + " is outside [0, num_pages = " +
                        std::to_string(p.num_pages) + ")");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status ValidateKvScales(const AttentionArgs& a) {
+  if (!IsFp8Kv(a)) return Status::Ok();
+  const int64_t n = int64_t(a.batch) * a.num_kv_heads;
+  for (const auto& [scales, name] : {std::pair{a.kv_scales.k, "kv_scales.k"},
+                                     std::pair{a.kv_scales.v, "kv_scales.v"}}) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(scales[i]) || scales[i] <= 0.0f) {
+        return Invalid(std::string(name) + "[" + std::to_string(i) + "] = " +
+                       std::to_string(scales[i]) + " (sequence " +
+                       std::to_string(i / a.num_kv_heads) + ", KV head " +
+                       std::to_string(i % a.num_kv_heads) + ") must be finite and > 0");
       }
     }
   }

@@ -16,36 +16,25 @@ absl::Status FromKernelStatus(const kernels::Status& st) {
   return absl::UnknownError(st.message());
 }
 
-grpc::Status ToGrpcStatus(const absl::Status& st) {
-  if (st.ok()) return grpc::Status::OK;
-  // absl and gRPC share the canonical code numbers.
-  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& st) {
-  if (st.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
-}
-
-const char* GrpcCodeName(grpc::StatusCode code) {
+const char* StatusCodeName(absl::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    case absl::StatusCode::kOk: return "OK";
+    case absl::StatusCode::kCancelled: return "CANCELLED";
+    case absl::StatusCode::kUnknown: return "UNKNOWN";
+    case absl::StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case absl::StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case absl::StatusCode::kNotFound: return "NOT_FOUND";
+    case absl::StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
+    case absl::StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
+    case absl::StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case absl::StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    case absl::StatusCode::kAborted: return "ABORTED";
+    case absl::StatusCode::kOutOfRange: return "OUT_OF_RANGE";
+    case absl::StatusCode::kUnimplemented: return "UNIMPLEMENTED";
+    case absl::StatusCode::kInternal: return "INTERNAL";
+    case absl::StatusCode::kUnavailable: return "UNAVAILABLE";
+    case absl::StatusCode::kDataLoss: return "DATA_LOSS";
+    case absl::StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
     default: return "UNKNOWN";
   }
 }

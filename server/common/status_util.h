@@ -1,8 +1,7 @@
-// absl::Status helpers: early-return macros and conversions at the edges (kernels -> absl,
-// absl -> grpc). grpc::Status appears only at the service edge.
+// absl::Status helpers: early-return macros, the kernels' status as absl's, and the canonical
+// names of status codes. The conversion to grpc::Status belongs to the service edge
+// (rpc/grpc_status.h).
 #pragma once
-
-#include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,9 +27,8 @@
 namespace attn {
 
 absl::Status FromKernelStatus(const kernels::Status& st);
-grpc::Status ToGrpcStatus(const absl::Status& st);
-absl::Status FromGrpcStatus(const grpc::Status& st);
-// Name of a gRPC code as Prometheus labels and logs spell it: "OK", "INVALID_ARGUMENT", ...
-const char* GrpcCodeName(grpc::StatusCode code);
+// Name of a canonical code as gRPC, Prometheus labels and logs spell it: "OK",
+// "INVALID_ARGUMENT", ... (absl and gRPC share the codes).
+const char* StatusCodeName(absl::StatusCode code);
 
 }  // namespace attn

@@ -4,6 +4,11 @@
 
 namespace attn {
 
+absl::Status Backend::Prepare(AttendJob& job) {
+  PrepareHostOutputs(job);
+  return absl::OkStatus();
+}
+
 absl::Status Backend::StageWireInputs(AttendJob& job, const WireTensors& in) {
   StageWireInputsOnHost(in, &job);
   return absl::OkStatus();
@@ -22,6 +27,17 @@ void StageWireInputsOnHost(const WireTensors& in, AttendJob* job_ptr) {
     at += bytes->size;
   }
   job.host_copy_us += Micros(Clock::now() - start);
+}
+
+void PrepareHostOutputs(AttendJob& job) {
+  if (job.o_out == nullptr) {
+    job.o = OutputBytes::Allocate(job.OBytes());
+    job.o_out = job.o.data;
+  }
+  if (job.return_lse && job.lse_out == nullptr) {
+    job.lse = OutputBytes::Allocate(job.LseBytes());
+    job.lse_out = job.lse.data;
+  }
 }
 
 }  // namespace attn

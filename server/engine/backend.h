@@ -1,4 +1,7 @@
-// The compute backend behind the batcher: CpuBackend or CudaBackend.
+// The compute backend behind the batcher for Attend requests (CpuBackend or CudaBackend), and what
+// it offers the rest of the server: its description, memory imports for shared-memory regions,
+// its health. Session steps run through the step pipeline instead (sessions/step_pipeline.h),
+// over the step device the backend's folder supplies (backends/).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/attend_job.h"
+#include "engine/batch_runner.h"
 #include "engine/wire_tensors.h"
 #include "memory/memory_bytes.h"
 
@@ -24,23 +28,6 @@ struct BackendInfo {
   std::vector<int32_t> head_dims;
   std::string build_info;
 };
-
-// What one finished batch did, for metrics.
-struct BatchReport {
-  int32_t requests = 0;
-  int64_t tokens = 0;
-  double compute_seconds = 0;
-  double transfer_seconds = 0;
-  double flops = 0;
-  double bytes = 0;  // q, k, v read and o written by the kernel
-  // Session steps: launches the batch took (0 for Attend), whether they were decode steps (one
-  // new token each), and the K and V bytes they read from the KV cache.
-  int32_t step_launches = 0;
-  bool decode = false;
-  double kv_bytes_read = 0;
-};
-
-using Batch = std::vector<std::unique_ptr<AttendJob>>;
 
 // A client's GPU memory imported into the backend's device context (shared-memory regions).
 struct GpuImport {
@@ -58,29 +45,17 @@ struct BackendMemory {
   int64_t gpu_total = 0;
 };
 
-// The KV cache region of sessions, in the memory the backend computes in (host for the CPU
-// backend, device for CUDA): num_pages pages of page_bytes of keys from k, and the values of
-// page p at the same offset from v. Owned by the backend.
-struct KvRegion {
-  char* k = nullptr;
-  char* v = nullptr;
-  int64_t num_pages = 0;
-  int64_t page_bytes = 0;
-};
-
-class Backend {
+// RunBatch (BatchRunner's) takes batches of AttendJobs.
+class Backend : public BatchRunner {
  public:
-  virtual ~Backend() = default;
   virtual const BackendInfo& Info() const = 0;
 
-  // Most batches the backend runs at once; the batcher holds back the next batch until one of
-  // them finishes.
-  virtual int MaxInFlightBatches() const = 0;
-
   // Runs on the submitting (gRPC) thread before the job is queued, so that per-request host
-  // work such as staging the inputs into pinned memory runs in parallel across callers. An error
-  // fails this request only; the job is then not queued.
-  virtual absl::Status Prepare(AttendJob& /*job*/) { return absl::OkStatus(); }
+  // work such as staging the inputs into pinned memory runs in parallel across callers. Sees to
+  // it that every output the job does not write into a region has a place (job.o_out, lse_out)
+  // or will be handed back in job.o and job.lse. An error fails this request only; the job is
+  // then not queued. Default: outputs into buffers of the job's own (PrepareHostOutputs).
+  virtual absl::Status Prepare(AttendJob& job);
 
   // The wire path of Attend, before Prepare: q, k and v arrive as pieces of gRPC's received
   // slices instead of in a request message. Copies each inline one (a tensor in a region has no
@@ -89,17 +64,8 @@ class Backend {
   // An error fails this request only. Default: into host memory the job owns (host_inputs).
   virtual absl::Status StageWireInputs(AttendJob& job, const WireTensors& in);
 
-  // Runs a batch of prepared jobs that share one BatchKey. Takes ownership of the jobs; calls
-  // each job's done exactly once, from any thread. Calls on_finished with the batch's report
-  // once it can take another batch, which may be before every done has run. May return before
-  // the work is done.
-  virtual void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) = 0;
-
   virtual BackendMemory Memory() const { return {}; }
 
-  // The region the backend allocated for the KV cache at creation (none: no sessions). RunBatch
-  // computes batches of session steps (jobs with a StepWork, sessions/step_launch.h) over it.
-  virtual KvRegion kv_region() const { return {}; }
   // Imports GPU memory another process shared with a legacy CUDA IPC handle (the 64 bytes of a
   // cudaIpcMemHandle_t) on device device_id; bytes from its start must lie inside the
   // allocation. FAILED_PRECONDITION on backends without a GPU.
@@ -117,11 +83,11 @@ class Backend {
   virtual bool HasGpu() const { return false; }
   // Registers host memory (a shared-memory region's mapping in attnd) with the backend's device,
   // so that requests whose tensors lie in it are copied straight between it and the device
-  // without staging (AttendJob::host_registered). Returns what undoes the registration: the
-  // caller runs it once, before unmapping the memory and once no request uses it. The memory
-  // must stay mapped and the same size until then. An error leaves the memory unregistered
-  // (it is then served through staging). FAILED_PRECONDITION on backends without a device: the
-  // CPU backend computes on host regions in place.
+  // without staging (Job::host_registered). Returns what undoes the registration: the caller
+  // runs it once, before unmapping the memory and once no request uses it. The memory must stay
+  // mapped and the same size until then. An error leaves the memory unregistered (it is then
+  // served through staging). FAILED_PRECONDITION on backends without a device: the CPU backend
+  // computes on host regions in place.
   virtual absl::StatusOr<std::function<void()>> RegisterHostMemory(char* /*data*/,
                                                                    uint64_t /*bytes*/) {
     return absl::FailedPreconditionError("this backend has no device to register memory with");
@@ -133,8 +99,11 @@ class Backend {
 };
 
 // Backend::StageWireInputs' default: copies in's inline tensors back to back into host memory
-// the job owns (host_inputs) and points job's q_bytes, k_bytes and v_bytes there. Also what a
-// session step decoded from the wire takes, on every backend (its launch copies from there).
+// the job owns (host_inputs) and points job's q_bytes, k_bytes and v_bytes there.
 void StageWireInputsOnHost(const WireTensors& in, AttendJob* job);
+
+// Backend::Prepare's default: each output the job writes neither into a region nor elsewhere
+// already gets a buffer of its own (job.o, job.lse), which o_out and lse_out then point into.
+void PrepareHostOutputs(AttendJob& job);
 
 }  // namespace attn

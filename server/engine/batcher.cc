@@ -12,40 +12,38 @@ namespace {
 // How often queued jobs are checked for cancellation while nothing else wakes the dispatcher.
 constexpr auto kSweepInterval = std::chrono::milliseconds(5);
 
-// Tensor bytes a job holds while it is in the server: its inputs and its sized outputs.
-int64_t JobBytes(const AttendJob& job) {
-  if (job.request == nullptr) return job.bytes;  // a session step sizes itself
-  // Inputs in the message (in its data fields, or copied from the wire path's slices): those
-  // not in a region.
-  const v1::AttendRequest& r = *job.request;
-  const auto inline_bytes = [](const v1::Tensor& t, std::string_view b) {
-    return t.has_region() ? int64_t{0} : static_cast<int64_t>(b.size());
-  };
-  int64_t bytes = inline_bytes(r.q(), job.q_bytes) + inline_bytes(r.k(), job.k_bytes) +
-                  inline_bytes(r.v(), job.v_bytes);
-  bytes += inline_bytes(r.q(), job.q_bytes);  // o
-  if (job.return_lse) bytes += int64_t{4} * job.key.num_heads * job.total_q;
-  return bytes;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
-                                                         Backend* backend, Metrics* metrics) {
-  if (options.max_batch_tokens < 1) return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
+                                                         BatchRunner* attends, BatchRunner* steps,
+                                                         Metrics* metrics) {
+  if (options.max_batch_tokens < 1) {
+    return absl::InvalidArgumentError("max_batch_tokens must be >= 1");
+  }
   if (options.max_queue_delay_us < 0) {
     return absl::InvalidArgumentError("max_queue_delay_us must be >= 0");
+  }
+  if (options.max_step_delay_us < 0) {
+    return absl::InvalidArgumentError("max_step_delay_us must be >= 0");
   }
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("max_queue_size must be >= 1");
   if (options.max_inflight_bytes < 1) {
     return absl::InvalidArgumentError("max_inflight_bytes must be >= 1");
   }
-  if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
-  return std::unique_ptr<Batcher>(new Batcher(options, backend, metrics));
+  if (attends == nullptr) return absl::InvalidArgumentError("the Attend runner is null");
+  return std::unique_ptr<Batcher>(new Batcher(options, attends, steps, metrics));
 }
 
-Batcher::Batcher(const Options& options, Backend* backend, Metrics* metrics)
-    : options_(options), backend_(backend), metrics_(metrics) {
+Batcher::Batcher(const Options& options, BatchRunner* attends, BatchRunner* steps,
+                 Metrics* metrics)
+    : options_(options), metrics_(metrics) {
+  Queue& a = queues_[static_cast<int>(JobKind::kAttend)];
+  a.runner = attends;
+  a.delay_us = options.max_queue_delay_us;
+  a.gather_when_idle = options.gather_when_idle;
+  Queue& s = queues_[static_cast<int>(JobKind::kStep)];
+  s.runner = steps;
+  s.delay_us = options.max_step_delay_us;
   dispatcher_ = std::thread([this] { DispatchLoop(); });
 }
 
@@ -59,107 +57,116 @@ Batcher::~Batcher() {
   dispatcher_.join();
 }
 
-absl::Status Batcher::Submit(std::unique_ptr<AttendJob>& job) {
+absl::Status Batcher::Submit(std::unique_ptr<Job>& job) {
   absl::Status st;
   {
     std::lock_guard<std::mutex> lock(mu_);
     st = SubmitLocked(job);
   }
   if (st.ok()) {
-    DispatchStepsNow();
+    DispatchReadyNow();
     cv_.notify_all();
   }
   return st;
 }
 
-std::vector<absl::Status> Batcher::SubmitAll(std::span<std::unique_ptr<AttendJob>> jobs) {
+std::vector<absl::Status> Batcher::SubmitAll(std::span<std::unique_ptr<Job>> jobs) {
   std::vector<absl::Status> status;
   status.reserve(jobs.size());
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& job : jobs) status.push_back(SubmitLocked(job));
   }
-  DispatchStepsNow();
+  DispatchReadyNow();
   cv_.notify_all();
   return status;
 }
 
-void Batcher::DispatchStepsNow() {
-  const auto now = Clock::now();
-  Batch batch;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (options_.max_step_delay_us != 0 || !high_.empty() || normal_.empty() ||
-        normal_.front()->key.page_tokens == 0 ||
-        in_flight_batches_ >= backend_->MaxInFlightBatches()) {
-      return;
+void Batcher::DispatchReadyNow() {
+  for (Queue& q : queues_) {
+    const auto now = Clock::now();
+    JobBatch batch;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (q.empty()) continue;
+      auto wake = Clock::time_point::max();
+      batch = TakeReadyBatch(q, now, &wake);
     }
-    auto wake = Clock::time_point::max();
-    batch = TakeReadyBatch(now, &wake);
-    if (batch.empty()) return;
-    ++in_flight_batches_;
+    if (!batch.empty()) Dispatch(q, std::move(batch), now);
   }
-  for (auto& job : batch) {
-    job->queue_us = Micros(now - job->arrival);
-    if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
-  }
-  backend_->RunBatch(std::move(batch), [this](const BatchReport& r) { FinishBatch(r); });
 }
 
-absl::Status Batcher::SubmitLocked(std::unique_ptr<AttendJob>& job) {
-  const int64_t bytes = JobBytes(*job);
-  {
-    if (draining_) return absl::UnavailableError("attnd is shutting down; retry on another replica");
-    if (queued_ >= options_.max_queue_size) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "request queue is full (max_queue_size ", options_.max_queue_size, "); retry later"));
-    }
-    if (inflight_bytes_ + bytes > options_.max_inflight_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "request memory exhausted: this request needs ", bytes, " bytes, ", inflight_bytes_,
-          " of ", options_.max_inflight_bytes, " are held by requests in flight ",
-          "(max_inflight_bytes); retry later"));
-    }
-    inflight_bytes_ += bytes;
-    ++outstanding_;
-    // Whichever path completes the job: its bytes are given back before the caller hears (so a
-    // caller's next request finds them free), and it counts as pending until it is destroyed
-    // (after its done has returned), which Drain waits for.
-    job->done = [this, bytes, shm_read = job->region_bytes_read,
-                 shm_written = job->region_bytes_written,
-                 done = std::move(job->done)](absl::Status st) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        inflight_bytes_ -= bytes;
-      }
-      if (st.ok() && metrics_) metrics_->AddSharedMemoryTensorBytes(shm_read, shm_written);
-      done(std::move(st));
-    };
-    job->released = ReleaseNotice([this] {
-      std::lock_guard<std::mutex> lock(mu_);
-      --outstanding_;
-      UpdatePendingLocked();
-      // Under the lock: once Drain sees the count reach zero, ~Batcher may destroy cv_.
-      cv_.notify_all();
-    });
-    (job->high_priority ? high_ : normal_).push_back(std::move(job));
-    ++queued_;
-    UpdatePendingLocked();
+void Batcher::Dispatch(Queue& q, JobBatch batch, Clock::time_point now) {
+  for (auto& job : batch) {
+    const Clock::time_point from = job->ready != Clock::time_point{} ? job->ready : job->arrival;
+    job->queue_us = Micros(now - from);
+    if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
   }
+  q.runner->RunBatch(std::move(batch), [this, &q](const BatchReport& r) { FinishBatch(q, r); });
+}
+
+absl::Status Batcher::SubmitLocked(std::unique_ptr<Job>& job) {
+  const int64_t bytes = job->bytes;
+  if (draining_) return absl::UnavailableError("attnd is shutting down; retry on another replica");
+  Queue& q = QueueOf(*job);
+  if (q.runner == nullptr) {
+    return absl::UnavailableError("this attnd has no runner for session steps");
+  }
+  if (queued_ >= options_.max_queue_size) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request queue is full (max_queue_size ", options_.max_queue_size, "); retry later"));
+  }
+  if (inflight_bytes_ + bytes > options_.max_inflight_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request memory exhausted: this request needs ", bytes, " bytes, ", inflight_bytes_,
+        " of ", options_.max_inflight_bytes, " are held by requests in flight ",
+        "(max_inflight_bytes); retry later"));
+  }
+  inflight_bytes_ += bytes;
+  ++outstanding_;
+  // Whichever path completes the job: its bytes are given back before the caller hears (so a
+  // caller's next request finds them free), and it counts as pending until it is destroyed
+  // (after its done has returned), which Drain waits for.
+  job->done = [this, bytes, shm_read = job->region_bytes_read,
+               shm_written = job->region_bytes_written,
+               done = std::move(job->done)](absl::Status st) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_bytes_ -= bytes;
+    }
+    if (st.ok() && metrics_) metrics_->AddSharedMemoryTensorBytes(shm_read, shm_written);
+    done(std::move(st));
+  };
+  job->released = ReleaseNotice([this] {
+    std::lock_guard<std::mutex> lock(mu_);
+    --outstanding_;
+    UpdatePendingLocked();
+    // Under the lock: once Drain sees the count reach zero, ~Batcher may destroy cv_.
+    cv_.notify_all();
+  });
+  (job->high_priority ? q.high : q.normal).push_back(std::move(job));
+  ++queued_;
+  UpdatePendingLocked();
   return absl::OkStatus();
 }
 
 void Batcher::StartDraining() {
-  std::lock_guard<std::mutex> lock(mu_);
-  flushing_ = true;
-  cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    flushing_ = true;
+    cv_.notify_all();
+  }
+  DispatchReadyNow();
 }
 
 void Batcher::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
   flushing_ = draining_ = true;
   cv_.notify_all();
-  cv_.wait(lock, [&] { return outstanding_ == 0 && in_flight_batches_ == 0; });
+  cv_.wait(lock, [&] {
+    return outstanding_ == 0 && queues_[0].in_flight == 0 && queues_[1].in_flight == 0 &&
+           finishing_ == 0;
+  });
 }
 
 int64_t Batcher::InflightBytes() const {
@@ -176,63 +183,67 @@ void Batcher::UpdatePendingLocked() {
   if (metrics_) metrics_->SetPendingRequests(outstanding_);
 }
 
-void Batcher::TakeDeadJobs(Clock::time_point now, Batch* cancelled, Batch* expired) {
-  for (auto* q : {&high_, &normal_}) {
-    for (auto it = q->begin(); it != q->end();) {
-      AttendJob& job = **it;
-      // The deadline first: gRPC also cancels a call whose deadline has passed.
-      if (job.deadline <= now) {
-        expired->push_back(std::move(*it));
-      } else if (job.is_cancelled && job.is_cancelled()) {
-        cancelled->push_back(std::move(*it));
-      } else {
-        ++it;
-        continue;
+void Batcher::TakeDeadJobs(Clock::time_point now, JobBatch* cancelled, JobBatch* expired) {
+  for (Queue& queue : queues_) {
+    for (auto* q : {&queue.high, &queue.normal}) {
+      for (auto it = q->begin(); it != q->end();) {
+        Job& job = **it;
+        // The deadline first: gRPC also cancels a call whose deadline has passed.
+        if (job.deadline <= now) {
+          expired->push_back(std::move(*it));
+        } else if (job.is_cancelled && job.is_cancelled()) {
+          cancelled->push_back(std::move(*it));
+        } else {
+          ++it;
+          continue;
+        }
+        it = q->erase(it);
+        --queued_;
       }
-      it = q->erase(it);
-      --queued_;
     }
   }
 }
 
-Batch Batcher::TakeJobThatRunsAlone() {
-  for (auto* q : {&high_, &normal_}) {
-    const auto it = std::find_if(q->begin(), q->end(), [](const auto& job) { return job->runs_alone; });
+JobBatch Batcher::TakeJobThatRunsAlone(Queue& queue) {
+  for (auto* q : {&queue.high, &queue.normal}) {
+    const auto it =
+        std::find_if(q->begin(), q->end(), [](const auto& job) { return job->runs_alone; });
     if (it == q->end()) continue;
-    Batch batch;
+    JobBatch batch;
     batch.push_back(std::move(*it));
     q->erase(it);
     --queued_;
+    ++queue.in_flight;
     return batch;
   }
   return {};
 }
 
-Batch Batcher::TakeReadyBatch(Clock::time_point now, Clock::time_point* wake) {
-  std::deque<std::unique_ptr<AttendJob>>* head_queue = !high_.empty() ? &high_ : &normal_;
-  if (head_queue->empty()) return {};
-  const AttendJob& head = *head_queue->front();
+JobBatch Batcher::TakeReadyBatch(Queue& queue, Clock::time_point now, Clock::time_point* wake) {
+  if (queue.empty() || queue.in_flight >= queue.runner->MaxInFlightBatches()) return {};
+  std::deque<std::unique_ptr<Job>>* head_queue = !queue.high.empty() ? &queue.high : &queue.normal;
+  const Job& head = *head_queue->front();
+  if (head.runs_alone) return TakeJobThatRunsAlone(queue);
   // Tokens of jobs that could join head's batch, to see whether the batch is already full.
   int64_t tokens = 0;
-  for (auto* q : {&high_, &normal_}) {
+  for (auto* q : {&queue.high, &queue.normal}) {
     for (const auto& job : *q) {
       if (job->key == head.key) tokens += job->Tokens();
     }
   }
-  // Session steps wait only while every backend slot is busy (continuous batching): whatever
-  // arrived meanwhile forms the next launch, and a lone step never waits for company.
-  const int64_t delay_us =
-      head.key.page_tokens > 0 ? options_.max_step_delay_us : options_.max_queue_delay_us;
-  const auto flush_at = head.arrival + std::chrono::microseconds(delay_us);
-  if (!head.runs_alone && tokens < options_.max_batch_tokens && now < flush_at && !flushing_) {
+  // An idle runner takes the head at once: waiting would only delay it. A busy one's next batch
+  // gathers what arrives meanwhile, for at most the kind's delay.
+  const auto flush_at = head.arrival + std::chrono::microseconds(queue.delay_us);
+  const bool idle = queue.in_flight == 0 && !queue.gather_when_idle;
+  const bool ready = idle || tokens >= options_.max_batch_tokens || now >= flush_at || flushing_;
+  if (!ready) {
     *wake = std::min(*wake, flush_at);
-    return TakeJobThatRunsAlone();  // while the head waits for company
+    return TakeJobThatRunsAlone(queue);  // while the head waits for company
   }
-  if (head.runs_alone) return TakeJobThatRunsAlone();
   const BatchKey key = head.key;
-  Batch batch;
+  JobBatch batch;
   int64_t batch_tokens = 0;
-  for (auto* q : {&high_, &normal_}) {
+  for (auto* q : {&queue.high, &queue.normal}) {
     for (auto it = q->begin(); it != q->end();) {
       const int64_t t = (*it)->Tokens();
       if ((*it)->key == key && !(*it)->runs_alone &&
@@ -246,6 +257,7 @@ Batch Batcher::TakeReadyBatch(Clock::time_point now, Clock::time_point* wake) {
       }
     }
   }
+  ++queue.in_flight;
   return batch;
 }
 
@@ -253,13 +265,14 @@ void Batcher::DispatchLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     const auto now = Clock::now();
-    Batch cancelled, expired;
+    JobBatch cancelled, expired;
     TakeDeadJobs(now, &cancelled, &expired);
-    Batch batch;
+    JobBatch batches[2];
     auto wake = now + kSweepInterval;
-    if (in_flight_batches_ < backend_->MaxInFlightBatches()) batch = TakeReadyBatch(now, &wake);
-    if (!batch.empty()) ++in_flight_batches_;
-    if (cancelled.empty() && expired.empty() && batch.empty()) {
+    for (int k = 0; k < 2; ++k) {
+      if (queues_[k].runner != nullptr) batches[k] = TakeReadyBatch(queues_[k], now, &wake);
+    }
+    if (cancelled.empty() && expired.empty() && batches[0].empty() && batches[1].empty()) {
       if (queued_ == 0) {
         cv_.wait(lock);
       } else {
@@ -272,12 +285,8 @@ void Batcher::DispatchLoop() {
     for (auto& job : expired) {
       job->done(absl::DeadlineExceededError("deadline expired while the request was queued"));
     }
-    if (!batch.empty()) {
-      for (auto& job : batch) {
-        job->queue_us = Micros(now - job->arrival);
-        if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
-      }
-      backend_->RunBatch(std::move(batch), [this](const BatchReport& r) { FinishBatch(r); });
+    for (int k = 0; k < 2; ++k) {
+      if (!batches[k].empty()) Dispatch(queues_[k], std::move(batches[k]), now);
     }
     // Destroyed unlocked: a job's release takes mu_.
     cancelled.clear();
@@ -286,10 +295,18 @@ void Batcher::DispatchLoop() {
   }
 }
 
-void Batcher::FinishBatch(const BatchReport& report) {
+void Batcher::FinishBatch(Queue& q, const BatchReport& report) {
   if (metrics_) metrics_->ObserveBatch(report);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --q.in_flight;
+    ++finishing_;
+  }
+  // What gathered while the runner was busy goes now, from this thread (no hop to the
+  // dispatcher).
+  DispatchReadyNow();
   std::lock_guard<std::mutex> lock(mu_);
-  --in_flight_batches_;
+  --finishing_;
   // Notified under the lock: once Drain sees the last batch finish, ~Batcher may destroy cv_,
   // which must not happen while this thread is still inside notify_all (found by TSan).
   cv_.notify_all();

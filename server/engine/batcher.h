@@ -1,6 +1,9 @@
-// Dynamic batcher: queues validated Attend jobs and packs those that share a BatchKey into one
-// backend launch, up to max_batch_tokens or max_queue_delay, whichever comes first. Owns the
-// queued jobs; hands each batch (and its jobs) to the backend.
+// Dynamic batcher: queues validated jobs and packs those that share a BatchKey into one launch of
+// their runner (the backend for Attend requests, the step pipeline for session steps), up to
+// max_batch_tokens. A job goes at once while its runner is idle; while the runner is busy, jobs
+// gather for the next launch, each waiting at most its kind's delay (max_queue_delay_us,
+// max_step_delay_us) and never beyond the moment the runner goes idle. Owns the queued jobs;
+// hands each batch (and its jobs) to its runner.
 #pragma once
 
 #include <condition_variable>
@@ -9,13 +12,13 @@
 #include <memory>
 #include <mutex>
 #include <span>
-#include <vector>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/attend_job.h"
-#include "engine/backend.h"
+#include "engine/batch_runner.h"
+#include "engine/job.h"
 
 namespace attn {
 
@@ -25,26 +28,40 @@ class Batcher {
  public:
   struct Options {
     int64_t max_batch_tokens = 16384;
+    // Longest an Attend request waits for company while the backend is busy.
     int64_t max_queue_delay_us = 500;
-    // The same for session steps (BatchKey::page_tokens > 0). 0: a step goes into the next
-    // launch as soon as the backend can take one; steps that arrive while it is busy gather.
+    // Attend requests wait for company up to max_queue_delay_us even while the backend is idle
+    // (the packing of offline batch jobs over their latency); false: an idle backend takes a
+    // request at once.
+    bool gather_when_idle = false;
+    // The same for session steps. 0: a step goes into the next launch as soon as the pipeline
+    // can take one; steps that arrive while it cannot gather.
     int64_t max_step_delay_us = 0;
     int64_t max_queue_size = 1024;
     // Bound on the tensor bytes (inputs and outputs) of all queued and running requests.
     int64_t max_inflight_bytes = int64_t{4} << 30;
   };
-  // backend and metrics (nullable) must outlive the batcher.
-  static absl::StatusOr<std::unique_ptr<Batcher>> Create(const Options& options, Backend* backend,
+  // The runners of Attend jobs and of session steps (steps may be null: no sessions) and metrics
+  // (nullable) must outlive the batcher.
+  static absl::StatusOr<std::unique_ptr<Batcher>> Create(const Options& options,
+                                                         BatchRunner* attends, BatchRunner* steps,
                                                          Metrics* metrics);
   ~Batcher();  // Drains, then stops.
 
   // Queues a job. On error the job is not taken and its done is not called: RESOURCE_EXHAUSTED
   // when the queue is full or the request bytes in flight would pass max_inflight_bytes,
-  // UNAVAILABLE once draining started.
-  absl::Status Submit(std::unique_ptr<AttendJob>& job);
+  // UNAVAILABLE once draining started (or, for a step, when there is no step runner).
+  absl::Status Submit(std::unique_ptr<Job>& job);
+  template <typename T>
+  absl::Status Submit(std::unique_ptr<T>& job) {
+    std::unique_ptr<Job> base(std::move(job));
+    absl::Status st = Submit(base);
+    if (!st.ok()) job.reset(static_cast<T*>(base.release()));
+    return st;
+  }
   // Submit for each job, all under one lock, so that jobs of one key are batched together
   // (BatchStep); one status per job, each job taken or not as by Submit.
-  std::vector<absl::Status> SubmitAll(std::span<std::unique_ptr<AttendJob>> jobs);
+  std::vector<absl::Status> SubmitAll(std::span<std::unique_ptr<Job>> jobs);
 
   // Dispatches queued jobs without waiting for batch partners (during a drain none are coming),
   // and new ones at once. It still takes jobs: the service refuses new calls itself, so what
@@ -60,33 +77,46 @@ class Batcher {
   int64_t InflightBytes() const;
 
  private:
-  Batcher(const Options& options, Backend* backend, Metrics* metrics);
-  absl::Status SubmitLocked(std::unique_ptr<AttendJob>& job);  // mu_ held
-  // Session steps at the head of the queue that find a backend slot free go to the backend from
-  // the submitting thread, without waking the dispatcher (a lone step's latency).
-  void DispatchStepsNow();
+  // The queued jobs of one runner.
+  struct Queue {
+    BatchRunner* runner = nullptr;
+    int64_t delay_us = 0;
+    bool gather_when_idle = false;
+    std::deque<std::unique_ptr<Job>> high;
+    std::deque<std::unique_ptr<Job>> normal;
+    int in_flight = 0;  // batches the runner holds
+    bool empty() const { return high.empty() && normal.empty(); }
+  };
+
+  Batcher(const Options& options, BatchRunner* attends, BatchRunner* steps, Metrics* metrics);
+  Queue& QueueOf(const Job& job) { return queues_[static_cast<int>(job.kind)]; }
+  absl::Status SubmitLocked(std::unique_ptr<Job>& job);  // mu_ held
+  // Sends every batch that is ready now from the calling thread (a submitter, or a runner that
+  // just finished a batch), without waking the dispatcher: a lone job's latency.
+  void DispatchReadyNow();
+  // Hands batch to q's runner and records its queueing time (mu_ not held).
+  void Dispatch(Queue& q, JobBatch batch, Clock::time_point now);
   void DispatchLoop();
   // Pulls cancelled and expired jobs out of the queues; the caller completes them unlocked.
-  void TakeDeadJobs(Clock::time_point now, Batch* dead_cancelled, Batch* dead_expired);
-  // The first queued job that runs alone (high priority first), as a batch; empty if none.
-  Batch TakeJobThatRunsAlone();
-  // The next batch, or an empty one when nothing is ready yet; *wake says until when to wait.
-  Batch TakeReadyBatch(Clock::time_point now, Clock::time_point* wake);
-  void FinishBatch(const BatchReport& report);
+  void TakeDeadJobs(Clock::time_point now, JobBatch* dead_cancelled, JobBatch* dead_expired);
+  // The first of q's jobs that runs alone (high priority first), as a batch; empty if none.
+  JobBatch TakeJobThatRunsAlone(Queue& q);
+  // q's next batch when it is ready and q's runner can take it (in_flight counted), else an
+  // empty one; *wake says until when to wait at most.
+  JobBatch TakeReadyBatch(Queue& q, Clock::time_point now, Clock::time_point* wake);
+  void FinishBatch(Queue& q, const BatchReport& report);
   void UpdatePendingLocked();
 
   const Options options_;
-  Backend* const backend_;
   Metrics* const metrics_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<AttendJob>> high_;
-  std::deque<std::unique_ptr<AttendJob>> normal_;
-  int in_flight_batches_ = 0;
+  Queue queues_[2];  // by JobKind
   int64_t queued_ = 0;
   int64_t inflight_bytes_ = 0;
   int64_t outstanding_ = 0;  // accepted jobs not yet destroyed
+  int finishing_ = 0;        // FinishBatch calls still running (Drain waits for them)
   bool draining_ = false;  // Submit refuses
   bool flushing_ = false;  // no waiting for batch partners
   bool stop_ = false;

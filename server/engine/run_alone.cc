@@ -5,14 +5,19 @@
 
 namespace attn {
 
-absl::Status RunAlone(Backend& backend, std::unique_ptr<AttendJob> job) {
+absl::Status RunAlone(BatchRunner& runner, std::unique_ptr<Job> job,
+                      const std::function<void(const Job&)>& inspect) {
   std::promise<absl::Status> result;
   std::promise<void> finished, destroyed;
-  job->done = [&result](absl::Status st) { result.set_value(std::move(st)); };
+  const Job* raw = job.get();
+  job->done = [&result, &inspect, raw](absl::Status st) {
+    if (inspect) inspect(*raw);
+    result.set_value(std::move(st));
+  };
   job->released = ReleaseNotice([&destroyed] { destroyed.set_value(); });
-  Batch batch;
+  JobBatch batch;
   batch.push_back(std::move(job));
-  backend.RunBatch(std::move(batch), [&finished](const BatchReport&) { finished.set_value(); });
+  runner.RunBatch(std::move(batch), [&finished](const BatchReport&) { finished.set_value(); });
   absl::Status st = result.get_future().get();
   finished.get_future().wait();
   destroyed.get_future().wait();

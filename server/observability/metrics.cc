@@ -77,6 +77,10 @@ void Metrics::Build(const Options& o) {
                           .Name("attn_requests_total")
                           .Help("RPCs finished, by method and gRPC status code")
                           .Register(r);
+  stream_items_family_ = &prometheus::BuildCounter()
+                             .Name("attn_stream_items_total")
+                             .Help("AttendStream items answered, by each item's gRPC status code")
+                             .Register(r);
   auto& duration = prometheus::BuildHistogram()
                        .Name("attn_request_duration_seconds")
                        .Help("Server-side RPC latency, from arrival to response ready")
@@ -189,7 +193,7 @@ void Metrics::Build(const Options& o) {
       .Set(1);
 }
 
-void Metrics::ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds,
+void Metrics::ObserveRequest(Rpc rpc, absl::StatusCode code, double seconds,
                              int64_t received_bytes, int64_t sent_bytes) {
   PerRpc& p = rpcs_[static_cast<int>(rpc)];
   const int c = static_cast<int>(code);
@@ -197,7 +201,7 @@ void Metrics::ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds,
     prometheus::Counter* counter = p.requests[c].load(std::memory_order_acquire);
     if (counter == nullptr) {
       // Family::Add returns the same series for the same labels, so a race here is harmless.
-      counter = &requests_family_->Add({{"rpc", RpcName(rpc)}, {"code", GrpcCodeName(code)}});
+      counter = &requests_family_->Add({{"rpc", RpcName(rpc)}, {"code", StatusCodeName(code)}});
       p.requests[c].store(counter, std::memory_order_release);
     }
     counter->Increment();
@@ -205,6 +209,17 @@ void Metrics::ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds,
   p.duration->Observe(seconds);
   if (received_bytes > 0) p.received->Increment(static_cast<double>(received_bytes));
   if (sent_bytes > 0) p.sent->Increment(static_cast<double>(sent_bytes));
+}
+
+void Metrics::ObserveStreamItem(absl::StatusCode code) {
+  const int c = static_cast<int>(code);
+  if (c < 0 || c >= kNumCodes) return;
+  prometheus::Counter* counter = stream_items_[c].load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    counter = &stream_items_family_->Add({{"code", StatusCodeName(code)}});
+    stream_items_[c].store(counter, std::memory_order_release);
+  }
+  counter->Increment();
 }
 
 void Metrics::ObserveQueueSeconds(double seconds) { queue_->Observe(seconds); }

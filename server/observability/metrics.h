@@ -8,10 +8,10 @@
 #include <memory>
 #include <string>
 
-#include <grpcpp/support/status.h>
-
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/backend.h"
+#include "memory/memory_bytes.h"
+#include "observability/batch_report.h"
 
 namespace prometheus {
 class Registry;
@@ -54,8 +54,11 @@ class Metrics {
   // The port /metrics is served on (useful with port 0), or 0.
   int port() const { return port_; }
 
-  void ObserveRequest(Rpc rpc, grpc::StatusCode code, double seconds, int64_t received_bytes,
+  void ObserveRequest(Rpc rpc, absl::StatusCode code, double seconds, int64_t received_bytes,
                       int64_t sent_bytes);
+  // attn_stream_items_total{code}: one AttendStream item answered with its own status (the
+  // stream itself is counted once in attn_requests_total{rpc="AttendStream"} when it ends).
+  void ObserveStreamItem(absl::StatusCode code);
   void ObserveQueueSeconds(double seconds);
   void ObserveBatch(const BatchReport& report);
   void SetPendingRequests(int64_t n);
@@ -109,6 +112,8 @@ class Metrics {
 
   prometheus::Family<prometheus::Counter>* requests_family_ = nullptr;
   std::array<PerRpc, static_cast<int>(Rpc::kCount)> rpcs_;
+  prometheus::Family<prometheus::Counter>* stream_items_family_ = nullptr;
+  std::array<std::atomic<prometheus::Counter*>, kNumCodes> stream_items_{};
   prometheus::Histogram* queue_ = nullptr;
   prometheus::Histogram* compute_ = nullptr;
   prometheus::Histogram* transfer_ = nullptr;

@@ -177,7 +177,6 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
   }
   RETURN_IF_ERROR(CheckShapes(r, limits, sizes));
   auto job = std::make_unique<AttendJob>();
-  job->request = &r;
   job->total_q = static_cast<int32_t>(r.q().shape(0));
   job->total_k = static_cast<int32_t>(r.k().shape(0));
 
@@ -245,67 +244,34 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
   return job;
 }
 
-void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response) {
-  const v1::Tensor& q = job.request->q();
+void PrepareAttendResponse(const AttendJob& job, const v1::AttendRequest& request,
+                           v1::AttendResponse* response) {
+  const v1::Tensor& q = request.q();
   v1::Tensor* o = response->mutable_o();
   o->set_dtype(q.dtype());
   o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
-  // An output written into a region leaves the response with its dtype, shape and slice only;
-  // one written into a buffer of the wire path's, with its dtype and shape.
-  if (job.request->has_o_region()) {
-    *o->mutable_region() = job.request->o_region();
-  } else if (job.o_out == nullptr) {
-    o->mutable_data()->resize(size_t(job.total_q) * job.key.num_heads * job.key.head_dim *
-                              kernels::DTypeSize(job.key.wire_dtype));
-  }
+  // An output written into a region leaves the response with its dtype, shape and slice only.
+  if (request.has_o_region()) *o->mutable_region() = request.o_region();
   if (job.return_lse) {
     v1::Tensor* lse = response->mutable_lse();
     lse->set_dtype(v1::DTYPE_FLOAT32);
     lse->add_shape(job.key.num_heads);
     lse->add_shape(job.total_q);
-    if (job.request->has_lse_region()) {
-      *lse->mutable_region() = job.request->lse_region();
-    } else if (job.lse_out == nullptr) {
-      lse->mutable_data()->resize(sizeof(float) * size_t(job.key.num_heads) * job.total_q);
-    }
+    if (request.has_lse_region()) *lse->mutable_region() = request.lse_region();
   }
-  response->set_request_id(job.request->request_id());
+  response->set_request_id(request.request_id());
 }
 
-kernels::AttentionArgs LaunchShapeArgs(const BatchKey& key, kernels::DType dtype, int32_t num_seqs,
-                                       int32_t total_q, int32_t total_k, int32_t max_seqlen_q,
-                                       int32_t max_seqlen_k) {
-  kernels::AttentionArgs a;
-  a.dtype = dtype;
-  a.batch = num_seqs;
-  a.total_q = total_q;
-  a.total_k = total_k;
-  a.max_seqlen_q = std::max(max_seqlen_q, 1);
-  a.max_seqlen_k = std::max(max_seqlen_k, 1);
-  a.num_heads = key.num_heads;
-  a.num_kv_heads = key.num_kv_heads;
-  a.head_dim = key.head_dim;
-  a.softmax_scale = key.softmax_scale;
-  a.causal = key.causal;
-  a.window_left = key.window_left;
-  a.window_right = key.window_right;
-  return a;
-}
-
-kernels::AttentionArgs AttendJob::HostArgs() const {
-  kernels::AttentionArgs a =
-      LaunchShapeArgs(key, key.wire_dtype, static_cast<int32_t>(cu_seqlens_q.size()) - 1, total_q,
-                      total_k, max_seqlen_q, max_seqlen_k);
-  a.q = q_bytes.data();
-  a.k = k_bytes.data();
-  a.v = v_bytes.data();
-  a.o = o_out != nullptr ? o_out : response->mutable_o()->mutable_data()->data();
-  a.lse = !return_lse         ? nullptr
-          : lse_out != nullptr ? reinterpret_cast<float*>(lse_out)
-                               : reinterpret_cast<float*>(response->mutable_lse()->mutable_data()->data());
-  a.cu_seqlens_q = cu_seqlens_q.data();
-  a.cu_seqlens_k = cu_seqlens_k.data();
-  return a;
+int64_t AttendJobBytes(const AttendJob& job, const v1::AttendRequest& request) {
+  int64_t bytes = 0;
+  for (const auto& [t, b] : {std::pair{&request.q(), job.q_bytes},
+                             std::pair{&request.k(), job.k_bytes},
+                             std::pair{&request.v(), job.v_bytes}}) {
+    if (!t->has_region()) bytes += static_cast<int64_t>(b.size());
+  }
+  if (!request.has_o_region()) bytes += static_cast<int64_t>(job.OBytes());
+  if (!request.has_lse_region()) bytes += static_cast<int64_t>(job.LseBytes());
+  return bytes;
 }
 
 }  // namespace attn

@@ -26,8 +26,8 @@ absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLim
                          uint64_t data_bytes);
 v1::DType ToWireDType(kernels::DType t);
 
-// Checks request against the limits and fills a job (key, sequence lengths, flags). The job
-// borrows request and response. INVALID_ARGUMENT or RESOURCE_EXHAUSTED name the bad field.
+// Checks request against the limits and fills a job (key, sequence lengths, flags, and q_bytes..
+// pointing into request's data). INVALID_ARGUMENT or RESOURCE_EXHAUSTED name the bad field.
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(
     const v1::AttendRequest& request, const RequestLimits& limits);
 
@@ -41,8 +41,14 @@ struct TensorDataSizes {
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(
     const v1::AttendRequest& request, const RequestLimits& limits, const TensorDataSizes& sizes);
 
-// Sizes the response's o (and lse) tensors for job so that a backend can write into them; an
-// output the job writes elsewhere (o_out, lse_out) gets its dtype and shape only.
-void PrepareAttendResponse(const AttendJob& job, v1::AttendResponse* response);
+// The response's o (and lse) tensors without their data (dtype, shape, and the region slice of
+// an output written into a region), and its request_id.
+void PrepareAttendResponse(const AttendJob& job, const v1::AttendRequest& request,
+                           v1::AttendResponse* response);
+
+// Tensor bytes the job holds in the server (for the batcher's in-flight bound): its inputs and
+// outputs that are not in regions. Call once its tensors are resolved (and staged, on the wire
+// path).
+int64_t AttendJobBytes(const AttendJob& job, const v1::AttendRequest& request);
 
 }  // namespace attn

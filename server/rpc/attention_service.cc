@@ -9,11 +9,12 @@
 #include "absl/strings/str_cat.h"
 #include "engine/batcher.h"
 #include "rpc/attend_request_decoder.h"
-#include "rpc/attend_response_encoder.h"
+#include "rpc/response_encoder.h"
 #include "rpc/call_timing.h"
 #include "rpc/echo_wire.h"
 #include "observability/metrics.h"
 #include "common/status_util.h"
+#include "rpc/grpc_status.h"
 #include "common/tsan_annotations.h"
 #include "transport/tensor_source.h"
 
@@ -34,8 +35,8 @@ struct ProtoAttendCall {
 
 // One Attend on the wire path, from its bytes' arrival until its answer is encoded: the received
 // slices (which the decoded pieces borrow, until the backend has staged them), the decoded
-// request, the response's header fields and the buffers the backend writes o and lse into (until
-// Encode hands them to the answer's slices). A unary call's is owned by its handler until its job
+// request, the response's header fields and the job's outputs (until Encode hands them to the
+// answer's slices). A unary call's is owned by its handler until its job
 // is queued, then by the job's completion, which deletes it; an AttendStream item's by the item.
 struct WireAttendCall {
   std::vector<grpc::Slice> slices;
@@ -87,7 +88,7 @@ void AttentionService::FinishUnary(grpc::ServerUnaryReactor* reactor, Rpc rpc,
   const grpc::Status gst = ToGrpcStatus(st);
   OnCallAnswered();
   if (metrics_) {
-    metrics_->ObserveRequest(rpc, gst.error_code(), Seconds(Clock::now() - start), received,
+    metrics_->ObserveRequest(rpc, st.code(), Seconds(Clock::now() - start), received,
                              st.ok() ? sent : 0);
   }
   reactor->Finish(gst);
@@ -102,7 +103,17 @@ absl::Status AttentionService::SubmitAttend(grpc::CallbackServerContext* ctx,
   if (draining_.load()) return absl::UnavailableError(kShuttingDown);
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
                    ValidateAttendRequest(*request, options_.limits));
-  return SubmitJob(ctx, client, std::move(job), response, arrival, nullptr, std::move(on_done));
+  // The protobuf path answers in a message: the outputs are copied into its data fields.
+  AttendJob* raw = job.get();
+  auto fill = [raw, response, on_done = std::move(on_done)](absl::Status st) {
+    if (st.ok()) {
+      if (!raw->o.empty()) response->mutable_o()->set_data(raw->o.data, raw->o.size);
+      if (!raw->lse.empty()) response->mutable_lse()->set_data(raw->lse.data, raw->lse.size);
+    }
+    on_done(std::move(st));
+  };
+  return SubmitJob(ctx, client, std::move(job), *request, response, arrival, nullptr,
+                   std::move(fill));
 }
 
 absl::Status AttentionService::SubmitWireAttend(grpc::CallbackServerContext* ctx,
@@ -116,17 +127,6 @@ absl::Status AttentionService::SubmitWireAttend(grpc::CallbackServerContext* ctx
                    ValidateAttendRequest(header, options_.limits,
                                          {data.q.size, data.k.size, data.v.size}));
   const auto stage = [this, call](AttendJob& job) -> absl::Status {
-    // Outputs not bound for a region go into buffers of their own, sent from as they are.
-    const BatchKey& key = job.key;
-    if (!job.request->has_o_region()) {
-      call->o = OutputBytes::Allocate(size_t(job.total_q) * key.num_heads * key.head_dim *
-                                      kernels::DTypeSize(key.wire_dtype));
-      job.o_out = call->o.data.get();
-    }
-    if (job.return_lse && !job.request->has_lse_region()) {
-      call->lse = OutputBytes::Allocate(sizeof(float) * size_t(key.num_heads) * job.total_q);
-      job.lse_out = call->lse.data.get();
-    }
     RETURN_IF_ERROR(backend_->StageWireInputs(job, call->request.data));
     // The tensors are staged: the received bytes can go.
     call->request.data = WireTensors();
@@ -134,18 +134,27 @@ absl::Status AttentionService::SubmitWireAttend(grpc::CallbackServerContext* ctx
     call->slices.clear();
     return absl::OkStatus();
   };
-  return SubmitJob(ctx, client, std::move(job), &call->response, arrival, stage,
-                   std::move(on_done));
+  // The outputs go to the answer as they are, sent from where the backend put them.
+  AttendJob* raw = job.get();
+  auto keep = [raw, call, on_done = std::move(on_done)](absl::Status st) {
+    if (st.ok()) {
+      call->o = std::move(raw->o);
+      call->lse = std::move(raw->lse);
+    }
+    on_done(std::move(st));
+  };
+  return SubmitJob(ctx, client, std::move(job), header, &call->response, arrival, stage,
+                   std::move(keep));
 }
 
 absl::Status AttentionService::SubmitJob(grpc::CallbackServerContext* ctx,
                                          const std::string& client,
                                          std::unique_ptr<AttendJob> job,
+                                         const v1::AttendRequest& request,
                                          v1::AttendResponse* response, Clock::time_point arrival,
                                          const std::function<absl::Status(AttendJob&)>& stage,
                                          std::function<void(absl::Status)> on_done) {
-  RETURN_IF_ERROR(ResolveAttendTensors(*job->request, client, options_.regions, job.get()));
-  job->response = response;
+  RETURN_IF_ERROR(ResolveAttendTensors(request, client, options_.regions, job.get()));
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);
   job->is_cancelled = [ctx] { return ctx->IsCancelled(); };
@@ -154,7 +163,8 @@ absl::Status AttentionService::SubmitJob(grpc::CallbackServerContext* ctx,
   ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
   // On an error from here on, slot is released as it goes out of scope.
   if (stage) RETURN_IF_ERROR(stage(*job));
-  PrepareAttendResponse(*job, response);
+  job->bytes = AttendJobBytes(*job, request);
+  PrepareAttendResponse(*job, request, response);
   RETURN_IF_ERROR(backend_->Prepare(*job));
   AttendJob* raw = job.get();
   job->done = [raw, arrival, response, slot, on_done = std::move(on_done)](absl::Status st) {
@@ -167,6 +177,7 @@ absl::Status AttentionService::SubmitJob(grpc::CallbackServerContext* ctx,
     }
     on_done(std::move(st));
   };
+  job->ready = Clock::now();
   absl::Status st = batcher_->Submit(job);
   if (!st.ok()) slot->Release();  // not taken: done will not run
   return st;
@@ -305,7 +316,7 @@ class AttendStreamReactor final
   void OnDone() override {
     TakeBackFromGrpc(this);
     if (service_->metrics_) {
-      const grpc::StatusCode code = final_status_.error_code();
+      const auto code = static_cast<absl::StatusCode>(final_status_.error_code());
       service_->metrics_->ObserveRequest(Rpc::kAttendStream, code, Seconds(Clock::now() - start_),
                                          received_, sent_);
     }
@@ -399,6 +410,9 @@ class AttendStreamReactor final
     response.set_status_code(static_cast<int32_t>(st.code()));
     if (!st.ok()) response.set_status_message(std::string(st.message()));
     item->reply = item->call.Encode(st.ok());
+    if (service_->metrics_) {
+      service_->metrics_->ObserveStreamItem(st.code());
+    }
     service_->OnCallAnswered();
     bool finish;
     {
@@ -477,7 +491,8 @@ class RejectedStreamReactor final
   void OnDone() override {
     TakeBackFromGrpc(this);
     if (service_->metrics_) {
-      service_->metrics_->ObserveRequest(Rpc::kAttendStream, status_.error_code(),
+      service_->metrics_->ObserveRequest(Rpc::kAttendStream,
+                                         static_cast<absl::StatusCode>(status_.error_code()),
                                          Seconds(Clock::now() - start_), 0, 0);
     }
     service_->StreamClosed();  // the last use of the service

@@ -24,6 +24,8 @@ class SessionManager;
 class AttendStreamReactor;
 class RegionRegistry;
 struct WireAttendCall;
+struct WireStepCall;
+struct StepJob;
 
 // attn.v1.Attention's callback service with Attend, AttendStream, Step, BatchStep and Echo raw: the generated templates,
 // composed here since the generated CallbackService has typed versions of both (a method added to
@@ -41,12 +43,12 @@ using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
 
 // Attend and AttendStream are raw methods (grpc::ByteBuffer in and out): their tensors go from
 // gRPC's received slices into the backend's staging with one copy, and their outputs back out as
-// slices of the buffers the backend wrote them into (attend_request_decoder.h,
-// attend_response_encoder.h). Echo is raw too: its answer is the request's own slices
-// (echo_wire.h), so that it measures the transport alone. Step and BatchStep are raw too: each
-// step's tensors are copied once out of the received slices (step_request_decoder.h), and its
-// outputs sent from the buffers they were written into. The bytes on the wire are protobuf's,
-// as for every other method.
+// slices of the memory the backend brought them back into (attend_request_decoder.h,
+// response_encoder.h). Echo is raw too: its answer is the request's own slices (echo_wire.h), so
+// that it measures the transport alone. Step and BatchStep are raw too: each step's tensors stay
+// in the received slices (step_request_decoder.h) until the step pipeline copies them, once,
+// into its launch's staging, and each output is sent from the launch's output staging
+// (docs/STEP_PATH.md). The bytes on the wire are protobuf's, as for every other method.
 class AttentionService final : public AttentionCallbackBase {
  public:
   struct Options {
@@ -151,8 +153,8 @@ class AttentionService final : public AttentionCallbackBase {
   // What both share once the job is validated: region resolution, the pending count, `stage`
   // (null, or the wire path's copy of the inputs), the backend's Prepare, the batcher.
   absl::Status SubmitJob(grpc::CallbackServerContext* ctx, const std::string& client,
-                         std::unique_ptr<AttendJob> job, v1::AttendResponse* response,
-                         Clock::time_point arrival,
+                         std::unique_ptr<AttendJob> job, const v1::AttendRequest& request,
+                         v1::AttendResponse* response, Clock::time_point arrival,
                          const std::function<absl::Status(AttendJob&)>& stage,
                          std::function<void(absl::Status)> on_done);
   // Attend on the wire path, and (Options::attend_wire_path false) through protobuf messages.
@@ -173,19 +175,20 @@ class AttentionService final : public AttentionCallbackBase {
   std::string SessionOwner(const std::string& client) const {
     return options_.authenticator != nullptr ? client : std::string();
   }
-  // Looks up (as client's) and validates one step and makes its job, whose done runs on_done
-  // after giving the layer back (the job holds the layer once started, see StartSteps). wire:
-  // where the step's tensors and outputs are, as ValidateStepRequest takes it.
-  absl::StatusOr<std::unique_ptr<AttendJob>> MakeStepJob(
-      grpc::CallbackServerContext* ctx, const std::string& client, const v1::StepRequest& request,
-      v1::StepResponse* response, Clock::time_point arrival,
-      std::function<void(absl::Status)> on_done, const WireStepData& wire);
+  // Looks up (as client's) and validates item `item` of call and makes its job, whose done
+  // fills the item's answer and runs on_done after giving the layer back (the job holds the
+  // layer once started, see StartSteps).
+  absl::StatusOr<std::unique_ptr<StepJob>> MakeStepJob(grpc::CallbackServerContext* ctx,
+                                                       const std::string& client,
+                                                       std::shared_ptr<WireStepCall> call,
+                                                       size_t item, Clock::time_point arrival,
+                                                       std::function<void(absl::Status)> on_done);
   // Queues each job after the earlier steps of its (session, layer): those whose layer is free
   // go to the batcher together (one launch where their keys agree), the others when their turn
   // comes.
-  void EnqueueSteps(std::vector<std::unique_ptr<AttendJob>> jobs);
+  void EnqueueSteps(std::vector<std::unique_ptr<StepJob>> jobs);
   // Submits jobs that hold their layers; a job the batcher refuses is completed with the error.
-  void StartSteps(std::vector<std::unique_ptr<AttendJob>> jobs);
+  void StartSteps(std::vector<std::unique_ptr<StepJob>> jobs);
   // replica_id and kv_cache of GetServerInfo.
   void FillSessionInfo(v1::GetServerInfoResponse* response) const;
 

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <future>
 #include <random>
@@ -18,15 +19,17 @@
 #include "rpc/auth.h"
 #include "engine/batcher.h"
 #include "backends/cpu_backend.h"
+#include "backends/cpu_step_device.h"
 #include "observability/metrics.h"
 #include "common/status_util.h"
 #include "common/tsan_annotations.h"
 #include "engine/run_alone.h"
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
+#include "sessions/step_pipeline.h"
 #include "rpc/session_warmup.h"
 #include "transport/region_registry.h"
-#include "transport/region_service.h"
+#include "rpc/region_service.h"
 #include "transport/region_socket.h"
 #include "version.h"
 #ifdef ATTN_HAVE_CUDA
@@ -48,22 +51,37 @@ std::string RandomReplicaId() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& options) {
+absl::StatusOr<Backends> CreateBackends(const ServerOptions& options) {
   const std::string& want = options.backend;
   if (want != "auto" && want != "cpu" && want != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend must be auto, cpu or cuda, got '", want, "'"));
   }
+  const int64_t page_bytes = options.kv_page_tokens * kReferenceKvRowBytes;
   if (want != "cpu") {
 #ifdef ATTN_HAVE_CUDA
     CudaBackend::Options cuda_options;
     cuda_options.streams = options.streams;
     cuda_options.device_pool_bytes = options.device_pool_bytes;
     cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
-    cuda_options.kv_cache_bytes = options.kv_cache_bytes;
-    cuda_options.kv_page_bytes = options.kv_page_tokens * kReferenceKvRowBytes;
     auto cuda = CudaBackend::Create(cuda_options);
-    if (cuda.ok()) return std::unique_ptr<Backend>(std::move(*cuda));
+    if (cuda.ok()) {
+      Backends b;
+      CudaStepDevice::Options so;
+      so.lanes = options.step_lanes > 0 ? options.step_lanes : options.streams;
+      so.kv_cache_bytes = options.kv_cache_bytes;
+      so.kv_page_bytes = page_bytes;
+      auto steps = (*cuda)->CreateStepDevice(so);
+      if (steps.ok()) {
+        b.steps = std::move(*steps);
+      } else if (absl::IsFailedPrecondition(steps.status())) {
+        Log(absl::StrCat(steps.status().message(), "; sessions are off"));
+      } else {
+        return steps.status();
+      }
+      b.backend = std::move(*cuda);
+      return b;
+    }
     if (want == "cuda") return cuda.status();
     Log(absl::StrCat("no usable GPU (", cuda.status().message(), "); using the CPU backend"));
 #else
@@ -76,10 +94,14 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& opti
   }
   CpuBackend::Options cpu_options;
   cpu_options.threads = options.threads;
-  if (options.kv_cache_bytes > 0) cpu_options.kv_cache_bytes = options.kv_cache_bytes;
-  cpu_options.kv_page_bytes = options.kv_page_tokens * kReferenceKvRowBytes;
   ASSIGN_OR_RETURN(auto cpu, CpuBackend::Create(cpu_options));
-  return std::unique_ptr<Backend>(std::move(cpu));
+  CpuStepDevice::Options so;
+  if (options.kv_cache_bytes > 0) so.kv_cache_bytes = options.kv_cache_bytes;
+  so.kv_page_bytes = page_bytes;
+  Backends b;
+  ASSIGN_OR_RETURN(b.steps, CpuStepDevice::Create(so, cpu->thread_pool()));
+  b.backend = std::move(cpu);
+  return b;
 }
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
@@ -88,6 +110,12 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   }
   if (options.drain_quiet_ms < 0) {
     return absl::InvalidArgumentError("--drain_quiet_ms must be >= 0");
+  }
+  if (options.step_idle_poll_us < 0 || options.step_idle_poll_us > 1'000'000) {
+    return absl::InvalidArgumentError("--step_idle_poll_us must be in [0, 1000000]");
+  }
+  if (options.step_lanes < 0 || options.step_lanes > 64) {
+    return absl::InvalidArgumentError("--step_lanes must be in [0, 64] (0: as many as --streams)");
   }
   if (options.max_pending_per_client < 0) {
     return absl::InvalidArgumentError("--max_pending_per_client must be >= 0 (0: unlimited)");
@@ -100,7 +128,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (!options.auth_token_file.empty()) {
     ASSIGN_OR_RETURN(s->authenticator_, Authenticator::FromFile(options.auth_token_file));
   }
-  ASSIGN_OR_RETURN(s->backend_, CreateBackend(options));
+  ASSIGN_OR_RETURN(Backends backends, CreateBackends(options));
+  s->backend_ = std::move(backends.backend);
+  s->step_device_ = std::move(backends.steps);
   const BackendInfo& info = s->backend_->Info();
   Log(absl::StrCat("backend ", info.name, " on ", info.device_name));
 
@@ -118,9 +148,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   bo.max_step_delay_us = options.max_step_delay_us;
   bo.max_batch_tokens = options.max_batch_tokens;
   bo.max_queue_delay_us = options.max_queue_delay_us;
+  bo.gather_when_idle = options.gather_when_idle;
   bo.max_queue_size = options.max_queue_size;
   bo.max_inflight_bytes = options.max_inflight_bytes;
-  ASSIGN_OR_RETURN(s->batcher_, Batcher::Create(bo, s->backend_.get(), s->metrics_.get()));
+  ASSIGN_OR_RETURN(s->batcher_, Batcher::Create(bo, s->backend_.get(), s->step_pipeline_.get(),
+                                                s->metrics_.get()));
 
   AttentionService::Options so;
   so.limits.max_tensor_elements = options.max_tensor_elements;
@@ -165,6 +197,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE,
                                std::min(options.tcp_read_chunk_bytes, (1 << 30) / 8) * 8);
   }
+  // Clients may keep idle connections alive with pings every 10 s or more (the client library
+  // pings every 30 s): gRPC's default policy would close a connection pinged more often than
+  // every 5 minutes without data. attnd pings an idle client every 60 s, so that connections of
+  // vanished clients go within a minute and a half.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
   for (const auto& [name, value] : options.grpc_args) builder.AddChannelArgument(name, value);
   HandOffToGrpc(s->service_.get());  // its handlers run on gRPC's threads from now on
   HandOffToGrpc(s->region_service_.get());
@@ -244,11 +284,11 @@ absl::Status AttnServer::CreateSessions(const BackendInfo& info) {
   if (options_.kv_page_tokens < 1 || options_.kv_page_tokens > (1 << 20)) {
     return absl::InvalidArgumentError("--kv_page_tokens must be in [1, 2^20]");
   }
-  const KvRegion region = backend_->kv_region();
-  if (region.num_pages == 0) {
+  if (step_device_ == nullptr) {
     Log("no KV cache region: session RPCs answer UNIMPLEMENTED");
     return absl::OkStatus();
   }
+  const KvRegion region = step_device_->kv_region();
   KvPagePool::Options po;
   po.num_pages = region.num_pages;
   po.page_bytes = region.page_bytes;
@@ -265,6 +305,12 @@ absl::Status AttnServer::CreateSessions(const BackendInfo& info) {
   if (mo.ttl.count() < 1) mo.ttl = std::chrono::milliseconds(1);
   mo.head_dims = info.head_dims;
   ASSIGN_OR_RETURN(sessions_, SessionManager::Create(mo, kv_pool_.get(), metrics_.get()));
+  StepPipeline::Options pipeline;
+  pipeline.completion_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
+  // A GPU launch is done in tens of microseconds: a lane looks for the next one a little before
+  // it sleeps (the CPU backend's lane computes on every core and sleeps at once).
+  if (backend_->HasGpu()) pipeline.idle_poll = std::chrono::microseconds(options_.step_idle_poll_us);
+  ASSIGN_OR_RETURN(step_pipeline_, StepPipeline::Create(pipeline, step_device_.get()));
   Log(absl::StrCat("replica ", mo.replica_id, ": KV cache of ", region.num_pages, " pages (",
                    2 * region.num_pages * region.page_bytes, " bytes, ",
                    options_.kv_page_tokens, " tokens of a 2 KiB row per page), max_sessions ",
@@ -276,7 +322,6 @@ absl::Status AttnServer::CreateSessions(const BackendInfo& info) {
 // module loading and allocation; attnd listens only once it has succeeded.
 absl::Status AttnServer::WarmUp() {
   v1::AttendRequest request;
-  v1::AttendResponse response;
   const int d = backend_->Info().head_dims.front();
   for (v1::Tensor* t : {request.mutable_q(), request.mutable_k(), request.mutable_v()}) {
     t->set_dtype(v1::DTYPE_BFLOAT16);
@@ -288,13 +333,11 @@ absl::Status AttnServer::WarmUp() {
   RequestLimits limits;
   limits.head_dims = backend_->Info().head_dims;
   ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job, ValidateAttendRequest(request, limits));
-  job->response = &response;
   job->arrival = Clock::now();
-  PrepareAttendResponse(*job, &response);
   RETURN_IF_ERROR(backend_->Prepare(*job));
   const absl::Status st = RunAlone(*backend_, std::move(job));
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("backend warm-up failed: ", st.message()));
-  return sessions_ ? WarmUpSessionSteps(*backend_, *sessions_) : absl::OkStatus();
+  return sessions_ ? WarmUpSessionSteps(*step_pipeline_, *sessions_) : absl::OkStatus();
 }
 
 int AttnServer::metrics_port() const { return metrics_->port(); }

@@ -11,12 +11,14 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "server_options.h"
+#include "rpc/server_options.h"
 
 namespace attn {
 
 class Backend;
 struct BackendInfo;
+class StepDevice;
+class StepPipeline;
 class Batcher;
 class Metrics;
 class AttentionService;
@@ -37,6 +39,8 @@ class AttnServer {
   // Attend calls plus in-flight AttendStream items counted against --max_pending_per_client.
   int64_t PendingPerClientTotal() const;
   const Backend& backend() const { return *backend_; }
+  // The step pipeline of sessions (null when the backend has no KV region).
+  StepPipeline* step_pipeline() const { return step_pipeline_.get(); }
   // The sessions and their page pool (null when the backend has no KV region).
   SessionManager* sessions() const { return sessions_.get(); }
   KvPagePool* kv_pool() const { return kv_pool_.get(); }
@@ -60,10 +64,12 @@ class AttnServer {
 
   ServerOptions options_;
   std::unique_ptr<Backend> backend_;
+  std::unique_ptr<StepDevice> step_device_;  // null: no sessions; uses backend_
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> authenticator_;  // null: no bearer tokens
   std::unique_ptr<KvPagePool> kv_pool_;
   std::unique_ptr<SessionManager> sessions_;  // borrows kv_pool_ and metrics_
+  std::unique_ptr<StepPipeline> step_pipeline_;  // borrows step_device_
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
   // Shared memory: null unless --allow_shared_memory (the service answers FAILED_PRECONDITION).
@@ -78,7 +84,13 @@ class AttnServer {
   std::thread monitor_;
 };
 
-// Creates the backend that options.backend names ("auto" prefers CUDA when a GPU is usable).
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const ServerOptions& options);
+// The backend that options.backend names ("auto" prefers CUDA when a GPU is usable) and its step
+// device (null when it has no room for a KV region: sessions are then off). The step device
+// must be destroyed before the backend.
+struct Backends {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<StepDevice> steps;
+};
+absl::StatusOr<Backends> CreateBackends(const ServerOptions& options);
 
 }  // namespace attn

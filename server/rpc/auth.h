@@ -17,7 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server_options.h"
+#include "rpc/server_options.h"
 
 namespace attn {
 

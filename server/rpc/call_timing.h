@@ -7,7 +7,7 @@
 #include <grpcpp/server_context.h>
 
 #include "attn/v1/attention.pb.h"
-#include "engine/attend_job.h"
+#include "engine/job.h"
 
 namespace attn {
 
@@ -20,7 +20,7 @@ inline Clock::time_point SteadyDeadline(const grpc::CallbackServerContext* ctx) 
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
 }
 
-inline void FillTiming(const AttendJob& job, Clock::time_point arrival, v1::ServerTiming* t) {
+inline void FillTiming(const Job& job, Clock::time_point arrival, v1::ServerTiming* t) {
   t->set_queue_us(job.queue_us);
   t->set_transfer_us(job.transfer_us);
   t->set_compute_us(job.compute_us);

@@ -9,15 +9,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "rpc/grpc_status.h"
 #include "engine/batcher.h"
 #include "observability/metrics.h"
 #include "rpc/attention_service.h"
-#include "rpc/attend_response_encoder.h"
 #include "rpc/call_timing.h"
+#include "rpc/response_encoder.h"
 #include "rpc/step_request_decoder.h"
 #include "rpc/step_validation.h"
 #include "sessions/session_manager.h"
-#include "sessions/step_work.h"
+#include "sessions/step_job.h"
 
 namespace attn {
 namespace {
@@ -84,49 +85,92 @@ grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerCo
   return reactor;
 }
 
-absl::StatusOr<std::unique_ptr<AttendJob>> AttentionService::MakeStepJob(
-    grpc::CallbackServerContext* ctx, const std::string& client, const v1::StepRequest& request,
-    v1::StepResponse* response, Clock::time_point arrival,
-    std::function<void(absl::Status)> on_done, const WireStepData& wire) {
+// One Step or BatchStep call from its decoding until its answer is encoded: the received slices
+// (which the steps' tensors are copied out of when their launch is staged), each step's decoded
+// request, and per step its answer: the response without o.data and lse.data, the outputs they
+// are sent from, its status. Shared by the handler and the steps' jobs (input_hold); the last
+// step to complete encodes the answer.
+struct WireStepCall {
+  std::vector<grpc::Slice> slices;
+  std::vector<std::string_view> pieces;
+  std::vector<DecodedStepRequest> requests;
+  struct Output {
+    v1::StepResponse response;
+    OutputBytes o, lse;
+    absl::Status status;
+  };
+  std::vector<Output> outputs;
+
+  // Takes received's slices (references, not copies; gRPC destroys the emptied buffer when the
+  // call ends). The pieces point into slices, which are not touched again: they stay valid as
+  // long as this call.
+  absl::Status Take(const grpc::ByteBuffer* received) {
+    auto* taken = const_cast<grpc::ByteBuffer*>(received);
+    absl::Status st = FromGrpcStatus(taken->Dump(&slices));
+    taken->Clear();
+    RETURN_IF_ERROR(st);
+    pieces.reserve(slices.size());
+    for (const grpc::Slice& s : slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    return absl::OkStatus();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<StepJob>> AttentionService::MakeStepJob(
+    grpc::CallbackServerContext* ctx, const std::string& client,
+    std::shared_ptr<WireStepCall> call, size_t item, Clock::time_point arrival,
+    std::function<void(absl::Status)> on_done) {
+  DecodedStepRequest& request = call->requests[item];
+  WireStepCall::Output* out = &call->outputs[item];
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                   sessions_->Find(request.session_id(), SessionOwner(client)));
+                   sessions_->Find(request.header.session_id(), SessionOwner(client)));
   const StepRegions regions{client, options_.regions, backend_->HasGpu()};
-  ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                   ValidateStepRequest(request, session, options_.limits, regions, response, wire));
+  ASSIGN_OR_RETURN(std::unique_ptr<StepJob> job,
+                   ValidateStepRequest(request.header, std::move(session), options_.limits,
+                                       regions, &request.data));
+  PrepareStepResponse(*job, request.header, &out->response);
   job->arrival = arrival;
   job->deadline = SteadyDeadline(ctx);
   job->is_cancelled = [ctx] { return ctx->IsCancelled(); };
-  AttendJob* raw = job.get();
+  StepJob* raw = job.get();
   // The job holds its layer from the moment it starts until here; the next step of the layer
   // may start (on this thread) before the caller hears.
-  job->done = [this, raw, arrival, response, on_done = std::move(on_done)](absl::Status st) {
-    raw->step->session->ReleaseLayer(raw->step->layer);
+  job->done = [this, raw, arrival, out, on_done = std::move(on_done)](absl::Status st) {
+    raw->session->ReleaseLayer(raw->layer);
     sessions_->UpdateMetricsSometimes();
     if (st.ok()) {
-      FillTiming(*raw, arrival, response->mutable_timing());
+      out->response.set_cached_tokens(raw->cached_tokens);
+      FillTiming(*raw, arrival, out->response.mutable_timing());
+      out->o = std::move(raw->o);
+      out->lse = std::move(raw->lse);
     } else {
-      response->Clear();
+      out->response.Clear();
     }
     on_done(std::move(st));
   };
+  job->input_hold = std::move(call);
+  job->ready = Clock::now();
   return job;
 }
 
-void AttentionService::StartSteps(std::vector<std::unique_ptr<AttendJob>> jobs) {
-  if (jobs.empty()) return;
+void AttentionService::StartSteps(std::vector<std::unique_ptr<StepJob>> steps) {
+  if (steps.empty()) return;
+  std::vector<std::unique_ptr<Job>> jobs(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) jobs[i] = std::move(steps[i]);
   const std::vector<absl::Status> status = batcher_->SubmitAll(jobs);
   for (size_t i = 0; i < jobs.size(); ++i) {
     if (!status[i].ok()) jobs[i]->done(status[i]);  // refused: still ours, done not yet run
   }
 }
 
-void AttentionService::EnqueueSteps(std::vector<std::unique_ptr<AttendJob>> jobs) {
-  std::vector<std::unique_ptr<AttendJob>> now;
+void AttentionService::EnqueueSteps(std::vector<std::unique_ptr<StepJob>> jobs) {
+  std::vector<std::unique_ptr<StepJob>> now;
   for (auto& job : jobs) {
-    StepWork& w = *job->step;
-    auto parked = std::make_shared<std::unique_ptr<AttendJob>>(std::move(job));
-    const bool free = w.session->AcquireLayer(w.layer, [this, parked] {
-      std::vector<std::unique_ptr<AttendJob>> one;
+    StepJob* raw = job.get();
+    auto parked = std::make_shared<std::unique_ptr<StepJob>>(std::move(job));
+    const bool free = raw->session->AcquireLayer(raw->layer, [this, parked] {
+      std::vector<std::unique_ptr<StepJob>> one;
       one.push_back(std::move(*parked));
       StartSteps(std::move(one));
     });
@@ -134,46 +178,6 @@ void AttentionService::EnqueueSteps(std::vector<std::unique_ptr<AttendJob>> jobs
   }
   StartSteps(std::move(now));
 }
-
-namespace {
-
-// One Step or BatchStep call on the wire path, from its decoding until its answer is encoded:
-// each step's decoded request (which its job borrows), its response without o.data and
-// lse.data, the buffers its outputs are written into, and (BatchStep) its status. Shared by the
-// handler and the steps' completions; the last completion encodes the answer.
-struct WireStepCall {
-  struct Output {
-    v1::StepResponse response;
-    OutputBytes o, lse;
-    absl::Status status;
-  };
-  std::vector<DecodedStepRequest> requests;
-  std::vector<Output> outputs;
-
-  // Sizes outputs for the decoded requests (their addresses stay put from here on).
-  void SizeOutputs() { outputs.resize(requests.size()); }
-  WireStepData Wire(size_t i) {
-    return {&requests[i].data, &outputs[i].o, &outputs[i].lse};
-  }
-};
-
-// The received message's bytes as pieces of its slices, which *slices holds; request is left
-// empty (gRPC owns it until the call ends and destroys it emptied). The pieces are needed only
-// until the handler returns: every step's tensors are copied out as it is validated.
-absl::Status TakeReceived(const grpc::ByteBuffer* request, std::vector<grpc::Slice>* slices,
-                          std::vector<std::string_view>* pieces) {
-  auto* taken = const_cast<grpc::ByteBuffer*>(request);
-  absl::Status st = FromGrpcStatus(taken->Dump(slices));
-  taken->Clear();
-  RETURN_IF_ERROR(st);
-  pieces->reserve(slices->size());
-  for (const grpc::Slice& s : *slices) {
-    pieces->emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ctx,
                                                  const grpc::ByteBuffer* request,
@@ -184,10 +188,12 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
   if (sessions_ == nullptr) return Unimplemented(ctx, Rpc::kStep, received);
   auto* reactor = ctx->DefaultReactor();
   auto call = std::make_shared<WireStepCall>();
-  auto finish = [this, reactor, arrival, received, response, call](const absl::Status& st) {
+  // Runs once: on the step's completion, or here when it never got that far.
+  auto finish = [this, reactor, arrival, received, response,
+                 raw = call.get()](const absl::Status& st) {
     int64_t sent = 0;
     if (st.ok()) {
-      WireStepCall::Output& out = call->outputs.front();
+      WireStepCall::Output& out = raw->outputs.front();
       *response = EncodeStepResponse(out.response, std::move(out.o), std::move(out.lse));
       sent = static_cast<int64_t>(response->Length());
     }
@@ -196,21 +202,17 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
     if (draining_.load()) return absl::UnavailableError(kShuttingDown);
-    std::vector<grpc::Slice> slices;
-    std::vector<std::string_view> pieces;
-    RETURN_IF_ERROR(TakeReceived(request, &slices, &pieces));
-    RETURN_IF_ERROR(DecodeStepRequest(pieces, &call->requests.emplace_back()));
-    call->SizeOutputs();
+    RETURN_IF_ERROR(call->Take(request));
+    RETURN_IF_ERROR(DecodeStepRequest(call->pieces, &call->requests.emplace_back()));
+    call->outputs.resize(1);
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
-    ASSIGN_OR_RETURN(std::unique_ptr<AttendJob> job,
-                     MakeStepJob(ctx, client, call->requests.front().header,
-                                 &call->outputs.front().response, arrival,
+    ASSIGN_OR_RETURN(std::unique_ptr<StepJob> job,
+                     MakeStepJob(ctx, client, call, 0, arrival,
                                  [slot, finish](absl::Status s) {
                                    slot->Release();
                                    finish(s);
-                                 },
-                                 call->Wire(0)));
-    std::vector<std::unique_ptr<AttendJob>> jobs;
+                                 }));
+    std::vector<std::unique_ptr<StepJob>> jobs;
     jobs.push_back(std::move(job));
     EnqueueSteps(std::move(jobs));
     return absl::OkStatus();
@@ -249,19 +251,17 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
     if (draining_.load()) return absl::UnavailableError(kShuttingDown);
     auto call = std::make_shared<WireStepCall>();
-    std::vector<grpc::Slice> slices;
-    std::vector<std::string_view> pieces;
-    RETURN_IF_ERROR(TakeReceived(request, &slices, &pieces));
-    RETURN_IF_ERROR(DecodeBatchStepRequest(pieces, &call->requests));
-    call->SizeOutputs();
+    RETURN_IF_ERROR(call->Take(request));
+    RETURN_IF_ERROR(DecodeBatchStepRequest(call->pieces, &call->requests));
+    call->outputs.resize(call->requests.size());
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
     const size_t n = call->requests.size();
     auto batch = std::make_shared<BatchStepCall>();
     batch->slot = slot;
-    batch->finish = [this, reactor, arrival, received, response, call] {
-      std::vector<EncodedStepResult> results(call->outputs.size());
+    batch->finish = [this, reactor, arrival, received, response, raw = call.get()] {
+      std::vector<EncodedStepResult> results(raw->outputs.size());
       for (size_t i = 0; i < results.size(); ++i) {
-        WireStepCall::Output& out = call->outputs[i];
+        WireStepCall::Output& out = raw->outputs[i];
         results[i].status_code = static_cast<int32_t>(out.status.code());
         if (!out.status.ok()) {
           results[i].status_message = std::string(out.status.message());
@@ -276,15 +276,17 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
                   static_cast<int64_t>(response->Length()));
     };
     batch->remaining = static_cast<int64_t>(n) + 1;  // + 1 until every item is queued
-    std::vector<std::unique_ptr<AttendJob>> jobs;
+    std::vector<std::unique_ptr<StepJob>> jobs;
+    jobs.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       WireStepCall::Output* out = &call->outputs[i];
-      auto job = MakeStepJob(ctx, client, call->requests[i].header, &out->response, arrival,
+      // The jobs hold the call (input_hold) until they are gone, the handler until it returns:
+      // it lives until the answer is encoded, whoever completes the last item.
+      auto job = MakeStepJob(ctx, client, call, i, arrival,
                              [batch, out](absl::Status s) {
                                out->status = std::move(s);
                                batch->ItemDone();
-                             },
-                             call->Wire(i));
+                             });
       if (job.ok()) {
         jobs.push_back(std::move(*job));
       } else {

@@ -6,9 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_util.h"
-#include "engine/backend.h"
-#include "sessions/step_launch.h"
-#include "sessions/step_work.h"
 #include "transport/tensor_source.h"
 
 namespace attn {
@@ -38,8 +35,8 @@ absl::Status CheckPresent(const v1::StepRequest& r) {
 }
 
 // The sizes of q.data, k_new.data and v_new.data, wherever they are.
-TensorDataSizes DataSizes(const v1::StepRequest& r, const WireStepData& wire) {
-  if (wire.in != nullptr) return {wire.in->q.size, wire.in->k.size, wire.in->v.size};
+TensorDataSizes DataSizes(const v1::StepRequest& r, const WireTensors* wire) {
+  if (wire != nullptr) return {wire->q.size, wire->k.size, wire->v.size};
   return {r.q().data().size(), r.k_new().data().size(), r.v_new().data().size()};
 }
 
@@ -111,9 +108,11 @@ absl::StatusOr<kernels::DType> SessionDType(v1::DType dtype) {
                               "element type), got ", DTypeName(dtype)));
 }
 
-absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(
-    const v1::StepRequest& r, std::shared_ptr<Session> session, const RequestLimits& limits,
-    const StepRegions& regions, v1::StepResponse* response, const WireStepData& wire) {
+absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepRequest& r,
+                                                             std::shared_ptr<Session> session,
+                                                             const RequestLimits& limits,
+                                                             const StepRegions& regions,
+                                                             WireTensors* wire) {
   const SessionShape& shape = session->shape();
   if (r.layer() < 0 || r.layer() >= shape.num_layers) {
     return Invalid(absl::StrCat("layer ", r.layer(), " is out of range: session ", session->id(),
@@ -123,7 +122,7 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(
   const TensorDataSizes data = DataSizes(r, wire);
   RETURN_IF_ERROR(CheckStepShapes(r, *session, limits, data));
   RETURN_IF_ERROR(CheckOptions(r));
-  auto job = std::make_unique<AttendJob>();
+  auto job = std::make_unique<StepJob>();
   job->total_q = static_cast<int32_t>(r.q().shape(0));
   job->return_lse = r.return_lse();
   BatchKey& key = job->key;
@@ -142,13 +141,21 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(
   key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
   key.page_tokens = shape.page_tokens;
   key.decode = job->total_q == 1;
-  RETURN_IF_ERROR(ResolveStepTensors(r, regions.owner, regions.registry, regions.gpu_regions,
-                                     job.get()));
+  const bool any_region = r.q().has_region() || r.k_new().has_region() ||
+                          r.v_new().has_region() || r.has_o_region() || r.has_lse_region();
+  if (any_region) {
+    RETURN_IF_ERROR(ResolveStepTensors(r, regions.owner, regions.registry, regions.gpu_regions,
+                                       job.get()));
+  } else {
+    // Every tensor in the message (its data fields, or the received slices): nothing to resolve.
+    job->q_bytes = r.q().data();
+    job->k_bytes = r.k_new().data();
+    job->v_bytes = r.v_new().data();
+  }
   // Outputs written into regions take no room in the response.
-  const int64_t q_bytes = int64_t{job->total_q} * key.num_heads * key.head_dim *
-                          static_cast<int64_t>(kernels::DTypeSize(key.wire_dtype));
-  const int64_t lse_bytes = job->return_lse ? int64_t{4} * key.num_heads * job->total_q : 0;
-  const int64_t o_message = job->o_out != nullptr ? 0 : q_bytes;
+  const int64_t o_bytes = static_cast<int64_t>(job->OBytes());
+  const int64_t lse_bytes = static_cast<int64_t>(job->LseBytes());
+  const int64_t o_message = job->o_out != nullptr ? 0 : o_bytes;
   const int64_t lse_message = job->lse_out != nullptr ? 0 : lse_bytes;
   constexpr int64_t kResponseOverhead = 1024;
   const int64_t response_bytes = o_message + lse_message + kResponseOverhead;
@@ -158,33 +165,31 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(
         response_bytes, " bytes, over the ", limits.max_response_bytes,
         "-byte message limit (attnd's --max_message_bytes); send fewer new tokens per step"));
   }
-  // Bytes held in the server: the message's tensors and the outputs sized in the response.
+  // Bytes held in the server: the message's tensors and the outputs that come back in it.
   job->bytes = static_cast<int64_t>(data.q + data.k + data.v) + o_message + lse_message;
-  if (wire.in != nullptr) {
-    // Steps are copied from q_bytes.. into the launch's staging: the one copy out of the
-    // received slices goes to host memory of the job's own. Not read in place: with the
-    // received slices held until the job was done, steps computed wrong results in the
-    // concurrent session test under TSan (cause not found), so nothing relies on them after
-    // the handler.
-    StageWireInputsOnHost(*wire.in, job.get());
-    if (job->o_out == nullptr) {
-      *wire.o = OutputBytes::Allocate(static_cast<size_t>(q_bytes));
-      job->o_out = wire.o->data.get();
-    }
-    if (job->return_lse && job->lse_out == nullptr) {
-      *wire.lse = OutputBytes::Allocate(static_cast<size_t>(lse_bytes));
-      job->lse_out = wire.lse->data.get();
-    }
-  }
-  auto work = std::make_shared<StepWork>();
-  work->session = std::move(session);
-  work->layer = r.layer();
-  work->request = &r;
-  work->response = response;
-  work->new_tokens = job->total_q;
-  job->step = std::move(work);
-  PrepareStepResponse(*job);
+  // Tensors that came inline on the wire path are read from the received message's pieces when
+  // the launch is staged (the one copy of them); ResolveStepTensors pointed them at the empty
+  // data fields.
+  if (wire != nullptr) job->wire = std::move(*wire);
+  job->session = std::move(session);
+  job->layer = r.layer();
   return job;
+}
+
+void PrepareStepResponse(const StepJob& job, const v1::StepRequest& request,
+                         v1::StepResponse* response) {
+  const v1::Tensor& q = request.q();
+  v1::Tensor* o = response->mutable_o();
+  o->set_dtype(q.dtype());
+  o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
+  if (request.has_o_region()) *o->mutable_region() = request.o_region();
+  if (job.return_lse) {
+    v1::Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::DTYPE_FLOAT32);
+    lse->add_shape(job.key.num_heads);
+    lse->add_shape(job.total_q);
+    if (request.has_lse_region()) *lse->mutable_region() = request.lse_region();
+  }
 }
 
 }  // namespace attn

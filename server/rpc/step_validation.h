@@ -8,11 +8,10 @@
 
 #include "absl/status/statusor.h"
 #include "attn/v1/attention.pb.h"
-#include "engine/attend_job.h"
 #include "engine/wire_tensors.h"
-#include "rpc/attend_response_encoder.h"
 #include "rpc/attend_validation.h"
 #include "sessions/session.h"
+#include "sessions/step_job.h"
 
 namespace attn {
 
@@ -28,26 +27,24 @@ struct StepRegions {
   bool gpu_regions = false;
 };
 
-// A step decoded from the wire (rpc/step_request_decoder.h): its tensors' data as pieces of the
-// received message (q, k_new, v_new in WireTensors' q, k, v), and the call's buffers its outputs
-// are written into and sent from (rpc/attend_response_encoder.h).
-struct WireStepData {
-  const WireTensors* in = nullptr;
-  OutputBytes* o = nullptr;
-  OutputBytes* lse = nullptr;
-};
-
 // Checks request against session (layer range, tensors, dtype and shapes matching the
 // session, heads a multiple of its KV heads, scale, window, regions, response size) and makes
-// its job: key, sizes, where its tensors are (message, host or GPU regions), the StepWork (sharing
-// session), and the response sized for the output. INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+// its job: key, sizes, where its tensors are (the received message, the request's data fields,
+// host or GPU regions) and the session it appends to. wire set: the request's data fields are
+// empty and the data of q, k_new and v_new is in *wire (pieces of the received message), which is
+// moved into the job (whose input_hold the caller sets to what keeps those pieces). Outputs not
+// bound for a region come back in the job's o and lse. INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 // NOT_FOUND (a region) or FAILED_PRECONDITION (shared memory off) name the bad field.
-// wire set: request's data fields are empty and the data is wire.in's; once validated it is
-// copied (once) into the job's host_inputs, and outputs not bound for a region go into buffers
-// allocated in wire.o and wire.lse instead of the response.
-absl::StatusOr<std::unique_ptr<AttendJob>> ValidateStepRequest(
-    const v1::StepRequest& request, std::shared_ptr<Session> session, const RequestLimits& limits,
-    const StepRegions& regions, v1::StepResponse* response, const WireStepData& wire = {});
+absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepRequest& request,
+                                                             std::shared_ptr<Session> session,
+                                                             const RequestLimits& limits,
+                                                             const StepRegions& regions,
+                                                             WireTensors* wire = nullptr);
+
+// The response's o (and lse) tensors without their data (dtype, shape, and the region slice of
+// an output written into a region).
+void PrepareStepResponse(const StepJob& job, const v1::StepRequest& request,
+                         v1::StepResponse* response);
 
 // The 16-bit cache dtype CreateSession asks for, or INVALID_ARGUMENT naming `dtype`.
 absl::StatusOr<kernels::DType> SessionDType(v1::DType dtype);

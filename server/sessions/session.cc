@@ -1,5 +1,6 @@
 #include "sessions/session.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -25,7 +26,7 @@ std::unique_ptr<Session> Session::Fork(std::string id) const {
   for (size_t l = 0; l < layers_.size(); ++l) {
     fork->layers_[l].pages = layers_[l].pages;
     fork->layers_[l].tokens = layers_[l].tokens;
-    pool_->Ref(layers_[l].pages);
+    pool_->Ref(layers_[l].pages, shape_.page_span);
   }
   return fork;
 }
@@ -82,51 +83,64 @@ absl::StatusOr<PendingAppend> Session::BeginAppend(int32_t layer, int64_t n) {
   const Layer& l = layers_[layer];
   PendingAppend p;
   p.layer = layer;
-  p.old_tokens = l.tokens;
-  p.new_tokens = l.tokens + n;
-  if (p.new_tokens > shape_.max_tokens) {
+  p.tokens_before = l.tokens;
+  p.tokens_after = l.tokens + n;
+  if (p.tokens_after > shape_.max_tokens) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "session ", id_, " layer ", layer, " holds ", l.tokens, " tokens; ", n,
-        " more would make ", p.new_tokens, ", over the session's limit of ", shape_.max_tokens,
+        " more would make ", p.tokens_after, ", over the session's limit of ", shape_.max_tokens,
         " tokens per layer (CreateSession max_tokens, at most the server's "
         "--max_session_tokens); truncate or close the session"));
   }
   const int64_t t = shape_.page_tokens;
   const int64_t in_last = l.tokens % t;  // rows used in a partial last page
-  const bool copy_last = n > 0 && in_last != 0 && pool_->RefCount(l.pages.back()) > 1;
-  const int64_t pages_after = (p.new_tokens + t - 1) / t;
-  const int64_t fresh = pages_after - static_cast<int64_t>(l.pages.size());
-  if (absl::Status st = pool_->Allocate(fresh + (copy_last ? 1 : 0), &p.taken); !st.ok()) {
+  const bool copy_last =
+      n > 0 && in_last != 0 && pool_->RefCount(l.pages.back(), shape_.page_span) > 1;
+  const int64_t fresh = p.TablePages(shape_.page_tokens) - static_cast<int64_t>(l.pages.size());
+  if (absl::Status st = pool_->Allocate(fresh + (copy_last ? 1 : 0), &p.taken, shape_.page_span);
+      !st.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat(st.message(), " (session ", id_, ", layer ", layer, ")"));
   }
-  p.table = l.pages;
-  size_t next_taken = 0;
   if (copy_last) {
-    const int32_t shared = l.pages.back(), copy = p.taken[next_taken++];
+    const int32_t shared = l.pages.back(), copy = p.taken.front();
+    p.copies.reserve(in_last);
     for (int64_t r = 0; r < in_last; ++r) p.copies.push_back({shared * t + r, copy * t + r});
-    p.table.back() = copy;
     p.replaced = shared;
   }
-  while (next_taken < p.taken.size()) p.table.push_back(p.taken[next_taken++]);
-  p.append_rows.reserve(n);
-  for (int64_t pos = p.old_tokens; pos < p.new_tokens; ++pos) {
-    p.append_rows.push_back(int64_t{p.table[pos / t]} * t + pos % t);
-  }
   return p;
+}
+
+void Session::WriteTableAfter(const PendingAppend& p, int32_t* dst) const {
+  // The holder of the layer is the only one to change its table: read without the lock.
+  const std::vector<int32_t>& before = layers_[p.layer].pages;
+  std::copy(before.begin(), before.end(), dst);
+  size_t next = 0;
+  if (p.replaced) dst[before.size() - 1] = p.taken[next++];
+  std::copy(p.taken.begin() + static_cast<std::ptrdiff_t>(next), p.taken.end(),
+            dst + before.size());
+}
+
+std::vector<int32_t> Session::TableAfter(const PendingAppend& p) const {
+  std::vector<int32_t> table(static_cast<size_t>(p.TablePages(shape_.page_tokens)));
+  WriteTableAfter(p, table.data());
+  return table;
 }
 
 void Session::CommitAppend(PendingAppend p) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     Layer& l = layers_[p.layer];
-    l.pages = std::move(p.table);
-    l.tokens = p.new_tokens;
+    size_t next = 0;
+    if (p.replaced) l.pages.back() = p.taken[next++];
+    l.pages.insert(l.pages.end(), p.taken.begin() + next, p.taken.end());
+    l.tokens = p.tokens_after;
   }
-  if (p.replaced) pool_->Unref({&*p.replaced, 1});  // the shared page stays with its sharers
+  // The shared page stays with its sharers.
+  if (p.replaced) pool_->Unref({&*p.replaced, 1}, shape_.page_span);
 }
 
-void Session::AbortAppend(PendingAppend p) { pool_->Unref(p.taken); }
+void Session::AbortAppend(PendingAppend p) { pool_->Unref(p.taken, shape_.page_span); }
 
 absl::StatusOr<Session::TruncateResult> Session::Truncate(int64_t tokens) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -147,7 +161,8 @@ absl::StatusOr<Session::TruncateResult> Session::Truncate(int64_t tokens) {
   for (Layer& l : layers_) {
     l.tokens -= tokens;
     const size_t keep = static_cast<size_t>((l.tokens + t - 1) / t);
-    r.freed_pages += pool_->Unref({l.pages.data() + keep, l.pages.size() - keep});
+    r.freed_pages +=
+        pool_->Unref({l.pages.data() + keep, l.pages.size() - keep}, shape_.page_span);
     l.pages.resize(keep);
     r.cached_tokens.push_back(l.tokens);
   }
@@ -155,7 +170,7 @@ absl::StatusOr<Session::TruncateResult> Session::Truncate(int64_t tokens) {
 }
 
 int64_t Session::ReleaseLayerPagesLocked(Layer& l) {
-  const int64_t freed = pool_->Unref(l.pages);
+  const int64_t freed = pool_->Unref(l.pages, shape_.page_span);
   l.pages.clear();
   l.tokens = 0;
   return freed;
@@ -184,7 +199,7 @@ int64_t Session::CachedTokens(int32_t layer) const {
 int64_t Session::PagesHeld() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t n = 0;
-  for (const Layer& l : layers_) n += static_cast<int64_t>(l.pages.size());
+  for (const Layer& l : layers_) n += static_cast<int64_t>(l.pages.size()) * shape_.page_span;
   return n;
 }
 

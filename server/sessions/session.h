@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,28 +36,38 @@ struct SessionShape {
   int32_t head_dim = 0;
   kernels::DType dtype = kernels::DType::kBFloat16;
   int64_t max_tokens = 0;   // per layer
-  int32_t page_tokens = 0;  // token rows per page (page_bytes / row bytes)
+  // A page of the session's tables: page_span adjacent pages of the pool (1 when the row divides
+  // a pool page), holding page_tokens token rows.
+  int32_t page_tokens = 0;
+  int32_t page_span = 1;
   // Bytes of one token's keys (or values) in one layer.
   int64_t RowBytes() const { return int64_t{num_kv_heads} * head_dim * kernels::DTypeSize(dtype); }
 };
 
-// Rows of the page pool, as page * page_tokens + offset.
+// Rows of the KV region in the session's row size, as page * page_tokens + offset (pages of its
+// tables).
 struct RowCopy {
   int64_t src_row = 0;
   int64_t dst_row = 0;
 };
 
-// A step's append between BeginAppend and CommitAppend/AbortAppend.
+// A step's append between BeginAppend and CommitAppend/AbortAppend: the layer's table after the
+// step is its table before (Session::LayerPages), with the last page replaced when the step copies
+// a shared partial page (copy on write), then the pages taken.
 struct PendingAppend {
   int32_t layer = 0;
-  int64_t old_tokens = 0;
-  int64_t new_tokens = 0;            // cached after the step
-  std::vector<int32_t> table;        // the layer's page table with the step's tokens
-  std::vector<int32_t> taken;        // pages taken from the pool for this step (owned)
-  std::optional<int32_t> replaced;   // a shared page the copy-on-write replaces in the table
-  std::vector<RowCopy> copies;       // copy-on-write: rows of the shared page into its copy
-  // Pool row of each new token, in order.
-  std::vector<int64_t> append_rows;
+  int64_t tokens_before = 0;  // cached in the layer before the step
+  int64_t tokens_after = 0;   // and after it
+  std::vector<int32_t> taken;  // pages taken from the pool for this step (owned), in table order
+  // Copy on write of the shared partial last page: the page that replaces it (the first of
+  // taken) and the rows to copy; replaced is the shared page given up on commit.
+  std::optional<int32_t> replaced;
+  std::vector<RowCopy> copies;
+  int64_t appended() const { return tokens_after - tokens_before; }
+  // Pages of the table after the step.
+  int64_t TablePages(int32_t page_tokens) const {
+    return (tokens_after + page_tokens - 1) / page_tokens;
+  }
 };
 
 class Session {
@@ -83,10 +94,15 @@ class Session {
   // lock of the caller's held.
   void ReleaseLayer(int32_t layer);
 
-  // Takes the pages a step of new_tokens needs (a copy for a shared partial last page, then new
-  // pages), all or nothing. NOT_FOUND once the session is closed; RESOURCE_EXHAUSTED over the
+  // Takes the pages a step appending `tokens` needs (a copy for a shared partial last page, then
+  // new pages), all or nothing. NOT_FOUND once the session is closed; RESOURCE_EXHAUSTED over the
   // session's token limit or when the pool is short of pages. The caller holds the layer.
-  absl::StatusOr<PendingAppend> BeginAppend(int32_t layer, int64_t new_tokens);
+  absl::StatusOr<PendingAppend> BeginAppend(int32_t layer, int64_t tokens);
+  // The layer's page table after the pending append p, for the caller that holds the layer
+  // (nobody else changes the table then): written to dst, which has room for
+  // p.TablePages(shape().page_tokens) entries, or returned.
+  void WriteTableAfter(const PendingAppend& p, int32_t* dst) const;
+  std::vector<int32_t> TableAfter(const PendingAppend& p) const;
   void CommitAppend(PendingAppend pending);
   void AbortAppend(PendingAppend pending);
 
@@ -104,7 +120,7 @@ class Session {
   bool closed() const;
 
   int64_t CachedTokens(int32_t layer) const;
-  int64_t PagesHeld() const;  // references held by the tables
+  int64_t PagesHeld() const;  // pool pages the tables hold references to
   void Touch(Clock::time_point now);
   Clock::time_point last_used() const;
   // True when some layer has a step in progress or waiting.

@@ -1,6 +1,8 @@
 #include "sessions/session_manager.h"
 
 #include <algorithm>
+#include <limits>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -66,9 +68,15 @@ SessionManager::~SessionManager() {
   sessions_.clear();
 }
 
-int32_t SessionManager::PageTokensFor(int64_t row_bytes) const {
-  if (row_bytes < 1 || pool_->page_bytes() % row_bytes != 0) return 0;
-  return static_cast<int32_t>(pool_->page_bytes() / row_bytes);
+PageLayout SessionManager::PageLayoutFor(int64_t row_bytes) const {
+  const int64_t page = pool_->page_bytes();
+  if (row_bytes < 1) return {0, 1};
+  // The fewest pages whose bytes are a whole number of rows: row / gcd(row, page).
+  const int64_t span = row_bytes / std::gcd(row_bytes, page);
+  if (span > kMaxPageSpan) return {0, 1};
+  const int64_t tokens = span * page / row_bytes;
+  if (tokens > std::numeric_limits<int32_t>::max()) return {0, 1};
+  return {static_cast<int32_t>(tokens), static_cast<int32_t>(span)};
 }
 
 absl::Status SessionManager::CheckCreateParams(const CreateParams& p) const {
@@ -86,12 +94,16 @@ absl::Status SessionManager::CheckCreateParams(const CreateParams& p) const {
     return invalid("max_tokens must be in [0, ", options_.max_session_tokens,
                    "] (0: the server's limit, --max_session_tokens), got ", p.max_tokens);
   }
+  if (p.num_kv_heads > (1 << 16)) {
+    return invalid("num_kv_heads must be at most 65536, got ", p.num_kv_heads);
+  }
   const int64_t row = int64_t{p.num_kv_heads} * p.head_dim * kernels::DTypeSize(p.dtype);
-  if (PageTokensFor(row) == 0) {
+  if (PageLayoutFor(row).tokens == 0) {
     return invalid("num_kv_heads (", p.num_kv_heads, ") x head_dim (", p.head_dim,
-                   ") x 2 bytes = ", row, " bytes per token must divide the KV page of ",
-                   pool_->page_bytes(), " bytes (--kv_page_tokens x 2048); use a power-of-two ",
-                   "num_kv_heads and head_dim, or start attnd with another --kv_page_tokens");
+                   ") x 2 bytes = ", row, " bytes per token fit no run of at most ",
+                   kMaxPageSpan, " KV pages of ", pool_->page_bytes(),
+                   " bytes (--kv_page_tokens x 2048) as whole rows; start attnd with another "
+                   "--kv_page_tokens");
   }
   return absl::OkStatus();
 }
@@ -112,7 +124,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(const Cre
   shape.head_dim = p.head_dim;
   shape.dtype = p.dtype;
   shape.max_tokens = p.max_tokens > 0 ? p.max_tokens : options_.max_session_tokens;
-  shape.page_tokens = PageTokensFor(shape.RowBytes());
+  const PageLayout layout = PageLayoutFor(shape.RowBytes());
+  shape.page_tokens = layout.tokens;
+  shape.page_span = layout.span;
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);

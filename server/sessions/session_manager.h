@@ -29,8 +29,19 @@ class Metrics;
 
 // A page holds --kv_page_tokens tokens of this many bytes of keys (8 KV heads x head_dim 128 x
 // 2 bytes) and as many of values; sessions with another KV row get page_bytes / row tokens per
-// page (CreateSessionResponse.page_tokens).
+// page (CreateSessionResponse.page_tokens), or, where the row does not divide a page, pages of
+// several adjacent pool pages (PageLayoutFor).
 constexpr int64_t kReferenceKvRowBytes = 2048;
+
+// Most pool pages one page of a session's table may span.
+constexpr int32_t kMaxPageSpan = 64;
+
+// How a session's KV row fits the pool's pages: a page of its tables is `span` adjacent pool
+// pages (the fewest whose bytes are a whole number of rows) holding `tokens` rows.
+struct PageLayout {
+  int32_t tokens = 0;
+  int32_t span = 1;
+};
 
 class SessionManager {
  public:
@@ -81,9 +92,10 @@ class SessionManager {
   int64_t OpenSessions() const;
   const Options& options() const { return options_; }
   KvPagePool& pool() const { return *pool_; }
-  // Tokens per page for sessions of this row size (keys of one token of one layer), or 0 when
-  // the row does not divide a page.
-  int32_t PageTokensFor(int64_t row_bytes) const;
+  // The page layout of sessions of this row size (keys of one token of one layer); tokens 0 when
+  // no run of at most kMaxPageSpan pool pages holds whole rows.
+  PageLayout PageLayoutFor(int64_t row_bytes) const;
+  int32_t PageTokensFor(int64_t row_bytes) const { return PageLayoutFor(row_bytes).tokens; }
   // Sets the session and page gauges from the current state.
   void UpdateMetrics();
   // The same at most every 50 ms (steps call it as they end; the expiry thread every sweep).

@@ -1,56 +1,66 @@
-// One paged launch over a batch of session steps, as the host plans it: each step's append
-// begun (pages taken, copy-on-write planned), the CSR page table of the launch and where the
-// new rows go. The backend then copies rows, appends the new keys and values, runs the kernel
-// with StepLaunchArgs, and ends the launch: every append is committed when the launch
-// succeeded and given back otherwise, so a failed step leaves its session's cache as it was.
+// One launch of session steps as the step pipeline plans it (sessions/step_pipeline.h): its
+// members (each with its append begun), how each moves its tensors, and where every part lies in
+// the launch's staging. The host arrays of the launch (sequence offsets, the CSR page table,
+// the rows to copy and append) are written straight into the input staging, which the device
+// copies as it is; the kernel arguments point into it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <span>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "attn/kernels/attention.h"
-#include "engine/attend_job.h"
-#include "sessions/session.h"
+#include "engine/job.h"
+#include "engine/output_bytes.h"
+#include "sessions/step_job.h"
 
 namespace attn {
 
-struct StepLaunch {
-  std::vector<size_t> members;          // indices into the batch of the jobs in the launch
-  std::vector<int32_t> cu_seqlens_q;    // [members + 1]
-  std::vector<int32_t> page_indptr;     // [members + 1]
-  std::vector<int32_t> page_indices;
-  std::vector<int32_t> seqlens_k;       // [members], keys after the append
-  std::vector<RowCopy> copies;          // copy-on-write, pool row to pool row, before appends
-  std::vector<int64_t> append_rows;     // pool row of each new token, in launch order
-  int32_t total_q = 0;
-  int32_t max_q = 0;
-  int32_t max_k = 0;
-  double kv_bytes_read = 0;             // K and V bytes the kernel reads from the pool
+// How one member of a launch moves its tensors: straight between the device and where they lie
+// (true: a GPU region, or a host region registered with the device), or through the launch's
+// staging (false).
+struct StepRoute {
+  bool q = false, k = false, v = false, o = false, lse = false;
+  bool device = false;  // the direct ones are device addresses (GPU regions)
+  bool AnyInput() const { return q || k || v; }
+  bool AnyOutput() const { return o || lse; }
 };
 
-// Begins the append of every job of the batch (BeginAppend); a job that cannot begin gets its
-// error in status[i] and is left out of the launch.
-StepLaunch BeginStepLaunch(std::span<std::unique_ptr<AttendJob>> jobs,
-                           std::span<absl::Status> status);
+// Offsets of each part in the input staging (and in its copy on the device, which has the same
+// layout) and in the output staging. A launch in place has no room for tensors (sizes 0).
+struct StepLayout {
+  size_t q = 0, k = 0, v = 0;                             // packed q, k_new, v_new
+  size_t tables = 0;                                      // where the arrays below begin
+  size_t cu_q = 0, indptr = 0, indices = 0, seqlens = 0;  // int32 arrays
+  size_t copy_src = 0, copy_dst = 0, append = 0;          // int64 rows of the KV region
+  size_t in_bytes = 0;
+  size_t o = 0, lse = 0, out_bytes = 0;
+};
 
-// Commits each member's append when launch is OK, else gives its pages back and sets
-// status[i] = launch. Sets each member's cached_tokens.
-void EndStepLaunch(std::span<std::unique_ptr<AttendJob>> jobs, const StepLaunch& launch,
-                   std::span<absl::Status> status, const absl::Status& launch_status);
+struct StepLaunch {
+  BatchKey key;
+  std::vector<StepJob*> members;
+  std::vector<StepRoute> routes;  // per member
+  bool in_place = false;          // the device runs it over the member's regions, no copies
+  bool any_lse = false;
+  bool staged_out = false;        // some output comes back through `out`
+  int32_t total_q = 0, max_q = 0, max_k = 0;
+  int64_t page_entries = 0;  // entries of the CSR page table
+  int64_t copy_rows = 0;     // copy-on-write rows
+  int32_t num_pages = 0;     // pages of the KV region in the members' page size
+  int64_t row_bytes = 0;     // bytes of one token's keys (or values)
+  double kv_bytes_read = 0;  // K and V bytes the kernel reads from the KV region
+  StepLayout layout;
+  char* in = nullptr;  // input staging (host), layout.in_bytes
+  OutputBytes out;     // output staging (host), layout.out_bytes; empty unless staged_out
 
-// The kernel arguments of the launch, with the CSR arrays pointing into `launch` (host memory);
-// q, k, v, o, lse and, for device launches, the array pointers are for the backend to set.
-kernels::AttentionArgs StepLaunchArgs(const BatchKey& key, const StepLaunch& launch,
-                                      int32_t num_pages);
-
-// Sizes the response's o (and lse) for the step so that a backend can write into them, or
-// names the output regions there.
-void PrepareStepResponse(const AttendJob& job);
-// Where a step's o and lse are written: its output regions, else its response's data.
-char* StepOutput(AttendJob& job);
-float* StepLse(AttendJob& job);
+  template <typename T>
+  T* At(size_t offset) const { return reinterpret_cast<T*>(in + offset); }
+  const int32_t* cu_seqlens_q() const { return At<int32_t>(layout.cu_q); }
+  // The kernel arguments with the host arrays in `in`; q, k, v, o and lse are unset (the
+  // device puts its own addresses in, and those of the arrays' device copy).
+  kernels::AttentionArgs HostArgs() const;
+};
 
 }  // namespace attn

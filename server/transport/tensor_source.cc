@@ -147,7 +147,7 @@ absl::Status CheckAllOnGpu(const TensorFields& f, const ResolvedTensors& t) {
 
 // Points job's sources and destinations at t and holds each region once (so that
 // RegionInfo.in_flight counts requests, not tensors).
-void ApplyTo(ResolvedTensors& t, AttendJob* job) {
+void ApplyTo(ResolvedTensors& t, Job* job) {
   job->device_tensors = t.q.on_gpu;
   job->host_registered = {t.q.device_registered, t.k.device_registered, t.v.device_registered,
                           t.o.device_registered, t.lse.device_registered};
@@ -197,8 +197,7 @@ absl::Status ResolveAttendTensors(const v1::AttendRequest& r, const std::string&
 }
 
 absl::Status ResolveStepTensors(const v1::StepRequest& r, const std::string& owner,
-                                const RegionRegistry* registry, bool gpu_regions,
-                                AttendJob* job) {
+                                const RegionRegistry* registry, bool gpu_regions, Job* job) {
   const BatchKey& key = job->key;
   const uint64_t elem = kernels::DTypeSize(key.wire_dtype);
   TensorFields f{&r.q(), &r.k_new(), &r.v_new(), "k_new", "v_new",

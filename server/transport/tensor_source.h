@@ -55,7 +55,7 @@ absl::StatusOr<ResolvedBytes> ResolveTensor(const v1::Tensor& t, const std::stri
 
 // Points job's q/k/v sources and o/lse destinations at the request's regions where it names
 // any, and holds those regions for the job's lifetime. Call after ValidateAttendRequest and
-// before PrepareAttendResponse.
+// before the backend's Prepare.
 absl::Status ResolveAttendTensors(const v1::AttendRequest& request, const std::string& owner,
                                   const RegionRegistry* registry, AttendJob* job);
 
@@ -66,7 +66,6 @@ absl::Status ResolveAttendTensors(const v1::AttendRequest& request, const std::s
 // them (else FAILED_PRECONDITION naming the field). Call after ValidateStepRequest's checks,
 // before the response is sized.
 absl::Status ResolveStepTensors(const v1::StepRequest& request, const std::string& owner,
-                                const RegionRegistry* registry, bool gpu_regions,
-                                AttendJob* job);
+                                const RegionRegistry* registry, bool gpu_regions, Job* job);
 
 }  // namespace attn

@@ -1,8 +1,11 @@
 #include "common/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+
+#include "attn/kernels/dtype_convert.h"
 
 // The reference runs on one test thread over data that thread owns; under TSan its loops are
 // left uninstrumented (they made the sanitized end-to-end tests minutes long, for nothing).
@@ -73,6 +76,39 @@ float HalfToFloat(uint16_t h) {
     v = std::ldexp(1.0 + mant / 1024.0, exp - 15);
   }
   return static_cast<float>(sign ? -v : v);
+}
+
+double E4m3ToDouble(uint8_t code) {
+  const int sign = code >> 7, exp = (code >> 3) & 0xF, mant = code & 7;
+  if (exp == 15 && mant == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double mag = exp == 0 ? std::ldexp(mant / 8.0, -6) : std::ldexp(1.0 + mant / 8.0, exp - 7);
+  return sign ? -mag : mag;
+}
+
+Fp8Quantized QuantizeE4m3(const std::vector<double>& x, const std::vector<int32_t>& cu, int heads,
+                          int d) {
+  Fp8Quantized out;
+  out.codes.resize(x.size());
+  out.values.resize(x.size());
+  const size_t batch = cu.size() - 1;
+  out.scales.assign(batch * heads, 1.0f);
+  for (size_t b = 0; b < batch; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      double amax = 0;
+      for (int64_t r = cu[b]; r < cu[b + 1]; ++r)
+        for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(x[(r * heads + h) * d + c]));
+      const float scale = amax > 0 ? static_cast<float>(amax / 448.0) : 1.0f;
+      out.scales[b * heads + h] = scale;
+      for (int64_t r = cu[b]; r < cu[b + 1]; ++r) {
+        for (int c = 0; c < d; ++c) {
+          const size_t i = (r * heads + h) * d + c;
+          out.codes[i] = kernels::cpu::FloatToE4m3Bits(static_cast<float>(x[i] / scale));
+          out.values[i] = E4m3ToDouble(out.codes[i]) * scale;
+        }
+      }
+    }
+  }
+  return out;
 }
 
 HostTensor HostTensor::Random(kernels::DType dtype, int64_t elements, std::mt19937_64& rng,

@@ -51,6 +51,22 @@ struct ErrorStats {
 ErrorStats CompareTo(const std::vector<double>& ref, const HostTensor& got);
 ErrorStats CompareLse(const std::vector<double>& ref, const std::vector<float>& got);
 
+// OCP E4M3FN (FP8) code -> its value in float64, from the bit fields with ldexp (written apart
+// from the kernels library's conversion): (-1)^S * 2^(E-7) * (1 + M/8), or 2^-6 * M/8 for E = 0;
+// NaN for S.1111.111.
+double E4m3ToDouble(uint8_t code);
+
+// FP8 K or V of a contiguous [rows, heads, d] tensor, as a KV cache holds it: e4m3 codes with one
+// scale per (sequence, head), amax / 448 of that sequence's and head's values (1 where all are
+// 0), and the float64 values the codes stand for (code value * scale).
+struct Fp8Quantized {
+  std::vector<uint8_t> codes;  // [rows, heads, d]
+  std::vector<float> scales;   // [batch, heads]
+  std::vector<double> values;  // [rows, heads, d]
+};
+Fp8Quantized QuantizeE4m3(const std::vector<double>& x, const std::vector<int32_t>& cu_seqlens,
+                          int heads, int d);
+
 // Cumulative lengths of the given sequence lengths: {0, l0, l0+l1, ...}.
 std::vector<int32_t> CuSeqlens(const std::vector<int32_t>& lengths);
 

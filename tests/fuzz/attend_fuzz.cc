@@ -146,7 +146,7 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
   }
 
   v1::AttendResponse response;
-  out.violation = ComputeAttendOnCpu(job, &response);
+  out.violation = ComputeAttendOnCpu(job, request, &response);
   if (!out.violation.empty()) return out;
   out.computed = true;
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/kernels/cpu_attention.h"
+#include "engine/backend.h"
 #include "rpc/attend_validation.h"
 
 namespace attn::fuzz {
@@ -87,7 +88,7 @@ void FuzzRegions::Fill(uint32_t seed) {
   }
 }
 
-std::string FuzzRegions::CheckResolved(const AttendJob& job) const {
+std::string FuzzRegions::CheckResolved(const Job& job) const {
   const uint64_t elem = kernels::DTypeSize(job.key.wire_dtype);
   const uint64_t o_bytes = job.q_bytes.size();
   const uint64_t lse_bytes = 4 * uint64_t(job.total_q) * job.key.num_heads;
@@ -115,9 +116,12 @@ std::string FuzzRegions::CheckResolved(const AttendJob& job) const {
   return "";
 }
 
-std::string ComputeAttendOnCpu(AttendJob& job, v1::AttendResponse* response) {
-  job.response = response;
-  PrepareAttendResponse(job, response);
+std::string ComputeAttendOnCpu(AttendJob& job, const v1::AttendRequest& request,
+                               v1::AttendResponse* response) {
+  const bool o_in_region = job.o_out != nullptr;
+  const bool lse_in_region = job.lse_out != nullptr;
+  PrepareAttendResponse(job, request, response);
+  PrepareHostOutputs(job);  // as the CPU backend's Prepare
   const kernels::AttentionArgs args = job.HostArgs();
   if (kernels::Status st = kernels::ValidateCommon(args); !st.ok()) {
     return absl::StrCat("validated request fails kernels::ValidateCommon: ", st.message());
@@ -130,6 +134,14 @@ std::string ComputeAttendOnCpu(AttendJob& job, v1::AttendResponse* response) {
                                      ~uintptr_t{63});
   if (kernels::Status st = kernels::cpu::Run(args, ws, nullptr); !st.ok()) {
     return absl::StrCat("cpu::Run failed on a validated request: ", st.message());
+  }
+  if (!o_in_region) {
+    response->mutable_o()->set_data(job.o.data, job.o.size);
+    job.o_out = nullptr;
+  }
+  if (job.return_lse && !lse_in_region) {
+    response->mutable_lse()->set_data(job.lse.data, job.lse.size);
+    job.lse_out = nullptr;
   }
   return "";
 }

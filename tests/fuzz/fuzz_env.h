@@ -9,6 +9,7 @@
 #include <string>
 
 #include "engine/attend_job.h"
+#include "engine/job.h"
 #include "transport/region_registry.h"
 
 namespace attn::fuzz {
@@ -48,7 +49,7 @@ class FuzzRegions {
   // "" when every tensor of job (q, k, v read; o, lse written when not in the response) starts at
   // a multiple of its element size and, where it lies in a region, lies inside it; else which
   // does not. o and lse in the response are not checked (they are sized later).
-  std::string CheckResolved(const AttendJob& job) const;
+  std::string CheckResolved(const Job& job) const;
 
  private:
   FuzzRegions();
@@ -62,7 +63,10 @@ class FuzzRegions {
 };
 
 // Sizes job's response (PrepareAttendResponse) and computes it with the CPU kernel on this thread,
-// checking that a validated job is one the kernel takes. "" or the violation.
-std::string ComputeAttendOnCpu(AttendJob& job, v1::AttendResponse* response);
+// checking that a validated job is one the kernel takes; outputs not bound for a region end up in
+// the response's data, as attnd answers (and job.o_out / lse_out stay null for them). "" or the
+// violation.
+std::string ComputeAttendOnCpu(AttendJob& job, const v1::AttendRequest& request,
+                               v1::AttendResponse* response);
 
 }  // namespace attn::fuzz

@@ -9,7 +9,6 @@
 #include "rpc/attend_validation.h"
 #include "rpc/step_validation.h"
 #include "session_fuzz.h"
-#include "sessions/step_work.h"
 #include "transport/tensor_source.h"
 
 namespace attn::fuzz {
@@ -130,7 +129,7 @@ void ApplyEdits(const uint8_t* edits, size_t count, const std::vector<uint64_t>&
 // The same request with the bytes job read for q, k and v sent inline and its outputs in the
 // response.
 template <typename Request>
-Request InlineTwin(const Request& r, const AttendJob& job, v1::Tensor* (*tensor)(Request*, int)) {
+Request InlineTwin(const Request& r, const Job& job, v1::Tensor* (*tensor)(Request*, int)) {
   Request twin = r;
   const std::string_view read[3] = {job.q_bytes, job.k_bytes, job.v_bytes};
   for (int i = 0; i < 3; ++i) {
@@ -205,8 +204,8 @@ Outcome RunAttend(const Template& t, const uint8_t* edits, size_t count, uint8_t
     return out;
   }
   v1::AttendResponse response, twin_response;
-  out.violation = ComputeAttendOnCpu(**job, &response);
-  if (out.violation.empty()) out.violation = ComputeAttendOnCpu(**twin_job, &twin_response);
+  out.violation = ComputeAttendOnCpu(**job, r, &response);
+  if (out.violation.empty()) out.violation = ComputeAttendOnCpu(**twin_job, twin, &twin_response);
   if (!out.violation.empty()) return out;
   out.computed = true;
   if (response.o().has_region() != r.has_o_region()) {
@@ -265,15 +264,17 @@ v1::StepRequest TemplateStep(const Template& t, int32_t tokens, uint32_t seed) {
 // Validates r (inline) on sessions a and b and runs both in one batch; "" or what failed.
 std::string StepBoth(SessionEngine& e, const v1::StepRequest& r, const TwinSessions& sessions) {
   v1::StepResponse ra, rb;
-  auto a = ValidateStepRequest(r, sessions.a(), Limits(), StepRegions{}, &ra);
-  auto b = ValidateStepRequest(r, sessions.b(), Limits(), StepRegions{}, &rb);
+  auto a = ValidateStepRequest(r, sessions.a(), Limits(), StepRegions{});
+  auto b = ValidateStepRequest(r, sessions.b(), Limits(), StepRegions{});
   if (!a.ok() || !b.ok()) {
     return absl::StrCat("refused: ", a.status().ToString(), " ", b.status().ToString());
   }
-  std::vector<std::unique_ptr<AttendJob>> jobs;
+  PrepareStepResponse(**a, r, &ra);
+  PrepareStepResponse(**b, r, &rb);
+  std::vector<std::unique_ptr<StepJob>> jobs;
   jobs.push_back(std::move(*a));
   jobs.push_back(std::move(*b));
-  for (const absl::Status& st : e.RunSteps(std::move(jobs))) {
+  for (const absl::Status& st : e.RunSteps(std::move(jobs), {&ra, &rb})) {
     if (!st.ok()) return absl::StrCat("failed: ", st.ToString());
   }
   return "";
@@ -300,11 +301,12 @@ Outcome StepThroughRegions(SessionEngine& e, const TwinSessions& sessions, const
   FuzzRegions& regions = FuzzRegions::Get();
   const StepRegions step_regions{FuzzRegions::kOwner, &regions.registry(), (flags & 2) != 0};
   v1::StepResponse response;
-  auto job = ValidateStepRequest(r, sessions.a(), Limits(), step_regions, &response);
+  auto job = ValidateStepRequest(r, sessions.a(), Limits(), step_regions);
   if (!job.ok()) {
     if (RefusedWithoutMessage(job.status())) out.violation = "step refused without a message";
     return out;
   }
+  PrepareStepResponse(**job, r, &response);
   out.valid = true;
   out.violation = regions.CheckResolved(**job);
   if (!out.violation.empty()) return out;
@@ -321,18 +323,19 @@ Outcome StepThroughRegions(SessionEngine& e, const TwinSessions& sessions, const
   const uint64_t o_bytes = (*job)->q_bytes.size();
   const uint64_t lse_bytes = r.return_lse() ? 4 * uint64_t(t.tokens_q) * t.heads : 0;
   v1::StepResponse twin_response;
-  auto twin_job = ValidateStepRequest(twin, sessions.b(), Limits(), StepRegions{}, &twin_response);
+  auto twin_job = ValidateStepRequest(twin, sessions.b(), Limits(), StepRegions{});
   if (!twin_job.ok()) {
     out.violation = absl::StrCat("the inline twin of an accepted step is refused: ",
                                  twin_job.status().ToString());
     return out;
   }
+  PrepareStepResponse(**twin_job, twin, &twin_response);
   // One batch, as a BatchStep of both would be: the CPU backend reads every input of a launch
   // (A's from its regions) before it writes any output.
-  std::vector<std::unique_ptr<AttendJob>> jobs;
+  std::vector<std::unique_ptr<StepJob>> jobs;
   jobs.push_back(std::move(*job));
   jobs.push_back(std::move(*twin_job));
-  for (const absl::Status& st : e.RunSteps(std::move(jobs))) {
+  for (const absl::Status& st : e.RunSteps(std::move(jobs), {&response, &twin_response})) {
     if (!st.ok()) {
       out.violation = absl::StrCat("a validated step failed: ", st.ToString());
       return out;

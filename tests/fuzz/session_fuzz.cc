@@ -14,7 +14,6 @@
 #include "rpc/step_validation.h"
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
-#include "sessions/step_work.h"
 
 namespace attn::fuzz {
 namespace {
@@ -201,7 +200,7 @@ class Program {
     for (auto& step : *b.mutable_steps()) step.set_session_id(Resolve(step.session_id()));
     const size_t n = static_cast<size_t>(b.steps_size());
     std::vector<v1::StepResponse> responses(n);
-    std::vector<std::unique_ptr<AttendJob>> jobs(n);
+    std::vector<std::unique_ptr<StepJob>> jobs(n);
     for (size_t i = 0; i < n; ++i) {
       const v1::StepRequest& r = b.steps(static_cast<int>(i));
       auto s = e_.manager->Find(r.session_id(), "");
@@ -209,8 +208,9 @@ class Program {
       RequestLimits limits;
       limits.max_tensor_elements = kMaxTensorElements;
       limits.head_dims = SessionHeadDims();
-      auto job = ValidateStepRequest(r, *s, limits, StepRegions{}, &responses[i]);
+      auto job = ValidateStepRequest(r, *s, limits, StepRegions{});
       if (!Note(job.status()) || !job.ok()) continue;
+      PrepareStepResponse(**job, r, &responses[i]);
       jobs[i] = std::move(*job);
     }
     for (;;) {
@@ -218,7 +218,7 @@ class Program {
       std::set<std::pair<const Session*, int32_t>> held;
       for (size_t i = 0; i < n; ++i) {
         if (!jobs[i]) continue;
-        const StepWork& w = *jobs[i]->step;
+        const StepJob& w = *jobs[i];
         if (!held.insert({w.session.get(), w.layer}).second) continue;  // a later round
         if (!w.session->AcquireLayer(w.layer, [] {})) {
           out_->violation = "a layer was busy with no step in progress";
@@ -233,24 +233,24 @@ class Program {
   }
 
   // Runs the round's jobs (taking them), one batch per BatchKey, and gives their layers back.
-  void RunRound(std::vector<std::unique_ptr<AttendJob>>& jobs, std::vector<size_t> left,
+  void RunRound(std::vector<std::unique_ptr<StepJob>>& jobs, std::vector<size_t> left,
                 const v1::BatchStepRequest& b, std::vector<v1::StepResponse>& responses) {
     while (!left.empty()) {
       const BatchKey key = jobs[left.front()]->key;
-      Batch batch;
+      JobBatch batch;
       std::vector<size_t> members, rest;
-      std::vector<std::shared_ptr<StepWork>> works;
+      std::vector<std::pair<std::shared_ptr<Session>, int32_t>> layers;
       for (size_t i : left) (jobs[i]->key == key ? members : rest).push_back(i);
       std::vector<absl::Status> status(members.size());
       for (size_t m = 0; m < members.size(); ++m) {
-        std::unique_ptr<AttendJob> job = std::move(jobs[members[m]]);
-        works.push_back(job->step);
-        job->done = [&status, m](absl::Status st) { status[m] = std::move(st); };
+        std::unique_ptr<StepJob> job = std::move(jobs[members[m]]);
+        layers.emplace_back(job->session, job->layer);
+        SessionEngine::AnswerInto(*job, &responses[members[m]], &status[m]);
         batch.push_back(std::move(job));
       }
       e_.RunBatchAndWait(std::move(batch));
       for (size_t m = 0; m < members.size(); ++m) {
-        works[m]->session->ReleaseLayer(works[m]->layer);
+        layers[m].first->ReleaseLayer(layers[m].second);
         if (out_->violation.empty()) {
           After(b.steps(static_cast<int>(members[m])), responses[members[m]], status[m]);
         }
@@ -320,9 +320,12 @@ SessionEngine& SessionEngine::Get() {
     auto* engine = new SessionEngine;
     CpuBackend::Options bo;
     bo.threads = 1;
-    bo.kv_cache_bytes = 2 * kPages * kPageBytes;
-    bo.kv_page_bytes = kPageBytes;
     engine->backend = std::move(*CpuBackend::Create(bo));
+    CpuStepDevice::Options so;
+    so.kv_cache_bytes = 2 * kPages * kPageBytes;
+    so.kv_page_bytes = kPageBytes;
+    engine->device = std::move(*CpuStepDevice::Create(so, engine->backend->thread_pool()));
+    engine->pipeline = std::move(*StepPipeline::Create({}, engine->device.get()));
     engine->pool = std::move(*KvPagePool::Create({kPages, kPageBytes, 12345}));
     SessionManager::Options mo;
     mo.replica_id = "fuzz";
@@ -338,7 +341,19 @@ SessionEngine& SessionEngine::Get() {
   return *e;
 }
 
-void SessionEngine::RunBatchAndWait(Batch batch) {
+void SessionEngine::AnswerInto(StepJob& job, v1::StepResponse* response, absl::Status* status) {
+  const StepJob* raw = &job;
+  job.done = [raw, response, status](absl::Status st) {
+    if (st.ok()) {
+      response->set_cached_tokens(raw->cached_tokens);
+      if (!raw->o.empty()) response->mutable_o()->set_data(raw->o.data, raw->o.size);
+      if (!raw->lse.empty()) response->mutable_lse()->set_data(raw->lse.data, raw->lse.size);
+    }
+    *status = std::move(st);
+  };
+}
+
+void SessionEngine::RunBatchAndWait(JobBatch batch) {
   std::mutex mu;
   std::condition_variable cv;
   size_t left = batch.size() + 1;  // every job's release, and the batch's end
@@ -347,27 +362,27 @@ void SessionEngine::RunBatchAndWait(Batch batch) {
     if (--left == 0) cv.notify_all();
   };
   for (auto& job : batch) job->released = ReleaseNotice(one_less);
-  backend->RunBatch(std::move(batch), [&](const BatchReport&) { one_less(); });
+  pipeline->RunBatch(std::move(batch), [&](const BatchReport&) { one_less(); });
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return left == 0; });
 }
 
-std::vector<absl::Status> SessionEngine::RunSteps(std::vector<std::unique_ptr<AttendJob>> jobs) {
+std::vector<absl::Status> SessionEngine::RunSteps(std::vector<std::unique_ptr<StepJob>> jobs,
+                                                  std::vector<v1::StepResponse*> responses) {
   std::vector<absl::Status> status(jobs.size(), absl::UnknownError("not run"));
-  std::vector<std::shared_ptr<StepWork>> works;
-  Batch batch;
+  std::vector<std::pair<std::shared_ptr<Session>, int32_t>> layers;
+  JobBatch batch;
   for (size_t i = 0; i < jobs.size(); ++i) {
-    const std::shared_ptr<StepWork> work = jobs[i]->step;
-    if (!work->session->AcquireLayer(work->layer, [] {})) {
+    if (!jobs[i]->session->AcquireLayer(jobs[i]->layer, [] {})) {
       status[i] = absl::InternalError("the layer was busy with no step in progress");
       continue;
     }
-    works.push_back(work);
-    jobs[i]->done = [&status, i](absl::Status st) { status[i] = std::move(st); };
+    layers.emplace_back(jobs[i]->session, jobs[i]->layer);
+    AnswerInto(*jobs[i], responses[i], &status[i]);
     batch.push_back(std::move(jobs[i]));
   }
   if (!batch.empty()) RunBatchAndWait(std::move(batch));
-  for (const auto& work : works) work->session->ReleaseLayer(work->layer);
+  for (const auto& [session, layer] : layers) session->ReleaseLayer(layer);
   return status;
 }
 

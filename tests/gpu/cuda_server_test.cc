@@ -167,6 +167,7 @@ TEST_F(CudaServerTest, BatchThatDoesNotFitTheDevicePoolRunsInParts) {
   ServerOptions options;
   options.device_pool_bytes = 6 << 20;
   options.max_queue_delay_us = 300000;  // the four requests are queued together
+  options.gather_when_idle = true;
   auto s = StartCudaServer(options);
   ASSERT_NE(s.server, nullptr);
   constexpr int kRequests = 4;

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "attn/kernels/cuda_attention.h"
 #include "session_util.h"
 #include "test_util.h"
 
@@ -73,6 +74,91 @@ TEST_F(CudaSessionTest, RandomInterleavingsMatchTheReference) {
   o.chunks = {1, 1, 1, 1, 2, 5, 15, 16, 17, 40, 100};
   std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
   EXPECT_EQ(FreePages(), total) << "pages leaked";
+}
+
+// A KV row that does not divide a page (3 KV heads: 768-byte rows, three 8 KiB pages hold 32)
+// is served from runs of adjacent pages: every answer right through appends, forks, truncates
+// and closes, and every page comes back.
+TEST_F(CudaSessionTest, RowsThatDoNotDivideAPageAreServedInRunsOfPages) {
+  const int64_t total = FreePages();
+  const std::vector<SessionSpec> specs = {
+      {2, 6, 3, 128, v1::DTYPE_BFLOAT16},  // 768-byte rows: runs of 3 pages, 32 tokens
+      {2, 12, 3, 128, v1::DTYPE_FLOAT16},
+  };
+  v1::CreateSessionResponse r;
+  ASSERT_TRUE(testing::CreateSession(stub_, specs[0], &r).ok());
+  EXPECT_EQ(r.page_tokens(), 32);
+  ASSERT_TRUE(testing::CloseSession(stub_, r.session_id()).ok());
+  testing::WorkloadOptions o = GpuTolerances();
+  o.ops = 150;
+  o.chunks = {1, 1, 1, 2, 15, 31, 32, 33, 100};
+  std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
+  EXPECT_EQ(FreePages(), total) << "pages leaked";
+}
+
+// Device memory a paged decode launch of `steps` steps over `cached` tokens needs from the pool
+// (its staging copy, its outputs, the kernel's workspace), about.
+size_t DecodeLaunchBytes(int steps, int cached, const SessionSpec& s) {
+  kernels::AttentionArgs a;
+  a.dtype = kernels::DType::kBFloat16;
+  a.batch = steps;
+  a.total_q = steps;
+  a.max_seqlen_q = 1;
+  a.max_seqlen_k = cached + 1;
+  a.num_heads = s.heads;
+  a.num_kv_heads = s.kv_heads;
+  a.head_dim = s.head_dim;
+  a.causal = true;
+  a.paged.page_size = 16;
+  a.paged.num_pages = 1 << 20;
+  const size_t q = size_t(s.heads) * s.head_dim * 2, kv = size_t(s.kv_heads) * s.head_dim * 2;
+  return kernels::cuda::WorkspaceBytes(a) + size_t(steps) * (2 * q + 2 * kv + 64);
+}
+
+// A BatchStep whose one launch does not fit the device pool runs as smaller launches: every item
+// succeeds and is right.
+TEST_F(CudaSessionTest, AStepLaunchThatDoesNotFitTheDevicePoolIsSplit) {
+  const SessionSpec spec{1, 32, 8, 128, v1::DTYPE_BFLOAT16};
+  constexpr int kSteps = 16, kCached = 2000;
+  const size_t whole = DecodeLaunchBytes(kSteps, kCached, spec);
+  const size_t one = DecodeLaunchBytes(1, kCached, spec);
+  ServerOptions o;
+  o.backend = "cuda";
+  o.metrics_listen = "";
+  o.kv_cache_bytes = int64_t{1} << 30;
+  o.device_pool_bytes = static_cast<int64_t>(std::max(whole / 2, 4 * one));
+  ASSERT_LT(static_cast<size_t>(o.device_pool_bytes), whole) << "the pool must be too small";
+  auto small = testing::StartLoopbackServer(o);
+  ASSERT_NE(small.server, nullptr);
+  v1::Attention::Stub* stub = small.client->stub();
+  std::vector<std::string> ids;
+  std::vector<SessionShadow> shadows(kSteps, SessionShadow(spec));
+  for (int i = 0; i < kSteps; ++i) {
+    v1::CreateSessionResponse r;
+    ASSERT_TRUE(testing::CreateSession(stub, spec, &r).ok());
+    ids.push_back(r.session_id());
+    for (int done = 0; done < kCached; done += 500) {
+      const v1::StepRequest prefill = testing::RandomStep(r.session_id(), 0, 500, spec, rng_);
+      v1::StepResponse resp;
+      ASSERT_TRUE(testing::Step(stub, prefill, &resp).ok());
+      shadows[i].Append(prefill);
+    }
+  }
+  v1::BatchStepRequest req;
+  for (int i = 0; i < kSteps; ++i) *req.add_steps() = testing::RandomStep(ids[i], 0, 1, spec, rng_);
+  grpc::ClientContext ctx;
+  v1::BatchStepResponse resp;
+  ASSERT_TRUE(stub->BatchStep(&ctx, req, &resp).ok());
+  ASSERT_EQ(resp.results_size(), kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    ASSERT_EQ(resp.results(i).status_code(), 0) << "item " << i << ": "
+                                                << resp.results(i).status_message();
+    shadows[i].Append(req.steps(i));
+    EXPECT_LE(shadows[i].Check(req.steps(i), resp.results(i).response()).o, 2e-2) << "item " << i;
+    EXPECT_EQ(resp.results(i).response().cached_tokens(), kCached + 1);
+  }
+  std::printf("pool %lld bytes for a launch of %d steps needing ~%zu: split, all right\n",
+              static_cast<long long>(o.device_pool_bytes), kSteps, whole);
 }
 
 // 64 sessions prefilled with 300-token chunks, then BatchSteps of 64 decode steps: one launch

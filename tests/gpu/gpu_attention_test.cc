@@ -7,6 +7,8 @@
 // Tolerances (relative L2 of O against the float64 reference): bf16 <= 1e-2, fp16 <= 2e-3;
 // LSE max abs error <= 1e-2 (natural log units); -inf LSE must match exactly.
 // Outputs are poisoned with NaN before each run and every element must come back finite.
+// ATTN_TEST_GEN2_TILING=1 (wide) or 2 (narrow) plans every generation-2 case with that tiling
+// (PlanOptions::gen2_tiling), so that both tilings' kernels are checked on every shape.
 // Skips (GTEST_SKIP) when no CUDA device is present, and skips the cases whose head dim is not
 // compiled into this build (ATTN_HEAD_DIMS) in RunAndCheck.
 #include <cuda_runtime_api.h>
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -58,6 +61,15 @@ struct Case {
   // order instead of from the tile counter.
   bool no_workspace = false;
 };
+
+// PlanOptions::gen2_tiling of every case: ATTN_TEST_GEN2_TILING, else 0 (the plan's estimate).
+int TestGen2Tiling() {
+  static const int tiling = [] {
+    const char* e = std::getenv("ATTN_TEST_GEN2_TILING");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  return tiling;
+}
 
 const char* GenName(FwdGeneration g) {
   return g == FwdGeneration::kGen1 ? "gen1" : g == FwdGeneration::kGen2 ? "gen2" : "auto";
@@ -180,8 +192,15 @@ void RunAndCheck(Case c) {
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
   void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
-  const cudaError_t err = c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
-                                                        : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
+  attn::kernels::cuda::PlanOptions options;
+  options.generation = c.gen;
+  options.gen2_tiling = TestGen2Tiling();
+  options.gen2_tile_counter = ws != nullptr;
+  attn::kernels::cuda::Plan plan;
+  const attn::kernels::Status ps = attn::kernels::cuda::MakePlan(a, options, &plan);
+  ASSERT_TRUE(ps.ok()) << ps.message();
+  ASSERT_LE(plan.workspace_bytes, ws_bytes) << "the plan needs more workspace than WorkspaceBytes";
+  const cudaError_t err = attn::kernels::cuda::Run(a, plan, ws, nullptr);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 

@@ -34,6 +34,7 @@ namespace {
 
 using attn::kernels::AttentionArgs;
 using attn::kernels::DType;
+using attn::kernels::cuda::FwdGeneration;
 using attn::testing::DeviceBuffer;
 using attn::testing::HeadDimCompiled;
 using attn::testing::HostTensor;
@@ -53,6 +54,19 @@ struct Case {
   bool share_prefix = false;  // sequence 1 shares sequence 0's leading full pages (paged)
   bool with_lse = true;
   int expect_decode = -1;  // 1/0: UsesDecodeKernel must say so; -1: not checked
+  // kAuto: the kernel Run picks; kGen2: the generation-2 forward kernel, forced (the case skips
+  // where CanImplementGen2 refuses for a reason the case expects: no Hopper GPU, a head dim not
+  // compiled for sm_90a, a page size that is not a multiple of 8).
+  FwdGeneration gen = FwdGeneration::kAuto;
+  bool no_workspace = false;  // run without the workspace (generation 2: its fixed tile order)
+  // > 0: planned with PlanOptions::decode_splits (MakePlan, then Run with the plan), which the plan
+  // must take; 0: Run's own plan (Run(args, workspace, stream[, gen])).
+  int decode_splits = 0;
+  // K/V as FP8 (e4m3) codes with per-(sequence, KV head) scales (kv_dtype); the reference and the
+  // CPU backend see the values the codes stand for. Pool rows no key covers hold NaN codes.
+  bool fp8_kv = false;
+  float q_scale = 1.0f;        // q's random values times this (exactly representable: a power of 2 or not, rounded to dtype)
+  float softmax_scale = 0.0f;  // AttentionArgs::softmax_scale
   uint64_t seed = 1;
 };
 
@@ -61,7 +75,9 @@ std::string Describe(const Case& c) {
                   " H=" + std::to_string(c.num_heads) + " Hkv=" + std::to_string(c.num_kv_heads) +
                   (c.causal ? " causal" : "") + " win=(" + std::to_string(c.window_left) + "," +
                   std::to_string(c.window_right) + ") page=" + std::to_string(c.page_size) +
-                  (c.share_prefix ? " shared-prefix" : "") + " seed=" + std::to_string(c.seed) +
+                  (c.share_prefix ? " shared-prefix" : "") +
+                  (c.gen == FwdGeneration::kGen2 ? " gen2" : "") + (c.fp8_kv ? " fp8-kv" : "") +
+                  (c.no_workspace ? " no-workspace" : "") + " seed=" + std::to_string(c.seed) +
                   " lq=[";
   for (int l : c.len_q) s += std::to_string(l) + ",";
   s += "] lk=[";
@@ -69,12 +85,15 @@ std::string Describe(const Case& c) {
   return s + "]";
 }
 
-HostTensor RunOnCpu(AttentionArgs a, const HostTensor& q, const HostTensor& k, const HostTensor& v,
-                    const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k) {
+// The CPU backend on contiguous K/V (k and v of a.kv_dtype; FP8: with host scales).
+HostTensor RunOnCpu(AttentionArgs a, const HostTensor& q, const void* k, const void* v,
+                    const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
+                    const float* k_scales = nullptr, const float* v_scales = nullptr) {
   HostTensor o = HostTensor::Filled(a.dtype, q.elements, std::numeric_limits<float>::quiet_NaN());
   a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
+  a.k = k;
+  a.v = v;
+  a.kv_scales = {k_scales, v_scales};
   a.o = o.data();
   a.lse = nullptr;
   a.cu_seqlens_q = cu_q.data();
@@ -135,17 +154,36 @@ void RunAndCheck(Case c) {
   a.causal = c.causal;
   a.window_left = c.window_left;
   a.window_right = c.window_right;
+  a.softmax_scale = c.softmax_scale;
 
   const int64_t nq = int64_t(a.total_q) * a.num_heads * D;
   const int64_t nk = std::max<int64_t>(1, int64_t(a.total_k) * row_elems);
-  HostTensor q = HostTensor::Random(c.dtype, nq, rng);
+  HostTensor q = HostTensor::Random(c.dtype, nq, rng, -c.q_scale, c.q_scale);
   HostTensor k = HostTensor::Random(c.dtype, nk, rng);
   HostTensor v = HostTensor::Random(c.dtype, nk, rng);
+  // FP8 K/V: the random values, of a magnitude that grows with the KV head (so the heads' scales
+  // differ), quantized per (sequence, KV head); kv_bytes / kv_es / kv_poison describe what the
+  // device gets (codes, or the 16-bit tensors) and what fills pool rows no key covers.
+  attn::testing::Fp8Quantized kq, vq;
+  if (c.fp8_kv) {
+    std::vector<double> kf = k.ToDouble(), vf = v.ToDouble();
+    for (size_t i = 0; i < kf.size(); ++i) {
+      const double mag = 1.0 + 3.0 * ((i / D) % Hkv);
+      kf[i] *= mag;
+      vf[i] = vf[i] * mag + 0.25;
+    }
+    kq = attn::testing::QuantizeE4m3(kf, cu_k, Hkv, D);
+    vq = attn::testing::QuantizeE4m3(vf, cu_k, Hkv, D);
+    a.kv_dtype = DType::kFloat8E4M3;
+  }
+  const size_t kv_es = c.fp8_kv ? 1 : es;
+  const uint8_t* k_src = c.fp8_kv ? kq.codes.data() : k.bytes.data();
+  const uint8_t* v_src = c.fp8_kv ? vq.codes.data() : v.bytes.data();
 
   // Page table and pools (paged cases).
   const int ps = c.page_size;
   std::vector<int32_t> indptr{0}, indices;
-  HostTensor kpool, vpool;
+  std::vector<uint8_t> kpool, vpool;  // bytes of the page pools
   int num_pages = 0;
   if (ps > 0) {
     for (int b = 0; b < batch; ++b) indptr.push_back(indptr.back() + (c.len_k[b] + ps - 1) / ps);
@@ -159,19 +197,23 @@ void RunAndCheck(Case c) {
       // for the reference, the same keys and values.
       const int shared = std::min(c.len_k[0], c.len_k[1]) / ps;
       for (int i = 0; i < shared; ++i) indices[indptr[1] + i] = indices[indptr[0] + i];
+      ASSERT_FALSE(c.fp8_kv) << "shared prefixes are not built for FP8 cases";
       const size_t bytes = size_t(shared) * ps * row_elems * es;
       std::memcpy(k.bytes.data() + size_t(cu_k[1]) * row_elems * es, k.bytes.data() + size_t(cu_k[0]) * row_elems * es, bytes);
       std::memcpy(v.bytes.data() + size_t(cu_k[1]) * row_elems * es, v.bytes.data() + size_t(cu_k[0]) * row_elems * es, bytes);
     }
-    const int64_t pool_elems = int64_t(num_pages) * ps * row_elems;
-    kpool = HostTensor::Filled(c.dtype, pool_elems, std::numeric_limits<float>::quiet_NaN());
-    vpool = HostTensor::Filled(c.dtype, pool_elems, std::numeric_limits<float>::quiet_NaN());
+    // Every pool row no key covers is NaN (0xFFFF in fp16 and bf16, 0x7F in e4m3).
+    const size_t pool_bytes = size_t(num_pages) * ps * row_elems * kv_es;
+    kpool.assign(pool_bytes, 0xFF);
+    if (c.fp8_kv) kpool.assign(pool_bytes, 0x7F);
+    vpool = kpool;
+    const size_t row_bytes = row_elems * kv_es;
     for (int b = 0; b < batch; ++b) {
       for (int j = 0; j < c.len_k[b]; ++j) {
         const int64_t prow = int64_t(indices[indptr[b] + j / ps]) * ps + j % ps;
         const int64_t src = int64_t(cu_k[b]) + j;
-        std::memcpy(kpool.bytes.data() + prow * row_elems * es, k.bytes.data() + src * row_elems * es, row_elems * es);
-        std::memcpy(vpool.bytes.data() + prow * row_elems * es, v.bytes.data() + src * row_elems * es, row_elems * es);
+        std::memcpy(kpool.data() + prow * row_bytes, k_src + src * row_bytes, row_bytes);
+        std::memcpy(vpool.data() + prow * row_bytes, v_src + src * row_bytes, row_bytes);
       }
     }
     a.paged.page_size = ps;
@@ -185,18 +227,25 @@ void RunAndCheck(Case c) {
     ASSERT_GT(a.total_k, 0) << "contiguous cases need at least one key";
   }
 
-  const HostTensor& kdev_src = ps > 0 ? kpool : k;
-  const HostTensor& vdev_src = ps > 0 ? vpool : v;
-  const size_t kv_bytes = size_t(kdev_src.elements) * es;
+  const uint8_t* kdev_src = ps > 0 ? kpool.data() : k_src;
+  const uint8_t* vdev_src = ps > 0 ? vpool.data() : v_src;
+  const size_t kv_bytes = ps > 0 ? kpool.size() : size_t(nk) * kv_es;
   const size_t lse_bytes = sizeof(float) * size_t(a.num_heads) * a.total_q;
+  const size_t scale_bytes = sizeof(float) * size_t(batch) * Hkv;
   DeviceBuffer dq(nq * es), dk(kv_bytes), dv(kv_bytes), dout(nq * es), dlse(lse_bytes),
       dcq(4 * cu_q.size()), dck(4 * cu_k.size()), dindptr(4 * indptr.size()),
-      dindices(4 * std::max<size_t>(1, indices.size())), dseq(4 * c.len_k.size());
+      dindices(4 * std::max<size_t>(1, indices.size())), dseq(4 * c.len_k.size()),
+      dks(scale_bytes), dvs(scale_bytes);
   ASSERT_TRUE(dq.ptr && dk.ptr && dv.ptr && dout.ptr && dlse.ptr && dcq.ptr && dck.ptr && dindptr.ptr &&
-              dindices.ptr && dseq.ptr);
+              dindices.ptr && dseq.ptr && dks.ptr && dvs.ptr);
   ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), nq * es, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dk.ptr, kdev_src.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv.ptr, vdev_src.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dk.ptr, kdev_src, kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv.ptr, vdev_src, kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  if (c.fp8_kv) {
+    ASSERT_EQ(cudaMemcpy(dks.ptr, kq.scales.data(), scale_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dvs.ptr, vq.scales.data(), scale_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    a.kv_scales = {static_cast<const float*>(dks.ptr), static_cast<const float*>(dvs.ptr)};
+  }
   ASSERT_EQ(cudaMemcpy(dcq.ptr, cu_q.data(), 4 * cu_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dck.ptr, cu_k.data(), 4 * cu_k.size(), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dindptr.ptr, indptr.data(), 4 * indptr.size(), cudaMemcpyHostToDevice), cudaSuccess);
@@ -225,15 +274,44 @@ void RunAndCheck(Case c) {
   }
 
   const attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
+  if (c.fp8_kv && !st.ok() && (!attn::testing::IsHopper() || st.message().find("not compiled") != std::string::npos)) {
+    GTEST_SKIP() << st.message();  // the FP8 K/V kernel is built for sm_90a only
+  }
   ASSERT_TRUE(st.ok()) << st.message();
   if (c.expect_decode >= 0) {
     EXPECT_EQ(attn::kernels::cuda::UsesDecodeKernel(a), c.expect_decode == 1);
   }
-  const size_t ws_bytes = attn::kernels::cuda::WorkspaceBytes(a);
+  const attn::kernels::Status st2 = attn::kernels::cuda::CanImplementGen2(a);
+  if (c.gen == FwdGeneration::kGen2 && !st2.ok()) {
+    const bool expected = !attn::testing::IsHopper() || st2.message().find("not compiled") != std::string::npos ||
+                          (ps % 8 != 0 && st2.message().find("multiple of 8") != std::string::npos);
+    ASSERT_TRUE(expected) << st2.message();
+    GTEST_SKIP() << st2.message();
+  }
+  if (attn::testing::IsHopper() && !c.fp8_kv && ps > 0 && ps % 8 == 0 && (D == 64 || D == 128 || D == 256) &&
+      st2.message().find("not compiled") == std::string::npos) {
+    // On Hopper every paged shape with such pages has the generation-2 kernel (Run's choice for
+    // the forward shapes).
+    EXPECT_TRUE(st2.ok()) << st2.message();
+  }
+  attn::kernels::cuda::PlanOptions options;
+  options.generation = c.gen;
+  options.decode_splits = c.decode_splits;
+  attn::kernels::cuda::Plan plan;
+  const attn::kernels::Status ps_st = attn::kernels::cuda::MakePlan(a, options, &plan);
+  ASSERT_TRUE(ps_st.ok()) << ps_st.message();
+  if (c.decode_splits > 0) {
+    ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
+    EXPECT_EQ(plan.decode_splits, std::min(c.decode_splits, 64));
+  }
+  const size_t ws_bytes = c.decode_splits > 0 ? plan.workspace_bytes : attn::kernels::cuda::WorkspaceBytes(a);
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
   ASSERT_EQ(cudaMemset(dws.ptr, 0xFF, ws_bytes == 0 ? 1 : ws_bytes), cudaSuccess);
-  const cudaError_t err = attn::kernels::cuda::Run(a, ws_bytes > 0 ? dws.ptr : nullptr, nullptr);
+  void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
+  const cudaError_t err = c.decode_splits > 0       ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
+                          : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
+                                                          : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -248,13 +326,16 @@ void RunAndCheck(Case c) {
   shape.paged = {};
   shape.total_k = cu_k.back();
   const attn::testing::ReferenceResult ref =
-      attn::testing::ReferenceAttention(shape, q.ToDouble(), k.ToDouble(), v.ToDouble(), cu_q, cu_k);
+      c.fp8_kv ? attn::testing::ReferenceAttention(shape, q.ToDouble(), kq.values, vq.values, cu_q, cu_k)
+               : attn::testing::ReferenceAttention(shape, q.ToDouble(), k.ToDouble(), v.ToDouble(), cu_q, cu_k);
   const attn::testing::ErrorStats eo = attn::testing::CompareTo(ref.o, out);
   const double tol = c.dtype == DType::kBFloat16 ? 1e-2 : 2e-3;
   EXPECT_EQ(eo.non_finite, 0) << "unwritten or non-finite O elements";
   EXPECT_LE(eo.rel_l2, tol) << "O rel L2 " << eo.rel_l2 << " max abs " << eo.max_abs;
   if (shape.total_k > 0) {
-    EXPECT_LE(Distance(out, RunOnCpu(shape, q, k, v, cu_q, cu_k)), 2 * tol) << "GPU vs CPU backend";
+    const HostTensor cpu = c.fp8_kv ? RunOnCpu(shape, q, k_src, v_src, cu_q, cu_k, kq.scales.data(), vq.scales.data())
+                                    : RunOnCpu(shape, q, k_src, v_src, cu_q, cu_k);
+    EXPECT_LE(Distance(out, cpu), 2 * tol) << "GPU vs CPU backend";
   }
   if (c.with_lse) {
     const attn::testing::ErrorStats el = attn::testing::CompareLse(ref.lse, lse);
@@ -320,6 +401,156 @@ std::string DecodeName(const ::testing::TestParamInfo<DecodeParam>& info) {
 void PrintTo(const DecodeParam& p, std::ostream* os) { *os << DecodeName({p, 0}); }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuDecode, ::testing::ValuesIn(AllDecode()), DecodeName);
+
+// ---- FP8 (e4m3) K/V decode: q dtype x head dim x (MHA, GQA 4) x layout ------------------------
+struct Fp8Param {
+  DType dtype;
+  int head_dim;
+  int group;
+  int page;  // 0 contiguous
+};
+
+class GpuFp8Decode : public ::testing::TestWithParam<Fp8Param> {
+ protected:
+  Case Base() const {
+    const Fp8Param& fp = GetParam();
+    Case c;
+    c.dtype = fp.dtype;
+    c.head_dim = fp.head_dim;
+    c.num_heads = 8;
+    c.num_kv_heads = 8 / fp.group;
+    c.page_size = fp.page;
+    c.fp8_kv = true;
+    c.expect_decode = 1;
+    c.seed = NextSeed();
+    return c;
+  }
+};
+
+// One token over ragged caches (around the 32-key tiles and page sizes, long enough to split), one
+// long sequence (the plan splits it), multi-token causal steps with windows, and forced splits.
+TEST_P(GpuFp8Decode, CachesStepsAndSplits) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base();
+  c.len_k = {1, 15, 16, 17, 31, 32, 33, 64, 129, 1000, 3001};
+  c.len_q.assign(c.len_k.size(), 1);
+  RunAndCheck(c);
+  c = Base();
+  c.len_q = {1};
+  c.len_k = {8191};
+  RunAndCheck(c);
+  c = Base();
+  c.causal = true;
+  c.len_q = {2, 16, 5, 1, 9};
+  c.len_k = {40, 700, 3, 2049, 257};
+  RunAndCheck(c);
+  c = Base();
+  c.causal = true;
+  c.window_left = 100;
+  c.len_q = {4, 1};
+  c.len_k = {1000, 77};
+  RunAndCheck(c);
+  for (int splits : {3, 40}) {
+    c = Base();
+    c.causal = true;
+    c.len_q = {1, 2};
+    c.len_k = {4097, 1000};
+    c.decode_splits = splits;
+    RunAndCheck(c);
+  }
+}
+
+std::vector<Fp8Param> AllFp8() {
+  std::vector<Fp8Param> v;
+  for (DType t : {DType::kBFloat16, DType::kFloat16})
+    for (int d : {64, 128, 256})
+      for (int g : {1, 4})
+        for (int page : {0, 16, 64}) v.push_back({t, d, g, page});
+  return v;
+}
+
+std::string Fp8Name(const ::testing::TestParamInfo<Fp8Param>& info) {
+  const Fp8Param& p = info.param;
+  return std::string(DName(p.dtype)) + "_d" + std::to_string(p.head_dim) +
+         (p.group == 1 ? "_mha" : "_gqa" + std::to_string(p.group)) + "_" + Layout(p.page);
+}
+
+void PrintTo(const Fp8Param& p, std::ostream* os) { *os << Fp8Name({p, 0}); }
+
+INSTANTIATE_TEST_SUITE_P(All, GpuFp8Decode, ::testing::ValuesIn(AllFp8()), Fp8Name);
+
+// FP8 K/V: what the CUDA backend refuses (more than 16 queries per sequence, a forced forward
+// generation, missing scales), empty caches (o = 0, lse = -inf) and no LSE.
+TEST(GpuFp8DecodeMisc, EmptyCachesLargeQueriesAndRefusals) {
+  SKIP_WITHOUT_GPU();
+  if (!HeadDimCompiled(128)) GTEST_SKIP() << "head dim 128 is not compiled into this build";
+  if (!attn::testing::IsHopper()) GTEST_SKIP() << "no Hopper GPU: the FP8 K/V kernel is for sm_90a";
+  AttentionArgs a;
+  alignas(16) static int32_t dummy[64] = {};
+  static const float scales[4] = {1, 1, 1, 1};
+  a.q = a.k = a.v = dummy;
+  a.o = dummy;
+  a.cu_seqlens_q = a.cu_seqlens_k = dummy;
+  a.total_q = 16;
+  a.total_k = 100;
+  a.max_seqlen_q = 16;
+  a.max_seqlen_k = 100;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  a.head_dim = 128;
+  a.kv_dtype = DType::kFloat8E4M3;
+  a.kv_scales = {scales, scales};
+  attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
+  if (st.message().find("not compiled") != std::string::npos) GTEST_SKIP() << st.message();
+  EXPECT_TRUE(st.ok()) << st.message();
+  a.max_seqlen_q = 40;  // past the decode kernel: no FP8 forward kernel
+  a.total_q = 40;
+  st = attn::kernels::cuda::CanImplement(a);
+  EXPECT_EQ(st.code(), attn::kernels::StatusCode::kUnimplemented);
+  EXPECT_NE(st.message().find("max_seqlen_q"), std::string::npos) << st.message();
+  a.max_seqlen_q = 16;
+  a.total_q = 16;
+  attn::kernels::cuda::PlanOptions forced;
+  forced.generation = FwdGeneration::kGen1;
+  attn::kernels::cuda::Plan plan;
+  EXPECT_EQ(attn::kernels::cuda::MakePlan(a, forced, &plan).code(), attn::kernels::StatusCode::kUnimplemented);
+  a.kv_scales = {};
+  EXPECT_EQ(attn::kernels::cuda::CanImplement(a).code(), attn::kernels::StatusCode::kInvalidArgument);
+
+  for (int page : {0, 16, 24}) {  // 24: pages of a size that is not a power of two
+    Case c;
+    c.head_dim = 128;
+    c.fp8_kv = true;
+    c.page_size = page;
+    c.len_q = {1, 1, 3};
+    c.len_k = {0, 5, 0};
+    if (page == 0) c.len_k = {1, 5, 2};
+    c.seed = NextSeed();
+    RunAndCheck(c);
+    c.with_lse = false;
+    c.len_k = {300, 17, 4000};
+    c.seed = NextSeed();
+    RunAndCheck(c);
+  }
+}
+
+// bfloat16 queries of a magnitude fp16 cannot hold (the kernel scales each row by a power of two
+// into fp16's range for its fp16 products).
+TEST(GpuFp8DecodeMisc, LargeBf16Queries) {
+  SKIP_WITHOUT_GPU();
+  if (!HeadDimCompiled(128)) GTEST_SKIP() << "head dim 128 is not compiled into this build";
+  Case c;
+  c.head_dim = 128;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.fp8_kv = true;
+  c.q_scale = 3.0e5f;  // past fp16's 65504
+  c.softmax_scale = 1.0e-7f;
+  c.len_q = {1, 1};
+  c.len_k = {500, 2100};
+  c.seed = NextSeed();
+  RunAndCheck(c);
+}
 
 // ---- Multi-token decode steps (causal, bottom-right aligned), windows -------------------------
 struct StepParam {
@@ -389,6 +620,27 @@ TEST(GpuDecodeSplits, LengthsAroundSplitBoundaries) {
       c.len_q = {1};
       c.len_k = {len};
       c.expect_decode = 1;
+      c.seed = NextSeed();
+      RunAndCheck(c);
+    }
+  }
+}
+
+// The plan's split count forced (PlanOptions::decode_splits): no split, a few, more than the rule
+// picks and past the cap (64), contiguous and paged; the partials are poisoned first.
+TEST(GpuDecodeSplits, SplitsForcedByThePlanOptions) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16}) {
+    for (int splits : {1, 3, 40, 100}) {
+      Case c;
+      c.head_dim = 128;
+      c.num_heads = 32;
+      c.num_kv_heads = 8;
+      c.page_size = page;
+      c.len_q = {1, 2};
+      c.len_k = {4097, 1000};
+      c.causal = true;
+      c.decode_splits = splits;
       c.seed = NextSeed();
       RunAndCheck(c);
     }
@@ -474,7 +726,8 @@ TEST(GpuDecodeRouting, DecodeShapedStatelessArgsUseDecode) {
   RunAndCheck(c);
 }
 
-// ---- Paged prefill (forward kernel through the page table): chunks over a cached prefix -------
+// ---- Paged prefill (forward kernel through the page table, the one Run picks: generation 2 on
+// Hopper for pages of a multiple of 8 rows and d = 64/128/256, else generation 1) --------------
 struct PrefillParam {
   DType dtype;
   int head_dim;
@@ -513,7 +766,7 @@ std::vector<PrefillParam> AllPrefill() {
   std::vector<PrefillParam> v;
   for (DType t : {DType::kFloat16, DType::kBFloat16})
     for (int d : {32, 64, 96, 128, 256})
-      for (int page : {16, 32, 64, 128, 24}) v.push_back({t, d, page});
+      for (int page : {16, 32, 64, 128, 24, 20}) v.push_back({t, d, page});
   return v;
 }
 
@@ -525,6 +778,130 @@ std::string PrefillName(const ::testing::TestParamInfo<PrefillParam>& info) {
 void PrintTo(const PrefillParam& p, std::ostream* os) { *os << PrefillName({p, 0}); }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuPagedPrefill, ::testing::ValuesIn(AllPrefill()), PrefillName);
+
+// ---- Paged prefill on the generation-2 kernel (forced): every page size, shuffled pages --------
+// Page sizes of the session pools (16 at the default --kv_page_tokens and 2 KiB rows; 8 to 256 for
+// other rows), and multiples of 8 that divide neither key tile (48, 80: chunks cross pages).
+struct Gen2PagedParam {
+  DType dtype;
+  int head_dim;
+  int page;
+};
+
+class GpuPagedGen2 : public ::testing::TestWithParam<Gen2PagedParam> {
+ protected:
+  Case Base() const {
+    const Gen2PagedParam& gp = GetParam();
+    Case c;
+    c.dtype = gp.dtype;
+    c.head_dim = gp.head_dim;
+    c.num_heads = 8;
+    c.num_kv_heads = 2;
+    c.page_size = gp.page;
+    c.causal = true;
+    c.gen = FwdGeneration::kGen2;
+    c.seed = NextSeed();
+    return c;
+  }
+};
+
+// Chunks of new queries over cached keys (s_k = cached + chunk), ragged, the last page partial
+// (rows past the last key are NaN in the pool), with the tile counter and without.
+TEST_P(GpuPagedGen2, ChunksOverCachedKeys) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base();
+  c.len_q = {17, 130, 64, 257, 1};
+  c.len_k = {17, 1000, 300, 777, 77};
+  RunAndCheck(c);
+  c = Base();
+  c.len_q = {200, 64, 3};
+  c.len_k = {450, 64, 129};
+  c.no_workspace = true;
+  RunAndCheck(c);
+}
+
+// Multi-token steps (2-16 queries, as speculative verification sends), empty caches, a shared
+// (forked) prefix, and one long sequence.
+TEST_P(GpuPagedGen2, StepsEmptyCachesSharedPages) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base();
+  c.len_q = {2, 16, 5, 9, 3};
+  c.len_k = {40, 16, 700, 2049, 3};
+  RunAndCheck(c);
+  c = Base();
+  c.len_q = {3, 20, 1, 7};
+  c.len_k = {0, 50, 0, 0};  // empty caches: o = 0, lse = -inf
+  RunAndCheck(c);
+  c = Base();
+  c.share_prefix = true;
+  c.len_q = {100, 260};
+  c.len_k = {900, 1300};
+  RunAndCheck(c);
+}
+
+// Not causal (the unmasked loop), a sliding window, and more queries than keys.
+TEST_P(GpuPagedGen2, FullAndWindowed) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base();
+  c.causal = false;
+  c.len_q = {129, 40, 200};
+  c.len_k = {700, 20, 451};
+  RunAndCheck(c);
+  c = Base();
+  c.causal = false;
+  c.window_left = 90;
+  c.window_right = 0;
+  c.num_kv_heads = 1;  // MQA
+  c.len_q = {129, 300};
+  c.len_k = {700, 20};
+  RunAndCheck(c);
+}
+
+std::vector<Gen2PagedParam> AllGen2Paged() {
+  std::vector<Gen2PagedParam> v;
+  for (int d : {64, 128, 256}) {
+    for (int page : {8, 16, 32, 48, 64, 80, 128, 256}) v.push_back({DType::kBFloat16, d, page});
+    for (int page : {16, 64}) v.push_back({DType::kFloat16, d, page});
+  }
+  return v;
+}
+
+std::string Gen2PagedName(const ::testing::TestParamInfo<Gen2PagedParam>& info) {
+  const Gen2PagedParam& p = info.param;
+  return std::string(DName(p.dtype)) + "_d" + std::to_string(p.head_dim) + "_" + Layout(p.page);
+}
+
+void PrintTo(const Gen2PagedParam& p, std::ostream* os) { *os << Gen2PagedName({p, 0}); }
+
+INSTANTIATE_TEST_SUITE_P(All, GpuPagedGen2, ::testing::ValuesIn(AllGen2Paged()), Gen2PagedName);
+
+// Pages that are not a multiple of 8 rows have no generation-2 kernel: CanImplementGen2 says why,
+// and Run (auto) takes generation 1 for them (GpuPagedPrefill's page 20 cases).
+TEST(GpuPagedGen2Misc, PageSizeNotMultipleOf8) {
+  SKIP_WITHOUT_GPU();
+  if (!attn::testing::IsHopper()) GTEST_SKIP() << "no Hopper GPU: generation 2 is not offered";
+  AttentionArgs a;
+  alignas(16) int32_t dummy[4] = {};
+  a.q = a.k = a.v = dummy;  // not read: only their alignment is looked at
+  a.o = dummy;
+  a.cu_seqlens_q = dummy;
+  a.total_q = 100;
+  a.max_seqlen_q = 100;
+  a.max_seqlen_k = 640;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  a.head_dim = 128;
+  a.paged.page_size = 20;
+  a.paged.num_pages = 64;
+  a.paged.page_indptr = a.paged.page_indices = a.paged.seqlens_k = dummy;
+  if (!HeadDimCompiled(128)) GTEST_SKIP() << "head dim 128 is not compiled into this build";
+  const attn::kernels::Status st = attn::kernels::cuda::CanImplementGen2(a);
+  if (st.message().find("not compiled") != std::string::npos) GTEST_SKIP() << st.message();
+  EXPECT_EQ(st.code(), attn::kernels::StatusCode::kUnimplemented);
+  EXPECT_NE(st.message().find("page_size 20"), std::string::npos) << st.message();
+  a.paged.page_size = 24;
+  EXPECT_TRUE(attn::kernels::cuda::CanImplementGen2(a).ok());
+}
 
 TEST(GpuDecodeMisc, CanImplementPaged) {
   AttentionArgs a;

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "rpc/attend_request_decoder.h"
-#include "rpc/attend_response_encoder.h"
+#include "rpc/response_encoder.h"
 #include "attn/util/wire_reader.h"
 #include "common/wire_test_util.h"
 
@@ -383,7 +383,7 @@ v1::AttendResponse RandomResponse(std::mt19937_64& rng, size_t o_bytes, size_t l
 
 OutputBytes CopyOf(const std::string& s) {
   OutputBytes b = OutputBytes::Allocate(s.size());
-  std::memcpy(b.data.get(), s.data(), s.size());
+  std::memcpy(b.data, s.data(), s.size());
   return b;
 }
 

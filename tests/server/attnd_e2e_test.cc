@@ -137,7 +137,8 @@ TEST(AttndEndToEnd, AttendStreamAnswersEveryItemAndReportsBadOnes) {
 // none computed; the drain must dispatch them without waiting out the delay. The lame-duck cap
 // is out of reach, so that the quiet rule ends it however slowly the requests compute.
 void ExpectSignalDrainsQueuedRequests(int sig) {
-  auto attnd = AttndProcess::Start({"--max_queue_delay_us=60000000", "--max_batch_tokens=65536",
+  auto attnd = AttndProcess::Start({"--max_queue_delay_us=60000000", "--gather_when_idle",
+                                    "--max_batch_tokens=65536",
                                     "--drain_grace_s=600"});
   ASSERT_NE(attnd, nullptr);
   std::mt19937_64 rng(std::random_device{}());

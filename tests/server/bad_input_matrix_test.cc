@@ -778,8 +778,11 @@ std::vector<SessionBadCase> SessionBadCases() {
        "max_tokens must be in [0, 131072]"},
       {"CreateMaxTokensOverLimit", BadCreate([](auto& r) { r.set_max_tokens(131073); }), IA,
        "(0: the server's limit, --max_session_tokens), got 131073"},
-      {"CreateRowNotDividingAPage", BadCreate([](auto& r) { r.set_num_kv_heads(3); }), IA,
-       "num_kv_heads (3) x head_dim (64) x 2 bytes = 384 bytes per token must divide the KV page"},
+      // A row that does not divide a page is served in runs of adjacent pages (session_test),
+      // unless no run of at most 64 pages holds whole rows: 65 x 64 x 2 = 65 x 128 bytes.
+      {"CreateRowFittingNoRunOfPages", BadCreate([](auto& r) { r.set_num_kv_heads(65); }), IA,
+       "num_kv_heads (65) x head_dim (64) x 2 bytes = 8320 bytes per token fit no run of at most "
+       "64 KV pages of 32768 bytes"},
       // Step: which session.
       {"StepUnknownSession", BadStep([](auto& r) { r.set_session_id("nosuchreplica"); }), NF,
        "no session nosuchreplica on replica bad-input"},
@@ -1100,6 +1103,7 @@ class NonFiniteInputTest : public ::testing::Test {
   static void SetUpTestSuite() {
     ServerOptions options;
     options.max_queue_delay_us = 300000;  // so that concurrent requests share one batch
+    options.gather_when_idle = true;
     server_ = new testing::LoopbackServer(testing::StartLoopbackServer(options));
   }
   static void TearDownTestSuite() {

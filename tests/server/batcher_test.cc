@@ -10,40 +10,48 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <cstring>
 #include <thread>
 
 #include "rpc/attend_validation.h"
+#include "sessions/step_job.h"
 
 namespace attn {
 namespace {
 
 using namespace std::chrono_literals;
 
-// Records every batch; can hold batches back until released.
-class FakeBackend : public Backend {
+// A runner (the backend's or the step pipeline's part) that records every batch; can hold
+// batches back until released.
+class FakeBackend : public BatchRunner {
  public:
-  explicit FakeBackend(int max_in_flight = 1) : max_in_flight_(max_in_flight) {
-    info_.name = "fake";
-    info_.head_dims = {64};
-  }
-  const BackendInfo& Info() const override { return info_; }
+  explicit FakeBackend(int max_in_flight = 1) : max_in_flight_(max_in_flight) {}
   int MaxInFlightBatches() const override { return max_in_flight_; }
 
   ~FakeBackend() override {
     for (auto& t : workers_) t.join();
   }
 
+  // The id of each job it may see (the request's request_id), set by the test.
+  void SetIds(std::mutex* mu, std::map<const Job*, uint64_t>* ids) {
+    ids_mu_ = mu;
+    ids_ = ids;
+  }
+
   // Like the real backends, returns at once and completes the batch on another thread.
-  void RunBatch(Batch batch, std::function<void(const BatchReport&)> on_finished) override {
+  void RunBatch(JobBatch batch, std::function<void(const BatchReport&)> on_finished) override {
     std::lock_guard<std::mutex> lock(workers_mu_);
     workers_.emplace_back([this, b = std::move(batch), f = std::move(on_finished)]() mutable {
       Run(std::move(b), std::move(f));
     });
   }
 
-  void Run(Batch batch, std::function<void(const BatchReport&)> on_finished) {
+  void Run(JobBatch batch, std::function<void(const BatchReport&)> on_finished) {
     std::vector<uint64_t> ids;
-    for (auto& job : batch) ids.push_back(job->request->request_id());
+    {
+      std::lock_guard<std::mutex> lock(*ids_mu_);
+      for (auto& job : batch) ids.push_back(ids_->at(job.get()));
+    }
     {
       std::unique_lock<std::mutex> lock(mu_);
       batches_.push_back(ids);
@@ -61,10 +69,12 @@ class FakeBackend : public Backend {
       cv_.notify_all();
       cv_.wait(lock, [&] { return !hold_done_; });
     }
-    for (auto& job : batch) {
-      // The answer names the request it belongs to.
-      job->response->set_request_id(job->request->request_id() + 1000);
-      job->done(absl::OkStatus());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      // The answer names the request it belongs to: its id + 1000 as the output.
+      const uint64_t answer = ids[i] + 1000;
+      batch[i]->o = OutputBytes::Allocate(sizeof answer);
+      std::memcpy(batch[i]->o.data, &answer, sizeof answer);
+      batch[i]->done(absl::OkStatus());
     }
     if (!finish_before_done_) on_finished(report);
   }
@@ -96,7 +106,6 @@ class FakeBackend : public Backend {
   }
 
  private:
-  BackendInfo info_;
   const int max_in_flight_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -105,14 +114,16 @@ class FakeBackend : public Backend {
   bool hold_done_ = false;
   int finished_ = 0;
   std::vector<std::vector<uint64_t>> batches_;
+  std::mutex* ids_mu_ = nullptr;
+  std::map<const Job*, uint64_t>* ids_ = nullptr;
   std::mutex workers_mu_;
   std::vector<std::thread> workers_;
 };
 
-// A request and response that live as long as the test, and the job made from them.
+// A request that lives as long as the test, and what its job answered.
 struct Call {
   v1::AttendRequest request;
-  v1::AttendResponse response;
+  uint64_t answer = 0;  // the job's output
   std::promise<absl::Status> result;
   std::future<absl::Status> future = result.get_future();
   std::atomic<int> done_calls{0};
@@ -120,9 +131,12 @@ struct Call {
 
 class BatcherTest : public ::testing::Test {
  protected:
-  void Make(Batcher::Options options, int max_in_flight = 1) {
+  void Make(Batcher::Options options, int max_in_flight = 1, int step_max_in_flight = 1) {
     backend_ = std::make_unique<FakeBackend>(max_in_flight);
-    auto b = Batcher::Create(options, backend_.get(), nullptr);
+    steps_ = std::make_unique<FakeBackend>(step_max_in_flight);
+    backend_->SetIds(&ids_mu_, &ids_);
+    steps_->SetIds(&ids_mu_, &ids_);
+    auto b = Batcher::Create(options, backend_.get(), steps_.get(), nullptr);
     ASSERT_TRUE(b.ok()) << b.status();
     batcher_ = std::move(*b);
   }
@@ -160,15 +174,37 @@ class BatcherTest : public ::testing::Test {
     auto job = ValidateAttendRequest(call->request, limits);
     EXPECT_TRUE(job.ok()) << job.status();
     if (!job.ok()) return job.status();
-    (*job)->response = &call->response;
+    (*job)->bytes = AttendJobBytes(**job, call->request);
     (*job)->arrival = Clock::now();
     edit(call->request, job->get());
+    std::unique_ptr<Job> owned = std::move(*job);
+    return SubmitJob(id, std::move(call), std::move(owned));
+  }
+
+  // Submits a session step of one token (the step runner's), id as its name.
+  absl::Status SubmitStep(uint64_t id) {
+    auto job = std::make_unique<StepJob>();
+    job->total_q = 1;
+    job->key.num_heads = 1;
+    job->key.page_tokens = 16;
+    job->key.decode = true;
+    job->arrival = Clock::now();
+    std::unique_ptr<Job> owned = std::move(job);
+    return SubmitJob(id, std::make_unique<Call>(), std::move(owned));
+  }
+
+  absl::Status SubmitJob(uint64_t id, std::unique_ptr<Call> call, std::unique_ptr<Job> job) {
     Call* raw = call.get();
-    (*job)->done = [raw](absl::Status st) {
+    const Job* job_raw = job.get();
+    job->done = [raw, job_raw](absl::Status st) {
+      if (!job_raw->o.empty()) std::memcpy(&raw->answer, job_raw->o.data, sizeof raw->answer);
       if (raw->done_calls.fetch_add(1) == 0) raw->result.set_value(st);
     };
-    std::unique_ptr<AttendJob> owned = std::move(*job);
-    absl::Status st = batcher_->Submit(owned);
+    {
+      std::lock_guard<std::mutex> lock(ids_mu_);
+      ids_[job.get()] = id;
+    }
+    absl::Status st = batcher_->Submit(job);
     calls_[id] = std::move(call);
     return st;
   }
@@ -179,54 +215,125 @@ class BatcherTest : public ::testing::Test {
     return f.get();
   }
 
+  // Declared first: the fakes and the batcher read the ids until they are gone.
+  std::mutex ids_mu_;
+  std::map<const Job*, uint64_t> ids_;
   std::unique_ptr<FakeBackend> backend_;
+  std::unique_ptr<FakeBackend> steps_;
   std::unique_ptr<Batcher> batcher_;
   std::map<uint64_t, std::unique_ptr<Call>> calls_;
 };
 
-TEST_F(BatcherTest, PacksRequestsThatArriveWithinTheDelay) {
+// Requests that arrive while the backend is busy gather into its next batch.
+TEST_F(BatcherTest, PacksRequestsThatArriveWhileTheBackendIsBusy) {
   Make({.max_batch_tokens = 1000, .max_queue_delay_us = 200000, .max_queue_size = 100});
-  for (uint64_t i = 0; i < 5; ++i) ASSERT_TRUE(Submit(i, 10).ok());
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(100, 10).ok());
   ASSERT_TRUE(backend_->WaitForBatches(1));
+  for (uint64_t i = 0; i < 5; ++i) ASSERT_TRUE(Submit(i, 10).ok());
+  backend_->Hold(false);
   for (uint64_t i = 0; i < 5; ++i) EXPECT_TRUE(ResultOf(i).ok());
   const auto batches = backend_->Batches();
-  ASSERT_EQ(batches.size(), 1u);
-  EXPECT_EQ(batches[0], (std::vector<uint64_t>{0, 1, 2, 3, 4}));
+  ASSERT_EQ(batches.size(), 2u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{100}));
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{0, 1, 2, 3, 4}));
 }
 
-// Session steps (BatchKey::page_tokens > 0) do not wait max_queue_delay_us for company: a lone
-// step goes at once, and steps that arrive while the backend is busy form its next launch.
-TEST_F(BatcherTest, SessionStepsGoAtOnceAndGatherWhileTheBackendIsBusy) {
+// A request that finds the backend idle goes at once, however long the delay: waiting would only
+// delay it.
+TEST_F(BatcherTest, LoneRequestOnAnIdleBackendGoesAtOnce) {
   Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
-  auto step = [](v1::AttendRequest&, AttendJob* job) {
-    if (job != nullptr) job->key.page_tokens = 16;
-  };
-  backend_->Hold(true);
+  for (uint64_t i = 1; i <= 3; ++i) {
+    const auto start = Clock::now();
+    ASSERT_TRUE(Submit(i, 10).ok());
+    EXPECT_TRUE(ResultOf(i).ok());
+    EXPECT_LT(Clock::now() - start, 1s) << "request " << i << " waited for company";
+  }
+  EXPECT_EQ(backend_->Batches().size(), 3u);
+}
+
+// With gather_when_idle, a lone request waits about the delay even on an idle backend.
+TEST_F(BatcherTest, GatherWhenIdleMakesALoneRequestWaitTheDelay) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 50000, .gather_when_idle = true,
+        .max_queue_size = 100});
   const auto start = Clock::now();
-  ASSERT_TRUE(SubmitEdited(1, 1, 1, step).ok());
-  ASSERT_TRUE(backend_->WaitForBatches(1, 2000ms)) << "a lone step waited for company";
-  EXPECT_LT(Clock::now() - start, 1s);
-  for (uint64_t i = 2; i <= 4; ++i) ASSERT_TRUE(SubmitEdited(i, 1, 1, step).ok());
+  ASSERT_TRUE(Submit(1, 10).ok());
+  EXPECT_TRUE(ResultOf(1).ok());
+  const auto waited = Clock::now() - start;
+  EXPECT_GE(waited, 50ms);
+  EXPECT_LT(waited, 1s);
+}
+
+// While the backend is busy (a batch running, a slot free), a request waits for company at most
+// max_queue_delay_us; it goes sooner when the backend goes idle.
+TEST_F(BatcherTest, WhileBusyARequestWaitsAtMostTheDelayOrUntilIdle) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 200'000, .max_queue_size = 100}, 2);
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(1, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
+  const auto start = Clock::now();
+  ASSERT_TRUE(Submit(2, 10).ok());
+  EXPECT_FALSE(backend_->WaitForBatches(2, 100ms)) << "request 2 did not wait while busy";
+  ASSERT_TRUE(backend_->WaitForBatches(2, 2000ms)) << "request 2 waited past the delay";
+  EXPECT_GE(Clock::now() - start, 150ms);
   backend_->Hold(false);
+  EXPECT_TRUE(ResultOf(1).ok());
+  EXPECT_TRUE(ResultOf(2).ok());
+  // Request 11 waits behind the still running batches; once they end, the idle backend takes it
+  // at once, long before its 10 s delay.
+  batcher_.reset();
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100}, 2);
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(10, 10).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
+  ASSERT_TRUE(Submit(11, 10).ok());
+  EXPECT_FALSE(backend_->WaitForBatches(2, 100ms));
+  const auto released = Clock::now();
+  backend_->Hold(false);
+  EXPECT_TRUE(ResultOf(10).ok());
+  EXPECT_TRUE(ResultOf(11).ok());
+  EXPECT_LT(Clock::now() - released, 2s) << "request 11 was not sent when the backend went idle";
+}
+
+// Session steps go to the step runner: at once while it can take a launch, and those that
+// arrive while it cannot form its next launch.
+TEST_F(BatcherTest, SessionStepsGoAtOnceAndGatherWhileTheRunnerIsBusy) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100});
+  steps_->Hold(true);
+  const auto start = Clock::now();
+  ASSERT_TRUE(SubmitStep(1).ok());
+  ASSERT_TRUE(steps_->WaitForBatches(1, 2000ms)) << "a lone step waited for company";
+  EXPECT_LT(Clock::now() - start, 1s);
+  for (uint64_t i = 2; i <= 4; ++i) ASSERT_TRUE(SubmitStep(i).ok());
+  steps_->Hold(false);
   for (uint64_t i = 1; i <= 4; ++i) EXPECT_TRUE(ResultOf(i).ok());
-  const auto batches = backend_->Batches();
+  const auto batches = steps_->Batches();
   ASSERT_EQ(batches.size(), 2u);
   EXPECT_EQ(batches[0], (std::vector<uint64_t>{1}));
   EXPECT_EQ(batches[1], (std::vector<uint64_t>{2, 3, 4}));
-  // With max_step_delay_us set, a lone step waits for it like an Attend request.
+  EXPECT_TRUE(backend_->Batches().empty()) << "a step reached the Attend runner";
+  // With max_step_delay_us set, a step that arrives while the runner is busy (a slot free)
+  // waits for company up to it.
   batcher_.reset();
   Make({.max_batch_tokens = 1000, .max_queue_delay_us = 0, .max_step_delay_us = 300'000,
-        .max_queue_size = 100});
+        .max_queue_size = 100},
+       1, 2);
+  steps_->Hold(true);
+  ASSERT_TRUE(SubmitStep(5).ok());
+  ASSERT_TRUE(steps_->WaitForBatches(1));
   const auto t0 = Clock::now();
-  ASSERT_TRUE(SubmitEdited(5, 1, 1, step).ok());
-  EXPECT_TRUE(ResultOf(5).ok());
+  ASSERT_TRUE(SubmitStep(6).ok());
+  ASSERT_TRUE(steps_->WaitForBatches(2, 2000ms));
   EXPECT_GE(Clock::now() - t0, 250ms);
+  steps_->Hold(false);
+  EXPECT_TRUE(ResultOf(5).ok());
+  EXPECT_TRUE(ResultOf(6).ok());
 }
 
 // A job the backend runs by a launch of its own (runs_alone) neither waits for company (nor
 // behind a job that does) nor joins another's batch; the jobs around it still batch together.
 TEST_F(BatcherTest, JobThatRunsAloneGoesAtOnceByItself) {
-  // Room for three batches in flight: the first one's slot may not be free yet when job 3 comes.
+  // Room for three batches in flight: the busy one, job 3's, and room to spare.
   Make({.max_batch_tokens = 1000, .max_queue_delay_us = 10'000'000, .max_queue_size = 100}, 3);
   auto alone = [](v1::AttendRequest&, AttendJob* job) {
     if (job != nullptr) job->runs_alone = true;
@@ -237,18 +344,21 @@ TEST_F(BatcherTest, JobThatRunsAloneGoesAtOnceByItself) {
   EXPECT_LT(Clock::now() - start, 1s);
   EXPECT_TRUE(ResultOf(1).ok());
   backend_->Hold(true);
+  ASSERT_TRUE(Submit(50, 10).ok());  // keeps the backend busy
+  ASSERT_TRUE(backend_->WaitForBatches(2, 2000ms));
   ASSERT_TRUE(Submit(2, 10).ok());
   ASSERT_TRUE(SubmitEdited(3, 10, 1, alone).ok());
-  ASSERT_TRUE(backend_->WaitForBatches(2, 2000ms)) << "job 3 waited behind job 2";
+  ASSERT_TRUE(backend_->WaitForBatches(3, 2000ms)) << "job 3 waited behind job 2";
   ASSERT_TRUE(Submit(4, 10).ok());
   batcher_->StartDraining();  // flushes what waits for company
   backend_->Hold(false);
   for (uint64_t i = 2; i <= 4; ++i) EXPECT_TRUE(ResultOf(i).ok());
   const auto batches = backend_->Batches();
-  ASSERT_EQ(batches.size(), 3u);
+  ASSERT_EQ(batches.size(), 4u);
   EXPECT_EQ(batches[0], (std::vector<uint64_t>{1}));
-  EXPECT_EQ(batches[1], (std::vector<uint64_t>{3}));
-  EXPECT_EQ(batches[2], (std::vector<uint64_t>{2, 4}));
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{50}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{3}));
+  EXPECT_EQ(batches[3], (std::vector<uint64_t>{2, 4}));
 }
 
 TEST_F(BatcherTest, FullBatchGoesAtOnceAndRespectsTokenLimit) {
@@ -267,26 +377,20 @@ TEST_F(BatcherTest, FullBatchGoesAtOnceAndRespectsTokenLimit) {
   EXPECT_TRUE(ResultOf(6).ok());
 }
 
-TEST_F(BatcherTest, LoneRequestWaitsAboutTheDelay) {
-  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 50000, .max_queue_size = 100});
-  const auto start = Clock::now();
-  ASSERT_TRUE(Submit(1, 10).ok());
-  EXPECT_TRUE(ResultOf(1).ok());
-  const auto waited = Clock::now() - start;
-  EXPECT_GE(waited, 50ms);
-  EXPECT_LT(waited, 1s);
-}
-
 TEST_F(BatcherTest, DifferentKeysGoToDifferentBatches) {
   Make({.max_batch_tokens = 1000, .max_queue_delay_us = 100000, .max_queue_size = 100});
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(0, 10).ok());  // keeps the backend busy while the others gather
+  ASSERT_TRUE(backend_->WaitForBatches(1));
   ASSERT_TRUE(Submit(1, 10, /*heads=*/1).ok());
   ASSERT_TRUE(Submit(2, 10, /*heads=*/2).ok());
   ASSERT_TRUE(Submit(3, 10, /*heads=*/1).ok());
+  backend_->Hold(false);
   for (uint64_t i = 1; i <= 3; ++i) EXPECT_TRUE(ResultOf(i).ok());
   const auto batches = backend_->Batches();
-  ASSERT_EQ(batches.size(), 2u);
-  EXPECT_EQ(batches[0], (std::vector<uint64_t>{1, 3}));
-  EXPECT_EQ(batches[1], (std::vector<uint64_t>{2}));
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{1, 3}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{2}));
 }
 
 TEST_F(BatcherTest, EveryFieldOfTheKeySeparatesBatches) {
@@ -313,14 +417,21 @@ TEST_F(BatcherTest, EveryFieldOfTheKeySeparatesBatches) {
         if (job) job->key.staged_dtype = kernels::DType::kFloat16;
       },
   };
-  // Two requests of each kind, interleaved: each kind must make one batch of its own two.
+  // Two requests of each kind, interleaved, while the backend is busy: each kind must make one
+  // batch of its own two.
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(9999, 5, 7).ok());
+  ASSERT_TRUE(backend_->WaitForBatches(1));
   for (int round = 0; round < 2; ++round) {
     for (size_t e = 0; e < edits.size(); ++e) {
       ASSERT_TRUE(SubmitEdited(e * 10 + round, 5, 1, edits[e]).ok()) << e;
     }
   }
+  backend_->Hold(false);
   for (const auto& [id, call] : calls_) EXPECT_TRUE(ResultOf(id).ok()) << id;
   auto batches = backend_->Batches();
+  ASSERT_EQ(batches.front(), (std::vector<uint64_t>{9999}));
+  batches.erase(batches.begin());
   std::sort(batches.begin(), batches.end());
   ASSERT_EQ(batches.size(), edits.size());
   for (size_t e = 0; e < edits.size(); ++e) {
@@ -452,7 +563,7 @@ TEST_F(BatcherTest, EveryResultReachesItsOwnRequestExactlyOnce) {
   for (auto& th : threads) th.join();
   for (uint64_t id = 0; id < kThreads * kPerThread; ++id) {
     EXPECT_TRUE(ResultOf(id).ok());
-    EXPECT_EQ(calls_.at(id)->response.request_id(), id + 1000);
+    EXPECT_EQ(calls_.at(id)->answer, id + 1000);
   }
   batcher_->Drain();
   for (auto& [id, call] : calls_) EXPECT_EQ(call->done_calls.load(), 1) << id;
@@ -463,9 +574,15 @@ TEST_F(BatcherTest, EveryResultReachesItsOwnRequestExactlyOnce) {
 // (a session step that waited for its layer, its call accepted before the drain) is taken and
 // goes at once too; only Drain refuses.
 TEST_F(BatcherTest, StartDrainingDispatchesAtOnceAndStillTakesJobs) {
-  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 60'000'000, .max_queue_size = 100});
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 60'000'000, .max_queue_size = 100}, 2);
+  backend_->Hold(true);
+  ASSERT_TRUE(Submit(99, 10).ok());  // busy: job 0 would wait a minute for company
+  ASSERT_TRUE(backend_->WaitForBatches(1));
   ASSERT_TRUE(Submit(0, 10).ok());
+  EXPECT_FALSE(backend_->WaitForBatches(2, 100ms));
   batcher_->StartDraining();
+  EXPECT_TRUE(backend_->WaitForBatches(2, 2000ms)) << "the drain did not send job 0 at once";
+  backend_->Hold(false);
   EXPECT_TRUE(ResultOf(0).ok());
   ASSERT_TRUE(Submit(1, 10).ok());
   EXPECT_TRUE(ResultOf(1).ok());

@@ -108,6 +108,7 @@ class QueuedFaultTest : public ::testing::Test {
   void SetUp() override {
     ServerOptions options;
     options.max_queue_delay_us = 2'000'000;
+    options.gather_when_idle = true;
     options.max_batch_tokens = 64;
     s_ = testing::StartLoopbackServer(options);
     ASSERT_NE(s_.server, nullptr);
@@ -274,6 +275,7 @@ TEST(MemoryExhaustionFault, ConcurrentLargeRequestsGetResourceExhaustedOrCorrect
   ServerOptions options;
   options.max_inflight_bytes = 2 * bytes + bytes / 2;
   options.max_queue_delay_us = 200'000;  // they pile up in the queue together
+  options.gather_when_idle = true;
   auto s = testing::StartLoopbackServer(options);
   ASSERT_NE(s.server, nullptr);
   const int port = s.server->metrics_port();

@@ -64,6 +64,74 @@ TEST(KvPagePoolTest, ShuffledFreeListHandsOutNonAdjacentPages) {
   EXPECT_LT(adjacent, 5);
 }
 
+// Runs of pages (rows that do not divide a page): each run is `span` free pages starting at a
+// multiple of span, counted as one; single pages and runs share the pool, and a request for
+// more runs than are free takes none.
+TEST(KvPagePoolTest, RunsOfAdjacentPagesShareThePoolWithSinglePages) {
+  auto pool = Pool(30, 5);  // shuffled: single pages fall anywhere
+  std::vector<int32_t> singles, runs;
+  ASSERT_TRUE(pool->Allocate(4, &singles).ok());
+  ASSERT_TRUE(pool->Allocate(3, &runs, 3).ok());
+  EXPECT_EQ(pool->FreePages(), 30 - 4 - 9);
+  std::set<int32_t> taken(singles.begin(), singles.end());
+  for (int32_t r : runs) {
+    ASSERT_GE(r, 0);
+    ASSERT_LT(r, 10);
+    for (int32_t p = 0; p < 3; ++p) {
+      EXPECT_TRUE(taken.insert(r * 3 + p).second) << "page " << r * 3 + p << " handed out twice";
+      EXPECT_EQ(pool->RefCount(r * 3 + p), 1);
+    }
+    EXPECT_EQ(pool->RefCount(r, 3), 1);
+  }
+  // Single pages never come from inside a run, and a run never overlaps single pages.
+  std::vector<int32_t> more;
+  ASSERT_TRUE(pool->Allocate(pool->FreePages(), &more).ok());
+  for (int32_t p : more) EXPECT_TRUE(taken.insert(p).second) << "page " << p;
+  EXPECT_EQ(pool->FreePages(), 0);
+  EXPECT_EQ(pool->Unref(more), static_cast<int64_t>(more.size()));
+  // Fewer free runs than asked for: none is taken.
+  const int64_t free_before = pool->FreePages();
+  std::vector<int32_t> too_many;
+  const absl::Status st = pool->Allocate(8, &too_many, 3);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_TRUE(too_many.empty());
+  EXPECT_EQ(pool->FreePages(), free_before);
+  pool->Ref({runs.data(), 1}, 3);
+  EXPECT_EQ(pool->RefCount(runs[0], 3), 2);
+  EXPECT_EQ(pool->Unref(runs, 3), 6);  // runs 1 and 2; run 0 is still referenced
+  EXPECT_EQ(pool->Unref({runs.data(), 1}, 3), 3);
+  EXPECT_EQ(pool->Unref(singles), 4);
+  EXPECT_EQ(pool->FreePages(), 30);
+}
+
+// The page layout of a row: whole rows in the fewest adjacent pages, at most kMaxPageSpan.
+TEST(SessionManagerTest, PageLayoutOfRowsThatDoNotDivideAPage) {
+  auto pool = Pool(64);
+  auto manager = Manager(pool.get());
+  EXPECT_EQ(manager->PageLayoutFor(256).tokens, 8);   // divides: one page
+  EXPECT_EQ(manager->PageLayoutFor(256).span, 1);
+  EXPECT_EQ(manager->PageLayoutFor(384).tokens, 16);  // 3 x 128: 3 pages of 2048
+  EXPECT_EQ(manager->PageLayoutFor(384).span, 3);
+  EXPECT_EQ(manager->PageLayoutFor(4096).tokens, 1);  // a row larger than a page
+  EXPECT_EQ(manager->PageLayoutFor(4096).span, 2);
+  EXPECT_EQ(manager->PageLayoutFor(65 * 32).tokens, 0) << "65 pages is more than kMaxPageSpan";
+  SessionManager::CreateParams p = Params(1);
+  p.num_kv_heads = 3;  // 384-byte rows
+  auto s = manager->CreateSession(p, "");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->shape().page_tokens, 16);
+  EXPECT_EQ((*s)->shape().page_span, 3);
+  ASSERT_TRUE((*s)->AcquireLayer(0, [] {}));
+  auto a = (*s)->BeginAppend(0, 17);  // two pages of 16 rows: 6 pool pages
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(pool->FreePages(), 64 - 6);
+  (*s)->CommitAppend(std::move(*a));
+  (*s)->ReleaseLayer(0);
+  EXPECT_EQ((*s)->PagesHeld(), 6);
+  EXPECT_EQ(*manager->Close((*s)->id(), ""), 6);
+  EXPECT_EQ(pool->FreePages(), 64);
+}
+
 // The per-layer FIFO: a step of a busy layer waits, and runs when the earlier one ends.
 TEST(SessionTest, StepsOfOneLayerRunInArrivalOrder) {
   auto pool = Pool(16);
@@ -152,7 +220,8 @@ class Model {
       s.AbortAppend(std::move(*p));
       EXPECT_EQ(s.CachedTokens(layer), before);
     } else {
-      EXPECT_EQ(p->append_rows.size(), static_cast<size_t>(n));
+      EXPECT_EQ(p->appended(), n);
+      EXPECT_EQ(s.TableAfter(*p).size(), static_cast<size_t>((before + n + 7) / 8));
       s.CommitAppend(std::move(*p));
       EXPECT_EQ(s.CachedTokens(layer), before + n);
     }
@@ -167,7 +236,7 @@ class Model {
         ASSERT_TRUE(s->AcquireLayer(l, [] {}));
         auto p = s->BeginAppend(l, 0);  // a step of no tokens: the table as it is
         ASSERT_TRUE(p.ok());
-        for (int32_t page : p->table) ++holders[page];
+        for (int32_t page : s->TableAfter(*p)) ++holders[page];
         s->AbortAppend(std::move(*p));
         s->ReleaseLayer(l);
       }
@@ -247,7 +316,7 @@ TEST(KvCacheTest, CopyOnWritePlansTheSharedRowsAndNewPages) {
   ASSERT_TRUE(a->AcquireLayer(0, [] {}));
   auto p = a->BeginAppend(0, 11);  // pages [x, y], y holds 3 rows
   ASSERT_TRUE(p.ok());
-  const std::vector<int32_t> table = p->table;
+  const std::vector<int32_t> table = a->TableAfter(*p);
   a->CommitAppend(std::move(*p));
   a->ReleaseLayer(0);
   auto b = *manager->Fork(a->id(), "");
@@ -257,12 +326,15 @@ TEST(KvCacheTest, CopyOnWritePlansTheSharedRowsAndNewPages) {
   ASSERT_EQ(q->copies.size(), 3u);
   EXPECT_EQ(q->copies[0].src_row, int64_t{table[1]} * 8);
   EXPECT_EQ(q->replaced, table[1]);
-  ASSERT_EQ(q->table.size(), 3u);
-  EXPECT_EQ(q->table[0], table[0]);
-  EXPECT_NE(q->table[1], table[1]);
-  EXPECT_EQ(q->copies[2].dst_row, int64_t{q->table[1]} * 8 + 2);
-  EXPECT_EQ(q->append_rows.front(), int64_t{q->table[1]} * 8 + 3);
-  EXPECT_EQ(q->append_rows.back(), int64_t{q->table[2]} * 8);
+  const std::vector<int32_t> after = b->TableAfter(*q);
+  ASSERT_EQ(after.size(), 3u);
+  EXPECT_EQ(after[0], table[0]);
+  EXPECT_NE(after[1], table[1]);
+  EXPECT_EQ(after[1], q->taken[0]);  // the copy
+  EXPECT_EQ(after[2], q->taken[1]);  // the new page
+  EXPECT_EQ(q->copies[2].dst_row, int64_t{after[1]} * 8 + 2);
+  EXPECT_EQ(q->tokens_before, 11);
+  EXPECT_EQ(q->tokens_after, 17);
   b->CommitAppend(std::move(*q));
   b->ReleaseLayer(0);
   EXPECT_EQ(pool->RefCount(table[0]), 2);

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "engine/attend_job.h"
+#include "sessions/step_job.h"
 #include "transport/region_registry.h"
 #include "transport/tensor_source.h"
 
@@ -138,8 +140,8 @@ v1::StepRequest StepIn(const std::string& in, const std::string& out, uint64_t o
   return r;
 }
 
-std::unique_ptr<AttendJob> StepJob() {
-  auto job = std::make_unique<AttendJob>();
+std::unique_ptr<StepJob> MakeStepJob() {
+  auto job = std::make_unique<StepJob>();
   job->total_q = kTokens;
   job->return_lse = true;
   job->key.wire_dtype = kernels::DType::kBFloat16;
@@ -228,9 +230,9 @@ TEST(HostRegionDeviceTest, RegisteredOnceAndUnregisteredAfterTheLastRequestBefor
   EXPECT_EQ(device.registered, 2);
   EXPECT_EQ(registry.RegisteredHostBytes(), int64_t{2} * kHostBytes);
 
-  auto job = StepJob();
+  auto job = MakeStepJob();
   ASSERT_TRUE(ResolveStepTensors(StepIn("in", "out"), "alice", &registry, false, job.get()).ok());
-  const AttendJob::HostRegistered& r = job->host_registered;
+  const Job::HostRegistered& r = job->host_registered;
   EXPECT_TRUE(r.q && r.k && r.v && r.o && r.lse);
   EXPECT_FALSE(job->device_tensors);
 
@@ -255,7 +257,7 @@ TEST(HostRegionDeviceTest, RegionsPastTheCapAreLeftToStaging) {
                   .ok());
   EXPECT_EQ(device.registered, 1);
   EXPECT_EQ(registry.RegisteredHostBytes(), int64_t{kHostBytes});
-  auto job = StepJob();
+  auto job = MakeStepJob();
   ASSERT_TRUE(ResolveStepTensors(StepIn("in", "out"), "alice", &registry, false, job.get()).ok());
   EXPECT_TRUE(job->host_registered.q);
   EXPECT_FALSE(job->host_registered.o);
@@ -277,7 +279,7 @@ TEST(HostRegionDeviceTest, ARefusalLeavesTheRegionToStaging) {
   ASSERT_TRUE(registry.Register("alice", HostRegistration("out", MemfdHandle(registry, kHostBytes)))
                   .ok());
   EXPECT_EQ(registry.RegisteredHostBytes(), 0);
-  auto job = StepJob();
+  auto job = MakeStepJob();
   ASSERT_TRUE(ResolveStepTensors(StepIn("in", "out"), "alice", &registry, false, job.get()).ok());
   EXPECT_FALSE(job->host_registered.q);
   job.reset();
@@ -332,7 +334,7 @@ class StepGpuRegionTest : public ::testing::Test {
             .ok());
   }
   absl::Status Resolve(const v1::StepRequest& r, bool gpu_regions = true) {
-    job_ = StepJob();
+    job_ = MakeStepJob();
     return ResolveStepTensors(r, "alice", &registry_, gpu_regions, job_.get());
   }
   int64_t InFlight(const std::string& name) {
@@ -344,7 +346,7 @@ class StepGpuRegionTest : public ::testing::Test {
 
   FakeDevice device_;
   RegionRegistry registry_{DeviceOptions(&device_), nullptr};
-  std::unique_ptr<AttendJob> job_;
+  std::unique_ptr<StepJob> job_;
 };
 
 TEST_F(StepGpuRegionTest, AllInGpuRegionsIsADeviceStep) {
@@ -480,10 +482,11 @@ TEST_F(StepGpuRegionTest, AttendGpuOffsetsFollowTheElementRule) {
     *r.mutable_lse_region() = Slice("g", lse_at, kLseBytes);
     return r;
   };
+  std::unique_ptr<AttendJob> job;
   auto resolve = [&](const v1::AttendRequest& r) {
-    job_ = StepJob();
-    job_->total_k = kTokens;
-    return ResolveAttendTensors(r, "alice", &registry_, job_.get());
+    job = std::make_unique<AttendJob>();
+    job->total_k = kTokens;
+    return ResolveAttendTensors(r, "alice", &registry_, job.get());
   };
   constexpr uint64_t kK = kQBytes, kV = kQBytes + kKvBytes, kO = 2 * kQBytes,
                      kLse = 3 * kQBytes;
@@ -500,7 +503,7 @@ TEST_F(StepGpuRegionTest, AttendGpuOffsetsFollowTheElementRule) {
     const absl::Status st = resolve(r);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << message << ": " << st;
     EXPECT_NE(st.message().find(message), std::string::npos) << st;
-    job_.reset();
+    job.reset();
     EXPECT_EQ(InFlight("g"), 0) << message << ": a refused request holds nothing";
   }
 }

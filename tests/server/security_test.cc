@@ -313,6 +313,7 @@ ServerOptions SlowBatcher(int64_t max_pending_per_client) {
   ServerOptions so;
   so.max_pending_per_client = max_pending_per_client;
   so.max_queue_delay_us = 1'500'000;
+  so.gather_when_idle = true;
   so.max_batch_tokens = 1 << 20;
   return so;
 }

@@ -110,6 +110,32 @@ TEST_F(SessionTest, RandomInterleavingsMatchTheReference) {
   EXPECT_EQ(FreePages(), total_pages_) << "pages leaked";
 }
 
+// A KV row that does not divide a page (3 KV heads, head dim 96) lives in runs of adjacent pages
+// that hold whole rows: every step matches the reference through appends, forks, truncates and
+// closes, and the pages come back.
+TEST_F(SessionTest, RowsThatDoNotDivideAPageAreServedInRunsOfPages) {
+  Start();
+  const SessionSpec odd_heads{2, 6, 3, 64, v1::DTYPE_BFLOAT16};  // 384-byte rows: 3 pages, 16 rows
+  const SessionSpec d96{2, 4, 1, 96, v1::DTYPE_FLOAT16};         // 192-byte rows: 3 pages, 32 rows
+  for (const auto& [spec, rows] : {std::pair{odd_heads, 16}, std::pair{d96, 32}}) {
+    v1::CreateSessionResponse r;
+    ASSERT_TRUE(testing::CreateSession(stub_, spec, &r).ok());
+    EXPECT_EQ(r.page_tokens(), rows);
+    SessionShadow shadow(spec);
+    const int64_t before = FreePages();
+    StepAndCheck(shadow, testing::RandomStep(r.session_id(), 0, 1, spec, rng_));
+    EXPECT_EQ(FreePages(), before - 3) << "one page of the table is a run of 3 pool pages";
+    StepAndCheck(shadow, testing::RandomStep(r.session_id(), 0, rows, spec, rng_));
+    EXPECT_EQ(FreePages(), before - 6);
+    ASSERT_TRUE(testing::CloseSession(stub_, r.session_id()).ok());
+    EXPECT_EQ(FreePages(), before);
+  }
+  testing::WorkloadOptions o;
+  o.ops = 160;
+  std::cout << testing::RunRandomSessionWorkload(stub_, {odd_heads, d96}, o, rng_) << "\n";
+  EXPECT_EQ(FreePages(), total_pages_) << "pages leaked";
+}
+
 // Concurrent Step calls of different sessions: each is right, and they share launches.
 TEST_F(SessionTest, ConcurrentStepsOfManySessionsAreCorrect) {
   Start();

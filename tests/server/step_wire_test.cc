@@ -18,7 +18,7 @@
 #include "attn/client/session.h"
 #include "attn/client/wire_coding.h"
 #include "common/wire_test_util.h"
-#include "rpc/attend_response_encoder.h"
+#include "rpc/response_encoder.h"
 #include "rpc/step_request_decoder.h"
 #include "session_util.h"
 #include "test_util.h"
@@ -122,12 +122,12 @@ grpc::ByteBuffer EncodeViaServer(const v1::StepResponse& full) {
   OutputBytes o, lse;
   if (full.has_o() && !full.o().data().empty()) {
     o = OutputBytes::Allocate(full.o().data().size());
-    std::memcpy(o.data.get(), full.o().data().data(), o.size);
+    std::memcpy(o.data, full.o().data().data(), o.size);
     header.mutable_o()->clear_data();
   }
   if (full.has_lse() && !full.lse().data().empty()) {
     lse = OutputBytes::Allocate(full.lse().data().size());
-    std::memcpy(lse.data.get(), full.lse().data().data(), lse.size);
+    std::memcpy(lse.data, full.lse().data().data(), lse.size);
     header.mutable_lse()->clear_data();
   }
   return EncodeStepResponse(header, std::move(o), std::move(lse));
@@ -161,11 +161,11 @@ TEST_F(StepWireCodecTest, ServerEncodesResponsesAsProtobufDoes) {
       headers[j] = item->response();
       headers[j].mutable_o()->clear_data();
       results[j].o = OutputBytes::Allocate(item->response().o().data().size());
-      std::memcpy(results[j].o.data.get(), item->response().o().data().data(), results[j].o.size);
+      std::memcpy(results[j].o.data, item->response().o().data().data(), results[j].o.size);
       if (item->response().has_lse()) {
         headers[j].mutable_lse()->clear_data();
         results[j].lse = OutputBytes::Allocate(item->response().lse().data().size());
-        std::memcpy(results[j].lse.data.get(), item->response().lse().data().data(),
+        std::memcpy(results[j].lse.data, item->response().lse().data().data(),
                     results[j].lse.size);
       }
       results[j].response = &headers[j];

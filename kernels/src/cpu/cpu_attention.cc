@@ -3,7 +3,8 @@
 // one tile exists. The rows of a tile are the (token, query head) pairs of the query heads that
 // share the KV head, token-major, so that each key tile is loaded once for all of them (with GQA
 // and one decode token, the whole group is one tile). Inner loops run over contiguous floats so that the compiler vectorizes them. Paged K/V
-// (args.paged) differ only in where key row j of a sequence is read from (KeyRow).
+// (args.paged) differ only in where key row j of a sequence is read from (KeyRow); FP8 K/V
+// (args.kv_dtype) in how a row is converted (e4m3 codes times their scale, LoadKeyTile).
 #include "attn/kernels/cpu_attention.h"
 
 #include <algorithm>
@@ -128,7 +129,7 @@ struct WorkItem {
 class Runner {
  public:
   Runner(const AttentionArgs& a, char* workspace)
-      : a_(a), d_(a.head_dim), group_(a.num_heads / a.num_kv_heads),
+      : a_(a), kv_dtype_(KvDType(a)), d_(a.head_dim), group_(a.num_heads / a.num_kv_heads),
         scale_log2_(EffectiveSoftmaxScale(a) * kLog2e) {
     tile_prefix_ = reinterpret_cast<int64_t*>(workspace);
     scratch_base_ = workspace + Align64(sizeof(int64_t) * (a.batch + 1));
@@ -209,14 +210,18 @@ class Runner {
     WriteOutput(w, q0, rows, s);
   }
 
+  // FP8 K/V: each code dequantized with its (sequence, KV head) scale (KvScales); else 1.
   void LoadKeyTile(int32_t seq, int64_t key0, int n, int kv_head, int64_t kv_stride,
                    const Scratch& s) const {
+    const int64_t scale_at = int64_t(seq) * a_.num_kv_heads + kv_head;
+    const float k_scale = IsFp8Kv(a_) ? a_.kv_scales.k[scale_at] : 1.0f;
+    const float v_scale = IsFp8Kv(a_) ? a_.kv_scales.v[scale_at] : 1.0f;
     float row[kMaxHeadDim];
     for (int j = 0; j < n; ++j) {
       const int64_t src = KeyRow(seq, key0 + j) * kv_stride + int64_t(kv_head) * d_;
-      LoadRow(a_.dtype, a_.k, src, d_, row, 1.0f);
+      LoadRow(kv_dtype_, a_.k, src, d_, row, k_scale);
       for (int c = 0; c < d_; ++c) s.kt[c * kBlockN + j] = row[c];
-      LoadRow(a_.dtype, a_.v, src, d_, s.v + j * d_, 1.0f);
+      LoadRow(kv_dtype_, a_.v, src, d_, s.v + j * d_, v_scale);
     }
     for (int j = n; j < kBlockN; ++j) {
       for (int c = 0; c < d_; ++c) s.kt[c * kBlockN + j] = 0.0f;
@@ -272,6 +277,7 @@ class Runner {
   }
 
   const AttentionArgs& a_;
+  const DType kv_dtype_;
   const int d_;
   const int group_;
   const float scale_log2_;
@@ -291,6 +297,8 @@ Status CanImplement(const AttentionArgs& args) {
   }
   st = ValidateCuSeqlens(args.cu_seqlens_q, args.batch, args.total_q, args.max_seqlen_q,
                          "cu_seqlens_q");
+  if (!st.ok()) return st;
+  st = ValidateKvScales(args);
   if (!st.ok()) return st;
   if (IsPaged(args)) return ValidatePageTable(args);
   return ValidateCuSeqlens(args.cu_seqlens_k, args.batch, args.total_k, args.max_seqlen_k,

@@ -1,9 +1,11 @@
 // The one runtime-to-template dispatch of the CUDA backend, for the (dtype, head dim) pairs
-// compiled into this build (ATTN_HDIM_<d>):
-//   max_seqlen_q <= kDecodeMaxSeqlenQ: AttentionArgs -> DecodeParams -> RunDecode<T, D> (split-KV,
-//     contiguous or paged K/V; the split count comes from PlanDecode, here, on the host);
-//   otherwise: AttentionArgs -> FlashParams -> RunFlashFwdSm90<T, D> (generation 2, sm_90a, where
-//     CanImplementGen2 holds; ATTN_SM90_HDIM_<d>), else RunFlashFwd<T, D> or RunFlashFwdPaged<T, D>.
+// compiled into this build (ATTN_HDIM_<d>). MakePlan decides, from host-known values:
+//   max_seqlen_q <= kDecodeMaxSeqlenQ: the split-KV decode kernel (contiguous or paged K/V; FP8
+//     K/V: its FP8 variant, RunDecodeFp8), with its row blocks and splits (PlanDecode);
+//   otherwise: generation 2 (sm_90a, where CanImplementGen2 holds; ATTN_SM90_HDIM_<d>), with its
+//     tiling and tile order (PlanFlashFwdSm90[Paged]<T, D>), else generation 1.
+// Run turns AttentionArgs into the kernel's parameters (FlashParams, DecodeParams) and launches
+// RunDecode<T, D>, RunFlashFwdSm90[Paged]<T, D> or RunFlashFwd[Paged]<T, D> as the plan says.
 #include "attn/kernels/cuda_attention.h"
 
 #include <cuda_bf16.h>
@@ -12,11 +14,11 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
 #include "decode_params.h"
+#include "decode_plan.h"
 #include "flash_params.h"
 
 namespace attn::kernels::cuda {
@@ -65,16 +67,17 @@ FlashParams MakeParams(const AttentionArgs& a) {
   p.lse = a.lse;
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
+  p.total_k = a.total_k;
   if (IsPaged(a)) {
     p.page_indptr = a.paged.page_indptr;
     p.page_indices = a.paged.page_indices;
     p.seqlens_k = a.paged.seqlens_k;
     p.page_size = a.paged.page_size;
     p.page_shift = Log2IfPow2(a.paged.page_size);
+    p.total_k = a.paged.num_pages * a.paged.page_size;  // < 2^31 (CanImplement)
   }
   p.batch = a.batch;
   p.total_q = a.total_q;
-  p.total_k = a.total_k;
   p.max_seqlen_q = a.max_seqlen_q;
   p.max_seqlen_k = a.max_seqlen_k;
   p.num_heads = a.num_heads;
@@ -138,65 +141,41 @@ bool GetDeviceInfo(DeviceInfo* out) {
   return true;
 }
 
-// The decode launch for args, from host-known values only (batch, heads, max lengths, the SM
-// count): whether the decode kernel runs, its row blocks and KV splits, and the workspace it needs.
-struct DecodePlan {
-  bool use = false;
-  int m_blocks = 1;
-  int splits = 1;
-  size_t workspace = 0;
-  bool pdl = false;
-};
-
-// Splits: none when the (sequence, KV head, row block) CTAs number at least 90% of the SMs (two
-// CTAs fit per SM, so such a grid is resident at once or nearly); else the fewest splits whose
-// wave efficiency over one CTA per SM (CTAs / (waves * SMs)) is within 10% of the best, with at
-// least 8 key tiles (2 per warp) per split and at most kDecodeMaxSplits. Measured on the H200
-// (GQA 32/8, d=128, docs/PERF.md): one CTA per SM with no split beats two per SM with two splits
-// (16 x 4k: 4.21 vs 3.97 TB/s; 16 x 32k: 4.59 vs 4.45), and 1 x 4k peaks at 8-16 splits (1.19-1.23
-// TB/s) against 0.80 at 32. ATTN_DECODE_SPLITS=<n> forces n (a measurement knob for benchmarks).
-DecodePlan PlanDecode(const AttentionArgs& a) {
-  DecodePlan plan;
-  if (a.max_seqlen_q > kDecodeMaxSeqlenQ) return plan;
-  plan.use = true;
+// The decode kernel's plan for args (max_seqlen_q <= kDecodeMaxSeqlenQ), from host-known values
+// only (batch, heads, max lengths, the SM count): its row blocks and KV splits (DecodeSplits, of
+// the 16-bit or the FP8 kernel's tiles and occupancy), and the workspace the splits need.
+// forced_splits > 0 (PlanOptions::decode_splits) overrides the rule.
+void PlanDecode(const AttentionArgs& a, int forced_splits, Plan* plan) {
+  plan->kernel = Plan::Kernel::kDecode;
   const int group = a.num_heads / a.num_kv_heads;
-  plan.m_blocks = static_cast<int>((int64_t(a.max_seqlen_q) * group + kDecodeRows - 1) / kDecodeRows);
+  plan->decode_m_blocks =
+      static_cast<int>((int64_t(a.max_seqlen_q) * group + kDecodeRows - 1) / kDecodeRows);
+  plan->decode_splits = 1;
+  plan->workspace_bytes = 0;
   DeviceInfo info;
-  if (!GetDeviceInfo(&info)) return plan;  // Run reports the device error at launch
-  plan.pdl = info.major >= 9;
-  const double slots = double(info.sms);
-  const double base = double(a.batch) * a.num_kv_heads * plan.m_blocks;
-  const int tiles = (a.max_seqlen_k + DecodeWarpN(a.head_dim) - 1) / DecodeWarpN(a.head_dim);
-  const int max_splits = std::max(1, std::min(kDecodeMaxSplits, tiles / (2 * kDecodeWarps)));
-  auto eff = [&](int s) {
-    const double ctas = base * s;
-    return ctas / (std::ceil(ctas / slots) * slots);
-  };
-  int splits = 1;
-  if (base < 0.9 * slots && max_splits > 1) {
-    double best = 0;
-    for (int s = 1; s <= max_splits; ++s) best = std::max(best, eff(s));
-    for (int s = 1; s <= max_splits; ++s) {
-      if (eff(s) >= 0.9 * best) {
-        splits = s;
-        break;
-      }
-    }
-  }
-  static const int forced = [] {
-    const char* e = std::getenv("ATTN_DECODE_SPLITS");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-  if (forced > 0) splits = std::min(forced, kDecodeMaxSplits);
-  plan.splits = splits;
+  if (!GetDeviceInfo(&info)) return;  // Run reports the device error at launch
+  plan->decode_pdl = info.major >= 9;
+  const bool fp8 = IsFp8Kv(a);
+  DecodeSplitShape shape;
+  shape.batch = a.batch;
+  shape.num_kv_heads = a.num_kv_heads;
+  shape.m_blocks = plan->decode_m_blocks;
+  shape.max_seqlen_k = a.max_seqlen_k;
+  shape.warp_n = fp8 ? DecodeFp8WarpN(a.head_dim) : DecodeWarpN(a.head_dim);
+  shape.warps = kDecodeWarps;
+  shape.ctas_per_sm = fp8 ? DecodeFp8MinBlocks(a.head_dim) : DecodeMinBlocks(a.head_dim);
+  shape.sms = info.sms;
+  shape.max_splits = kDecodeMaxSplits;
+  int splits = DecodeSplits(shape);
+  if (forced_splits > 0) splits = std::min(forced_splits, kDecodeMaxSplits);
+  plan->decode_splits = splits;
   if (splits > 1) {
     const size_t rows = size_t(a.total_q) * a.num_heads;
-    plan.workspace = size_t(splits) * rows * (size_t(a.head_dim) + 1) * sizeof(float);
+    plan->workspace_bytes = size_t(splits) * rows * (size_t(a.head_dim) + 1) * sizeof(float);
   }
-  return plan;
 }
 
-DecodeParams MakeDecodeParams(const AttentionArgs& a, const DecodePlan& plan, void* workspace) {
+DecodeParams MakeDecodeParams(const AttentionArgs& a, const Plan& plan, void* workspace) {
   const FlashParams f = MakeParams(a);
   DecodeParams p;
   p.q = a.q;
@@ -216,8 +195,8 @@ DecodeParams MakeDecodeParams(const AttentionArgs& a, const DecodePlan& plan, vo
   p.num_heads = a.num_heads;
   p.num_kv_heads = a.num_kv_heads;
   p.group = a.num_heads / a.num_kv_heads;
-  p.m_blocks = plan.m_blocks;
-  p.num_splits = plan.splits;
+  p.m_blocks = plan.decode_m_blocks;
+  p.num_splits = plan.decode_splits;
   p.q_row_stride = f.q_row_stride;
   p.o_row_stride = f.o_row_stride;
   p.kv_row_stride = f.k_row_stride;
@@ -227,12 +206,16 @@ DecodeParams MakeDecodeParams(const AttentionArgs& a, const DecodePlan& plan, vo
   p.has_right = f.has_right;
   p.left = f.left;
   p.right = f.right;
-  if (plan.splits > 1) {
+  if (plan.decode_splits > 1) {
     const size_t rows = size_t(a.total_q) * a.num_heads;
     p.part_o = static_cast<float*>(workspace);
-    p.part_lse = p.part_o + size_t(plan.splits) * rows * a.head_dim;
+    p.part_lse = p.part_o + size_t(plan.decode_splits) * rows * a.head_dim;
   }
-  p.pdl = plan.pdl;
+  if (IsFp8Kv(a)) {
+    p.k_scale = a.kv_scales.k;
+    p.v_scale = a.kv_scales.v;
+  }
+  p.pdl = plan.decode_pdl;
   return p;
 }
 
@@ -262,18 +245,74 @@ cudaError_t RunTyped(const FlashParams& p, bool paged, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t RunSm90Typed(const FlashParams& p, cudaStream_t stream) {
+Sm90Launch PlanSm90Typed(const FlashParams& p, const Sm90Choices& c, int sms, bool paged) {
   switch (p.head_dim) {
+#define ATTN_SM90_CASE(D)                                                   \
+  case D:                                                                   \
+    return paged ? PlanFlashFwdSm90Paged<T, D>(p, c, sms) : PlanFlashFwdSm90<T, D>(p, c, sms);
 #ifdef ATTN_SM90_HDIM_64
-    case 64: return RunFlashFwdSm90<T, 64>(p, stream);
+    ATTN_SM90_CASE(64)
 #endif
 #ifdef ATTN_SM90_HDIM_128
-    case 128: return RunFlashFwdSm90<T, 128>(p, stream);
+    ATTN_SM90_CASE(128)
 #endif
 #ifdef ATTN_SM90_HDIM_256
-    case 256: return RunFlashFwdSm90<T, 256>(p, stream);
+    ATTN_SM90_CASE(256)
+#endif
+#undef ATTN_SM90_CASE
+    default: return Sm90Launch{};
+  }
+}
+
+template <typename T>
+cudaError_t RunSm90Typed(const FlashParams& p, const Sm90Launch& launch, bool paged,
+                         cudaStream_t stream) {
+  switch (p.head_dim) {
+#define ATTN_SM90_CASE(D)                                                                \
+  case D:                                                                                \
+    return paged ? RunFlashFwdSm90Paged<T, D>(p, launch, stream) : RunFlashFwdSm90<T, D>(p, launch, stream);
+#ifdef ATTN_SM90_HDIM_64
+    ATTN_SM90_CASE(64)
+#endif
+#ifdef ATTN_SM90_HDIM_128
+    ATTN_SM90_CASE(128)
+#endif
+#ifdef ATTN_SM90_HDIM_256
+    ATTN_SM90_CASE(256)
+#endif
+#undef ATTN_SM90_CASE
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t RunDecodeFp8Typed(const DecodeParams& p, int head_dim, bool paged, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef ATTN_FP8_HDIM_64
+    case 64: return RunDecodeFp8<T, 64>(p, paged, stream);
+#endif
+#ifdef ATTN_FP8_HDIM_128
+    case 128: return RunDecodeFp8<T, 128>(p, paged, stream);
+#endif
+#ifdef ATTN_FP8_HDIM_256
+    case 256: return RunDecodeFp8<T, 256>(p, paged, stream);
 #endif
     default: return cudaErrorInvalidValue;
+  }
+}
+
+bool Fp8HeadDimCompiled(int d) {
+  switch (d) {
+#ifdef ATTN_FP8_HDIM_64
+    case 64: return true;
+#endif
+#ifdef ATTN_FP8_HDIM_128
+    case 128: return true;
+#endif
+#ifdef ATTN_FP8_HDIM_256
+    case 256: return true;
+#endif
+    default: return false;
   }
 }
 
@@ -338,28 +377,46 @@ Status CanImplement(const AttentionArgs& args) {
   if (args.batch > 65535 || args.num_heads > 65535 || args.num_kv_heads > 65535) {
     return {StatusCode::kInvalidArgument, "CUDA backend: batch and num_heads must be <= 65535 (grid limit)"};
   }
+  if (IsFp8Kv(args)) {
+    if (!Fp8HeadDimCompiled(args.head_dim)) {
+      return {StatusCode::kUnimplemented, "CUDA backend: float8_e4m3 k and v with head_dim " +
+                                              std::to_string(args.head_dim) +
+                                              " are not compiled into this build (head dims 64, "
+                                              "128, 256 of ATTN_HEAD_DIMS, for sm_90a)"};
+    }
+    DeviceInfo info;
+    if (!GetDeviceInfo(&info) || info.major != 9 || info.minor != 0) {
+      return {StatusCode::kUnimplemented,
+              "CUDA backend: float8_e4m3 k and v need a compute capability 9.0 device (the kernel "
+              "is compiled for sm_90a)"};
+    }
+    if (args.max_seqlen_q > kDecodeMaxSeqlenQ) {
+      return {StatusCode::kUnimplemented,
+              "CUDA backend: float8_e4m3 k and v run with at most " +
+                  std::to_string(kDecodeMaxSeqlenQ) +
+                  " queries per sequence (max_seqlen_q, the decode kernel); got " +
+                  std::to_string(args.max_seqlen_q)};
+    }
+  }
   return Status::Ok();
 }
-
-// The forward kernel's share of the workspace: generation 2's tile counter (FlashParams).
-constexpr size_t kFwdWorkspaceBytes = 16;
-
-size_t WorkspaceBytes(const AttentionArgs& args) {
-  if (!CanImplement(args).ok()) return 0;
-  const DecodePlan plan = PlanDecode(args);
-  return plan.use ? plan.workspace : kFwdWorkspaceBytes;
-}
-
-bool UsesDecodeKernel(const AttentionArgs& args) { return PlanDecode(args).use; }
 
 Status CanImplementGen2(const AttentionArgs& args) {
   Status s = CanImplement(args);
   if (!s.ok()) return s;
+  if (IsFp8Kv(args)) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: float8_e4m3 k and v are not supported"};
+  }
   if (!Sm90HeadDimCompiled(args.head_dim)) {
     return {StatusCode::kUnimplemented, "CUDA generation 2: head_dim " + std::to_string(args.head_dim) +
                                             " is not compiled for sm_90a in this build"};
   }
-  if (IsPaged(args)) return {StatusCode::kUnimplemented, "CUDA generation 2: paged K/V is not supported"};
+  // Paged K/V: each TMA box holds rows of one page, whole 1024-byte swizzle atoms (8 rows).
+  if (IsPaged(args) && args.paged.page_size % 8 != 0) {
+    return {StatusCode::kUnimplemented, "CUDA generation 2: paged.page_size " +
+                                            std::to_string(args.paged.page_size) +
+                                            " is not a multiple of 8"};
+  }
   // The persistent schedule numbers (64-row block, head, sequence) tiles in an int.
   if ((int64_t(args.max_seqlen_q) + 63) / 64 * args.num_heads * args.batch > INT32_MAX) {
     return {StatusCode::kUnimplemented, "CUDA generation 2: too many query tiles for one launch"};
@@ -374,42 +431,140 @@ Status CanImplementGen2(const AttentionArgs& args) {
   return Status::Ok();
 }
 
+// Generation 2's workspace: its tile counter (FlashParams), where its plan takes tiles from one.
+constexpr size_t kFwdWorkspaceBytes = 16;
+
+// Whether the default plan sends paged forward shapes to generation 2 where CanImplementGen2
+// holds. Off until the generation-2 paged suite (gpu_decode_test GpuPagedGen2) has passed on a
+// Hopper GPU: until then paged prefill stays on generation 1 unless a caller forces kGen2.
+constexpr bool kPagedGen2ByDefault = false;
+
+Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* plan) {
+  Status s = CanImplement(args);
+  if (!s.ok()) return s;
+  Plan p;
+  p.paged = IsPaged(args);
+  if (options.generation == FwdGeneration::kAuto && args.max_seqlen_q <= kDecodeMaxSeqlenQ) {
+    PlanDecode(args, options.decode_splits, &p);
+    *plan = p;
+    return Status::Ok();
+  }
+  if (IsFp8Kv(args)) {  // only the decode kernel reads FP8 K/V
+    return {StatusCode::kUnimplemented,
+            "CUDA backend: float8_e4m3 k and v run on the decode kernel only (a forced forward "
+            "generation cannot)"};
+  }
+  bool gen2 = false;
+  if (options.generation == FwdGeneration::kGen2) {
+    s = CanImplementGen2(args);
+    if (!s.ok()) return s;
+    gen2 = true;
+  } else if (options.generation == FwdGeneration::kAuto) {
+    gen2 = (!p.paged || kPagedGen2ByDefault) && CanImplementGen2(args).ok();
+  }
+  if (!gen2) {
+    p.kernel = Plan::Kernel::kGen1;
+    *plan = p;
+    return Status::Ok();
+  }
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info)) {
+    return {StatusCode::kInternal, "CUDA backend: cannot read the device's properties"};
+  }
+  Sm90Choices c;
+  c.tiling = options.gen2_tiling;
+  c.row_cut = options.gen2_row_cut;
+  c.l2_group_mib = options.gen2_l2_group_mib;
+  c.l2_phases = options.gen2_l2_phases;
+  c.counter = options.gen2_tile_counter;
+  c.dynamic = options.gen2_dynamic;
+  c.tma_o = options.gen2_tma_store_o;
+  const FlashParams fp = MakeParams(args);
+  const Sm90Launch L = args.dtype == DType::kFloat16 ? PlanSm90Typed<__half>(fp, c, info.sms, p.paged)
+                                                     : PlanSm90Typed<__nv_bfloat16>(fp, c, info.sms, p.paged);
+  p.kernel = Plan::Kernel::kGen2;
+  p.gen2_narrow = L.narrow;
+  p.gen2_row_cut = L.row_cut;
+  p.gen2_l2_group_pairs = L.hb_group;
+  p.gen2_l2_phases = L.l2_phases;
+  p.gen2_tile_counter = L.dynamic;
+  p.gen2_tma_store_o = L.tma_o;
+  p.gen2_sms = L.sms;
+  p.workspace_bytes = L.dynamic ? kFwdWorkspaceBytes : 0;
+  *plan = p;
+  return Status::Ok();
+}
+
+cudaError_t Run(const AttentionArgs& args, const Plan& plan, void* workspace, cudaStream_t stream) {
+  if (!CanImplement(args).ok()) return cudaErrorInvalidValue;
+  const bool paged = IsPaged(args);
+  if (paged != plan.paged) return cudaErrorInvalidValue;
+  cudaError_t err;
+  switch (plan.kernel) {
+    case Plan::Kernel::kDecode: {
+      if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+      const DecodeParams p = MakeDecodeParams(args, plan, workspace);
+      if (IsFp8Kv(args)) {
+        err = args.dtype == DType::kFloat16
+                  ? RunDecodeFp8Typed<__half>(p, args.head_dim, paged, stream)
+                  : RunDecodeFp8Typed<__nv_bfloat16>(p, args.head_dim, paged, stream);
+      } else {
+        err = args.dtype == DType::kFloat16 ? RunDecodeTyped<__half>(p, args.head_dim, paged, stream)
+                                            : RunDecodeTyped<__nv_bfloat16>(p, args.head_dim, paged, stream);
+      }
+      break;
+    }
+    case Plan::Kernel::kGen2: {
+      if (IsFp8Kv(args)) return cudaErrorInvalidValue;  // a plan of other arguments
+      FlashParams p = MakeParams(args);
+      // Without a workspace the kernel keeps its fixed tile order.
+      if (plan.gen2_tile_counter && workspace != nullptr) {
+        p.tile_counter = static_cast<unsigned int*>(workspace);
+      }
+      Sm90Launch L;
+      L.narrow = plan.gen2_narrow;
+      L.row_cut = plan.gen2_row_cut;
+      L.hb_group = plan.gen2_l2_group_pairs;
+      L.l2_phases = plan.gen2_l2_phases;
+      L.dynamic = plan.gen2_tile_counter;
+      L.tma_o = plan.gen2_tma_store_o;
+      L.sms = plan.gen2_sms;
+      err = args.dtype == DType::kFloat16 ? RunSm90Typed<__half>(p, L, paged, stream)
+                                          : RunSm90Typed<__nv_bfloat16>(p, L, paged, stream);
+      break;
+    }
+    default: {
+      if (IsFp8Kv(args)) return cudaErrorInvalidValue;  // a plan of other arguments
+      const FlashParams p = MakeParams(args);
+      err = args.dtype == DType::kFloat16 ? RunTyped<__half>(p, paged, stream)
+                                          : RunTyped<__nv_bfloat16>(p, paged, stream);
+    }
+  }
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+size_t WorkspaceBytes(const AttentionArgs& args) {
+  Plan plan;
+  return MakePlan(args, PlanOptions{}, &plan).ok() ? plan.workspace_bytes : 0;
+}
+
+bool UsesDecodeKernel(const AttentionArgs& args) { return args.max_seqlen_q <= kDecodeMaxSeqlenQ; }
+
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream) {
   return Run(args, workspace, stream, FwdGeneration::kAuto);
 }
 
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream, FwdGeneration gen) {
-  if (!CanImplement(args).ok()) return cudaErrorInvalidValue;
-  const bool paged = IsPaged(args);
-  const bool gen2 = gen == FwdGeneration::kGen2 ||
-                    (gen == FwdGeneration::kAuto && CanImplementGen2(args).ok());
-  if (gen == FwdGeneration::kGen2 && !CanImplementGen2(args).ok()) return cudaErrorInvalidValue;
-  cudaError_t err;
-  const DecodePlan plan = gen == FwdGeneration::kAuto ? PlanDecode(args) : DecodePlan{};
-  if (plan.use) {
-    if (plan.workspace > 0 && workspace == nullptr) return cudaErrorInvalidValue;
-    const DecodeParams p = MakeDecodeParams(args, plan, workspace);
-    err = args.dtype == DType::kFloat16
-              ? RunDecodeTyped<__half>(p, args.head_dim, paged, stream)
-              : RunDecodeTyped<__nv_bfloat16>(p, args.head_dim, paged, stream);
-  } else if (gen2) {
-    FlashParams p = MakeParams(args);
-    // A caller that sized the workspace for a decode-shaped call (forcing generation 2) may have
-    // none: the kernel then keeps its fixed schedule. `sized` is the plan WorkspaceBytes sized it
-    // by (under kAuto, the one above).
-    const DecodePlan sized = gen == FwdGeneration::kAuto ? plan : PlanDecode(args);
-    if (workspace != nullptr && (!sized.use || sized.workspace >= kFwdWorkspaceBytes)) {
-      p.tile_counter = static_cast<unsigned int*>(workspace);
-    }
-    err = args.dtype == DType::kFloat16 ? RunSm90Typed<__half>(p, stream)
-                                        : RunSm90Typed<__nv_bfloat16>(p, stream);
-  } else {
-    const FlashParams p = MakeParams(args);
-    err = args.dtype == DType::kFloat16 ? RunTyped<__half>(p, paged, stream)
-                                        : RunTyped<__nv_bfloat16>(p, paged, stream);
-  }
-  if (err != cudaSuccess) return err;
-  return cudaGetLastError();
+  PlanOptions options;
+  options.generation = gen;
+  // The caller sized the workspace for the default plan (WorkspaceBytes): a forced generation 2
+  // on a decode shape may have less than its tile counter.
+  options.gen2_tile_counter =
+      workspace != nullptr && (gen == FwdGeneration::kAuto || WorkspaceBytes(args) >= kFwdWorkspaceBytes);
+  Plan plan;
+  if (!MakePlan(args, options, &plan).ok()) return cudaErrorInvalidValue;
+  return Run(args, plan, workspace, stream);
 }
 
 const int* CompiledHeadDims(int* n) {

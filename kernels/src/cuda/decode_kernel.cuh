@@ -24,6 +24,7 @@
 
 #include "decode_params.h"
 #include "ptx.cuh"
+#include "ptx_decode.cuh"
 
 namespace attn::kernels::cuda {
 namespace decode {
@@ -98,6 +99,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const uint32_t sQ = ptx::SmemAddr(smem_raw);
   const uint32_t sRing = sQ + Tr::kQBytes;
 
+  // The combine kernel (a programmatic dependent when there are splits) may be launched as soon
+  // as every CTA of this grid is running: its launch then overlaps this grid's work, and it waits
+  // for this grid's completion before it reads the partials.
+  ptx::GridDependencyLaunchDependents();
   const int split = blockIdx.x % p.num_splits;
   const int mb = blockIdx.x / p.num_splits;
   const int hk = blockIdx.y;
@@ -427,15 +432,23 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   }
 }
 
-// Merges the num_splits partial results of each (token, head) row by their LSE: one warp per row.
+// Merges the num_splits partial results of each (token, head) row by their LSE: one CTA of
+// kCombineWarps warps per row, warp w summing splits w, w + kCombineWarps, ... with the loads of
+// several splits in flight at once (a one-warp loop over the splits waited for each partial in
+// turn), then the warps' sums through shared memory.
+constexpr int kCombineWarps = 4;
+
 template <typename T, int D>
-__global__ void __launch_bounds__(128) DecodeCombineKernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(32 * kCombineWarps) DecodeCombineKernel(const __grid_constant__ DecodeParams p) {
+  constexpr int kVecs = D / 4;                   // float4 columns of a row
+  constexpr int kPerLane = (kVecs + 31) / 32;    // of them per lane
+  __shared__ float4 red[kCombineWarps][kVecs];
   // With programmatic dependent launch this grid may start before the split kernel has finished.
   ptx::GridDependencyWait();
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
-  if (row >= rows_all) return;
+  const int64_t row = blockIdx.x;
   const int ns = p.num_splits;
   const float l0 = lane < ns ? p.part_lse[int64_t(lane) * rows_all + row] : -INFINITY;
   const float l1 = lane + 32 < ns ? p.part_lse[int64_t(lane + 32) * rows_all + row] : -INFINITY;
@@ -448,23 +461,50 @@ __global__ void __launch_bounds__(128) DecodeCombineKernel(const __grid_constant
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  constexpr int kPerLane = D / 32;
-  float acc[kPerLane];
+  float4 acc[kPerLane];
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
-  for (int s = 0; s < ns; ++s) {
+  for (int j = 0; j < kPerLane; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  // Every split's partial is written (an empty split's is 0 with LSE -inf, weight 0), so each is
+  // read unconditionally: no branch between the loads of consecutive splits.
+#pragma unroll 4
+  for (int s = warp; s < ns; s += kCombineWarps) {
     const float w = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31) * inv;
-    if (w == 0.0f) continue;  // warp-uniform
-    const float* po = p.part_o + (int64_t(s) * rows_all + row) * D + lane;
+    const float4* po = reinterpret_cast<const float4*>(p.part_o + (int64_t(s) * rows_all + row) * D);
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) acc[j] += w * po[32 * j];
+    for (int j = 0; j < kPerLane; ++j) {
+      const int c = lane + 32 * j;
+      if (c < kVecs) {
+        const float4 x = po[c];
+        acc[j].x += w * x.x;
+        acc[j].y += w * x.y;
+        acc[j].z += w * x.z;
+        acc[j].w += w * x.w;
+      }
+    }
   }
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int c = lane + 32 * j;
+    if (c < kVecs) red[warp][c] = acc[j];
+  }
+  __syncthreads();
   const int64_t t = row / p.num_heads;
   const int h = static_cast<int>(row - t * p.num_heads);
-  T* go = reinterpret_cast<T*>(p.o) + t * p.o_row_stride + int64_t(h) * D + lane;
+  T* go = reinterpret_cast<T*>(p.o) + t * p.o_row_stride + int64_t(h) * D;
+  for (int c = threadIdx.x; c < kVecs; c += 32 * kCombineWarps) {
+    float4 v = red[0][c];
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) go[32 * j] = ptx::FromFloat<T>(acc[j]);
-  if (p.lse != nullptr && lane == 0) {
+    for (int w = 1; w < kCombineWarps; ++w) {
+      v.x += red[w][c].x;
+      v.y += red[w][c].y;
+      v.z += red[w][c].z;
+      v.w += red[w][c].w;
+    }
+    // Two 4-byte stores: o rows need only the 4-byte alignment the split kernel's stores need.
+    *reinterpret_cast<uint32_t*>(go + 4 * c) = ptx::Pack2<T>(v.x, v.y);
+    *reinterpret_cast<uint32_t*>(go + 4 * c + 2) = ptx::Pack2<T>(v.z, v.w);
+  }
+  if (p.lse != nullptr && threadIdx.x == 0) {
     p.lse[int64_t(h) * p.total_q + t] = sum > 0.0f ? (mx + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
   }
 }

@@ -1,5 +1,6 @@
-// Launcher template for the split-KV decode kernel and its combine kernel; explicitly instantiated
-// once per (dtype, head dim) in instantiations/decode_*.cu.
+// Launcher templates of the split-KV decode kernels (16-bit and FP8 K/V) and their combine kernel;
+// explicitly instantiated once per (dtype, head dim) in instantiations/decode_*.cu (RunDecode) and
+// instantiations/decode_fp8_*.cu (RunDecodeFp8, decode_fp8_launch.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,9 +11,9 @@
 namespace attn::kernels::cuda {
 
 namespace decode {
-template <typename Tr, bool kPaged>
-cudaError_t LaunchSplit(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = &DecodeKernel<Tr, kPaged>;
+// The split kernel `kernel` of traits Tr: grid (row blocks x splits, KV heads, sequences).
+template <typename Tr, typename Kernel>
+cudaError_t LaunchSplit(Kernel kernel, const DecodeParams& p, cudaStream_t stream) {
   constexpr int kSmem = Tr::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     const cudaError_t err =
@@ -29,21 +30,15 @@ cudaError_t LaunchSplit(const DecodeParams& p, cudaStream_t stream) {
   kernel<<<grid, Tr::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
-}  // namespace decode
 
+// The combine of num_splits > 1 partials: one CTA per (token, head) row, a programmatic dependent
+// of the split kernel where p.pdl (the split kernel lets it launch early, GridDependency*).
 template <typename T, int D>
-cudaError_t RunDecode(const DecodeParams& p, bool paged, cudaStream_t stream) {
-  using Tr = decode::DecodeTraits<D, T>;
-  if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  cudaError_t err = paged ? decode::LaunchSplit<Tr, true>(p, stream)
-                          : decode::LaunchSplit<Tr, false>(p, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
-
-  constexpr int kRowsPerBlock = 4;  // one warp per (token, head) row
+cudaError_t LaunchCombine(const DecodeParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.total_q) * p.num_heads;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
-  cfg.blockDim = dim3(32 * kRowsPerBlock);
+  cfg.gridDim = dim3(static_cast<unsigned>(rows));
+  cfg.blockDim = dim3(32 * kCombineWarps);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -51,9 +46,20 @@ cudaError_t RunDecode(const DecodeParams& p, bool paged, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, &decode::DecodeCombineKernel<T, D>, p);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, &DecodeCombineKernel<T, D>, p);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
+}
+}  // namespace decode
+
+template <typename T, int D>
+cudaError_t RunDecode(const DecodeParams& p, bool paged, cudaStream_t stream) {
+  using Tr = decode::DecodeTraits<D, T>;
+  if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
+  const cudaError_t err = paged ? decode::LaunchSplit<Tr>(&decode::DecodeKernel<Tr, true>, p, stream)
+                                : decode::LaunchSplit<Tr>(&decode::DecodeKernel<Tr, false>, p, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return decode::LaunchCombine<T, D>(p, stream);
 }
 
 }  // namespace attn::kernels::cuda

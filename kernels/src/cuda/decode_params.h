@@ -34,6 +34,24 @@ constexpr int DecodeSmemBytes(int d) {
 // planner against the device).
 constexpr int DecodeMinBlocks(int d) { return d >= 256 ? 1 : 2; }
 
+// The FP8 K/V kernel (decode_fp8_kernel.cuh, head dims 64, 128, 256): tiles of 32 keys (e4m3
+// codes: the bytes of a 16-bit tile of 16 keys at d=128), ring depth per head dim (d=64: five
+// stages of 4 KiB keep four in flight, as many bytes as the 16-bit kernel's two of 8 KiB), q rows
+// padded by 16 bytes, and at d=256 each warp's q fragments in shared memory.
+constexpr int kDecodeFp8HeadDims[] = {64, 128, 256};
+constexpr int DecodeFp8WarpN(int) { return 32; }
+constexpr int DecodeFp8Stages(int d) { return d >= 256 ? 2 : (d <= 64 ? 5 : 3); }
+constexpr bool DecodeFp8QInRegs(int d) { return d <= 128; }
+constexpr int DecodeFp8QRowBytes(int d) { return d * 2 + 16; }
+constexpr int DecodeFp8SmemBytes(int d) {
+  const int q = kDecodeRows * DecodeFp8QRowBytes(d);
+  const int ring = kDecodeWarps * DecodeFp8Stages(d) * 2 * DecodeFp8WarpN(d) * d;
+  const int q_frags = DecodeFp8QInRegs(d) ? 0 : kDecodeWarps * (d / 16) * 32 * 16;
+  const int merge = kDecodeWarps * kDecodeRows * (DecodeMergeStride(d) + 2) * 4;
+  return q + (ring + q_frags > merge ? ring + q_frags : merge);
+}
+constexpr int DecodeFp8MinBlocks(int d) { return d >= 256 ? 1 : 2; }
+
 struct DecodeParams {
   const void* q = nullptr;  // [total_q, num_heads, head_dim]
   const void* k = nullptr;  // contiguous [total_k, num_kv_heads, head_dim] or a page pool
@@ -79,8 +97,13 @@ struct DecodeParams {
   float* part_o = nullptr;
   float* part_lse = nullptr;
 
+  // FP8 K/V (RunDecodeFp8): k and v hold e4m3 codes, dequantized with these float32 scales of
+  // [batch, num_kv_heads] (KvScales in attention.h).
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+
   // Host only: launch the combine kernel as a programmatic dependent of the split kernel (sm_90+),
-  // so that its launch overlaps the split kernel's tail.
+  // so that its launch overlaps the split kernel's work.
   bool pdl = false;
 };
 
@@ -88,5 +111,10 @@ struct DecodeParams {
 // num_splits > 1, the combine kernel, both on stream.
 template <typename T, int D>
 cudaError_t RunDecode(const DecodeParams& params, bool paged, cudaStream_t stream);
+
+// The FP8 K/V kernel (q and o of T; instantiations/decode_fp8_*.cu, head dims kDecodeFp8HeadDims)
+// and, when num_splits > 1, the same combine kernel.
+template <typename T, int D>
+cudaError_t RunDecodeFp8(const DecodeParams& params, bool paged, cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

@@ -45,65 +45,18 @@ struct Sm90Params {
   CUtensorMap tk;
   CUtensorMap tv;
   CUtensorMap to;  // O as {64, rows, D/64, heads}, boxes of {64, 64, 1, 1} (the TMA-store epilogue)
-  int tma_o;   // 1: O leaves through shared memory and TMA stores (ATTN_SM90_TMA_O)
+  int tma_o;   // 1: O leaves through shared memory and TMA stores (Sm90Launch::tma_o)
   int hb_group;  // the cost-ordered schedule's (sequence, head) pairs per L2 group (Sm90Schedule)
   int l2_phases;  // Sm90Schedule::phased
   int row_cut;  // Sm90RowCut: how Sm90RowBlock cuts the sequences (three-warpgroup tilings only)
   // The cost-ordered schedule's next-tile counter, zeroed before the launch: CTAs then take their
   // tiles one at a time as they finish (Sm90Schedule); nullptr: each CTA's tiles are fixed.
   unsigned int* tile_counter;
-  // Timeline (traits with kTrace only, bench/sm90_timeline): Sm90TraceLayout slots per
-  // (CTA, consumer warpgroup); nullptr otherwise.
-  unsigned long long* trace;
+  // Paged K/V (Tr::kPaged): rows per TMA box of K and V (Sm90PagedBoxRows); tk and tv then view
+  // the page pools as rows of num_pages * page_size (FlashParams::total_k) with boxes of
+  // {64, kv_box_rows, 1, 1}.
+  int kv_box_rows;
 };
-
-// Timeline of the consumer warpgroups, for the traced build of the kernel only: thread 0 of each
-// consumer warpgroup writes clock64() at fixed points of each key-tile iteration, up to kMaxIters
-// iterations per warpgroup. Slot 0 of an iteration holds its tile round and key tile, the rest are
-// SM clock readings: the K wait begins, S issued, S complete, softmax done, V ready, P V complete,
-// and the epilogue done (last key tile of a tile only, else 0). The overlapped key loop's records
-// carry flags in the tag (below).
-struct Sm90TraceLayout {
-  static constexpr int kSlots = 8;
-  static constexpr int kMaxIters = 2048;
-  static constexpr int kPerWarpgroup = kSlots * kMaxIters;
-  enum Slot { kTag = 0, kKWait, kSIssued, kSDone, kSoftmaxDone, kVReady, kPvDone, kEpilogueDone };
-  // Tag bits of the overlapped key loop's records (Tr::kOverlap): there the P V of the previous
-  // key tile is issued with the S, at kSIssued, and kVReady..kPvDone is the part of its wait left
-  // after the softmax; a record may lack the S (the last) or the P V (the first).
-  static constexpr unsigned long long kOverlapped = 1ull << 63;
-  static constexpr unsigned long long kHasS = 1ull << 62;
-  static constexpr unsigned long long kHasPv = 1ull << 61;
-};
-
-struct Sm90Trace {
-  unsigned long long* it = nullptr;  // this warpgroup's current iteration (nullptr: not recording)
-  unsigned long long* end = nullptr;
-  __device__ __forceinline__ void Mark(int slot) const {
-    if (it != nullptr) it[slot] = clock64();
-  }
-  __device__ __forceinline__ void Begin(unsigned long long tag) {
-    if (it != nullptr && it != end) {
-      it[Sm90TraceLayout::kTag] = tag;
-      for (int i = 1; i < Sm90TraceLayout::kSlots; ++i) it[i] = 0;
-    } else {
-      it = nullptr;
-    }
-  }
-  __device__ __forceinline__ void Next() {
-    if (it != nullptr) it += Sm90TraceLayout::kSlots;
-  }
-};
-
-// The untraced kernel's (every production build's) stand-in: nothing is recorded.
-struct Sm90NoTrace {
-  __device__ __forceinline__ void Mark(int) const {}
-  __device__ __forceinline__ void Begin(unsigned long long) {}
-  __device__ __forceinline__ void Next() {}
-};
-
-template <typename Tr>
-using Sm90TraceOf = std::conditional_t<Tr::kTrace, Sm90Trace, Sm90NoTrace>;
 
 // Q buffer and mbarrier parity of the n-th Q tile a CTA loads.
 struct Sm90QSlot {
@@ -126,14 +79,20 @@ struct Sm90Tile {
   int nb_max = 0;
 };
 
-template <int BM, int BN>
+// kPaged: k_start is the sequence's first entry of the page table (page_indices) instead.
+template <int BM, int BN, bool kPaged = false>
 __device__ __forceinline__ bool MakeSm90Tile(const FlashParams& p, int m_block, int b, int row_cut,
                                              Sm90Tile* t) {
   t->q_start = p.cu_seqlens_q[b];
   t->s_q = p.cu_seqlens_q[b + 1] - t->q_start;
   if (!Sm90RowBlock(m_block, t->s_q, BM, row_cut, &t->m0, &t->m_end)) return false;
-  t->k_start = p.cu_seqlens_k[b];
-  t->s_k = p.cu_seqlens_k[b + 1] - t->k_start;
+  if constexpr (kPaged) {
+    t->k_start = p.page_indptr[b];
+    t->s_k = p.seqlens_k[b];
+  } else {
+    t->k_start = p.cu_seqlens_k[b];
+    t->s_k = p.cu_seqlens_k[b + 1] - t->k_start;
+  }
   t->off = t->s_k - t->s_q;
   const int m_last = t->m_end - 1;
   int n_lo = 0;
@@ -223,18 +182,105 @@ struct Sm90Bars {
   __device__ __forceinline__ uint64_t* EmptyV(int st) const { return base + 4 + 3 * S + st; }
 };
 
-// Tr::kClusterKV: this CTA's half of a K or V tile (rows rank * BN/2 ..), one 64-column slab at a
-// time so that each lands where the whole tile's slab rows go, multicast to both CTAs of the
-// cluster; the map's boxes are {64, BN/2, 1, 1}.
+// The producer warp's own state under paged K/V (Tr::kPaged; unused otherwise): its lane, the
+// tail barrier (Sm90PagedTraits::kTailBarOff) and that barrier's next phase.
+struct Sm90PagedLoad {
+  uint64_t* tail_bar = nullptr;
+  uint32_t tail_phase = 0;
+  int lane = 0;
+};
+
+// Paged K/V: the pool row where chunk `lane` (P.kv_box_rows rows, all in one page) of key tile nb
+// starts, for a chunk that holds keys of the sequence (0 for the others, which are not loaded).
 template <typename Tr>
-__device__ __forceinline__ void Sm90LoadHalfKV(const CUtensorMap& map, uint8_t* tile, int row, int hk,
-                                               uint64_t* full) {
-  constexpr int kHalf = Tr::kBlockN / 2;
-  const int rank = int(ptx::ClusterCtaRank());
+__device__ __forceinline__ int Sm90PagedChunkRow(const FlashParams& p, const Sm90Tile& t, int nb,
+                                                 int rows, int lane) {
+  const int j0 = nb * Tr::kBlockN + lane * rows;
+  if (lane * rows >= Tr::kBlockN || j0 >= t.s_k) return 0;
+  const int page = p.page_shift >= 0 ? j0 >> p.page_shift : j0 / p.page_size;
+  return __ldg(p.page_indices + t.k_start + page) * p.page_size + (j0 - page * p.page_size);
+}
+
+// Producer, one tile, paged K/V: all 32 lanes of the producer warp. Lane 0 loads Q; for each key
+// tile, lane c loads chunk c of K and of V (one TMA box of P.kv_box_rows rows per 64-column slab;
+// the chunk's page number was read a tile ahead), for the chunks that hold keys of the sequence.
+// The tile holding the sequence's last key ("tail") ends in rows past it: in its last loaded
+// chunk, the unused rows of the last page, whose bytes are anything (NaN too); past that chunk,
+// whatever the stage held. K's are masked (their scores are set to -inf), but V's would meet
+// P = 0 in P V, and 0 * NaN is NaN. So in a tail tile V's chunk with the last key lands on the
+// tail barrier, the warp waits for it, writes zeros over every row past the last key, and only
+// then arrives on V's "full" barrier (whose transaction bytes are those of the other chunks).
+// No box is issued wholly outside the sequence's keys.
+template <typename Tr>
+__device__ __forceinline__ void Sm90ProducePaged(const Sm90Params& P, const Sm90Tile& t, int h,
+                                                 uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                                 Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q,
+                                                 Sm90PagedLoad& pl) {
+  constexpr int BN = Tr::kBlockN;
+  const int hk = h / P.p.heads_per_kv;
+  const int lane = pl.lane;
+  const int rows = P.kv_box_rows;
+  const uint32_t chunk_bytes = uint32_t(rows) * 128 * Tr::kSlabs;
+  if (lane == 0) {
+    ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
+    ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
+                   bars.FullQ(q.buf));
+  }
+  int row = Sm90PagedChunkRow<Tr>(P.p, t, t.nb_max - 1, rows, lane);
+  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+    const int st = ring.st;
+    const int row_next = nb > t.nb_min ? Sm90PagedChunkRow<Tr>(P.p, t, nb - 1, rows, lane) : 0;
+    const int keys = t.s_k - nb * BN;  // > 0: a visited tile holds keys
+    const bool tail = keys < BN;
+    const int chunks = tail ? (keys + rows - 1) / rows : BN / rows;  // chunks with keys
+    const int last_part = tail && keys % rows != 0 ? chunks - 1 : -1;  // the chunk on the tail barrier
+    const bool loads = lane < chunks;
+    uint8_t* k_dst = smem + Tr::kKOff + st * Tr::kKVBytes + lane * rows * 128;
+    uint8_t* v_tile = smem + Tr::kVOff + st * Tr::kKVBytes;
+    ptx::MbarWait(bars.EmptyK(st), ring.phase ^ 1);
+    if (lane == 0) ptx::MbarArriveExpectTx(bars.FullK(st), uint32_t(chunks) * chunk_bytes);
+    __syncwarp();
+    if (loads) {
 #pragma unroll
-  for (int k = 0; k < Tr::kSlabs; ++k) {
-    ptx::TmaLoad4dMulticast(tile + k * Tr::kBlockN * 128 + rank * kHalf * 128, &map, 0, row + rank * kHalf,
-                            k, hk, full, uint16_t(0x3));
+      for (int k = 0; k < Tr::kSlabs; ++k) {
+        ptx::TmaLoad4d(k_dst + k * BN * 128, &P.tk, 0, row, k, hk, bars.FullK(st));
+      }
+    }
+    ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
+    if (lane == 0) {
+      if (!tail) {
+        ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
+      } else {
+        ptx::MbarExpectTx(bars.FullV(st), uint32_t(chunks - (last_part >= 0)) * chunk_bytes);
+        if (last_part >= 0) ptx::MbarArriveExpectTx(pl.tail_bar, chunk_bytes);
+      }
+    }
+    __syncwarp();
+    if (loads) {
+      uint64_t* bar = lane == last_part ? pl.tail_bar : bars.FullV(st);
+#pragma unroll
+      for (int k = 0; k < Tr::kSlabs; ++k) {
+        ptx::TmaLoad4d(v_tile + lane * rows * 128 + k * BN * 128, &P.tv, 0, row, k, hk, bar);
+      }
+    }
+    if (tail) {
+      if (last_part >= 0) {
+        ptx::MbarWait(pl.tail_bar, pl.tail_phase);
+        pl.tail_phase ^= 1;
+      }
+      // 16-byte pieces of the rows [keys, BN), every slab (a zero row needs no swizzle).
+      const int pieces = (BN - keys) * Tr::kSlabs * 8;
+      for (int i = lane; i < pieces; i += 32) {
+        const int rs = i >> 3;
+        *reinterpret_cast<uint4*>(v_tile + (rs % Tr::kSlabs) * BN * 128 +
+                                  (keys + rs / Tr::kSlabs) * 128 + (i & 7) * 16) = make_uint4(0, 0, 0, 0);
+      }
+      ptx::FenceProxyAsyncShared();
+      __syncwarp();
+      if (lane == 0) ptx::MbarArrive(bars.FullV(st));
+    }
+    row = row_next;
+    ring.Advance();
   }
 }
 
@@ -243,7 +289,12 @@ __device__ __forceinline__ void Sm90LoadHalfKV(const CUtensorMap& map, uint8_t* 
 template <typename Tr>
 __device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile& t, int h,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                            Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q) {
+                                            Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q,
+                                            Sm90PagedLoad& pl) {
+  if constexpr (Tr::kPaged) {
+    Sm90ProducePaged<Tr>(P, t, h, smem, bars, ring, q, pl);
+    return;
+  }
   const int hk = h / P.p.heads_per_kv;
   ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
   ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
@@ -253,18 +304,10 @@ __device__ __forceinline__ void Sm90Produce(const Sm90Params& P, const Sm90Tile&
     const int row = t.k_start + nb * Tr::kBlockN;
     ptx::MbarWait(bars.EmptyK(st), ring.phase ^ 1);
     ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKVBytes);
-    if constexpr (Tr::kClusterKV) {
-      Sm90LoadHalfKV<Tr>(P.tk, smem + Tr::kKOff + st * Tr::kKVBytes, row, hk, bars.FullK(st));
-    } else {
-      ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, bars.FullK(st));
-    }
+    ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKVBytes, &P.tk, 0, row, 0, hk, bars.FullK(st));
     ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
     ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kKVBytes);
-    if constexpr (Tr::kClusterKV) {
-      Sm90LoadHalfKV<Tr>(P.tv, smem + Tr::kVOff + st * Tr::kKVBytes, row, hk, bars.FullV(st));
-    } else {
-      ptx::TmaLoad4d(smem + Tr::kVOff + st * Tr::kKVBytes, &P.tv, 0, row, 0, hk, bars.FullV(st));
-    }
+    ptx::TmaLoad4d(smem + Tr::kVOff + st * Tr::kKVBytes, &P.tv, 0, row, 0, hk, bars.FullV(st));
     ring.Advance();
   }
 }
@@ -289,26 +332,10 @@ __device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& 
   }
 }
 
-// 2^x for x <= 0 on the FMA and integer pipes instead of the MUFU (16 results per SM and clock):
-// x = n + f with n an integer and |f| <= 1/2, 2^f by a degree-3 polynomial (relative error
-// 1.0e-4, below the rounding of P to 16 bits), n added to the exponent field. x is clamped to
-// -127, where the sum of the fields is 0: -inf (a masked score) gives 0. Only the experiment
-// Tr::kFmaExp2Of8 uses it: the softmax is not bound by the MUFU's throughput (H200, below).
-__device__ __forceinline__ float Exp2OnFma(float x) {
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound holds round(x) in its low bits
-  x = fmaxf(x, -127.0f);
-  const float t = x + kRound;
-  const float f = x - (t - kRound);
-  const float p = fmaf(fmaf(fmaf(0.0550087575f, f, 0.242211385f), f, 0.693282993f), f, 1.0f);
-  // t's bits are kRound's plus round(x); shifted by 23 only round(x) << 23 is left of them.
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-}
-
 // Online softmax of one score tile (log2 domain, scale folded in): updates the row max and sum,
 // leaves P = exp2(s * scale - max) in s and the factor O must be rescaled by in corr (applied
-// separately, once no product writing O is in flight). kFmaExp2Of8 of every 8 scores of a row
-// take Exp2OnFma, the rest the MUFU's exp2.
-template <int BN, int kFmaExp2Of8 = 0>
+// separately, once no product writing O is in flight).
+template <int BN>
 __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
 #pragma unroll
@@ -327,7 +354,7 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float x = fmaf(s[4 * c + 2 * hf + e], sl2, -ms);
-        const float pe = (2 * c + e) % 8 < kFmaExp2Of8 ? Exp2OnFma(x) : exp2f(x);
+        const float pe = exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
         sum += pe;
       }
@@ -488,31 +515,9 @@ __device__ __forceinline__ void Sm90PackP(uint32_t (&pa)[BN / 16][4], const floa
     for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::Pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
-// Turn-taking of the consumer warpgroups for issuing products (Tr::kPingPong, with kOverlap):
-// warpgroup c waits on named barrier kFirstBar + c before it issues, then lets c + 1 (cyclically)
-// go, so the warpgroups' products reach the tensor cores in a fixed order and one warpgroup's
-// softmax runs while the others' products do. Every warpgroup takes the same number of turns per
-// tile (the CTA's warpgroups share its key tiles). The last warpgroup's Start lets the first go.
-template <typename Tr>
-struct Sm90IssueTurn {
-  static constexpr int kFirstBar = 4;  // 1..3: the TMA-store epilogue's
-  int cw;
-  __device__ __forceinline__ void Begin() const {
-    if constexpr (Tr::kPingPong) ptx::NamedBarSync(kFirstBar + cw, 256);
-  }
-  __device__ __forceinline__ void End() const {
-    if constexpr (Tr::kPingPong) ptx::NamedBarArrive(kFirstBar + (cw + 1) % Tr::kConsumerWGs, 256);
-  }
-  __device__ __forceinline__ void Start() const {
-    if constexpr (Tr::kPingPong) {
-      if (cw == Tr::kConsumerWGs - 1) End();
-    }
-  }
-};
-
 // Waits for the ring's current stage to be loaded and gives its K and V back unread (so that the
 // arrivals count for this use of the stage), then moves the ring on: a key tile a consumer warp
-// skips. Tr::kClusterKV: the partner CTA's producer writes the stage too, so it is told as well.
+// skips.
 template <typename Tr>
 __device__ __forceinline__ void Sm90PassStage(const Sm90Bars<Tr::kStages>& bars,
                                               Sm90Ring<Tr::kStages>& ring, bool lane0) {
@@ -522,10 +527,6 @@ __device__ __forceinline__ void Sm90PassStage(const Sm90Bars<Tr::kStages>& bars,
   if (lane0) {
     ptx::MbarArrive(bars.EmptyK(st));
     ptx::MbarArrive(bars.EmptyV(st));
-    if constexpr (Tr::kClusterKV) {
-      ptx::MbarArriveRemote(bars.EmptyK(st), ptx::ClusterCtaRank() ^ 1);
-      ptx::MbarArriveRemote(bars.EmptyV(st), ptx::ClusterCtaRank() ^ 1);
-    }
   }
   ring.Advance();
 }
@@ -541,8 +542,7 @@ template <typename Tr>
 __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile& t, int h, int cw,
                                             uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
                                             Sm90Ring<Tr::kStages>& ring, uint32_t q_loads,
-                                            Sm90OStore& ost, Sm90TraceOf<Tr>& tr, uint32_t tile_no,
-                                            bool q_ready) {
+                                            Sm90OStore& ost, bool q_ready) {
   using T = typename Tr::T;
   constexpr int BN = Tr::kBlockN;
   static_assert(!Tr::kTrimEdgeTiles || BN == 128, "half-width key tiles are m64n64 products");
@@ -570,13 +570,9 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
     if (!tma_o && lane == 0) ptx::MbarArrive(bars.EmptyQ(q.buf));
   };
   // A stage's K (once the S reading it is complete) and V (once the P V is) go back to the
-  // producer; Tr::kClusterKV: the partner CTA's producer also writes the stage (its half of each
-  // tile), so it waits for this CTA's warps too.
+  // producer.
   auto release = [&](uint64_t* bar) {
-    if (lane == 0) {
-      ptx::MbarArrive(bar);
-      if constexpr (Tr::kClusterKV) ptx::MbarArriveRemote(bar, ptx::ClusterCtaRank() ^ 1);
-    }
+    if (lane == 0) ptx::MbarArrive(bar);
   };
   if (t.nb_max == t.nb_min) {
     Sm90ReleaseStoredQ(ost, bars, tid);
@@ -597,7 +593,6 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   float s_half[BN / 4];  // Tr::kTrimEdgeTiles: a half-width key tile's
   uint32_t pa_half[BN / 32][4];
 
-  bool skipped_last = false;  // Tr::kTrimEdgeTiles: the timeline has no record to end here
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     if (!q_ready) ptx::MbarWait(bars.FullQ(q.buf), q.phase);
     Sm90ReleaseStoredQ(ost, bars, tid);  // the store had the Q wait to read its rows
@@ -610,75 +605,41 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       auto softmax = [&](int nb) {
         if (nb == t.nb_min) release_q();
         mask(s, nb);
-        Sm90Softmax<BN, Tr::kFmaExp2Of8>(s, row_max, row_sum, corr, p.scale_log2);
-      };
-      // Tr::kPingPong: the warpgroups take turns to issue (Sm90IssueTurn).
-      const Sm90IssueTurn<Tr> turn{cw};
-      // Timeline records (Sm90TraceLayout::kOverlapped): one per S, the P V issued with it
-      // included; the first has no P V, a last one only the last P V.
-      auto begin = [&](int nb, unsigned long long products) {
-        tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb) |
-                 Sm90TraceLayout::kOverlapped | products);
-        tr.Mark(Sm90TraceLayout::kKWait);
+        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
       };
       int st = ring.st;
       int nb = t.nb_max - 1;
-      begin(nb, Sm90TraceLayout::kHasS);
       ptx::MbarWait(bars.FullK(st), ring.phase);
-      turn.Begin();
-      tr.Mark(Sm90TraceLayout::kSIssued);
       mma.IssueS(s, st);
-      turn.End();
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
-      tr.Mark(Sm90TraceLayout::kSDone);
       release(bars.EmptyK(st));
       softmax(nb);
       Sm90PackP<T, BN>(pa, s);
-      tr.Mark(Sm90TraceLayout::kSoftmaxDone);
       ptx::MbarWait(bars.FullV(st), ring.phase);
-      tr.Mark(Sm90TraceLayout::kVReady);
-      tr.Mark(Sm90TraceLayout::kPvDone);
       for (;;) {
         const int st_prev = st;
         ring.Advance();
-        tr.Next();
         if (--nb < t.nb_min) {
-          begin(nb + 1, Sm90TraceLayout::kHasPv);
-          turn.Begin();
-          tr.Mark(Sm90TraceLayout::kSIssued);
           mma.IssuePV(o, pa, st_prev);
-          turn.End();
-          tr.Mark(Sm90TraceLayout::kSDone);
-          tr.Mark(Sm90TraceLayout::kSoftmaxDone);
-          tr.Mark(Sm90TraceLayout::kVReady);
           ptx::WgmmaWait<0>();
 #pragma unroll
           for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-          tr.Mark(Sm90TraceLayout::kPvDone);
           release(bars.EmptyV(st_prev));
           break;
         }
         st = ring.st;
-        begin(nb, Sm90TraceLayout::kHasS | Sm90TraceLayout::kHasPv);
         ptx::MbarWait(bars.FullK(st), ring.phase);
-        turn.Begin();
-        tr.Mark(Sm90TraceLayout::kSIssued);
         mma.IssueS(s, st);
         mma.IssuePV(o, pa, st_prev);
-        turn.End();
-        ptx::WgmmaWait<1>();  // S complete; P V may still run
+          ptx::WgmmaWait<1>();  // S complete; P V may still run
         ptx::RegFence(s);
-        tr.Mark(Sm90TraceLayout::kSDone);
         release(bars.EmptyK(st));
         softmax(nb);
-        tr.Mark(Sm90TraceLayout::kSoftmaxDone);
         ptx::MbarWait(bars.FullV(st), ring.phase);
-        tr.Mark(Sm90TraceLayout::kVReady);
         ptx::WgmmaWait<0>();
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-        tr.Mark(Sm90TraceLayout::kPvDone);
         release(bars.EmptyV(st_prev));
         Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, BN>(pa, s);
@@ -706,7 +667,6 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
           wnb_max = max(wnb_max, wnb_min);
           half_top = wnb_max > wnb_min && vis_hi < (wnb_max - 1) * BN + BN / 2;
         }
-        skipped_last = wnb_min > t.nb_min || wnb_max == wnb_min;
       }
       auto idle = [&](int nb) {
         Sm90PassStage<Tr>(bars, ring, lane == 0);
@@ -717,39 +677,25 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       auto step = [&](int nb, auto masked, auto& s, auto& pa) {
         constexpr int kKeys = 2 * int(std::extent_v<std::remove_reference_t<decltype(s)>>);
         const int st = ring.st;
-        tr.Begin((static_cast<unsigned long long>(tile_no) << 32) | unsigned(nb));
-        tr.Mark(Sm90TraceLayout::kKWait);
         ptx::MbarWait(bars.FullK(st), ring.phase);
-        tr.Mark(Sm90TraceLayout::kSIssued);
         mma.template IssueS<kKeys>(s, st);
         ptx::WgmmaWait<0>();
         ptx::RegFence(s);
-        if constexpr (Tr::kReleaseKEarly) release(bars.EmptyK(st));
-        tr.Mark(Sm90TraceLayout::kSDone);
         if (nb == t.nb_min) release_q();
         if constexpr (decltype(masked)::value) {
           mask(s, nb);
         }
-        Sm90Softmax<kKeys, Tr::kFmaExp2Of8>(s, row_max, row_sum, corr, p.scale_log2);
-        if constexpr (Tr::kRescaleOnChange) {
-          // Warp-uniform: the branch needs no reconvergence. corr is exactly 1 when no max moved.
-          if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);
-        } else {
-          Sm90Rescale<Tr>(o, corr);
-        }
+        Sm90Softmax<kKeys>(s, row_max, row_sum, corr, p.scale_log2);
+        Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, kKeys>(pa, s);
-        tr.Mark(Sm90TraceLayout::kSoftmaxDone);
         ptx::MbarWait(bars.FullV(st), ring.phase);
-        tr.Mark(Sm90TraceLayout::kVReady);
         mma.template IssuePV<kKeys>(o, pa, st);
         ptx::WgmmaWait<0>();
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-        tr.Mark(Sm90TraceLayout::kPvDone);
-        if constexpr (!Tr::kReleaseKEarly) release(bars.EmptyK(st));
+        release(bars.EmptyK(st));
         release(bars.EmptyV(st));
         ring.Advance();
-        if (nb != t.nb_min) tr.Next();  // the last key tile's slots also take the epilogue's end
       };
       for (int nb = t.nb_max - 1; nb >= wnb_max; --nb) idle(nb);
       int nb_top = wnb_max - 1;  // the first key tile the loops below compute
@@ -788,10 +734,6 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   } else {
     Sm90Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum);
   }
-  if (t.nb_max > t.nb_min && !skipped_last) {
-    tr.Mark(Sm90TraceLayout::kEpilogueDone);
-    tr.Next();
-  }
 }
 
 // A consumer warpgroup with no rows in its tile (under a narrow tail or short head, Sm90RowBlock)
@@ -825,10 +767,23 @@ __device__ __forceinline__ void Sm90SitOut(const Sm90Tile& t, const Sm90Bars<Tr:
 // slower at causal 1k-4k with L2 groups, level without). Each tile with rows gets a Q buffer and
 // its description there (Sm90TileSlot), loaded or not (no key tile); the buffer after the last
 // tile gets head -1.
+// Paged K/V (Tr::kPaged): the whole producer warp runs this, lane 0 taking the counter's values and
+// writing the tile descriptions.
 template <typename Tr>
 __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm90Schedule& sched,
                                                    uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                                   Sm90Ring<Tr::kStages>& ring) {
+                                                   Sm90Ring<Tr::kStages>& ring, Sm90PagedLoad& pl) {
+  // The counter's next value past the grid.
+  auto next = [&]() -> int {
+    if constexpr (Tr::kPaged) {
+      unsigned int v = 0;
+      if (pl.lane == 0) v = atomicAdd(P.tile_counter, 1u);
+      return int(gridDim.x) + int(__shfl_sync(0xffffffffu, v, 0));
+    } else {
+      return int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+    }
+  };
+  const bool leader = !Tr::kPaged || pl.lane == 0;
   int j = int(blockIdx.x);
   for (uint32_t n = 0;;) {
     Sm90Tile t;
@@ -836,29 +791,34 @@ __device__ __forceinline__ void Sm90ProduceDynamic(const Sm90Params& P, const Sm
     if (j < sched.Total()) {
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
-        j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN, Tr::kPaged>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
+        j = next();
         continue;
       }
     }
     const Sm90QSlot q(n++, Tr::kQBufs);
     ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);
-    bars.TileOfQ(q.buf)->Put(t, h);
+    if (leader) bars.TileOfQ(q.buf)->Put(t, h);
     if (h < 0) {
-      ptx::MbarArrive(bars.FullQ(q.buf));
+      if (leader) ptx::MbarArrive(bars.FullQ(q.buf));
       return;
     }
     if (t.nb_max > t.nb_min) {
-      Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
-    } else {
+      Sm90Produce<Tr>(P, t, h, smem, bars, ring, q, pl);
+    } else if (leader) {
       ptx::MbarArrive(bars.FullQ(q.buf));
     }
-    j = int(gridDim.x) + int(atomicAdd(P.tile_counter, 1u));
+    j = next();
   }
 }
 
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ Sm90Params P) {
+  // The final tiling's register split (a derived traits type may change it) within the launch
+  // allocation (Sm90TraitsBase::kLaunchRegs): else the consumers' setmaxnreg.inc never returns.
+  static_assert(128 * (Tr::kProducerRegs + Tr::kConsumerWGs * Tr::kConsumerRegs) <=
+                    Tr::kThreads * Tr::kLaunchRegs,
+                "register split above the launch allocation");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -874,54 +834,35 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
     for (int i = 0; i < S; ++i) {
       ptx::MbarInit(bars.FullK(i), 1);
       ptx::MbarInit(bars.FullV(i), 1);
-      // Tr::kClusterKV: the consumer warps of both CTAs of the cluster release each stage.
-      ptx::MbarInit(bars.EmptyK(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
-      ptx::MbarInit(bars.EmptyV(i), kConsumerWarps * (Tr::kClusterKV ? 2 : 1));
+      ptx::MbarInit(bars.EmptyK(i), kConsumerWarps);
+      ptx::MbarInit(bars.EmptyV(i), kConsumerWarps);
     }
+    if constexpr (Tr::kPaged) ptx::MbarInit(reinterpret_cast<uint64_t*>(smem + Tr::kTailBarOff), 1);
     ptx::FenceMbarInit();
   }
-  if constexpr (Tr::kClusterKV) {
-    ptx::ClusterSync();  // the partner's barriers exist before its loads and arrivals reach them
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   // Each role loops over the tiles in its own branch (setmaxnreg needs one branch per role).
   // The fixed order never runs in phases (Sm90PhasedOrder): with `false` here the compiler drops
   // the phases' walk from the consumers, whose code is then the same as before phases existed.
   const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
                            P.p.batch, P.p.has_right, P.hb_group, false};
-  // The cluster experiment keeps its pairs of row blocks in the fixed order.
-  constexpr bool kDynamic = Tr::kDynamicSchedule && !Tr::kClusterKV;
+  constexpr bool kDynamic = Tr::kDynamicSchedule;
   // Tilings without kDynamic: each role walks the fixed schedule's tiles with rows.
   auto for_each_tile = [&](auto&& fn) {
     uint32_t q_loads = 0;  // Q tiles loaded so far (tiles with at least one key tile)
-    if constexpr (Tr::kClusterKV) {
-      // Pairs of row blocks (2p, 2p + 1) of one (sequence, head), the CTAs of cluster c taking
-      // pairs c, c + G/2, ...: both see the same key tiles in the same order.
-      const int m_pairs = sched.m_blocks / 2, clusters = int(gridDim.x) / 2;
-      const int pairs = m_pairs * sched.heads * sched.batch;
-      for (int j = int(blockIdx.x) / 2; j < pairs; j += clusters) {
-        const int hb = j / m_pairs;
-        Sm90Tile t;
-        MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, 2 * (j % m_pairs) + int(ptx::ClusterCtaRank()),
-                                               hb / sched.heads, false, &t);
-        fn(t, hb % sched.heads, q_loads);
-        q_loads += t.nb_max > t.nb_min;
+    for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
+      const int j = sched.Tile(r, int(blockIdx.x), int(gridDim.x));
+      if (j >= sched.Total()) continue;
+      int m_block, h, b;
+      sched.Decode(j, &m_block, &h, &b);
+      Sm90Tile t;
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN, Tr::kPaged>(P.p, m_block, b, Sm90CutOf<Tr>(P),
+                                                              &t)) {
+        continue;
       }
-    } else {
-      for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
-        const int j = sched.Tile(r, int(blockIdx.x), int(gridDim.x));
-        if (j >= sched.Total()) continue;
-        int m_block, h, b;
-        sched.Decode(j, &m_block, &h, &b);
-        Sm90Tile t;
-        if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
-          continue;
-        }
-        fn(t, h, q_loads);
-        q_loads += t.nb_max > t.nb_min;
-      }
+      fn(t, h, q_loads);
+      q_loads += t.nb_max > t.nb_min;
     }
   };
   // Tilings with kDynamic, on a launch without the counter: the fixed schedule's next
@@ -934,7 +875,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
       if (j >= sched.Total()) continue;
       int m_block, b;
       sched.Decode(j, &m_block, &h, &b);
-      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) return true;
+      if (MakeSm90Tile<Tr::kBlockM, Tr::kBlockN, Tr::kPaged>(P.p, m_block, b, Sm90CutOf<Tr>(P), &t)) {
+        return true;
+      }
     }
     return false;
   };
@@ -946,18 +889,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (wg == 0) {
     ptx::SetMaxNRegDec<Tr::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    // One thread issues every load; paged K/V: the whole first warp (Sm90ProducePaged).
+    if (Tr::kPaged ? threadIdx.x < 32 : threadIdx.x == 0) {
+      Sm90PagedLoad pl;
+      if constexpr (Tr::kPaged) {
+        pl.tail_bar = reinterpret_cast<uint64_t*>(smem + Tr::kTailBarOff);
+        pl.lane = int(threadIdx.x);
+      }
       auto produce = [&](const Sm90Tile& t, int h, uint32_t q_loads) {
         if (t.nb_max == t.nb_min) return;
         const Sm90QSlot q(q_loads, Tr::kQBufs);
         ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);  // a fresh barrier passes parity 1 at once
-        Sm90Produce<Tr>(P, t, h, smem, bars, ring, q);
+        Sm90Produce<Tr>(P, t, h, smem, bars, ring, q, pl);
       };
       if constexpr (kDynamic) {
         if (P.tile_counter != nullptr) {
           Sm90Schedule counted = sched;
           counted.phased = P.l2_phases != 0;
-          Sm90ProduceDynamic<Tr>(P, counted, smem, bars, ring);
+          Sm90ProduceDynamic<Tr>(P, counted, smem, bars, ring, pl);
         } else {
           Sm90Tile t;
           int r = 0, h = 0;
@@ -974,15 +923,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
     Sm90OStore ost;
-    Sm90TraceOf<Tr> tr;
-    if constexpr (Tr::kTrace) {
-      if (P.trace != nullptr && threadIdx.x % 128 == 0) {
-        tr.it = P.trace + (int64_t(blockIdx.x) * Tr::kConsumerWGs + wg - 1) * Sm90TraceLayout::kPerWarpgroup;
-        tr.end = tr.it + Sm90TraceLayout::kPerWarpgroup;
-      }
-    }
-    Sm90IssueTurn<Tr>{wg - 1}.Start();
-    uint32_t tile_no = 0;
     auto sits_out = [&](const Sm90Tile& t) {
       return Sm90CutOf<Tr>(P) != kSm90CutPlain && t.m0 + 64 * (wg - 1) >= t.m_end;
     };
@@ -1006,7 +946,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         if (sits_out(t)) {
           Sm90SitOut<Tr>(t, bars, ring, q_loads, ost, dynamic);
         } else {
-          Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, dynamic);
+          Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, dynamic);
         }
         q_loads += dynamic || t.nb_max > t.nb_min;
       }
@@ -1015,15 +955,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
         if (sits_out(t)) {
           Sm90SitOut<Tr>(t, bars, ring, q_loads, ost, false);
         } else {
-          Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, tr, tile_no++, false);
+          Sm90Consume<Tr>(P, t, h, wg - 1, smem, bars, ring, q_loads, ost, false);
         }
       });
     }
     Sm90ReleaseStoredQ(ost, bars, threadIdx.x % 128);
     if (P.tma_o && threadIdx.x % 128 == 0) ptx::BulkWait();  // O written before the CTA exits
   }
-  // The partner may still write into this CTA's stages and arrive on its barriers until it is done.
-  if constexpr (Tr::kClusterKV) ptx::ClusterSync();
 #endif
 }
 

@@ -1,13 +1,14 @@
-// Host side of the sm_90a forward kernel: TMA tensor maps (encoded through the driver entry point
-// the runtime hands out, so nothing links libcuda) and the launch. Explicitly instantiated once
-// per (dtype, head dim) in instantiations/flash_fwd_sm90_*.cu.
+// Host side of the sm_90a forward kernel: its plan (the tiling by Sm90TilingCost, the row cut, L2
+// groups and tile order, from host-known values: PlanFlashFwdSm90), TMA tensor maps (encoded
+// through the driver entry point the runtime hands out, so nothing links libcuda) and the launch
+// of a plan (RunFlashFwdSm90). Explicitly instantiated once per (dtype, head dim) and K/V layout in
+// instantiations/flash_fwd_sm90_*.cu.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -59,29 +60,11 @@ bool EncodeRowsMap(CUtensorMap* map, const void* base, int rows, int heads, int 
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Integer value of a measurement knob, read at every launch (so one process can time the variants
-// side by side); `def` when unset.
-inline int Sm90EnvInt(const char* name, int def) {
-  const char* e = std::getenv(name);
-  return e != nullptr && *e != '\0' ? std::atoi(e) : def;
-}
-
-inline cudaError_t Sm90SmCount(int* sms) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
-  return err;
-}
-
-// The L2 groups and phases of the cost-ordered schedule for a launch (Sm90L2GroupPairs,
-// Sm90PhasedOrder), with the measurement knobs ATTN_SM90_L2_MB and ATTN_SM90_L2_PHASES.
-inline int Sm90HbGroup(const FlashParams& p, int d) {
+// The L2 groups of the cost-ordered schedule for a launch (Sm90L2GroupPairs); l2_mib as there.
+inline int Sm90HbGroup(const FlashParams& p, int d, int l2_mib) {
   // K and V of one pair, in 16-bit elements; the heads of one KV head (GQA) share theirs.
   const int64_t kv_bytes = int64_t(p.max_seqlen_k) * d * 2 * 2 / std::max(1, p.heads_per_kv);
-  return Sm90L2GroupPairs(p.num_heads * p.batch, kv_bytes, Sm90EnvInt("ATTN_SM90_L2_MB", -1));
-}
-inline bool Sm90Phased(int m_blocks, bool counter) {
-  return Sm90PhasedOrder(m_blocks, counter, Sm90EnvInt("ATTN_SM90_L2_PHASES", -1));
+  return Sm90L2GroupPairs(p.num_heads * p.batch, kv_bytes, l2_mib);
 }
 
 // How a launch of the tiling Tr cuts its row blocks (Sm90RowCut): the three-warpgroup tilings with
@@ -89,105 +72,81 @@ inline bool Sm90Phased(int m_blocks, bool counter) {
 // the launch has a right (causal) edge; the others plainly. H200, d=64 causal, short head against
 // narrow tail: +1.5-3.6% at 1k-2k sustained, +0.5-2% per clock. d=128's untrimmed wide tiling
 // gained 0-4.6% at causal 2k-8k, but the estimate then chose it over the narrow tiling at causal
-// 1k, where it ran 7% slower. ATTN_SM90_ROW_CUT (a measurement knob: 0 plain, 1 narrow tail, 2
-// short head) overrides it for the three-warpgroup tilings.
+// 1k, where it ran 7% slower. `choice` (Sm90Choices::row_cut) overrides it for the
+// three-warpgroup tilings.
 template <typename Tr>
-int Sm90RowCutFor(const FlashParams& p) {
-  if (Tr::kConsumerWGs != 3 || Tr::kClusterKV) return kSm90CutPlain;
-  const int knob = Sm90EnvInt("ATTN_SM90_ROW_CUT", -1);
-  if (knob >= kSm90CutPlain && knob <= kSm90CutShortHead) return knob;
+int Sm90RowCutFor(const FlashParams& p, int choice) {
+  if (Tr::kConsumerWGs != 3) return kSm90CutPlain;
+  if (choice >= kSm90CutPlain && choice <= kSm90CutShortHead) return choice;
   return Tr::kTrimEdgeTiles && p.has_right ? kSm90CutShortHead : kSm90CutNarrowTail;
 }
 
-// Whether the CTAs take tiles from the counter as they finish (Sm90Schedule), given a counter: for
-// the cost-ordered (causal or right-windowed) schedule, and for any schedule whose cut leaves
-// blocks with a warpgroup sitting out, whose tiles differ in cost (a fixed round-robin over
-// row-block-fastest tiles gives a CTA the same row block each round when the grid is a multiple
-// of the row-block count: the narrow tail's time would go to waiting for the others).
-// ATTN_SM90_DYNAMIC=0 (a measurement knob) keeps the fixed order.
+// The launch of the tiling Tr for p: its row cut, L2 groups and tile order. The CTAs take tiles
+// from the counter as they finish (Sm90Schedule), given a counter, for the cost-ordered (causal
+// or right-windowed) schedule, and for any schedule whose cut leaves blocks with a warpgroup
+// sitting out, whose tiles differ in cost (a fixed round-robin over row-block-fastest tiles gives
+// a CTA the same row block each round when the grid is a multiple of the row-block count: the
+// narrow tail's time would go to waiting for the others).
 template <typename Tr>
-bool Sm90DynamicSchedule(const FlashParams& p) {
-  return Tr::kDynamicSchedule && !Tr::kClusterKV &&
-         (p.has_right || Sm90RowCutFor<Tr>(p) != kSm90CutPlain) && p.tile_counter != nullptr &&
-         Sm90EnvInt("ATTN_SM90_DYNAMIC", 1) != 0;
+Sm90Launch Sm90LaunchOf(const FlashParams& p, const Sm90Choices& c, int sms) {
+  Sm90Launch L;
+  L.narrow = false;
+  L.row_cut = Sm90RowCutFor<Tr>(p, c.row_cut);
+  L.hb_group = Sm90HbGroup(p, Tr::kHeadDim, c.l2_group_mib);
+  L.dynamic = Tr::kDynamicSchedule && (p.has_right || L.row_cut != kSm90CutPlain) && c.counter &&
+              c.dynamic;
+  const int m_blocks = (p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  L.l2_phases = Sm90PhasedOrder(m_blocks, L.dynamic && p.has_right, c.l2_phases);
+  L.tma_o = c.tma_o;
+  L.sms = sms;
+  return L;
 }
 
-// Whether a launch's arguments suit Tr::kClusterKV: no mask, and every sequence of the same length,
-// a multiple of two row blocks (a cluster's two CTAs then always have tiles of one (sequence,
-// head) with the same key tiles).
-inline bool Sm90ClusterKvApplies(const FlashParams& p, int block_m) {
-  return !p.has_left && !p.has_right && p.max_seqlen_q > 0 && p.max_seqlen_q % (2 * block_m) == 0 &&
-         int64_t(p.total_q) == int64_t(p.batch) * p.max_seqlen_q;
-}
-
-// `trace`: the timeline buffer of a traced tiling (Sm90Traced), grid * kConsumerWGs *
-// Sm90TraceLayout::kPerWarpgroup entries; nullptr otherwise.
+// One launch of the tiling Tr as L says (Sm90LaunchOf). L.dynamic needs params.tile_counter (4
+// bytes of the caller's workspace, zeroed here); without one the tiles keep the fixed order.
 template <typename Tr>
-cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t stream,
-                               unsigned long long* trace = nullptr) {
+cudaError_t LaunchFlashFwdSm90(const FlashParams& params, const Sm90Launch& L, cudaStream_t stream) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim;
   Sm90Params P;
   P.p = params;
-  P.trace = trace;
   const int m_blocks = (params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  P.hb_group = Sm90HbGroup(params, D);
-  P.tile_counter = Sm90DynamicSchedule<Tr>(params) ? params.tile_counter : nullptr;
-  P.l2_phases = Sm90Phased(m_blocks, P.tile_counter != nullptr && params.has_right);
-  P.row_cut = Sm90RowCutFor<Tr>(params);
+  P.hb_group = L.hb_group;
+  P.tile_counter = L.dynamic ? params.tile_counter : nullptr;
+  P.l2_phases = L.l2_phases && P.tile_counter != nullptr;
+  P.row_cut = Tr::kConsumerWGs == 3 ? L.row_cut : int(kSm90CutPlain);
   if (P.tile_counter != nullptr) {
     const cudaError_t zero = cudaMemsetAsync(P.tile_counter, 0, sizeof(unsigned int), stream);
     if (zero != cudaSuccess) return zero;
   }
-  // O through shared memory and TMA stores (needs 16-byte aligned rows); ATTN_SM90_TMA_O=0 stores
-  // from registers instead (a measurement knob: on the H200 that is 5-15% slower at s <= 1k).
-  P.tma_o = Sm90EnvInt("ATTN_SM90_TMA_O", 1) != 0 && reinterpret_cast<uintptr_t>(params.o) % 16 == 0 &&
-            params.o_row_stride % 8 == 0 &&
+  // O through shared memory and TMA stores where its rows are 16-byte aligned, else (or with
+  // L.tma_o off: on the H200 5-15% slower at s <= 1k) from registers.
+  P.tma_o = L.tma_o && reinterpret_cast<uintptr_t>(params.o) % 16 == 0 && params.o_row_stride % 8 == 0 &&
             EncodeRowsMap<T, D>(&P.to, params.o, params.total_q, params.num_heads, 64,
                                 params.o_row_stride, 1);
-  // Tr::kClusterKV: each CTA loads half a K/V tile, slab by slab (Sm90LoadHalfKV).
-  constexpr int kKvBoxRows = Tr::kClusterKV ? Tr::kBlockN / 2 : Tr::kBlockN;
-  constexpr int kKvBoxSlabs = Tr::kClusterKV ? 1 : D / 64;
+  // Tr::kPaged: a chunk of rows of one page per box, slab by slab (Sm90ProducePaged), over the
+  // pools' rows.
+  const int kv_box_rows = Tr::kPaged ? Sm90PagedBoxRows(params.page_size, Tr::kBlockN) : Tr::kBlockN;
+  constexpr int kKvBoxSlabs = Tr::kPaged ? 1 : D / 64;
+  const int kv_rows = Tr::kPaged ? std::max(1, params.total_k) : params.total_k;
+  P.kv_box_rows = kv_box_rows;
   if (!EncodeRowsMap<T, D>(&P.tq, params.q, params.total_q, params.num_heads, Tr::kBlockM) ||
-      !EncodeRowsMap<T, D>(&P.tk, params.k, params.total_k, params.num_kv_heads, kKvBoxRows, 0,
+      !EncodeRowsMap<T, D>(&P.tk, params.k, kv_rows, params.num_kv_heads, kv_box_rows, 0,
                            kKvBoxSlabs) ||
-      !EncodeRowsMap<T, D>(&P.tv, params.v, params.total_k, params.num_kv_heads, kKvBoxRows, 0,
+      !EncodeRowsMap<T, D>(&P.tv, params.v, kv_rows, params.num_kv_heads, kv_box_rows, 0,
                            kKvBoxSlabs)) {
     return cudaErrorInvalidValue;
   }
   auto kernel = &FlashFwdSm90Kernel<Tr>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM (or per tile when there are fewer), each looping over tiles.
   const int64_t tiles = int64_t(m_blocks) * params.num_heads * params.batch;
   if (tiles == 0) return cudaSuccess;
-  const int grid = static_cast<int>(tiles < sms ? tiles : sms);
-  if constexpr (Tr::kClusterKV) {
-    if (!Sm90ClusterKvApplies(params, Tr::kBlockM)) return cudaErrorNotSupported;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(grid & ~1));  // whole clusters; tiles come in pairs
-    config.blockDim = dim3(Tr::kThreads);
-    config.dynamicSmemBytes = Tr::kSmemAlloc;
-    config.stream = stream;
-    cudaLaunchAttribute cluster = {};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    // A GPC with an odd number of free SMs leaves one idle: a persistent grid of more clusters
-    // than fit at once would run its last ones as a second wave.
-    int clusters = 0;
-    err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-    if (err != cudaSuccess) return err;
-    if (clusters == 0) return cudaErrorNotSupported;
-    if (2 * clusters < int(config.gridDim.x)) config.gridDim = dim3(unsigned(2 * clusters));
-    return cudaLaunchKernelEx(&config, kernel, P);
-  } else {
-    kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(P);
-    return cudaGetLastError();
-  }
+  const int grid = static_cast<int>(tiles < L.sms ? tiles : L.sms);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(P);
+  return cudaGetLastError();
 }
 
 // Estimated time of a launch with the tiling Tr, in units of one 64-row x 128-key product step:
@@ -201,7 +160,7 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, int sms, cudaStream_t 
 // instead of two), and a row of a wide tile that one warpgroup sits out kSitOutRowCost (the wide
 // tiling's consumers have fewer registers, and spill at d=128).
 template <typename Tr>
-double Sm90TilingCost(const FlashParams& p, int sms) {
+double Sm90TilingCost(const FlashParams& p, const Sm90Launch& L) {
   constexpr double kFixedPerTile = 0.5;  // key tiles
   constexpr double kNarrowRowCost = 1.15;  // H200, s = 2k non-causal: 1.15-1.18
   // H200, bf16, s = 1k, d=64/128: what the narrow tail's gain non-causal implies (5-10%); at 1.15
@@ -210,10 +169,10 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
   constexpr double kHalfTileCost = 0.5;
   // Only the fixed snake is walked below, and it never runs in phases.
   const Sm90Schedule sched{(p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.num_heads, p.batch,
-                           p.has_right, Sm90HbGroup(p, Tr::kHeadDim), false};
+                           p.has_right, L.hb_group, false};
   const int m_blocks = sched.m_blocks;
   const int64_t tiles = sched.Total();
-  const int grid = int(std::min<int64_t>(tiles, sms));
+  const int grid = int(std::min<int64_t>(tiles, L.sms));
   const int off = p.max_seqlen_k - p.max_seqlen_q;
   // Key tiles seen by query rows [first, last] (none when first > last).
   // Past the last key query row `last` may see.
@@ -226,7 +185,7 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
     const int hi = key_end(last);
     return hi > lo ? (hi + Tr::kBlockN - 1) / Tr::kBlockN - lo / Tr::kBlockN : 0;
   };
-  const int cut = Sm90RowCutFor<Tr>(p);
+  const int cut = Tr::kConsumerWGs == 3 ? L.row_cut : int(kSm90CutPlain);
   auto tile_cost = [&](int m) {
     int m0 = 0, m_end = 0;
     if (!Sm90RowBlock(m, p.max_seqlen_q, Tr::kBlockM, cut, &m0, &m_end)) return 0.0;
@@ -255,7 +214,7 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
         Tr::kConsumerWGs == 2 ? kNarrowRowCost : (wgs < Tr::kConsumerWGs ? kSitOutRowCost : 1.0);
     return sum * row_cost * Tr::kBlockN / 128;
   };
-  if (Sm90DynamicSchedule<Tr>(p)) {  // to the first free CTA (longest first if causal): the average
+  if (L.dynamic) {  // to the first free CTA (longest first if causal): the average
     double sum = 0.0;
     for (int m = 0; m < m_blocks; ++m) sum += tile_cost(m);
     return sum * double(p.num_heads) * p.batch / grid;
@@ -286,47 +245,77 @@ double Sm90TilingCost(const FlashParams& p, int sms) {
   return busiest;
 }
 
-// One launch on the tiling Wide or Narrow of one head dim.
+// The plan of a launch on the tiling Wide or Narrow of one head dim (c.tiling: 0 the rule below,
+// 1 wide, 2 narrow, 3 narrow for causal problems of <= 1k queries, the earlier rule).
+//  - d=256 (both tilings of 128 rows): 80-key tiles but for short causal problems.
+//  - d=64/128: the cheaper by Sm90TilingCost. With a tile counter that estimate costs O(row
+//    blocks); without one, a causal launch's walks the snake, O(tiles / SMs) per candidate CTA, so
+//    past 64k tiles the earlier rule decides (quantisation is negligible there, so only the causal
+//    diagonal's waste matters).
 template <typename Wide, typename Narrow>
-cudaError_t RunFlashFwdSm90Tilings(const FlashParams& params, cudaStream_t stream) {
-  int sms = 0;
-  const cudaError_t err = Sm90SmCount(&sms);
-  if (err != cudaSuccess) return err;
-  if constexpr (Wide::kBlockM == Narrow::kBlockM) {  // d=256: 80-key tiles but for short causal
-    // ATTN_SM90_TILING (a measurement knob): 1 = wide (80 keys), 2 = narrow (64).
-    const int mode = Sm90EnvInt("ATTN_SM90_TILING", 0);
-    const bool narrow = mode == 2 || (mode != 1 && params.has_right &&
-                                      params.max_seqlen_q <= kSm90NarrowMaxSeqlenQ);
-    return narrow ? LaunchFlashFwdSm90<Narrow>(params, sms, stream)
-                  : LaunchFlashFwdSm90<Wide>(params, sms, stream);
+Sm90Launch PlanFlashFwdSm90Tilings(const FlashParams& p, const Sm90Choices& c, int sms) {
+  const Sm90Launch wide = Sm90LaunchOf<Wide>(p, c, sms);
+  const Sm90Launch narrow = Sm90LaunchOf<Narrow>(p, c, sms);
+  const bool short_causal = p.has_right && p.max_seqlen_q <= kSm90NarrowMaxSeqlenQ;
+  bool use_narrow;
+  if constexpr (Wide::kBlockM == Narrow::kBlockM) {
+    use_narrow = c.tiling == 2 || (c.tiling != 1 && short_causal);
+  } else if (c.tiling == 1 || c.tiling == 2) {
+    use_narrow = c.tiling == 2;
+  } else if (c.tiling == 3 ||
+             (!c.counter &&
+              int64_t(p.max_seqlen_q / Narrow::kBlockM + 1) * p.num_heads * p.batch > (1 << 16))) {
+    use_narrow = short_causal;
   } else {
-    // ATTN_SM90_TILING (a measurement knob): 1 = wide, 2 = narrow, 3 = narrow for causal problems
-    // of <= 1k queries only (the earlier rule); otherwise the cheaper by Sm90TilingCost. With a
-    // tile counter that estimate costs O(row blocks); without one, a causal launch's walks the
-    // snake, O(tiles / SMs) per candidate CTA, so past 64k tiles the earlier rule decides.
-    const int mode = Sm90EnvInt("ATTN_SM90_TILING", 0);
-    bool narrow;
-    if (mode == 1 || mode == 2) {
-      narrow = mode == 2;
-    } else if (mode == 3 || (params.tile_counter == nullptr &&
-                             int64_t(params.max_seqlen_q / Narrow::kBlockM + 1) * params.num_heads *
-                                     params.batch > (1 << 16))) {
-      // Many tiles: quantisation is negligible, so only the causal diagonal's waste matters.
-      narrow = params.has_right && params.max_seqlen_q <= kSm90NarrowMaxSeqlenQ;
-    } else {
-      narrow = Sm90TilingCost<Narrow>(params, sms) < Sm90TilingCost<Wide>(params, sms);
-    }
-    return narrow ? LaunchFlashFwdSm90<Narrow>(params, sms, stream)
-                  : LaunchFlashFwdSm90<Wide>(params, sms, stream);
+    use_narrow = Sm90TilingCost<Narrow>(p, narrow) < Sm90TilingCost<Wide>(p, wide);
   }
+  Sm90Launch L = use_narrow ? narrow : wide;
+  L.narrow = use_narrow;
+  return L;
+}
+
+template <typename Wide, typename Narrow>
+cudaError_t RunFlashFwdSm90Tilings(const FlashParams& params, const Sm90Launch& L, cudaStream_t stream) {
+  return L.narrow ? LaunchFlashFwdSm90<Narrow>(params, L, stream)
+                  : LaunchFlashFwdSm90<Wide>(params, L, stream);
+}
+
+// Contiguous K/V: launches with a causal or window mask run their own wide tiling
+// (Sm90MaskedWideTraits).
+template <typename T, int D>
+Sm90Launch PlanFlashFwdSm90(const FlashParams& params, const Sm90Choices& choices, int sms) {
+  if (params.has_left || params.has_right) {
+    return PlanFlashFwdSm90Tilings<Sm90MaskedWideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, choices,
+                                                                                     sms);
+  }
+  return PlanFlashFwdSm90Tilings<Sm90WideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, choices, sms);
 }
 
 template <typename T, int D>
-cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream) {
+cudaError_t RunFlashFwdSm90(const FlashParams& params, const Sm90Launch& launch, cudaStream_t stream) {
   if (params.has_left || params.has_right) {
-    return RunFlashFwdSm90Tilings<Sm90MaskedWideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, stream);
+    return RunFlashFwdSm90Tilings<Sm90MaskedWideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, launch,
+                                                                                    stream);
   }
-  return RunFlashFwdSm90Tilings<Sm90WideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, stream);
+  return RunFlashFwdSm90Tilings<Sm90WideTraits<D, T>, Sm90NarrowTraits<D, T>>(params, launch, stream);
+}
+
+// Paged K/V: the masked launches' two tilings serve every launch (chunked prefill and steps over
+// a cache are causal; an unmasked paged launch runs d=64's trimmed wide tiling, whose trim then
+// skips nothing), two kernels per (dtype, head dim) instead of three.
+template <typename T, int D>
+using Sm90PagedWide = Sm90PagedTraits<Sm90MaskedWideTraits<D, T>>;
+template <typename T, int D>
+using Sm90PagedNarrow = Sm90PagedTraits<Sm90NarrowTraits<D, T>>;
+
+template <typename T, int D>
+Sm90Launch PlanFlashFwdSm90Paged(const FlashParams& params, const Sm90Choices& choices, int sms) {
+  return PlanFlashFwdSm90Tilings<Sm90PagedWide<T, D>, Sm90PagedNarrow<T, D>>(params, choices, sms);
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90Paged(const FlashParams& params, const Sm90Launch& launch, cudaStream_t stream) {
+  return RunFlashFwdSm90Tilings<Sm90PagedWide<T, D>, Sm90PagedNarrow<T, D>>(params, launch, stream);
 }
 
 }  // namespace attn::kernels::cuda

@@ -112,8 +112,8 @@ ATTN_SM90_HD bool Sm90RowBlock(int m_block, int s_q, int block_m, int cut, int* 
 // makes that traffic cost clock: sustained, the groups ran d=128 causal 1k 19% faster at a 12%
 // higher clock, and 4-19% faster at every causal shape from 1k to 8k where they form,
 // d=64/128/256. Groups of fewer than kSm90MinL2Group pairs are not formed (long sequences: the CTAs
-// working at one time share a few pairs' K/V anyway). `knob_mib` (ATTN_SM90_L2_MB, -1 when unset)
-// overrides the rule: 0, one group of all; N, groups whose K/V fits in N MiB.
+// working at one time share a few pairs' K/V anyway). `knob_mib` (PlanOptions::gen2_l2_group_mib,
+// -1 for the rule) overrides the rule: 0, one group of all; N, groups whose K/V fits in N MiB.
 constexpr long long kSm90L2GroupBytes = 12ll << 20;
 constexpr int kSm90MinL2Group = 4;
 inline int Sm90L2GroupPairs(int hbs, long long kv_bytes, int knob_mib) {
@@ -131,8 +131,8 @@ inline int Sm90L2GroupPairs(int hbs, long long kv_bytes, int knob_mib) {
 // with at least kSm90PhasedMinRowBlocks row blocks. H200, causal, against groups without phases:
 // d=128 4k +3% sustained and +8% interleaved, 2k +1% and +4%; with 8 row blocks (1k), where the
 // last group's tail is short, 3% slower sustained (K/V is read about twice); under the fixed snake
-// (d=256) 1-3% slower, so the fixed order has no phases. `knob` (ATTN_SM90_L2_PHASES, -1 when
-// unset): 0 off, 1 on under the counter.
+// (d=256) 1-3% slower, so the fixed order has no phases. `knob` (PlanOptions::gen2_l2_phases, -1
+// for the rule): 0 off, 1 on under the counter.
 constexpr int kSm90PhasedMinRowBlocks = 10;
 inline bool Sm90PhasedOrder(int m_blocks, bool counter, int knob) {
   return counter && (knob >= 0 ? knob != 0 : m_blocks >= kSm90PhasedMinRowBlocks);

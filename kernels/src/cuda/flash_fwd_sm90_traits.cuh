@@ -22,26 +22,10 @@ struct Sm90TraitsBase {
   static constexpr int kBlockM = 64 * kConsumerWGs;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kTrace = false;  // Sm90Traced: the timeline build (bench/sm90_timeline)
-  // O is rescaled only when some row of the warp has a new maximum (corr != 1): an experiment
-  // of bench/sm90_timeline, off in every dispatched tiling.
-  static constexpr bool kRescaleOnChange = false;
-  // The plain key loop gives a stage's K back to the producer as soon as the S reading it is
-  // complete, not with its V after the P V: an experiment of bench/sm90_timeline (H200: 0.94-0.96
-  // at d=128, 0.99-1.00 elsewhere), off in every dispatched tiling.
-  static constexpr bool kReleaseKEarly = false;
   // The overlapped key loop: S of the next key tile issued with P V of this one, its softmax
   // running during that P V (this loop always gives K back early: it holds two stages at once).
   // d=256's wide tiling sets it (Sm90WideTraits).
   static constexpr bool kOverlap = false;
-  // With kOverlap: the consumer warpgroups take turns issuing their products (Sm90IssueTurn): an
-  // experiment of bench/sm90_timeline (H200: slower than kOverlap alone), off everywhere.
-  static constexpr bool kPingPong = false;
-  // K/V tiles shared by the two CTAs of a cluster: each loads half of every tile and multicasts
-  // it to both (half the L2 traffic); the pair computes two row blocks of one (sequence, head).
-  // Non-causal, unwindowed, equal-length sequences of a multiple of 2 * kBlockM queries only (the
-  // launcher checks): an experiment of bench/sm90_timeline, off in every dispatched tiling.
-  static constexpr bool kClusterKV = false;
   // Key tiles that need no mask run in a loop of their own, compiled without it (the d=64 tilings
   // set it; see Sm90WideTraits).
   static constexpr bool kSplitMaskLoop = false;
@@ -56,10 +40,9 @@ struct Sm90TraitsBase {
   // in its first half only (S and P V of BN / 2 keys) where its rows see no key beyond (BN = 128
   // only: the m64n64 products).
   static constexpr bool kTrimEdgeTiles = false;
-  // Of every 8 scores of a row, this many take their exp2 on the FMA pipe (Exp2OnFma) instead of
-  // the MUFU: an experiment of bench/sm90_timeline (H200: 0.81-0.95x, the more the slower, at
-  // every head dim), 0 in every dispatched tiling.
-  static constexpr int kFmaExp2Of8 = 0;
+  // K and V read through the page table (FlashParams::page_*) instead of contiguous rows
+  // (Sm90PagedTraits).
+  static constexpr bool kPaged = false;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
@@ -88,7 +71,12 @@ struct Sm90TraitsBase {
   // Register split (setmaxnreg): 128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 64K.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
-  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
+  // setmaxnreg moves registers within the CTA's allocation at launch, kThreads times the
+  // per-thread count __launch_bounds__(kThreads, 1) caps ptxas at (65536 / kThreads, a multiple of
+  // 8: 168 at 384 threads, 128 at 512): a split above it makes setmaxnreg.inc wait for ever.
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
+                "register split above the launch allocation");
 
   static_assert(D % 64 == 0, "head dim must be a multiple of 64 (one 128-byte swizzle row)");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176,
@@ -97,19 +85,12 @@ struct Sm90TraitsBase {
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };
 
-// The same tiling with the consumers' timeline recorded (Sm90Params::trace): a measurement build,
-// never dispatched to.
-template <typename Tr>
-struct Sm90Traced : Tr {
-  static constexpr bool kTrace = true;
-};
-
 // Two tilings per head dim. d=64/128: wide (3 consumer warpgroups, 192-row tiles) and narrow (2,
 // 128 rows). Wide wins everywhere measured except short causal problems, where its larger diagonal
 // tiles waste more (H200, bf16/fp16, s_q <= 1k causal: narrow 0.73-0.76x cuDNN against wide
 // 0.63-0.70x; from 2k up wide is ahead). d=128 wide spills 88 bytes and still wins (median 0.91x
 // against 0.86x cuDNN). d=256 has no room for a third warpgroup: its "wide" tiling has 80-key
-// tiles (225 KiB of shared memory), its narrow one 64 (bench/sm90_timeline, H200: 80 keys 1.8-4.6%
+// tiles (225 KiB of shared memory), its narrow one 64 (bench/sm90_variants, H200: 80 keys 1.8-4.6%
 // faster non-causal at 2k-16k and causal at 4k-16k, level causal at 2k, 3.7% slower causal at
 // 1k). d=64 and d=256's narrow tiling run their unmasked key tiles in a loop without the mask
 // (kSplitMaskLoop: d=64 1-2% faster causal, level non-causal; d=256 0.6-1.8% faster); at d=128
@@ -164,6 +145,39 @@ struct Sm90TrimmedWideTraits : Sm90WideTraits<D, T> {
 template <int D, typename T>
 using Sm90MaskedWideTraits =
     std::conditional_t<D == 64, Sm90TrimmedWideTraits<D, T>, Sm90WideTraits<D, T>>;
+
+// A tiling reading K and V from page pools (Sm90ProducePaged): the producer's whole first warp
+// loads, each lane a chunk of rows of one page, and one more mbarrier (kTailBarOff) stages the V
+// chunk that holds the sequence's last key. The register split stays the tiling's: setmaxnreg
+// moves registers within the CTA's launch allocation (384 threads x 168 = 128 x (24 + 2 x 240)),
+// so two consumer warpgroups at 240 leave the producer 24.
+template <typename Tr>
+struct Sm90PagedTraits : Tr {
+  static constexpr bool kPaged = true;
+  static constexpr uint32_t kTailBarOff = Tr::kSmemBytes;
+  static constexpr uint32_t kSmemBytes = Tr::kSmemBytes + 8;
+  static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
+  static_assert(Tr::kSmemBytes % 8 == 0, "mbarrier alignment");
+  static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
+};
+
+// Rows per TMA box of a paged K/V tile (Sm90ProducePaged): a common divisor of the page size and
+// the key tile, a multiple of 8 (whole 1024-byte swizzle atoms; the page size must be a multiple
+// of 8) and at most 64, so that the V chunk holding a sequence's last key has few rows to clear.
+constexpr int Sm90PagedBoxRows(int page_size, int block_n) {
+  int a = page_size, b = block_n;
+  while (b != 0) {
+    const int r = a % b;
+    a = b;
+    b = r;
+  }
+  while (a > 64) a /= 2;
+  return a;
+}
+static_assert(Sm90PagedBoxRows(16, 128) == 16 && Sm90PagedBoxRows(256, 128) == 64 &&
+                  Sm90PagedBoxRows(64, 80) == 16 && Sm90PagedBoxRows(80, 80) == 40 &&
+                  Sm90PagedBoxRows(24, 128) == 8,
+              "box rows");
 
 // Launches with many tiles (where no tiling estimate is made) use the narrow tiling for causal (or
 // right-windowed) problems with at most this many queries.

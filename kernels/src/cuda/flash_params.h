@@ -27,7 +27,7 @@ struct FlashParams {
 
   int32_t batch = 0;
   int32_t total_q = 0;
-  int32_t total_k = 0;
+  int32_t total_k = 0;  // paged K/V: rows of each page pool (num_pages * page_size)
   int32_t max_seqlen_q = 0;
   int32_t max_seqlen_k = 0;
   int32_t num_heads = 0;
@@ -58,15 +58,50 @@ struct FlashParams {
   unsigned int* tile_counter = nullptr;
 };
 
+// Choices of a generation-2 plan that its rules would otherwise make: the gen2_* fields of
+// PlanOptions (cuda_attention.h); the defaults are the rules.
+struct Sm90Choices {
+  int tiling = 0;         // 0 the rule; 1 wide; 2 narrow; 3 narrow for causal problems <= 1k queries
+  int row_cut = -1;       // -1 the rule; else an Sm90RowCut (three-warpgroup tilings only)
+  int l2_group_mib = -1;  // -1 the rule (Sm90L2GroupPairs); 0 one group of all; N MiB per group
+  int l2_phases = -1;     // -1 the rule (Sm90PhasedOrder); 0 off; 1 on under the counter
+  bool counter = true;    // the launches will have a tile counter (FlashParams::tile_counter)
+  bool dynamic = true;    // false: the fixed tile order even with a counter
+  bool tma_o = true;      // false: O stored from registers
+};
+
+// One generation-2 launch as its plan fixed it (PlanFlashFwdSm90): which tiling, how its tiles are
+// cut and ordered, and the SM count its persistent grid is sized by. Plain values, computed once
+// per batch shape.
+struct Sm90Launch {
+  bool narrow = false;     // the tiling with two consumer warpgroups (or d=256's 64-key one)
+  int row_cut = 0;         // Sm90RowCut
+  int hb_group = 1;        // (sequence, head) pairs per L2 group of the cost-ordered schedule
+  bool l2_phases = false;  // Sm90Schedule::phased
+  bool dynamic = false;    // tiles from FlashParams::tile_counter (the fixed order without one)
+  bool tma_o = true;       // O through shared memory and TMA stores where its rows allow
+  int sms = 0;
+};
+
 // Implemented per (dtype, head dim) in instantiations/flash_fwd_*.cu.
 template <typename T, int D>
 cudaError_t RunFlashFwd(const FlashParams& params, cudaStream_t stream);
 // The same kernel reading K/V through the page table (instantiations/flash_fwd_paged_*.cu).
 template <typename T, int D>
 cudaError_t RunFlashFwdPaged(const FlashParams& params, cudaStream_t stream);
-// The sm_90a kernel (wgmma + TMA, instantiations/flash_fwd_sm90_*.cu), contiguous K/V only, head
-// dims 64, 128 and 256; rows of q, k and v 16-byte aligned.
+// The sm_90a kernel (wgmma + TMA, instantiations/flash_fwd_sm90_*.cu), head dims 64, 128 and 256;
+// rows of q, k and v 16-byte aligned: the plan of a launch from the values of params the host knows
+// (sizes, mask; no pointer is read), then the launch.
 template <typename T, int D>
-cudaError_t RunFlashFwdSm90(const FlashParams& params, cudaStream_t stream);
+Sm90Launch PlanFlashFwdSm90(const FlashParams& params, const Sm90Choices& choices, int sms);
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90(const FlashParams& params, const Sm90Launch& launch, cudaStream_t stream);
+// The same kernel reading K/V through the page table (instantiations/flash_fwd_sm90_paged_*.cu);
+// page_size a multiple of 8.
+template <typename T, int D>
+Sm90Launch PlanFlashFwdSm90Paged(const FlashParams& params, const Sm90Choices& choices, int sms);
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90Paged(const FlashParams& params, const Sm90Launch& launch,
+                                 cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

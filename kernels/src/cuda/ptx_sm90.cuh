@@ -6,6 +6,9 @@
 #include <cuda/ptx>
 
 #include <cstdint>
+#if defined(ATTN_SM90_HANG_TRAP)
+#include <cstdio>
+#endif
 
 #include "wgmma_ops.cuh"
 
@@ -70,12 +73,35 @@ __device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes
   cp::mbarrier_arrive_expect_tx(cp::sem_release, cp::scope_cta, cp::space_shared, bar, bytes);
 }
 
+// Adds transaction bytes to the current phase without arriving (the arrival comes later).
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  cp::mbarrier_expect_tx(cp::sem_relaxed, cp::scope_cta, cp::space_shared, bar, bytes);
+}
+
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) { cp::mbarrier_arrive(bar); }
 
 // Blocks until the phase of `bar` with the given parity has completed.
+//
+// Builds with ATTN_SM90_HANG_TRAP (CMake option of the same name; a debugging build, never the
+// shipped one) give up after about 2^32 clock cycles (2 s at the H200's clocks; a launch's
+// longest legitimate wait is microseconds): the thread prints which barrier of which CTA it
+// waited on, and traps, so that a protocol error ends the launch with an error (the process gets
+// cudaErrorLaunchFailure) instead of hanging the GPU.
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+#if defined(ATTN_SM90_HANG_TRAP)
+  const long long start = clock64();
+  while (!cp::mbarrier_try_wait_parity(bar, parity)) {
+    if (clock64() - start > (1ll << 32)) {
+      printf("MbarWait: no completion: block %d thread %d, barrier at shared 0x%x, parity %u\n",
+             int(blockIdx.x), int(threadIdx.x),
+             unsigned(__cvta_generic_to_shared(bar)), unsigned(parity));
+      __trap();
+    }
+  }
+#else
   while (!cp::mbarrier_try_wait_parity(bar, parity)) {
   }
+#endif
 }
 
 // 4-D tiled TMA load into shared memory, completing on `bar` (transaction bytes).
@@ -83,35 +109,6 @@ __device__ __forceinline__ void TmaLoad4d(void* dst, const void* tmap, int c0, i
                                           uint64_t* bar) {
   const int32_t coords[4] = {c0, c1, c2, c3};
   cp::cp_async_bulk_tensor(cp::space_cluster, cp::space_global, dst, tmap, coords, bar);
-}
-
-// The same load multicast to the CTAs of the cluster in cta_mask, each at the same shared-memory
-// offset, each completing the mbarrier at bar's offset in that CTA.
-__device__ __forceinline__ void TmaLoad4dMulticast(void* dst, const void* tmap, int c0, int c1, int c2,
-                                                   int c3, uint64_t* bar, uint16_t cta_mask) {
-  const int32_t coords[4] = {c0, c1, c2, c3};
-  cp::cp_async_bulk_tensor(cp::space_cluster, cp::space_global, dst, tmap, coords, bar, cta_mask);
-}
-
-// Arrives on the mbarrier at bar's offset in the cluster's CTA `cta_rank` (release, cluster scope).
-__device__ __forceinline__ void MbarArriveRemote(uint64_t* bar, uint32_t cta_rank) {
-  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(cta_rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-}
-
-// This CTA's rank in its cluster.
-__device__ __forceinline__ uint32_t ClusterCtaRank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-
-// Every thread of every CTA of the cluster; not .aligned: a warp may reach it diverged (the
-// producer's one issuing thread arrives after its warp's other threads).
-__device__ __forceinline__ void ClusterSync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
 // 4-D tiled TMA store from shared memory (bulk-group completion), then the group calls around it.

@@ -12,6 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include <functional>
+
+#include <grpcpp/support/client_callback.h>
+
 #include "absl/status/statusor.h"
 #include "attn/v1/attention.grpc.pb.h"
 
@@ -82,6 +86,24 @@ struct ClientOptions {
   // Size of gRPC's TCP reads (they grow up to 8x it); 0: gRPC's default (8 KiB, adaptive). Off
   // by default: no measured gain yet (docs/PERF.md, "Transport settings").
   int tcp_read_chunk_bytes = 0;
+  // Retries, by gRPC's retry policy in the channel's service config, of the calls that change
+  // nothing on the server (Attend, Echo, GetServerInfo, ListRegions, the health check) when they
+  // fail with UNAVAILABLE (a replica restarting or draining, a connection lost before the call
+  // was sent): up to retry_max_attempts attempts in all, with exponential backoff from
+  // retry_initial_backoff up to retry_max_backoff (gRPC adds jitter). 1: no retries. Session
+  // calls (Step, BatchStep, CreateSession, ...) and AttendStream are never retried: a step sent
+  // twice would append its tokens twice. Requests up to retry_buffer_bytes are retried; gRPC
+  // keeps references to their slices (not copies) until the call is done.
+  int retry_max_attempts = 3;
+  std::chrono::milliseconds retry_initial_backoff{50};
+  std::chrono::milliseconds retry_max_backoff{1000};
+  int64_t retry_buffer_bytes = 64ll << 20;
+  // Keepalive pings every keepalive_time while calls are in flight: a connection whose peer does
+  // not answer within keepalive_timeout is closed, so calls to a dead peer (a node gone, a
+  // partition) fail with UNAVAILABLE instead of waiting for their deadlines. attnd accepts pings
+  // every 10 s or more. 0: no pings.
+  std::chrono::milliseconds keepalive_time{30000};
+  std::chrono::milliseconds keepalive_timeout{10000};
   // Extra gRPC channel arguments (name, integer value), e.g. {"grpc.http2.max_frame_size",
   // 1 << 20}; for measuring transport settings (attn-bench --channel_arg).
   std::vector<std::pair<std::string, int>> channel_args;
@@ -141,6 +163,18 @@ class Client {
   // stream (PrepareContext); it must outlive the stream.
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> OpenRawAttendStream(
       grpc::ClientContext* ctx);
+
+  // The unary methods the raw calls go to.
+  enum class RawMethod { kAttend, kEcho, kStep, kBatchStep };
+  // Starts a raw unary call of method on the next connection without blocking (gRPC's callback
+  // API); done runs once, on a gRPC thread. ctx (PrepareContext'ed), request and response must
+  // stay valid until then.
+  void StartRawCall(RawMethod method, grpc::ClientContext* ctx, const grpc::ByteBuffer* request,
+                    grpc::ByteBuffer* response, std::function<void(grpc::Status)> done);
+  // Binds reactor to a new AttendStream of raw bytes on the next connection; the reactor starts
+  // it (StartCall). ctx must outlive the stream.
+  void PrepareRawAttendStream(grpc::ClientContext* ctx,
+                              grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* reactor);
 
  private:
   Client(ClientOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels);

@@ -59,8 +59,8 @@ struct StepOptions {
   int32_t window_right = -1;
 };
 
-// One step of one layer: q [new_tokens, num_heads, head_dim], k_new and v_new
-// [new_tokens, num_kv_heads, head_dim], all in the session's dtype.
+// One step of one layer: q [tokens, num_heads, head_dim], k_new and v_new
+// [tokens, num_kv_heads, head_dim], all in the session's dtype (tokens: those it appends).
 struct StepInput {
   std::string session_id;
   int32_t layer = 0;
@@ -69,8 +69,8 @@ struct StepInput {
 };
 
 struct StepResult {
-  Tensor o;                   // [new_tokens, num_heads, head_dim], dtype of q
-  std::optional<Tensor> lse;  // float32 [num_heads, new_tokens], when asked for
+  Tensor o;                   // [tokens, num_heads, head_dim], dtype of q
+  std::optional<Tensor> lse;  // float32 [num_heads, tokens], when asked for
   int64_t cached_tokens = 0;  // tokens in the layer's cache after the step
   v1::ServerTiming timing;
 };

@@ -10,6 +10,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -51,6 +52,10 @@ class BorrowedSlices {
   grpc::Slice Borrow(const void* data, size_t size);
   // Blocks until every slice Borrow made has been released.
   void Wait();
+  // Calls fn once every slice Borrow made has been released: at once, on this thread, when none
+  // is outstanding, else on the thread that releases the last one. For callers that must not
+  // block; fn may destroy this object. At most one fn at a time, set after the last Borrow.
+  void NotifyWhenReleased(std::function<void()> fn);
   // Slices not yet released.
   int64_t outstanding() const;
 
@@ -60,6 +65,7 @@ class BorrowedSlices {
   mutable std::mutex mu_;
   std::condition_variable released_;
   int64_t outstanding_ = 0;  // guarded by mu_
+  std::function<void()> on_released_;  // guarded by mu_
 };
 
 // The bytes of Client::BuildAttendRequest(q, k, v, options) (with request_id set) as protobuf

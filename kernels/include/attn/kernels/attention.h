@@ -4,14 +4,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 
 namespace attn::kernels {
 
-enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// kFloat8E4M3 is OCP E4M3FN (FP8): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no
+// infinities, S.1111.111 is NaN, largest finite value 448. Kernels take it for K and V only
+// (AttentionArgs::kv_dtype, with scales); q and o are float32, float16 or bfloat16.
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
 
-constexpr size_t DTypeSize(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+constexpr size_t DTypeSize(DType t) {
+  return t == DType::kFloat32 ? 4 : t == DType::kFloat8E4M3 ? 1 : 2;
+}
 const char* DTypeName(DType t);
 
 enum class StatusCode : uint8_t {
@@ -57,6 +63,17 @@ struct PagedKv {
   const int32_t* seqlens_k = nullptr;    // [batch], keys of each sequence
 };
 
+// Scales of FP8 K/V (AttentionArgs::kv_dtype == DType::kFloat8E4M3): the value of e4m3 code c of k
+// in sequence b, KV head g is E4M3(c) * k[b * num_kv_heads + g], and of v likewise with v. One
+// scale per (sequence, KV head) of the launch: a cache whose scales are fixed per KV head (a
+// session's) passes them repeated for each of its sequences. Scales must be finite and > 0
+// (ValidateKvScales checks host copies). The caller owns both arrays, under the memory rule of
+// every pointer of AttentionArgs, and keeps them unchanged until the computation has completed.
+struct KvScales {
+  const float* k = nullptr;  // [batch, num_kv_heads]
+  const float* v = nullptr;  // [batch, num_kv_heads]
+};
+
 // Forward attention over a packed varlen batch.
 //
 // Layouts (row-major, contiguous):
@@ -77,7 +94,13 @@ struct PagedKv {
 // A query row that sees no key gets o = 0 and lse = -inf.
 // GQA/MQA: query head h reads KV head h / (num_heads / num_kv_heads).
 struct AttentionArgs {
-  DType dtype = DType::kBFloat16;  // of q, k, v and o
+  DType dtype = DType::kBFloat16;  // of q and o, and of k and v unless kv_dtype says otherwise
+  // Element type of k and v when it is not dtype: DType::kFloat8E4M3 (an FP8 KV cache, contiguous
+  // or paged), whose codes are dequantized with kv_scales (KvScales) and computed on in float;
+  // dtype then is the type of q and o (float16 or bfloat16 on the CUDA backend, any on the CPU).
+  // Unset: dtype. KvDType(args) is the type in effect.
+  std::optional<DType> kv_dtype;
+  KvScales kv_scales;  // FP8 K/V only
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -107,12 +130,19 @@ struct AttentionArgs {
   int32_t window_right = -1;   // -1: unbounded
 };
 
+// The element type of k and v: kv_dtype when set, else dtype.
+inline DType KvDType(const AttentionArgs& args) { return args.kv_dtype.value_or(args.dtype); }
+
+// True when k and v are FP8 codes with scales (kv_dtype == DType::kFloat8E4M3).
+inline bool IsFp8Kv(const AttentionArgs& args) { return KvDType(args) == DType::kFloat8E4M3; }
+
 // The scale actually applied: softmax_scale, or 1/sqrt(head_dim) when it is 0.
 float EffectiveSoftmaxScale(const AttentionArgs& args);
 
 // Checks what every backend needs: positive sizes, num_heads % num_kv_heads == 0, non-null
-// pointers aligned to their element's size, window values >= -1. It does not read cu_seqlens
-// (they may be device memory).
+// pointers aligned to their element's size, window values >= -1, dtype not FP8, kv_dtype either
+// dtype or FP8 (then kv_scales set). It does not read cu_seqlens or scales (they may be device
+// memory).
 Status ValidateCommon(const AttentionArgs& args);
 
 // True when args reads K/V through a page table.
@@ -122,6 +152,10 @@ inline bool IsPaged(const AttentionArgs& args) { return args.paged.page_size > 0
 // ceil(seqlens_k[b] / page_size) pages per sequence, every index is in [0, num_pages), and
 // max_seqlen_k bounds every seqlens_k[b] (>= 0).
 Status ValidatePageTable(const AttentionArgs& args);
+
+// Checks host-side FP8 K/V scales of args (IsFp8Kv): each of the batch * num_kv_heads k and v
+// scales finite and > 0. OK for K/V that are not FP8.
+Status ValidateKvScales(const AttentionArgs& args);
 
 // Checks host-side cu_seqlens against batch and totals, and that the declared max lengths bound
 // every sequence.

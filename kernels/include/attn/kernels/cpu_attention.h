@@ -12,9 +12,9 @@ namespace attn::kernels::cpu {
 // Largest head dim this backend runs.
 constexpr int kMaxHeadDim = 512;
 
-// OK when this backend can run args (head dims 1..kMaxHeadDim, every dtype, contiguous or paged
-// K/V). Reads cu_seqlens and, for paged args, the page table (ValidatePageTable): host memory
-// here, like every pointer of args.
+// OK when this backend can run args (head dims 1..kMaxHeadDim, every dtype, FP8 K/V with any q
+// dtype, contiguous or paged K/V). Reads cu_seqlens, FP8 scales (ValidateKvScales) and, for paged
+// args, the page table (ValidatePageTable): host memory here, like every pointer of args.
 Status CanImplement(const AttentionArgs& args);
 
 // Bytes of scratch Run needs for args when run on a pool of num_workers workers.

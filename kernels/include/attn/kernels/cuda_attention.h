@@ -1,14 +1,21 @@
 // CUDA backend of attention forward, fp16 and bf16, contiguous or paged K/V (PagedKv in
-// attention.h). Run picks one of two kernel families on its own:
+// attention.h). A plan (MakePlan) picks one of two kernel families and how to launch it, from
+// host-known values only (batch, heads, head dim, max lengths, mask, paged or not, the device's SM
+// count); Run launches what the plan says. The plan of one batch shape serves every launch of it.
 //  - decode (max_seqlen_q <= 16 queries per sequence): a split-KV ("flash-decoding") kernel. One
 //    CTA computes all the query heads of one KV head (GQA packed as rows of mma.sync m16n8k16
-//    tiles), so each K/V byte is read once per group; the keys of each sequence are split over
-//    enough CTAs to fill the GPU in whole waves, and a combine kernel merges the splits by their
-//    LSE. The split count is chosen on the host from batch, heads, max_seqlen_q/k and the SM
-//    count; the fp32 partials live in the caller's workspace (WorkspaceBytes).
+//    tiles), so each K/V byte is read once per group; where the batch leaves SMs idle the keys of
+//    each sequence are split over enough CTAs to fill every CTA slot of the GPU (batch-1 decode
+//    included), and a combine kernel, launched as a programmatic dependent (sm_90), merges the
+//    splits by their LSE. The fp32 partials live in the caller's workspace
+//    (Plan::workspace_bytes). FP8 K/V (AttentionArgs::kv_dtype float8_e4m3, head dims 64, 128 and
+//    256) runs a kernel of the same structure that converts the e4m3 codes to fp16 in registers
+//    (the k scale folded into the softmax scale, the v scale into the normalisation); FP8 K/V has
+//    no forward kernel here (CanImplement refuses more than 16 queries per sequence).
 //  - forward (everything else): one fused FlashAttention kernel in two generations:
 //    generation 2 (sm_90a: wgmma, TMA, warp specialisation) on compute capability 9.0 devices where
-//    CanImplementGen2 holds (contiguous K/V, head dims 64/128/256 compiled for 90a); generation 1
+//    CanImplementGen2 holds (head dims 64/128/256 compiled for 90a; contiguous K/V, and paged K/V
+//    with pages of a multiple of 8 tokens when forced: see MakePlan); generation 1
 //    (FlashAttention-2 class: mma.sync m16n8k16, ldmatrix, cp.async pipeline) everywhere else,
 //    reading K/V through the page table when paged (chunked prefill over a cached prefix).
 #pragma once
@@ -26,38 +33,91 @@ namespace attn::kernels::cuda {
 bool Compiled();
 
 // OK when a kernel of this build can run args: dtype fp16/bf16, a compiled head dim, sizes in
-// range (paged: num_pages * page_size < 2^31). Does not read cu_seqlens or page tables (device
-// memory); callers validate them on the host first (ValidateCuSeqlens, ValidatePageTable).
+// range (paged: num_pages * page_size < 2^31); FP8 K/V: head dim 64, 128 or 256 and at most 16
+// queries per sequence. Does not read cu_seqlens, page tables or FP8 scales (device memory);
+// callers validate them on the host first (ValidateCuSeqlens, ValidatePageTable, ValidateKvScales).
 Status CanImplement(const AttentionArgs& args);
 
-// Device scratch Run needs for args, in bytes: the split-KV partials of the decode kernel
-// (splits * total_q * num_heads * (head_dim + 1) floats), 0 when no split is made; for the forward
-// kernel 16 bytes (generation 2's tile counter: with none, causal problems keep a fixed, slower
-// tile order). Depends on the current device (its SM count); pass Run a buffer of at least this
-// size, 256-byte aligned, used by one launch at a time (launches on one stream may share it).
+// Which kernel Run uses. kAuto: the decode kernel for decode shapes, else generation 2 where
+// CanImplementGen2 holds (contiguous K/V), else generation 1. kGen1 / kGen2 force that forward
+// kernel for every shape (tests and benchmarks compare the two on the same arguments).
+enum class FwdGeneration : uint8_t { kAuto = 0, kGen1 = 1, kGen2 = 2 };
+
+// Choices a plan would otherwise make by its own rules: benchmarks and tests set them to compare the
+// alternatives on the same arguments. The defaults are the rules.
+struct PlanOptions {
+  FwdGeneration generation = FwdGeneration::kAuto;
+  int decode_splits = 0;  // decode kernels: > 0 forces that many KV splits (at most 64)
+  // Generation 2:
+  int gen2_tiling = 0;          // 0 its estimate; 1 wide; 2 narrow; 3 narrow for causal <= 1k queries
+  int gen2_row_cut = -1;        // -1 its rule; 0 plain, 1 narrow tail, 2 short head (3-warpgroup tilings)
+  int gen2_l2_group_mib = -1;   // -1 its rule; 0 one group of all pairs; N: groups of K/V <= N MiB
+  int gen2_l2_phases = -1;      // -1 its rule; 0 off; 1 on (under the tile counter)
+  bool gen2_tile_counter = true;  // false: no tile counter (the fixed tile order; no workspace)
+  bool gen2_dynamic = true;       // false: the fixed tile order even with the counter
+  bool gen2_tma_store_o = true;   // false: O stored from registers
+};
+
+// What Run launches for one batch shape (MakePlan). Plain values; valid for the device it was made
+// on.
+struct Plan {
+  enum class Kernel : uint8_t { kDecode, kGen1, kGen2 };
+  Kernel kernel = Kernel::kGen1;
+  bool paged = false;
+  // Device scratch Run needs, in bytes: the decode kernel's split-KV partials (splits * total_q *
+  // num_heads * (head_dim + 1) floats; 0 without splits), or 16 for generation 2's tile counter
+  // where its plan takes tiles from one (gen2_tile_counter); else 0. Pass Run a buffer of at least
+  // this size, 256-byte aligned, used by one launch at a time (launches on one stream may share
+  // it).
+  size_t workspace_bytes = 0;
+  // Decode kernel: row blocks of 16 packed (query, head) rows, KV splits, and whether the combine
+  // kernel is a programmatic dependent launch (sm_90+).
+  int decode_m_blocks = 1;
+  int decode_splits = 1;
+  bool decode_pdl = false;
+  // Generation 2: the tiling, the row cut, L2 groups and phases of the cost order, tiles from the
+  // workspace's counter, O through TMA stores, and the SM count of the persistent grid.
+  bool gen2_narrow = false;
+  int gen2_row_cut = 0;
+  int gen2_l2_group_pairs = 1;
+  bool gen2_l2_phases = false;
+  bool gen2_tile_counter = false;
+  bool gen2_tma_store_o = true;
+  int gen2_sms = 0;
+};
+
+// The plan for args (CanImplement must hold; a forced generation 2 needs CanImplementGen2). Reads
+// no device memory (cu_seqlens and page tables are not looked at). Run's own choice (kAuto) keeps
+// paged forward shapes on generation 1 for now (kGen2 runs them on generation 2).
+Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* plan);
+
+// Enqueues the computation of args as plan says (plan from MakePlan for args' shape: the same
+// batch, heads, head dim, max lengths, mask and layout). Never allocates, never synchronizes and
+// never reads device memory from the host; returns the launch error, if any
+// (cudaErrorInvalidValue when CanImplement fails or a needed workspace is null). Generation 2
+// without a workspace keeps its fixed tile order.
+cudaError_t Run(const AttentionArgs& args, const Plan& plan, void* workspace, cudaStream_t stream);
+
+// The plan's workspace for args under the default options (MakePlan); 0 when CanImplement fails.
 size_t WorkspaceBytes(const AttentionArgs& args);
 
-// True when Run sends args to the decode kernel (max_seqlen_q <= 16), false for the forward kernel.
+// True when the default plan sends args to the decode kernel (max_seqlen_q <= 16).
 bool UsesDecodeKernel(const AttentionArgs& args);
 
-// Enqueues the computation on stream. All pointers in args and workspace are device pointers.
-// Never allocates, never synchronizes and never reads device memory from the host; returns the
-// launch error, if any (cudaErrorInvalidValue when CanImplement fails or a needed workspace is
-// null).
+// MakePlan with the default options, then Run: all pointers in args and workspace are device
+// pointers.
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream);
-
-// Which kernel Run uses. kAuto: the decode kernel for decode shapes, else generation 2 where
-// CanImplementGen2 holds, else generation 1. kGen1 / kGen2 force that forward kernel for every
-// shape (tests and benchmarks compare the two on the same arguments).
-enum class FwdGeneration : uint8_t { kAuto = 0, kGen1 = 1, kGen2 = 2 };
 
 // OK when the generation-2 forward kernel can run args on the current device: CanImplement
 // holds, the device has compute capability 9.0, the build compiled the kernel for this head dim
-// (ATTN_CUDA_ARCHS lists 90a), K/V are contiguous, and q, k, v are 16-byte aligned.
+// (ATTN_CUDA_ARCHS lists 90a), q, k and v are 16-byte aligned, and paged K/V has pages of a
+// multiple of 8 tokens.
 Status CanImplementGen2(const AttentionArgs& args);
 
-// As Run above, with the kernel chosen by gen; cudaErrorInvalidValue when a forced generation
-// cannot run args (CanImplementGen2 for kGen2).
+// As Run above, with the kernel chosen by gen (PlanOptions::generation); cudaErrorInvalidValue when
+// a forced generation cannot run args (CanImplementGen2 for kGen2). A forced generation 2 on a
+// decode shape uses the tile counter only when WorkspaceBytes(args) covers it (the caller sized
+// the workspace for the default plan).
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream, FwdGeneration gen);
 
 // Head dims compiled into this build, ascending; count written to *n.

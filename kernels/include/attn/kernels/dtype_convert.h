@@ -1,5 +1,5 @@
-// Conversions between the 16-bit wire dtypes and float (header-only), and the row loads and
-// stores of the CPU backend.
+// Conversions between the 16-bit wire dtypes (and FP8 e4m3) and float (header-only), and the row
+// loads and stores of the CPU backend.
 #pragma once
 
 #include <cstdint>
@@ -63,6 +63,40 @@ inline uint16_t FloatToBf16Bits(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+// OCP E4M3FN (DType::kFloat8E4M3) -> binary32, exactly: S.EEEE.MMM is (-1)^S * 2^(E-7) * 1.MMM for
+// E > 0, (-1)^S * 2^-6 * 0.MMM for E = 0, and NaN for S.1111.111 (there are no infinities).
+inline float E4m3BitsToFloat(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24;
+  const uint32_t mag = b & 0x7F;
+  if (mag == 0x7F) return BitsToFloat(sign | 0x7FC00000u);
+  // Subnormals are MMM * 2^-9 (exact in float); a normal's bits are a float's with the exponent
+  // rebiased from 7 to 127 (no float subnormal on either path: a process that flushes them, as
+  // -ffast-math code may set up, converts the same).
+  const float f = mag < 8 ? static_cast<float>(mag) * 0.001953125f
+                          : BitsToFloat((mag << 20) + (120u << 23));
+  return BitsToFloat(FloatToBits(f) | sign);
+}
+
+// binary32 -> OCP E4M3FN, round to nearest even, saturating: finite values beyond +-448 and the
+// infinities become +-448 (0x7E / 0xFE), NaN becomes S.1111.111 (its sign kept). What the CUDA
+// conversion cvt.rn.satfinite.e4m3x2.f32 does.
+inline uint8_t FloatToE4m3Bits(float f) {
+  const uint32_t u = FloatToBits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7FFFFFFF;
+  if (a > 0x7F800000) return sign | 0x7F;   // NaN
+  if (a >= 0x43E00000) return sign | 0x7E;  // >= 448 (and inf): the largest finite value
+  if (a < 0x3C800000) {                     // below 2^-6: multiples of 2^-9 (code 8 is 2^-6)
+    const float scaled = BitsToFloat(a) * 512.0f;                       // exact
+    const float r = (scaled + 8388608.0f) - 8388608.0f;                 // RNE to an integer
+    return sign | static_cast<uint8_t>(r);
+  }
+  // Round the 23 mantissa bits to 3 at bit 20 (ties to even; a carry moves into the exponent),
+  // then rebias the exponent from 127 to 7.
+  const uint32_t rounded = a + 0x7FFFF + ((a >> 20) & 1);
+  return sign | static_cast<uint8_t>((rounded >> 20) - (120u << 3));
+}
+
 // dst[0..n) = src[offset .. offset + n) converted to float and multiplied by scale. base is aligned
 // to t's size (ValidateCommon refuses arrays that are not), so its elements load as their type.
 inline void LoadRow(DType t, const void* base, int64_t offset, int n, float* dst, float scale) {
@@ -72,15 +106,21 @@ inline void LoadRow(DType t, const void* base, int64_t offset, int n, float* dst
   } else if (t == DType::kBFloat16) {
     const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
     for (int i = 0; i < n; ++i) dst[i] = Bf16BitsToFloat(p[i]) * scale;
+  } else if (t == DType::kFloat8E4M3) {
+    const uint8_t* p = static_cast<const uint8_t*>(base) + offset;
+    for (int i = 0; i < n; ++i) dst[i] = E4m3BitsToFloat(p[i]) * scale;
   } else {
     const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
     for (int i = 0; i < n; ++i) dst[i] = HalfBitsToFloat(p[i]) * scale;
   }
 }
 
-// base[offset .. offset + n) = src[0..n) converted to t.
+// base[offset .. offset + n) = src[0..n) converted to t (FP8: FloatToE4m3Bits, unscaled).
 inline void StoreRow(DType t, const float* src, int n, void* base, int64_t offset) {
-  if (t == DType::kFloat32) {
+  if (t == DType::kFloat8E4M3) {
+    uint8_t* p = static_cast<uint8_t*>(base) + offset;
+    for (int i = 0; i < n; ++i) p[i] = FloatToE4m3Bits(src[i]);
+  } else if (t == DType::kFloat32) {
     std::memcpy(static_cast<float*>(base) + offset, src, sizeof(float) * n);
   } else if (t == DType::kBFloat16) {
     uint16_t* p = static_cast<uint16_t*>(base) + offset;

@@ -2,5 +2,6 @@
 #include "../flash_fwd_sm90_launch.cuh"
 
 namespace attn::kernels::cuda {
-template cudaError_t RunFlashFwdSm90<__half, 64>(const FlashParams&, cudaStream_t);
+template Sm90Launch PlanFlashFwdSm90<__half, 64>(const FlashParams&, const Sm90Choices&, int);
+template cudaError_t RunFlashFwdSm90<__half, 64>(const FlashParams&, const Sm90Launch&, cudaStream_t);
 }  // namespace attn::kernels::cuda

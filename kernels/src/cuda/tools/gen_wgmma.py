@@ -7,7 +7,7 @@ function; this script spells them out. Run from kernels/src/cuda: python3 tools/
 import sys
 
 # N of m64nNk16. S = Q K^T is one product per key tile (N = the tile's keys: 64 and 128, and 80
-# and 176 for the tilings sm90_timeline tries); P V is issued as products of 64 or 128 columns.
+# and 176 for the tilings sm90_variants tries); P V is issued as products of 64 or 128 columns.
 SS_SHAPES = (64, 80, 128, 176)
 RS_SHAPES = (64, 128)
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))

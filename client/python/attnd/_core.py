@@ -1,0 +1,495 @@
+"""What the synchronous and the asyncio client share: options, channel settings, the coding of
+requests and the reading of answers. Neither does I/O here."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import grpc
+import numpy as np
+
+from . import _proto, _tensors, _wire
+from .errors import AttndError, InvalidArgument, error_for, status_code
+from .regions import RegionTable
+from ._wire import ServerTiming
+
+PathOrPem = Union[str, bytes, os.PathLike, None]
+
+# gRPC methods safe to send again after UNAVAILABLE (no state changes on the server).
+IDEMPOTENT = frozenset({"Attend", "Echo", "GetServerInfo", "Check", "ListRegions"})
+
+
+class AttendResult(NamedTuple):
+    """The answer to one Attend: o [total_q, heads, d] in q's dtype (and library and device);
+    lse float32 [heads, total_q] when asked for; the server's timing; the request's id."""
+
+    o: Any
+    lse: Any
+    timing: ServerTiming
+    request_id: int = 0
+
+
+class StepResult(NamedTuple):
+    """The answer to one Step: o [new_tokens, heads, d]; lse float32 [heads, new_tokens] when
+    asked for; tokens in the layer's cache after the step; the server's timing."""
+
+    o: Any
+    lse: Any
+    cached_tokens: int
+    timing: ServerTiming
+
+
+class TruncateResult(NamedTuple):
+    """Tokens left in each layer's cache, and KV pages freed."""
+
+    cached_tokens: List[int]
+    freed_pages: int
+
+
+@dataclass
+class SessionInfo:
+    """A session as CreateSession or ForkSession returned it (a fork's page_tokens, ttl_seconds and
+    max_tokens are its parent's)."""
+
+    session_id: str
+    replica_id: str
+    page_tokens: int = 0
+    ttl_seconds: int = 0
+    max_tokens: int = 0
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: int = _tensors.BFLOAT16
+
+
+@dataclass
+class StepItem:
+    """One step of a batch_step: a session (or its id), a layer, q and the new keys and values,
+    and the step's options."""
+
+    session: Any
+    layer: int
+    q: Any
+    k_new: Any
+    v_new: Any
+    scale: float = 0.0
+    return_lse: bool = False
+    window: Optional[Tuple[int, int]] = None
+    out: Any = None
+    lse_out: Any = None
+
+
+@dataclass
+class AttendItem:
+    """One request of attend_stream; options left None take the stream's defaults."""
+
+    q: Any
+    k: Any
+    v: Any
+    cu_seqlens_q: Optional[Sequence[int]] = None
+    cu_seqlens_k: Optional[Sequence[int]] = None
+    causal: Optional[bool] = None
+    window: Optional[Tuple[int, int]] = None
+    scale: Optional[float] = None
+    return_lse: Optional[bool] = None
+    high_priority: Optional[bool] = None
+
+
+def _read_pem(value: PathOrPem, what: str) -> Optional[bytes]:
+    """PEM bytes as given, or read from a path (str or PathLike)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value
+    text = os.fspath(value)
+    if text.lstrip().startswith("-----BEGIN"):
+        return text.encode()
+    try:
+        with open(text, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgument(f"{what}: cannot read {text}: {e}") from e
+
+
+@dataclass
+class ClientOptions:
+    """Connection settings; see Client for each one's meaning."""
+
+    target: str = "127.0.0.1:50051"
+    tls: bool = False
+    tls_ca: PathOrPem = None
+    tls_cert: PathOrPem = None
+    tls_key: PathOrPem = None
+    tls_server_name: Optional[str] = None
+    token: Optional[str] = None
+    timeout: Optional[float] = None
+    retries: int = 3
+    retry_backoff: float = 0.05
+    connections: int = 1
+    max_message_bytes: int = 256 << 20
+    wait_for_ready: bool = False
+    lb_policy: Optional[str] = None
+    channel_options: Sequence[Tuple[str, Any]] = field(default_factory=tuple)
+
+    def credentials(self) -> Optional[grpc.ChannelCredentials]:
+        """TLS credentials when any TLS setting is given, else None (plaintext)."""
+        if self.tls_cert is None and self.tls_key is not None or \
+                self.tls_cert is not None and self.tls_key is None:
+            raise InvalidArgument("tls_cert and tls_key must be given together")
+        if not (self.tls or self.tls_ca is not None or self.tls_cert is not None):
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(self.tls_ca, "tls_ca"),
+            private_key=_read_pem(self.tls_key, "tls_key"),
+            certificate_chain=_read_pem(self.tls_cert, "tls_cert"))
+
+    def channel_args(self, connection: int) -> List[Tuple[str, Any]]:
+        args: List[Tuple[str, Any]] = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+        if self.tls_server_name:
+            args.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        if self.lb_policy:
+            if not all(c.islower() or c.isdigit() or c == "_" for c in self.lb_policy):
+                raise InvalidArgument(f"lb_policy {self.lb_policy!r}: expected a gRPC policy name "
+                                      "such as round_robin")
+            args.append(("grpc.service_config",
+                         json.dumps({"loadBalancingConfig": [{self.lb_policy: {}}]})))
+        if self.connections > 1:
+            # Channels whose arguments differ do not share a connection.
+            args.append(("attnd.client.connection", connection))
+        args.extend(self.channel_options)
+        return args
+
+    def metadata(self) -> Optional[Tuple[Tuple[str, str], ...]]:
+        if self.token:
+            return (("authorization", "Bearer " + self.token),)
+        return None
+
+    def check(self) -> None:
+        if not self.target:
+            raise InvalidArgument("target is empty")
+        if self.connections < 1:
+            raise InvalidArgument(f"connections must be >= 1, got {self.connections}")
+        if self.retries < 0:
+            raise InvalidArgument(f"retries must be >= 0, got {self.retries}")
+        self.credentials()  # checks the TLS pairs
+
+
+def backoff(options: ClientOptions, attempt: int) -> float:
+    """Seconds to wait before retry number `attempt` (1, 2, ...): exponential with jitter."""
+    base = options.retry_backoff * (2 ** (attempt - 1))
+    return min(base, 2.0) * (0.5 + random.random())
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+
+def _window(window: Optional[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
+    if window is None:
+        return None
+    if len(window) != 2:
+        raise InvalidArgument(f"window must be (left, right), got {window!r}")
+    return int(window[0]), int(window[1])
+
+
+class Prepared:
+    """A request ready to send: its bytes and what reading its answer needs."""
+
+    __slots__ = ("message", "maker", "out", "lse_out", "o_in_region", "lse_in_region", "cuda_sync")
+
+    def __init__(self, message: bytes, maker: _tensors.OutputMaker, out: Any, lse_out: Any,
+                 o_in_region: bool, lse_in_region: bool, cuda_sync: Optional[int]):
+        self.message = message
+        self.maker = maker
+        self.out = out
+        self.lse_out = lse_out
+        self.o_in_region = o_in_region
+        self.lse_in_region = lse_in_region
+        self.cuda_sync = cuda_sync
+
+
+def _place(regions: RegionTable, p: _tensors.Payload) -> Optional[Tuple[str, int]]:
+    if not regions.entries or p.nbytes == 0:
+        return None
+    return regions.find(_tensors.array_ptr(p), p.nbytes, p.cuda)
+
+
+def _output_slice(regions: RegionTable, x: Any, name: str) -> Optional[Tuple[str, int, int]]:
+    """Where out (or lse_out) lies in a registered region, or None when it lies in none."""
+    if x is None:
+        return None
+    contiguous = x.is_contiguous() if _tensors.is_torch(x) else getattr(
+        getattr(x, "flags", None), "c_contiguous", True)
+    if not contiguous:
+        raise InvalidArgument(f"{name} must be contiguous (it is written in place)")
+    p = _tensors.payload(x, name)
+    found = _place(regions, p)
+    return None if found is None else (found[0], found[1], p.nbytes)
+
+
+_NOWHERE = (None, None, None)
+
+
+def _inputs(regions: RegionTable, q: Any, k: Any, v: Any, names: Tuple[str, str, str]):
+    """Payloads of q, k, v, where each lies in a registered region (or None), and the CUDA
+    device of those in GPU regions (None when none is)."""
+    ps = (_tensors.payload(q, names[0]), _tensors.payload(k, names[1]), _tensors.payload(v, names[2]))
+    if not regions.entries:
+        return ps, _NOWHERE, None
+    placed = tuple(_place(regions, p) for p in ps)
+    device = next((p.cuda for p, at in zip(ps, placed) if at is not None and p.cuda >= 0), None)
+    return ps, placed, device
+
+
+def _outputs(regions: RegionTable, out: Any, lse_out: Any) -> Tuple[Optional[_wire.Outputs], bool, bool]:
+    o_slice = _output_slice(regions, out, "out")
+    lse_slice = _output_slice(regions, lse_out, "lse_out")
+    if o_slice is None and lse_slice is None:
+        return None, False, False
+    return _wire.Outputs(o_slice, lse_slice), o_slice is not None, lse_slice is not None
+
+
+def prepare_attend(regions: RegionTable, q: Any, k: Any, v: Any, *,
+                   cu_seqlens_q: Optional[Sequence[int]], cu_seqlens_k: Optional[Sequence[int]],
+                   causal: bool, window: Optional[Tuple[int, int]], scale: float,
+                   return_lse: bool, high_priority: bool, out: Any, lse_out: Any,
+                   request_id: int = 0) -> Prepared:
+    maker = _tensors.OutputMaker(q)
+    ps, placed, device = _inputs(regions, q, k, v, ("q", "k", "v"))
+    outputs, o_in, lse_in = _outputs(regions, out, lse_out)
+    m = _wire.attend_request(ps[0], ps[1], ps[2], placed, _seqlens(cu_seqlens_q),
+                             _seqlens(cu_seqlens_k), causal, float(scale or 0.0), _window(window),
+                             return_lse, high_priority, request_id, outputs)
+    return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in,
+                    device)
+
+
+def _seqlens(values: Optional[Sequence[int]]) -> Optional[Sequence[int]]:
+    if values is None:
+        return None
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    return [int(x) for x in values]
+
+
+def session_id_of(session: Any) -> str:
+    return session if isinstance(session, str) else session.id
+
+
+def step_message(regions: RegionTable, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
+                 scale: float, return_lse: bool, window: Optional[Tuple[int, int]], out: Any,
+                 lse_out: Any) -> Tuple[_wire.Message, _tensors.OutputMaker, bool, bool, Optional[int]]:
+    maker = _tensors.OutputMaker(q)
+    ps, placed, device = _inputs(regions, q, k_new, v_new, ("q", "k_new", "v_new"))
+    outputs, o_in, lse_in = _outputs(regions, out, lse_out)
+    m = _wire.step_request(session_id_of(session), int(layer), ps[0], ps[1], ps[2], placed,
+                           float(scale or 0.0), return_lse, _window(window), outputs)
+    return m, maker, o_in, lse_in, device
+
+
+def prepare_step(regions: RegionTable, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
+                 scale: float, return_lse: bool, window: Optional[Tuple[int, int]], out: Any,
+                 lse_out: Any) -> Prepared:
+    m, maker, o_in, lse_in, sync = step_message(regions, session, layer, q, k_new, v_new, scale,
+                                                return_lse, window, out, lse_out)
+    return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in, sync)
+
+
+def as_step_item(item: Any) -> StepItem:
+    if isinstance(item, StepItem):
+        return item
+    if isinstance(item, dict):
+        return StepItem(**item)
+    return StepItem(*item)
+
+
+def prepare_batch_step(regions: RegionTable, items: Sequence[Any]) -> Tuple[bytes, List[Prepared]]:
+    messages, prepared = [], []
+    for raw in items:
+        it = as_step_item(raw)
+        m, maker, o_in, lse_in, sync = step_message(regions, it.session, it.layer, it.q, it.k_new,
+                                                    it.v_new, it.scale, it.return_lse, it.window,
+                                                    it.out, it.lse_out)
+        messages.append(m)
+        prepared.append(Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync))
+    m = _wire.batch_step_request(messages)
+    return _tensors.assemble(m.parts, m.size, m.cuda), prepared
+
+
+def prepare_echo(payload: Any, response_bytes: int) -> bytes:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        buf = payload
+    elif _tensors.is_torch(payload):
+        torch = _tensors._load_torch()
+        buf = payload.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data
+    else:  # any numpy array: its bytes
+        buf = np.ascontiguousarray(payload).reshape(-1).view(np.uint8).data
+    n = memoryview(buf).nbytes
+    m = _wire.echo_request(buf, n, int(response_bytes))
+    return _tensors.assemble(m.parts, m.size, m.cuda)
+
+
+# ---- answers ------------------------------------------------------------------------------------
+
+
+def _output(buf: bytes, view: Optional[_wire.TensorView], maker: _tensors.OutputMaker,
+            dest: Any, in_region: bool, what: str) -> Any:
+    if view is None:
+        return None
+    if in_region:
+        if view.region is None:
+            raise AttndError(f"the server sent {what} in the message where a region was asked for")
+        return dest
+    if view.region is not None:
+        raise AttndError(f"the server wrote {what} into region '{view.region}', which this call "
+                         "did not ask for")
+    t = maker.tensor(view.dtype, view.shape, buf, view.start)
+    if dest is None:
+        return t
+    _copy_into(dest, t, what)
+    return dest
+
+
+def _copy_into(dest: Any, src: Any, what: str) -> None:
+    if tuple(dest.shape) != tuple(src.shape):
+        raise InvalidArgument(f"{what}_out has shape {tuple(dest.shape)}, the answer "
+                              f"{tuple(src.shape)}")
+    if _tensors.is_torch(dest):
+        dest.copy_(src if _tensors.is_torch(src) else _tensors._load_torch().from_numpy(src))
+    else:
+        dest[...] = src
+
+
+def read_attend(buf: bytes, p: Prepared) -> AttendResult:
+    try:
+        r = _wire.read_response(buf, None, step=False)
+        if r.o is None:
+            raise _wire.Malformed("it has no o")
+        return AttendResult(_output(buf, r.o, p.maker, p.out, p.o_in_region, "o"),
+                            _output(buf, r.lse, p.maker, p.lse_out, p.lse_in_region, "lse"),
+                            r.timing, r.request_id)
+    except _wire.Malformed as e:
+        raise AttndError(f"the server's AttendResponse is malformed: {e}",
+                         grpc.StatusCode.INTERNAL) from e
+
+
+def _step_result(buf: bytes, r: _wire.Response, p: Prepared) -> StepResult:
+    if r.o is None:
+        raise _wire.Malformed("it has no o")
+    return StepResult(_output(buf, r.o, p.maker, p.out, p.o_in_region, "o"),
+                      _output(buf, r.lse, p.maker, p.lse_out, p.lse_in_region, "lse"),
+                      r.cached_tokens, r.timing)
+
+
+def read_step(buf: bytes, p: Prepared) -> StepResult:
+    try:
+        return _step_result(buf, _wire.read_response(buf, None, step=True), p)
+    except _wire.Malformed as e:
+        raise AttndError(f"the server's StepResponse is malformed: {e}",
+                         grpc.StatusCode.INTERNAL) from e
+
+
+def read_batch_step(buf: bytes, prepared: Sequence[Prepared]) -> List[Any]:
+    """One StepResult or AttndError per item, in order."""
+    try:
+        results = _wire.read_batch_step_response(buf)
+        if len(results) != len(prepared):
+            raise _wire.Malformed(f"{len(results)} results for {len(prepared)} items")
+        out: List[Any] = []
+        for (code, message, response), p in zip(results, prepared):
+            if code != 0:
+                out.append(error_for(status_code(code), message))
+            elif response is None:
+                raise _wire.Malformed("an item with status 0 has no response")
+            else:
+                out.append(_step_result(buf, response, p))
+        return out
+    except _wire.Malformed as e:
+        raise AttndError(f"the server's BatchStepResponse is malformed: {e}",
+                         grpc.StatusCode.INTERNAL) from e
+
+
+def read_echo(buf: bytes) -> memoryview:
+    start, end = _wire.read_echo_response(buf)
+    return memoryview(buf)[start:end]
+
+
+def session_info(response: Any, spec: Dict[str, Any]) -> SessionInfo:
+    return SessionInfo(session_id=response.session_id, replica_id=response.replica_id,
+                       page_tokens=getattr(response, "page_tokens", 0),
+                       ttl_seconds=getattr(response, "ttl_seconds", 0),
+                       max_tokens=getattr(response, "max_tokens", 0), **spec)
+
+
+def create_session_request(num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any,
+                           max_tokens: int) -> Tuple[Any, Dict[str, Any]]:
+    code = _tensors.dtype_code(dtype)
+    request = _proto.CreateSessionRequest(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
+                                          head_dim=int(head_dim), dtype=code,
+                                          max_tokens=int(max_tokens))
+    spec = dict(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+                dtype=code)
+    return request, spec
+
+
+def stream_request(item: Any, index: int, regions: RegionTable, defaults: Dict[str, Any]) -> Prepared:
+    """AttendStream item `index` (its request_id is index + 1)."""
+    if isinstance(item, dict):
+        item = AttendItem(**item)
+    elif not isinstance(item, AttendItem):
+        item = AttendItem(*item)
+    opts = dict(defaults)
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "causal", "window", "scale", "return_lse",
+                 "high_priority"):
+        value = getattr(item, name)
+        if value is not None:
+            opts[name] = value
+    return prepare_attend(regions, item.q, item.k, item.v, out=None, lse_out=None,
+                          request_id=index + 1, **opts)
+
+
+def read_stream_item(buf: bytes, prepared: Dict[int, Prepared]) -> Tuple[int, Any]:
+    """(index, AttendResult or AttndError) of one AttendStream response."""
+    try:
+        r = _wire.read_response(buf, None, step=False)
+    except _wire.Malformed as e:
+        raise AttndError(f"the server's AttendResponse is malformed: {e}",
+                         grpc.StatusCode.INTERNAL) from e
+    index = r.request_id - 1
+    p = prepared.pop(index, None)
+    if p is None:
+        raise AttndError(f"the server answered request_id {r.request_id}, which is not in flight",
+                         grpc.StatusCode.INTERNAL)
+    if r.status_code != 0:
+        return index, error_for(status_code(r.status_code), r.status_message)
+    if r.o is None:
+        raise AttndError("the server's AttendResponse has no o", grpc.StatusCode.INTERNAL)
+    return index, AttendResult(_output(buf, r.o, p.maker, None, False, "o"),
+                               _output(buf, r.lse, p.maker, None, False, "lse"),
+                               r.timing, r.request_id)
+
+
+def attend_defaults(cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, causal: bool = False,
+                    window: Optional[Tuple[int, int]] = None, scale: float = 0.0,
+                    return_lse: bool = False, high_priority: bool = False) -> Dict[str, Any]:
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
+                scale=scale, return_lse=return_lse, high_priority=high_priority)
+
+
+def cuda_synchronize(device: Optional[int]) -> None:
+    """Makes the device work that wrote a call's inputs in GPU regions complete (attnd reads them
+    from another process, outside any stream order of this one)."""
+    if device is None:
+        return
+    torch = _tensors._load_torch()
+    torch.cuda.current_stream(device).synchronize()
+
+
+def iter_items(items: Iterable[Any]) -> Iterable[Tuple[int, Any]]:
+    return enumerate(items)

@@ -1,0 +1,338 @@
+"""The asyncio client of attnd, on grpc.aio: the surface of attnd.Client with coroutines.
+
+    import asyncio, attnd.aio
+    async def main():
+        async with attnd.aio.Client("127.0.0.1:50051") as client:
+            results = await asyncio.gather(*(client.attend(q, k, v) for _ in range(64)))
+    asyncio.run(main())
+
+One Client belongs to one event loop (grpc.aio's rule); any number of calls may be in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+import grpc
+import grpc.aio
+
+from . import _core, _proto
+from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
+                    TruncateResult)
+from .client import _callables, _deliver
+from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
+from .regions import CudaRegion, HostRegion, Registered, RegionSocket, RegionTable, next_region_name
+
+_INFO_TIMEOUT = 10.0
+
+
+class Client:
+    """asyncio twin of attnd.Client (same arguments and methods, as coroutines)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, tls: bool = False,
+                 tls_ca: PathOrPem = None, tls_cert: PathOrPem = None, tls_key: PathOrPem = None,
+                 tls_server_name: Optional[str] = None, token: Optional[str] = None,
+                 timeout: Optional[float] = None, retries: int = 3, retry_backoff: float = 0.05,
+                 connections: int = 1, max_message_bytes: int = 256 << 20,
+                 wait_for_ready: bool = False, lb_policy: Optional[str] = None,
+                 channel_options: Sequence[Tuple[str, Any]] = ()):
+        self.options = ClientOptions(
+            target=target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+            tls_server_name=tls_server_name, token=token, timeout=timeout, retries=retries,
+            retry_backoff=retry_backoff, connections=connections,
+            max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
+            lb_policy=lb_policy, channel_options=tuple(channel_options))
+        self.options.check()
+        creds = self.options.credentials()
+        self._metadata = self.options.metadata()
+        self._wait = True if wait_for_ready else None
+        self._channels: List[grpc.aio.Channel] = []
+        self._calls: List[Dict[str, Any]] = []
+        for i in range(self.options.connections):
+            args = self.options.channel_args(i)
+            ch = grpc.aio.secure_channel(target, creds, args) if creds is not None else \
+                grpc.aio.insecure_channel(target, args)
+            self._channels.append(ch)
+            self._calls.append(_callables(ch))
+        self._turn = itertools.count()
+        self.regions = RegionTable()
+        self._region_socket: Optional[RegionSocket] = None
+
+    def _methods(self) -> Dict[str, Any]:
+        return self._calls[next(self._turn) % len(self._calls)]
+
+    def _timeout(self, timeout: Optional[float], default: Optional[float] = None) -> Optional[float]:
+        if timeout is not None:
+            return timeout
+        return self.options.timeout if default is None else min(
+            default, self.options.timeout or default)
+
+    async def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
+        call = self._methods()[method]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return await call(request, timeout=left, metadata=self._metadata,
+                                  wait_for_ready=self._wait)
+            except grpc.RpcError as e:
+                if (e.code() == grpc.StatusCode.UNAVAILABLE and method in _core.IDEMPOTENT and
+                        attempt < self.options.retries):
+                    attempt += 1
+                    pause = _core.backoff(self.options, attempt)
+                    if deadline is None or time.monotonic() + pause < deadline:
+                        await asyncio.sleep(pause)
+                        continue
+                raise from_rpc_error(e) from None
+
+    async def close(self) -> None:
+        if self._region_socket is not None:
+            self._region_socket.close()
+            self._region_socket = None
+        for ch in self._channels:
+            await ch.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ---- stateless attention --------------------------------------------------------------------
+
+    async def attend(self, q: Any, k: Any, v: Any, *, cu_seqlens_q: Optional[Sequence[int]] = None,
+                     cu_seqlens_k: Optional[Sequence[int]] = None, causal: bool = False,
+                     window: Optional[Tuple[int, int]] = None, scale: float = 0.0,
+                     return_lse: bool = False, high_priority: bool = False, out: Any = None,
+                     lse_out: Any = None, timeout: Optional[float] = None) -> AttendResult:
+        """See attnd.Client.attend."""
+        p = _core.prepare_attend(self.regions, q, k, v, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
+                                 scale=scale, return_lse=return_lse, high_priority=high_priority,
+                                 out=out, lse_out=lse_out)
+        _core.cuda_synchronize(p.cuda_sync)
+        buf = await self._unary("Attend", p.message, self._timeout(timeout))
+        return _core.read_attend(buf, p)
+
+    async def attend_stream(self, items: Any, *, depth: int = 8, ordered: bool = True,
+                            return_exceptions: bool = False, timeout: Optional[float] = None,
+                            **defaults: Any) -> AsyncIterator[Any]:
+        """See attnd.Client.attend_stream; items may be an iterable or an async iterable."""
+        if depth < 1:
+            raise InvalidArgument(f"depth must be >= 1, got {depth}")
+        base = _core.attend_defaults(**defaults)
+        slots = asyncio.Semaphore(depth)
+        prepared: Dict[int, _core.Prepared] = {}
+        call = self._methods()["AttendStream"](timeout=self._timeout(timeout),
+                                               metadata=self._metadata, wait_for_ready=self._wait)
+        failure: List[BaseException] = []
+
+        async def write() -> None:
+            try:
+                index = 0
+                async for item in _aiter(items):
+                    await slots.acquire()
+                    p = _core.stream_request(item, index, self.regions, base)
+                    _core.cuda_synchronize(p.cuda_sync)
+                    prepared[index] = p
+                    await call.write(p.message)
+                    index += 1
+                await call.done_writing()
+            except asyncio.CancelledError:
+                raise
+            except grpc.RpcError:
+                pass  # the call failed: the reader reports its status
+            except Exception as e:
+                failure.append(e)
+                await call.done_writing()
+
+        writer = asyncio.ensure_future(write())
+        waiting: Dict[int, Any] = {}
+        next_index = 0
+        try:
+            while True:
+                buf = await call.read()
+                if buf is grpc.aio.EOF:
+                    break
+                index, result = _core.read_stream_item(buf, prepared)
+                slots.release()
+                if not ordered:
+                    yield _deliver(result, return_exceptions)
+                    continue
+                waiting[index] = result
+                while next_index in waiting:
+                    yield _deliver(waiting.pop(next_index), return_exceptions)
+                    next_index += 1
+            await writer
+            if failure:
+                raise failure[0]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            if not writer.done():
+                writer.cancel()
+            call.cancel()
+
+    async def echo(self, payload: Any, response_bytes: int = 0,
+                   timeout: Optional[float] = None) -> memoryview:
+        buf = await self._unary("Echo", _core.prepare_echo(payload, response_bytes),
+                                self._timeout(timeout))
+        return _core.read_echo(buf)
+
+    async def info(self, timeout: Optional[float] = None) -> Any:
+        return await self._unary("GetServerInfo", _proto.GetServerInfoRequest(),
+                                 self._timeout(timeout, _INFO_TIMEOUT))
+
+    async def health(self, service: str = "", timeout: Optional[float] = None) -> bool:
+        response = await self._unary("Check", _proto.HealthCheckRequest(service=service),
+                                     self._timeout(timeout, _INFO_TIMEOUT))
+        return response.status == _proto.HealthCheckResponse.SERVING
+
+    # ---- sessions -------------------------------------------------------------------------------
+
+    async def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                             dtype: Any = "bfloat16", max_tokens: int = 0,
+                             timeout: Optional[float] = None) -> "Session":
+        request, spec = _core.create_session_request(num_layers, num_kv_heads, head_dim, dtype,
+                                                     max_tokens)
+        response = await self._unary("CreateSession", request, self._timeout(timeout))
+        return Session(self, _core.session_info(response, spec))
+
+    def session(self, session_id: str) -> "Session":
+        return Session(self, SessionInfo(session_id=session_id,
+                                         replica_id=session_id.rsplit(".", 1)[0]))
+
+    async def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any, *,
+                   scale: float = 0.0, return_lse: bool = False,
+                   window: Optional[Tuple[int, int]] = None, out: Any = None, lse_out: Any = None,
+                   timeout: Optional[float] = None) -> StepResult:
+        """See attnd.Client.step."""
+        p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
+                               window, out, lse_out)
+        _core.cuda_synchronize(p.cuda_sync)
+        buf = await self._unary("Step", p.message, self._timeout(timeout))
+        return _core.read_step(buf, p)
+
+    async def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
+                         return_exceptions: bool = False) -> List[Any]:
+        """See attnd.Client.batch_step."""
+        message, prepared = _core.prepare_batch_step(self.regions, items)
+        for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
+            _core.cuda_synchronize(device)
+        buf = await self._unary("BatchStep", message, self._timeout(timeout))
+        results = _core.read_batch_step(buf, prepared)
+        if not return_exceptions and any(isinstance(r, AttndError) for r in results):
+            raise BatchStepError(results)
+        return results
+
+    async def truncate_session(self, session_id: str, tokens: int,
+                               timeout: Optional[float] = None) -> TruncateResult:
+        response = await self._unary(
+            "TruncateSession", _proto.TruncateSessionRequest(session_id=session_id, tokens=int(tokens)),
+            self._timeout(timeout))
+        return TruncateResult(list(response.cached_tokens), response.freed_pages)
+
+    async def fork_session(self, session_id: str, timeout: Optional[float] = None) -> SessionInfo:
+        response = await self._unary("ForkSession", _proto.ForkSessionRequest(session_id=session_id),
+                                     self._timeout(timeout))
+        return SessionInfo(session_id=response.session_id, replica_id=response.replica_id)
+
+    async def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
+        response = await self._unary("CloseSession",
+                                     _proto.CloseSessionRequest(session_id=session_id),
+                                     self._timeout(timeout))
+        return response.freed_pages
+
+    # ---- shared memory --------------------------------------------------------------------------
+
+    async def list_regions(self, timeout: Optional[float] = None) -> Any:
+        return await self._unary("ListRegions", _proto.ListRegionsRequest(),
+                                 self._timeout(timeout, _INFO_TIMEOUT))
+
+    async def register_region(self, region: Any, name: Optional[str] = None,
+                              timeout: Optional[float] = None) -> str:
+        """See attnd.Client.register_region."""
+        name = name or next_region_name()
+        if self._region_socket is None:
+            self._region_socket = RegionSocket((await self.list_regions()).socket_path)
+        sock = self._region_socket
+        if isinstance(region, HostRegion):
+            request = _proto.RegisterRegionRequest(name=name, kind=_proto.RegionKind["REGION_KIND_HOST"],
+                                                   handle=sock.send_fd(region.fd))
+        elif isinstance(region, CudaRegion):
+            request = _proto.RegisterRegionRequest(
+                name=name, kind=_proto.RegionKind["REGION_KIND_CUDA"], handle=sock.lease(),
+                cuda_ipc_handle=region.ipc_handle, device_id=region.cuda_device,
+                bytes=region.nbytes)
+        else:
+            raise TypeError(f"expected a HostRegion or CudaRegion, got {type(region).__name__}")
+        await self._unary("RegisterRegion", request, self._timeout(timeout, _INFO_TIMEOUT))
+        self.regions.add(Registered(name, region))
+        return name
+
+    async def unregister_region(self, region: Any, timeout: Optional[float] = None) -> None:
+        names = [e.name for e in self.regions.entries if e.region is region or e.name == region]
+        if not names:
+            raise NotFound(f"region {region!r} is not registered by this client")
+        for name in names:
+            self.regions.remove(name)
+            await self._unary("UnregisterRegion", _proto.UnregisterRegionRequest(name=name),
+                              self._timeout(timeout, _INFO_TIMEOUT))
+
+
+async def _aiter(items: Any) -> AsyncIterator[Any]:
+    if hasattr(items, "__aiter__"):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+class Session:
+    """asyncio twin of attnd.Session; ``async with`` closes it."""
+
+    def __init__(self, client: Client, info: SessionInfo):
+        self.client = client
+        self.info = info
+        self.closed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.session_id
+
+    def __repr__(self) -> str:
+        return f"aio.Session({self.id!r})"
+
+    async def step(self, layer: int, q: Any, k_new: Any, v_new: Any, **options: Any) -> StepResult:
+        return await self.client.step(self, layer, q, k_new, v_new, **options)
+
+    async def truncate(self, tokens: int, timeout: Optional[float] = None) -> TruncateResult:
+        return await self.client.truncate_session(self.id, tokens, timeout)
+
+    async def fork(self, timeout: Optional[float] = None) -> "Session":
+        forked = await self.client.fork_session(self.id, timeout)
+        info = SessionInfo(**{**self.info.__dict__, "session_id": forked.session_id,
+                              "replica_id": forked.replica_id or self.info.replica_id})
+        return Session(self.client, info)
+
+    async def close(self, timeout: Optional[float] = None) -> int:
+        if self.closed:
+            return 0
+        freed = await self.client.close_session(self.id, timeout)
+        self.closed = True
+        return freed
+
+    async def __aenter__(self) -> "Session":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if not self.closed:
+            try:
+                await self.close()
+            except NotFound:
+                self.closed = True

@@ -1,0 +1,456 @@
+"""The synchronous client of attnd: ``Client`` and its ``Session``.
+
+    import attnd, numpy as np
+    client = attnd.Client("127.0.0.1:50051")
+    q = np.random.randn(512, 16, 128).astype(np.float16)
+    k = v = np.random.randn(512, 4, 128).astype(np.float16)
+    o = client.attend(q, k, v, causal=True).o          # float16 [512, 16, 128]
+
+Thread-safe: one Client may serve many threads (give it ``connections=N`` to spread them over N
+HTTP/2 connections).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+import time
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import grpc
+
+from . import _core, _proto, _wire
+from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
+                    TruncateResult)
+from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
+from .regions import CudaRegion, HostRegion, Registered, RegionSocket, RegionTable, next_region_name
+
+_INFO_TIMEOUT = 10.0
+
+
+class Client:
+    """A connection to one attnd (or to many behind one target with ``lb_policy="round_robin"``).
+
+    Args:
+        target: ``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ``unix:/path``.
+        tls: TLS with the system's root certificates (implied by any of the next three).
+        tls_ca: the CA that signed attnd's certificate (PEM bytes or a path).
+        tls_cert, tls_key: this client's certificate and key, for mTLS (PEM bytes or paths).
+        tls_server_name: the name to check attnd's certificate against, when it is not the
+            target's host.
+        token: bearer token (sent as ``authorization: Bearer <token>``).
+        timeout: default deadline of the calls that move tensors, in seconds (None: none);
+            GetServerInfo, health and region calls wait at most 10 s unless told otherwise.
+        retries: how many times a call that changes nothing on the server (Attend, Echo,
+            GetServerInfo, health, ListRegions) is sent again after UNAVAILABLE, with exponential
+            backoff from ``retry_backoff`` seconds, within its deadline. Steps and session calls
+            are never resent.
+        connections: HTTP/2 connections the calls are spread over, round robin (one connection
+            moves about one core's worth of bytes; more help many threads).
+        max_message_bytes: largest message sent or received (attnd's --max_message_bytes).
+        wait_for_ready: calls wait for the connection (up to their deadline) instead of failing
+            at once with UNAVAILABLE while attnd is unreachable.
+        lb_policy: gRPC load-balancing policy, e.g. ``round_robin`` over every address of the target.
+        channel_options: extra gRPC channel arguments, ``[(name, value), ...]``.
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, tls: bool = False,
+                 tls_ca: PathOrPem = None, tls_cert: PathOrPem = None, tls_key: PathOrPem = None,
+                 tls_server_name: Optional[str] = None, token: Optional[str] = None,
+                 timeout: Optional[float] = None, retries: int = 3, retry_backoff: float = 0.05,
+                 connections: int = 1, max_message_bytes: int = 256 << 20,
+                 wait_for_ready: bool = False, lb_policy: Optional[str] = None,
+                 channel_options: Sequence[Tuple[str, Any]] = ()):
+        self.options = ClientOptions(
+            target=target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+            tls_server_name=tls_server_name, token=token, timeout=timeout, retries=retries,
+            retry_backoff=retry_backoff, connections=connections,
+            max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
+            lb_policy=lb_policy, channel_options=tuple(channel_options))
+        self.options.check()
+        creds = self.options.credentials()
+        self._metadata = self.options.metadata()
+        self._wait = True if wait_for_ready else None
+        self._channels: List[grpc.Channel] = []
+        self._calls: List[Dict[str, Any]] = []
+        for i in range(self.options.connections):
+            args = self.options.channel_args(i)
+            ch = grpc.secure_channel(target, creds, args) if creds is not None else \
+                grpc.insecure_channel(target, args)
+            self._channels.append(ch)
+            self._calls.append(_callables(ch))
+        self._turn = itertools.count()
+        self.regions = RegionTable()
+        self._region_socket: Optional[RegionSocket] = None
+        self._region_lock = threading.Lock()
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _methods(self) -> Dict[str, Any]:
+        return self._calls[next(self._turn) % len(self._calls)]
+
+    def _timeout(self, timeout: Optional[float], default: Optional[float] = None) -> Optional[float]:
+        if timeout is not None:
+            return timeout
+        return self.options.timeout if default is None else min(
+            default, self.options.timeout or default)
+
+    def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
+        call = self._methods()[method]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return call(request, timeout=left, metadata=self._metadata,
+                            wait_for_ready=self._wait)
+            except grpc.RpcError as e:
+                if (e.code() == grpc.StatusCode.UNAVAILABLE and method in _core.IDEMPOTENT and
+                        attempt < self.options.retries):
+                    attempt += 1
+                    pause = _core.backoff(self.options, attempt)
+                    if deadline is None or time.monotonic() + pause < deadline:
+                        time.sleep(pause)
+                        continue
+                raise from_rpc_error(e) from None
+
+    def close(self) -> None:
+        """Closes the connections (and the region socket: attnd drops this client's regions)."""
+        if self._region_socket is not None:
+            self._region_socket.close()
+            self._region_socket = None
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- stateless attention --------------------------------------------------------------------
+
+    def attend(self, q: Any, k: Any, v: Any, *, cu_seqlens_q: Optional[Sequence[int]] = None,
+               cu_seqlens_k: Optional[Sequence[int]] = None, causal: bool = False,
+               window: Optional[Tuple[int, int]] = None, scale: float = 0.0,
+               return_lse: bool = False, high_priority: bool = False, out: Any = None,
+               lse_out: Any = None, timeout: Optional[float] = None) -> AttendResult:
+        """Attention over a packed varlen batch (attn.v1 Attend).
+
+        Args:
+            q: [total_q, heads, head_dim]; k, v: [total_k, kv_heads, head_dim]; numpy arrays or
+                torch tensors (CPU or CUDA) of float32, float16 or bfloat16, all of one dtype.
+            cu_seqlens_q, cu_seqlens_k: cumulative lengths [batch + 1] (None: one sequence).
+            causal: causal mask, aligned bottom-right.
+            window: sliding window (left, right); -1 leaves a side unbounded.
+            scale: softmax scale (0: 1/sqrt(head_dim)).
+            return_lse: also return the log-sum-exp, float32 [heads, total_q].
+            high_priority: batched before normal requests.
+            out, lse_out: write o (and lse) here: in place when they lie in a registered region
+                (required for GPU regions), else copied from the answer.
+            timeout: deadline in seconds (default: the client's).
+
+        Returns:
+            AttendResult(o, lse, timing, request_id); o is a numpy array (read-only, a view of the
+            received message) when q is one, a torch tensor on q's device when q is one.
+
+        Raises:
+            AttndError (InvalidArgument, ResourceExhausted, ...) with attnd's message.
+        """
+        p = _core.prepare_attend(self.regions, q, k, v, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
+                                 scale=scale, return_lse=return_lse, high_priority=high_priority,
+                                 out=out, lse_out=lse_out)
+        _core.cuda_synchronize(p.cuda_sync)
+        buf = self._unary("Attend", p.message, self._timeout(timeout))
+        return _core.read_attend(buf, p)
+
+    def attend_stream(self, items: Iterable[Any], *, depth: int = 8, ordered: bool = True,
+                      return_exceptions: bool = False, timeout: Optional[float] = None,
+                      **defaults: Any) -> Iterator[Any]:
+        """Many Attends pipelined on one AttendStream, up to `depth` in flight.
+
+        Args:
+            items: AttendItem(q, k, v, ...), (q, k, v) tuples or dicts of attend's arguments.
+            depth: requests in flight at once.
+            ordered: yield results in the order of items (else as they come; each result's
+                request_id is its item's index + 1).
+            return_exceptions: yield a failed item's AttndError in its place instead of raising
+                it (a bad item does not end the stream on the server).
+            defaults: attend's options (causal=..., return_lse=...) for items that do not set them.
+
+        Yields:
+            AttendResult per item.
+        """
+        if depth < 1:
+            raise InvalidArgument(f"depth must be >= 1, got {depth}")
+        base = _core.attend_defaults(**defaults)
+        slots = threading.Semaphore(depth)
+        lock = threading.Lock()
+        prepared: Dict[int, _core.Prepared] = {}
+        state = {"error": None, "stop": False}
+
+        def requests() -> Iterator[bytes]:
+            try:
+                for index, item in enumerate(items):
+                    slots.acquire()
+                    if state["stop"]:
+                        return
+                    p = _core.stream_request(item, index, self.regions, base)
+                    _core.cuda_synchronize(p.cuda_sync)
+                    with lock:
+                        prepared[index] = p
+                    yield p.message
+            except Exception as e:  # reported to the caller once the answers are in
+                state["error"] = e
+
+        call = self._methods()["AttendStream"](requests(), timeout=self._timeout(timeout),
+                                               metadata=self._metadata, wait_for_ready=self._wait)
+        waiting: Dict[int, Any] = {}
+        next_index = 0
+        try:
+            for buf in call:
+                with lock:
+                    index, result = _core.read_stream_item(buf, prepared)
+                slots.release()
+                if not ordered:
+                    yield _deliver(result, return_exceptions)
+                    continue
+                waiting[index] = result
+                while next_index in waiting:
+                    yield _deliver(waiting.pop(next_index), return_exceptions)
+                    next_index += 1
+            if state["error"] is not None:
+                raise state["error"]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            state["stop"] = True
+            slots.release()
+            call.cancel()
+
+    def echo(self, payload: Any, response_bytes: int = 0,
+             timeout: Optional[float] = None) -> memoryview:
+        """Sends payload (bytes, or a numpy array / torch tensor's bytes) through Echo and returns
+        what came back (all of it, or its first response_bytes) as a view of the received message."""
+        buf = self._unary("Echo", _core.prepare_echo(payload, response_bytes),
+                          self._timeout(timeout))
+        return _core.read_echo(buf)
+
+    def info(self, timeout: Optional[float] = None) -> Any:
+        """GetServerInfo: version, backend, device, limits, KV cache, replica id (a protobuf
+        message, attn.v1.GetServerInfoResponse)."""
+        return self._unary("GetServerInfo", _proto.GetServerInfoRequest(),
+                           self._timeout(timeout, _INFO_TIMEOUT))
+
+    def health(self, service: str = "", timeout: Optional[float] = None) -> bool:
+        """grpc.health.v1 Check: True when SERVING."""
+        response = self._unary("Check", _proto.HealthCheckRequest(service=service),
+                               self._timeout(timeout, _INFO_TIMEOUT))
+        return response.status == _proto.HealthCheckResponse.SERVING
+
+    # ---- sessions -------------------------------------------------------------------------------
+
+    def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: Any = "bfloat16", max_tokens: int = 0,
+                       timeout: Optional[float] = None) -> "Session":
+        """Creates a KV-cache session (its cache in float16 or bfloat16) on this attnd."""
+        request, spec = _core.create_session_request(num_layers, num_kv_heads, head_dim, dtype,
+                                                     max_tokens)
+        response = self._unary("CreateSession", request, self._timeout(timeout))
+        return Session(self, _core.session_info(response, spec))
+
+    def session(self, session_id: str) -> "Session":
+        """A Session object for an existing session id (made by another process, say)."""
+        return Session(self, SessionInfo(session_id=session_id,
+                                         replica_id=session_id.rsplit(".", 1)[0]))
+
+    def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any, *, scale: float = 0.0,
+             return_lse: bool = False, window: Optional[Tuple[int, int]] = None, out: Any = None,
+             lse_out: Any = None, timeout: Optional[float] = None) -> StepResult:
+        """One step of one layer (attn.v1 Step): appends k_new and v_new to the layer's cache and
+        returns attention of q over all of it (causal inside the new tokens). session: a Session
+        or its id. q [new_tokens, heads, d], k_new and v_new [new_tokens, kv_heads, d] in the
+        session's dtype. Not resent on UNAVAILABLE (a step changes the cache)."""
+        p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
+                               window, out, lse_out)
+        _core.cuda_synchronize(p.cuda_sync)
+        buf = self._unary("Step", p.message, self._timeout(timeout))
+        return _core.read_step(buf, p)
+
+    def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
+                   return_exceptions: bool = False) -> List[Any]:
+        """Many steps of one or many sessions in one call, computed together (attn.v1 BatchStep).
+
+        items: StepItem(session, layer, q, k_new, v_new, ...) or tuples in that order. Returns a
+        StepResult per item. Items succeed or fail on their own: a failed item raises
+        BatchStepError (whose ``results`` hold every item's outcome) unless return_exceptions,
+        in which case its AttndError takes its place in the list.
+        """
+        message, prepared = _core.prepare_batch_step(self.regions, items)
+        for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
+            _core.cuda_synchronize(device)
+        buf = self._unary("BatchStep", message, self._timeout(timeout))
+        results = _core.read_batch_step(buf, prepared)
+        if not return_exceptions and any(isinstance(r, AttndError) for r in results):
+            raise BatchStepError(results)
+        return results
+
+    def truncate_session(self, session_id: str, tokens: int,
+                         timeout: Optional[float] = None) -> TruncateResult:
+        response = self._unary("TruncateSession",
+                               _proto.TruncateSessionRequest(session_id=session_id, tokens=int(tokens)),
+                               self._timeout(timeout))
+        return TruncateResult(list(response.cached_tokens), response.freed_pages)
+
+    def fork_session(self, session_id: str, timeout: Optional[float] = None) -> SessionInfo:
+        response = self._unary("ForkSession", _proto.ForkSessionRequest(session_id=session_id),
+                               self._timeout(timeout))
+        return SessionInfo(session_id=response.session_id, replica_id=response.replica_id)
+
+    def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
+        response = self._unary("CloseSession", _proto.CloseSessionRequest(session_id=session_id),
+                               self._timeout(timeout))
+        return response.freed_pages
+
+    # ---- shared memory --------------------------------------------------------------------------
+
+    def list_regions(self, timeout: Optional[float] = None) -> Any:
+        """ListRegions: this client identity's regions, the socket path and the limits."""
+        return self._unary("ListRegions", _proto.ListRegionsRequest(),
+                           self._timeout(timeout, _INFO_TIMEOUT))
+
+    def _socket(self) -> RegionSocket:
+        with self._region_lock:
+            if self._region_socket is None:
+                self._region_socket = RegionSocket(self.list_regions().socket_path)
+            return self._region_socket
+
+    def register_region(self, region: Any, name: Optional[str] = None,
+                        timeout: Optional[float] = None) -> str:
+        """Registers a HostRegion or CudaRegion with attnd (once; then any tensor inside it travels
+        by reference). Returns the region's name. The registration lasts while this client is
+        open: attnd drops it when the client closes or the process exits."""
+        name = name or next_region_name()
+        sock = self._socket()
+        if isinstance(region, HostRegion):
+            request = _proto.RegisterRegionRequest(name=name, kind=_proto.RegionKind["REGION_KIND_HOST"],
+                                                   handle=sock.send_fd(region.fd))
+        elif isinstance(region, CudaRegion):
+            request = _proto.RegisterRegionRequest(
+                name=name, kind=_proto.RegionKind["REGION_KIND_CUDA"], handle=sock.lease(),
+                cuda_ipc_handle=region.ipc_handle, device_id=region.cuda_device,
+                bytes=region.nbytes)
+        else:
+            raise TypeError(f"expected a HostRegion or CudaRegion, got {type(region).__name__}")
+        self._unary("RegisterRegion", request, self._timeout(timeout, _INFO_TIMEOUT))
+        self.regions.add(Registered(name, region))
+        return name
+
+    def unregister_region(self, region: Any, timeout: Optional[float] = None) -> None:
+        """Unregisters a region (by object or name)."""
+        names = [e.name for e in self.regions.entries if e.region is region or e.name == region]
+        if not names:
+            raise NotFound(f"region {region!r} is not registered by this client")
+        for name in names:
+            self.regions.remove(name)
+            self._unary("UnregisterRegion", _proto.UnregisterRegionRequest(name=name),
+                        self._timeout(timeout, _INFO_TIMEOUT))
+
+
+def _deliver(result: Any, return_exceptions: bool) -> Any:
+    if isinstance(result, AttndError) and not return_exceptions:
+        raise result
+    return result
+
+
+def _registered(ch: Any) -> Dict[str, Any]:
+    """grpcio >= 1.63 registers a method with the channel once (`_registered_method`), which saves
+    work on every call; older ones do not take the argument."""
+    try:
+        params = inspect.signature(ch.unary_unary).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"_registered_method": True} if "_registered_method" in params else {}
+
+
+def _callables(ch: grpc.Channel) -> Dict[str, Any]:
+    raw = _wire.identity
+    reg = _registered(ch)
+    out: Dict[str, Any] = {}
+    for name in ("Attend", "Step", "BatchStep", "Echo"):
+        out[name] = ch.unary_unary(_proto.ATTENTION[name], request_serializer=raw,
+                                   response_deserializer=raw, **reg)
+    out["AttendStream"] = ch.stream_stream(_proto.ATTENTION["AttendStream"], request_serializer=raw,
+                                           response_deserializer=raw, **reg)
+    typed = (("CreateSession", _proto.ATTENTION, _proto.CreateSessionResponse),
+             ("TruncateSession", _proto.ATTENTION, _proto.TruncateSessionResponse),
+             ("ForkSession", _proto.ATTENTION, _proto.ForkSessionResponse),
+             ("CloseSession", _proto.ATTENTION, _proto.CloseSessionResponse),
+             ("GetServerInfo", _proto.ATTENTION, _proto.GetServerInfoResponse),
+             ("RegisterRegion", _proto.SHARED_MEMORY, _proto.RegisterRegionResponse),
+             ("UnregisterRegion", _proto.SHARED_MEMORY, _proto.UnregisterRegionResponse),
+             ("ListRegions", _proto.SHARED_MEMORY, _proto.ListRegionsResponse),
+             ("Check", _proto.HEALTH, _proto.HealthCheckResponse))
+    for name, paths, response in typed:
+        out[name] = ch.unary_unary(paths[name], request_serializer=_serialize,
+                                   response_deserializer=response.FromString, **reg)
+    return out
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
+class Session:
+    """A KV-cache session on one attnd: its per-layer caches live there; each step sends only the
+    new tokens. A context manager: leaving the ``with`` block closes it.
+
+    Attributes: ``id``, ``info`` (SessionInfo: replica, page tokens, TTL, token limit, shape).
+    """
+
+    def __init__(self, client: Client, info: SessionInfo):
+        self.client = client
+        self.info = info
+        self.closed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.session_id
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r})"
+
+    def step(self, layer: int, q: Any, k_new: Any, v_new: Any, **options: Any) -> StepResult:
+        """One step of one layer; see Client.step for the options."""
+        return self.client.step(self, layer, q, k_new, v_new, **options)
+
+    def truncate(self, tokens: int, timeout: Optional[float] = None) -> TruncateResult:
+        """Drops the last `tokens` tokens of every layer (rejected draft tokens)."""
+        return self.client.truncate_session(self.id, tokens, timeout)
+
+    def fork(self, timeout: Optional[float] = None) -> "Session":
+        """A new session sharing this one's cache as it is now (copy-on-write)."""
+        forked = self.client.fork_session(self.id, timeout)
+        info = SessionInfo(**{**self.info.__dict__, "session_id": forked.session_id,
+                              "replica_id": forked.replica_id or self.info.replica_id})
+        return Session(self.client, info)
+
+    def close(self, timeout: Optional[float] = None) -> int:
+        """Closes the session; returns the KV pages freed. Closing twice is a no-op."""
+        if self.closed:
+            return 0
+        freed = self.client.close_session(self.id, timeout)
+        self.closed = True
+        return freed
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.closed:
+            try:
+                self.close()
+            except NotFound:  # expired meanwhile: nothing left to free
+                self.closed = True

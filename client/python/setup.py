@@ -1,0 +1,42 @@
+"""Builds the attnd package; generates its protocol descriptors from proto/ on the way.
+
+`pip install client/python` (Debian: `python3 -m pip install --no-deps --no-build-isolation
+client/python`) runs this in the source tree: the build step writes
+attnd/_proto/_descriptor_set.py from ../../proto with the protoc of the installing machine (or
+grpc_tools.protoc). ATTND_PROTO_DIR names another proto/ directory.
+"""
+
+import importlib.util
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load_build_module():
+    spec = importlib.util.spec_from_file_location("attnd_proto_build",
+                                                  HERE / "attnd" / "_proto" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildWithDescriptors(build_py):
+    def run(self):
+        super().run()
+        build = _load_build_module()
+        out = Path(self.build_lib) / "attnd" / "_proto" / build.MODULE_NAME
+        proto_dir = build.default_proto_dir()
+        if proto_dir is None:
+            prebuilt = HERE / "attnd" / "_proto" / build.MODULE_NAME
+            if not prebuilt.is_file():
+                raise SystemExit("attnd: no proto/ directory (set ATTND_PROTO_DIR) and no "
+                                 "pre-generated attnd/_proto/_descriptor_set.py")
+            out.write_bytes(prebuilt.read_bytes())
+            return
+        build.write_module(proto_dir, out)
+
+
+setup(cmdclass={"build_py": BuildWithDescriptors})

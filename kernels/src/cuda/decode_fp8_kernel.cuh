@@ -1,0 +1,509 @@
+// Split-KV decode over FP8 K/V (e4m3 codes with a float32 scale per (sequence, KV head)), device
+// code. The CTA, warp and split structure is the 16-bit kernel's (decode_kernel.cuh, whose combine
+// kernel merges the splits); what differs is how the bytes reach the tensor cores:
+//  - K and V tiles stream into shared memory as e4m3 codes (half the bytes of a 16-bit tile of as
+//    many keys, so tiles have twice the keys: the same bytes in flight per warp).
+//  - The products run in fp16 with fp32 accumulation (mma.sync m16n8k16): every e4m3 value is an
+//    fp16 value, so a code converts exactly (cvt.f16x2.e4m3x2, two codes per instruction) right
+//    after its ldmatrix, in registers; nothing is scaled per element.
+//  - K (S = Q K^T): a plain ldmatrix of 8 keys x 16 codes gives lane (g, c) the 4 codes
+//    16ks + 4c .. 4c+3 of key g, which are the B fragment of one k16 step if the head dims of the
+//    step are taken in the order 0,1,4,5,8,9,12,13 | 2,3,6,7,10,11,14,15 (logical k = 2c, 2c+1,
+//    2c+8, 2c+9 <-> dims 4c .. 4c+3). Q's A fragments are built once in that order.
+//  - V (O += P V): ldmatrix.trans of the codes viewed as 16-bit pairs gives lane (g, c) keys 2c and
+//    2c+1 of the dims 2g and 2g+1; one byte permute splits them into the B fragments of two
+//    n8 output tiles, one of the chunk's even dims and one of its odd dims. O's columns are
+//    reordered back when the warps merge through shared memory.
+//  - Scales: the k scale folds into the softmax scale (one multiply per CTA), the v scale into the
+//    final normalisation. q of bfloat16 (which fp16 may not hold) is scaled per row by a power of
+//    two into fp16's range first, undone in the same per-row softmax scale.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "decode_kernel.cuh"
+#include "decode_params.h"
+#include "ptx.cuh"
+#include "ptx_decode.cuh"
+
+namespace attn::kernels::cuda {
+namespace decode {
+
+template <int D_, typename T_>
+struct DecodeFp8Traits {
+  using T = T_;  // of q and o
+  static constexpr int kHeadDim = D_;
+  static constexpr int kWarps = kDecodeWarps;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = kDecodeRows;
+  static constexpr int kWarpN = DecodeFp8WarpN(D_);
+  static constexpr int kStages = DecodeFp8Stages(D_);
+  static constexpr int kCPR = D_ / 16;  // 16-byte chunks (16 codes) per K/V row
+  static_assert(kCPR == 4 || kCPR % 8 == 0, "head dim 64, 128 or 256");
+  static constexpr int kSwzMask = (kCPR % 8 == 0) ? 7 : 3;
+  static constexpr int kTileBytes = kWarpN * D_;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  static constexpr int kWarpRingBytes = kStages * kStageBytes;
+  static constexpr int kQRowBytes = DecodeFp8QRowBytes(D_);
+  static constexpr int kQBytes = kRows * kQRowBytes;
+  static constexpr int kMergeStride = DecodeMergeStride(D_);
+  static constexpr int kSmemBytes = DecodeFp8SmemBytes(D_);
+  static constexpr int kMinBlocks = DecodeFp8MinBlocks(D_);
+  static constexpr bool kQInRegs = DecodeFp8QInRegs(D_);
+  static constexpr int kNT = kWarpN / 8;    // n8 tiles of S
+  static constexpr int kKS = D_ / 16;       // k16 steps of Q K^T
+  static constexpr int kDT = D_ / 8;        // n8 tiles of O (even and odd dims of each chunk)
+  static constexpr int kPVK = kWarpN / 16;  // k16 steps of P V
+  static constexpr int kCopyIters = kWarpN * kCPR / 32;
+  static_assert(kWarpN == 32, "ldmatrix row addresses: lane l supplies key l of the tile");
+  static_assert(kWarpN * kCPR % 32 == 0, "");
+
+  __device__ __forceinline__ static int SwzKey(int row) {
+    return kSwzMask == 7 ? (row & 7) : ((row >> 1) & 3);
+  }
+  // Byte offset of (row, chunk) in a tile of kCPR chunks per row.
+  __device__ __forceinline__ static uint32_t Offset(int row, int chunk) {
+    const int c = (chunk & ~kSwzMask) | ((chunk ^ SwzKey(row)) & kSwzMask);
+    return static_cast<uint32_t>((row * kCPR + c) * 16);
+  }
+};
+
+// Four consecutive 16-bit q values (two 32-bit words) as floats.
+template <typename T>
+__device__ __forceinline__ void QuadToFloat(uint2 w, float (&f)[4]) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  } else {
+    f[0] = __uint_as_float(w.x << 16);
+    f[1] = __uint_as_float(w.x & 0xFFFF0000u);
+    f[2] = __uint_as_float(w.y << 16);
+    f[3] = __uint_as_float(w.y & 0xFFFF0000u);
+  }
+}
+
+template <typename Tr, bool kPaged>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
+    DecodeFp8Kernel(const __grid_constant__ DecodeParams p) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim;
+  constexpr int W = Tr::kWarpN;
+  constexpr int S = Tr::kStages;
+  constexpr int CPR = Tr::kCPR;
+  constexpr int NT = Tr::kNT;
+  constexpr int KS = Tr::kKS;
+  constexpr int DT = Tr::kDT;
+  constexpr int NW = Tr::kWarps;
+
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const uint32_t sQ = ptx::SmemAddr(smem_raw);
+  const uint32_t sRing = sQ + Tr::kQBytes;
+
+  ptx::GridDependencyLaunchDependents();  // as DecodeKernel
+  const int split = blockIdx.x % p.num_splits;
+  const int mb = blockIdx.x / p.num_splits;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int G = p.group;
+
+  const int q_start = p.cu_seqlens_q[b];
+  const int s_q = p.cu_seqlens_q[b + 1] - q_start;
+  const int rows_valid = s_q * G;
+  const int m0 = mb * Tr::kRows;
+  if (m0 >= rows_valid) return;
+  const float k_scale = p.k_scale[int64_t(b) * p.num_kv_heads + hk];
+  const float v_scale = p.v_scale[int64_t(b) * p.num_kv_heads + hk];
+  int s_k;
+  int k_start = 0;
+  const int32_t* pages = nullptr;
+  if constexpr (kPaged) {
+    s_k = p.seqlens_k[b];
+    pages = p.page_indices + p.page_indptr[b];
+  } else {
+    k_start = p.cu_seqlens_k[b];
+    s_k = p.cu_seqlens_k[b + 1] - k_start;
+  }
+  const int off = s_k - s_q;
+  const int m_last = min(m0 + Tr::kRows, rows_valid) - 1;
+
+  // Keys any row of this block sees, then this split's whole tiles of them (as DecodeKernel).
+  const int n_lo = p.has_left ? max(0, m0 / G + off - p.left) : 0;
+  const int n_hi = p.has_right ? min(s_k, m_last / G + off + p.right + 1) : s_k;
+  int c_lo = 0, c_hi = 0, ntiles = 0, tile0 = 0;
+  if (n_hi > n_lo) {
+    const int a_lo = (n_lo / W) * W;
+    const int total_tiles = (n_hi - a_lo + W - 1) / W;
+    const int tps = (total_tiles + p.num_splits - 1) / p.num_splits;
+    const int t_begin = split * tps;
+    const int t_end = min(total_tiles, t_begin + tps);
+    if (t_end > t_begin) {
+      ntiles = t_end - t_begin;
+      tile0 = a_lo + t_begin * W;
+      c_lo = max(n_lo, tile0);
+      c_hi = min(n_hi, a_lo + t_end * W);
+    }
+  }
+
+  // Q: 16 packed rows of D 16-bit values, rows padded to kQRowBytes, zero past the valid rows.
+  const T* gq = reinterpret_cast<const T*>(p.q);
+  constexpr int kQChunks = D / 8;
+  for (int idx = tid; idx < Tr::kRows * kQChunks; idx += Tr::kThreads) {
+    const int r = idx / kQChunks;
+    const int c = idx % kQChunks;
+    const int pr = m0 + r;
+    const bool ok = pr < rows_valid;
+    const int i = pr / G;
+    const int h = hk * G + (pr - i * G);
+    const T* src = ok ? gq + int64_t(q_start + i) * p.q_row_stride + int64_t(h) * D + c * 8 : gq;
+    ptx::CpAsync16(sQ + r * Tr::kQRowBytes + c * 16, src, ok);
+  }
+  ptx::CpAsyncCommit();
+
+  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  const uint32_t sWarp = sRing + warp * Tr::kWarpRingBytes;
+  const uint8_t* gk = static_cast<const uint8_t*>(p.k) + int64_t(hk) * D;
+  const uint8_t* gv = static_cast<const uint8_t*>(p.v) + int64_t(hk) * D;
+  const int64_t kv_stride = p.kv_row_stride;  // elements = bytes
+
+  auto tile_start = [&](int k) { return tile0 + (warp + k * NW) * W; };
+  auto key_ok = [&](int j) { return j >= c_lo && j < c_hi; };
+  auto row_index = [&](int k, int page) -> int {
+    const int j = tile_start(k) + lane;
+    if (!key_ok(j)) return -1;
+    if constexpr (kPaged) {
+      return page * p.page_size + InPage(j, p.page_size, p.page_shift);
+    } else {
+      return k_start + j;
+    }
+  };
+  auto page_of = [&](int k) -> int {
+    if constexpr (kPaged) {
+      const int j = tile_start(k) + lane;
+      return key_ok(j) ? PageOf(pages, j, p.page_size, p.page_shift) : 0;
+    } else {
+      return 0;
+    }
+  };
+  auto issue = [&](int k, int page, uint32_t stage_addr) {
+    const int ri = row_index(k, page);
+#pragma unroll
+    for (int it = 0; it < Tr::kCopyIters; ++it) {
+      const int idx = lane + 32 * it;
+      const int r = idx / CPR;
+      const int c = idx % CPR;
+      const int rr = __shfl_sync(0xffffffffu, ri, r);
+      const bool ok = rr >= 0;
+      const int64_t goff = int64_t(ok ? rr : 0) * kv_stride + c * 16;
+      ptx::CpAsync16(stage_addr + Tr::Offset(r, c), gk + goff, ok);
+      ptx::CpAsync16(stage_addr + Tr::kTileBytes + Tr::Offset(r, c), gv + goff, ok);
+    }
+  };
+
+  int first_pages[S];
+#pragma unroll
+  for (int st = 0; st < S; ++st) first_pages[st] = (kPaged && st < my_tiles) ? page_of(st) : 0;
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < my_tiles) issue(st, first_pages[st], sWarp + st * Tr::kStageBytes);
+    ptx::CpAsyncCommit();
+  }
+  int next_page = first_pages[S - 1];
+
+  int lo[2], hi[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int pr = min(m0 + (lane >> 2) + 8 * hf, rows_valid - 1);
+    const int pos = pr / G + off;
+    lo[hf] = p.has_left ? max(c_lo, pos - p.left) : c_lo;
+    hi[hf] = p.has_right ? min(c_hi - 1, pos + p.right) : c_hi - 1;
+  }
+
+  ptx::CpAsyncWait<S - 1>();
+  __syncthreads();
+
+  // Q's A fragments in fp16, the head dims of each k16 step in the order of the K fragments
+  // (header): qf[ks] = {row g: dims 4c, 4c+1; row g+8: 4c, 4c+1; row g: 4c+2, 4c+3; row g+8: 4c+2,
+  // 4c+3} of the step (lane = 4g + c). A bfloat16 row is first scaled by 2^e[hf], e such that its
+  // largest |q| lies in [128, 256) (fp16 then holds it as bfloat16 did), undone in its softmax
+  // scale sl2[hf], which also carries the k scale.
+  const int g = lane >> 2;
+  const int c4 = 4 * (lane & 3);
+  const uint8_t* q_row0 = smem_raw + g * Tr::kQRowBytes + c4 * 2;
+  const uint8_t* q_row1 = q_row0 + 8 * Tr::kQRowBytes;
+  int e[2] = {0, 0};
+  if constexpr (!std::is_same_v<T, __half>) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const uint8_t* row = hf == 0 ? q_row0 : q_row1;
+      float mx = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        float f[4];
+        QuadToFloat<T>(*reinterpret_cast<const uint2*>(row + 32 * ks), f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mx = fmaxf(mx, fabsf(f[i]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      int x = 0;
+      if (mx > 0.0f && mx <= 3.0e38f) frexpf(mx, &x);  // mx = m * 2^x, m in [0.5, 1)
+      e[hf] = mx > 0.0f && mx <= 3.0e38f ? max(-126, min(64, 8 - x)) : 0;
+    }
+  }
+  float sl2[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) sl2[hf] = ldexpf(p.scale_log2 * k_scale, -e[hf]);
+  uint32_t qf[Tr::kQInRegs ? KS : 1][4];
+  // !kQInRegs (d=256): the fragments in this warp's part of shared memory, lane-contiguous.
+  const uint32_t sQFrag = sRing + NW * Tr::kWarpRingBytes + warp * (Tr::kQInRegs ? 0 : KS * 512);
+  {
+    const float qs0 = ldexpf(1.0f, e[0]);
+    const float qs1 = ldexpf(1.0f, e[1]);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint2 w0 = *reinterpret_cast<const uint2*>(q_row0 + 32 * ks);
+      const uint2 w1 = *reinterpret_cast<const uint2*>(q_row1 + 32 * ks);
+      uint32_t fr[4];
+      if constexpr (std::is_same_v<T, __half>) {
+        fr[0] = w0.x;
+        fr[1] = w1.x;
+        fr[2] = w0.y;
+        fr[3] = w1.y;
+      } else {
+        float f0[4], f1[4];
+        QuadToFloat<T>(w0, f0);
+        QuadToFloat<T>(w1, f1);
+        fr[0] = ptx::Pack2<__half>(f0[0] * qs0, f0[1] * qs0);
+        fr[1] = ptx::Pack2<__half>(f1[0] * qs1, f1[1] * qs1);
+        fr[2] = ptx::Pack2<__half>(f0[2] * qs0, f0[3] * qs0);
+        fr[3] = ptx::Pack2<__half>(f1[2] * qs1, f1[3] * qs1);
+      }
+      if constexpr (Tr::kQInRegs) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qf[ks][i] = fr[i];
+      } else {
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sQFrag + (ks * 32 + lane) * 16),
+                     "r"(fr[0]), "r"(fr[1]), "r"(fr[2]), "r"(fr[3])
+                     : "memory");
+      }
+    }
+  }
+  if constexpr (!Tr::kQInRegs) __syncwarp();
+
+  float acc_o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+
+  // ldmatrix addresses: K (plain): lane l gives key l of the tile at chunk ks; V (trans): lane l
+  // gives key 16kk + 8 * ((l >> 3) & 1) + (l & 7) at chunk j + (l >> 4).
+  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int v_chunk = lane >> 4;
+
+  uint32_t stage = 0;
+  for (int k = 0; k < my_tiles; ++k) {
+    ptx::CpAsyncWait<S - 2>();
+    __syncwarp();
+    {
+      const int kn = k + S - 1;
+      const uint32_t refill = stage == 0 ? (S - 1) * Tr::kStageBytes : stage - Tr::kStageBytes;
+      if (kn < my_tiles) issue(kn, next_page, sWarp + refill);
+      ptx::CpAsyncCommit();
+      if constexpr (kPaged) {
+        if (kn + 1 < my_tiles) next_page = page_of(kn + 1);
+      }
+    }
+    const uint32_t sK = sWarp + stage;
+    const uint32_t sV = sK + Tr::kTileBytes;
+    const int t0 = tile_start(k);
+
+    // S = Q K^T over this tile's W keys: per k16 step one ldmatrix.x4 of the four n8 key tiles.
+    float acc_s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[nt][i] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t qa[4];
+      if constexpr (Tr::kQInRegs) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qa[i] = qf[ks][i];
+      } else {
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(qa[0]), "=r"(qa[1]), "=r"(qa[2]), "=r"(qa[3])
+                     : "r"(sQFrag + (ks * 32 + lane) * 16));
+      }
+      uint32_t kb[4];
+      ptx::LdMatrixX4(kb, sK + Tr::Offset(lane, ks));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        ptx::Mma16816<__half>(acc_s[nt], qa, ptx::E4m3x2ToHalf2(uint16_t(kb[nt] & 0xFFFF)),
+                              ptx::E4m3x2ToHalf2(uint16_t(kb[nt] >> 16)));
+      }
+    }
+
+    // Mask, then the online softmax in log2 units (per-row scale sl2).
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int col = t0 + nt * 8 + 2 * (lane & 3) + i;
+          if (col < lo[hf] || col > hi[hf]) acc_s[nt][2 * hf + i] = -INFINITY;
+        }
+      float mx = row_max[hf];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hf], acc_s[nt][2 * hf + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float ms = (mx == -INFINITY) ? 0.0f : mx * sl2[hf];
+      const float corr = exp2f(row_max[hf] * sl2[hf] - ms);
+      row_max[hf] = mx;
+      float sum = row_sum[hf] * corr;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        acc_o[dt][2 * hf] *= corr;
+        acc_o[dt][2 * hf + 1] *= corr;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float pe = exp2f(fmaf(acc_s[nt][2 * hf + i], sl2[hf], -ms));
+          acc_s[nt][2 * hf + i] = pe;
+          sum += pe;
+        }
+      row_sum[hf] = sum;
+    }
+
+    // O += P V: per k16 step and pair of 16-dim chunks one ldmatrix.x4.trans, giving the B
+    // fragments of four n8 tiles (even and odd dims of each chunk).
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVK; ++kk) {
+      uint32_t pa[4];
+      pa[0] = ptx::Pack2<__half>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+      pa[1] = ptx::Pack2<__half>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+      pa[2] = ptx::Pack2<__half>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+      pa[3] = ptx::Pack2<__half>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+      for (int j = 0; j < CPR; j += 2) {
+        uint32_t vb[4];
+        ptx::LdMatrixX4Trans(vb, sV + Tr::Offset(16 * kk + v_row, j + v_chunk));
+        const uint32_t lo_keys0 = ptx::InterleaveBytePairs(vb[0]);  // chunk j, keys 2c, 2c+1
+        const uint32_t hi_keys0 = ptx::InterleaveBytePairs(vb[1]);  // chunk j, keys 2c+8, 2c+9
+        const uint32_t lo_keys1 = ptx::InterleaveBytePairs(vb[2]);  // chunk j+1
+        const uint32_t hi_keys1 = ptx::InterleaveBytePairs(vb[3]);
+        ptx::Mma16816<__half>(acc_o[2 * j], pa, ptx::E4m3x2ToHalf2(uint16_t(lo_keys0 & 0xFFFF)),
+                              ptx::E4m3x2ToHalf2(uint16_t(hi_keys0 & 0xFFFF)));
+        ptx::Mma16816<__half>(acc_o[2 * j + 1], pa, ptx::E4m3x2ToHalf2(uint16_t(lo_keys0 >> 16)),
+                              ptx::E4m3x2ToHalf2(uint16_t(hi_keys0 >> 16)));
+        ptx::Mma16816<__half>(acc_o[2 * j + 2], pa, ptx::E4m3x2ToHalf2(uint16_t(lo_keys1 & 0xFFFF)),
+                              ptx::E4m3x2ToHalf2(uint16_t(hi_keys1 & 0xFFFF)));
+        ptx::Mma16816<__half>(acc_o[2 * j + 3], pa, ptx::E4m3x2ToHalf2(uint16_t(lo_keys1 >> 16)),
+                              ptx::E4m3x2ToHalf2(uint16_t(hi_keys1 >> 16)));
+      }
+    }
+    stage = stage == (S - 1) * Tr::kStageBytes ? 0 : stage + Tr::kStageBytes;
+  }
+
+  // Merge the warps as DecodeKernel does; O's columns back in order: tiles 2j and 2j + 1 of a
+  // thread hold dims 16j + c4 + {0, 2} and 16j + c4 + {1, 3} of its rows.
+  ptx::CpAsyncWait<0>();
+  __syncthreads();
+  float* sO = reinterpret_cast<float*>(smem_raw + Tr::kQBytes);
+  float* sMax = sO + NW * Tr::kRows * Tr::kMergeStride;
+  float* sSum = sMax + NW * Tr::kRows;
+  float* sOw = sO + warp * Tr::kRows * Tr::kMergeStride;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = g + 8 * hf;
+    float sum = row_sum[hf];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+#pragma unroll
+    for (int j = 0; j < CPR; ++j) {
+      *reinterpret_cast<float4*>(sOw + r * Tr::kMergeStride + 16 * j + c4) =
+          make_float4(acc_o[2 * j][2 * hf], acc_o[2 * j + 1][2 * hf], acc_o[2 * j][2 * hf + 1],
+                      acc_o[2 * j + 1][2 * hf + 1]);
+    }
+    if ((lane & 3) == 0) {
+      sMax[warp * Tr::kRows + r] = row_max[hf] == -INFINITY ? -INFINITY : row_max[hf] * sl2[hf];
+      sSum[warp * Tr::kRows + r] = sum;
+    }
+  }
+  __syncthreads();
+
+  constexpr int kTPR = Tr::kThreads / Tr::kRows;
+  constexpr int kCols = D / kTPR;
+  static_assert(kCols % 2 == 0, "");
+  const int r = tid / kTPR;
+  const int col0 = (tid % kTPR) * kCols;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sMax[w * Tr::kRows + r]);
+  float a[NW];
+  float l = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) {
+    const float m = sMax[w * Tr::kRows + r];
+    a[w] = m == -INFINITY ? 0.0f : exp2f(m - mx);
+    l += a[w] * sSum[w * Tr::kRows + r];
+  }
+  const bool any = l > 0.0f;
+  const float inv = any ? v_scale / l : 0.0f;  // the v scale with the normalisation
+  const int pr = m0 + r;
+  if (pr > m_last) return;
+  const int i = pr / G;
+  const int h = hk * G + (pr - i * G);
+  const int t = q_start + i;
+  const float lse2 = any ? mx + __log2f(l) : -INFINITY;
+  if (p.num_splits == 1) {
+    T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+        v0 += a[w] * x.x;
+        v1 += a[w] * x.y;
+      }
+      *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
+    }
+    if (p.lse != nullptr && (tid % kTPR) == 0) {
+      p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
+    }
+  } else {
+    const int64_t row = int64_t(t) * p.num_heads + h;
+    const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
+    float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+        v0 += a[w] * x.x;
+        v1 += a[w] * x.y;
+      }
+      *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
+    }
+    if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
+  }
+}
+
+}  // namespace decode
+}  // namespace attn::kernels::cuda

@@ -1,0 +1,7 @@
+// One explicit instantiation: split-KV decode over FP8 (e4m3) K/V, contiguous and paged, + combine,
+// head dim 256, q and o bf16.
+#include "../decode_fp8_launch.cuh"
+
+namespace attn::kernels::cuda {
+template cudaError_t RunDecodeFp8<__nv_bfloat16, 256>(const DecodeParams&, bool, cudaStream_t);
+}  // namespace attn::kernels::cuda

@@ -1,0 +1,334 @@
+#include "backends/cuda_step_device.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "attn/kernels/cuda_attention.h"
+#include "backends/kv_copy.h"
+#include "common/status_util.h"
+
+namespace attn {
+namespace {
+
+// A member's tensor in a registered host region goes straight between the region and the device
+// from this size on; a smaller one is copied into the launch's staging, whose single H2D (and
+// D2H) copy costs less than a copy call of its own.
+constexpr size_t kDirectStepBytes = size_t{64} << 10;
+
+// Launches of at most this many steps are latency-bound: polled from the start.
+constexpr size_t kPolledLaunchSteps = 4;
+
+// A small launch (a decode launch is done well within 300 us) is polled at once; a large one
+// sleeps through 70% of its expected time first when that is worth a sleep.
+cudaError_t WaitForLaunch(cudaEvent_t event, size_t steps, double expected_us) {
+  using std::chrono::microseconds;
+  if (steps <= kPolledLaunchSteps) return PollEvent(event, 0, microseconds(300));
+  return PollEvent(event, expected_us > 50 ? 0.7 * expected_us : 0, microseconds(2000));
+}
+
+// The launch's inputs onto the device (async, on stream): the staging in one copy when no member
+// goes direct; else the tables in one, and each tensor on its own, from staging or straight from
+// its region (a GPU region's on the device).
+absl::Status CopyInputs(const StepLaunch& l, char* dev, cudaStream_t stream) {
+  const StepLayout& s = l.layout;
+  const bool any_direct = std::any_of(l.routes.begin(), l.routes.end(),
+                                      [](const StepRoute& r) { return r.AnyInput(); });
+  if (!any_direct) {
+    RETURN_IF_CUDA_ERROR("H2D copy",
+                         cudaMemcpyAsync(dev, l.in, s.in_bytes, cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }
+  RETURN_IF_CUDA_ERROR("H2D copy",
+                       cudaMemcpyAsync(dev + s.tables, l.in + s.tables, s.in_bytes - s.tables,
+                                       cudaMemcpyHostToDevice, stream));
+  size_t q_at = s.q, k_at = s.k, v_at = s.v;
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const StepJob& job = *l.members[m];
+    const StepRoute& r = l.routes[m];
+    const size_t q_bytes = job.QBytes(), kv_bytes = job.KvBytes();
+    const std::tuple<const char*, size_t, bool, size_t*> parts[] = {
+        {job.q_bytes.data(), q_bytes, r.q, &q_at},
+        {job.k_bytes.data(), kv_bytes, r.k, &k_at},
+        {job.v_bytes.data(), kv_bytes, r.v, &v_at}};
+    for (const auto& [region, bytes, direct, at] : parts) {
+      const char* src = direct ? region : l.in + *at;
+      const bool d2d = direct && r.device;
+      RETURN_IF_CUDA_ERROR(d2d ? "D2D copy" : "H2D copy",
+                           cudaMemcpyAsync(dev + *at, src, bytes,
+                                           d2d ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
+                                           stream));
+      *at += bytes;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The launch's outputs off the device (async, on stream): into the output staging in one copy
+// when no member goes direct; else each member's o (and lse, a strided block of the launch's
+// [num_heads, total_q]) into staging or straight into its region.
+absl::Status CopyOutputs(const StepLaunch& l, const char* dev, cudaStream_t stream) {
+  const StepLayout& s = l.layout;
+  char* host = l.out.data;
+  const bool any_direct = std::any_of(l.routes.begin(), l.routes.end(),
+                                      [](const StepRoute& r) { return r.AnyOutput(); });
+  if (!any_direct) {
+    RETURN_IF_CUDA_ERROR("D2H copy",
+                         cudaMemcpyAsync(host, dev, s.out_bytes, cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  }
+  const int32_t heads = l.key.num_heads;
+  const int32_t* cu_q = l.cu_seqlens_q();
+  bool staged_lse = false;
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const StepJob& job = *l.members[m];
+    const StepRoute& r = l.routes[m];
+    const size_t o_bytes = job.OBytes();
+    const size_t at = s.o + size_t(cu_q[m]) * (o_bytes / size_t(job.total_q));
+    const cudaMemcpyKind o_kind =
+        r.o && r.device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(r.o ? job.o_out : host + at, dev + at,
+                                                     o_bytes, o_kind, stream));
+    if (!job.return_lse) continue;
+    if (!r.lse) {
+      staged_lse = true;
+      continue;
+    }
+    const size_t row = sizeof(float) * job.total_q;
+    RETURN_IF_CUDA_ERROR(
+        "D2H copy",
+        cudaMemcpy2DAsync(job.lse_out, row, dev + s.lse + sizeof(float) * cu_q[m],
+                          sizeof(float) * l.total_q, row, heads,
+                          r.device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost, stream));
+  }
+  if (staged_lse) {  // the whole lse of the launch: small next to o
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(host + s.lse, dev + s.lse,
+                                                     s.out_bytes - s.lse, cudaMemcpyDeviceToHost,
+                                                     stream));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<char*> CudaStepDevice::LaneMemory::Get(DevicePool* pool, cudaStream_t stream,
+                                                      size_t bytes) {
+  if (bytes == 0) return nullptr;
+  // Kept while it fits and is not four times (and a MiB) larger than needed: a lane that ran a
+  // long prefill does not hold its memory through the decode steps after it.
+  if (buffer_ && capacity_ >= bytes && capacity_ <= 4 * bytes + (size_t{1} << 20)) {
+    return buffer_->get();
+  }
+  buffer_.reset();  // back to the pool (stream-ordered) before the new one is taken
+  capacity_ = 0;
+  auto buffer = std::make_unique<DeviceBuffer>(pool, stream);
+  RETURN_IF_ERROR(buffer->Allocate(bytes));
+  buffer_ = std::move(buffer);
+  capacity_ = bytes;
+  return buffer_->get();
+}
+
+absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
+    const Options& options, std::shared_ptr<CudaDeviceState> state) {
+  if (options.lanes < 1 || options.lanes > 64) {
+    return absl::InvalidArgumentError("the step device's lanes must be in [1, 64]");
+  }
+  std::unique_ptr<CudaStepDevice> d(new CudaStepDevice(std::move(state)));
+  RETURN_IF_ERROR(d->Init(options));
+  return d;
+}
+
+absl::Status CudaStepDevice::Init(const Options& options) {
+  RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
+  RETURN_IF_ERROR(AllocateKvRegion(options));
+  for (int i = 0; i < options.lanes; ++i) {
+    auto lane = std::make_unique<Lane>();
+    RETURN_IF_CUDA_ERROR("cudaStreamCreate",
+                         cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : lane->events) {
+      RETURN_IF_CUDA_ERROR("cudaEventCreate", cudaEventCreateWithFlags(&e, cudaEventDefault));
+    }
+    lanes_.push_back(std::move(lane));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaStepDevice::AllocateKvRegion(const Options& options) {
+  int64_t bytes = options.kv_cache_bytes;
+  if (bytes == 0) {
+    size_t free = 0, total = 0;
+    RETURN_IF_CUDA_ERROR("cudaMemGetInfo", cudaMemGetInfo(&free, &total));
+    const int64_t left =
+        static_cast<int64_t>(free) - options.reserve_bytes - (int64_t{1} << 30);
+    bytes = std::max<int64_t>(0, left / 5 * 4);
+  }
+  const int64_t page = options.kv_page_bytes;
+  if (page < 1) return absl::InvalidArgumentError("KV page bytes must be >= 1");
+  const int64_t pages = std::min<int64_t>(bytes / (2 * page), INT32_MAX / 2);
+  if (pages < 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no room for a KV cache (", bytes, " bytes)"));
+  }
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, static_cast<size_t>(2 * pages * page)); e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the KV cache region of ", 2 * pages * page,
+        " bytes of device memory (--kv_cache_bytes): ", cudaGetErrorString(e)));
+  }
+  kv_.k = static_cast<char*>(p);
+  kv_.v = kv_.k + pages * page;
+  kv_.num_pages = pages;
+  kv_.page_bytes = page;
+  return absl::OkStatus();
+}
+
+CudaStepDevice::~CudaStepDevice() {
+  cudaSetDevice(state_->device());
+  for (auto& lane : lanes_) {
+    if (lane->stream) cudaStreamSynchronize(lane->stream);
+    lane->in.Release();
+    lane->out.Release();
+    lane->workspace.Release();
+    for (cudaEvent_t e : lane->events) {
+      if (e) cudaEventDestroy(e);
+    }
+    if (lane->stream) cudaStreamDestroy(lane->stream);
+  }
+  if (kv_.k) cudaFree(kv_.k);
+}
+
+StepRoute CudaStepDevice::RouteOf(const StepJob& job) const {
+  if (job.device_tensors) return {true, true, true, true, job.return_lse, true};
+  const Job::HostRegistered& r = job.host_registered;
+  auto large = [](size_t bytes) { return bytes >= kDirectStepBytes; };
+  return {r.q && large(job.q_bytes.size()), r.k && large(job.k_bytes.size()),
+          r.v && large(job.v_bytes.size()), r.o && large(job.OBytes()),
+          r.lse && large(job.LseBytes()), false};
+}
+
+bool CudaStepDevice::RunsInPlace(std::span<StepJob* const> members) const {
+  if (members.size() != 1) return false;
+  const StepJob& job = *members.front();
+  if (!job.device_tensors) return false;
+  return Aligned16(job.q_bytes.data()) && Aligned16(job.k_bytes.data()) &&
+         Aligned16(job.v_bytes.data()) && Aligned16(job.o_out) &&
+         (!job.return_lse || Aligned16(job.lse_out));
+}
+
+absl::StatusOr<char*> CudaStepDevice::InputStaging(int lane_index, size_t bytes) {
+  Lane& lane = *lanes_[lane_index];
+  if (lane.staging.capacity() < bytes) {
+    lane.staging = PinnedBuffer();  // back to the pool first: it may be reused for the larger
+    ASSIGN_OR_RETURN(lane.staging, state_->pinned_pool().Acquire(bytes));
+  }
+  return static_cast<char*>(lane.staging.data());
+}
+
+absl::StatusOr<OutputBytes> CudaStepDevice::OutputStaging(size_t bytes) {
+  return state_->AcquireOutput(bytes);
+}
+
+absl::Status CudaStepDevice::Launch(int lane_index, const StepLaunch& l) {
+  Lane& lane = *lanes_[lane_index];
+  absl::Status st = Enqueue(lane, l);
+  if (!st.ok()) {
+    // Whatever the lane kept goes back too: smaller launches retried after an exhaustion get
+    // the whole pool.
+    lane.in.Release();
+    lane.out.Release();
+    lane.workspace.Release();
+    if (!absl::IsResourceExhausted(st)) state_->NoteIfDeviceLost(lane.stream);
+  }
+  return st;
+}
+
+absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
+  const StepLayout& s = l.layout;
+  const BatchKey& key = l.key;
+  cudaStream_t stream = lane.stream;
+  DevicePool* pool = &state_->device_pool();
+  // The device's output: o and lse of the whole launch (a launch in place writes its member's
+  // regions instead).
+  const size_t tokens = l.in_place ? 0 : size_t(l.total_q);
+  const size_t dev_out_bytes =
+      l.in_place ? 0 : s.lse + (l.any_lse ? sizeof(float) * key.num_heads * tokens : 0);
+  ASSIGN_OR_RETURN(char* in, lane.in.Get(pool, stream, s.in_bytes));
+  ASSIGN_OR_RETURN(char* dev_out, lane.out.Get(pool, stream, dev_out_bytes));
+  const StepJob& first = *l.members.front();
+
+  kernels::AttentionArgs args = l.HostArgs();
+  args.q = l.in_place ? first.q_bytes.data() : in + s.q;
+  args.k = kv_.k;
+  args.v = kv_.v;
+  args.o = l.in_place ? first.o_out : dev_out + s.o;
+  float* dev_lse = l.in_place ? nullptr : reinterpret_cast<float*>(dev_out + s.lse);
+  args.lse = !l.any_lse ? nullptr : l.in_place ? reinterpret_cast<float*>(first.lse_out) : dev_lse;
+  args.cu_seqlens_q = reinterpret_cast<const int32_t*>(in + s.cu_q);
+  args.paged.page_indptr = reinterpret_cast<const int32_t*>(in + s.indptr);
+  args.paged.page_indices = reinterpret_cast<const int32_t*>(in + s.indices);
+  args.paged.seqlens_k = reinterpret_cast<const int32_t*>(in + s.seqlens);
+  RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
+  ASSIGN_OR_RETURN(char* workspace,
+                   lane.workspace.Get(pool, stream, kernels::cuda::WorkspaceBytes(args)));
+  const char* new_k = l.in_place ? first.k_bytes.data() : in + s.k;
+  const char* new_v = l.in_place ? first.v_bytes.data() : in + s.v;
+
+  SyncStreamUnlessDone sync_on_error(stream);  // before pages or staging go back on an error
+  cudaEvent_t* ev = lane.events;
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], stream));
+  if (l.in_place) {  // the page table and row lists only
+    RETURN_IF_CUDA_ERROR("H2D copy",
+                         cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
+                                         cudaMemcpyHostToDevice, stream));
+  } else {
+    RETURN_IF_ERROR(CopyInputs(l, in, stream));
+  }
+  // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
+  RETURN_IF_CUDA_ERROR(
+      "KV copy-on-write",
+      LaunchKvCopyRows(kv_.k, kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_src), kv_.k,
+                       kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_dst), l.copy_rows,
+                       l.row_bytes, stream));
+  RETURN_IF_CUDA_ERROR(
+      "KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v,
+                                    reinterpret_cast<const int64_t*>(in + s.append), l.total_q,
+                                    l.row_bytes, stream));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
+  RETURN_IF_CUDA_ERROR("attention kernel",
+                       kernels::cuda::Run(args, workspace, stream));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
+  if (!l.in_place) RETURN_IF_ERROR(CopyOutputs(l, dev_out, stream));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], stream));
+  sync_on_error.Done();
+  lane.expected_bytes = l.kv_bytes_read + double(s.in_bytes + dev_out_bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepLaunch& l) {
+  Lane& lane = *lanes_[lane_index];
+  cudaEvent_t* ev = lane.events;
+  // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
+  // sleeps through most of its expected time first, leaving the core to the transport.
+  const cudaError_t e =
+      WaitForLaunch(ev[3], l.members.size(), lane.device_us_per_byte * lane.expected_bytes);
+  if (e != cudaSuccess) {
+    state_->NoteIfDeviceLost(lane.stream);
+    return CudaError("step launch", e);
+  }
+  StepLaunchTimes t;
+  t.in_us = ElapsedMs(ev[0], ev[1]) * 1e3;
+  t.kernel_us = ElapsedMs(ev[1], ev[2]) * 1e3;
+  t.out_us = ElapsedMs(ev[2], ev[3]) * 1e3;
+  if (l.members.size() > kPolledLaunchSteps && lane.expected_bytes > 0) {
+    // The fastest rate seen lately: a launch that runs faster than it (a decode after prefills,
+    // which are compute-bound) would otherwise be slept through.
+    const double rate = (t.in_us + t.kernel_us + t.out_us) / lane.expected_bytes;
+    lane.device_us_per_byte =
+        lane.device_us_per_byte == 0 ? rate : std::min(rate, 1.02 * lane.device_us_per_byte);
+  }
+  return t;
+}
+
+}  // namespace attn

@@ -1,0 +1,84 @@
+// The CUDA backend's step device: the KV region in device memory, each lane a CUDA stream with
+// its own pinned input staging, and a launch enqueued as one H2D copy of the staging (tensors of
+// registered host regions and GPU regions straight from where they lie), the copy-on-write and
+// append row copies into the KV region, the paged kernel, and the D2H copy of the outputs into
+// the launch's pinned output staging (sent from there) or straight into output regions. A lone
+// step whose tensors all lie in GPU regions runs over them in place, copying none.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "backends/cuda_device_state.h"
+#include "backends/cuda_util.h"
+#include "sessions/step_device.h"
+
+namespace attn {
+
+class CudaStepDevice : public StepDevice {
+ public:
+  struct Options {
+    int lanes = 2;
+    // KV cache region of sessions (device memory, keys and values); 0: 80% of the memory free
+    // now, less reserve_bytes and 1 GiB of headroom.
+    int64_t kv_cache_bytes = 0;
+    int64_t kv_page_bytes = int64_t{32} << 10;
+    int64_t reserve_bytes = 0;
+  };
+  // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
+  static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
+      const Options& options, std::shared_ptr<CudaDeviceState> state);
+  ~CudaStepDevice() override;
+
+  int Lanes() const override { return static_cast<int>(lanes_.size()); }
+  KvRegion kv_region() const override { return kv_; }
+  absl::Status Health() const override { return state_->Health(); }
+  StepRoute RouteOf(const StepJob& job) const override;
+  // One member whose tensors all lie in GPU regions, 16-byte aligned (as the kernels and the row
+  // copies read and write them).
+  bool RunsInPlace(std::span<StepJob* const> members) const override;
+  absl::StatusOr<char*> InputStaging(int lane, size_t bytes) override;
+  absl::StatusOr<OutputBytes> OutputStaging(size_t bytes) override;
+  absl::Status Launch(int lane, const StepLaunch& launch) override;
+  absl::StatusOr<StepLaunchTimes> Wait(int lane, const StepLaunch& launch) override;
+
+ private:
+  // Device memory a lane keeps from launch to launch (from the device pool, on the lane's
+  // stream), so that a launch like the last one allocates nothing; regrown when a launch needs
+  // more, or much less.
+  class LaneMemory {
+   public:
+    // At least `bytes` (null for none), valid for the lane's launches until the next call.
+    absl::StatusOr<char*> Get(DevicePool* pool, cudaStream_t stream, size_t bytes);
+    void Release() { buffer_.reset(); }
+
+   private:
+    std::unique_ptr<DeviceBuffer> buffer_;
+    size_t capacity_ = 0;
+  };
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t events[4] = {};  // start, inputs and rows in, kernel done, outputs out
+    PinnedBuffer staging;        // input staging, grown on demand, reused launch after launch
+    // The device copy of the input staging, the launch's outputs, the kernel's workspace.
+    LaneMemory in, out, workspace;
+    // Device time per byte moved of this lane's large launches, the fastest seen lately: at
+    // least how long the next one will take.
+    double device_us_per_byte = 0;
+    double expected_bytes = 0;  // of the launch in flight
+  };
+
+  CudaStepDevice(std::shared_ptr<CudaDeviceState> state) : state_(std::move(state)) {}
+  absl::Status Init(const Options& options);
+  absl::Status AllocateKvRegion(const Options& options);
+  absl::Status Enqueue(Lane& lane, const StepLaunch& launch);
+
+  std::shared_ptr<CudaDeviceState> state_;
+  KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
+  std::vector<std::unique_ptr<Lane>> lanes_;
+};
+
+}  // namespace attn

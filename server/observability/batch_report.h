@@ -1,0 +1,22 @@
+// What one finished batch did, as the backend or the step pipeline reports it for metrics.
+#pragma once
+
+#include <cstdint>
+
+namespace attn {
+
+struct BatchReport {
+  int32_t requests = 0;
+  int64_t tokens = 0;
+  double compute_seconds = 0;
+  double transfer_seconds = 0;
+  double flops = 0;
+  double bytes = 0;  // q, k, v read and o written by the kernel
+  // Session steps: launches the batch took (0 for Attend), whether they were decode steps (one
+  // new token each), and the K and V bytes they read from the KV cache.
+  int32_t step_launches = 0;
+  bool decode = false;
+  double kv_bytes_read = 0;
+};
+
+}  // namespace attn

@@ -1,0 +1,85 @@
+// Everything attnd can be told at start-up; attnd_main.cc fills it from flags.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace attn {
+
+struct ServerOptions {
+  std::string listen = "0.0.0.0:50051";
+  std::string metrics_listen = "0.0.0.0:9464";  // empty: no /metrics endpoint
+  std::string backend = "auto";                  // auto | cpu | cuda
+  int threads = 0;                               // CPU backend workers; 0: one per core
+  int64_t max_message_bytes = 256ll << 20;
+  int64_t max_batch_tokens = 16384;
+  int64_t max_queue_delay_us = 500;  // an Attend's wait for company while the backend is busy
+  bool gather_when_idle = false;     // ... and while it is idle too
+  int64_t max_queue_size = 1024;
+  int64_t max_tensor_elements = int64_t{1} << 28;
+  int64_t max_inflight_bytes = int64_t{4} << 30;  // tensor bytes of queued + running requests
+  int streams = 2;                               // CUDA streams of Attend
+  int step_lanes = 0;  // CUDA streams (and staging) of session steps; 0: as many as streams
+  int64_t step_idle_poll_us = 200;  // a GPU step lane's look for the next launch before it sleeps
+  int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
+  int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
+  // On SIGTERM: new calls get UNAVAILABLE until none has arrived or been answered for
+  // drain_quiet_ms and nothing is queued or running, for at most drain_grace_s; then open
+  // AttendStreams end with UNAVAILABLE, the listener closes and open calls get drain_timeout_s
+  // to finish.
+  double drain_grace_s = 5;
+  int64_t drain_quiet_ms = 200;
+  double drain_timeout_s = 30;
+  // Security (server/rpc/auth.h). TLS when tls_cert and tls_key (PEM file paths) are set; mTLS
+  // (client certificates required and verified against this CA) when tls_client_ca is set too.
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  // Bearer tokens, one per line; when set, every attn.v1 call needs one (health is exempt).
+  std::string auth_token_file;
+  // Most Attend calls plus in-flight AttendStream items of one client (its token, or its peer
+  // host without tokens); 0: unlimited.
+  int64_t max_pending_per_client = 256;
+
+  // KV-cache sessions. The cache region: 0 picks the default (CPU: 256 MiB of host memory;
+  // CUDA: 80% of the device memory free at start after the device pool's bound and 1 GiB of
+  // headroom). A page holds kv_page_tokens tokens of a 2 KiB KV row (8 KV heads x 128 x 2 bytes)
+  // of keys and as many of values; rows of other sizes fit page_bytes / row tokens, or, where
+  // they do not divide a page, whole rows in runs of adjacent pages.
+  int64_t kv_cache_bytes = 0;
+  int64_t kv_page_tokens = 16;
+  int64_t max_sessions = 1024;
+  int64_t max_session_tokens = 131072;  // per layer
+  double session_ttl_s = 600;
+  std::string replica_id;  // empty: random per start
+  // Session steps wait for company only while the step pipeline is busy, at most this long (us;
+  // 0: not at all, a step goes into the next launch the pipeline can take).
+  int64_t max_step_delay_us = 0;
+  // Tests: shuffles the KV cache's free list so that page tables are not contiguous (0: off).
+  uint64_t kv_shuffle_seed = 0;
+  // Same-host shared memory (transport/, the SharedMemory service): off unless allowed. The
+  // region socket's path ("" : $TMPDIR or /tmp, then attnd-<pid>.regions.sock) and the limits
+  // per client identity.
+  bool allow_shared_memory = false;
+  std::string shm_socket;
+  int64_t shm_max_regions_per_client = 64;
+  int64_t shm_max_bytes_per_client = int64_t{16} << 30;
+  // CUDA backend: most host-region bytes page-locked (cudaHostRegister) at once, over every
+  // client, so that the GPU copies straight from and into them; regions past it go through
+  // pinned staging. 0: no region is registered (always staged).
+  int64_t shm_max_registered_bytes = int64_t{32} << 30;
+  // Size of gRPC's TCP reads (reads grow up to 8x it); 0: gRPC's own (8 KiB, adaptive). Off by
+  // default: no measured gain yet (docs/PERF.md, "Transport settings").
+  int tcp_read_chunk_bytes = 0;
+  // Extra gRPC server channel arguments (name, integer value), applied after attnd's own
+  // transport settings (rpc/transport_args.h), so that they can override them: --grpc_arg.
+  std::vector<std::pair<std::string, int>> grpc_args;
+  // Attend's tensors straight between gRPC's slices and the backend's buffers (one host copy in,
+  // none out on the CPU backend, one on CUDA); false: through whole protobuf messages, as the
+  // generated method would do it (for measuring the difference: --attend_wire_path=false).
+  bool attend_wire_path = true;
+};
+
+}  // namespace attn

@@ -1,0 +1,76 @@
+"""python3 -m attnd info | health | attend --check | session --check, and the package installed
+with pip (its descriptors generated at build time) working from outside the source tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def attnd_cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    env = env or dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.run([sys.executable, "-m", "attnd", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_info_and_health(server):
+    r = attnd_cli("--target", server.target, "info")
+    assert r.returncode == 0, r.stderr
+    assert 'backend: "cpu"' in r.stdout or 'backend: "cuda"' in r.stdout
+    assert "replica_id" in r.stdout
+    r = attnd_cli("--target", server.target, "health")
+    assert r.returncode == 0 and r.stdout.strip() == "SERVING"
+
+
+def test_health_of_nothing_fails():
+    r = attnd_cli("--target", "127.0.0.1:1", "--timeout", "2", "health")
+    assert r.returncode == 2 and "UNAVAILABLE" in r.stderr
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_attend_check_passes(server, dtype):
+    r = attnd_cli("--target", server.target, "attend", "--check", "--causal", "--dtype", dtype,
+                  "--seq", "70", "--count", "2", "--head-dim", "64")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check: PASS" in r.stdout
+
+
+def test_attend_check_fails_with_exit_3_when_out_of_tolerance(server):
+    r = attnd_cli("--target", server.target, "attend", "--check", "--dtype", "bf16", "--seq", "40",
+                  "--count", "1", "--check-tolerance", "1e-9")
+    assert r.returncode == 3 and "check: FAIL" in r.stdout
+
+
+def test_session_check_passes(server):
+    r = attnd_cli("--target", server.target, "session", "--check", "--heads", "4", "--kv-heads",
+                  "2", "--head-dim", "64", "--prefill", "50", "--decode", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check: PASS" in r.stdout and "forked" in r.stdout
+
+
+def test_pip_install_builds_the_descriptors(server, tmp_path):
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        "--no-build-isolation", "--no-cache-dir", "--target", str(target),
+                        str(ROOT / "client" / "python")], capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0 and "No module named pip" in r.stderr:
+        pytest.skip("pip is not installed (Debian: python3-pip)")
+    assert r.returncode == 0, r.stderr
+    assert (target / "attnd" / "_proto" / "_descriptor_set.py").is_file()
+    env = dict(os.environ, PYTHONPATH=str(target), ATTND_PROTO_DIR="/nonexistent")
+    r = subprocess.run([sys.executable, "-c", "import attnd, sys; c = attnd.Client(sys.argv[1]); "
+                        "print(attnd.__file__, c.health())", server.target],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert str(target) in r.stdout and r.stdout.strip().endswith("True")
+    # No module of the package shadows grpc: the real grpc is still the one imported.
+    r = subprocess.run([sys.executable, "-c", "import attnd, grpc; print(grpc.__file__)"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0 and str(target) not in r.stdout
+    assert not (target / "grpc").exists() and not (target / "attn").exists()

@@ -1,0 +1,177 @@
+"""KV-cache sessions through the Python client: chunked prefill, decode, fork, truncate, batch steps
+across sessions, and SessionClient placement and routing over two replicas; every step against
+the float64 reference over the cache the test sent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnd
+from conftest import TOLERANCE, Server, check_lse, make, reference, relative_error, values
+
+
+class Model:
+    """What a session should hold: per layer, the exact keys and values sent so far."""
+
+    def __init__(self, layers, kv_heads, d):
+        self.k = [np.zeros((0, kv_heads, d)) for _ in range(layers)]
+        self.v = [np.zeros((0, kv_heads, d)) for _ in range(layers)]
+
+    def copy(self):
+        m = Model(0, 0, 0)
+        m.k, m.v = list(self.k), list(self.v)
+        return m
+
+    def truncate(self, n):
+        self.k = [k[:len(k) - n] for k in self.k]
+        self.v = [v[:len(v) - n] for v in self.v]
+
+
+def step_and_check(rng, session, model, layer, n, heads, dtype, **opts):
+    kv_heads, d = model.k[layer].shape[1], model.k[layer].shape[2]
+    q, q64 = make(rng, (n, heads, d), dtype)
+    k, k64 = make(rng, (n, kv_heads, d), dtype)
+    v, v64 = make(rng, (n, kv_heads, d), dtype)
+    r = session.step(layer, q, k, v, return_lse=True, **opts)
+    model.k[layer] = np.concatenate([model.k[layer], k64])
+    model.v[layer] = np.concatenate([model.v[layer], v64])
+    assert r.cached_tokens == len(model.k[layer])
+    o_ref, lse_ref = reference(q64, model.k[layer], model.v[layer], causal=True,
+                               window=opts.get("window"), scale=opts.get("scale", 0.0))
+    assert r.o.shape == (n, heads, d)
+    assert relative_error(values(r.o, dtype), o_ref) <= TOLERANCE[dtype]
+    check_lse(r.lse, lse_ref)
+    return r
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_prefill_decode_fork_truncate(client, dtype):
+    rng = np.random.default_rng(21)
+    layers, heads, kv_heads, d = 2, 8, 2, 64
+    with client.create_session(layers, kv_heads, d, dtype) as s:
+        assert s.info.page_tokens > 0 and s.info.ttl_seconds > 0 and s.info.max_tokens > 0
+        m = Model(layers, kv_heads, d)
+        for chunk in (17, 32, 5):  # chunked prefill
+            for layer in range(layers):
+                step_and_check(rng, s, m, layer, chunk, heads, dtype)
+        for _ in range(4):  # decode
+            for layer in range(layers):
+                step_and_check(rng, s, m, layer, 1, heads, dtype)
+        t = s.truncate(3)  # three rejected draft tokens
+        m.truncate(3)
+        assert t.cached_tokens == [len(k) for k in m.k] == [55, 55]
+        for layer in range(layers):
+            step_and_check(rng, s, m, layer, 1, heads, dtype)
+        with s.fork() as child:
+            assert child.id != s.id and child.info.replica_id == s.info.replica_id
+            cm = m.copy()
+            for _ in range(3):  # different continuations on the two
+                for layer in range(layers):
+                    step_and_check(rng, child, cm, layer, 1, heads, dtype)
+                    step_and_check(rng, s, m, layer, 1, heads, dtype)
+            child.truncate(2)
+            cm.truncate(2)
+            step_and_check(rng, child, cm, 0, 2, heads, dtype)
+        # The child's close freed only its own pages: the parent is whole.
+        step_and_check(rng, s, m, 1, 1, heads, dtype, window=(10, 0), scale=0.2)
+    assert s.closed
+    with pytest.raises(attnd.NotFound):
+        s.client.truncate_session(s.id, 0)
+
+
+def test_batch_step_across_sessions(client):
+    rng = np.random.default_rng(22)
+    heads, kv_heads, d = 4, 2, 64
+    sessions = [client.create_session(2, kv_heads, d, "bf16") for _ in range(3)]
+    models = [Model(2, kv_heads, d) for _ in sessions]
+    try:
+        for round_ in range(3):
+            items, expected = [], []
+            for s, m in zip(sessions, models):
+                for layer in range(2):
+                    n = 7 if round_ == 0 else 1
+                    q, q64 = make(rng, (n, heads, d), "bf16")
+                    k, k64 = make(rng, (n, kv_heads, d), "bf16")
+                    v, v64 = make(rng, (n, kv_heads, d), "bf16")
+                    items.append(attnd.StepItem(s, layer, q, k, v, return_lse=True))
+                    m.k[layer] = np.concatenate([m.k[layer], k64])
+                    m.v[layer] = np.concatenate([m.v[layer], v64])
+                    expected.append((q64, m.k[layer], m.v[layer]))
+            results = client.batch_step(items)
+            for r, (q64, k64, v64) in zip(results, expected):
+                o_ref, lse_ref = reference(q64, k64, v64, causal=True)
+                assert r.cached_tokens == len(k64)
+                assert relative_error(values(r.o, "bf16"), o_ref) <= TOLERANCE["bf16"]
+                check_lse(r.lse, lse_ref)
+        # One bad item (wrong layer) fails alone; the others are applied.
+        q, _ = make(rng, (1, heads, d), "bf16")
+        k, _ = make(rng, (1, kv_heads, d), "bf16")
+        with pytest.raises(attnd.BatchStepError) as e:
+            client.batch_step([(sessions[0], 0, q, k, k), (sessions[1], 5, q, k, k),
+                               (sessions[2].id, 1, q, k, k)])
+        results = e.value.results
+        assert isinstance(results[1], attnd.InvalidArgument) and "layer 5" in results[1].message
+        assert results[0].cached_tokens == 10 and results[2].cached_tokens == 10
+        assert e.value.code.name == "INVALID_ARGUMENT"
+        mixed = client.batch_step([(sessions[0], 1, q, k, k), (sessions[1], 9, q, k, k)],
+                                  return_exceptions=True)
+        assert mixed[0].cached_tokens == 10 and isinstance(mixed[1], attnd.InvalidArgument)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    a = Server("--replica_id=alpha", "--kv_cache_bytes=33554432")
+    b = Server("--replica_id=beta", "--kv_cache_bytes=33554432")
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def test_session_client_places_and_routes(replicas):
+    a, b = replicas
+    rng = np.random.default_rng(23)
+    target = f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}"
+    with attnd.SessionClient(target) as sc:
+        assert sorted(r.replica_id for r in sc.replicas()) == ["alpha", "beta"]
+        first = sc.create_session(1, 2, 64, "fp16")
+        m1 = Model(1, 2, 64)
+        step_and_check(rng, first, m1, 0, 200, 4, "fp16")  # takes pages on its replica
+        second = sc.create_session(1, 2, 64, "fp16")  # goes where more pages are free
+        assert {first.info.replica_id, second.info.replica_id} == {"alpha", "beta"}
+        assert first.id.startswith(first.info.replica_id + ".")
+        m2 = Model(1, 2, 64)
+        step_and_check(rng, second, m2, 0, 3, 4, "fp16")
+        # Calls by id alone route by the id's prefix, from this or another client.
+        q, q64 = make(rng, (1, 4, 64), "fp16")
+        k, k64 = make(rng, (1, 2, 64), "fp16")
+        r = sc.step(second.id, 0, q, k, k)
+        assert r.cached_tokens == 4
+        with attnd.SessionClient([f"127.0.0.1:{b.port}", f"127.0.0.1:{a.port}"]) as other:
+            moved = other.session(first.id)
+            assert moved.client.options.target.endswith(
+                str(a.port if first.info.replica_id == "alpha" else b.port))
+            assert other.truncate_session(first.id, 100).cached_tokens == [100]
+        results = sc.batch_step([(first, 0, q, k, k), (second.id, 0, q, k, k)])
+        assert [x.cached_tokens for x in results] == [101, 5]
+        with pytest.raises(attnd.NotFound, match="held by replica 'gamma'"):
+            sc.step("gamma.0123", 0, q, k, k)
+        with pytest.raises(attnd.BatchStepError) as e:
+            sc.batch_step([(first, 0, q, k, k), ("gamma.0123", 0, q, k, k)])
+        assert e.value.results[0].cached_tokens == 102
+        assert isinstance(e.value.results[1], attnd.NotFound)
+        child = sc.fork_session(first.id)
+        assert child.info.replica_id == first.info.replica_id
+        assert sc.close_session(child.id) >= 0
+        first.close()
+        second.close()
+
+
+def test_session_client_reports_unreachable_targets():
+    with pytest.raises(attnd.Unavailable, match="no attnd answered GetServerInfo"):
+        attnd.SessionClient("ipv4:127.0.0.1:1", info_timeout=0.5, retries=0)
+    with pytest.raises(attnd.Unavailable, match="'localhost' has no port"):
+        attnd.SessionClient("localhost")

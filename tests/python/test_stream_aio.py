@@ -1,0 +1,169 @@
+"""AttendStream (sync and asyncio), the asyncio client with 64 calls in flight, asyncio sessions,
+and the AttendStream item counter in /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import attnd
+import attnd.aio
+from conftest import TOLERANCE, check_lse, make, metric, reference, relative_error, values
+
+
+def _items(rng, n, bad_at=()):
+    items, refs = [], []
+    for i in range(n):
+        s = 8 + 5 * i
+        q, q64 = make(rng, (s, 4, 64), "bf16")
+        k, k64 = make(rng, (s + 3, 2, 64), "bf16")
+        v, v64 = make(rng, (s + 3, 2, 64), "bf16")
+        if i in bad_at:
+            k, v = k[:, :, :32].copy(), v[:, :, :32].copy()  # head_dim differs from q's
+        items.append(attnd.AttendItem(q, k, v, causal=bool(i % 2)))
+        refs.append(reference(q64, k64, v64, causal=bool(i % 2)))
+    return items, refs
+
+
+def _check(result, ref):
+    assert relative_error(values(result.o, "bf16"), ref[0]) <= TOLERANCE["bf16"]
+    check_lse(result.lse, ref[1])
+
+
+def test_stream_answers_every_item_and_counts_them(server, client):
+    rng = np.random.default_rng(31)
+    items, refs = _items(rng, 20, bad_at={7})
+    before = server.metrics()
+    results = list(client.attend_stream(items, depth=4, return_exceptions=True, return_lse=True))
+    assert len(results) == 20
+    for i, (r, ref) in enumerate(zip(results, refs)):
+        if i == 7:
+            assert isinstance(r, attnd.InvalidArgument) and "k.shape[2] (head_dim)" in r.message
+        else:
+            assert r.request_id == i + 1
+            _check(r, ref)
+    after = server.metrics()
+    delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)
+    assert delta("attn_stream_items_total", code="OK") == 19
+    assert delta("attn_stream_items_total", code="INVALID_ARGUMENT") == 1
+    assert delta("attn_requests_total", rpc="AttendStream", code="OK") == 1
+
+
+def test_stream_unordered_and_raising(client):
+    rng = np.random.default_rng(32)
+    items, refs = _items(rng, 12)
+    seen = {}
+    for r in client.attend_stream(items, depth=12, ordered=False, return_lse=True):
+        seen[r.request_id - 1] = r
+    assert sorted(seen) == list(range(12))
+    for i, ref in enumerate(refs):
+        _check(seen[i], ref)
+    items, refs = _items(rng, 6, bad_at={3})
+    got = []
+    with pytest.raises(attnd.InvalidArgument, match="head_dim"):
+        for r in client.attend_stream(items, return_lse=True):
+            got.append(r)
+    assert len(got) == 3
+    # An item the client cannot code ends the stream after the earlier ones are answered.
+    items, refs = _items(rng, 4)
+    items.insert(2, ("not", "tensors", "here"))
+    got = []
+    with pytest.raises(TypeError, match="expected a numpy array"):
+        for r in client.attend_stream(items, return_lse=True):
+            got.append(r)
+    assert len(got) == 2
+    _check(got[0], refs[0])
+
+
+def test_asyncio_64_calls_in_flight(server):
+    rng = np.random.default_rng(33)
+    cases = []
+    for i in range(64):
+        q, q64 = make(rng, (4 + i % 9, 4, 64), "fp16")
+        k, k64 = make(rng, (6 + i % 5, 2, 64), "fp16")
+        cases.append((q, k, reference(q64, k64, k64, causal=True)[0]))
+
+    async def main():
+        async with attnd.aio.Client(server.target, connections=2) as c:
+            results = await asyncio.gather(*(c.attend(q, k, k, causal=True) for q, k, _ in cases))
+            info = await c.info()
+            healthy = await c.health()
+            with pytest.raises(attnd.InvalidArgument, match="num_heads"):
+                await c.attend(cases[0][0][:, :3], cases[0][1], cases[0][1])
+            echoed = bytes(await c.echo(b"abc" * 1000, 5))
+            return results, info, healthy, echoed
+
+    results, info, healthy, echoed = asyncio.run(main())
+    for r, (_, _, o_ref) in zip(results, cases):
+        assert relative_error(values(r.o, "fp16"), o_ref) <= TOLERANCE["fp16"]
+    assert info.replica_id and healthy and echoed == b"abcab"
+
+
+def test_asyncio_sessions_and_stream(server):
+    rng = np.random.default_rng(34)
+    heads, kv_heads, d = 4, 2, 64
+
+    async def main():
+        async with attnd.aio.Client(server.target) as c:
+            # 64 sessions: each round has 64 steps in flight at once.
+            sessions = await asyncio.gather(*(c.create_session(1, kv_heads, d, "bf16")
+                                              for _ in range(64)))
+            caches = [[np.zeros((0, kv_heads, d))] * 2 for _ in sessions]
+            for n in (9, 1, 1):
+                steps, refs = [], []
+                for s, cache in zip(sessions, caches):
+                    q, q64 = make(rng, (n, heads, d), "bf16")
+                    k, k64 = make(rng, (n, kv_heads, d), "bf16")
+                    cache[0] = np.concatenate([cache[0], k64])
+                    cache[1] = np.concatenate([cache[1], k64])
+                    steps.append(s.step(0, q, k, k))
+                    refs.append(reference(q64, cache[0], cache[1], causal=True)[0])
+                for r, ref in zip(await asyncio.gather(*steps), refs):
+                    assert relative_error(values(r.o, "bf16"), ref) <= TOLERANCE["bf16"]
+            child = await sessions[0].fork()
+            t = await child.truncate(2)
+            assert t.cached_tokens == [9]
+            q, _ = make(rng, (1, heads, d), "bf16")
+            k, _ = make(rng, (1, kv_heads, d), "bf16")
+            results = await c.batch_step([(child, 0, q, k, k), (sessions[1], 0, q, k, k)])
+            assert [r.cached_tokens for r in results] == [10, 12]
+            async with child:
+                pass
+            assert child.closed
+            await asyncio.gather(*(s.close() for s in sessions))
+            with pytest.raises(attnd.NotFound):
+                await sessions[0].step(0, q, k, k)
+            items, refs = _items(rng, 10, bad_at={4})
+
+            async def source():
+                for it in items:
+                    yield it
+            out = [r async for r in c.attend_stream(source(), depth=3, return_exceptions=True,
+                                                    return_lse=True)]
+            return out, refs
+
+    out, refs = asyncio.run(main())
+    for i, (r, ref) in enumerate(zip(out, refs)):
+        if i == 4:
+            assert isinstance(r, attnd.InvalidArgument)
+        else:
+            _check(r, ref)
+
+
+def test_async_session_client(server):
+    async def main():
+        sc = await attnd.AsyncSessionClient.create(server.target)
+        async with sc:
+            s = await sc.create_session(1, 1, 64, "fp16")
+            q = np.ones((2, 2, 64), np.float16)
+            k = np.ones((2, 1, 64), np.float16)
+            r = await sc.step(s.id, 0, q, k, k)
+            assert r.cached_tokens == 2
+            assert np.allclose(r.o.astype(np.float32), 1.0)
+            assert (await sc.truncate_session(s.id, 1)).cached_tokens == [1]
+            await sc.close_session(s.id)
+            with pytest.raises(attnd.NotFound, match="not a session id"):
+                await sc.step("nodot", 0, q, k, k)
+    asyncio.run(main())

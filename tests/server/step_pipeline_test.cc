@@ -1,0 +1,206 @@
+// The step pipeline over the CPU step device, with a device in front of it that refuses launches
+// larger than a bound (as a device pool too small for them does) or fails them: a batch is split
+// into launches that fit, each step computing exactly what it computes in one launch; a step that
+// fits no launch fails alone with RESOURCE_EXHAUSTED; a failed launch leaves every cache as it was.
+#include "sessions/step_pipeline.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <deque>
+#include <cstring>
+#include <future>
+#include <random>
+
+#include "backends/cpu_backend.h"
+#include "backends/cpu_step_device.h"
+#include "sessions/session_manager.h"
+
+namespace attn {
+namespace {
+
+constexpr int64_t kPageBytes = 2048;
+constexpr int64_t kPages = 256;
+
+// The CPU device, refusing launches of more than max_members steps and, when told to, failing
+// the next launch in Wait (a device error after the work was enqueued).
+class BoundedDevice : public StepDevice {
+ public:
+  explicit BoundedDevice(StepDevice* inner) : inner_(inner) {}
+  int Lanes() const override { return inner_->Lanes(); }
+  KvRegion kv_region() const override { return inner_->kv_region(); }
+  absl::StatusOr<char*> InputStaging(int lane, size_t bytes) override {
+    return inner_->InputStaging(lane, bytes);
+  }
+  absl::StatusOr<OutputBytes> OutputStaging(size_t bytes) override {
+    return inner_->OutputStaging(bytes);
+  }
+  absl::Status Launch(int lane, const StepLaunch& launch) override {
+    if (static_cast<int>(launch.members.size()) > max_members.load()) {
+      return absl::ResourceExhaustedError("device pool exhausted (test)");
+    }
+    launches.fetch_add(1);
+    return inner_->Launch(lane, launch);
+  }
+  absl::StatusOr<StepLaunchTimes> Wait(int lane, const StepLaunch& launch) override {
+    if (fail_next.exchange(false)) return absl::InternalError("the launch failed (test)");
+    return inner_->Wait(lane, launch);
+  }
+  std::atomic<int> max_members{1 << 20};
+  std::atomic<bool> fail_next{false};
+  std::atomic<int> launches{0};
+
+ private:
+  StepDevice* const inner_;
+};
+
+class StepPipelineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = *CpuBackend::Create({.threads = 2});
+    CpuStepDevice::Options so;
+    so.kv_cache_bytes = 2 * kPages * kPageBytes;
+    so.kv_page_bytes = kPageBytes;
+    cpu_ = *CpuStepDevice::Create(so, backend_->thread_pool());
+    device_ = std::make_unique<BoundedDevice>(cpu_.get());
+    pipeline_ = *StepPipeline::Create({}, device_.get());
+    pool_ = *KvPagePool::Create({kPages, kPageBytes, 77});
+    SessionManager::Options mo;
+    mo.replica_id = "pipeline";
+    mo.head_dims = {64};
+    manager_ = *SessionManager::Create(mo, pool_.get(), nullptr);
+  }
+
+  std::shared_ptr<Session> NewSession() {
+    SessionManager::CreateParams p;
+    p.num_layers = 1;
+    p.num_kv_heads = 2;
+    p.head_dim = 64;
+    return *manager_->CreateSession(p, "");
+  }
+
+  // A step of `tokens` tokens of random bf16 (seeded) for session s, 4 query heads.
+  std::unique_ptr<StepJob> Step(std::shared_ptr<Session> s, int tokens, uint64_t seed) {
+    auto job = std::make_unique<StepJob>();
+    job->total_q = tokens;
+    job->key.wire_dtype = kernels::DType::kBFloat16;
+    job->key.num_heads = 4;
+    job->key.num_kv_heads = 2;
+    job->key.head_dim = 64;
+    job->key.causal = true;
+    job->key.softmax_scale = 0.125f;
+    job->key.page_tokens = s->shape().page_tokens;
+    job->key.decode = tokens == 1;
+    std::mt19937_64 rng(seed);
+    auto& data = inputs_.emplace_back();
+    data.resize(size_t(tokens) * 64 * 2 * (4 + 2 + 2));
+    for (char& c : data) c = static_cast<char>(rng() % 64);  // small bf16 values: no overflow
+    const size_t q = size_t(tokens) * 4 * 64 * 2, kv = size_t(tokens) * 2 * 64 * 2;
+    job->q_bytes = {data.data(), q};
+    job->k_bytes = {data.data() + q, kv};
+    job->v_bytes = {data.data() + q + kv, kv};
+    job->session = std::move(s);
+    return job;
+  }
+
+  // Runs jobs as one batch (each holds its layer for it); returns each step's status and o.
+  std::vector<std::pair<absl::Status, std::string>> Run(std::vector<std::unique_ptr<StepJob>> jobs) {
+    std::vector<std::pair<absl::Status, std::string>> out(jobs.size());
+    std::atomic<size_t> left{jobs.size()};
+    std::promise<void> all_done, finished;
+    JobBatch batch;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      EXPECT_TRUE(jobs[i]->session->AcquireLayer(0, [] {}));
+      const StepJob* raw = jobs[i].get();
+      jobs[i]->done = [&, i, raw](absl::Status st) {
+        if (st.ok()) out[i].second.assign(raw->o.data, raw->o.size);
+        out[i].first = std::move(st);
+        raw->session->ReleaseLayer(0);
+        if (left.fetch_sub(1) == 1) all_done.set_value();
+      };
+      batch.push_back(std::move(jobs[i]));
+    }
+    pipeline_->RunBatch(std::move(batch), [&](const BatchReport&) { finished.set_value(); });
+    finished.get_future().wait();
+    all_done.get_future().wait();
+    return out;
+  }
+
+  std::unique_ptr<CpuBackend> backend_;
+  std::unique_ptr<CpuStepDevice> cpu_;
+  std::unique_ptr<BoundedDevice> device_;
+  std::unique_ptr<StepPipeline> pipeline_;
+  std::unique_ptr<KvPagePool> pool_;
+  std::unique_ptr<SessionManager> manager_;
+  std::deque<std::string> inputs_;
+};
+
+TEST_F(StepPipelineTest, ALaunchTheDeviceHasNoRoomForIsSplitAndComputesTheSame) {
+  constexpr int kSteps = 9;
+  // The same histories twice: prefilled alike, then one batch of decode steps in one launch and
+  // in launches of at most 2.
+  std::vector<std::shared_ptr<Session>> one, split;
+  for (int i = 0; i < kSteps; ++i) {
+    one.push_back(NewSession());
+    split.push_back(NewSession());
+  }
+  for (auto* set : {&one, &split}) {
+    std::vector<std::unique_ptr<StepJob>> prefill;
+    for (int i = 0; i < kSteps; ++i) prefill.push_back(Step((*set)[i], 5 + i, 100 + i));
+    for (const auto& [st, o] : Run(std::move(prefill))) ASSERT_TRUE(st.ok()) << st;
+  }
+  std::vector<std::unique_ptr<StepJob>> a, b;
+  for (int i = 0; i < kSteps; ++i) {
+    a.push_back(Step(one[i], 1, 200 + i));
+    b.push_back(Step(split[i], 1, 200 + i));
+  }
+  const auto together = Run(std::move(a));
+  device_->max_members = 2;
+  const int before = device_->launches.load();
+  const auto apart = Run(std::move(b));
+  EXPECT_GE(device_->launches.load() - before, (kSteps + 1) / 2);
+  for (int i = 0; i < kSteps; ++i) {
+    ASSERT_TRUE(together[i].first.ok()) << together[i].first;
+    ASSERT_TRUE(apart[i].first.ok()) << "step " << i << ": " << apart[i].first;
+    EXPECT_EQ(apart[i].second, together[i].second) << "step " << i;
+    EXPECT_EQ(split[i]->CachedTokens(0), one[i]->CachedTokens(0));
+  }
+}
+
+TEST_F(StepPipelineTest, AStepThatFitsNoLaunchFailsAloneAndChangesNothing) {
+  auto s = NewSession(), t = NewSession();
+  std::vector<std::unique_ptr<StepJob>> prefill;
+  prefill.push_back(Step(s, 7, 1));
+  prefill.push_back(Step(t, 7, 2));
+  for (const auto& [st, o] : Run(std::move(prefill))) ASSERT_TRUE(st.ok()) << st;
+  const int64_t free_pages = pool_->FreePages();
+  device_->max_members = 0;
+  std::vector<std::unique_ptr<StepJob>> jobs;
+  jobs.push_back(Step(s, 3, 3));
+  jobs.push_back(Step(t, 20, 4));  // would take new pages
+  for (const auto& [st, o] : Run(std::move(jobs))) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  }
+  EXPECT_EQ(pool_->FreePages(), free_pages) << "a refused step kept pages";
+  EXPECT_EQ(s->CachedTokens(0), 7);
+  EXPECT_EQ(t->CachedTokens(0), 7);
+  // A launch that fails on the device gives every page back too.
+  device_->max_members = 1 << 20;
+  device_->fail_next = true;
+  std::vector<std::unique_ptr<StepJob>> failing;
+  failing.push_back(Step(s, 30, 5));
+  failing.push_back(Step(t, 1, 6));
+  for (const auto& [st, o] : Run(std::move(failing))) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  }
+  EXPECT_EQ(pool_->FreePages(), free_pages);
+  EXPECT_EQ(s->CachedTokens(0), 7);
+  // And the sessions go on.
+  std::vector<std::unique_ptr<StepJob>> next;
+  next.push_back(Step(s, 1, 7));
+  for (const auto& [st, o] : Run(std::move(next))) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(s->CachedTokens(0), 8);
+}
+
+}  // namespace
+}  // namespace attn
