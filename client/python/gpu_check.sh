@@ -12,7 +12,8 @@
 # Usage, from the repository root (no argument: every part):
 #   . .gpu/env.sh && client/python/gpu_check.sh [tests|example [1|32]|bench]...
 # Environment: ATTND_BIN_DIR (default .gpu/bin: attnd, attn-bench), OUT (results; default
-# gpu-python-results), PYTHON (default python3), BENCH_ARGS (more arguments of the benchmark).
+# gpu-python-results), PYTHON (default python3), BENCH_ARGS (more arguments of the benchmark),
+# EXAMPLE_ARGS (more arguments of the example), TESTS_TIMEOUT, EXAMPLE_TIMEOUT, BENCH_TIMEOUT (seconds per part; defaults 580, 570, 570).
 #
 # The package is imported from client/python. Its protocol descriptors
 # (client/python/attnd/_proto/_descriptor_set.py, git-ignored) are generated from proto/ with
@@ -80,7 +81,7 @@ stop_attnd() { kill -TERM "$ATTND_PID" 2>/dev/null; wait "$ATTND_PID" 2>/dev/nul
 rc=0
 run_tests() {
   note "pytest against the CUDA backend -> $out/pytest.log"
-  ATTND=$bin/attnd ATTND_TEST_BACKEND=cuda timeout 580 "$py" -m pytest -q -rs -p no:cacheprovider \
+  ATTND=$bin/attnd ATTND_TEST_BACKEND=cuda timeout "${TESTS_TIMEOUT:-580}" "$py" -m pytest -q -rs -p no:cacheprovider \
     --junitxml="$out/pytest.xml" tests/python 2>&1 | tee "$out/pytest.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 }
@@ -90,8 +91,8 @@ run_example() {
   start_attnd "$out/attnd-example-$batches.log" --allow_shared_memory \
     --kv_cache_bytes=34359738368 --max_session_tokens=8192 || { rc=1; return; }
   note "examples/remote_decoder.py --size 8b --batch $batches against $TARGET"
-  timeout 570 "$py" examples/remote_decoder.py --target "$TARGET" --size 8b --batch "$batches" \
-    --json "$out/remote_decoder_8b_batch$batches.json" 2>&1 | tee "$out/remote_decoder_8b_batch$batches.log"
+  timeout "${EXAMPLE_TIMEOUT:-570}" "$py" examples/remote_decoder.py --target "$TARGET" --size 8b --batch "$batches" \
+    ${EXAMPLE_ARGS:-} --json "$out/remote_decoder_8b_batch$batches.json" 2>&1 | tee "$out/remote_decoder_8b_batch$batches.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   stop_attnd
 }
@@ -99,7 +100,7 @@ run_example() {
 run_bench() {
   start_attnd "$out/attnd-bench.log" --kv_cache_bytes=8589934592 || { rc=1; return; }
   note "bench/python_client_bench.py against $TARGET"
-  timeout 570 "$py" bench/python_client_bench.py --target "$TARGET" --attn-bench "$bin/attn-bench" \
+  timeout "${BENCH_TIMEOUT:-570}" "$py" bench/python_client_bench.py --target "$TARGET" --attn-bench "$bin/attn-bench" \
     --duration 5 --rounds 2 --json "$out/python_client_bench.json" ${BENCH_ARGS:-} 2>&1 |
     tee "$out/python_client_bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1

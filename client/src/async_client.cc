@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/client/wire_coding.h"
+#include "grpc_hand_off.h"
 
 namespace attn::client {
 namespace internal {
@@ -278,6 +279,7 @@ class AttendPipeline::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, 
     owner_->client().PrepareContext(ctx_.get(), options_.timeout);
     owner_->client().PrepareRawAttendStream(ctx_.get(), this);
     AddHold();
+    internal::HandOffToGrpc(this);
     StartRead(&read_buffer_);
     StartCall();
   }
@@ -326,6 +328,7 @@ class AttendPipeline::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, 
 
   // gRPC's reactions: they never block (mu_ is only held briefly).
   void OnWriteDone(bool ok) override {
+    internal::TakeBackFromGrpc(this);
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
     write_buffer_.Clear();
@@ -335,6 +338,7 @@ class AttendPipeline::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, 
   }
 
   void OnReadDone(bool ok) override {
+    internal::TakeBackFromGrpc(this);
     if (!ok) {
       // The server ended the stream: no more answers, so no more writes either.
       std::lock_guard<std::mutex> lock(mu_);
@@ -351,10 +355,12 @@ class AttendPipeline::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, 
       return;
     }
     Answer(decoded);
+    internal::HandOffToGrpc(this);
     StartRead(&read_buffer_);
   }
 
   void OnDone(const grpc::Status& status) override {
+    internal::TakeBackFromGrpc(this);
     std::vector<std::pair<uint64_t, std::shared_ptr<Item>>> unanswered;
     std::unique_ptr<grpc::ClientContext> ctx;
     {
@@ -444,10 +450,12 @@ class AttendPipeline::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, 
       item.written = true;
       writing_ = true;
       write_buffer_ = std::move(item.request);
+      internal::HandOffToGrpc(this);
       StartWrite(&write_buffer_);
       return;
     }
     if (closing_) {
+      internal::HandOffToGrpc(this);
       StartWritesDone();
       CloseForWritesLocked();
     }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "attn/client/wire_coding.h"
 #include "attn/kernels/dtype_convert.h"
+#include "grpc_hand_off.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tensor_bytes.h"
 
@@ -289,6 +290,14 @@ void Client::StartRawCall(RawMethod method, grpc::ClientContext* ctx,
     case RawMethod::kStep: m = &step_methods_[c]; break;
     case RawMethod::kBatchStep: m = &batch_step_methods_[c]; break;
   }
+#if defined(__SANITIZE_THREAD__)
+  // The call's context marks the hand-off to gRPC's thread that runs done (grpc_hand_off.h).
+  done = [ctx, inner = std::move(done)](grpc::Status st) {
+    internal::TakeBackFromGrpc(ctx);
+    inner(std::move(st));
+  };
+  internal::HandOffToGrpc(ctx);
+#endif
   // What a generated stub's callback method calls, here with bytes in and out.
   grpc::internal::CallbackUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
       channels_[c].get(), *m, ctx, request, response, std::move(done));

@@ -10,6 +10,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <random>
@@ -362,6 +364,31 @@ TEST(AsyncClientRetry, IdempotentCallsAreRetriedOnUnavailableAndStepsNever) {
   server->Shutdown();
 }
 
+// kill() only queues SIGSTOP: a thread of the target still running on another core can answer a
+// request sent right after it. Returns once every thread of `pid` is in the stopped state.
+bool WaitUntilStopped(pid_t pid, std::chrono::milliseconds limit) {
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  const std::filesystem::path tasks = "/proc/" + std::to_string(pid) + "/task";
+  while (std::chrono::steady_clock::now() < give_up) {
+    bool all_stopped = true;
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      // The state is the first field after the parenthesised command name.
+      const size_t close = line.rfind(')');
+      if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
+        all_stopped = false;
+        break;
+      }
+    }
+    if (!ec && all_stopped) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
+
 TEST(AsyncClientKeepalive, ACallToAPeerThatStoppedAnsweringFailsLongBeforeItsDeadline) {
   auto attnd = testing::AttndProcess::Start({"--backend=cpu"});
   ASSERT_NE(attnd, nullptr);
@@ -377,6 +404,7 @@ TEST(AsyncClientKeepalive, ACallToAPeerThatStoppedAnsweringFailsLongBeforeItsDea
   ASSERT_TRUE(client->Attend(r.q, r.k, r.v, r.options).get().ok());
   // The process stays, its socket open, but nothing answers: only the pings can tell.
   ASSERT_EQ(kill(attnd->pid(), SIGSTOP), 0);
+  ASSERT_TRUE(WaitUntilStopped(attnd->pid(), 10s)) << "attnd did not stop";
   client::AttendOptions patient = r.options;
   patient.timeout = 60s;
   const auto t0 = std::chrono::steady_clock::now();
