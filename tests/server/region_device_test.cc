@@ -485,7 +485,12 @@ TEST_F(StepGpuRegionTest, AttendGpuOffsetsFollowTheElementRule) {
   std::unique_ptr<AttendJob> job;
   auto resolve = [&](const v1::AttendRequest& r) {
     job = std::make_unique<AttendJob>();
-    job->total_k = kTokens;
+    job->total_q = job->total_k = kTokens;
+    job->return_lse = true;
+    job->key.wire_dtype = kernels::DType::kBFloat16;
+    job->key.num_heads = kHeads;
+    job->key.num_kv_heads = kKvHeads;
+    job->key.head_dim = kDim;
     return ResolveAttendTensors(r, "alice", &registry_, job.get());
   };
   constexpr uint64_t kK = kQBytes, kV = kQBytes + kKvBytes, kO = 2 * kQBytes,
