@@ -276,7 +276,7 @@ v1::StepResponse ReadBack(const v1::StepRequest& region_step, v1::StepResponse r
 }
 
 TEST_F(CudaRegionTest, StepsWithTensorsInGpuRegionsMatchTheReference) {
-  StartAttnd();
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
   GpuBuffer& in = RegisterGpu("gin");
   GpuBuffer& out = RegisterGpu("gout");
   ASSERT_FALSE(HasFailure());
@@ -331,7 +331,7 @@ TEST_F(CudaRegionTest, StepsWithTensorsInGpuRegionsMatchTheReference) {
 }
 
 TEST_F(CudaRegionTest, OneLaunchMixesGpuRegionHostRegionAndInlineSteps) {
-  StartAttnd();
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
   GpuBuffer& gin = RegisterGpu("gin");
   GpuBuffer& gout = RegisterGpu("gout");
   ASSERT_FALSE(HasFailure());
@@ -494,7 +494,7 @@ void CheckGpuAttend(const GpuAttend& g, const testing::ReferenceResult& ref) {
 // kernel reading and writing the region), a large one at an odd offset and a small one (both
 // gathered into a packed launch by device-to-device copies). Outputs poisoned each round.
 TEST_F(CudaRegionTest, AttendWithTensorsInGpuRegionsMatchesTheReference) {
-  StartAttnd();
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
   GpuBuffer& aligned = RegisterGpu("aligned");
   GpuBuffer& odd = RegisterGpu("odd");
   GpuBuffer& small = RegisterGpu("small");
@@ -544,7 +544,7 @@ TEST_F(CudaRegionTest, AttendWithTensorsInGpuRegionsMatchesTheReference) {
 // output left as it was; the same request at element-aligned offsets that are not 16-byte aligned
 // is then answered correctly (through device copies).
 TEST_F(CudaRegionTest, GpuOffsetsOffTheElementSizeAreRefusedByName) {
-  StartAttnd();
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
   GpuBuffer& g = RegisterGpu("g");
   ASSERT_FALSE(HasFailure());
   GpuAttend attend = MakeGpuAttend(100, "g", g, 2, rng_);  // q at 2: element-aligned, not 16
@@ -623,7 +623,7 @@ TEST_F(CudaRegionTest, GpuOffsetsOffTheElementSizeAreRefusedByName) {
 // float64 reference, and the registrations attnd must refuse (past the allocation, another
 // device, a descriptor that is not a VMM allocation's).
 TEST_F(CudaRegionTest, VmmAllocationsServeAttendInPlaceAndBadOnesAreRefused) {
-  StartAttnd();
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
   GpuBuffer& vmm = RegisterVmm("vmm");
   GpuAttend g = MakeGpuAttend(1024, "vmm", vmm, 0, rng_);
   const testing::ReferenceResult ref = testing::ReferenceFor(g.random);
@@ -669,7 +669,7 @@ TEST_F(CudaRegionTest, VmmAllocationsServeAttendInPlaceAndBadOnesAreRefused) {
 }
 
 TEST_F(CudaRegionTest, HostRegionsAreRegisteredWithTheGpuAndCopiedDirectly) {
-  StartAttnd();
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
   HostAttend h = MakeHostAttend(rng_);
   ASSERT_TRUE(regions_->Register("in", *h.in).ok());
   ASSERT_TRUE(regions_->Register("out", *h.out).ok());
@@ -714,7 +714,7 @@ TEST_F(CudaRegionTest, HostRegionsAreRegisteredWithTheGpuAndCopiedDirectly) {
 }
 
 TEST_F(CudaRegionTest, WithoutRegistrationHostRegionsGoThroughStaging) {
-  StartAttnd({"--shm_max_registered_bytes=0"});
+  ASSERT_NO_FATAL_FAILURE(StartAttnd({"--shm_max_registered_bytes=0"}));
   HostAttend h = MakeHostAttend(rng_);
   ASSERT_TRUE(regions_->Register("in", *h.in).ok());
   ASSERT_TRUE(regions_->Register("out", *h.out).ok());

@@ -96,15 +96,16 @@ TEST_F(CudaSessionTest, RowsThatDoNotDivideAPageAreServedInRunsOfPages) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
-// Device memory a paged decode launch of `steps` steps over `cached` tokens needs from the pool
-// (its staging copy, its outputs, the kernel's workspace), about.
-size_t DecodeLaunchBytes(int steps, int cached, const SessionSpec& s) {
+// Device memory a paged launch of `sessions` steps of `tokens` new tokens each over `cached`
+// cached tokens needs from the pool (its staging copy, its outputs, the kernel's workspace),
+// about.
+size_t StepLaunchBytes(int sessions, int tokens, int cached, const SessionSpec& s) {
   kernels::AttentionArgs a;
   a.dtype = kernels::DType::kBFloat16;
-  a.batch = steps;
-  a.total_q = steps;
-  a.max_seqlen_q = 1;
-  a.max_seqlen_k = cached + 1;
+  a.batch = sessions;
+  a.total_q = sessions * tokens;
+  a.max_seqlen_q = tokens;
+  a.max_seqlen_k = cached + tokens;
   a.num_heads = s.heads;
   a.num_kv_heads = s.kv_heads;
   a.head_dim = s.head_dim;
@@ -112,7 +113,10 @@ size_t DecodeLaunchBytes(int steps, int cached, const SessionSpec& s) {
   a.paged.page_size = 16;
   a.paged.num_pages = 1 << 20;
   const size_t q = size_t(s.heads) * s.head_dim * 2, kv = size_t(s.kv_heads) * s.head_dim * 2;
-  return kernels::cuda::WorkspaceBytes(a) + size_t(steps) * (2 * q + 2 * kv + 64);
+  return kernels::cuda::WorkspaceBytes(a) + size_t(a.total_q) * (2 * q + 2 * kv + 64);
+}
+size_t DecodeLaunchBytes(int steps, int cached, const SessionSpec& s) {
+  return StepLaunchBytes(steps, 1, cached, s);
 }
 
 // A BatchStep whose one launch does not fit the device pool runs as smaller launches: every item
@@ -131,16 +135,24 @@ TEST_F(CudaSessionTest, AStepLaunchThatDoesNotFitTheDevicePoolIsSplit) {
   auto small = testing::StartLoopbackServer(o);
   ASSERT_NE(small.server, nullptr);
   v1::Attention::Stub* stub = small.client->stub();
+  // The prefill goes in chunks small enough for the small pool (with room to spare).
+  int chunk = 500;
+  while (chunk > 10 && StepLaunchBytes(1, chunk, kCached, spec) * 2 >
+                           static_cast<size_t>(o.device_pool_bytes)) {
+    chunk /= 2;
+  }
   std::vector<std::string> ids;
   std::vector<SessionShadow> shadows(kSteps, SessionShadow(spec));
   for (int i = 0; i < kSteps; ++i) {
     v1::CreateSessionResponse r;
     ASSERT_TRUE(testing::CreateSession(stub, spec, &r).ok());
     ids.push_back(r.session_id());
-    for (int done = 0; done < kCached; done += 500) {
-      const v1::StepRequest prefill = testing::RandomStep(r.session_id(), 0, 500, spec, rng_);
+    for (int done = 0; done < kCached; done += chunk) {
+      const int tokens = std::min(chunk, kCached - done);
+      const v1::StepRequest prefill = testing::RandomStep(r.session_id(), 0, tokens, spec, rng_);
       v1::StepResponse resp;
-      ASSERT_TRUE(testing::Step(stub, prefill, &resp).ok());
+      const grpc::Status st = testing::Step(stub, prefill, &resp);
+      ASSERT_TRUE(st.ok()) << "prefill chunk of " << tokens << " tokens: " << st.error_message();
       shadows[i].Append(prefill);
     }
   }

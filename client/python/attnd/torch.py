@@ -397,6 +397,9 @@ def _make_cache_classes() -> Tuple[type, type]:
         def get_max_cache_shape(self, *args: Any, **kwargs: Any) -> int:
             return -1
 
+        def get_max_length(self, *args: Any, **kwargs: Any) -> int:
+            return -1  # grows as steps append (attnd's limit is --max_session_tokens)
+
         def reset(self) -> None:
             pass
 
@@ -458,6 +461,9 @@ def _make_cache_classes() -> Tuple[type, type]:
 
         def get_max_cache_shape(self, *args: Any, **kwargs: Any) -> int:
             return -1
+
+        def get_max_length(self, *args: Any, **kwargs: Any) -> int:
+            return -1  # grows as steps append (attnd's limit is --max_session_tokens)
 
         def get_max_length(self) -> Optional[int]:
             return None

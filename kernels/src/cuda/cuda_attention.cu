@@ -434,11 +434,6 @@ Status CanImplementGen2(const AttentionArgs& args) {
 // Generation 2's workspace: its tile counter (FlashParams), where its plan takes tiles from one.
 constexpr size_t kFwdWorkspaceBytes = 16;
 
-// Whether the default plan sends paged forward shapes to generation 2 where CanImplementGen2
-// holds. Off until the generation-2 paged suite (gpu_decode_test GpuPagedGen2) has passed on a
-// Hopper GPU: until then paged prefill stays on generation 1 unless a caller forces kGen2.
-constexpr bool kPagedGen2ByDefault = false;
-
 Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* plan) {
   Status s = CanImplement(args);
   if (!s.ok()) return s;
@@ -460,7 +455,7 @@ Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* pla
     if (!s.ok()) return s;
     gen2 = true;
   } else if (options.generation == FwdGeneration::kAuto) {
-    gen2 = (!p.paged || kPagedGen2ByDefault) && CanImplementGen2(args).ok();
+    gen2 = CanImplementGen2(args).ok();
   }
   if (!gen2) {
     p.kernel = Plan::Kernel::kGen1;

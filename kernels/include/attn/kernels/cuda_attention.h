@@ -39,8 +39,8 @@ bool Compiled();
 Status CanImplement(const AttentionArgs& args);
 
 // Which kernel Run uses. kAuto: the decode kernel for decode shapes, else generation 2 where
-// CanImplementGen2 holds (contiguous K/V), else generation 1. kGen1 / kGen2 force that forward
-// kernel for every shape (tests and benchmarks compare the two on the same arguments).
+// CanImplementGen2 holds (contiguous or paged K/V), else generation 1. kGen1 / kGen2 force that
+// forward kernel for every shape (tests and benchmarks compare the two on the same arguments).
 enum class FwdGeneration : uint8_t { kAuto = 0, kGen1 = 1, kGen2 = 2 };
 
 // Choices a plan would otherwise make by its own rules: benchmarks and tests set them to compare the
@@ -87,8 +87,8 @@ struct Plan {
 };
 
 // The plan for args (CanImplement must hold; a forced generation 2 needs CanImplementGen2). Reads
-// no device memory (cu_seqlens and page tables are not looked at). Run's own choice (kAuto) keeps
-// paged forward shapes on generation 1 for now (kGen2 runs them on generation 2).
+// no device memory (cu_seqlens and page tables are not looked at). Run's own choice (kAuto) takes
+// generation 2 wherever CanImplementGen2 holds, paged or not (kGen1 forces generation 1).
 Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* plan);
 
 // Enqueues the computation of args as plan says (plan from MakePlan for args' shape: the same
