@@ -352,6 +352,18 @@ TEST(Crc32cTest, KnownValuesAndIncremental) {
   EXPECT_EQ(Crc32c(std::string(32, '\0')), 0x8A9136AAu);
   EXPECT_EQ(Crc32c(std::string(32, '\xff')), 0x62A8AB43u);
   EXPECT_EQ(Crc32cExtend(Crc32c("12345"), "6789", 4), 0xE3069283u);
+  EXPECT_EQ(Crc32cExtendPortableForTest(0, "123456789", 9), 0xE3069283u);
+  // The fast path and the table agree on random bytes of every length and alignment.
+  std::mt19937_64 rng(99);
+  std::string bytes(300, '\0');
+  for (char& c : bytes) c = static_cast<char>(rng());
+  for (size_t start = 0; start < 9; ++start) {
+    for (size_t n = 0; start + n <= bytes.size(); n += 7) {
+      ASSERT_EQ(Crc32cExtend(5, bytes.data() + start, n),
+                Crc32cExtendPortableForTest(5, bytes.data() + start, n))
+          << start << " " << n;
+    }
+  }
 }
 
 // Host KV regions of two replicas, filled with random bytes.
