@@ -31,6 +31,30 @@ std::unique_ptr<Session> Session::Fork(std::string id) const {
   return fork;
 }
 
+absl::StatusOr<std::vector<Session::LayerState>> Session::RefLayerStates() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return absl::NotFoundError(absl::StrCat("session ", id_, " is closed"));
+  std::vector<LayerState> states;
+  states.reserve(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (layers_[l].busy || !layers_[l].waiting.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", id_, " layer ", l, " has a step in progress"));
+    }
+    states.push_back({layers_[l].pages, layers_[l].tokens});
+  }
+  for (const LayerState& s : states) pool_->Ref(s.pages, shape_.page_span);
+  return states;
+}
+
+void Session::AdoptLayers(std::vector<LayerState> layers) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t l = 0; l < layers_.size() && l < layers.size(); ++l) {
+    layers_[l].pages = std::move(layers[l].pages);
+    layers_[l].tokens = layers[l].tokens;
+  }
+}
+
 bool Session::AcquireLayer(int32_t layer, std::function<void()> start) {
   std::lock_guard<std::mutex> lock(mu_);
   Layer& l = layers_[layer];

@@ -86,6 +86,19 @@ class Session {
   // A new session with this one's shape and owner that shares its pages as they are now.
   std::unique_ptr<Session> Fork(std::string id) const;
 
+  // Each layer's page table and token count as they are now, each page with one more reference
+  // owned by the caller (so that a close while the pages are read frees none of them): for moving
+  // the session to another replica. NOT_FOUND once closed; FAILED_PRECONDITION while a layer has
+  // a step in progress or waiting.
+  struct LayerState {
+    std::vector<int32_t> pages;
+    int64_t tokens = 0;
+  };
+  absl::StatusOr<std::vector<LayerState>> RefLayerStates() const;
+  // Gives a new session (no step yet, no page) these tables; it takes over the one reference the
+  // caller owns on each page.
+  void AdoptLayers(std::vector<LayerState> layers);
+
   // The per-layer FIFO. True: no step of the layer is in progress and the caller's step holds
   // the layer now. False: `start` runs (on the thread that ends the previous step) once every
   // earlier step of the layer has ended; it then holds the layer.

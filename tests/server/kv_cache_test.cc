@@ -9,7 +9,9 @@
 #include <random>
 #include <set>
 
+#include "sessions/crc32c.h"
 #include "sessions/kv_page_pool.h"
+#include "sessions/session_transfer.h"
 #include "sessions/session_manager.h"
 
 namespace attn {
@@ -342,6 +344,159 @@ TEST(KvCacheTest, CopyOnWritePlansTheSharedRowsAndNewPages) {
   EXPECT_TRUE(manager->Close(a->id(), "").ok());
   EXPECT_TRUE(manager->Close(b->id(), "").ok());
   EXPECT_EQ(pool->FreePages(), 16);
+}
+
+
+TEST(Crc32cTest, KnownValuesAndIncremental) {
+  EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);
+  EXPECT_EQ(Crc32c(std::string(32, '\0')), 0x8A9136AAu);
+  EXPECT_EQ(Crc32c(std::string(32, '\xff')), 0x62A8AB43u);
+  EXPECT_EQ(Crc32cExtend(Crc32c("12345"), "6789", 4), 0xE3069283u);
+  EXPECT_EQ(Crc32cExtendPortableForTest(0, "123456789", 9), 0xE3069283u);
+  // The fast path and the table agree on random bytes of every length and alignment.
+  std::mt19937_64 rng(99);
+  std::string bytes(300, '\0');
+  for (char& c : bytes) c = static_cast<char>(rng());
+  for (size_t start = 0; start < 9; ++start) {
+    for (size_t n = 0; start + n <= bytes.size(); n += 7) {
+      ASSERT_EQ(Crc32cExtend(5, bytes.data() + start, n),
+                Crc32cExtendPortableForTest(5, bytes.data() + start, n))
+          << start << " " << n;
+    }
+  }
+}
+
+// Host KV regions of two replicas, filled with random bytes.
+struct HostRegion {
+  std::vector<char> k, v;
+  KvRegion region;
+  HostRegion(int64_t pages, int64_t page_bytes, uint64_t seed)
+      : k(pages * page_bytes), v(pages * page_bytes) {
+    std::mt19937_64 rng(seed);
+    for (char& c : k) c = static_cast<char>(rng());
+    for (char& c : v) c = static_cast<char>(rng());
+    region = {k.data(), v.data(), pages, page_bytes};
+  }
+  std::string Page(int32_t run, int32_t span) const {
+    const int64_t off = int64_t{run} * span * region.page_bytes;
+    const int64_t n = span * region.page_bytes;
+    return std::string(k.data() + off, n) + std::string(v.data() + off, n);
+  }
+};
+
+std::shared_ptr<Session> SessionWithTokens(SessionManager& m, int layers,
+                                           const std::vector<int64_t>& tokens) {
+  std::shared_ptr<Session> s = *m.CreateSession(Params(layers), "owner-a");
+  for (int l = 0; l < layers; ++l) {
+    EXPECT_TRUE(s->AcquireLayer(l, [] {}));
+    absl::StatusOr<PendingAppend> p = s->BeginAppend(l, tokens[l]);
+    EXPECT_TRUE(p.ok()) << p.status();
+    s->CommitAppend(*std::move(p));
+    s->ReleaseLayer(l);
+  }
+  return s;
+}
+
+TEST(SessionTransferTest, MovesEveryLayerPageByPageAndFreesTheExportersReferences) {
+  auto src_pool = Pool(64, 7), dst_pool = Pool(64, 11);
+  HostRegion src(64, 2048, 1), dst(64, 2048, 2);
+  auto m = Manager(src_pool.get());
+  auto s = SessionWithTokens(*m, 3, {1, 17, 40});  // 8 tokens per page: 1 + 3 + 5 pages
+  auto fork = *m->Fork(s->id(), "owner-a");
+  const int64_t src_free = src_pool->FreePages();
+  {
+    auto exporter = *SessionExporter::Create(*s, src_pool.get(), src.region);
+    EXPECT_EQ(exporter->header().TotalPages(), 9);
+    EXPECT_EQ(exporter->header().owner, "owner-a");
+    auto importer = *SessionImporter::Create(exporter->header(), dst_pool.get(), dst.region);
+    EXPECT_EQ(dst_pool->FreePages(), 64 - 9);
+    // Closing the source (and its fork) during the move frees nothing the exporter still reads.
+    ASSERT_TRUE(m->Close(fork->id(), "owner-a").ok());
+    while (auto page = exporter->Next()) ASSERT_TRUE(importer->Accept(*page).ok());
+    auto moved = *importer->Finish("dst.1");
+    EXPECT_EQ(moved->owner(), "owner-a");
+    const std::vector<int64_t> want_tokens = {1, 17, 40};
+    auto src_states = *s->RefLayerStates();
+    auto dst_states = *moved->RefLayerStates();
+    for (int l = 0; l < 3; ++l) {
+      EXPECT_EQ(moved->CachedTokens(l), want_tokens[l]);
+      ASSERT_EQ(src_states[l].pages.size(), dst_states[l].pages.size());
+      for (size_t p = 0; p < src_states[l].pages.size(); ++p) {
+        EXPECT_EQ(src.Page(src_states[l].pages[p], 1), dst.Page(dst_states[l].pages[p], 1))
+            << "layer " << l << " page " << p;
+      }
+      src_pool->Unref(src_states[l].pages);
+      dst_pool->Unref(dst_states[l].pages);
+    }
+    EXPECT_EQ(moved->PagesHeld(), 9);
+  }
+  EXPECT_EQ(src_pool->FreePages(), src_free);  // the fork shared every page
+  EXPECT_EQ(dst_pool->FreePages(), 64);        // the moved session is gone
+  ASSERT_TRUE(m->Close(s->id(), "owner-a").ok());
+  EXPECT_EQ(src_pool->FreePages(), 64);
+}
+
+TEST(SessionTransferTest, CorruptPageFullPeerAndAbandonedMoveLeaveTheSourceWhole) {
+  auto src_pool = Pool(32), dst_pool = Pool(32);
+  HostRegion src(32, 2048, 3), dst(32, 2048, 4);
+  auto m = Manager(src_pool.get());
+  auto s = SessionWithTokens(*m, 2, {24, 9});  // 3 + 2 pages
+  const int64_t src_free = src_pool->FreePages();
+  {
+    auto exporter = *SessionExporter::Create(*s, src_pool.get(), src.region);
+    auto importer = *SessionImporter::Create(exporter->header(), dst_pool.get(), dst.region);
+    auto page = *exporter->Next();
+    page.kv[100] ^= 1;
+    EXPECT_EQ(importer->Accept(page).code(), absl::StatusCode::kDataLoss);
+    page.kv[100] ^= 1;
+    page.index = 1;
+    EXPECT_EQ(importer->Accept(page).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(importer->Finish("x").status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(dst_pool->FreePages(), 32);
+  EXPECT_EQ(src_pool->FreePages(), src_free);
+  EXPECT_EQ(s->PagesHeld(), 5);
+  EXPECT_EQ(s->CachedTokens(0), 24);
+
+  // A peer with too few free pages refuses before any byte moves and takes none.
+  auto small_pool = Pool(4);
+  HostRegion small(4, 2048, 5);
+  auto exporter = *SessionExporter::Create(*s, src_pool.get(), src.region);
+  EXPECT_EQ(SessionImporter::Create(exporter->header(), small_pool.get(), small.region)
+                .status()
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(small_pool->FreePages(), 4);
+
+  // A header that does not fit this replica names the field.
+  SessionTransferHeader bad = exporter->header();
+  bad.layer_pages[1] = 7;
+  auto refused = SessionImporter::Create(bad, dst_pool.get(), dst.region);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("layer 1"), std::string::npos);
+  bad = exporter->header();
+  bad.page_bytes = 4096;
+  EXPECT_NE(SessionImporter::Create(bad, dst_pool.get(), dst.region)
+                .status()
+                .message()
+                .find("page_bytes"),
+            std::string::npos);
+  EXPECT_EQ(dst_pool->FreePages(), 32);
+}
+
+TEST(SessionTransferTest, ExportWaitsForNoStepInProgress) {
+  auto pool = Pool(16);
+  HostRegion region(16, 2048, 6);
+  auto m = Manager(pool.get());
+  auto s = SessionWithTokens(*m, 2, {3, 3});
+  ASSERT_TRUE(s->AcquireLayer(1, [] {}));
+  EXPECT_EQ(SessionExporter::Create(*s, pool.get(), region.region).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  s->ReleaseLayer(1);
+  EXPECT_TRUE(SessionExporter::Create(*s, pool.get(), region.region).ok());
+  ASSERT_TRUE(m->Close(s->id(), "owner-a").ok());
+  EXPECT_EQ(SessionExporter::Create(*s, pool.get(), region.region).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

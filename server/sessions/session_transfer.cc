@@ -1,0 +1,153 @@
+#include "sessions/session_transfer.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_util.h"
+#include "sessions/crc32c.h"
+
+namespace attn {
+namespace {
+
+// Byte offset of a session page (a run of span pool pages) in the region's key or value half.
+int64_t PageOffset(int32_t run, const SessionShape& shape, const KvRegion& region) {
+  return int64_t{run} * shape.page_span * region.page_bytes;
+}
+
+}  // namespace
+
+int64_t SessionTransferHeader::TotalPages() const {
+  int64_t n = 0;
+  for (int64_t p : layer_pages) n += p;
+  return n;
+}
+
+absl::StatusOr<std::unique_ptr<SessionExporter>> SessionExporter::Create(const Session& session,
+                                                                         KvPagePool* pool,
+                                                                         KvRegion region) {
+  ASSIGN_OR_RETURN(std::vector<Session::LayerState> layers, session.RefLayerStates());
+  SessionTransferHeader header;
+  header.shape = session.shape();
+  header.owner = session.owner();
+  header.page_bytes = int64_t{session.shape().page_span} * region.page_bytes;
+  for (const Session::LayerState& l : layers) {
+    header.layer_tokens.push_back(l.tokens);
+    header.layer_pages.push_back(static_cast<int64_t>(l.pages.size()));
+  }
+  return std::unique_ptr<SessionExporter>(
+      new SessionExporter(std::move(header), std::move(layers), pool, region));
+}
+
+SessionExporter::SessionExporter(SessionTransferHeader header,
+                                 std::vector<Session::LayerState> layers, KvPagePool* pool,
+                                 KvRegion region)
+    : header_(std::move(header)), layers_(std::move(layers)), pool_(pool), region_(region) {}
+
+SessionExporter::~SessionExporter() {
+  for (const Session::LayerState& l : layers_) pool_->Unref(l.pages, header_.shape.page_span);
+}
+
+std::optional<SessionTransferPage> SessionExporter::Next() {
+  while (layer_ < layers_.size() && page_ >= layers_[layer_].pages.size()) {
+    ++layer_;
+    page_ = 0;
+  }
+  if (layer_ >= layers_.size()) return std::nullopt;
+  const int32_t run = layers_[layer_].pages[page_++];
+  const int64_t offset = PageOffset(run, header_.shape, region_);
+  SessionTransferPage page;
+  page.index = index_++;
+  page.kv.resize(static_cast<size_t>(2 * header_.page_bytes));
+  std::memcpy(page.kv.data(), region_.k + offset, static_cast<size_t>(header_.page_bytes));
+  std::memcpy(page.kv.data() + header_.page_bytes, region_.v + offset,
+              static_cast<size_t>(header_.page_bytes));
+  page.crc32c = Crc32c(page.kv);
+  return page;
+}
+
+absl::StatusOr<std::unique_ptr<SessionImporter>> SessionImporter::Create(
+    SessionTransferHeader header, KvPagePool* pool, KvRegion region) {
+  const SessionShape& shape = header.shape;
+  if (shape.num_layers <= 0 || shape.page_tokens <= 0 || shape.page_span <= 0) {
+    return absl::InvalidArgumentError("session transfer: shape has no layers or no page layout");
+  }
+  if (header.layer_tokens.size() != static_cast<size_t>(shape.num_layers) ||
+      header.layer_pages.size() != static_cast<size_t>(shape.num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session transfer: layer_tokens and layer_pages must have num_layers (",
+                     shape.num_layers, ") entries"));
+  }
+  if (header.page_bytes != int64_t{shape.page_span} * region.page_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session transfer: page_bytes ", header.page_bytes, " does not match this replica's ",
+        int64_t{shape.page_span} * region.page_bytes, " (page_span ", shape.page_span, ")"));
+  }
+  if (shape.RowBytes() * shape.page_tokens > header.page_bytes) {
+    return absl::InvalidArgumentError("session transfer: page_tokens rows exceed a page");
+  }
+  for (int32_t l = 0; l < shape.num_layers; ++l) {
+    const int64_t tokens = header.layer_tokens[l];
+    if (tokens < 0 || (shape.max_tokens > 0 && tokens > shape.max_tokens) ||
+        header.layer_pages[l] != (tokens + shape.page_tokens - 1) / shape.page_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "session transfer: layer ", l, " has ", tokens, " tokens in ", header.layer_pages[l],
+          " pages"));
+    }
+  }
+  std::vector<int32_t> pages;
+  RETURN_IF_ERROR(pool->Allocate(header.TotalPages(), &pages, shape.page_span));
+  return std::unique_ptr<SessionImporter>(
+      new SessionImporter(std::move(header), std::move(pages), pool, region));
+}
+
+SessionImporter::SessionImporter(SessionTransferHeader header, std::vector<int32_t> pages,
+                                 KvPagePool* pool, KvRegion region)
+    : header_(std::move(header)), pages_(std::move(pages)), pool_(pool), region_(region) {}
+
+SessionImporter::~SessionImporter() {
+  if (!finished_) pool_->Unref(pages_, header_.shape.page_span);
+}
+
+absl::Status SessionImporter::Accept(const SessionTransferPage& page) {
+  if (finished_ || page.index != received_ || received_ >= static_cast<int64_t>(pages_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("session transfer: page index ", page.index,
+                                                   " where ", received_, " was expected"));
+  }
+  if (static_cast<int64_t>(page.kv.size()) != 2 * header_.page_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("session transfer: page ", page.index, " has ",
+                                                   page.kv.size(), " bytes, not ",
+                                                   2 * header_.page_bytes));
+  }
+  if (Crc32c(page.kv) != page.crc32c) {
+    return absl::DataLossError(
+        absl::StrCat("session transfer: page ", page.index, " does not match its CRC32C"));
+  }
+  const int64_t offset = PageOffset(pages_[received_], header_.shape, region_);
+  std::memcpy(region_.k + offset, page.kv.data(), static_cast<size_t>(header_.page_bytes));
+  std::memcpy(region_.v + offset, page.kv.data() + header_.page_bytes,
+              static_cast<size_t>(header_.page_bytes));
+  ++received_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Session>> SessionImporter::Finish(std::string id) {
+  if (finished_ || received_ != static_cast<int64_t>(pages_.size())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session transfer: ", received_, " of ", pages_.size(), " pages received"));
+  }
+  std::vector<Session::LayerState> layers(header_.layer_tokens.size());
+  size_t next = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    layers[l].tokens = header_.layer_tokens[l];
+    const auto n = static_cast<size_t>(header_.layer_pages[l]);
+    layers[l].pages.assign(pages_.begin() + next, pages_.begin() + next + n);
+    next += n;
+  }
+  auto session = std::make_unique<Session>(std::move(id), header_.owner, header_.shape, pool_);
+  session->AdoptLayers(std::move(layers));
+  finished_ = true;
+  return session;
+}
+
+}  // namespace attn

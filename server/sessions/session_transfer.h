@@ -1,0 +1,94 @@
+// Moving one session's state between replicas, independent of the wire: the exporter reads the
+// session's pages out of the KV region one page at a time (bounded memory), each with a CRC32C
+// of its keys and values; the importer takes every page it will need from its pool up front
+// (all or nothing: a full replica refuses before any byte moves), checks each page as it
+// arrives and only then gives out a session. Either side dropping out midway frees what it took;
+// the source session is not touched by an export, so a failed move leaves it whole.
+//
+// The KV region must be addressable by the host (the CPU backend's). Ownership: the exporter
+// owns one extra reference on every page it will read until it is destroyed; the importer owns
+// the pages it took until Finish hands them to the new session.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "sessions/kv_page_pool.h"
+#include "sessions/session.h"
+#include "sessions/step_device.h"
+
+namespace attn {
+
+// What precedes a session's pages: everything but the bytes.
+struct SessionTransferHeader {
+  SessionShape shape;
+  std::string owner;
+  std::vector<int64_t> layer_tokens;  // per layer
+  std::vector<int64_t> layer_pages;   // pages of each layer's table, sent in layer order
+  int64_t page_bytes = 0;             // of keys per session page (values as many)
+  int64_t TotalPages() const;
+};
+
+// One session page: its keys then its values, and the CRC32C of those bytes.
+struct SessionTransferPage {
+  int64_t index = 0;  // in the order of the header's tables
+  std::string kv;     // 2 * header.page_bytes
+  uint32_t crc32c = 0;
+};
+
+class SessionExporter {
+ public:
+  static absl::StatusOr<std::unique_ptr<SessionExporter>> Create(const Session& session,
+                                                                 KvPagePool* pool,
+                                                                 KvRegion region);
+  ~SessionExporter();  // drops the references it took
+
+  const SessionTransferHeader& header() const { return header_; }
+  // The next page, or nullopt once every page was given.
+  std::optional<SessionTransferPage> Next();
+
+ private:
+  SessionExporter(SessionTransferHeader header, std::vector<Session::LayerState> layers,
+                  KvPagePool* pool, KvRegion region);
+  const SessionTransferHeader header_;
+  const std::vector<Session::LayerState> layers_;
+  KvPagePool* const pool_;
+  const KvRegion region_;
+  size_t layer_ = 0;
+  size_t page_ = 0;
+  int64_t index_ = 0;
+};
+
+class SessionImporter {
+ public:
+  // Checks the header against this replica (page size, shape) and takes every page the session
+  // needs: INVALID_ARGUMENT naming the field that does not fit, RESOURCE_EXHAUSTED when the pool
+  // is short of pages.
+  static absl::StatusOr<std::unique_ptr<SessionImporter>> Create(SessionTransferHeader header,
+                                                                 KvPagePool* pool,
+                                                                 KvRegion region);
+  ~SessionImporter();  // gives back the pages when Finish did not run
+
+  // Writes the page into its place: DATA_LOSS when its checksum does not match its bytes,
+  // INVALID_ARGUMENT for a page out of order or of the wrong size.
+  absl::Status Accept(const SessionTransferPage& page);
+  // The session with every page received; FAILED_PRECONDITION while some are missing.
+  absl::StatusOr<std::unique_ptr<Session>> Finish(std::string id);
+
+ private:
+  SessionImporter(SessionTransferHeader header, std::vector<int32_t> pages, KvPagePool* pool,
+                  KvRegion region);
+  const SessionTransferHeader header_;
+  std::vector<int32_t> pages_;  // taken, in the header's table order; owned until Finish
+  KvPagePool* const pool_;
+  const KvRegion region_;
+  int64_t received_ = 0;
+  bool finished_ = false;
+};
+
+}  // namespace attn
