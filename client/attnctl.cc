@@ -139,6 +139,9 @@ int Info(Client& client) {
             << "sessions:       " << info->kv_cache().sessions() << " open, at most "
             << info->limits().max_sessions() << ", " << info->limits().max_session_tokens()
             << " tokens each, TTL " << info->kv_cache().session_ttl_seconds() << " s\n"
+            << "fp8:            attend k/v " << (info->fp8().attend_fp8_kv() ? "yes" : "no")
+            << ", attend q/k/v " << (info->fp8().attend_fp8_q() ? "yes" : "no")
+            << ", session cache " << (info->fp8().session_fp8_cache() ? "yes" : "no") << "\n"
             << "build:          " << info->build_info() << std::endl;
   return 0;
 }
