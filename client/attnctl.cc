@@ -167,6 +167,7 @@ attn::kernels::DType KernelDType(DType t) {
     case DType::kFloat32: return attn::kernels::DType::kFloat32;
     case DType::kFloat16: return attn::kernels::DType::kFloat16;
     case DType::kBFloat16: return attn::kernels::DType::kBFloat16;
+    case DType::kFloat8E4M3: return attn::kernels::DType::kFloat8E4M3;
   }
   return attn::kernels::DType::kFloat32;
 }
