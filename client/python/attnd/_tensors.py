@@ -28,12 +28,15 @@ except ImportError:  # pragma: no cover - depends on the host
     BFLOAT16_NP = None
 
 # attn.v1 DType values (checked against the descriptors by the tests).
-FLOAT32, FLOAT16, BFLOAT16 = 1, 2, 3
-DTYPE_BYTES = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2}
-DTYPE_NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 1, 2, 3, 4
+DTYPE_BYTES = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, FLOAT8_E4M3: 1}
+DTYPE_NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16",
+               FLOAT8_E4M3: "float8_e4m3"}
 
+# uint8 arrays hold FP8 E4M3 codes (OCP E4M3FN), whose descales go beside them (attend's
+# q_descale, k_descale, v_descale).
 _NP_CODES = {np.dtype(np.float32): FLOAT32, np.dtype(np.float16): FLOAT16,
-             np.dtype(np.uint16): BFLOAT16}
+             np.dtype(np.uint16): BFLOAT16, np.dtype(np.uint8): FLOAT8_E4M3}
 if BFLOAT16_NP is not None:
     _NP_CODES[BFLOAT16_NP] = BFLOAT16
 
@@ -48,6 +51,8 @@ def _load_torch() -> Any:
 
         _TORCH_CODES.update({torch.float32: FLOAT32, torch.float16: FLOAT16,
                              torch.bfloat16: BFLOAT16})
+        if hasattr(torch, "float8_e4m3fn"):
+            _TORCH_CODES[torch.float8_e4m3fn] = FLOAT8_E4M3
         # Outputs on the CPU are tensors over the received (immutable) message, which only they
         # hold: torch warns, once per process, that it cannot mark such tensors read-only. That
         # one warning is spent here, silenced.
@@ -68,7 +73,8 @@ def dtype_code(name: Any) -> int:
         return name
     text = str(name).replace("torch.", "").lower()
     codes = {"fp32": FLOAT32, "float32": FLOAT32, "fp16": FLOAT16, "float16": FLOAT16,
-             "half": FLOAT16, "bf16": BFLOAT16, "bfloat16": BFLOAT16}
+             "half": FLOAT16, "bf16": BFLOAT16, "bfloat16": BFLOAT16, "fp8": FLOAT8_E4M3,
+             "float8_e4m3": FLOAT8_E4M3, "float8_e4m3fn": FLOAT8_E4M3}
     if text in codes:
         return codes[text]
     raise InvalidArgument(f"unknown dtype {name!r}: use float32, float16 or bfloat16")
@@ -122,7 +128,8 @@ def payload(x: Any, name: str) -> Payload:
         nbytes = x.numel() * x.element_size()
         if x.is_cuda:
             return Payload(code, tuple(x.shape), nbytes, x, x.data_ptr(), x.device.index or 0, x)
-        flat = x.view(torch.int16) if code != FLOAT32 else x
+        flat = x.view(torch.uint8) if code == FLOAT8_E4M3 else \
+            x.view(torch.int16) if code != FLOAT32 else x
         return Payload(code, tuple(x.shape), nbytes, flat.numpy().data, x.data_ptr(), -1, x)
     raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
