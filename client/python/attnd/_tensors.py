@@ -7,7 +7,8 @@ a tensor sharing the message's memory) or, for a CUDA tensor, one copy to the de
 Element types: float32, float16 and bfloat16. numpy has no bfloat16 of its own: pass
 ``ml_dtypes.bfloat16`` arrays where ml_dtypes is installed, or uint16 arrays holding the bf16 bits
 (outputs come back in the same flavour as q). torch: float32, float16, bfloat16 on the CPU or
-a CUDA device.
+a CUDA device. FP8 E4M3 codes: numpy uint8 arrays, or torch.float8_e4m3fn tensors on the CPU
+(FP8 tensors do not travel in shared-memory regions).
 """
 
 from __future__ import annotations
