@@ -139,6 +139,9 @@ int Info(Client& client) {
             << "sessions:       " << info->kv_cache().sessions() << " open, at most "
             << info->limits().max_sessions() << ", " << info->limits().max_session_tokens()
             << " tokens each, TTL " << info->kv_cache().session_ttl_seconds() << " s\n"
+            << "fp8:            attend k/v " << (info->fp8().attend_fp8_kv() ? "yes" : "no")
+            << ", attend q/k/v " << (info->fp8().attend_fp8_q() ? "yes" : "no")
+            << ", session cache " << (info->fp8().session_fp8_cache() ? "yes" : "no") << "\n"
             << "build:          " << info->build_info() << std::endl;
   return 0;
 }
@@ -164,6 +167,7 @@ attn::kernels::DType KernelDType(DType t) {
     case DType::kFloat32: return attn::kernels::DType::kFloat32;
     case DType::kFloat16: return attn::kernels::DType::kFloat16;
     case DType::kBFloat16: return attn::kernels::DType::kBFloat16;
+    case DType::kFloat8E4M3: return attn::kernels::DType::kFloat8E4M3;
   }
   return attn::kernels::DType::kFloat32;
 }

@@ -97,6 +97,7 @@ const char* DTypeName(DType t) {
     case DType::kFloat32: return "fp32";
     case DType::kFloat16: return "fp16";
     case DType::kBFloat16: return "bf16";
+    case DType::kFloat8E4M3: return "fp8";
   }
   return "?";
 }

@@ -26,6 +26,7 @@ absl::StatusOr<DType> FromWire(v1::DType t) {
     case v1::DTYPE_FLOAT32: return DType::kFloat32;
     case v1::DTYPE_FLOAT16: return DType::kFloat16;
     case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    case v1::DTYPE_FLOAT8_E4M3: return DType::kFloat8E4M3;
     default: return absl::InternalError(absl::StrCat("server sent unknown dtype ", t));
   }
 }
@@ -66,6 +67,7 @@ v1::DType ToWireDType(DType t) {
     case DType::kFloat32: return v1::DTYPE_FLOAT32;
     case DType::kFloat16: return v1::DTYPE_FLOAT16;
     case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+    case DType::kFloat8E4M3: return v1::DTYPE_FLOAT8_E4M3;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -91,14 +93,30 @@ absl::StatusOr<Tensor> FromWireTensor(const v1::Tensor& t) {
   return out;
 }
 
-size_t DTypeBytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+size_t DTypeBytes(DType t) {
+  return t == DType::kFloat32 ? 4 : t == DType::kFloat8E4M3 ? 1 : 2;
+}
+
+std::optional<v1::Fp8Attend> Fp8Field(const Tensor& k, const AttendOptions& o) {
+  if (k.dtype != DType::kFloat8E4M3 && o.q_descale.empty() && o.k_descale.empty() &&
+      o.v_descale.empty() && !o.o_dtype) {
+    return std::nullopt;
+  }
+  v1::Fp8Attend f;
+  f.mutable_q_descale()->Assign(o.q_descale.begin(), o.q_descale.end());
+  f.mutable_k_descale()->Assign(o.k_descale.begin(), o.k_descale.end());
+  f.mutable_v_descale()->Assign(o.v_descale.begin(), o.v_descale.end());
+  if (o.o_dtype) f.set_o_dtype(ToWireDType(*o.o_dtype));
+  return f;
+}
 
 absl::StatusOr<DType> ParseDType(const std::string& name) {
   if (name == "fp32" || name == "float32") return DType::kFloat32;
   if (name == "fp16" || name == "float16") return DType::kFloat16;
   if (name == "bf16" || name == "bfloat16") return DType::kBFloat16;
+  if (name == "fp8" || name == "float8_e4m3") return DType::kFloat8E4M3;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", name, "': use fp32, fp16 or bf16"));
+      absl::StrCat("unknown dtype '", name, "': use fp32, fp16, bf16 or fp8"));
 }
 
 int64_t Tensor::NumElements() const {
@@ -116,6 +134,10 @@ Tensor Tensor::FromFloats(DType dtype, std::vector<int64_t> shape, const std::ve
     std::memcpy(t.data.data(), v.data(), t.data.size());
     return t;
   }
+  if (dtype == DType::kFloat8E4M3) {
+    for (size_t i = 0; i < v.size(); ++i) t.data[i] = char(kernels::cpu::FloatToE4m3Bits(v[i]));
+    return t;
+  }
   auto* out = reinterpret_cast<uint16_t*>(t.data.data());
   for (size_t i = 0; i < v.size(); ++i) {
     out[i] = dtype == DType::kFloat16 ? kernels::cpu::FloatToHalfBits(v[i])
@@ -129,6 +151,10 @@ std::vector<float> Tensor::ToFloats() const {
   std::vector<float> v(n);
   if (dtype == DType::kFloat32) {
     std::memcpy(v.data(), data.data(), n * 4);
+    return v;
+  }
+  if (dtype == DType::kFloat8E4M3) {
+    for (size_t i = 0; i < n; ++i) v[i] = kernels::cpu::E4m3BitsToFloat(uint8_t(data[i]));
     return v;
   }
   const auto* in = reinterpret_cast<const uint16_t*>(data.data());
@@ -334,6 +360,7 @@ v1::AttendRequest Client::BuildAttendRequest(const Tensor& q, const Tensor& k, c
   }
   r.set_return_lse(o.return_lse);
   r.set_priority(o.high_priority ? v1::PRIORITY_HIGH : v1::PRIORITY_NORMAL);
+  if (std::optional<v1::Fp8Attend> fp8 = Fp8Field(k, o)) *r.mutable_fp8() = *std::move(fp8);
   return r;
 }
 

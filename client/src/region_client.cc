@@ -40,6 +40,7 @@ v1::DType Wire(DType t) {
   switch (t) {
     case DType::kFloat32: return v1::DTYPE_FLOAT32;
     case DType::kFloat16: return v1::DTYPE_FLOAT16;
+    case DType::kFloat8E4M3: return v1::DTYPE_FLOAT8_E4M3;
     case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
   }
   return v1::DTYPE_UNSPECIFIED;

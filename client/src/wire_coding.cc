@@ -35,6 +35,7 @@ enum : uint32_t {
   kTensorDtype = 1, kTensorShape = 2, kTensorData = 3,
   kReqQ = 1, kReqK = 2, kReqV = 3, kReqCuSeqlensQ = 4, kReqCuSeqlensK = 5, kReqCausal = 6,
   kReqSoftmaxScale = 7, kReqWindow = 8, kReqReturnLse = 9, kReqPriority = 10, kReqRequestId = 11,
+  kReqFp8 = 14,
   kWindowLeft = 1, kWindowRight = 2,
   kEchoPayload = 1, kEchoResponseBytes = 2,
   kStepSessionId = 1, kStepLayer = 2, kStepQ = 3, kStepKNew = 4, kStepVNew = 5,
@@ -150,7 +151,8 @@ SplicedMessage StepMessage(const StepInput& in) {
 }
 
 // Every field of AttendRequest after v, in field order.
-void AppendAttendOptions(const AttendOptions& o, uint64_t request_id, std::string* out) {
+void AppendAttendOptions(const Tensor& k, const AttendOptions& o, uint64_t request_id,
+                         std::string* out) {
   AppendPacked(kReqCuSeqlensQ, o.cu_seqlens_q, out);
   AppendPacked(kReqCuSeqlensK, o.cu_seqlens_k, out);
   if (o.causal) AppendVarintField(kReqCausal, 1, out);
@@ -159,6 +161,12 @@ void AppendAttendOptions(const AttendOptions& o, uint64_t request_id, std::strin
   if (o.return_lse) AppendVarintField(kReqReturnLse, 1, out);
   if (o.high_priority) AppendVarintField(kReqPriority, v1::PRIORITY_HIGH, out);
   if (request_id != 0) AppendVarintField(kReqRequestId, request_id, out);
+  if (std::optional<v1::Fp8Attend> fp8 = Fp8Field(k, o)) {
+    const std::string body = fp8->SerializeAsString();
+    AppendVarint(MakeTag(kReqFp8, wire::kLengthDelimited), out);
+    AppendVarint(body.size(), out);
+    out->append(body);
+  }
 }
 
 // One buffer of m's head runs and the borrowed data between them: data[i] follows the run of
@@ -320,6 +328,7 @@ absl::StatusOr<DType> DTypeFromWire(const std::string& name, int dtype) {
     case v1::DTYPE_FLOAT32: return DType::kFloat32;
     case v1::DTYPE_FLOAT16: return DType::kFloat16;
     case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    case v1::DTYPE_FLOAT8_E4M3: return DType::kFloat8E4M3;
     default: return absl::InternalError(absl::StrCat("server sent unknown dtype ", dtype, " in ", name));
   }
 }
@@ -456,7 +465,7 @@ grpc::ByteBuffer EncodeAttendRequest(const Tensor& q, const Tensor& k, const Ten
   m.AppendTensor(kReqQ, q);
   m.AppendTensor(kReqK, k);
   m.AppendTensor(kReqV, v);
-  AppendAttendOptions(options, request_id, &m.head);
+  AppendAttendOptions(k, options, request_id, &m.head);
   return Assemble(m, borrowed);
 }
 

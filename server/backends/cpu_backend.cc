@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/kernels/cpu_attention.h"
+#include "attn/kernels/dtype_convert.h"
 #include "common/status_util.h"
 
 namespace attn {
@@ -33,6 +34,8 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& op
   info.compute_units = pool->NumWorkers();
   info.head_dims = options.head_dims;
   info.build_info = absl::StrCat("attn_kernels cpu, ", pool->NumWorkers(), " threads");
+  info.fp8.attend_kv = true;
+  info.fp8.attend_q = true;
   return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(info), std::move(pool)));
 }
 
@@ -80,7 +83,24 @@ void* CpuBackend::Workspace(const kernels::AttentionArgs& args) {
 }
 
 absl::Status CpuBackend::RunJob(AttendJob& job) {
-  const kernels::AttentionArgs args = job.HostArgs();
+  kernels::AttentionArgs args = job.HostArgs();
+  if (!job.key.fp8_q) return FromKernelStatus(kernels::cpu::Run(args, Workspace(args), pool_.get()));
+  // All-FP8: q's codes widen exactly to o's 16-bit type, and q's descale (per sequence and KV
+  // head, as k's) moves into k's: (sq * q) . (sk * k) = q . (sq * sk * k).
+  const size_t q_elems = size_t(job.total_q) * job.key.num_heads * job.key.head_dim;
+  std::vector<uint16_t> q_wide(q_elems);
+  std::vector<float> row(job.key.head_dim);
+  for (size_t at = 0; at < q_elems; at += job.key.head_dim) {
+    kernels::cpu::LoadRow(kernels::DType::kFloat8E4M3, job.q_bytes.data(), int64_t(at),
+                          job.key.head_dim, row.data(), 1.0f);
+    kernels::cpu::StoreRow(args.dtype, row.data(), job.key.head_dim, q_wide.data(), int64_t(at));
+  }
+  std::vector<float> k_descales(job.k_descales.size());
+  for (size_t i = 0; i < k_descales.size(); ++i) {
+    k_descales[i] = job.q_descales[i] * job.k_descales[i];
+  }
+  args.q = q_wide.data();
+  args.kv_scales.k = k_descales.data();
   return FromKernelStatus(kernels::cpu::Run(args, Workspace(args), pool_.get()));
 }
 

@@ -35,6 +35,10 @@ kernels::AttentionArgs AttendJob::HostArgs() const {
   a.lse = return_lse ? reinterpret_cast<float*>(lse_out) : nullptr;
   a.cu_seqlens_q = cu_seqlens_q.data();
   a.cu_seqlens_k = cu_seqlens_k.data();
+  if (key.fp8_kv) {
+    a.kv_dtype = kernels::DType::kFloat8E4M3;
+    a.kv_scales = {k_descales.data(), v_descales.data()};
+  }
   return a;
 }
 

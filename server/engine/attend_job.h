@@ -26,6 +26,12 @@ struct AttendJob : Job {
   int32_t max_seqlen_q = 0;
   int32_t max_seqlen_k = 0;
 
+  // FP8 descales (key.fp8_kv), expanded to [batch, num_kv_heads] each; q_descales only with
+  // key.fp8_q.
+  std::vector<float> q_descales;
+  std::vector<float> k_descales;
+  std::vector<float> v_descales;
+
   // Owned by the job; released with it, after done has run.
   std::unique_ptr<BackendJobState> backend_state;
   // q, k and v as copied from the received message (Backend::StageWireInputs), where the backend

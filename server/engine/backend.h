@@ -27,6 +27,7 @@ struct BackendInfo {
   int32_t compute_capability = 0;
   std::vector<int32_t> head_dims;
   std::string build_info;
+  Fp8Features fp8;
 };
 
 // A client's GPU memory imported into the backend's device context (shared-memory regions).

@@ -48,7 +48,19 @@ struct BatchKey {
   // form separate launches.
   int32_t page_tokens = 0;
   bool decode = false;
+  // Attend with FP8 codes for k and v (with descales), and for q too (then wire_dtype is the
+  // output's type, which q's codes are widened to before the kernel runs).
+  bool fp8_kv = false;
+  bool fp8_q = false;
   bool operator==(const BatchKey&) const = default;
+};
+
+// The FP8 (E4M3) features a backend implements; what GetServerInfo reports and what validation
+// admits (FAILED_PRECONDITION for a feature the backend lacks).
+struct Fp8Features {
+  bool attend_kv = false;      // Attend with FP8 k and v
+  bool attend_q = false;       // Attend with FP8 q, k and v
+  bool session_cache = false;  // sessions with an FP8 KV cache
 };
 
 enum class JobKind { kAttend, kStep };

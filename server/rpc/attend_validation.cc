@@ -27,9 +27,10 @@ absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLim
 absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLimits& limits,
                          uint64_t data_bytes) {
   if (t.dtype() != v1::DTYPE_FLOAT16 && t.dtype() != v1::DTYPE_BFLOAT16 &&
-      t.dtype() != v1::DTYPE_FLOAT32) {
-    return Invalid(absl::StrCat(name, ".dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or ",
-                                "DTYPE_FLOAT32, got ", v1::DType_Name(t.dtype()).empty()
+      t.dtype() != v1::DTYPE_FLOAT32 && t.dtype() != v1::DTYPE_FLOAT8_E4M3) {
+    return Invalid(absl::StrCat(name, ".dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16, ",
+                                "DTYPE_FLOAT32 or DTYPE_FLOAT8_E4M3, got ",
+                                v1::DType_Name(t.dtype()).empty()
                                     ? std::to_string(t.dtype())
                                     : v1::DType_Name(t.dtype())));
   }
@@ -54,6 +55,10 @@ absl::Status CheckTensor(const v1::Tensor& t, const char* name, const RequestLim
   }
   const int64_t want = elements * static_cast<int64_t>(kernels::DTypeSize(ToKernelDType(t.dtype())));
   if (t.has_region()) {
+    if (t.dtype() == v1::DTYPE_FLOAT8_E4M3) {
+      return Invalid(absl::StrCat(name, ".region cannot hold a DTYPE_FLOAT8_E4M3 tensor; send ",
+                                  "FP8 tensors in ", name, ".data"));
+    }
     // Its bytes are checked against the region where it is resolved (transport/tensor_source.h).
     if (data_bytes != 0) {
       return Invalid(absl::StrCat(name, ".data and ", name, ".region are both set; set one"));
@@ -98,10 +103,13 @@ absl::Status CheckShapes(const v1::AttendRequest& r, const RequestLimits& limits
   RETURN_IF_ERROR(CheckTensor(r.q(), "q", limits, sizes.q));
   RETURN_IF_ERROR(CheckTensor(r.k(), "k", limits, sizes.k));
   RETURN_IF_ERROR(CheckTensor(r.v(), "v", limits, sizes.v));
-  if (r.k().dtype() != r.q().dtype() || r.v().dtype() != r.q().dtype()) {
+  const bool kv_fp8 = r.k().dtype() == v1::DTYPE_FLOAT8_E4M3;
+  if (r.v().dtype() != r.k().dtype() ||
+      (!kv_fp8 && r.k().dtype() != r.q().dtype()) ||
+      (r.q().dtype() == v1::DTYPE_FLOAT8_E4M3 && !kv_fp8)) {
     return Invalid(absl::StrCat("k.dtype and v.dtype must equal q.dtype (",
-                                v1::DType_Name(r.q().dtype()), "), got ",
-                                v1::DType_Name(r.k().dtype()), " and ",
+                                v1::DType_Name(r.q().dtype()), "), or both be ",
+                                "DTYPE_FLOAT8_E4M3; got ", v1::DType_Name(r.k().dtype()), " and ",
                                 v1::DType_Name(r.v().dtype())));
   }
   for (int i = 0; i < 3; ++i) {
@@ -132,12 +140,102 @@ absl::Status CheckShapes(const v1::AttendRequest& r, const RequestLimits& limits
   return absl::OkStatus();
 }
 
+// One descale list of Fp8Attend: absent unless `fp8`, else 1 or batch * num_kv_heads entries,
+// each finite and > 0; expanded into `out` as [batch, num_kv_heads].
+absl::Status CheckDescales(const google::protobuf::RepeatedField<float>& list, const char* name,
+                           const char* tensor, bool fp8, int32_t batch, int32_t num_kv_heads,
+                           std::vector<float>* out) {
+  if (!fp8) {
+    if (!list.empty()) {
+      return Invalid(absl::StrCat(name, " is set, but ", tensor, ".dtype is not ",
+                                  "DTYPE_FLOAT8_E4M3; leave it empty"));
+    }
+    return absl::OkStatus();
+  }
+  const int64_t per_head = int64_t{batch} * num_kv_heads;
+  if (list.empty()) {
+    return Invalid(absl::StrCat(name, " is missing: ", tensor, " is DTYPE_FLOAT8_E4M3 and needs ",
+                                "its float32 descales (1 per tensor, or batch * num_kv_heads = ",
+                                per_head, ")"));
+  }
+  if (list.size() != 1 && list.size() != per_head) {
+    return Invalid(absl::StrCat(name, " must have 1 entry (per tensor) or batch * num_kv_heads = ",
+                                batch, " * ", num_kv_heads, " = ", per_head,
+                                " entries ([batch, num_kv_heads]), got ", list.size()));
+  }
+  for (int i = 0; i < list.size(); ++i) {
+    if (!std::isfinite(list[i]) || !(list[i] > 0.0f)) {
+      return Invalid(absl::StrCat(name, "[", i, "] must be finite and > 0, got ", list[i]));
+    }
+  }
+  out->resize(per_head);
+  for (int64_t i = 0; i < per_head; ++i) (*out)[i] = list[list.size() == 1 ? 0 : int(i)];
+  return absl::OkStatus();
+}
+
+// The FP8 part of an Attend request: features the backend has, descales, o's type.
+absl::Status CheckFp8(const v1::AttendRequest& r, const RequestLimits& limits, AttendJob* job) {
+  const bool q_fp8 = r.q().dtype() == v1::DTYPE_FLOAT8_E4M3;
+  const bool kv_fp8 = r.k().dtype() == v1::DTYPE_FLOAT8_E4M3;
+  if (!kv_fp8) {
+    if (r.has_fp8()) {
+      return Invalid("fp8 is set, but none of q, k and v is DTYPE_FLOAT8_E4M3; leave it unset");
+    }
+    return absl::OkStatus();
+  }
+  if (q_fp8 && !limits.fp8.attend_q) {
+    return absl::FailedPreconditionError(
+        "q.dtype DTYPE_FLOAT8_E4M3 (all-FP8 Attend) is not supported by this server's backend "
+        "(GetServerInfo: fp8.attend_fp8_q); send q as float16 or bfloat16");
+  }
+  if (!limits.fp8.attend_kv) {
+    return absl::FailedPreconditionError(
+        "k.dtype DTYPE_FLOAT8_E4M3 (FP8 K/V Attend) is not supported by this server's backend "
+        "(GetServerInfo: fp8.attend_fp8_kv)");
+  }
+  if (!r.has_fp8()) {
+    return Invalid("fp8 is missing: k and v are DTYPE_FLOAT8_E4M3 and need fp8.k_descale and "
+                   "fp8.v_descale");
+  }
+  const v1::Fp8Attend& f = r.fp8();
+  const int32_t batch = static_cast<int32_t>(job->cu_seqlens_q.size()) - 1;
+  const int32_t hkv = job->key.num_kv_heads;
+  RETURN_IF_ERROR(CheckDescales(f.q_descale(), "fp8.q_descale", "q", q_fp8, batch, hkv,
+                                &job->q_descales));
+  RETURN_IF_ERROR(CheckDescales(f.k_descale(), "fp8.k_descale", "k", true, batch, hkv,
+                                &job->k_descales));
+  RETURN_IF_ERROR(CheckDescales(f.v_descale(), "fp8.v_descale", "v", true, batch, hkv,
+                                &job->v_descales));
+  if (q_fp8) {
+    if (f.o_dtype() != v1::DTYPE_FLOAT16 && f.o_dtype() != v1::DTYPE_BFLOAT16) {
+      return Invalid(absl::StrCat("fp8.o_dtype must be DTYPE_FLOAT16 or DTYPE_BFLOAT16 when q is ",
+                                  "DTYPE_FLOAT8_E4M3, got ", v1::DType_Name(f.o_dtype())));
+    }
+    // The backend computes with q's descale folded into k's; the product must stay a scale.
+    for (size_t i = 0; i < job->k_descales.size(); ++i) {
+      const float s = job->q_descales[i] * job->k_descales[i];
+      if (!std::isfinite(s) || !(s > 0.0f)) {
+        return Invalid(absl::StrCat("fp8.q_descale * fp8.k_descale must be a finite float32 > 0 ",
+                                    "for every sequence and KV head, got ", s, " at [", i, "]"));
+      }
+    }
+  } else if (f.o_dtype() != v1::DTYPE_UNSPECIFIED) {
+    return Invalid(absl::StrCat("fp8.o_dtype must be unset unless q is DTYPE_FLOAT8_E4M3 (o has ",
+                                "q's type ", v1::DType_Name(r.q().dtype()), ")"));
+  }
+  job->key.fp8_kv = true;
+  job->key.fp8_q = q_fp8;
+  if (q_fp8) job->key.wire_dtype = ToKernelDType(f.o_dtype());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 kernels::DType ToKernelDType(v1::DType t) {
   switch (t) {
     case v1::DTYPE_FLOAT16: return kernels::DType::kFloat16;
     case v1::DTYPE_FLOAT32: return kernels::DType::kFloat32;
+    case v1::DTYPE_FLOAT8_E4M3: return kernels::DType::kFloat8E4M3;
     default: return kernels::DType::kBFloat16;
   }
 }
@@ -147,6 +245,7 @@ v1::DType ToWireDType(kernels::DType t) {
     case kernels::DType::kFloat16: return v1::DTYPE_FLOAT16;
     case kernels::DType::kFloat32: return v1::DTYPE_FLOAT32;
     case kernels::DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+    case kernels::DType::kFloat8E4M3: return v1::DTYPE_FLOAT8_E4M3;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -210,6 +309,7 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
   key.num_kv_heads = static_cast<int32_t>(r.k().shape(1));
   key.head_dim = static_cast<int32_t>(r.q().shape(2));
   key.causal = r.causal();
+  RETURN_IF_ERROR(CheckFp8(r, limits, job.get()));
   if (r.has_window()) {
     if (r.window().left() < -1 || r.window().right() < -1) {
       return Invalid(absl::StrCat("window.left and window.right must be >= -1 (-1: unbounded), ",
@@ -248,7 +348,7 @@ void PrepareAttendResponse(const AttendJob& job, const v1::AttendRequest& reques
                            v1::AttendResponse* response) {
   const v1::Tensor& q = request.q();
   v1::Tensor* o = response->mutable_o();
-  o->set_dtype(q.dtype());
+  o->set_dtype(ToWireDType(job.key.wire_dtype));
   o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
   // An output written into a region leaves the response with its dtype, shape and slice only.
   if (request.has_o_region()) *o->mutable_region() = request.o_region();

@@ -16,6 +16,7 @@ struct RequestLimits {
   std::vector<int32_t> head_dims;  // supported by the backend
   // Largest response gRPC may send (--max_message_bytes); 0: no bound.
   int64_t max_response_bytes = 0;
+  Fp8Features fp8;  // what the backend does with FP8 tensors
 };
 
 kernels::DType ToKernelDType(v1::DType t);

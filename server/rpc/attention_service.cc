@@ -584,6 +584,11 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->add_dtypes(v1::DTYPE_FLOAT16);
   response->add_dtypes(v1::DTYPE_BFLOAT16);
   response->add_dtypes(v1::DTYPE_FLOAT32);
+  if (info.fp8.attend_kv) response->add_dtypes(v1::DTYPE_FLOAT8_E4M3);
+  v1::Fp8Support* fp8 = response->mutable_fp8();
+  fp8->set_attend_fp8_kv(info.fp8.attend_kv);
+  fp8->set_attend_fp8_q(info.fp8.attend_q);
+  fp8->set_session_fp8_cache(info.fp8.session_cache);
   *response->mutable_limits() = options_.advertised_limits;
   response->set_build_info(info.build_info);
   FillSessionInfo(response);

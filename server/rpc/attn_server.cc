@@ -158,6 +158,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.limits.max_tensor_elements = options.max_tensor_elements;
   so.limits.max_response_bytes = options.max_message_bytes;
   so.limits.head_dims = info.head_dims;
+  so.limits.fp8 = info.fp8;
   so.advertised_limits.set_max_message_bytes(options.max_message_bytes);
   so.advertised_limits.set_max_batch_tokens(options.max_batch_tokens);
   so.advertised_limits.set_max_queue_size(options.max_queue_size);

@@ -42,8 +42,8 @@ using google::protobuf::util::MessageDifferencer;
 // A tensor of random dtype and rank; its data matches the shape unless `any_size`.
 Tensor RandomTensor(std::mt19937_64& rng, size_t max_elements, bool any_size = false) {
   Tensor t;
-  const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
-  t.dtype = dtypes[rng() % 3];
+  const DType dtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFloat8E4M3};
+  t.dtype = dtypes[rng() % 4];
   const int rank = static_cast<int>(rng() % 4);
   int64_t elements = 1;
   for (int i = 0; i < rank; ++i) {
@@ -82,6 +82,13 @@ AttendOptions RandomOptions(std::mt19937_64& rng) {
   o.window_right = sides[rng() % std::size(sides)];
   o.return_lse = rng() % 2;
   o.high_priority = rng() % 2;
+  if (rng() % 3 == 0) {  // FP8 descales and output type (any values: the server judges them)
+    for (auto* list : {&o.q_descale, &o.k_descale, &o.v_descale}) {
+      const int n = static_cast<int>(rng() % 4);
+      for (int i = 0; i < n; ++i) list->push_back(std::uniform_real_distribution<float>(-2, 2)(rng));
+    }
+    if (rng() % 2) o.o_dtype = rng() % 2 ? DType::kFloat16 : DType::kBFloat16;
+  }
   return o;
 }
 

@@ -140,6 +140,7 @@ def test_wire_field_numbers_match_the_proto():
     assert f("AttendRequest", "request_id") == _wire.ATTEND_REQUEST_ID
     assert f("AttendRequest", "o_region") == _wire.ATTEND_O_REGION
     assert f("AttendRequest", "lse_region") == _wire.ATTEND_LSE_REGION
+    assert f("AttendRequest", "fp8") == _wire.ATTEND_FP8
     assert f("StepRequest", "session_id") == _wire.STEP_SESSION
     assert f("StepRequest", "layer") == _wire.STEP_LAYER
     assert f("StepRequest", "k_new") == _wire.STEP_K and f("StepRequest", "v_new") == _wire.STEP_V
@@ -159,7 +160,8 @@ def test_wire_field_numbers_match_the_proto():
     assert f("StepResult", "response") == _wire.RESULT_RESPONSE
     assert f("EchoRequest", "response_bytes") == _wire.ECHO_RESPONSE_BYTES
     assert _proto.DType == {"DTYPE_UNSPECIFIED": 0, "DTYPE_FLOAT32": _tensors.FLOAT32,
-                            "DTYPE_FLOAT16": _tensors.FLOAT16, "DTYPE_BFLOAT16": _tensors.BFLOAT16}
+                            "DTYPE_FLOAT16": _tensors.FLOAT16, "DTYPE_BFLOAT16": _tensors.BFLOAT16,
+                            "DTYPE_FLOAT8_E4M3": _tensors.FLOAT8_E4M3}
 
 
 def test_wire_coding_is_what_protobuf_writes():
@@ -206,3 +208,58 @@ def test_malformed_answers_raise_internal(client):
     assert e.value.code.name == "INTERNAL"
     with pytest.raises(attnd.AttndError, match="malformed"):
         attnd._core.read_attend(b"\x0a\xff", prepared)
+
+
+def _e4m3_table() -> np.ndarray:
+    """The value of every E4M3FN code from its bit fields (NaN for the two NaN codes)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    e, m = (codes >> 3) & 0xF, codes & 0x7
+    table = sign * np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
+    table[(codes & 0x7F) == 0x7F] = np.nan
+    return table
+
+
+def _quantize(x: np.ndarray, scale: float) -> tuple:
+    """Nearest E4M3 codes of x / scale (uint8) and the float64 values they stand for."""
+    table = _e4m3_table()
+    finite = np.where(np.isnan(table), np.inf, table)
+    codes = np.abs((x / scale).reshape(-1, 1) - finite.reshape(1, -1)).argmin(axis=1)
+    codes = codes.astype(np.uint8).reshape(x.shape)
+    return codes, table[codes] * scale
+
+
+@pytest.mark.parametrize("fp8_q", [False, True])
+def test_fp8_attend_matches_the_reference_of_its_dequantized_inputs(client, fp8_q):
+    if not client.info().fp8.attend_fp8_kv:
+        pytest.skip("this server's backend has no FP8 Attend (GetServerInfo fp8)")
+    rng = np.random.default_rng()
+    lens_q, lens_k, heads, kv_heads, d = [5, 1, 9], [33, 7, 20], 8, 2, 64
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    kx = rng.standard_normal((cu_k[-1], kv_heads, d))
+    vx = rng.standard_normal((cu_k[-1], kv_heads, d))
+    k_scale, v_scale = np.abs(kx).max() / 448, np.abs(vx).max() / 448
+    k8, k_values = _quantize(kx, k_scale)
+    v8, v_values = _quantize(vx, v_scale)
+    extra = {}
+    if fp8_q:
+        qx = rng.standard_normal((cu_q[-1], heads, d))
+        q_scale = np.abs(qx).max() / 448
+        q, q_values = _quantize(qx, q_scale)
+        extra = {"q_descale": [q_scale], "o_dtype": "float16"}
+    else:
+        q, q_values = make(rng, (cu_q[-1], heads, d), "fp16")
+    r = client.attend(q, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                      k_descale=[k_scale], v_descale=[v_scale], **extra)
+    assert r.o.dtype == np.float16 and r.o.shape == (cu_q[-1], heads, d)
+    o_ref, _ = reference(q_values, k_values, v_values, cu_q, cu_k, causal=True)
+    assert relative_error(r.o.astype(np.float64), o_ref) <= TOLERANCE["fp16"]
+
+
+def test_fp8_attend_without_descales_names_the_field(client):
+    if not client.info().fp8.attend_fp8_kv:
+        pytest.skip("this server's backend has no FP8 Attend (GetServerInfo fp8)")
+    q = np.ones((4, 2, 64), dtype=np.float16)
+    k = np.full((4, 2, 64), 0x38, dtype=np.uint8)
+    with pytest.raises(attnd.InvalidArgument, match="fp8.v_descale is missing"):
+        client.attend(q, k, k, k_descale=[1.0])

@@ -54,6 +54,20 @@ void FitData(v1::Tensor* t) {
   t->mutable_data()->resize(n);
 }
 
+// A case on the good request with k and v turned into FP8 codes (1.0 each, per-tensor descales
+// of 1) before `corrupt` runs.
+std::function<void(v1::AttendRequest&)> Fp8Kv(std::function<void(v1::AttendRequest&)> corrupt) {
+  return [corrupt](v1::AttendRequest& r) {
+    for (auto* t : {r.mutable_k(), r.mutable_v()}) {
+      t->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+      t->mutable_data()->assign(t->data().size() / 2, '\x38');
+    }
+    r.mutable_fp8()->add_k_descale(1.0f);
+    r.mutable_fp8()->add_v_descale(1.0f);
+    corrupt(r);
+  };
+}
+
 void SetHeadDim(v1::AttendRequest& r, int64_t d) {
   for (auto* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
     t->set_shape(2, d);
@@ -114,14 +128,67 @@ std::vector<BadCase> BadCases() {
        "q.data has 32768 bytes, but shape [64, 4, 64] of DTYPE_FLOAT32 needs 65536"},
       // Dtypes.
       {"QDtypeUnspecified", [](auto& r) { r.mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); }, IA,
-       "q.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT32, got DTYPE_UNSPECIFIED"},
+       "q.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32 or DTYPE_FLOAT8_E4M3, got "
+       "DTYPE_UNSPECIFIED"},
       {"KDtypeUnknownValue", [](auto& r) { r.mutable_k()->set_dtype(static_cast<v1::DType>(42)); },
-       IA, "k.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT32, got 42"},
+       IA, "k.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32 or DTYPE_FLOAT8_E4M3, got 42"},
       {"VDtypeNegative", [](auto& r) { r.mutable_v()->set_dtype(static_cast<v1::DType>(-1)); },
-       IA, "v.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT32, got -1"},
+       IA, "v.dtype must be DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32 or DTYPE_FLOAT8_E4M3, got -1"},
       {"KDtypeDiffers", [](auto& r) { r.mutable_k()->set_dtype(v1::DTYPE_FLOAT16); }, IA,
-       "k.dtype and v.dtype must equal q.dtype (DTYPE_BFLOAT16), got DTYPE_FLOAT16 and "
-       "DTYPE_BFLOAT16"},
+       "k.dtype and v.dtype must equal q.dtype (DTYPE_BFLOAT16), or both be DTYPE_FLOAT8_E4M3; "
+       "got DTYPE_FLOAT16 and DTYPE_BFLOAT16"},
+      // FP8 K/V (the good request made FP8 by Fp8Kv: k and v codes, per-tensor descales).
+      {"Fp8KDescaleMissing", Fp8Kv([](auto& r) { r.mutable_fp8()->clear_k_descale(); }), IA,
+       "fp8.k_descale is missing: k is DTYPE_FLOAT8_E4M3"},
+      {"Fp8Missing", Fp8Kv([](auto& r) { r.clear_fp8(); }), IA,
+       "fp8 is missing: k and v are DTYPE_FLOAT8_E4M3"},
+      {"Fp8KDescaleZero", Fp8Kv([](auto& r) { r.mutable_fp8()->set_k_descale(0, 0.0f); }), IA,
+       "fp8.k_descale[0] must be finite and > 0, got 0"},
+      {"Fp8VDescaleNegative", Fp8Kv([](auto& r) { r.mutable_fp8()->set_v_descale(0, -2.0f); }),
+       IA, "fp8.v_descale[0] must be finite and > 0, got -2"},
+      {"Fp8VDescaleNaN", Fp8Kv([](auto& r) { r.mutable_fp8()->set_v_descale(0, kNaN); }), IA,
+       "fp8.v_descale[0] must be finite and > 0, got nan"},
+      {"Fp8KDescaleInf", Fp8Kv([](auto& r) {
+         r.mutable_fp8()->clear_k_descale();
+         for (float x : {1.0f, 1.0f, 1.0f, kInf}) r.mutable_fp8()->add_k_descale(x);
+       }), IA, "fp8.k_descale[3] must be finite and > 0, got inf"},
+      {"Fp8KDescaleWrongLength", Fp8Kv([](auto& r) { r.mutable_fp8()->add_k_descale(1.0f); }),
+       IA, "fp8.k_descale must have 1 entry (per tensor) or batch * num_kv_heads = 2 * 2 = 4 "
+           "entries ([batch, num_kv_heads]), got 2"},
+      {"Fp8QDescaleWithoutFp8Q", Fp8Kv([](auto& r) { r.mutable_fp8()->add_q_descale(1.0f); }),
+       IA, "fp8.q_descale is set, but q.dtype is not DTYPE_FLOAT8_E4M3"},
+      {"Fp8ODtypeWithoutFp8Q",
+       Fp8Kv([](auto& r) { r.mutable_fp8()->set_o_dtype(v1::DTYPE_FLOAT16); }), IA,
+       "fp8.o_dtype must be unset unless q is DTYPE_FLOAT8_E4M3"},
+      {"Fp8OnlyK", Fp8Kv([](auto& r) {
+         r.mutable_v()->set_dtype(v1::DTYPE_BFLOAT16);
+         FitData(r.mutable_v());
+       }), IA, "got DTYPE_FLOAT8_E4M3 and DTYPE_BFLOAT16"},
+      {"Fp8QWithBf16KV", [](auto& r) {
+         r.mutable_q()->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+         r.mutable_q()->mutable_data()->resize(r.q().data().size() / 2);
+       }, IA, "k.dtype and v.dtype must equal q.dtype (DTYPE_FLOAT8_E4M3), or both be"},
+      {"Fp8QWithoutODtype", Fp8Kv([](auto& r) {
+         r.mutable_q()->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+         r.mutable_q()->mutable_data()->resize(r.q().data().size() / 2);
+         r.mutable_fp8()->add_q_descale(1.0f);
+       }), IA, "fp8.o_dtype must be DTYPE_FLOAT16 or DTYPE_BFLOAT16 when q is DTYPE_FLOAT8_E4M3"},
+      {"Fp8QDescaleMissing", Fp8Kv([](auto& r) {
+         r.mutable_q()->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+         r.mutable_q()->mutable_data()->resize(r.q().data().size() / 2);
+         r.mutable_fp8()->set_o_dtype(v1::DTYPE_BFLOAT16);
+       }), IA, "fp8.q_descale is missing: q is DTYPE_FLOAT8_E4M3"},
+      {"Fp8DescaleProductOverflows", Fp8Kv([](auto& r) {
+         r.mutable_q()->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+         r.mutable_q()->mutable_data()->resize(r.q().data().size() / 2);
+         r.mutable_fp8()->set_o_dtype(v1::DTYPE_BFLOAT16);
+         r.mutable_fp8()->add_q_descale(1e30f);
+         r.mutable_fp8()->set_k_descale(0, 1e30f);
+       }), IA, "fp8.q_descale * fp8.k_descale must be a finite float32 > 0"},
+      {"Fp8SetForBf16", [](auto& r) { r.mutable_fp8()->add_k_descale(1.0f); }, IA,
+       "fp8 is set, but none of q, k and v is DTYPE_FLOAT8_E4M3"},
+      {"Fp8KDataBf16Sized", Fp8Kv([](auto& r) { FitData(r.mutable_k()); }), IA,
+       "k.data has 16384 bytes, but shape [64, 2, 64] of DTYPE_FLOAT8_E4M3 needs 8192"},
       {"VDtypeFloat32Differs", [](auto& r) {
          r.mutable_v()->set_dtype(v1::DTYPE_FLOAT32);
          r.mutable_v()->mutable_data()->append(r.v().data());

@@ -116,6 +116,7 @@ double ToleranceFor(client::DType dtype) {
     case client::DType::kFloat32: return 1e-5;
     case client::DType::kFloat16: return 1e-3;
     case client::DType::kBFloat16: return 6e-3;
+    case client::DType::kFloat8E4M3: return 0;  // never an output type
   }
   return 0;
 }

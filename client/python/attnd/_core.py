@@ -259,13 +259,13 @@ def prepare_attend(regions: RegionTable, q: Any, k: Any, v: Any, *,
                    cu_seqlens_q: Optional[Sequence[int]], cu_seqlens_k: Optional[Sequence[int]],
                    causal: bool, window: Optional[Tuple[int, int]], scale: float,
                    return_lse: bool, high_priority: bool, out: Any, lse_out: Any,
-                   request_id: int = 0) -> Prepared:
+                   request_id: int = 0, fp8: Optional[bytes] = None) -> Prepared:
     maker = _tensors.OutputMaker(q)
     ps, placed, device = _inputs(regions, q, k, v, ("q", "k", "v"))
     outputs, o_in, lse_in = _outputs(regions, out, lse_out)
     m = _wire.attend_request(ps[0], ps[1], ps[2], placed, _seqlens(cu_seqlens_q),
                              _seqlens(cu_seqlens_k), causal, float(scale or 0.0), _window(window),
-                             return_lse, high_priority, request_id, outputs)
+                             return_lse, high_priority, request_id, outputs, fp8)
     return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in,
                     device)
 
@@ -473,6 +473,20 @@ def read_stream_item(buf: bytes, prepared: Dict[int, Prepared]) -> Tuple[int, An
     return index, AttendResult(_output(buf, r.o, p.maker, None, False, "o"),
                                _output(buf, r.lse, p.maker, None, False, "lse"),
                                r.timing, r.request_id)
+
+
+def fp8_field(q_descale: Any, k_descale: Any, v_descale: Any, o_dtype: Any) -> Optional[bytes]:
+    """The serialized Fp8Attend of an Attend call, or None when it sets none of its fields."""
+    if q_descale is None and k_descale is None and v_descale is None and o_dtype is None:
+        return None
+    m = _proto.Fp8Attend()
+    for field, values in (("q_descale", q_descale), ("k_descale", k_descale),
+                          ("v_descale", v_descale)):
+        if values is not None:
+            getattr(m, field).extend(float(x) for x in np.asarray(values, dtype=np.float32).ravel())
+    if o_dtype is not None:
+        m.o_dtype = _tensors.dtype_code(o_dtype)
+    return m.SerializeToString()
 
 
 def attend_defaults(cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, causal: bool = False,

@@ -7,7 +7,8 @@ a tensor sharing the message's memory) or, for a CUDA tensor, one copy to the de
 Element types: float32, float16 and bfloat16. numpy has no bfloat16 of its own: pass
 ``ml_dtypes.bfloat16`` arrays where ml_dtypes is installed, or uint16 arrays holding the bf16 bits
 (outputs come back in the same flavour as q). torch: float32, float16, bfloat16 on the CPU or
-a CUDA device.
+a CUDA device. FP8 E4M3 codes: numpy uint8 arrays, or torch.float8_e4m3fn tensors on the CPU
+(FP8 tensors do not travel in shared-memory regions).
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ except ImportError:  # pragma: no cover - depends on the host
     BFLOAT16_NP = None
 
 # attn.v1 DType values (checked against the descriptors by the tests).
-FLOAT32, FLOAT16, BFLOAT16 = 1, 2, 3
-DTYPE_BYTES = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2}
-DTYPE_NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 1, 2, 3, 4
+DTYPE_BYTES = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, FLOAT8_E4M3: 1}
+DTYPE_NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16",
+               FLOAT8_E4M3: "float8_e4m3"}
 
+# uint8 arrays hold FP8 E4M3 codes (OCP E4M3FN), whose descales go beside them (attend's
+# q_descale, k_descale, v_descale).
 _NP_CODES = {np.dtype(np.float32): FLOAT32, np.dtype(np.float16): FLOAT16,
-             np.dtype(np.uint16): BFLOAT16}
+             np.dtype(np.uint16): BFLOAT16, np.dtype(np.uint8): FLOAT8_E4M3}
 if BFLOAT16_NP is not None:
     _NP_CODES[BFLOAT16_NP] = BFLOAT16
 
@@ -48,6 +52,8 @@ def _load_torch() -> Any:
 
         _TORCH_CODES.update({torch.float32: FLOAT32, torch.float16: FLOAT16,
                              torch.bfloat16: BFLOAT16})
+        if hasattr(torch, "float8_e4m3fn"):
+            _TORCH_CODES[torch.float8_e4m3fn] = FLOAT8_E4M3
         # Outputs on the CPU are tensors over the received (immutable) message, which only they
         # hold: torch warns, once per process, that it cannot mark such tensors read-only. That
         # one warning is spent here, silenced.
@@ -68,7 +74,8 @@ def dtype_code(name: Any) -> int:
         return name
     text = str(name).replace("torch.", "").lower()
     codes = {"fp32": FLOAT32, "float32": FLOAT32, "fp16": FLOAT16, "float16": FLOAT16,
-             "half": FLOAT16, "bf16": BFLOAT16, "bfloat16": BFLOAT16}
+             "half": FLOAT16, "bf16": BFLOAT16, "bfloat16": BFLOAT16, "fp8": FLOAT8_E4M3,
+             "float8_e4m3": FLOAT8_E4M3, "float8_e4m3fn": FLOAT8_E4M3}
     if text in codes:
         return codes[text]
     raise InvalidArgument(f"unknown dtype {name!r}: use float32, float16 or bfloat16")
@@ -122,7 +129,8 @@ def payload(x: Any, name: str) -> Payload:
         nbytes = x.numel() * x.element_size()
         if x.is_cuda:
             return Payload(code, tuple(x.shape), nbytes, x, x.data_ptr(), x.device.index or 0, x)
-        flat = x.view(torch.int16) if code != FLOAT32 else x
+        flat = x.view(torch.uint8) if code == FLOAT8_E4M3 else \
+            x.view(torch.int16) if code != FLOAT32 else x
         return Payload(code, tuple(x.shape), nbytes, flat.numpy().data, x.data_ptr(), -1, x)
     raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 

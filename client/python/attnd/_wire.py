@@ -24,7 +24,7 @@ _MASK64 = (1 << 64) - 1
 ATTEND_Q, ATTEND_K, ATTEND_V = 1, 2, 3
 ATTEND_CU_Q, ATTEND_CU_K, ATTEND_CAUSAL, ATTEND_SCALE, ATTEND_WINDOW = 4, 5, 6, 7, 8
 ATTEND_RETURN_LSE, ATTEND_PRIORITY, ATTEND_REQUEST_ID = 9, 10, 11
-ATTEND_O_REGION, ATTEND_LSE_REGION = 12, 13
+ATTEND_O_REGION, ATTEND_LSE_REGION, ATTEND_FP8 = 12, 13, 14
 # StepRequest
 STEP_SESSION, STEP_LAYER, STEP_Q, STEP_K, STEP_V = 1, 2, 3, 4, 5
 STEP_SCALE, STEP_RETURN_LSE, STEP_WINDOW = 6, 7, 8
@@ -159,7 +159,7 @@ def attend_request(q: Payload, k: Payload, v: Payload, regions: Sequence[Optiona
                    cu_seqlens_q: Optional[Sequence[int]], cu_seqlens_k: Optional[Sequence[int]],
                    causal: bool, scale: float, window: Optional[Tuple[int, int]],
                    return_lse: bool, high_priority: bool, request_id: int,
-                   outputs: Optional[Outputs]) -> Message:
+                   outputs: Optional[Outputs], fp8: Optional[bytes] = None) -> Message:
     m = Message()
     m.tensor(ATTEND_Q, q, regions[0])
     m.tensor(ATTEND_K, k, regions[1])
@@ -185,6 +185,8 @@ def attend_request(q: Payload, k: Payload, v: Payload, regions: Sequence[Optiona
             tail += region_slice(ATTEND_O_REGION, *outputs.o_region)
         if outputs.lse_region is not None:
             tail += region_slice(ATTEND_LSE_REGION, *outputs.lse_region)
+    if fp8 is not None:
+        tail += _len_field(ATTEND_FP8, fp8)
     m.add(tail)
     return m
 

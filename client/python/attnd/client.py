@@ -135,12 +135,18 @@ class Client:
                cu_seqlens_k: Optional[Sequence[int]] = None, causal: bool = False,
                window: Optional[Tuple[int, int]] = None, scale: float = 0.0,
                return_lse: bool = False, high_priority: bool = False, out: Any = None,
-               lse_out: Any = None, timeout: Optional[float] = None) -> AttendResult:
+               lse_out: Any = None, timeout: Optional[float] = None, q_descale: Any = None,
+               k_descale: Any = None, v_descale: Any = None,
+               o_dtype: Any = None) -> AttendResult:
         """Attention over a packed varlen batch (attn.v1 Attend).
 
         Args:
             q: [total_q, heads, head_dim]; k, v: [total_k, kv_heads, head_dim]; numpy arrays or
-                torch tensors (CPU or CUDA) of float32, float16 or bfloat16, all of one dtype.
+                torch tensors (CPU or CUDA) of float32, float16 or bfloat16, all of one dtype; or k
+                and v (and q too) of FP8 E4M3 codes (numpy uint8, torch.float8_e4m3fn on the CPU)
+                with their descales q_descale, k_descale, v_descale (1 value per tensor or
+                [batch, num_kv_heads]) and, for FP8 q, o_dtype ("float16" or "bfloat16"); see
+                attention.proto's Fp8Attend.
             cu_seqlens_q, cu_seqlens_k: cumulative lengths [batch + 1] (None: one sequence).
             causal: causal mask, aligned bottom-right.
             window: sliding window (left, right); -1 leaves a side unbounded.
@@ -161,7 +167,8 @@ class Client:
         p = _core.prepare_attend(self.regions, q, k, v, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
                                  scale=scale, return_lse=return_lse, high_priority=high_priority,
-                                 out=out, lse_out=lse_out)
+                                 out=out, lse_out=lse_out,
+                                 fp8=_core.fp8_field(q_descale, k_descale, v_descale, o_dtype))
         _core.cuda_synchronize(p.cuda_sync)
         buf = self._unary("Attend", p.message, self._timeout(timeout))
         return _core.read_attend(buf, p)

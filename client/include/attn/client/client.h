@@ -21,9 +21,11 @@
 
 namespace attn::client {
 
-enum class DType { kFloat32, kFloat16, kBFloat16 };
+// kFloat8E4M3: OCP E4M3FN codes, one byte each, whose values are scaled by descales sent beside
+// them (AttendOptions::fp8).
+enum class DType { kFloat32, kFloat16, kBFloat16, kFloat8E4M3 };
 size_t DTypeBytes(DType t);
-// "fp32"/"float32", "fp16"/"float16", "bf16"/"bfloat16".
+// "fp32"/"float32", "fp16"/"float16", "bf16"/"bfloat16", "fp8"/"float8_e4m3".
 absl::StatusOr<DType> ParseDType(const std::string& name);
 
 // A dense row-major tensor as raw little-endian bytes.
@@ -33,7 +35,8 @@ struct Tensor {
   std::string data;
 
   int64_t NumElements() const;
-  // Builds a tensor of dtype from floats (rounded to nearest even).
+  // Builds a tensor of dtype from floats (rounded to nearest even; kFloat8E4M3: the E4M3 codes of
+  // the values as given, saturating at +-448: divide by the descale first).
   static Tensor FromFloats(DType dtype, std::vector<int64_t> shape, const std::vector<float>& v);
   std::vector<float> ToFloats() const;
 };
@@ -48,7 +51,17 @@ struct AttendOptions {
   bool return_lse = false;
   bool high_priority = false;
   std::chrono::milliseconds timeout{0};  // 0: none
+  // Descales of FP8 q, k, v (float32; 1 entry per tensor or [batch, num_kv_heads]) and the output
+  // type when q is FP8 (kFloat16 or kBFloat16); see attention.proto's Fp8Attend. Sent when k is
+  // FP8 or any of these is set.
+  std::vector<float> q_descale;
+  std::vector<float> k_descale;
+  std::vector<float> v_descale;
+  std::optional<DType> o_dtype;
 };
+
+// The fp8 field of the AttendRequest for these tensors and options, when it has one.
+std::optional<v1::Fp8Attend> Fp8Field(const Tensor& k, const AttendOptions& options);
 
 struct AttendResult {
   Tensor o;

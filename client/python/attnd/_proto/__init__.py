@@ -66,7 +66,7 @@ _MESSAGES = (
     "CloseSessionResponse", "KvCacheInfo", "GetServerInfoRequest", "ServerLimits",
     "GetServerInfoResponse", "EchoRequest", "EchoResponse", "RegisterRegionRequest", "RegionInfo",
     "RegisterRegionResponse", "UnregisterRegionRequest", "UnregisterRegionResponse",
-    "ListRegionsRequest", "ListRegionsResponse",
+    "ListRegionsRequest", "ListRegionsResponse", "Fp8Attend", "Fp8Support",
 )
 for _name in _MESSAGES:
     globals()[_name] = _message_class(POOL.FindMessageTypeByName(_ATTN + _name))
