@@ -35,7 +35,7 @@ enum : uint32_t {
   kTensorDtype = 1, kTensorShape = 2, kTensorData = 3,
   kReqQ = 1, kReqK = 2, kReqV = 3, kReqCuSeqlensQ = 4, kReqCuSeqlensK = 5, kReqCausal = 6,
   kReqSoftmaxScale = 7, kReqWindow = 8, kReqReturnLse = 9, kReqPriority = 10, kReqRequestId = 11,
-  kReqFp8 = 14,
+  kReqFp8 = 20,
   kWindowLeft = 1, kWindowRight = 2,
   kEchoPayload = 1, kEchoResponseBytes = 2,
   kStepSessionId = 1, kStepLayer = 2, kStepQ = 3, kStepKNew = 4, kStepVNew = 5,
