@@ -346,19 +346,7 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
 
 void PrepareAttendResponse(const AttendJob& job, const v1::AttendRequest& request,
                            v1::AttendResponse* response) {
-  const v1::Tensor& q = request.q();
-  v1::Tensor* o = response->mutable_o();
-  o->set_dtype(ToWireDType(job.key.wire_dtype));
-  o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
-  // An output written into a region leaves the response with its dtype, shape and slice only.
-  if (request.has_o_region()) *o->mutable_region() = request.o_region();
-  if (job.return_lse) {
-    v1::Tensor* lse = response->mutable_lse();
-    lse->set_dtype(v1::DTYPE_FLOAT32);
-    lse->add_shape(job.key.num_heads);
-    lse->add_shape(job.total_q);
-    if (request.has_lse_region()) *lse->mutable_region() = request.lse_region();
-  }
+  DescribeOutputs(job, request, response);
   response->set_request_id(request.request_id());
 }
 

@@ -42,8 +42,27 @@ struct TensorDataSizes {
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(
     const v1::AttendRequest& request, const RequestLimits& limits, const TensorDataSizes& sizes);
 
-// The response's o (and lse) tensors without their data (dtype, shape, and the region slice of
-// an output written into a region), and its request_id.
+// The o (and lse) tensors of an Attend or step response without their data: q's dtype and shape,
+// lse as [num_heads, total_q] float32, and the region slice of an output written into a region.
+template <typename Request, typename Response>
+void DescribeOutputs(const Job& job, const Request& request, Response* response) {
+  const v1::Tensor& q = request.q();
+  v1::Tensor* o = response->mutable_o();
+  // The key's wire dtype, not q's: an all-FP8 Attend answers in the caller's o_dtype.
+  o->set_dtype(ToWireDType(job.key.wire_dtype));
+  o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
+  // An output written into a region leaves the response with its dtype, shape and slice only.
+  if (request.has_o_region()) *o->mutable_region() = request.o_region();
+  if (job.return_lse) {
+    v1::Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::DTYPE_FLOAT32);
+    lse->add_shape(job.key.num_heads);
+    lse->add_shape(job.total_q);
+    if (request.has_lse_region()) *lse->mutable_region() = request.lse_region();
+  }
+}
+
+// DescribeOutputs, and the response's request_id.
 void PrepareAttendResponse(const AttendJob& job, const v1::AttendRequest& request,
                            v1::AttendResponse* response);
 

@@ -178,18 +178,7 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
 
 void PrepareStepResponse(const StepJob& job, const v1::StepRequest& request,
                          v1::StepResponse* response) {
-  const v1::Tensor& q = request.q();
-  v1::Tensor* o = response->mutable_o();
-  o->set_dtype(q.dtype());
-  o->mutable_shape()->Assign(q.shape().begin(), q.shape().end());
-  if (request.has_o_region()) *o->mutable_region() = request.o_region();
-  if (job.return_lse) {
-    v1::Tensor* lse = response->mutable_lse();
-    lse->set_dtype(v1::DTYPE_FLOAT32);
-    lse->add_shape(job.key.num_heads);
-    lse->add_shape(job.total_q);
-    if (request.has_lse_region()) *lse->mutable_region() = request.lse_region();
-  }
+  DescribeOutputs(job, request, response);
 }
 
 }  // namespace attn

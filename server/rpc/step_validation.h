@@ -41,8 +41,7 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
                                                              const StepRegions& regions,
                                                              WireTensors* wire = nullptr);
 
-// The response's o (and lse) tensors without their data (dtype, shape, and the region slice of
-// an output written into a region).
+// DescribeOutputs (attend_validation.h): the response's o (and lse) tensors without their data.
 void PrepareStepResponse(const StepJob& job, const v1::StepRequest& request,
                          v1::StepResponse* response);
 

@@ -12,7 +12,6 @@ One Client belongs to one event loop (grpc.aio's rule); any number of calls may 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
@@ -22,14 +21,14 @@ import grpc.aio
 from . import _core, _proto
 from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
-from .client import _callables, _deliver
+from .client import _ChannelSet, _deliver
 from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
-from .regions import CudaRegion, HostRegion, Registered, RegionSocket, RegionTable, next_region_name
+from .regions import CudaRegion, HostRegion, Registered, RegionSocket, next_region_name
 
 _INFO_TIMEOUT = 10.0
 
 
-class Client:
+class Client(_ChannelSet):
     """asyncio twin of attnd.Client (same arguments and methods, as coroutines)."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, tls: bool = False,
@@ -45,30 +44,7 @@ class Client:
             retry_backoff=retry_backoff, connections=connections,
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
             lb_policy=lb_policy, channel_options=tuple(channel_options))
-        self.options.check()
-        creds = self.options.credentials()
-        self._metadata = self.options.metadata()
-        self._wait = True if wait_for_ready else None
-        self._channels: List[grpc.aio.Channel] = []
-        self._calls: List[Dict[str, Any]] = []
-        for i in range(self.options.connections):
-            args = self.options.channel_args(i)
-            ch = grpc.aio.secure_channel(target, creds, args) if creds is not None else \
-                grpc.aio.insecure_channel(target, args)
-            self._channels.append(ch)
-            self._calls.append(_callables(ch))
-        self._turn = itertools.count()
-        self.regions = RegionTable()
-        self._region_socket: Optional[RegionSocket] = None
-
-    def _methods(self) -> Dict[str, Any]:
-        return self._calls[next(self._turn) % len(self._calls)]
-
-    def _timeout(self, timeout: Optional[float], default: Optional[float] = None) -> Optional[float]:
-        if timeout is not None:
-            return timeout
-        return self.options.timeout if default is None else min(
-            default, self.options.timeout or default)
+        self._open(grpc.aio.secure_channel, grpc.aio.insecure_channel)
 
     async def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
         call = self._methods()[method]

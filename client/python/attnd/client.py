@@ -29,7 +29,42 @@ from .regions import CudaRegion, HostRegion, Registered, RegionSocket, RegionTab
 _INFO_TIMEOUT = 10.0
 
 
-class Client:
+class _ChannelSet:
+    """What the blocking and the asyncio client share: one channel (and its method table) per
+    connection, taken round robin, the call metadata, the deadlines, and the region table."""
+
+    options: ClientOptions
+
+    def _open(self, secure_channel: Any, insecure_channel: Any) -> None:
+        """Checks self.options and opens its connections with the given channel factories."""
+        self.options.check()
+        target = self.options.target
+        creds = self.options.credentials()
+        self._metadata = self.options.metadata()
+        self._wait = True if self.options.wait_for_ready else None
+        self._channels: List[Any] = []
+        self._calls: List[Dict[str, Any]] = []
+        for i in range(self.options.connections):
+            args = self.options.channel_args(i)
+            ch = secure_channel(target, creds, args) if creds is not None else \
+                insecure_channel(target, args)
+            self._channels.append(ch)
+            self._calls.append(_callables(ch))
+        self._turn = itertools.count()
+        self.regions = RegionTable()
+        self._region_socket: Optional[RegionSocket] = None
+
+    def _methods(self) -> Dict[str, Any]:
+        return self._calls[next(self._turn) % len(self._calls)]
+
+    def _timeout(self, timeout: Optional[float], default: Optional[float] = None) -> Optional[float]:
+        if timeout is not None:
+            return timeout
+        return self.options.timeout if default is None else min(
+            default, self.options.timeout or default)
+
+
+class Client(_ChannelSet):
     """A connection to one attnd (or to many behind one target with ``lb_policy="round_robin"``).
 
     Args:
@@ -68,33 +103,10 @@ class Client:
             retry_backoff=retry_backoff, connections=connections,
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
             lb_policy=lb_policy, channel_options=tuple(channel_options))
-        self.options.check()
-        creds = self.options.credentials()
-        self._metadata = self.options.metadata()
-        self._wait = True if wait_for_ready else None
-        self._channels: List[grpc.Channel] = []
-        self._calls: List[Dict[str, Any]] = []
-        for i in range(self.options.connections):
-            args = self.options.channel_args(i)
-            ch = grpc.secure_channel(target, creds, args) if creds is not None else \
-                grpc.insecure_channel(target, args)
-            self._channels.append(ch)
-            self._calls.append(_callables(ch))
-        self._turn = itertools.count()
-        self.regions = RegionTable()
-        self._region_socket: Optional[RegionSocket] = None
+        self._open(grpc.secure_channel, grpc.insecure_channel)
         self._region_lock = threading.Lock()
 
     # ---- plumbing -------------------------------------------------------------------------------
-
-    def _methods(self) -> Dict[str, Any]:
-        return self._calls[next(self._turn) % len(self._calls)]
-
-    def _timeout(self, timeout: Optional[float], default: Optional[float] = None) -> Optional[float]:
-        if timeout is not None:
-            return timeout
-        return self.options.timeout if default is None else min(
-            default, self.options.timeout or default)
 
     def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
         call = self._methods()[method]
