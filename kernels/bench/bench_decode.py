@@ -16,7 +16,8 @@ Chunked prefill: a chunk of C queries over P cached keys plus the chunk (s_k = P
   TFLOP/s with FLOPs 4 * H * D * sum over queries of keys seen.
 Multi-token steps (--steps BxQxL): B sequences of Q queries over L cached keys, paged: the decode
   kernel (Run's choice for Q <= 16) against the generation-2 forward kernel forced.
-Batch-1 splits (--split-sweep S1,S2,...): at the batch-1 decode points, ours with each forced KV
+Small-batch splits (--split-sweep S1,S2,...): at the decode points the GPU is not full at without
+  splits (batch x KV heads < 90% of the SMs), ours with each forced KV
   split count beside the plan's own.
 FP8 K/V decode (--fp8 BxL,...): GQA 32/8, d=128, bf16 queries, one token per sequence: ours over
   bf16 K/V against ours over e4m3 K/V (the same values quantized per (sequence, KV head) with scale
@@ -379,7 +380,7 @@ def main():
                     help="paged prefill kernels timed: 0 the plan's choice, 1 / 2 generation 1 / 2 forced")
     ap.add_argument("--steps", default="", help="BATCHxQUERIESxCACHED list of multi-token steps")
     ap.add_argument("--steps-page", type=int, default=16)
-    ap.add_argument("--split-sweep", default="", help="forced KV splits timed at batch-1 points")
+    ap.add_argument("--split-sweep", default="", help="forced KV splits timed at small-batch points")
     ap.add_argument("--fp8", default="", help="BATCHxCACHED list of FP8 K/V decode points")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=15)
@@ -446,15 +447,15 @@ def main():
         sweeps = [r for r in rows if r["kind"] == "decode" and r.get("sweep")]
         if sweeps:
             sps = sorted({sp for r in sweeps for sp in r["sweep"]})
-            lines += ["", "Batch-1 decode, KV splits forced (GQA 32/8, d=128, bf16): us per launch (TB/s); "
+            lines += ["", "Small-batch decode, KV splits forced (GQA 32/8, d=128, bf16): us per launch (TB/s); "
                       "plan: the plan's own choice (its splits in brackets).", "",
-                      "| cache | plan | " + " | ".join(f"{sp} splits" for sp in sps) + " | torch cuDNN | "
+                      "| batch x cache | plan | " + " | ".join(f"{sp} splits" for sp in sps) + " | torch cuDNN | "
                       "plan/cuDNN speed | max err vs plan |", "|---" * (5 + len(sps)) + "|"]
             for r in sweeps:
                 kvb = 2 * r["b"] * r["L"] * HKV * 128 * 2
                 cell = lambda t: f"{t * 1e3:.1f} ({kvb / (t * 1e-3) / 1e12:.2f})"
                 cud = r["us"].get("cudnn")
-                lines.append(f"| {r['L'] // 1024}k | {r['us']['ours']:.1f} ({r['ours']:.2f}) [{r['splits']}] | " +
+                lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['us']['ours']:.1f} ({r['ours']:.2f}) [{r['splits']}] | " +
                              " | ".join(cell(r["sweep"][sp][0]) if sp in r["sweep"] else "n/a" for sp in sps) +
                              f" | {f2(cud)} | {r3(cud, r['us']['ours'])} | "
                              f"{max(e for _, e in r['sweep'].values()):.1e} |")
@@ -540,7 +541,7 @@ def main():
         if hasattr(lib, "attn_plan_decode_splits"):
             splits = lib.attn_plan_decode_splits(2, 0, b, 1, L, H, HKV, D)
         sweep = {}
-        if b == 1 and args.split_sweep and hasattr(lib, "attn_set_plan_option"):
+        if 10 * b * HKV < 9 * 132 and args.split_sweep and hasattr(lib, "attn_set_plan_option"):
             for sp in [int(x) for x in args.split_sweep.split(",") if x]:
                 lib.attn_set_plan_option(b"decode_splits", sp)
                 try:

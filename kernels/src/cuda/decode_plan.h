@@ -21,20 +21,31 @@ struct DecodeSplitShape {
   int max_splits = 64;      // kDecodeMaxSplits
 };
 
+// Key tiles per split at and above which one CTA per SM beats two: a long split keeps enough
+// bytes in flight by itself, and the second CTA only adds a partial result to combine (H200,
+// GQA 32/8, d=128, one sequence: 32k keys in 16 splits of 128 tiles 3.51 TB/s against 3.38 in 33
+// splits of 62 and 3.40 in 32; 128k 4.25 against 4.17 and 4.14; 4k, 16 tiles each, still gains
+// from filling both slots: 0.95 TB/s in 32 splits against 0.86 in 16).
+inline constexpr int64_t kDecodeLongSplitTiles = 128;
+
 // KV splits per (sequence, KV head, row block):
 //  - none when the unsplit CTAs number at least 90% of the SMs: one CTA per SM, each streaming its
 //    whole cache (H200, GQA 32/8, d=128: 16 x 4k unsplit 4.21 TB/s against 3.97 with two splits
 //    over two CTAs per SM; 16 x 32k 4.59 against 4.45);
+//  - else, where one CTA per SM gives two or more splits of kDecodeLongSplitTiles or more each,
+//    one CTA per SM;
 //  - else enough splits to fill every CTA slot of the GPU (ctas_per_sm per SM) at once, so that
-//    one sequence (batch-1 decode) has all SMs and all their bytes in flight, with at least two key
-//    tiles per warp in each split; then the fewest splits that keep the same tiles per split (the
-//    last split is not left nearly empty).
+//    one sequence (batch-1 decode) has all SMs and all their bytes in flight;
+//  - always at least two key tiles per warp in each split, and then the fewest splits that keep
+//    the same tiles per split (the last split is not left nearly empty).
 inline int DecodeSplits(const DecodeSplitShape& s) {
   const int64_t base = s.batch * s.num_kv_heads * s.m_blocks;
   if (base <= 0 || 10 * base >= 9 * int64_t(s.sms)) return 1;
   const int64_t tiles = (s.max_seqlen_k + s.warp_n - 1) / s.warp_n;
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(s.max_splits, tiles / (2 * s.warps)));
-  const int64_t slots = int64_t(s.ctas_per_sm) * s.sms;
+  const int64_t one_per_sm = std::max<int64_t>(1, s.sms / base);
+  const bool long_splits = one_per_sm >= 2 && tiles >= one_per_sm * kDecodeLongSplitTiles;
+  const int64_t slots = long_splits ? int64_t(s.sms) : int64_t(s.ctas_per_sm) * s.sms;
   int64_t splits = std::min<int64_t>(most, std::max<int64_t>(1, slots / base));
   const int64_t per_split = (tiles + splits - 1) / splits;
   splits = (tiles + per_split - 1) / per_split;
