@@ -192,6 +192,10 @@ class DecodeBench {
   StepInput DecodeInput(const std::string& id, int layer);
   absl::Status Setup(Caller& c, int first, int count);
   absl::Status Prefill(Client& client, const std::string& id);
+  // The chunk of n tokens at `done`: random once, then the same for every session and layer (what
+  // the cache holds does not change a decode step's cost, and drawing 6M numbers per chunk under
+  // one lock made the prefill of 256 sessions take minutes).
+  StepInput PrefillChunk(int64_t done, int64_t n);
   void BuildRequests(Caller& c);
   // The region of coding (shm or gpu) for c's calls, and their requests.
   absl::Status SetupRegion(Caller& c, int index, const std::string& coding);
@@ -220,6 +224,7 @@ class DecodeBench {
   const DecodeBenchOptions o_;
   std::mutex rng_mu_;
   std::mt19937_64 rng_{42};
+  std::map<int64_t, StepInput> prefill_chunks_;  // by first token; guarded by rng_mu_
   double request_bytes_ = 0, response_bytes_ = 0;
 };
 
@@ -235,19 +240,26 @@ StepInput DecodeBench::DecodeInput(const std::string& id, int layer) {
   return in;
 }
 
+StepInput DecodeBench::PrefillChunk(int64_t done, int64_t n) {
+  std::lock_guard<std::mutex> lock(rng_mu_);
+  auto it = prefill_chunks_.find(done);
+  if (it == prefill_chunks_.end()) {
+    StepInput in;
+    in.q = Random(n, o_.heads);
+    in.k_new = Random(n, o_.kv_heads);
+    in.v_new = Random(n, o_.kv_heads);
+    it = prefill_chunks_.emplace(done, std::move(in)).first;
+  }
+  return it->second;
+}
+
 absl::Status DecodeBench::Prefill(Client& client, const std::string& id) {
   for (int layer = 0; layer < o_.layers; ++layer) {
     for (int64_t done = 0; done < o_.cache_tokens; done += o_.prefill_chunk) {
       const int64_t n = std::min<int64_t>(o_.prefill_chunk, o_.cache_tokens - done);
-      StepInput in;
-      {
-        std::lock_guard<std::mutex> lock(rng_mu_);
-        in.session_id = id;
-        in.layer = layer;
-        in.q = Random(n, o_.heads);
-        in.k_new = Random(n, o_.kv_heads);
-        in.v_new = Random(n, o_.kv_heads);
-      }
+      StepInput in = PrefillChunk(done, n);
+      in.session_id = id;
+      in.layer = layer;
       auto r = attn::client::Step(client, in, std::chrono::milliseconds(600000));
       if (!r.ok()) {
         return absl::Status(r.status().code(), absl::StrCat("prefill of session ", id, " layer ", layer, " at token ",
