@@ -120,8 +120,7 @@ absl::StatusOr<char*> CudaStepDevice::LaneMemory::Get(DevicePool* pool, cudaStre
   if (buffer_ && capacity_ >= bytes && capacity_ <= 4 * bytes + (size_t{1} << 20)) {
     return buffer_->get();
   }
-  buffer_.reset();  // back to the pool (stream-ordered) before the new one is taken
-  capacity_ = 0;
+  Release();  // back to the pool (stream-ordered) before the new one is taken
   auto buffer = std::make_unique<DeviceBuffer>(pool, stream);
   RETURN_IF_ERROR(buffer->Allocate(bytes));
   buffer_ = std::move(buffer);
@@ -233,6 +232,10 @@ absl::StatusOr<OutputBytes> CudaStepDevice::OutputStaging(size_t bytes) {
 absl::Status CudaStepDevice::Launch(int lane_index, const StepLaunch& l) {
   Lane& lane = *lanes_[lane_index];
   absl::Status st = Enqueue(lane, l);
+  if (st.ok()) {
+    // Stream-ordered: the memory goes back to the pool once this launch's work is done.
+    lane.KeepWithin(state_->device_pool().limit() / (2 * lanes_.size()));
+  }
   if (!st.ok()) {
     // Whatever the lane kept goes back too: smaller launches retried after an exhaustion get
     // the whole pool.

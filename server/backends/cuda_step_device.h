@@ -53,7 +53,11 @@ class CudaStepDevice : public StepDevice {
    public:
     // At least `bytes` (null for none), valid for the lane's launches until the next call.
     absl::StatusOr<char*> Get(DevicePool* pool, cudaStream_t stream, size_t bytes);
-    void Release() { buffer_.reset(); }
+    void Release() {
+      buffer_.reset();
+      capacity_ = 0;
+    }
+    size_t capacity() const { return capacity_; }
 
    private:
     std::unique_ptr<DeviceBuffer> buffer_;
@@ -65,6 +69,15 @@ class CudaStepDevice : public StepDevice {
     PinnedBuffer staging;        // input staging, grown on demand, reused launch after launch
     // The device copy of the input staging, the launch's outputs, the kernel's workspace.
     LaneMemory in, out, workspace;
+    // What the lane keeps after a launch: its buffers while they stay within its share of the
+    // device pool, else nothing (a lane that held a large part of a small pool between launches
+    // would make the other lanes' launches fail for want of memory that sits idle).
+    void KeepWithin(size_t share) {
+      if (in.capacity() + out.capacity() + workspace.capacity() <= share) return;
+      in.Release();
+      out.Release();
+      workspace.Release();
+    }
     // Device time per byte moved of this lane's large launches, the fastest seen lately: at
     // least how long the next one will take.
     double device_us_per_byte = 0;

@@ -28,6 +28,7 @@ class DevicePool {
   void Free(void* ptr, size_t bytes, cudaStream_t stream);
 
   MemoryBytes Bytes() const;
+  size_t limit() const { return limit_; }
 
  private:
   DevicePool(cudaMemPool_t pool, size_t limit) : pool_(pool), limit_(limit) {}

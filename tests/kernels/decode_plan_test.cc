@@ -29,26 +29,25 @@ TEST(DecodeSplits, OneSequenceFillsEveryCtaSlot) {
   // 4k keys: 256 tiles of 16; 33 splits would fill the 264 slots, but the last would be empty:
   // 32 splits of 8 tiles (two per warp), 256 CTAs.
   EXPECT_EQ(DecodeSplits(H200(1, 4096)), 32);
-  // 32k and 128k: splits of 128 tiles and more, so one CTA per SM: 16 splits x 8 KV heads = 128
+  // 8k and more: splits of 32 tiles and more, so one CTA per SM: 16 splits x 8 KV heads = 128
   // CTAs on 132 SMs.
   EXPECT_EQ(DecodeSplits(H200(1, 32768)), 16);
   EXPECT_EQ(DecodeSplits(H200(1, 131072)), 16);
-  // 8k: 512 tiles, 32 per split at one CTA per SM: both slots filled, 32 splits of 16.
-  EXPECT_EQ(DecodeSplits(H200(1, 8192)), 32);
-  // 16k: 1024 tiles, 64 per split at one CTA per SM, short of 128: both slots, 32 splits of 32.
-  EXPECT_EQ(DecodeSplits(H200(1, 16384)), 32);
+  EXPECT_EQ(DecodeSplits(H200(1, 8192)), 16);
+  EXPECT_EQ(DecodeSplits(H200(1, 16384)), 16);
   // d=256 runs one CTA per SM: 16 splits x 8 heads = 128 CTAs of 132 slots.
   EXPECT_EQ(DecodeSplits(H200(1, 32768, 16, 1)), 16);
   // The FP8 kernel's 32-key tiles: 4k is 128 tiles, at most 16 splits of 8 tiles; 32k is 1024
-  // tiles, 64 per split at one CTA per SM (short of 128): 33 would leave one empty, so 32.
+  // tiles, 64 per split at one CTA per SM: long splits, 16.
   EXPECT_EQ(DecodeSplits(H200(1, 4096, 32)), 16);
-  EXPECT_EQ(DecodeSplits(H200(1, 32768, 32)), 32);
+  EXPECT_EQ(DecodeSplits(H200(1, 32768, 32)), 16);
 }
 
 TEST(DecodeSplits, SmallBatchesShareTheSlots) {
-  EXPECT_EQ(DecodeSplits(H200(2, 4096)), 16);   // 16 sequence-heads x 16 = 256 CTAs
-  EXPECT_EQ(DecodeSplits(H200(4, 4096)), 8);    // 32 x 8
-  EXPECT_EQ(DecodeSplits(H200(8, 2048)), 4);    // 64 x 4: 64 tiles each at one CTA per SM
+  EXPECT_EQ(DecodeSplits(H200(2, 2048)), 16);   // 16 sequence-heads x 16 = 256 CTAs
+  EXPECT_EQ(DecodeSplits(H200(2, 4096)), 8);    // 16 x 8 of 32 tiles: one CTA per SM
+  EXPECT_EQ(DecodeSplits(H200(4, 4096)), 4);    // 32 x 4
+  EXPECT_EQ(DecodeSplits(H200(8, 512)), 4);     // 64 x 4: 16 tiles each at one CTA per SM
   EXPECT_EQ(DecodeSplits(H200(8, 4096)), 2);    // 64 x 2, one CTA per SM: 128 tiles each
   EXPECT_EQ(DecodeSplits(H200(8, 32768)), 2);   // 64 x 2, one CTA per SM: 1024 tiles each
   EXPECT_EQ(DecodeSplits(H200(14, 4096)), 2);   // 112 x 2 = 224
@@ -66,7 +65,7 @@ TEST(DecodeSplits, FullBatchesStayUnsplit) {
   EXPECT_EQ(DecodeSplits(steps), 1);
   steps.batch = 2;
   EXPECT_EQ(DecodeSplits(steps), 2);
-  steps.max_seqlen_k = 2048;  // 64 tiles each at one CTA per SM, not long: both slots, 4 splits
+  steps.max_seqlen_k = 512;  // 16 tiles each at one CTA per SM, not long: both slots, 4 splits
   EXPECT_EQ(DecodeSplits(steps), 4);
 }
 

@@ -80,6 +80,26 @@ def test_prefill_decode_fork_truncate(client, dtype):
         s.client.truncate_session(s.id, 0)
 
 
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
+def test_speculative_rounds_at_every_head_dim(client, d):
+    """What assisted generation sends: a prefill, a decode step, then rounds of a verification step
+    of a few tokens and a truncate of the rejected ones, at each head dim the server serves."""
+    if d not in client.info().head_dims:
+        pytest.skip(f"head dim {d} is not served here")
+    rng = np.random.default_rng(1000 + d)
+    heads, kv_heads, dtype = 4, 2, "fp16"
+    with client.create_session(1, kv_heads, d, dtype) as s:
+        m = Model(1, kv_heads, d)
+        step_and_check(rng, s, m, 0, 24, heads, dtype)
+        step_and_check(rng, s, m, 0, 1, heads, dtype)
+        for verify, rejected in ((4, 2), (4, 0), (3, 3), (2, 1), (16, 9), (5, 4)):
+            step_and_check(rng, s, m, 0, verify, heads, dtype)
+            if rejected:
+                s.truncate(rejected)
+                m.truncate(rejected)
+            step_and_check(rng, s, m, 0, 1, heads, dtype)
+
+
 def test_batch_step_across_sessions(client):
     rng = np.random.default_rng(22)
     heads, kv_heads, d = 4, 2, 64

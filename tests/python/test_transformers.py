@@ -71,7 +71,19 @@ def test_assisted_generation_crops_and_beam_search_forks(client, model):
         beam_cache = at.AttndCache(client, model.config)
         beams = model.generate(ids, max_new_tokens=6, do_sample=False, num_beams=3,
                                num_return_sequences=2, past_key_values=beam_cache)
-    assert torch.equal(assisted, plain)  # greedy verification reproduces greedy decoding
+    # Greedy verification reproduces greedy decoding: exactly where attention is computed as sent
+    # (the CPU backend); where it is read as fp16 (CUDA), a verification step (many queries) and a
+    # decode step (one) round differently, so the two may part at a near tie of the top two logits
+    # and nowhere else.
+    if not torch.equal(assisted, plain):
+        assert client.info().backend != "cpu", (assisted, plain)
+        p = int((assisted[0] != plain[0]).nonzero()[0])
+        with torch.inference_mode():
+            set_impl(model, "sdpa")
+            logits = model(plain[:, :p], use_cache=False).logits[0, -1]
+        gap = (logits[plain[0, p]] - logits[assisted[0, p]]).abs().item()
+        # Twice test_forward_without_a_cache_uses_attend's bound on each logit's error.
+        assert gap <= 4e-2, f"tokens part at {p} with a logit gap of {gap} (not a near tie)"
     assert beams.shape == (2, ids.shape[1] + 6)
     for c in (plain_cache, assisted_cache, beam_cache):
         c.close()

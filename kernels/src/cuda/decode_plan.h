@@ -23,10 +23,11 @@ struct DecodeSplitShape {
 
 // Key tiles per split at and above which one CTA per SM beats two: a long split keeps enough
 // bytes in flight by itself, and the second CTA only adds a partial result to combine (H200,
-// GQA 32/8, d=128, one sequence: 32k keys in 16 splits of 128 tiles 3.51 TB/s against 3.38 in 33
-// splits of 62 and 3.40 in 32; 128k 4.25 against 4.17 and 4.14; 4k, 16 tiles each, still gains
-// from filling both slots: 0.95 TB/s in 32 splits against 0.86 in 16).
-inline constexpr int64_t kDecodeLongSplitTiles = 128;
+// GQA 32/8, d=128, one sequence, forced splits in one run: 8k keys in 16 splits of 32 tiles
+// 14.9 us against 16.2 in 32 splits; 16k 23.3 against 24.6; 32k 38.4 against 39.4; 128k 127.2
+// against 130.2; 4k, 16 tiles per split, 12.0 against 12.4, within the noise of runs, where an
+// earlier run had 32 splits ahead: bench/results/2026-12-03-decode-splits-h200.md).
+inline constexpr int64_t kDecodeLongSplitTiles = 32;
 
 // KV splits per (sequence, KV head, row block):
 //  - none when the unsplit CTAs number at least 90% of the SMs: one CTA per SM, each streaming its
