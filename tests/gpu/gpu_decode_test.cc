@@ -386,7 +386,7 @@ std::vector<DecodeParam> AllDecode() {
   for (DType t : {DType::kFloat16, DType::kBFloat16})
     for (int d : {32, 64, 96, 128, 256})
       for (int g : {1, 4, 8})
-        for (int page : {0, 16, 32, 64, 128}) v.push_back({t, d, g, page});
+        for (int page : {0, 16, 32, 64, 128, 256}) v.push_back({t, d, g, page});
   return v;
 }
 
@@ -605,7 +605,8 @@ INSTANTIATE_TEST_SUITE_P(
                       StepParam{64, 8, true, -1, -1}, StepParam{0, 4, false, -1, -1},
                       StepParam{32, 2, false, -1, -1}, StepParam{0, 4, true, 100, -1},
                       StepParam{16, 4, true, 31, -1}, StepParam{0, 4, false, 64, 3},
-                      StepParam{64, 1, false, 17, 0}, StepParam{128, 4, true, 0, -1}),
+                      StepParam{64, 1, false, 17, 0}, StepParam{128, 4, true, 0, -1},
+                      StepParam{256, 2, true, -1, -1}, StepParam{512, 2, true, -1, -1}),
     StepName);
 
 // ---- Lengths around tile and split boundaries, one sequence (most splits) --------------------
@@ -767,7 +768,7 @@ std::vector<PrefillParam> AllPrefill() {
   std::vector<PrefillParam> v;
   for (DType t : {DType::kFloat16, DType::kBFloat16})
     for (int d : {32, 64, 96, 128, 256})
-      for (int page : {16, 32, 64, 128, 24, 20}) v.push_back({t, d, page});
+      for (int page : {16, 32, 64, 128, 256, 24, 20}) v.push_back({t, d, page});
   return v;
 }
 
