@@ -149,7 +149,16 @@ bool Demo::DoStep(const char* op, const std::string& who, const SessionInfo& s, 
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
   if (!r.ok()) return Fail(absl::StrCat(op, " ", who, " layer ", layer), r.status());
   // The cache as the server now holds it: what it held, and this step's tokens.
-  const std::vector<float> kf = in.k_new.ToFloats(), vf = in.v_new.ToFloats();
+  std::vector<float> kf = in.k_new.ToFloats(), vf = in.v_new.ToFloats();
+  if (o_.kv_fp8) {  // as the FP8 cache holds them: E4M3(x / scale) * scale
+    for (std::vector<float>* x : {&kf, &vf}) {
+      std::vector<float> scaled(x->size());
+      for (size_t i = 0; i < x->size(); ++i) scaled[i] = (*x)[i] / kFp8DemoScale;
+      const std::vector<float> q =
+          Tensor::FromFloats(DType::kFloat8E4M3, {int64_t(x->size())}, scaled).ToFloats();
+      for (size_t i = 0; i < x->size(); ++i) (*x)[i] = q[i] * kFp8DemoScale;
+    }
+  }
   m.k[layer].insert(m.k[layer].end(), kf.begin(), kf.end());
   m.v[layer].insert(m.v[layer].end(), vf.begin(), vf.end());
   const auto& t = r->timing;
@@ -246,6 +255,11 @@ int Demo::Run() {
   spec.num_kv_heads = o_.kv_heads;
   spec.head_dim = o_.head_dim;
   spec.dtype = o_.dtype;
+  if (o_.kv_fp8) {
+    spec.cache_dtype = DType::kFloat8E4M3;
+    spec.k_scales.assign(static_cast<size_t>(o_.kv_heads), kFp8DemoScale);
+    spec.v_scales = spec.k_scales;
+  }
   auto created = sessions_.CreateSession(spec, o_.timeout);
   if (!created.ok()) {
     Fail("CreateSession", created.status());

@@ -46,6 +46,10 @@ absl::Status CudaBackend::Init() {
   int n = 0;
   const int* dims = kernels::cuda::CompiledHeadDims(&n);
   info_.head_dims.assign(dims, dims + n);
+  // FP8-cache sessions: steps run the FP8 paged decode kernel, which takes at most 16 queries
+  // per sequence (longer chunks are refused at validation).
+  info_.fp8.session_cache = true;
+  info_.fp8.session_max_step_tokens = 16;
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);

@@ -47,7 +47,7 @@ absl::Status CopyInputs(const StepLaunch& l, char* dev, cudaStream_t stream) {
   for (size_t m = 0; m < l.members.size(); ++m) {
     const StepJob& job = *l.members[m];
     const StepRoute& r = l.routes[m];
-    const size_t q_bytes = job.QBytes(), kv_bytes = job.KvBytes();
+    const size_t q_bytes = job.QBytes(), kv_bytes = job.StagedKvBytes();
     const std::tuple<const char*, size_t, bool, size_t*> parts[] = {
         {job.q_bytes.data(), q_bytes, r.q, &q_at},
         {job.k_bytes.data(), kv_bytes, r.k, &k_at},
@@ -203,15 +203,17 @@ StepRoute CudaStepDevice::RouteOf(const StepJob& job) const {
   if (job.device_tensors) return {true, true, true, true, job.return_lse, true};
   const Job::HostRegistered& r = job.host_registered;
   auto large = [](size_t bytes) { return bytes >= kDirectStepBytes; };
-  return {r.q && large(job.q_bytes.size()), r.k && large(job.k_bytes.size()),
-          r.v && large(job.v_bytes.size()), r.o && large(job.OBytes()),
+  // An FP8 cache's new keys and values are staged as codes (quantized on the host): never direct.
+  const bool kv_direct = !job.key.fp8_cache;
+  return {r.q && large(job.q_bytes.size()), kv_direct && r.k && large(job.k_bytes.size()),
+          kv_direct && r.v && large(job.v_bytes.size()), r.o && large(job.OBytes()),
           r.lse && large(job.LseBytes()), false};
 }
 
 bool CudaStepDevice::RunsInPlace(std::span<StepJob* const> members) const {
   if (members.size() != 1) return false;
   const StepJob& job = *members.front();
-  if (!job.device_tensors) return false;
+  if (!job.device_tensors || job.key.fp8_cache) return false;
   return Aligned16(job.q_bytes.data()) && Aligned16(job.k_bytes.data()) &&
          Aligned16(job.v_bytes.data()) && Aligned16(job.o_out) &&
          (!job.return_lse || Aligned16(job.lse_out));
@@ -269,6 +271,10 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   args.paged.page_indptr = reinterpret_cast<const int32_t*>(in + s.indptr);
   args.paged.page_indices = reinterpret_cast<const int32_t*>(in + s.indices);
   args.paged.seqlens_k = reinterpret_cast<const int32_t*>(in + s.seqlens);
+  if (key.fp8_cache) {  // the scales' device copy ([members, num_kv_heads], in the tables)
+    args.kv_scales.k = reinterpret_cast<const float*>(in + s.k_scales);
+    args.kv_scales.v = reinterpret_cast<const float*>(in + s.v_scales);
+  }
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
   ASSIGN_OR_RETURN(char* workspace,
                    lane.workspace.Get(pool, stream, kernels::cuda::WorkspaceBytes(args)));

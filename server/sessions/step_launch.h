@@ -34,6 +34,7 @@ struct StepLayout {
   size_t tables = 0;                                      // where the arrays below begin
   size_t cu_q = 0, indptr = 0, indices = 0, seqlens = 0;  // int32 arrays
   size_t copy_src = 0, copy_dst = 0, append = 0;          // int64 rows of the KV region
+  size_t k_scales = 0, v_scales = 0;  // FP8 cache: float [members, num_kv_heads] each
   size_t in_bytes = 0;
   size_t o = 0, lse = 0, out_bytes = 0;
 };
@@ -51,6 +52,7 @@ struct StepLaunch {
   int32_t num_pages = 0;     // pages of the KV region in the members' page size
   int64_t row_bytes = 0;     // bytes of one token's keys (or values)
   double kv_bytes_read = 0;  // K and V bytes the kernel reads from the KV region
+  int64_t fp8_saturations = 0;  // FP8 cache: staged k/v elements that saturated to +-448
   StepLayout layout;
   char* in = nullptr;  // input staging (host), layout.in_bytes
   OutputBytes out;     // output staging (host), layout.out_bytes; empty unless staged_out

@@ -1,11 +1,13 @@
 #include "sessions/step_pipeline.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attn/kernels/dtype_convert.h"
 #include "common/status_util.h"
 
 namespace attn {
@@ -21,9 +23,10 @@ constexpr size_t kFinishOnLaneSteps = 4;
 StepLayout PlanLayout(const StepLaunch& l) {
   const BatchKey& key = l.key;
   const size_t elem = kernels::DTypeSize(key.wire_dtype);
+  const size_t kv_elem = key.fp8_cache ? 1 : elem;  // k/v staged as the cache holds them
   const size_t tokens = l.in_place ? 0 : size_t(l.total_q);
   const size_t q_bytes = tokens * key.num_heads * key.head_dim * elem;
-  const size_t kv_bytes = tokens * key.num_kv_heads * key.head_dim * elem;
+  const size_t kv_bytes = tokens * key.num_kv_heads * key.head_dim * kv_elem;
   const size_t m = l.members.size();
   StepLayout s;
   size_t at = 0;
@@ -43,6 +46,9 @@ StepLayout PlanLayout(const StepLaunch& l) {
   s.copy_src = take(sizeof(int64_t) * l.copy_rows);
   s.copy_dst = take(sizeof(int64_t) * l.copy_rows);
   s.append = take(sizeof(int64_t) * l.total_q);
+  const size_t scales = key.fp8_cache ? sizeof(float) * m * key.num_kv_heads : 0;
+  s.k_scales = take(scales);
+  s.v_scales = take(scales);
   s.in_bytes = at;
   s.o = 0;
   s.lse = AlignUp(q_bytes);
@@ -60,6 +66,49 @@ void CopyIn(const WireBytes& wire, std::string_view bytes, char* dst) {
   } else {
     std::memcpy(dst, bytes.data(), bytes.size());
   }
+}
+
+// A 16-bit k_new or v_new into an FP8 cache's staging: dst[t, g, d] = E4M3(x[t, g, d] /
+// scales[g]), rounded to nearest even, saturating to +-448. Returns the elements that saturated
+// (finite or not, |x / scale| beyond 448). src holds tokens * heads * head_dim elements of dtype.
+int64_t QuantizeRows(kernels::DType dtype, const char* src, int64_t tokens, int32_t heads,
+                     int32_t head_dim, const std::vector<float>& scales, uint8_t* dst) {
+  using namespace kernels::cpu;
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(src);
+  const bool bf16 = dtype == kernels::DType::kBFloat16;
+  int64_t saturated = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int32_t g = 0; g < heads; ++g) {
+      const float scale = scales[static_cast<size_t>(g)];
+      const size_t at = (size_t(t) * heads + g) * head_dim;
+      for (int32_t d = 0; d < head_dim; ++d) {
+        const float v = bf16 ? Bf16BitsToFloat(x[at + d]) : HalfBitsToFloat(x[at + d]);
+        const float q = v / scale;
+        saturated += !(std::fabs(q) <= 448.0f) && !std::isnan(q);
+        dst[at + d] = FloatToE4m3Bits(q);
+      }
+    }
+  }
+  return saturated;
+}
+
+// A member's k_new or v_new into the staging of an FP8 cache: codes as sent, or quantized from
+// 16 bits (read out of the received message's pieces first when they came inline).
+int64_t StageFp8(const StepJob& job, const WireBytes& wire, std::string_view bytes,
+                 const std::vector<float>& scales, char* dst) {
+  if (job.fp8_kv_codes) {
+    CopyIn(wire, bytes, dst);
+    return 0;
+  }
+  const char* src = bytes.data();
+  thread_local std::vector<char> joined;
+  if (wire.size > 0) {
+    joined.resize(wire.size);
+    wire.CopyTo(joined.data());
+    src = joined.data();
+  }
+  return QuantizeRows(job.key.wire_dtype, src, job.total_q, job.key.num_kv_heads,
+                      job.key.head_dim, scales, reinterpret_cast<uint8_t*>(dst));
 }
 
 }  // namespace
@@ -201,6 +250,7 @@ void StepPipeline::RunLaunches(int lane, std::span<std::unique_ptr<StepJob>> job
   const kernels::AttentionArgs args = launch.HostArgs();
   report->flops += kernels::AttentionFlops(args, args.cu_seqlens_q, nullptr);
   report->kv_bytes_read += launch.kv_bytes_read;
+  report->kv_fp8_saturations += launch.fp8_saturations;
   const double elem = kernels::DTypeSize(launch.key.wire_dtype);
   report->bytes += launch.kv_bytes_read +
                    2.0 * elem * launch.total_q * launch.key.num_heads * launch.key.head_dim;
@@ -268,14 +318,26 @@ absl::Status StepPipeline::PlanAndStage(int lane, std::span<StepJob* const> memb
     for (int64_t pos = p.tokens_before; pos < p.tokens_after; ++pos) {
       *append++ = int64_t{table[pos / t]} * t + pos % t;
     }
+    if (l.key.fp8_cache) {
+      const SessionShape& own = job.session->shape();
+      const size_t heads = static_cast<size_t>(own.num_kv_heads);
+      std::copy(own.k_scales.begin(), own.k_scales.end(), l.At<float>(s.k_scales) + m * heads);
+      std::copy(own.v_scales.begin(), own.v_scales.end(), l.At<float>(s.v_scales) + m * heads);
+    }
     if (l.in_place) continue;
     const StepRoute& r = l.routes[m];
     if (!r.q) CopyIn(job.wire.q, job.q_bytes, l.in + q_at);
-    if (!r.k) CopyIn(job.wire.k, job.k_bytes, l.in + k_at);
-    if (!r.v) CopyIn(job.wire.v, job.v_bytes, l.in + v_at);
+    if (l.key.fp8_cache) {  // never direct (the device's RouteOf)
+      const SessionShape& own = job.session->shape();
+      l.fp8_saturations += StageFp8(job, job.wire.k, job.k_bytes, own.k_scales, l.in + k_at);
+      l.fp8_saturations += StageFp8(job, job.wire.v, job.v_bytes, own.v_scales, l.in + v_at);
+    } else {
+      if (!r.k) CopyIn(job.wire.k, job.k_bytes, l.in + k_at);
+      if (!r.v) CopyIn(job.wire.v, job.v_bytes, l.in + v_at);
+    }
     q_at += job.QBytes();
-    k_at += job.KvBytes();
-    v_at += job.KvBytes();
+    k_at += job.StagedKvBytes();
+    v_at += job.StagedKvBytes();
   }
   return absl::OkStatus();
 }
