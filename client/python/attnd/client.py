@@ -273,8 +273,8 @@ class Client(_ChannelSet):
 
     def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                        dtype: Any = "bfloat16", max_tokens: int = 0,
-                       cache_dtype: Any = None, k_scales: Any = None, v_scales: Any = None,
-                       timeout: Optional[float] = None) -> "Session":
+                       timeout: Optional[float] = None, *, cache_dtype: Any = None,
+                       k_scales: Any = None, v_scales: Any = None) -> "Session":
         """Creates a KV-cache session (its cache in float16 or bfloat16) on this attnd.
 
         cache_dtype="fp8_e4m3" with k_scales and v_scales (one float per KV head each) keeps the

@@ -313,8 +313,8 @@ class SessionClient:
 
     def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                        dtype: Any = "bfloat16", max_tokens: int = 0,
-                       cache_dtype: Any = None, k_scales: Any = None, v_scales: Any = None,
-                       timeout: Optional[float] = None) -> Session:
+                       timeout: Optional[float] = None, *, cache_dtype: Any = None,
+                       k_scales: Any = None, v_scales: Any = None) -> Session:
         """A new session on the replica with the most free KV pages now."""
         self._refresh_if_older(self._routing.refresh_interval)
         with self._routing.lock:
@@ -443,8 +443,8 @@ class AsyncSessionClient:
 
     async def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype: Any = "bfloat16", max_tokens: int = 0,
-                             cache_dtype: Any = None, k_scales: Any = None, v_scales: Any = None,
-                             timeout: Optional[float] = None) -> Any:
+                             timeout: Optional[float] = None, *, cache_dtype: Any = None,
+                             k_scales: Any = None, v_scales: Any = None) -> Any:
         if self._routing.due(self._routing.refresh_interval):
             try:
                 await self.refresh()
