@@ -25,6 +25,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attn/client/client.h"
 #include "attn/client/session.h"
@@ -144,7 +145,12 @@ int Info(Client& client) {
             << " tokens each, TTL " << info->kv_cache().session_ttl_seconds() << " s\n"
             << "fp8:            attend k/v " << (info->fp8().attend_fp8_kv() ? "yes" : "no")
             << ", attend q/k/v " << (info->fp8().attend_fp8_q() ? "yes" : "no")
-            << ", session cache " << (info->fp8().session_fp8_cache() ? "yes" : "no") << "\n"
+            << ", session cache " << (info->fp8().session_fp8_cache() ? "yes" : "no")
+            << (info->fp8().session_fp8_max_step_tokens() > 0
+                    ? absl::StrCat(" (at most ", info->fp8().session_fp8_max_step_tokens(),
+                                   " new tokens per step)")
+                    : std::string())
+            << "\n"
             << "build:          " << info->build_info() << std::endl;
   return 0;
 }
