@@ -66,6 +66,8 @@ struct Fp8Features {
   bool session_cache = false;  // sessions with an FP8 KV cache
   // Most new tokens a step of an FP8-cache session may append (the FP8 kernel's limit); 0: none.
   int32_t session_max_step_tokens = 0;
+  // Head dims FP8-cache sessions may have; empty: every head dim the backend serves.
+  std::vector<int32_t> session_head_dims;
 };
 
 enum class JobKind { kAttend, kStep };

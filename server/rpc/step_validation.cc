@@ -1,5 +1,6 @@
 #include "rpc/step_validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -175,6 +176,12 @@ absl::Status SessionCacheParams(const v1::CreateSessionRequest& r, const Fp8Feat
     return absl::FailedPreconditionError(
         "cache_dtype DTYPE_FLOAT8_E4M3: this attnd's backend has no FP8 session caches "
         "(GetServerInfo fp8.session_fp8_cache is false)");
+  }
+  const auto& dims = fp8.session_head_dims;
+  if (!dims.empty() && std::find(dims.begin(), dims.end(), r.head_dim()) == dims.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cache_dtype DTYPE_FLOAT8_E4M3 with head_dim ", r.head_dim(), ": this backend's FP8 "
+        "kernel takes head_dim ", absl::StrJoin(dims, ", ")));
   }
   for (const auto& [scales, name] : {std::pair{&r.k_scales(), "k_scales"},
                                      std::pair{&r.v_scales(), "v_scales"}}) {

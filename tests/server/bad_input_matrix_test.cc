@@ -1128,6 +1128,14 @@ TEST(SessionFp8Unsupported, CreateIsFailedPrecondition) {
   with.session_cache = true;
   EXPECT_TRUE(SessionCacheParams(r, with, &p).ok());
   EXPECT_EQ(p.cache_dtype, kernels::DType::kFloat8E4M3);
+  // A backend whose FP8 kernel has other head dims (the CUDA backend: 64, 128, 256).
+  with.session_head_dims = {128, 256};
+  SessionManager::CreateParams q;
+  const absl::Status dim = SessionCacheParams(r, with, &q);
+  EXPECT_EQ(dim.code(), absl::StatusCode::kFailedPrecondition) << dim;
+  EXPECT_NE(dim.message().find("head_dim 64: this backend's FP8 kernel takes head_dim 128, 256"),
+            std::string::npos)
+      << dim;
 }
 
 // The same bad steps as BatchStep items between good ones: each bad item gets its own code and
