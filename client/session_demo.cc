@@ -266,10 +266,11 @@ int Demo::Run() {
     return 2;
   }
   const SessionInfo parent = *created;
-  std::printf("session %s on replica %s (%s): %d layers, %d KV heads x %d, %s; pages of %d tokens, "
+  std::printf("session %s on replica %s (%s): %d layers, %d KV heads x %d, %s%s; pages of %d tokens, "
               "TTL %lld s, at most %lld tokens\n",
               parent.session_id.c_str(), parent.replica_id.c_str(), parent.endpoint.c_str(), o_.layers,
-              o_.kv_heads, o_.head_dim, DTypeName(o_.dtype), parent.page_tokens,
+              o_.kv_heads, o_.head_dim, DTypeName(o_.dtype),
+              parent.cache_dtype == DType::kFloat8E4M3 ? " with an FP8 E4M3 cache" : "", parent.page_tokens,
               static_cast<long long>(parent.ttl_seconds), static_cast<long long>(parent.max_tokens));
   std::printf("%-9s %-7s %5s %5s %7s %10s %10s %9s %10s%s%s\n", "op", "session", "layer", "new", "cached",
               "client_us", "server_us", "queue_us", "compute_us", o_.check ? "   rel_err" : "",
