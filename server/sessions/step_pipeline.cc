@@ -1,14 +1,13 @@
 #include "sessions/step_pipeline.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "attn/kernels/dtype_convert.h"
 #include "common/status_util.h"
+#include "sessions/fp8_quantize.h"
 
 namespace attn {
 namespace {
@@ -68,30 +67,6 @@ void CopyIn(const WireBytes& wire, std::string_view bytes, char* dst) {
   }
 }
 
-// A 16-bit k_new or v_new into an FP8 cache's staging: dst[t, g, d] = E4M3(x[t, g, d] /
-// scales[g]), rounded to nearest even, saturating to +-448. Returns the elements that saturated
-// (finite or not, |x / scale| beyond 448). src holds tokens * heads * head_dim elements of dtype.
-int64_t QuantizeRows(kernels::DType dtype, const char* src, int64_t tokens, int32_t heads,
-                     int32_t head_dim, const std::vector<float>& scales, uint8_t* dst) {
-  using namespace kernels::cpu;
-  const uint16_t* x = reinterpret_cast<const uint16_t*>(src);
-  const bool bf16 = dtype == kernels::DType::kBFloat16;
-  int64_t saturated = 0;
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int32_t g = 0; g < heads; ++g) {
-      const float scale = scales[static_cast<size_t>(g)];
-      const size_t at = (size_t(t) * heads + g) * head_dim;
-      for (int32_t d = 0; d < head_dim; ++d) {
-        const float v = bf16 ? Bf16BitsToFloat(x[at + d]) : HalfBitsToFloat(x[at + d]);
-        const float q = v / scale;
-        saturated += !(std::fabs(q) <= 448.0f) && !std::isnan(q);
-        dst[at + d] = FloatToE4m3Bits(q);
-      }
-    }
-  }
-  return saturated;
-}
-
 // A member's k_new or v_new into the staging of an FP8 cache: codes as sent, or quantized from
 // 16 bits (read out of the received message's pieces first when they came inline).
 int64_t StageFp8(const StepJob& job, const WireBytes& wire, std::string_view bytes,
@@ -107,8 +82,8 @@ int64_t StageFp8(const StepJob& job, const WireBytes& wire, std::string_view byt
     wire.CopyTo(joined.data());
     src = joined.data();
   }
-  return QuantizeRows(job.key.wire_dtype, src, job.total_q, job.key.num_kv_heads,
-                      job.key.head_dim, scales, reinterpret_cast<uint8_t*>(dst));
+  return QuantizeE4m3Rows(job.key.wire_dtype, src, job.total_q, job.key.num_kv_heads,
+                          job.key.head_dim, scales, reinterpret_cast<uint8_t*>(dst));
 }
 
 }  // namespace
