@@ -15,7 +15,8 @@
 // Prints the median of each, their sum, and the calls per second one core sustains at that cost.
 //   attn-step-bench [--steps 64] [--heads 32] [--kv_heads 8] [--head_dim 128]
 //                   [--cache_tokens 4096] [--page_tokens 16] [--seconds 3] [--kv_fp8]
-// --kv_fp8: sessions with an FP8 cache, whose k_new/v_new the pipeline quantizes as it stages.
+// --kv_fp8: sessions with an FP8 cache (the pipeline stages their 16-bit k_new/v_new as sent; the
+// device quantizes them as it appends, which this null device does not).
 #include <algorithm>
 #include <atomic>
 #include <chrono>

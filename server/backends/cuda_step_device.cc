@@ -47,7 +47,7 @@ absl::Status CopyInputs(const StepLaunch& l, char* dev, cudaStream_t stream) {
   for (size_t m = 0; m < l.members.size(); ++m) {
     const StepJob& job = *l.members[m];
     const StepRoute& r = l.routes[m];
-    const size_t q_bytes = job.QBytes(), kv_bytes = job.StagedKvBytes();
+    const size_t q_bytes = job.QBytes(), kv_bytes = job.KvBytes();
     const std::tuple<const char*, size_t, bool, size_t*> parts[] = {
         {job.q_bytes.data(), q_bytes, r.q, &q_at},
         {job.k_bytes.data(), kv_bytes, r.k, &k_at},
@@ -203,10 +203,8 @@ StepRoute CudaStepDevice::RouteOf(const StepJob& job) const {
   if (job.device_tensors) return {true, true, true, true, job.return_lse, true};
   const Job::HostRegistered& r = job.host_registered;
   auto large = [](size_t bytes) { return bytes >= kDirectStepBytes; };
-  // An FP8 cache's new keys and values are staged as codes (quantized on the host): never direct.
-  const bool kv_direct = !job.key.fp8_cache;
-  return {r.q && large(job.q_bytes.size()), kv_direct && r.k && large(job.k_bytes.size()),
-          kv_direct && r.v && large(job.v_bytes.size()), r.o && large(job.OBytes()),
+  return {r.q && large(job.q_bytes.size()), r.k && large(job.k_bytes.size()),
+          r.v && large(job.v_bytes.size()), r.o && large(job.OBytes()),
           r.lse && large(job.LseBytes()), false};
 }
 
@@ -297,15 +295,30 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
       LaunchKvCopyRows(kv_.k, kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_src), kv_.k,
                        kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_dst), l.copy_rows,
                        l.row_bytes, stream));
-  RETURN_IF_CUDA_ERROR(
-      "KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v,
-                                    reinterpret_cast<const int64_t*>(in + s.append), l.total_q,
-                                    l.row_bytes, stream));
+  const auto* append = reinterpret_cast<const int64_t*>(in + s.append);
+  auto* saturated = reinterpret_cast<unsigned long long*>(in + s.saturations);
+  if (l.Fp8Quantizes()) {  // 16-bit new rows quantized into the FP8 cache as they are written
+    RETURN_IF_CUDA_ERROR("cudaMemsetAsync", cudaMemsetAsync(saturated, 0, sizeof(int64_t), stream));
+    RETURN_IF_CUDA_ERROR(
+        "KV append (FP8)",
+        LaunchKvQuantizeRows(key.wire_dtype == kernels::DType::kBFloat16, new_k, new_v,
+                             args.cu_seqlens_q, args.batch, args.kv_scales.k, args.kv_scales.v,
+                             kv_.k, kv_.v, append, l.total_q, key.num_kv_heads, key.head_dim,
+                             saturated, stream));
+  } else {
+    RETURN_IF_CUDA_ERROR("KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v, append,
+                                                       l.total_q, l.row_bytes, stream));
+  }
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
   RETURN_IF_CUDA_ERROR("attention kernel",
                        kernels::cuda::Run(args, workspace, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
   if (!l.in_place) RETURN_IF_ERROR(CopyOutputs(l, dev_out, stream));
+  if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(l.in + s.saturations, saturated,
+                                                     sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                                     stream));
+  }
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], stream));
   sync_on_error.Done();
   lane.expected_bytes = l.kv_bytes_read + double(s.in_bytes + dev_out_bytes);
@@ -327,6 +340,7 @@ absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepL
   t.in_us = ElapsedMs(ev[0], ev[1]) * 1e3;
   t.kernel_us = ElapsedMs(ev[1], ev[2]) * 1e3;
   t.out_us = ElapsedMs(ev[2], ev[3]) * 1e3;
+  if (l.Fp8Quantizes()) t.fp8_saturations = *l.At<int64_t>(l.layout.saturations);
   if (l.members.size() > kPolledLaunchSteps && lane.expected_bytes > 0) {
     // The fastest rate seen lately: a launch that runs faster than it (a decode after prefills,
     // which are compute-bound) would otherwise be slept through.

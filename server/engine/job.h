@@ -49,7 +49,8 @@ struct BatchKey {
   int32_t page_tokens = 0;
   bool decode = false;
   // Attend with FP8 codes for k and v (with descales), and for q too (then wire_dtype is the
-  // output's type, which q's codes are widened to before the kernel runs).
+  // output's type, which q's codes are widened to before the kernel runs). Session steps: fp8_kv
+  // says k_new/v_new are FP8 codes (stored as they are) rather than 16-bit values to quantize.
   bool fp8_kv = false;
   bool fp8_q = false;
   // Session steps over an FP8 (E4M3) KV cache: the launch stages the new keys and values as

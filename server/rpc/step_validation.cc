@@ -237,7 +237,7 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
   key.page_tokens = shape.page_tokens;
   key.decode = job->total_q == 1;
   key.fp8_cache = shape.Fp8Cache();
-  job->fp8_kv_codes = r.k_new().dtype() == v1::DTYPE_FLOAT8_E4M3;
+  key.fp8_kv = r.k_new().dtype() == v1::DTYPE_FLOAT8_E4M3;
   if (key.fp8_cache && limits.fp8.session_max_step_tokens > 0 &&
       job->total_q > limits.fp8.session_max_step_tokens) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -253,7 +253,7 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
     if (key.fp8_cache && job->device_tensors) {
       return absl::FailedPreconditionError(
           "k_new/v_new in GPU regions: steps of a session with an FP8 cache take their tensors "
-          "in data or host regions (the server quantizes k_new/v_new on the host)");
+          "in data or host regions");
     }
   } else {
     // Every tensor in the message (its data fields, or the received slices): nothing to resolve.

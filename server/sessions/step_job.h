@@ -26,9 +26,6 @@ struct StepJob : Job {
   // none for a tensor in a region or in q_bytes..), copied straight into the launch's staging.
   WireTensors wire;
   std::shared_ptr<const void> input_hold;
-  // k_new/v_new are E4M3 codes (with the session's scales) for an FP8 cache; else they are in the
-  // session's 16-bit dtype (quantized into an FP8 cache when staged).
-  bool fp8_kv_codes = false;
   // Set by the step pipeline while the job is in a launch.
   std::optional<PendingAppend> append;
   // Tokens the layer holds after the step, once it succeeded.
@@ -37,10 +34,6 @@ struct StepJob : Job {
   // Bytes of q, k_new, v_new wherever they are.
   uint64_t QBytes() const { return wire.q.size > 0 ? wire.q.size : q_bytes.size(); }
   uint64_t KvBytes() const { return wire.k.size > 0 ? wire.k.size : k_bytes.size(); }
-  // Bytes of k_new (v_new) as staged for the cache: E4M3 codes for an FP8 cache.
-  uint64_t StagedKvBytes() const {
-    return key.fp8_cache ? uint64_t(total_q) * key.num_kv_heads * key.head_dim : KvBytes();
-  }
 };
 
 }  // namespace attn

@@ -35,6 +35,7 @@ struct StepLayout {
   size_t cu_q = 0, indptr = 0, indices = 0, seqlens = 0;  // int32 arrays
   size_t copy_src = 0, copy_dst = 0, append = 0;          // int64 rows of the KV region
   size_t k_scales = 0, v_scales = 0;  // FP8 cache: float [members, num_kv_heads] each
+  size_t saturations = 0;             // FP8 cache: an int64 the device may count into
   size_t in_bytes = 0;
   size_t o = 0, lse = 0, out_bytes = 0;
 };
@@ -52,13 +53,15 @@ struct StepLaunch {
   int32_t num_pages = 0;     // pages of the KV region in the members' page size
   int64_t row_bytes = 0;     // bytes of one token's keys (or values)
   double kv_bytes_read = 0;  // K and V bytes the kernel reads from the KV region
-  int64_t fp8_saturations = 0;  // FP8 cache: staged k/v elements that saturated to +-448
   StepLayout layout;
   char* in = nullptr;  // input staging (host), layout.in_bytes
   OutputBytes out;     // output staging (host), layout.out_bytes; empty unless staged_out
 
   template <typename T>
   T* At(size_t offset) const { return reinterpret_cast<T*>(in + offset); }
+  // An FP8 cache whose new rows come in 16 bits (staged as sent): the device quantizes them into
+  // the cache with each member's scales, E4M3(x / scale) saturating (sessions/fp8_quantize.h).
+  bool Fp8Quantizes() const { return key.fp8_cache && !key.fp8_kv; }
   const int32_t* cu_seqlens_q() const { return At<int32_t>(layout.cu_q); }
   // The kernel arguments with the host arrays in `in`; q, k, v, o and lse are unset (the
   // device puts its own addresses in, and those of the arrays' device copy).

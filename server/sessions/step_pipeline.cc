@@ -7,7 +7,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
-#include "sessions/fp8_quantize.h"
 
 namespace attn {
 namespace {
@@ -22,7 +21,7 @@ constexpr size_t kFinishOnLaneSteps = 4;
 StepLayout PlanLayout(const StepLaunch& l) {
   const BatchKey& key = l.key;
   const size_t elem = kernels::DTypeSize(key.wire_dtype);
-  const size_t kv_elem = key.fp8_cache ? 1 : elem;  // k/v staged as the cache holds them
+  const size_t kv_elem = key.fp8_kv ? 1 : elem;  // FP8 codes (a session's), or 16 bits
   const size_t tokens = l.in_place ? 0 : size_t(l.total_q);
   const size_t q_bytes = tokens * key.num_heads * key.head_dim * elem;
   const size_t kv_bytes = tokens * key.num_kv_heads * key.head_dim * kv_elem;
@@ -48,6 +47,7 @@ StepLayout PlanLayout(const StepLaunch& l) {
   const size_t scales = key.fp8_cache ? sizeof(float) * m * key.num_kv_heads : 0;
   s.k_scales = take(scales);
   s.v_scales = take(scales);
+  s.saturations = take(key.fp8_cache ? sizeof(int64_t) : 0);
   s.in_bytes = at;
   s.o = 0;
   s.lse = AlignUp(q_bytes);
@@ -65,25 +65,6 @@ void CopyIn(const WireBytes& wire, std::string_view bytes, char* dst) {
   } else {
     std::memcpy(dst, bytes.data(), bytes.size());
   }
-}
-
-// A member's k_new or v_new into the staging of an FP8 cache: codes as sent, or quantized from
-// 16 bits (read out of the received message's pieces first when they came inline).
-int64_t StageFp8(const StepJob& job, const WireBytes& wire, std::string_view bytes,
-                 const std::vector<float>& scales, char* dst) {
-  if (job.fp8_kv_codes) {
-    CopyIn(wire, bytes, dst);
-    return 0;
-  }
-  const char* src = bytes.data();
-  thread_local std::vector<char> joined;
-  if (wire.size > 0) {
-    joined.resize(wire.size);
-    wire.CopyTo(joined.data());
-    src = joined.data();
-  }
-  return QuantizeE4m3Rows(job.key.wire_dtype, src, job.total_q, job.key.num_kv_heads,
-                          job.key.head_dim, scales, reinterpret_cast<uint8_t*>(dst));
 }
 
 }  // namespace
@@ -225,7 +206,7 @@ void StepPipeline::RunLaunches(int lane, std::span<std::unique_ptr<StepJob>> job
   const kernels::AttentionArgs args = launch.HostArgs();
   report->flops += kernels::AttentionFlops(args, args.cu_seqlens_q, nullptr);
   report->kv_bytes_read += launch.kv_bytes_read;
-  report->kv_fp8_saturations += launch.fp8_saturations;
+  report->kv_fp8_saturations += times.fp8_saturations;
   const double elem = kernels::DTypeSize(launch.key.wire_dtype);
   report->bytes += launch.kv_bytes_read +
                    2.0 * elem * launch.total_q * launch.key.num_heads * launch.key.head_dim;
@@ -302,17 +283,11 @@ absl::Status StepPipeline::PlanAndStage(int lane, std::span<StepJob* const> memb
     if (l.in_place) continue;
     const StepRoute& r = l.routes[m];
     if (!r.q) CopyIn(job.wire.q, job.q_bytes, l.in + q_at);
-    if (l.key.fp8_cache) {  // never direct (the device's RouteOf)
-      const SessionShape& own = job.session->shape();
-      l.fp8_saturations += StageFp8(job, job.wire.k, job.k_bytes, own.k_scales, l.in + k_at);
-      l.fp8_saturations += StageFp8(job, job.wire.v, job.v_bytes, own.v_scales, l.in + v_at);
-    } else {
-      if (!r.k) CopyIn(job.wire.k, job.k_bytes, l.in + k_at);
-      if (!r.v) CopyIn(job.wire.v, job.v_bytes, l.in + v_at);
-    }
+    if (!r.k) CopyIn(job.wire.k, job.k_bytes, l.in + k_at);
+    if (!r.v) CopyIn(job.wire.v, job.v_bytes, l.in + v_at);
     q_at += job.QBytes();
-    k_at += job.StagedKvBytes();
-    v_at += job.StagedKvBytes();
+    k_at += job.KvBytes();
+    v_at += job.KvBytes();
   }
   return absl::OkStatus();
 }
