@@ -127,6 +127,9 @@ ABSL_FLAG(int, heads, 16, "Query heads");
 ABSL_FLAG(int, kv_heads, 0, "KV heads (0: --heads)");
 ABSL_FLAG(int, head_dim, 128, "Head dimension");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32");
+ABSL_FLAG(std::string, kv_dtype, "",
+          "decode: the sessions' KV cache dtype: fp8 (E4M3, the server quantizing each step's "
+          "k_new/v_new in --dtype) or empty (--dtype)");
 ABSL_FLAG(bool, causal, false, "Causal mask");
 ABSL_FLAG(int, channels, 0, "Clients shared by the workers (0: one per worker)");
 ABSL_FLAG(int, connections, 1,
@@ -770,6 +773,13 @@ int Decode() {
     return 64;
   }
   o.dtype = *dtype;
+  const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  if (!kv_dtype.empty() && kv_dtype != "fp8") {
+    std::cerr << "attn-bench: decode: --kv_dtype must be fp8 or empty, got '" << kv_dtype << "'"
+              << std::endl;
+    return 64;
+  }
+  o.kv_fp8 = kv_dtype == "fp8";
   o.target = absl::GetFlag(FLAGS_target);
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_sessions), ',')) {
     int s = 0;
@@ -847,6 +857,11 @@ int main(int argc, char** argv) {
     return 64;
   }
   if (mode == "decode") return Decode();
+  if (!absl::GetFlag(FLAGS_kv_dtype).empty()) {
+    std::cerr << "attn-bench: --kv_dtype applies to --mode=decode only (the sessions' cache)"
+              << std::endl;
+    return 64;
+  }
   std::vector<int> levels;
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',')) {
     int c = 0;

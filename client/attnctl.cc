@@ -25,6 +25,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attn/client/client.h"
 #include "attn/client/session.h"
@@ -69,6 +70,9 @@ ABSL_FLAG(int, connections, 1,
           "HTTP/2 connections to --target (ClientOptions::connections; 0: min(4, hardware "
           "threads)); attnctl sends one call at a time, so one is enough");
 ABSL_FLAG(int, layers, 2, "session: layers of the session");
+ABSL_FLAG(std::string, kv_dtype, "",
+          "session: the cache's dtype: fp8 (E4M3, scale 2/448 per KV head; the server quantizes "
+          "k_new/v_new) or empty (--dtype)");
 ABSL_FLAG(int, prefill, 100, "session: prefill tokens per layer");
 ABSL_FLAG(int, chunk, 0, "session: prefill chunk, tokens per step (0: the whole prefill in one step)");
 ABSL_FLAG(int, decode, 20, "session: decode tokens (one step per layer each)");
@@ -141,7 +145,12 @@ int Info(Client& client) {
             << " tokens each, TTL " << info->kv_cache().session_ttl_seconds() << " s\n"
             << "fp8:            attend k/v " << (info->fp8().attend_fp8_kv() ? "yes" : "no")
             << ", attend q/k/v " << (info->fp8().attend_fp8_q() ? "yes" : "no")
-            << ", session cache " << (info->fp8().session_fp8_cache() ? "yes" : "no") << "\n"
+            << ", session cache " << (info->fp8().session_fp8_cache() ? "yes" : "no")
+            << (info->fp8().session_fp8_max_step_tokens() > 0
+                    ? absl::StrCat(" (at most ", info->fp8().session_fp8_max_step_tokens(),
+                                   " new tokens per step)")
+                    : std::string())
+            << "\n"
             << "build:          " << info->build_info() << std::endl;
   return 0;
 }
@@ -287,6 +296,12 @@ int Session(const std::vector<std::string>& args, const attn::client::ClientOpti
   auto dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Fail(dtype.status());
   o.dtype = *dtype;
+  const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  if (!kv_dtype.empty() && kv_dtype != "fp8") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--kv_dtype must be fp8 or empty, got '", kv_dtype, "'")));
+  }
+  o.kv_fp8 = kv_dtype == "fp8";
   o.layers = absl::GetFlag(FLAGS_layers);
   o.heads = absl::GetFlag(FLAGS_heads);
   o.kv_heads = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : o.heads;

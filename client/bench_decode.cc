@@ -188,7 +188,9 @@ class DecodeBench {
     for (float& x : v) x = dist(rng_);
     return Tensor::FromFloats(o_.dtype, {tokens, heads, o_.head_dim}, v);
   }
-  double KvBytesPerToken() const { return 2.0 * o_.kv_heads * o_.head_dim * DTypeBytes(o_.dtype); }
+  double KvBytesPerToken() const {
+    return 2.0 * o_.kv_heads * o_.head_dim * DTypeBytes(o_.kv_fp8 ? DType::kFloat8E4M3 : o_.dtype);
+  }
   StepInput DecodeInput(const std::string& id, int layer);
   absl::Status Setup(Caller& c, int first, int count);
   absl::Status Prefill(Client& client, const std::string& id);
@@ -276,6 +278,11 @@ absl::Status DecodeBench::Setup(Caller& c, int first, int count) {
   spec.num_kv_heads = o_.kv_heads;
   spec.head_dim = o_.head_dim;
   spec.dtype = o_.dtype;
+  if (o_.kv_fp8) {
+    spec.cache_dtype = DType::kFloat8E4M3;
+    spec.k_scales.assign(static_cast<size_t>(o_.kv_heads), kFp8BenchScale);
+    spec.v_scales = spec.k_scales;
+  }
   for (int i = 0; i < count; ++i) {
     // The first where the client library places it; a caller's others beside it, so that one
     // BatchStep carries them all.
@@ -754,10 +761,11 @@ bool DecodeBench::RunLevel(int sessions, std::vector<Row>* rows) {
 }
 
 int DecodeBench::Run() {
-  std::printf("attn-bench: decode to %s: %d layers, %d/%d heads x %d, %s, cache %lld tokens (+ up to %d before "
-              "truncating back), %s\n",
+  std::printf("attn-bench: decode to %s: %d layers, %d/%d heads x %d, %s%s, cache %lld tokens (+ up to %d "
+              "before truncating back), %s\n",
               o_.target.c_str(), o_.layers, o_.heads, o_.kv_heads, o_.head_dim,
-              o_.dtype == DType::kFloat16 ? "fp16" : "bf16", static_cast<long long>(o_.cache_tokens),
+              o_.dtype == DType::kFloat16 ? "fp16" : "bf16", o_.kv_fp8 ? " with an FP8 E4M3 KV cache" : "",
+              static_cast<long long>(o_.cache_tokens),
               o_.decode_window,
               o_.batch_step > 0 ? absl::StrCat("BatchStep of up to ", o_.batch_step, " sessions").c_str()
                                 : "Step, one caller per session");

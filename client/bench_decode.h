@@ -10,6 +10,10 @@
 
 namespace attn::client {
 
+// The FP8 cache's scale of every KV head in the decode benchmark: the random inputs lie in
+// [-1, 1], so 4/448 leaves headroom and no element saturates.
+inline constexpr float kFp8BenchScale = 4.0f / 448.0f;
+
 struct DecodeBenchOptions {
   std::string target;
   std::vector<int> sessions;  // levels to sweep: concurrent sessions
@@ -18,6 +22,9 @@ struct DecodeBenchOptions {
   int kv_heads = 8;
   int head_dim = 128;
   DType dtype = DType::kBFloat16;
+  // Sessions with an FP8 (E4M3) cache, scales kFp8BenchScale per KV head; steps still send k_new
+  // and v_new in dtype (the server quantizes them).
+  bool kv_fp8 = false;
   int64_t cache_tokens = 4096;  // prefilled before the measured run, not timed
   int prefill_chunk = 1024;
   // 0: every session has its own caller sending Step; N > 0: callers send BatchStep with one step

@@ -149,7 +149,16 @@ bool Demo::DoStep(const char* op, const std::string& who, const SessionInfo& s, 
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
   if (!r.ok()) return Fail(absl::StrCat(op, " ", who, " layer ", layer), r.status());
   // The cache as the server now holds it: what it held, and this step's tokens.
-  const std::vector<float> kf = in.k_new.ToFloats(), vf = in.v_new.ToFloats();
+  std::vector<float> kf = in.k_new.ToFloats(), vf = in.v_new.ToFloats();
+  if (o_.kv_fp8) {  // as the FP8 cache holds them: E4M3(x / scale) * scale
+    for (std::vector<float>* x : {&kf, &vf}) {
+      std::vector<float> scaled(x->size());
+      for (size_t i = 0; i < x->size(); ++i) scaled[i] = (*x)[i] / kFp8DemoScale;
+      const std::vector<float> q =
+          Tensor::FromFloats(DType::kFloat8E4M3, {int64_t(x->size())}, scaled).ToFloats();
+      for (size_t i = 0; i < x->size(); ++i) (*x)[i] = q[i] * kFp8DemoScale;
+    }
+  }
   m.k[layer].insert(m.k[layer].end(), kf.begin(), kf.end());
   m.v[layer].insert(m.v[layer].end(), vf.begin(), vf.end());
   const auto& t = r->timing;
@@ -246,16 +255,22 @@ int Demo::Run() {
   spec.num_kv_heads = o_.kv_heads;
   spec.head_dim = o_.head_dim;
   spec.dtype = o_.dtype;
+  if (o_.kv_fp8) {
+    spec.cache_dtype = DType::kFloat8E4M3;
+    spec.k_scales.assign(static_cast<size_t>(o_.kv_heads), kFp8DemoScale);
+    spec.v_scales = spec.k_scales;
+  }
   auto created = sessions_.CreateSession(spec, o_.timeout);
   if (!created.ok()) {
     Fail("CreateSession", created.status());
     return 2;
   }
   const SessionInfo parent = *created;
-  std::printf("session %s on replica %s (%s): %d layers, %d KV heads x %d, %s; pages of %d tokens, "
+  std::printf("session %s on replica %s (%s): %d layers, %d KV heads x %d, %s%s; pages of %d tokens, "
               "TTL %lld s, at most %lld tokens\n",
               parent.session_id.c_str(), parent.replica_id.c_str(), parent.endpoint.c_str(), o_.layers,
-              o_.kv_heads, o_.head_dim, DTypeName(o_.dtype), parent.page_tokens,
+              o_.kv_heads, o_.head_dim, DTypeName(o_.dtype),
+              parent.cache_dtype == DType::kFloat8E4M3 ? " with an FP8 E4M3 cache" : "", parent.page_tokens,
               static_cast<long long>(parent.ttl_seconds), static_cast<long long>(parent.max_tokens));
   std::printf("%-9s %-7s %5s %5s %7s %10s %10s %9s %10s%s%s\n", "op", "session", "layer", "new", "cached",
               "client_us", "server_us", "queue_us", "compute_us", o_.check ? "   rel_err" : "",

@@ -10,12 +10,18 @@
 
 namespace attn::client {
 
+// The FP8 cache's scale of every KV head in the demo (its random inputs lie in [-1, 1]).
+inline constexpr float kFp8DemoScale = 2.0f / 448.0f;
+
 struct SessionDemoOptions {
   int layers = 2;
   int heads = 8;
   int kv_heads = 2;
   int head_dim = 64;
   DType dtype = DType::kBFloat16;
+  // An FP8 (E4M3) cache with the scale kFp8DemoScale per KV head: the server quantizes each step's
+  // k_new/v_new, and the check's reference reads the cache as quantized.
+  bool kv_fp8 = false;
   int prefill = 100;   // tokens of the prefill, per layer
   int chunk = 0;       // prefill chunk (tokens per step); 0: the whole prefill in one step
   int decode = 20;     // decode tokens (one step per layer each)

@@ -14,7 +14,9 @@
 //   encode    the BatchStepResponse's slices, every o sent from the launch's output.
 // Prints the median of each, their sum, and the calls per second one core sustains at that cost.
 //   attn-step-bench [--steps 64] [--heads 32] [--kv_heads 8] [--head_dim 128]
-//                   [--cache_tokens 4096] [--page_tokens 16] [--seconds 3]
+//                   [--cache_tokens 4096] [--page_tokens 16] [--seconds 3] [--kv_fp8]
+// --kv_fp8: sessions with an FP8 cache (the pipeline stages their 16-bit k_new/v_new as sent; the
+// device quantizes them as it appends, which this null device does not).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -43,6 +45,8 @@ ABSL_FLAG(int64_t, cache_tokens, 4096, "Tokens each session holds before the ste
 ABSL_FLAG(int, page_tokens, 16, "Tokens per page of a 2 KiB row (attnd's --kv_page_tokens)");
 ABSL_FLAG(int, slice_bytes, 64 << 10, "Size of the slices the request arrives in");
 ABSL_FLAG(double, seconds, 3.0, "Measured seconds");
+ABSL_FLAG(bool, kv_fp8, false,
+          "Sessions with an FP8 (E4M3) cache: the pipeline quantizes k_new/v_new as it stages them");
 
 namespace attn {
 namespace {
@@ -99,7 +103,8 @@ int Run() {
   const int kv_heads = absl::GetFlag(FLAGS_kv_heads), d = absl::GetFlag(FLAGS_head_dim);
   const int64_t cache = absl::GetFlag(FLAGS_cache_tokens);
   const int64_t page_bytes = int64_t{absl::GetFlag(FLAGS_page_tokens)} * 2048;
-  const int64_t row = int64_t{kv_heads} * d * 2;
+  const bool fp8 = absl::GetFlag(FLAGS_kv_fp8);
+  const int64_t row = int64_t{kv_heads} * d * (fp8 ? 1 : 2);
   const int64_t pages_per_session = (cache + 64 + page_bytes / row) / (page_bytes / row) + 1;
   const int64_t pages = pages_per_session * n + 16;
   auto pool = KvPagePool::Create({pages, page_bytes, 0});
@@ -119,6 +124,11 @@ int Run() {
   p.num_layers = 1;
   p.num_kv_heads = kv_heads;
   p.head_dim = d;
+  if (fp8) {
+    p.cache_dtype = kernels::DType::kFloat8E4M3;
+    p.k_scales.assign(static_cast<size_t>(kv_heads), 1.0f / 448);
+    p.v_scales = p.k_scales;
+  }
   for (int i = 0; i < n; ++i) {
     auto s = (*manager)->CreateSession(p, "");
     if (!s.ok()) {
@@ -216,9 +226,9 @@ int Run() {
   const double dec = Median(t_decode), jobs = Median(t_jobs), pipe = Median(t_pipeline),
                enc = Median(t_encode);
   const double total = dec + jobs + pipe + enc;
-  std::printf("BatchStep of %d decode steps, %d/%d heads x %d bf16, cache %lld tokens, %lld-byte "
+  std::printf("BatchStep of %d decode steps, %d/%d heads x %d bf16%s, cache %lld tokens, %lld-byte "
               "pages, %zu calls, one thread, median us per call\n",
-              n, heads, kv_heads, d, static_cast<long long>(cache),
+              n, heads, kv_heads, d, fp8 ? " (FP8 cache)" : "", static_cast<long long>(cache),
               static_cast<long long>(page_bytes), t_decode.size());
   std::printf("%9s %9s %9s %9s %9s %10s %11s\n", "decode", "jobs", "pipeline", "encode", "total",
               "us/step", "calls/s/core");

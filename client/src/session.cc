@@ -128,6 +128,9 @@ v1::CreateSessionRequest BuildCreateSessionRequest(const SessionSpec& spec) {
   r.set_head_dim(spec.head_dim);
   r.set_dtype(ToWireDType(spec.dtype));
   r.set_max_tokens(spec.max_tokens);
+  if (spec.cache_dtype) r.set_cache_dtype(ToWireDType(*spec.cache_dtype));
+  r.mutable_k_scales()->Add(spec.k_scales.begin(), spec.k_scales.end());
+  r.mutable_v_scales()->Add(spec.v_scales.begin(), spec.v_scales.end());
   return r;
 }
 
@@ -138,6 +141,8 @@ v1::StepRequest BuildStepRequest(const StepInput& in) {
   ToWireTensor(in.q, r.mutable_q());
   ToWireTensor(in.k_new, r.mutable_k_new());
   ToWireTensor(in.v_new, r.mutable_v_new());
+  r.mutable_k_new_scales()->Add(in.k_new_scales.begin(), in.k_new_scales.end());
+  r.mutable_v_new_scales()->Add(in.v_new_scales.begin(), in.v_new_scales.end());
   r.set_softmax_scale(in.options.softmax_scale);
   r.set_return_lse(in.options.return_lse);
   if (in.options.window_left >= 0 || in.options.window_right >= 0) {
@@ -184,6 +189,12 @@ absl::StatusOr<SessionInfo> CreateSession(Client& client, const SessionSpec& spe
   info.page_tokens = response.page_tokens();
   info.ttl_seconds = response.ttl_seconds();
   info.max_tokens = response.max_tokens();
+  switch (response.cache_dtype()) {
+    case v1::DTYPE_FLOAT8_E4M3: info.cache_dtype = DType::kFloat8E4M3; break;
+    case v1::DTYPE_FLOAT16: info.cache_dtype = DType::kFloat16; break;
+    case v1::DTYPE_BFLOAT16: info.cache_dtype = DType::kBFloat16; break;
+    default: break;  // a server that does not say
+  }
   return info;
 }
 

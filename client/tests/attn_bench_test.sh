@@ -133,6 +133,14 @@ steps=$(grep -c -E '^(prefill|decode) ' "$work/demo.txt")
   --dtype fp16 --prefill 70 --chunk 32 --decode 5 --window-left 16 --check | tee "$work/demo2.txt"
 grep -q '^PASS: ' "$work/demo2.txt" || fail "session demo (fp16, chunks, window) did not print PASS"
 [ "$(grep -c '^prefill ' "$work/demo2.txt")" = 3 ] || fail "a 70-token prefill in chunks of 32 is not 3 steps"
+# An FP8 cache (the server quantizes k_new/v_new; the check reads the cache as quantized): its
+# pages hold twice the tokens of the bf16 demo's rows of the same shape.
+"$attnctl" --target "127.0.0.1:$P" session demo --layers 2 --kv-heads 2 --heads 8 --head-dim 64 \
+  --dtype bf16 --kv-dtype fp8 --prefill 40 --chunk 16 --decode 5 --check | tee "$work/demo_fp8.txt"
+grep -q '^PASS: ' "$work/demo_fp8.txt" || fail "session demo (FP8 cache) did not print PASS"
+page_tokens() { sed -n 's/.*pages of \([0-9]*\) tokens.*/\1/p' "$1" | head -1; }
+[ "$(page_tokens "$work/demo_fp8.txt")" = $((2 * $(page_tokens "$work/demo.txt"))) ] ||
+  fail "an FP8 cache's pages do not hold twice the tokens of a bf16 one"
 # Bad input: refused by the server (exit 2, its code), or by attnctl before any call (64).
 rc=0; "$attnctl" --target "127.0.0.1:$P" session demo --head-dim 1000 --check >"$work/bad.txt" 2>&1 || rc=$?
 [ "$rc" = 2 ] && grep -q INVALID_ARGUMENT "$work/bad.txt" || { cat "$work/bad.txt"; fail "head dim 1000: rc $rc"; }
@@ -177,6 +185,20 @@ assert [r["mode"] for r in rows] == ["step", "echo", "batch_step", "echo"], rows
 assert rows[0]["kv_bytes_per_s"] != "" and rows[1]["kv_bytes_per_s"] == "", rows
 print("ok: decode rows (Step, BatchStep) with Echo twins, cache held at 65-68 tokens, KV bandwidth")
 PY
+# With an FP8 cache: one byte per cached element in the KV bandwidth.
+"$bench" --target "127.0.0.1:$P" --mode decode --sessions 2 "${dshape[@]}" --kv_dtype fp8 \
+  --duration_s $dur --warmup_s 0.3 --json "$work/decode-fp8.json" | tee "$work/decode-fp8.txt"
+grep -q 'with an FP8 E4M3 KV cache' "$work/decode-fp8.txt" || fail "decode --kv_dtype fp8: no FP8 cache"
+python3 - "$work/decode-fp8.json" <<'PY'
+import json, math, sys
+d = json.load(open(sys.argv[1]))[0]
+assert d["mode"] == "step" and d["errors"] == 0 and d["steps"] > 20, d
+assert math.isclose(d["kv_bytes_per_s"], d["steps_per_s"] * d["mean_cache_tokens"] * 2 * 2 * 64,
+                    rel_tol=1e-6), d
+print("ok: decode with an FP8 cache")
+PY
+rc=0; "$bench" --target "127.0.0.1:$P" --mode decode --kv_dtype fp7 >"$work/bad.txt" 2>&1 || rc=$?
+[ "$rc" = 64 ] && grep -q -- '--kv_dtype must be fp8' "$work/bad.txt" || fail "--kv_dtype fp7: rc $rc"
 rc=0; "$bench" --target "127.0.0.1:$P" --mode decode --concurrency 4 >"$work/bad.txt" 2>&1 || rc=$?
 [ "$rc" = 64 ] && grep -q -- '--concurrency does not apply' "$work/bad.txt" || fail "decode took --concurrency (rc $rc)"
 # --transport shm: refused (with the reason) by this attnd, which does not allow shared memory;

@@ -36,6 +36,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& op
   info.build_info = absl::StrCat("attn_kernels cpu, ", pool->NumWorkers(), " threads");
   info.fp8.attend_kv = true;
   info.fp8.attend_q = true;
+  info.fp8.session_cache = true;
   return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(info), std::move(pool)));
 }
 

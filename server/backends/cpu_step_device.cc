@@ -8,6 +8,7 @@
 #include "attn/kernels/cpu_attention.h"
 #include "common/status_util.h"
 #include "engine/job.h"
+#include "sessions/fp8_quantize.h"
 
 namespace attn {
 
@@ -63,9 +64,14 @@ absl::Status CpuStepDevice::Launch(int /*lane*/, const StepLaunch& l) {
   const int64_t* rows = l.At<int64_t>(s.append);
   const char* k = l.in + s.k;
   const char* v = l.in + s.v;
-  for (int32_t t = 0; t < l.total_q; ++t) {
-    std::memcpy(kv_.k + rows[t] * row, k + size_t(t) * row, row);
-    std::memcpy(kv_.v + rows[t] * row, v + size_t(t) * row, row);
+  last_.fp8_saturations = 0;
+  if (l.Fp8Quantizes()) {
+    last_.fp8_saturations = AppendQuantized(l, k, v);
+  } else {
+    for (int32_t t = 0; t < l.total_q; ++t) {
+      std::memcpy(kv_.k + rows[t] * row, k + size_t(t) * row, row);
+      std::memcpy(kv_.v + rows[t] * row, v + size_t(t) * row, row);
+    }
   }
   const auto appended = Clock::now();
   kernels::AttentionArgs args = l.HostArgs();
@@ -83,6 +89,27 @@ absl::Status CpuStepDevice::Launch(int /*lane*/, const StepLaunch& l) {
   last_.kernel_us = Micros(Clock::now() - appended);
   last_.out_us = 0;
   return absl::OkStatus();
+}
+
+int64_t CpuStepDevice::AppendQuantized(const StepLaunch& l, const char* k, const char* v) {
+  const StepLayout& s = l.layout;
+  const int32_t heads = l.key.num_kv_heads, d = l.key.head_dim;
+  const size_t src_row = size_t(heads) * d * kernels::DTypeSize(l.key.wire_dtype);
+  const size_t row = static_cast<size_t>(l.row_bytes);
+  const int64_t* rows = l.At<int64_t>(s.append);
+  const int32_t* cu_q = l.cu_seqlens_q();
+  int64_t saturated = 0;
+  size_t m = 0;  // the member whose token t is
+  for (int32_t t = 0; t < l.total_q; ++t) {
+    while (t >= cu_q[m + 1]) ++m;
+    const std::span<const float> ks(l.At<float>(s.k_scales) + m * heads, size_t(heads));
+    const std::span<const float> vs(l.At<float>(s.v_scales) + m * heads, size_t(heads));
+    auto* dk = reinterpret_cast<uint8_t*>(kv_.k + rows[t] * row);
+    auto* dv = reinterpret_cast<uint8_t*>(kv_.v + rows[t] * row);
+    saturated += QuantizeE4m3Rows(l.key.wire_dtype, k + t * src_row, 1, heads, d, ks, dk);
+    saturated += QuantizeE4m3Rows(l.key.wire_dtype, v + t * src_row, 1, heads, d, vs, dv);
+  }
+  return saturated;
 }
 
 absl::StatusOr<StepLaunchTimes> CpuStepDevice::Wait(int /*lane*/, const StepLaunch& /*launch*/) {

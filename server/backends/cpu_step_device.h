@@ -33,6 +33,9 @@ class CpuStepDevice : public StepDevice {
 
  private:
   CpuStepDevice(kernels::cpu::CpuThreadPool* pool) : pool_(pool) {}
+  // The launch's 16-bit new rows (k, v in its staging) quantized into the FP8 cache's rows, each
+  // with its member's scales; returns the elements that saturated.
+  int64_t AppendQuantized(const StepLaunch& launch, const char* k, const char* v);
 
   kernels::cpu::CpuThreadPool* const pool_;
   KvRegion kv_;                 // mmap'ed at creation, unmapped by the destructor

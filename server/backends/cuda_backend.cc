@@ -46,6 +46,15 @@ absl::Status CudaBackend::Init() {
   int n = 0;
   const int* dims = kernels::cuda::CompiledHeadDims(&n);
   info_.head_dims.assign(dims, dims + n);
+  // FP8-cache sessions: steps run the FP8 paged decode kernel, which takes at most 16 queries
+  // per sequence (longer chunks are refused at validation).
+  // The FP8 kernel is compiled for sm_90a, at head dims 64, 128 and 256.
+  info_.fp8.session_cache = prop.major == 9 && prop.minor == 0;
+  info_.fp8.session_max_step_tokens = 16;
+  for (int32_t d : info_.head_dims) {
+    if (d == 64 || d == 128 || d == 256) info_.fp8.session_head_dims.push_back(d);
+  }
+  if (info_.fp8.session_head_dims.empty()) info_.fp8.session_cache = false;
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);

@@ -210,7 +210,7 @@ StepRoute CudaStepDevice::RouteOf(const StepJob& job) const {
 bool CudaStepDevice::RunsInPlace(std::span<StepJob* const> members) const {
   if (members.size() != 1) return false;
   const StepJob& job = *members.front();
-  if (!job.device_tensors) return false;
+  if (!job.device_tensors || job.key.fp8_cache) return false;
   return Aligned16(job.q_bytes.data()) && Aligned16(job.k_bytes.data()) &&
          Aligned16(job.v_bytes.data()) && Aligned16(job.o_out) &&
          (!job.return_lse || Aligned16(job.lse_out));
@@ -272,6 +272,10 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   args.paged.page_indptr = reinterpret_cast<const int32_t*>(in + s.indptr);
   args.paged.page_indices = reinterpret_cast<const int32_t*>(in + s.indices);
   args.paged.seqlens_k = reinterpret_cast<const int32_t*>(in + s.seqlens);
+  if (key.fp8_cache) {  // the scales' device copy ([members, num_kv_heads], in the tables)
+    args.kv_scales.k = reinterpret_cast<const float*>(in + s.k_scales);
+    args.kv_scales.v = reinterpret_cast<const float*>(in + s.v_scales);
+  }
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
   ASSIGN_OR_RETURN(char* workspace,
                    lane.workspace.Get(pool, stream, kernels::cuda::WorkspaceBytes(args)));
@@ -294,15 +298,30 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
       LaunchKvCopyRows(kv_.k, kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_src), kv_.k,
                        kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_dst), l.copy_rows,
                        l.row_bytes, stream));
-  RETURN_IF_CUDA_ERROR(
-      "KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v,
-                                    reinterpret_cast<const int64_t*>(in + s.append), l.total_q,
-                                    l.row_bytes, stream));
+  const auto* append = reinterpret_cast<const int64_t*>(in + s.append);
+  auto* saturated = reinterpret_cast<unsigned long long*>(in + s.saturations);
+  if (l.Fp8Quantizes()) {  // 16-bit new rows quantized into the FP8 cache as they are written
+    RETURN_IF_CUDA_ERROR("cudaMemsetAsync", cudaMemsetAsync(saturated, 0, sizeof(int64_t), stream));
+    RETURN_IF_CUDA_ERROR(
+        "KV append (FP8)",
+        LaunchKvQuantizeRows(key.wire_dtype == kernels::DType::kBFloat16, new_k, new_v,
+                             args.cu_seqlens_q, args.batch, args.kv_scales.k, args.kv_scales.v,
+                             kv_.k, kv_.v, append, l.total_q, key.num_kv_heads, key.head_dim,
+                             saturated, stream));
+  } else {
+    RETURN_IF_CUDA_ERROR("KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v, append,
+                                                       l.total_q, l.row_bytes, stream));
+  }
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
   RETURN_IF_CUDA_ERROR("attention kernel",
                        kernels::cuda::Run(args, workspace, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
   if (!l.in_place) RETURN_IF_ERROR(CopyOutputs(l, dev_out, stream));
+  if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(l.in + s.saturations, saturated,
+                                                     sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                                     stream));
+  }
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], stream));
   sync_on_error.Done();
   lane.expected_bytes = l.kv_bytes_read + double(s.in_bytes + dev_out_bytes);
@@ -324,6 +343,7 @@ absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepL
   t.in_us = ElapsedMs(ev[0], ev[1]) * 1e3;
   t.kernel_us = ElapsedMs(ev[1], ev[2]) * 1e3;
   t.out_us = ElapsedMs(ev[2], ev[3]) * 1e3;
+  if (l.Fp8Quantizes()) t.fp8_saturations = *l.At<int64_t>(l.layout.saturations);
   if (l.members.size() > kPolledLaunchSteps && lane.expected_bytes > 0) {
     // The fastest rate seen lately: a launch that runs faster than it (a decode after prefills,
     // which are compute-bound) would otherwise be slept through.

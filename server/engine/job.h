@@ -49,9 +49,13 @@ struct BatchKey {
   int32_t page_tokens = 0;
   bool decode = false;
   // Attend with FP8 codes for k and v (with descales), and for q too (then wire_dtype is the
-  // output's type, which q's codes are widened to before the kernel runs).
+  // output's type, which q's codes are widened to before the kernel runs). Session steps: fp8_kv
+  // says k_new/v_new are FP8 codes (stored as they are) rather than 16-bit values to quantize.
   bool fp8_kv = false;
   bool fp8_q = false;
+  // Session steps over an FP8 (E4M3) KV cache: the launch stages the new keys and values as
+  // codes (quantized from 16 bits, or as sent) and reads the cache with each session's scales.
+  bool fp8_cache = false;
   bool operator==(const BatchKey&) const = default;
 };
 
@@ -61,6 +65,10 @@ struct Fp8Features {
   bool attend_kv = false;      // Attend with FP8 k and v
   bool attend_q = false;       // Attend with FP8 q, k and v
   bool session_cache = false;  // sessions with an FP8 KV cache
+  // Most new tokens a step of an FP8-cache session may append (the FP8 kernel's limit); 0: none.
+  int32_t session_max_step_tokens = 0;
+  // Head dims FP8-cache sessions may have; empty: every head dim the backend serves.
+  std::vector<int32_t> session_head_dims;
 };
 
 enum class JobKind { kAttend, kStep };

@@ -17,6 +17,8 @@ struct BatchReport {
   int32_t step_launches = 0;
   bool decode = false;
   double kv_bytes_read = 0;
+  // Elements of 16-bit k_new/v_new that saturated to +-448 on their way into an FP8 cache.
+  int64_t kv_fp8_saturations = 0;
 };
 
 }  // namespace attn

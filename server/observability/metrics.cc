@@ -138,6 +138,13 @@ void Metrics::Build(const Options& o) {
                               "--session_ttl_s)")
                         .Register(r)
                         .Add({{"reason", "ttl"}});
+  kv_fp8_saturations_ =
+      &prometheus::BuildCounter()
+           .Name("attn_kv_fp8_saturations_total")
+           .Help("Elements of 16-bit k_new/v_new that saturated to +-448 when quantized into "
+                 "an FP8 session cache (x / scale beyond the E4M3 range)")
+           .Register(r)
+           .Add({});
   step_tokens_ = hist("attn_step_tokens_per_launch",
                       "New (query) tokens of the session steps computed in one launch",
                       Exponential(1, 2, 15));
@@ -226,6 +233,9 @@ void Metrics::ObserveQueueSeconds(double seconds) { queue_->Observe(seconds); }
 
 void Metrics::ObserveBatch(const BatchReport& report) {
   if (report.requests == 0) return;
+  if (report.kv_fp8_saturations > 0) {
+    kv_fp8_saturations_->Increment(static_cast<double>(report.kv_fp8_saturations));
+  }
   if (report.step_launches > 0) {
     step_tokens_->Observe(static_cast<double>(report.tokens) / report.step_launches);
     if (report.decode && report.compute_seconds > 0 && report.kv_bytes_read > 0) {

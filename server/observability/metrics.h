@@ -129,6 +129,7 @@ class Metrics {
   prometheus::Gauge* kv_free_ = nullptr;
   prometheus::Gauge* kv_usage_ = nullptr;
   prometheus::Counter* evictions_ttl_ = nullptr;
+  prometheus::Counter* kv_fp8_saturations_ = nullptr;
   prometheus::Histogram* step_tokens_ = nullptr;
   prometheus::Histogram* decode_bandwidth_ = nullptr;
   prometheus::Gauge* sessions_ = nullptr;

@@ -588,7 +588,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   v1::Fp8Support* fp8 = response->mutable_fp8();
   fp8->set_attend_fp8_kv(info.fp8.attend_kv);
   fp8->set_attend_fp8_q(info.fp8.attend_q);
-  fp8->set_session_fp8_cache(info.fp8.session_cache);
+  fp8->set_session_fp8_cache(info.fp8.session_cache && sessions_ != nullptr);
+  fp8->set_session_fp8_max_step_tokens(info.fp8.session_max_step_tokens);
   *response->mutable_limits() = options_.advertised_limits;
   response->set_build_info(info.build_info);
   FillSessionInfo(response);

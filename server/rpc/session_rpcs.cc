@@ -69,6 +69,7 @@ grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerCo
     p.num_kv_heads = request->num_kv_heads();
     p.head_dim = request->head_dim();
     ASSIGN_OR_RETURN(p.dtype, SessionDType(request->dtype()));
+    RETURN_IF_ERROR(SessionCacheParams(*request, options_.limits.fp8, &p));
     p.max_tokens = request->max_tokens();
     ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
                      sessions_->CreateSession(p, SessionOwner(client)));
@@ -78,6 +79,7 @@ grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerCo
         std::chrono::duration_cast<std::chrono::seconds>(sessions_->options().ttl).count());
     response->set_replica_id(sessions_->options().replica_id);
     response->set_max_tokens(s->shape().max_tokens);
+    response->set_cache_dtype(ToWireDType(s->shape().CacheDType()));
     return absl::OkStatus();
   }();
   FinishUnary(reactor, Rpc::kCreateSession, start, st, Bytes(*request),

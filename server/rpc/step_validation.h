@@ -11,6 +11,7 @@
 #include "engine/wire_tensors.h"
 #include "rpc/attend_validation.h"
 #include "sessions/session.h"
+#include "sessions/session_manager.h"
 #include "sessions/step_job.h"
 
 namespace attn {
@@ -44,6 +45,12 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
 // DescribeOutputs (attend_validation.h): the response's o (and lse) tensors without their data.
 void PrepareStepResponse(const StepJob& job, const v1::StepRequest& request,
                          v1::StepResponse* response);
+
+// The cache element type and KV scales CreateSession asks for, into p: INVALID_ARGUMENT naming
+// cache_dtype, k_scales or v_scales for a bad one (SessionManager checks the scales' count and
+// values against num_kv_heads), FAILED_PRECONDITION for an FP8 cache the backend lacks.
+absl::Status SessionCacheParams(const v1::CreateSessionRequest& request, const Fp8Features& fp8,
+                                SessionManager::CreateParams* p);
 
 // The 16-bit cache dtype CreateSession asks for, or INVALID_ARGUMENT naming `dtype`.
 absl::StatusOr<kernels::DType> SessionDType(v1::DType dtype);

@@ -40,8 +40,16 @@ struct SessionShape {
   // a pool page), holding page_tokens token rows.
   int32_t page_tokens = 0;
   int32_t page_span = 1;
-  // Bytes of one token's keys (or values) in one layer.
-  int64_t RowBytes() const { return int64_t{num_kv_heads} * head_dim * kernels::DTypeSize(dtype); }
+  // The cache's element type when it is not dtype: kernels::DType::kFloat8E4M3, whose codes are
+  // worth E4M3(code) * k_scales[g] (keys of KV head g; values with v_scales), fixed at creation.
+  std::optional<kernels::DType> cache_dtype;
+  std::vector<float> k_scales, v_scales;  // FP8 cache: num_kv_heads each
+  kernels::DType CacheDType() const { return cache_dtype.value_or(dtype); }
+  bool Fp8Cache() const { return CacheDType() == kernels::DType::kFloat8E4M3; }
+  // Bytes of one token's keys (or values) in one layer, as cached.
+  int64_t RowBytes() const {
+    return int64_t{num_kv_heads} * head_dim * kernels::DTypeSize(CacheDType());
+  }
 };
 
 // Rows of the KV region in the session's row size, as page * page_tokens + offset (pages of its

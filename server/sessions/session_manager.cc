@@ -1,6 +1,7 @@
 #include "sessions/session_manager.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <numeric>
 #include <utility>
@@ -97,10 +98,26 @@ absl::Status SessionManager::CheckCreateParams(const CreateParams& p) const {
   if (p.num_kv_heads > (1 << 16)) {
     return invalid("num_kv_heads must be at most 65536, got ", p.num_kv_heads);
   }
-  const int64_t row = int64_t{p.num_kv_heads} * p.head_dim * kernels::DTypeSize(p.dtype);
+  const size_t elem = kernels::DTypeSize(p.cache_dtype.value_or(p.dtype));
+  if (p.cache_dtype && *p.cache_dtype == kernels::DType::kFloat8E4M3) {
+    for (const auto& [scales, name] :
+         {std::pair{&p.k_scales, "k_scales"}, std::pair{&p.v_scales, "v_scales"}}) {
+      if (static_cast<int64_t>(scales->size()) != p.num_kv_heads) {
+        return invalid(name, " must have num_kv_heads (", p.num_kv_heads, ") entries, got ",
+                       scales->size());
+      }
+      for (size_t i = 0; i < scales->size(); ++i) {
+        const float x = (*scales)[i];
+        if (!std::isfinite(x) || !(x > 0)) {
+          return invalid(name, "[", i, "] must be finite and > 0, got ", x);
+        }
+      }
+    }
+  }
+  const int64_t row = int64_t{p.num_kv_heads} * p.head_dim * static_cast<int64_t>(elem);
   if (PageLayoutFor(row).tokens == 0) {
-    return invalid("num_kv_heads (", p.num_kv_heads, ") x head_dim (", p.head_dim,
-                   ") x 2 bytes = ", row, " bytes per token fit no run of at most ",
+    return invalid("num_kv_heads (", p.num_kv_heads, ") x head_dim (", p.head_dim, ") x ", elem,
+                   " bytes = ", row, " bytes per token fit no run of at most ",
                    kMaxPageSpan, " KV pages of ", pool_->page_bytes(),
                    " bytes (--kv_page_tokens x 2048) as whole rows; start attnd with another "
                    "--kv_page_tokens");
@@ -123,6 +140,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(const Cre
   shape.num_kv_heads = p.num_kv_heads;
   shape.head_dim = p.head_dim;
   shape.dtype = p.dtype;
+  if (p.cache_dtype && *p.cache_dtype != p.dtype) {
+    shape.cache_dtype = p.cache_dtype;
+    shape.k_scales = p.k_scales;
+    shape.v_scales = p.v_scales;
+  }
   shape.max_tokens = p.max_tokens > 0 ? p.max_tokens : options_.max_session_tokens;
   const PageLayout layout = PageLayoutFor(shape.RowBytes());
   shape.page_tokens = layout.tokens;

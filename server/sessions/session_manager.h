@@ -13,10 +13,12 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -64,6 +66,9 @@ class SessionManager {
     int32_t head_dim = 0;
     kernels::DType dtype = kernels::DType::kBFloat16;
     int64_t max_tokens = 0;  // 0: the server's limit
+    // An FP8 cache (kernels::DType::kFloat8E4M3) and its per-KV-head scales; unset: dtype.
+    std::optional<kernels::DType> cache_dtype;
+    std::vector<float> k_scales, v_scales;
   };
 
   static absl::StatusOr<std::unique_ptr<SessionManager>> Create(const Options& options,

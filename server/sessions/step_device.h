@@ -31,6 +31,9 @@ struct StepLaunchTimes {
   double in_us = 0;      // inputs onto the device, copy-on-write and appended rows
   double kernel_us = 0;  // attention
   double out_us = 0;     // outputs back
+  // FP8 cache: elements of 16-bit k_new/v_new that saturated to +-448 as the device quantized them
+  // into the cache (|x / scale| > 448, infinities included).
+  int64_t fp8_saturations = 0;
 };
 
 class StepDevice {
@@ -57,7 +60,8 @@ class StepDevice {
   virtual absl::StatusOr<OutputBytes> OutputStaging(size_t bytes) = 0;
 
   // Starts the launch on lane: its staged and direct inputs onto the device, the copy-on-write
-  // rows and the new rows into the KV region, the kernel, the outputs back (into launch.out, or
+  // rows and the new rows into the KV region (for an FP8 cache with 16-bit k_new/v_new, each
+  // quantized with its member's scales as it is written: launch.Fp8Quantizes()), the kernel, the outputs back (into launch.out, or
   // straight into direct outputs' regions). May return before the work is done. An error leaves
   // nothing of the launch running; RESOURCE_EXHAUSTED when device memory for it is short (the
   // pipeline then runs its members in smaller launches).

@@ -25,6 +25,11 @@ kernels::AttentionArgs StepLaunch::HostArgs() const {
   a.paged.page_indptr = At<int32_t>(layout.indptr);
   a.paged.page_indices = At<int32_t>(layout.indices);
   a.paged.seqlens_k = At<int32_t>(layout.seqlens);
+  if (key.fp8_cache) {
+    a.kv_dtype = kernels::DType::kFloat8E4M3;
+    a.kv_scales.k = At<float>(layout.k_scales);
+    a.kv_scales.v = At<float>(layout.v_scales);
+  }
   return a;
 }
 

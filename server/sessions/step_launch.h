@@ -34,6 +34,8 @@ struct StepLayout {
   size_t tables = 0;                                      // where the arrays below begin
   size_t cu_q = 0, indptr = 0, indices = 0, seqlens = 0;  // int32 arrays
   size_t copy_src = 0, copy_dst = 0, append = 0;          // int64 rows of the KV region
+  size_t k_scales = 0, v_scales = 0;  // FP8 cache: float [members, num_kv_heads] each
+  size_t saturations = 0;             // FP8 cache: an int64 the device may count into
   size_t in_bytes = 0;
   size_t o = 0, lse = 0, out_bytes = 0;
 };
@@ -57,6 +59,9 @@ struct StepLaunch {
 
   template <typename T>
   T* At(size_t offset) const { return reinterpret_cast<T*>(in + offset); }
+  // An FP8 cache whose new rows come in 16 bits (staged as sent): the device quantizes them into
+  // the cache with each member's scales, E4M3(x / scale) saturating (sessions/fp8_quantize.h).
+  bool Fp8Quantizes() const { return key.fp8_cache && !key.fp8_kv; }
   const int32_t* cu_seqlens_q() const { return At<int32_t>(layout.cu_q); }
   // The kernel arguments with the host arrays in `in`; q, k, v, o and lse are unset (the
   // device puts its own addresses in, and those of the arrays' device copy).

@@ -21,9 +21,10 @@ constexpr size_t kFinishOnLaneSteps = 4;
 StepLayout PlanLayout(const StepLaunch& l) {
   const BatchKey& key = l.key;
   const size_t elem = kernels::DTypeSize(key.wire_dtype);
+  const size_t kv_elem = key.fp8_kv ? 1 : elem;  // FP8 codes (a session's), or 16 bits
   const size_t tokens = l.in_place ? 0 : size_t(l.total_q);
   const size_t q_bytes = tokens * key.num_heads * key.head_dim * elem;
-  const size_t kv_bytes = tokens * key.num_kv_heads * key.head_dim * elem;
+  const size_t kv_bytes = tokens * key.num_kv_heads * key.head_dim * kv_elem;
   const size_t m = l.members.size();
   StepLayout s;
   size_t at = 0;
@@ -43,6 +44,10 @@ StepLayout PlanLayout(const StepLaunch& l) {
   s.copy_src = take(sizeof(int64_t) * l.copy_rows);
   s.copy_dst = take(sizeof(int64_t) * l.copy_rows);
   s.append = take(sizeof(int64_t) * l.total_q);
+  const size_t scales = key.fp8_cache ? sizeof(float) * m * key.num_kv_heads : 0;
+  s.k_scales = take(scales);
+  s.v_scales = take(scales);
+  s.saturations = take(key.fp8_cache ? sizeof(int64_t) : 0);
   s.in_bytes = at;
   s.o = 0;
   s.lse = AlignUp(q_bytes);
@@ -201,6 +206,7 @@ void StepPipeline::RunLaunches(int lane, std::span<std::unique_ptr<StepJob>> job
   const kernels::AttentionArgs args = launch.HostArgs();
   report->flops += kernels::AttentionFlops(args, args.cu_seqlens_q, nullptr);
   report->kv_bytes_read += launch.kv_bytes_read;
+  report->kv_fp8_saturations += times.fp8_saturations;
   const double elem = kernels::DTypeSize(launch.key.wire_dtype);
   report->bytes += launch.kv_bytes_read +
                    2.0 * elem * launch.total_q * launch.key.num_heads * launch.key.head_dim;
@@ -267,6 +273,12 @@ absl::Status StepPipeline::PlanAndStage(int lane, std::span<StepJob* const> memb
     }
     for (int64_t pos = p.tokens_before; pos < p.tokens_after; ++pos) {
       *append++ = int64_t{table[pos / t]} * t + pos % t;
+    }
+    if (l.key.fp8_cache) {
+      const SessionShape& own = job.session->shape();
+      const size_t heads = static_cast<size_t>(own.num_kv_heads);
+      std::copy(own.k_scales.begin(), own.k_scales.end(), l.At<float>(s.k_scales) + m * heads);
+      std::copy(own.v_scales.begin(), own.v_scales.end(), l.At<float>(s.v_scales) + m * heads);
     }
     if (l.in_place) continue;
     const StepRoute& r = l.routes[m];

@@ -96,6 +96,74 @@ TEST_F(CudaSessionTest, RowsThatDoNotDivideAPageAreServedInRunsOfPages) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
+// FP8 (E4M3) caches: steps run the FP8 paged decode kernel (at most 16 new tokens per step), the
+// new keys and values quantized on the host with each session's per-KV-head scales (some small
+// enough to saturate). Every answer against the float64 reference over the dequantized cache, the
+// same interleavings of steps, BatchSteps, truncates, forks (copy on write of FP8 pages) and closes.
+SessionSpec Fp8(SessionSpec spec, std::mt19937_64& rng, bool codes = false) {
+  std::uniform_real_distribution<double> u(0.7, 3.0);
+  spec.fp8_cache = true;
+  for (int h = 0; h < spec.kv_heads; ++h) {
+    spec.k_scales.push_back(static_cast<float>(u(rng) / 448));
+    spec.v_scales.push_back(static_cast<float>(u(rng) / 448));
+  }
+  spec.fp8_k_new = codes;
+  return spec;
+}
+
+TEST_F(CudaSessionTest, Fp8CacheRandomInterleavingsMatchTheReference) {
+  const int64_t total = FreePages();
+  const std::vector<SessionSpec> specs = {
+      Fp8({3, 8, 2, 128, v1::DTYPE_BFLOAT16}, rng_),              // GQA 4:1, 32 tokens per page
+      Fp8({2, 8, 4, 64, v1::DTYPE_FLOAT16}, rng_, /*codes=*/true),  // k_new/v_new sent as codes
+      Fp8({2, 32, 8, 128, v1::DTYPE_BFLOAT16}, rng_),             // GQA 32/8
+      {2, 8, 2, 128, v1::DTYPE_BFLOAT16},                           // a 16-bit cache alongside
+  };
+  v1::CreateSessionResponse fp8, bf16;
+  ASSERT_TRUE(testing::CreateSession(stub_, specs[0], &fp8).ok());
+  ASSERT_TRUE(testing::CreateSession(stub_, specs[3], &bf16).ok());
+  EXPECT_EQ(fp8.page_tokens(), 2 * bf16.page_tokens());
+  ASSERT_TRUE(testing::CloseSession(stub_, fp8.session_id()).ok());
+  ASSERT_TRUE(testing::CloseSession(stub_, bf16.session_id()).ok());
+  testing::WorkloadOptions o = GpuTolerances();
+  o.ops = 250;
+  o.chunks = {1, 1, 1, 1, 2, 5, 15, 16};  // the FP8 kernel takes up to 16 new tokens per step
+  std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
+  EXPECT_EQ(FreePages(), total) << "pages leaked";
+}
+
+// A chunk of more than 16 new tokens on an FP8 cache is refused (FAILED_PRECONDITION naming q and
+// the limit) and changes nothing; GetServerInfo says so.
+TEST_F(CudaSessionTest, Fp8CacheChunksOverTheKernelLimitAreRefused) {
+  grpc::ClientContext ctx;
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
+  EXPECT_TRUE(info.fp8().session_fp8_cache());
+  EXPECT_EQ(info.fp8().session_fp8_max_step_tokens(), 16);
+  const SessionSpec spec = Fp8({1, 8, 2, 128, v1::DTYPE_BFLOAT16}, rng_);
+  v1::CreateSessionResponse r;
+  ASSERT_TRUE(testing::CreateSession(stub_, spec, &r).ok());
+  SessionShadow shadow(spec);
+  v1::StepResponse response;
+  for (int n : {16, 16, 3}) {
+    const v1::StepRequest step = testing::RandomStep(r.session_id(), 0, n, spec, rng_);
+    ASSERT_TRUE(testing::Step(stub_, step, &response).ok());
+    shadow.Append(step);
+    EXPECT_LE(shadow.Check(step, response).o, GpuTolerances().o_tolerance_bf16);
+  }
+  const grpc::Status st =
+      testing::Step(stub_, testing::RandomStep(r.session_id(), 0, 17, spec, rng_), &response);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_NE(st.error_message().find("q.shape[0] (17 new tokens)"), std::string::npos)
+      << st.error_message();
+  const v1::StepRequest step = testing::RandomStep(r.session_id(), 0, 1, spec, rng_);
+  ASSERT_TRUE(testing::Step(stub_, step, &response).ok());
+  shadow.Append(step);
+  EXPECT_EQ(response.cached_tokens(), 36);
+  EXPECT_LE(shadow.Check(step, response).o, GpuTolerances().o_tolerance_bf16);
+  ASSERT_TRUE(testing::CloseSession(stub_, r.session_id()).ok());
+}
+
 // Device memory a paged launch of `sessions` steps of `tokens` new tokens each over `cached`
 // cached tokens needs from the pool (its staging copy, its outputs, the kernel's workspace),
 // about.

@@ -195,3 +195,60 @@ def test_session_client_reports_unreachable_targets():
         attnd.SessionClient("ipv4:127.0.0.1:1", info_timeout=0.5, retries=0)
     with pytest.raises(attnd.Unavailable, match="'localhost' has no port"):
         attnd.SessionClient("localhost")
+
+
+def _e4m3_values(x: np.ndarray) -> np.ndarray:
+    """The values an FP8 (E4M3FN) cache holds for x (already divided by its scale): the nearest
+    finite E4M3 value, which saturates at +-448."""
+    codes = np.arange(256)
+    e, m = (codes >> 3) & 0xF, codes & 0x7
+    table = np.where(codes & 0x80, -1.0, 1.0) * np.where(e == 0, m / 8 * 2.0 ** -6,
+                                                         (1 + m / 8) * 2.0 ** (e - 7.0))
+    table = table[(codes & 0x7F) != 0x7F]
+    return table[np.abs(x.reshape(-1, 1) - table.reshape(1, -1)).argmin(axis=1)].reshape(x.shape)
+
+
+def test_fp8_cache_session_matches_the_reference_of_its_quantized_cache(client):
+    if not client.info().fp8.session_fp8_cache:
+        pytest.skip("this server's backend has no FP8 session caches (GetServerInfo fp8)")
+    rng = np.random.default_rng()
+    layers, heads, kv_heads, d, dtype = 2, 8, 2, 64, "bf16"
+    # Inputs are N(0, 1): scales of 2.5/448 and 4/448 saturate the tail beyond 2.5 (head 0).
+    k_scales = np.array([2.5 / 448, 4.0 / 448], dtype=np.float32)
+    v_scales = np.array([4.0 / 448, 3.0 / 448], dtype=np.float32)
+    with client.create_session(layers, kv_heads, d, dtype, cache_dtype="fp8_e4m3",
+                               k_scales=k_scales, v_scales=v_scales) as s, \
+            client.create_session(layers, kv_heads, d, dtype) as plain:
+        assert s.info.cache_dtype == attnd._tensors.FLOAT8_E4M3
+        assert s.info.page_tokens == 2 * plain.info.page_tokens
+        cached = [[np.zeros((0, kv_heads, d)), np.zeros((0, kv_heads, d))] for _ in range(layers)]
+        for n in (9, 1, 1, 4, 1):
+            for layer in range(layers):
+                q, q64 = make(rng, (n, heads, d), dtype)
+                k, k64 = make(rng, (n, kv_heads, d), dtype)
+                v, v64 = make(rng, (n, kv_heads, d), dtype)
+                r = s.step(layer, q, k, v, return_lse=True)
+                kq = _e4m3_values((k64 / k_scales[None, :, None]).astype(np.float32)) * \
+                    k_scales[None, :, None]
+                vq = _e4m3_values((v64 / v_scales[None, :, None]).astype(np.float32)) * \
+                    v_scales[None, :, None]
+                cached[layer][0] = np.concatenate([cached[layer][0], kq])
+                cached[layer][1] = np.concatenate([cached[layer][1], vq])
+                assert r.cached_tokens == len(cached[layer][0])
+                o_ref, lse_ref = reference(q64, cached[layer][0], cached[layer][1], causal=True)
+                assert relative_error(values(r.o, dtype), o_ref) <= TOLERANCE[dtype]
+                check_lse(r.lse, lse_ref)
+        s.truncate(3)
+        assert s.step(0, *(make(rng, (1, h, d), dtype)[0] for h in (heads, kv_heads, kv_heads))
+                      ).cached_tokens == len(cached[0][0]) - 2
+
+
+def test_fp8_cache_session_refuses_bad_scales(client):
+    if not client.info().fp8.session_fp8_cache:
+        pytest.skip("this server's backend has no FP8 session caches (GetServerInfo fp8)")
+    with pytest.raises(attnd.InvalidArgument, match=r"k_scales\[1\] must be finite and > 0"):
+        client.create_session(1, 2, 64, "bf16", cache_dtype="fp8_e4m3", k_scales=[0.01, 0.0],
+                              v_scales=[0.01, 0.01])
+    with pytest.raises(attnd.InvalidArgument, match=r"v_scales must have num_kv_heads \(2\)"):
+        client.create_session(1, 2, 64, "bf16", cache_dtype="fp8_e4m3", k_scales=[0.01, 0.01],
+                              v_scales=[0.01])

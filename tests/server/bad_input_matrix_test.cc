@@ -21,6 +21,7 @@
 #include <grpcpp/generic/generic_stub.h>
 
 #include "common/reference.h"
+#include "rpc/step_validation.h"
 #include "session_util.h"
 #include "common/tsan_annotations.h"
 #include "test_util.h"
@@ -821,6 +822,62 @@ void SetShapes(v1::StepRequest& r, int64_t q_heads, int64_t kv_heads, int64_t d)
   }
 }
 
+// A session with an FP8 cache (the live session's shape, scales per KV head) holding 3 tokens,
+// the step on it changed by `corrupt` and sent; then a good step on it must match the reference
+// over its cache as it was. Returns the bad step's status.
+testing::SessionSpec Fp8SessionSpec() {
+  testing::SessionSpec spec{2, 4, 2, 64, v1::DTYPE_BFLOAT16};
+  spec.fp8_cache = true;
+  spec.k_scales = {1.0f / 448, 1.5f / 448};
+  spec.v_scales = {2.0f / 448, 1.25f / 448};
+  return spec;
+}
+std::function<grpc::Status(const SessionCall&)> BadFp8Step(
+    std::function<void(v1::StepRequest&)> corrupt, bool codes = false) {
+  return [corrupt, codes](const SessionCall& c) {
+    testing::SessionSpec spec = Fp8SessionSpec();
+    spec.fp8_k_new = codes;
+    v1::CreateSessionResponse created;
+    EXPECT_TRUE(testing::CreateSession(c.stub, spec, &created).ok());
+    testing::SessionShadow shadow(spec);
+    v1::StepResponse response;
+    const v1::StepRequest first = testing::RandomStep(created.session_id(), 0, 3, spec, *c.rng);
+    EXPECT_TRUE(testing::Step(c.stub, first, &response).ok());
+    shadow.Append(first);
+    v1::StepRequest bad = testing::RandomStep(created.session_id(), 0, 1, spec, *c.rng);
+    corrupt(bad);
+    v1::StepResponse refused;
+    const grpc::Status st = testing::Step(c.stub, bad, &refused);
+    EXPECT_FALSE(refused.has_o());
+    const v1::StepRequest good = testing::RandomStep(created.session_id(), 0, 2, spec, *c.rng);
+    EXPECT_TRUE(testing::Step(c.stub, good, &response).ok());
+    shadow.Append(good);
+    EXPECT_EQ(response.cached_tokens(), 5);
+    EXPECT_LE(shadow.Check(good, response).o, testing::StepTolerance(spec.dtype));
+    EXPECT_TRUE(testing::CloseSession(c.stub, created.session_id()).ok());
+    return st;
+  };
+}
+// CreateSession of an FP8 cache with two KV heads, changed by `corrupt`.
+std::function<grpc::Status(const SessionCall&)> BadFp8Create(
+    std::function<void(v1::CreateSessionRequest&)> corrupt) {
+  return BadCreate([corrupt](v1::CreateSessionRequest& r) {
+    r.set_cache_dtype(v1::DTYPE_FLOAT8_E4M3);
+    for (float s : {0.01f, 0.02f}) {
+      r.add_k_scales(s);
+      r.add_v_scales(s);
+    }
+    corrupt(r);
+  });
+}
+// t turned into E4M3 codes of the same shape (code 0x38, 1.0).
+void MakeFp8(v1::Tensor* t) {
+  int64_t n = 1;
+  for (int64_t s : t->shape()) n *= s;
+  t->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+  t->set_data(std::string(static_cast<size_t>(n), '\x38'));
+}
+
 std::vector<SessionBadCase> SessionBadCases() {
   const auto IA = StatusCode::INVALID_ARGUMENT;
   const auto NF = StatusCode::NOT_FOUND;
@@ -850,6 +907,50 @@ std::vector<SessionBadCase> SessionBadCases() {
       {"CreateRowFittingNoRunOfPages", BadCreate([](auto& r) { r.set_num_kv_heads(65); }), IA,
        "num_kv_heads (65) x head_dim (64) x 2 bytes = 8320 bytes per token fit no run of at most "
        "64 KV pages of 32768 bytes"},
+      // CreateSession of an FP8 cache: its scales.
+      {"CreateFp8KScalesMissing", BadFp8Create([](auto& r) { r.clear_k_scales(); }), IA,
+       "k_scales is required for an FP8 cache"},
+      {"CreateFp8VScalesMissing", BadFp8Create([](auto& r) { r.clear_v_scales(); }), IA,
+       "v_scales is required for an FP8 cache"},
+      {"CreateFp8KScaleZero", BadFp8Create([](auto& r) { r.set_k_scales(1, 0.0f); }), IA,
+       "k_scales[1] must be finite and > 0, got 0"},
+      {"CreateFp8VScaleNegative", BadFp8Create([](auto& r) { r.set_v_scales(0, -1.0f); }), IA,
+       "v_scales[0] must be finite and > 0, got -1"},
+      {"CreateFp8KScaleNaN", BadFp8Create([](auto& r) { r.set_k_scales(0, kNaN); }), IA,
+       "k_scales[0] must be finite and > 0, got nan"},
+      {"CreateFp8VScaleInf", BadFp8Create([](auto& r) {
+         r.set_v_scales(1, std::numeric_limits<float>::infinity());
+       }), IA, "v_scales[1] must be finite and > 0, got inf"},
+      {"CreateFp8KScalesTooMany", BadFp8Create([](auto& r) { r.add_k_scales(0.5f); }), IA,
+       "k_scales must have num_kv_heads (2) entries, got 3"},
+      {"CreateFp8VScalesTooFew", BadFp8Create([](auto& r) { r.mutable_v_scales()->RemoveLast(); }),
+       IA, "v_scales must have num_kv_heads (2) entries, got 1"},
+      {"CreateScalesWithoutFp8Cache", BadFp8Create([](auto& r) { r.clear_cache_dtype(); }), IA,
+       "k_scales is only for an FP8 cache (cache_dtype DTYPE_FLOAT8_E4M3)"},
+      {"CreateCacheDtypeFloat32", BadCreate([](auto& r) { r.set_cache_dtype(v1::DTYPE_FLOAT32); }),
+       IA, "cache_dtype must be unset, the session's dtype or DTYPE_FLOAT8_E4M3, got DTYPE_FLOAT32"},
+      // Step of a session with an FP8 cache.
+      {"StepFp8Q", BadFp8Step([](auto& r) { MakeFp8(r.mutable_q()); }), IA,
+       "q.dtype must be the session's dtype DTYPE_BFLOAT16, got DTYPE_FLOAT8_E4M3"},
+      {"StepFp8KNewWithoutScales", BadFp8Step([](auto& r) {
+         r.clear_k_new_scales();
+         r.clear_v_new_scales();
+       }, /*codes=*/true), IA,
+       "k_new_scales must have num_kv_heads (2) entries for FP8 k_new/v_new, got 0"},
+      {"StepFp8VNewScaleNotTheSessions", BadFp8Step([](auto& r) {
+         r.set_v_new_scales(1, r.v_new_scales(1) * 2);
+       }, /*codes=*/true), IA, "v_new_scales[1] is"},
+      {"StepFp8KNewScalesTooMany", BadFp8Step([](auto& r) { r.add_k_new_scales(1.0f); },
+                                              /*codes=*/true),
+       IA, "k_new_scales must have num_kv_heads (2) entries for FP8 k_new/v_new, got 3"},
+      {"StepFp8OnlyKNew", BadFp8Step([](auto& r) { MakeFp8(r.mutable_k_new()); }), IA,
+       "k_new.dtype and v_new.dtype must both be DTYPE_FLOAT8_E4M3 or neither"},
+      {"StepFp8ScalesFor16BitKNew", BadFp8Step([](auto& r) { r.add_k_new_scales(0.01f); }), IA,
+       "k_new_scales is only for FP8 k_new/v_new (DTYPE_FLOAT8_E4M3)"},
+      {"StepFp8KNewOnA16BitCache", BadStep([](auto& r) {
+         MakeFp8(r.mutable_k_new());
+         MakeFp8(r.mutable_v_new());
+       }), IA, "k_new.dtype must be the session's dtype DTYPE_BFLOAT16, got DTYPE_FLOAT8_E4M3"},
       // Step: which session.
       {"StepUnknownSession", BadStep([](auto& r) { r.set_session_id("nosuchreplica"); }), NF,
        "no session nosuchreplica on replica bad-input"},
@@ -1003,6 +1104,39 @@ INSTANTIATE_TEST_SUITE_P(Matrix, SessionBadInput, ::testing::ValuesIn(SessionBad
                          [](const ::testing::TestParamInfo<SessionBadCase>& info) {
                            return info.param.name;
                          });
+
+// An FP8 cache asked of a backend without FP8 sessions (every backend attnd has today serves
+// them, so the check is exercised on the validation function the service calls).
+TEST(SessionFp8Unsupported, CreateIsFailedPrecondition) {
+  v1::CreateSessionRequest r;
+  r.set_num_layers(1);
+  r.set_num_kv_heads(1);
+  r.set_head_dim(64);
+  r.set_dtype(v1::DTYPE_BFLOAT16);
+  r.set_cache_dtype(v1::DTYPE_FLOAT8_E4M3);
+  r.add_k_scales(1.0f);
+  r.add_v_scales(1.0f);
+  SessionManager::CreateParams p;
+  const absl::Status st = SessionCacheParams(r, Fp8Features{}, &p);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("cache_dtype DTYPE_FLOAT8_E4M3: this attnd's backend has no FP8 "
+                              "session caches"),
+            std::string::npos)
+      << st;
+  EXPECT_FALSE(p.cache_dtype.has_value());
+  Fp8Features with;
+  with.session_cache = true;
+  EXPECT_TRUE(SessionCacheParams(r, with, &p).ok());
+  EXPECT_EQ(p.cache_dtype, kernels::DType::kFloat8E4M3);
+  // A backend whose FP8 kernel has other head dims (the CUDA backend: 64, 128, 256).
+  with.session_head_dims = {128, 256};
+  SessionManager::CreateParams q;
+  const absl::Status dim = SessionCacheParams(r, with, &q);
+  EXPECT_EQ(dim.code(), absl::StatusCode::kFailedPrecondition) << dim;
+  EXPECT_NE(dim.message().find("head_dim 64: this backend's FP8 kernel takes head_dim 128, 256"),
+            std::string::npos)
+      << dim;
+}
 
 // The same bad steps as BatchStep items between good ones: each bad item gets its own code and
 // message, the good ones are computed.

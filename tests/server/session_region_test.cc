@@ -75,10 +75,10 @@ std::string CreateSession(RegionRig& rig, const SessionSpec& spec) {
 
 void Poison(RegionRig& rig) { std::memset(rig.out().data(), 0xFF, rig.out().size()); }
 
-TEST(SessionRegionTest, StepsThroughRegionsMatchTheReference) {
+// Steps of a session of spec with every tensor in regions, each against the reference.
+void StepsThroughRegions(const SessionSpec& spec) {
   RegionRig rig;
   ASSERT_TRUE(rig.Start());
-  const SessionSpec spec;
   const std::string id = CreateSession(rig, spec);
   testing::SessionShadow shadow(spec);
   std::mt19937_64 rng(21);
@@ -101,6 +101,17 @@ TEST(SessionRegionTest, StepsThroughRegionsMatchTheReference) {
     EXPECT_LT(err.o, testing::StepTolerance(spec.dtype)) << "step " << i;
     EXPECT_LT(err.lse, 2e-5) << "step " << i;
   }
+}
+
+TEST(SessionRegionTest, StepsThroughRegionsMatchTheReference) { StepsThroughRegions({}); }
+
+// An FP8 cache: 16-bit k_new/v_new read from a host region and quantized as they are appended.
+TEST(SessionRegionTest, StepsOfAnFp8CacheThroughRegionsMatchTheReference) {
+  SessionSpec spec;
+  spec.fp8_cache = true;
+  spec.k_scales.assign(static_cast<size_t>(spec.kv_heads), 0.8f / 448);  // some saturate
+  spec.v_scales.assign(static_cast<size_t>(spec.kv_heads), 1.5f / 448);
+  StepsThroughRegions(spec);
 }
 
 TEST(SessionRegionTest, BatchStepMixesRegionAndInlineItems) {

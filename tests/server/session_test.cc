@@ -8,10 +8,12 @@
 #include <grpcpp/client_context.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <thread>
 
+#include "attn/kernels/dtype_convert.h"
 #include "sessions/kv_page_pool.h"
 #include "session_util.h"
 #include "test_util.h"
@@ -412,6 +414,169 @@ TEST_F(SessionTest, ServerInfoAndMetricsDescribeTheCache) {
   EXPECT_EQ(testing::MetricValue(text, "attn_decode_bandwidth_bytes_per_second_count", {}), 1);
   EXPECT_EQ(testing::MetricValue(text, "attn_requests_total",
                                  {"rpc=\"TruncateSession\"", "code=\"OK\""}), 1);
+}
+
+// Per-KV-head scales for an FP8 cache: values in [-1, 1] over scales in [lo/448, hi/448], so that
+// heads with a scale below 1/448 saturate some of their elements.
+std::vector<float> RandomScales(int heads, double lo, double hi, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<float> s(static_cast<size_t>(heads));
+  for (float& x : s) x = static_cast<float>(u(rng) / 448.0);
+  return s;
+}
+
+SessionSpec Fp8Spec(SessionSpec spec, std::mt19937_64& rng, bool codes = false) {
+  spec.fp8_cache = true;
+  spec.k_scales = RandomScales(spec.kv_heads, 0.7, 3.0, rng);
+  spec.v_scales = RandomScales(spec.kv_heads, 0.7, 3.0, rng);
+  spec.fp8_k_new = codes;
+  return spec;
+}
+
+// Sessions with an FP8 cache through the same random interleavings (decode and chunks, BatchStep,
+// truncate, fork with copy on write, close) as 16-bit ones: each answer matches the float64
+// reference over the cache's dequantized values (the shadow quantizes k_new/v_new itself, with
+// some heads' scales small enough to saturate), with k_new/v_new sent in 16 bits or as codes.
+TEST_F(SessionTest, Fp8CacheRandomInterleavingsMatchTheReference) {
+  Start();
+  const std::vector<SessionSpec> specs = {
+      Fp8Spec({3, 4, 2, 64, v1::DTYPE_BFLOAT16}, rng_),
+      Fp8Spec({2, 8, 1, 64, v1::DTYPE_FLOAT16}, rng_, /*codes=*/true),
+      Fp8Spec({2, 4, 4, 32, v1::DTYPE_BFLOAT16}, rng_),
+      {2, 4, 2, 64, v1::DTYPE_BFLOAT16},  // a 16-bit session alongside
+  };
+  // One byte per element: twice the tokens of a 16-bit row per page.
+  v1::CreateSessionResponse fp8, bf16;
+  ASSERT_TRUE(testing::CreateSession(stub_, specs[0], &fp8).ok());
+  ASSERT_TRUE(testing::CreateSession(stub_, specs[3], &bf16).ok());
+  EXPECT_EQ(fp8.page_tokens(), 2 * bf16.page_tokens());
+  EXPECT_EQ(fp8.cache_dtype(), v1::DTYPE_FLOAT8_E4M3);
+  EXPECT_EQ(bf16.cache_dtype(), v1::DTYPE_BFLOAT16);
+  ASSERT_TRUE(testing::CloseSession(stub_, fp8.session_id()).ok());
+  ASSERT_TRUE(testing::CloseSession(stub_, bf16.session_id()).ok());
+  testing::WorkloadOptions o;
+  o.ops = 220;
+  std::cout << testing::RunRandomSessionWorkload(stub_, specs, o, rng_) << "\n";
+  EXPECT_EQ(FreePages(), total_pages_) << "pages leaked";
+}
+
+// Quantize on append: outlier channels (x20) saturate against the session's scales; the counter
+// counts exactly the elements the test finds beyond +-448, and the answer matches the reference
+// over the saturated cache. Also the cache's error against the unquantized inputs (printed).
+TEST_F(SessionTest, Fp8CacheSaturatesOutliersAndCountsThem) {
+  Start();
+  SessionSpec spec{1, 8, 2, 64, v1::DTYPE_BFLOAT16};
+  spec.fp8_cache = true;
+  spec.k_scales = {1.0f / 448, 2.0f / 448};  // |x| beyond 1 (head 0) or 2 (head 1) saturates
+  spec.v_scales = {2.0f / 448, 1.0f / 448};
+  SessionSpec plain = spec;  // the same inputs, unquantized
+  plain.fp8_cache = false;
+  const std::string id = Create(spec);
+  SessionShadow shadow(spec), exact(plain);
+  const int metrics = server_.server->metrics_port();
+  const double before = testing::ScrapeMetric(metrics, "attn_kv_fp8_saturations_total");
+  ASSERT_EQ(before, 0);
+  int64_t expected = 0;
+  double err2 = 0, ref2 = 0;
+  for (int n : {13, 1, 1, 5, 1}) {
+    v1::StepRequest step = testing::RandomStep(id, 0, n, spec, rng_);
+    for (v1::Tensor* t : {step.mutable_k_new(), step.mutable_v_new()}) {
+      std::string& data = *t->mutable_data();
+      uint16_t* x = reinterpret_cast<uint16_t*>(data.data());
+      for (size_t i = 0; i < data.size() / 2; ++i) {
+        if (i % 64 % 16 == 3) {
+          x[i] = kernels::cpu::FloatToBf16Bits(20.0f * kernels::cpu::Bf16BitsToFloat(x[i]));
+        }
+      }
+    }
+    expected += testing::CountSaturations(step.k_new(), spec.k_scales) +
+                testing::CountSaturations(step.v_new(), spec.v_scales);
+    StepAndCheck(shadow, step);
+    // The FP8 answer against the reference over the unquantized inputs.
+    v1::StepResponse again;
+    ASSERT_TRUE(Truncate(id, n).ok());
+    ASSERT_TRUE(testing::Step(stub_, step, &again).ok());
+    exact.Append(step);
+    const auto e = exact.Check(step, again);
+    err2 += e.o * e.o;
+    ref2 += 1;
+  }
+  EXPECT_GT(expected, 0);
+  double counted = 0;
+  for (int i = 0; i < 200; ++i) {  // the batch's report lands just after the answers
+    counted = testing::ScrapeMetric(metrics, "attn_kv_fp8_saturations_total");
+    if (counted >= 2 * expected) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(counted, 2 * expected) << "each step ran twice (again after a truncate)";
+  std::cout << "FP8 cache with x20 outlier channels: relative L2 error of o against the "
+               "unquantized reference, RMS over steps: "
+            << std::sqrt(err2 / ref2) << "\n";
+  EXPECT_TRUE(std::isfinite(err2));
+  // Without outliers, scales at the inputs' amax (1/448: nothing saturates): the cache's error.
+  SessionSpec fitted = spec;
+  fitted.k_scales = fitted.v_scales = {1.0f / 448, 1.0f / 448};
+  SessionSpec fitted_plain = fitted;
+  fitted_plain.fp8_cache = false;
+  const std::string id2 = Create(fitted);
+  SessionShadow quantized(fitted), unquantized(fitted_plain);
+  double fit2 = 0;
+  int fit_steps = 0;
+  for (int n : {32, 1, 1, 1, 1}) {
+    const v1::StepRequest step = testing::RandomStep(id2, 0, n, fitted, rng_);
+    StepAndCheck(quantized, step);
+    EXPECT_EQ(testing::CountSaturations(step.k_new(), fitted.k_scales), 0);
+    // The same step again (after dropping it) against the unquantized reference.
+    v1::StepResponse again;
+    ASSERT_TRUE(Truncate(id2, n).ok());
+    ASSERT_TRUE(testing::Step(stub_, step, &again).ok());
+    unquantized.Append(step);
+    const double e = unquantized.Check(step, again).o;
+    fit2 += e * e;
+    ++fit_steps;
+  }
+  std::cout << "FP8 cache, scales at amax: relative L2 error of o against the unquantized "
+               "reference, RMS over steps: "
+            << std::sqrt(fit2 / fit_steps) << "\n";
+  EXPECT_LT(std::sqrt(fit2 / fit_steps), 0.1);
+  grpc::ClientContext ctx;
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
+  EXPECT_TRUE(info.fp8().session_fp8_cache());
+  EXPECT_EQ(info.fp8().session_fp8_max_step_tokens(), 0);
+}
+
+// Fork shares an FP8 cache's pages and copies the partial last one on write; truncate drops
+// tokens of every layer; each branch keeps its own tokens.
+TEST_F(SessionTest, Fp8CacheForkAndTruncate) {
+  Start();
+  const SessionSpec spec = Fp8Spec({2, 4, 2, 64, v1::DTYPE_FLOAT16}, rng_);
+  v1::CreateSessionResponse created;
+  ASSERT_TRUE(testing::CreateSession(stub_, spec, &created).ok());
+  const std::string a = created.session_id();
+  SessionShadow sa(spec);
+  for (int layer : {0, 1}) StepAndCheck(sa, testing::RandomStep(a, layer, 21, spec, rng_));
+  v1::ForkSessionResponse forked;
+  ASSERT_TRUE(Fork(a, &forked).ok());
+  const std::string b = forked.session_id();
+  SessionShadow sb = sa;
+  const int64_t shared = FreePages();
+  for (int layer : {0, 1}) {
+    StepAndCheck(sb, testing::RandomStep(b, layer, 1, spec, rng_));
+    StepAndCheck(sa, testing::RandomStep(a, layer, 3, spec, rng_));
+  }
+  EXPECT_LT(FreePages(), shared) << "the shared partial pages were copied on write";
+  v1::TruncateSessionResponse t;
+  ASSERT_TRUE(Truncate(a, 10, &t).ok());
+  sa.Truncate(10);
+  EXPECT_EQ(t.cached_tokens(0), 14);
+  for (int layer : {0, 1}) {
+    StepAndCheck(sa, testing::RandomStep(a, layer, 2, spec, rng_));
+    StepAndCheck(sb, testing::RandomStep(b, layer, 1, spec, rng_));
+  }
+  ASSERT_TRUE(testing::CloseSession(stub_, a).ok());
+  ASSERT_TRUE(testing::CloseSession(stub_, b).ok());
+  EXPECT_EQ(FreePages(), total_pages_);
 }
 
 }  // namespace

@@ -37,6 +37,45 @@ std::vector<double> ToDouble(const v1::Tensor& t) {
   return h.ToDouble();
 }
 
+// t's elements as double, dequantized with per-head scales when t holds E4M3 codes.
+std::vector<double> Values(const v1::Tensor& t, const std::vector<float>& scales) {
+  if (t.dtype() != v1::DTYPE_FLOAT8_E4M3) return ToDouble(t);
+  const int64_t d = t.shape(2), heads = t.shape(1);
+  std::vector<double> out(t.data().size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = E4m3Value(static_cast<uint8_t>(t.data()[i])) *
+             scales[static_cast<size_t>((static_cast<int64_t>(i) / d) % heads)];
+  }
+  return out;
+}
+
+// The values an FP8 cache holds for a 16-bit tensor: each quantized with its head's scale.
+std::vector<double> Quantized(const std::vector<double>& x, int64_t heads, int64_t d,
+                              const std::vector<float>& scales) {
+  std::vector<double> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double s = scales[static_cast<size_t>((static_cast<int64_t>(i) / d) % heads)];
+    out[i] = E4m3Value(QuantizeE4m3(static_cast<double>(static_cast<float>(x[i]) / float(s)))) * s;
+  }
+  return out;
+}
+
+// A tensor of fresh random values [tokens, heads, d], sent as E4M3 codes of value / scales[head].
+void FillRandomFp8(v1::Tensor* t, int64_t tokens, int heads, int d,
+                   const std::vector<float>& scales, std::mt19937_64& rng) {
+  t->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+  t->add_shape(tokens);
+  t->add_shape(heads);
+  t->add_shape(d);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::string codes(static_cast<size_t>(tokens * heads * d), '\0');
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const double s = scales[(i / static_cast<size_t>(d)) % static_cast<size_t>(heads)];
+    codes[i] = static_cast<char>(QuantizeE4m3(u(rng) / s));
+  }
+  t->set_data(codes);
+}
+
 void Context(grpc::ClientContext* ctx, const std::string& bearer) {
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   if (!bearer.empty()) ctx->AddMetadata("authorization", "Bearer " + bearer);
@@ -44,12 +83,52 @@ void Context(grpc::ClientContext* ctx, const std::string& bearer) {
 
 }  // namespace
 
+double E4m3Value(uint8_t code) {
+  const int mag = code & 0x7F, e = mag >> 3, m = mag & 7;
+  if (mag == 0x7F) return NAN;
+  const double v = e == 0 ? m * std::ldexp(1.0, -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (code & 0x80) ? -v : v;
+}
+
+uint8_t QuantizeE4m3(double x) {
+  if (std::isnan(x)) return 0x7F;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::fabs(x);
+  if (a >= 448.0) return sign | 126;
+  // Codes 0..126 are increasing in value: the two around a, the nearer (ties: the even code).
+  uint8_t hi = 0;
+  while (hi < 126 && E4m3Value(hi) < a) ++hi;
+  if (hi == 0) return sign;
+  const uint8_t lo = hi - 1;
+  const double dlo = a - E4m3Value(lo), dhi = E4m3Value(hi) - a;
+  const uint8_t pick = dlo < dhi ? lo : dhi < dlo ? hi : (lo % 2 == 0 ? lo : hi);
+  return sign | pick;
+}
+
+int64_t CountSaturations(const v1::Tensor& t, const std::vector<float>& scales) {
+  const auto x = ToDouble(t);
+  const int64_t d = t.shape(2), heads = t.shape(1);
+  int64_t n = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float s = scales[static_cast<size_t>((static_cast<int64_t>(i) / d) % heads)];
+    n += std::fabs(static_cast<float>(x[i]) / s) > 448.0f;
+  }
+  return n;
+}
+
 v1::StepRequest RandomStep(const std::string& session_id, int layer, int n, const SessionSpec& s,
                            std::mt19937_64& rng) {
   v1::StepRequest r;
   r.set_session_id(session_id);
   r.set_layer(layer);
   FillRandom(r.mutable_q(), s.dtype, n, s.heads, s.head_dim, rng);
+  if (s.fp8_cache && s.fp8_k_new) {
+    FillRandomFp8(r.mutable_k_new(), n, s.kv_heads, s.head_dim, s.k_scales, rng);
+    FillRandomFp8(r.mutable_v_new(), n, s.kv_heads, s.head_dim, s.v_scales, rng);
+    r.mutable_k_new_scales()->Add(s.k_scales.begin(), s.k_scales.end());
+    r.mutable_v_new_scales()->Add(s.v_scales.begin(), s.v_scales.end());
+    return r;
+  }
   FillRandom(r.mutable_k_new(), s.dtype, n, s.kv_heads, s.head_dim, rng);
   FillRandom(r.mutable_v_new(), s.dtype, n, s.kv_heads, s.head_dim, rng);
   return r;
@@ -60,7 +139,11 @@ int64_t SessionShadow::Tokens(int layer) const {
 }
 
 void SessionShadow::Append(const v1::StepRequest& step) {
-  const auto k = ToDouble(step.k_new()), v = ToDouble(step.v_new());
+  auto k = Values(step.k_new(), spec_.k_scales), v = Values(step.v_new(), spec_.v_scales);
+  if (spec_.fp8_cache && step.k_new().dtype() != v1::DTYPE_FLOAT8_E4M3) {
+    k = Quantized(k, spec_.kv_heads, spec_.head_dim, spec_.k_scales);
+    v = Quantized(v, spec_.kv_heads, spec_.head_dim, spec_.v_scales);
+  }
   k_[step.layer()].insert(k_[step.layer()].end(), k.begin(), k.end());
   v_[step.layer()].insert(v_[step.layer()].end(), v.begin(), v.end());
 }
@@ -134,6 +217,11 @@ grpc::Status CreateSession(v1::Attention::Stub* stub, const SessionSpec& spec,
   r.set_head_dim(spec.head_dim);
   r.set_dtype(spec.dtype);
   r.set_max_tokens(max_tokens);
+  if (spec.fp8_cache) {
+    r.set_cache_dtype(v1::DTYPE_FLOAT8_E4M3);
+    r.mutable_k_scales()->Add(spec.k_scales.begin(), spec.k_scales.end());
+    r.mutable_v_scales()->Add(spec.v_scales.begin(), spec.v_scales.end());
+  }
   return stub->CreateSession(&ctx, r, response);
 }
 

@@ -20,7 +20,19 @@ struct SessionSpec {
   int kv_heads = 2;
   int head_dim = 64;
   v1::DType dtype = v1::DTYPE_BFLOAT16;
+  // An FP8 cache (cache_dtype DTYPE_FLOAT8_E4M3) with these per-KV-head scales; fp8_k_new: steps
+  // send k_new/v_new as E4M3 codes (quantized by the test) instead of in dtype.
+  bool fp8_cache = false;
+  std::vector<float> k_scales, v_scales;
+  bool fp8_k_new = false;
 };
+
+// Test-side OCP E4M3FN quantization (from the format's definition, independent of the server's
+// conversions): the code nearest to x (ties to the even code), saturating to +-448; NaN to 0x7F.
+uint8_t QuantizeE4m3(double x);
+double E4m3Value(uint8_t code);
+// Elements of a 16-bit tensor [tokens, heads, d] whose value / scales[head] is beyond +-448.
+int64_t CountSaturations(const v1::Tensor& t, const std::vector<float>& scales);
 
 // A StepRequest with fresh random q, k_new, v_new of n new tokens.
 v1::StepRequest RandomStep(const std::string& session_id, int layer, int n, const SessionSpec& s,

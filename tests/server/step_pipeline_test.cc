@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <deque>
 #include <cstring>
 #include <future>
@@ -14,7 +16,9 @@
 
 #include "backends/cpu_backend.h"
 #include "backends/cpu_step_device.h"
+#include "sessions/fp8_quantize.h"
 #include "sessions/session_manager.h"
+#include "attn/kernels/dtype_convert.h"
 
 namespace attn {
 namespace {
@@ -200,6 +204,42 @@ TEST_F(StepPipelineTest, AStepThatFitsNoLaunchFailsAloneAndChangesNothing) {
   next.push_back(Step(s, 1, 7));
   for (const auto& [st, o] : Run(std::move(next))) EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(s->CachedTokens(0), 8);
+}
+
+// The FP8 cache's quantization of 16-bit k_new/v_new: for every bf16 and every fp16 bit pattern
+// over several scales (subnormal, normal, saturating and NaN results), the same codes as the
+// kernels library's FloatToE4m3Bits of the float32 quotient, and the saturations counted.
+TEST(Fp8QuantizeTest, EveryBf16AndFp16ValueQuantizesAsTheReference) {
+  std::vector<uint16_t> all(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  for (const kernels::DType dtype : {kernels::DType::kBFloat16, kernels::DType::kFloat16}) {
+    for (const float scale : {1.0f, 1.0f / 448, 3.7e-3f, 0.75f, 1e-20f, 1e20f}) {
+      // Two heads: the scale of head 1 is twice head 0's.
+      const std::vector<float> scales = {scale, 2 * scale};
+      std::vector<uint8_t> got(2 * all.size(), 0xAA);
+      std::vector<uint16_t> rows(2 * all.size());
+      std::copy(all.begin(), all.end(), rows.begin());
+      std::copy(all.begin(), all.end(), rows.begin() + all.size());
+      const int64_t saturated =
+          QuantizeE4m3Rows(dtype, rows.data(), 1, 2, 65536, scales, got.data());
+      int64_t want_saturated = 0;
+      int64_t mismatches = 0;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const float x = dtype == kernels::DType::kBFloat16
+                            ? kernels::cpu::Bf16BitsToFloat(rows[i])
+                            : kernels::cpu::HalfBitsToFloat(rows[i]);
+        const float q = x / scales[i / all.size()];
+        want_saturated += std::fabs(q) > 448.0f;
+        if (got[i] != kernels::cpu::FloatToE4m3Bits(q) && mismatches++ < 5) {
+          ADD_FAILURE() << kernels::DTypeName(dtype) << " bits " << rows[i] << " / " << scale
+                        << ": code " << int(got[i]) << ", want "
+                        << int(kernels::cpu::FloatToE4m3Bits(q));
+        }
+      }
+      EXPECT_EQ(mismatches, 0);
+      EXPECT_EQ(saturated, want_saturated) << kernels::DTypeName(dtype) << " / " << scale;
+    }
+  }
 }
 
 }  // namespace

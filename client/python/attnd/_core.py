@@ -64,6 +64,11 @@ class SessionInfo:
     num_kv_heads: int = 0
     head_dim: int = 0
     dtype: int = _tensors.BFLOAT16
+    # The cache's element type (FLOAT8_E4M3 for an FP8 cache; dtype otherwise) and, for an FP8
+    # cache, its per-KV-head scales.
+    cache_dtype: int = 0
+    k_scales: Tuple[float, ...] = ()
+    v_scales: Tuple[float, ...] = ()
 
 
 @dataclass
@@ -421,20 +426,41 @@ def read_echo(buf: bytes) -> memoryview:
 
 
 def session_info(response: Any, spec: Dict[str, Any]) -> SessionInfo:
+    spec = dict(spec)
+    spec["cache_dtype"] = getattr(response, "cache_dtype", 0) or spec.get("cache_dtype") or \
+        spec["dtype"]
     return SessionInfo(session_id=response.session_id, replica_id=response.replica_id,
                        page_tokens=getattr(response, "page_tokens", 0),
                        ttl_seconds=getattr(response, "ttl_seconds", 0),
                        max_tokens=getattr(response, "max_tokens", 0), **spec)
 
 
+def _scales(values: Any, name: str) -> Tuple[float, ...]:
+    """Per-KV-head scales as floats: a sequence, or a numpy array / CPU torch tensor."""
+    if values is None:
+        return ()
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    try:
+        return tuple(float(x) for x in values)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be a sequence of floats, one per KV head") from None
+
+
 def create_session_request(num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any,
-                           max_tokens: int) -> Tuple[Any, Dict[str, Any]]:
+                           max_tokens: int, cache_dtype: Any = None, k_scales: Any = None,
+                           v_scales: Any = None) -> Tuple[Any, Dict[str, Any]]:
+    """The CreateSessionRequest; cache_dtype "fp8_e4m3" (with k_scales and v_scales, one float per
+    KV head each) asks for an FP8 cache that the server quantizes each step's k_new/v_new into."""
     code = _tensors.dtype_code(dtype)
+    cache = _tensors.dtype_code(cache_dtype) if cache_dtype is not None else 0
+    ks, vs = _scales(k_scales, "k_scales"), _scales(v_scales, "v_scales")
     request = _proto.CreateSessionRequest(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
                                           head_dim=int(head_dim), dtype=code,
-                                          max_tokens=int(max_tokens))
+                                          max_tokens=int(max_tokens), cache_dtype=cache,
+                                          k_scales=ks, v_scales=vs)
     spec = dict(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
-                dtype=code)
+                dtype=code, cache_dtype=cache or code, k_scales=ks, v_scales=vs)
     return request, spec
 
 

@@ -75,7 +75,8 @@ def dtype_code(name: Any) -> int:
     text = str(name).replace("torch.", "").lower()
     codes = {"fp32": FLOAT32, "float32": FLOAT32, "fp16": FLOAT16, "float16": FLOAT16,
              "half": FLOAT16, "bf16": BFLOAT16, "bfloat16": BFLOAT16, "fp8": FLOAT8_E4M3,
-             "float8_e4m3": FLOAT8_E4M3, "float8_e4m3fn": FLOAT8_E4M3}
+             "float8_e4m3": FLOAT8_E4M3, "float8_e4m3fn": FLOAT8_E4M3,
+             "fp8_e4m3": FLOAT8_E4M3}
     if text in codes:
         return codes[text]
     raise InvalidArgument(f"unknown dtype {name!r}: use float32, float16 or bfloat16")

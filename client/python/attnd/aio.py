@@ -172,9 +172,10 @@ class Client(_ChannelSet):
 
     async def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype: Any = "bfloat16", max_tokens: int = 0,
-                             timeout: Optional[float] = None) -> "Session":
+                             timeout: Optional[float] = None, *, cache_dtype: Any = None,
+                             k_scales: Any = None, v_scales: Any = None) -> "Session":
         request, spec = _core.create_session_request(num_layers, num_kv_heads, head_dim, dtype,
-                                                     max_tokens)
+                                                     max_tokens, cache_dtype, k_scales, v_scales)
         response = await self._unary("CreateSession", request, self._timeout(timeout))
         return Session(self, _core.session_info(response, spec))
 

@@ -273,10 +273,15 @@ class Client(_ChannelSet):
 
     def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                        dtype: Any = "bfloat16", max_tokens: int = 0,
-                       timeout: Optional[float] = None) -> "Session":
-        """Creates a KV-cache session (its cache in float16 or bfloat16) on this attnd."""
+                       timeout: Optional[float] = None, *, cache_dtype: Any = None,
+                       k_scales: Any = None, v_scales: Any = None) -> "Session":
+        """Creates a KV-cache session (its cache in float16 or bfloat16) on this attnd.
+
+        cache_dtype="fp8_e4m3" with k_scales and v_scales (one float per KV head each) keeps the
+        cache in FP8 E4M3: the server quantizes each step's k_new/v_new to E4M3(x / scale),
+        saturating to +-448; q and o stay in dtype."""
         request, spec = _core.create_session_request(num_layers, num_kv_heads, head_dim, dtype,
-                                                     max_tokens)
+                                                     max_tokens, cache_dtype, k_scales, v_scales)
         response = self._unary("CreateSession", request, self._timeout(timeout))
         return Session(self, _core.session_info(response, spec))
 

@@ -313,7 +313,8 @@ class SessionClient:
 
     def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                        dtype: Any = "bfloat16", max_tokens: int = 0,
-                       timeout: Optional[float] = None) -> Session:
+                       timeout: Optional[float] = None, *, cache_dtype: Any = None,
+                       k_scales: Any = None, v_scales: Any = None) -> Session:
         """A new session on the replica with the most free KV pages now."""
         self._refresh_if_older(self._routing.refresh_interval)
         with self._routing.lock:
@@ -324,7 +325,8 @@ class SessionClient:
         for r, name in ranked:
             try:
                 s = r.client.create_session(num_layers, num_kv_heads, head_dim, dtype, max_tokens,
-                                            timeout)
+                                            timeout, cache_dtype=cache_dtype,
+                                            k_scales=k_scales, v_scales=v_scales)
             except AttndError as e:
                 last = e
                 tried.append(f"{name}: {e.code.name}: {e.message}")
@@ -441,7 +443,8 @@ class AsyncSessionClient:
 
     async def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype: Any = "bfloat16", max_tokens: int = 0,
-                             timeout: Optional[float] = None) -> Any:
+                             timeout: Optional[float] = None, *, cache_dtype: Any = None,
+                             k_scales: Any = None, v_scales: Any = None) -> Any:
         if self._routing.due(self._routing.refresh_interval):
             try:
                 await self.refresh()
@@ -455,7 +458,8 @@ class AsyncSessionClient:
         for r, name in ranked:
             try:
                 s = await r.client.create_session(num_layers, num_kv_heads, head_dim, dtype,
-                                                  max_tokens, timeout)
+                                                  max_tokens, timeout, cache_dtype=cache_dtype,
+                                                  k_scales=k_scales, v_scales=v_scales)
             except AttndError as e:
                 last = e
                 tried.append(f"{name}: {e.code.name}: {e.message}")

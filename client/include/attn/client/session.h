@@ -37,6 +37,11 @@ struct SessionSpec {
   int32_t head_dim = 128;
   DType dtype = DType::kBFloat16;  // kFloat16 or kBFloat16
   int64_t max_tokens = 0;          // 0: the server's limit
+  // An FP8 cache: DType::kFloat8E4M3 with num_kv_heads scales each for keys and values (the
+  // server quantizes each step's k_new/v_new with them: E4M3(x / scale), saturating). Unset: the
+  // cache holds dtype.
+  std::optional<DType> cache_dtype;
+  std::vector<float> k_scales, v_scales;
 };
 
 // A session as CreateSession or ForkSession returned it. page_tokens, ttl_seconds and max_tokens
@@ -47,6 +52,8 @@ struct SessionInfo {
   int32_t page_tokens = 0;
   int64_t ttl_seconds = 0;
   int64_t max_tokens = 0;
+  // The cache's element type (kFloat8E4M3 for an FP8 cache); unset for a fork.
+  std::optional<DType> cache_dtype;
   // The address the session's calls go to ("ipv4:10.0.0.5:50051", or the target as given).
   std::string endpoint;
 };
@@ -66,6 +73,9 @@ struct StepInput {
   int32_t layer = 0;
   Tensor q, k_new, v_new;
   StepOptions options;
+  // FP8 k_new/v_new (E4M3 codes, for a session with an FP8 cache): the session's k_scales and
+  // v_scales, which the server checks they were quantized with.
+  std::vector<float> k_new_scales, v_new_scales;
 };
 
 struct StepResult {
