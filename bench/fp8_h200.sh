@@ -4,7 +4,7 @@
 # float64 reference (cuda_session_test), what attnd's CUDA backend reports about FP8, decode
 # through the service with a bf16 and an FP8 cache (attn-bench --mode=decode, GQA 32/8, d 128),
 # and the CPU-semantics accuracy table, with everything in OUT_DIR.
-#   bench/fp8_h200.sh BIN_DIR OUT_DIR [TEST_SECONDS]
+#   [LEVEL_S=seconds per decode level] bench/fp8_h200.sh BIN_DIR OUT_DIR [TEST_SECONDS]
 # BIN_DIR holds a gpu-bundle (bin/, env.sh) of attnd, attnctl, attn-bench, gpu_decode_test,
 # cuda_session_test and fp8_accuracy (any that is missing is left out).
 set -uo pipefail
@@ -53,7 +53,7 @@ if start_attnd; then
         set -- $shape
         "$bin/attn-bench" --target 127.0.0.1:$port --mode=decode --heads 32 --kv_heads 8 \
           --head_dim 128 --sessions "$1" --cache_tokens "$2" --batch_step "$1" \
-          --prefill_chunk "$([ -n "$kv" ] && echo 16 || echo 1024)" ${kv:+--kv_dtype=$kv} --duration_s 10 --warmup_s 2 \
+          --prefill_chunk "$([ -n "$kv" ] && echo 16 || echo 1024)" ${kv:+--kv_dtype=$kv} --duration_s "${LEVEL_S:-10}" --warmup_s 2 \
           >>"$out/decode_${kv:-bf16}.txt" 2>&1
         summary+=("attn-bench decode ${kv:-bf16} $1 x $2 rc=$?")
       done

@@ -247,6 +247,23 @@ absl::Status CudaStepDevice::Launch(int lane_index, const StepLaunch& l) {
   return st;
 }
 
+absl::Status CudaStepDevice::PlanLaunch(const kernels::AttentionArgs& args, Lane& lane,
+                                        kernels::cuda::Plan* plan, char** workspace) {
+  DevicePool* pool = &state_->device_pool();
+  RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::MakePlan(args, {}, plan)));
+  absl::StatusOr<char*> got = lane.workspace.Get(pool, lane.stream, plan->workspace_bytes);
+  if (!got.ok() && absl::IsResourceExhausted(got.status()) &&
+      plan->kernel == kernels::cuda::Plan::Kernel::kDecode && plan->decode_splits > 1) {
+    kernels::cuda::PlanOptions unsplit;
+    unsplit.decode_splits = 1;
+    RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::MakePlan(args, unsplit, plan)));
+    got = lane.workspace.Get(pool, lane.stream, plan->workspace_bytes);
+  }
+  if (!got.ok()) return got.status();
+  *workspace = *got;
+  return absl::OkStatus();
+}
+
 absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   const StepLayout& s = l.layout;
   const BatchKey& key = l.key;
@@ -277,8 +294,9 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
     args.kv_scales.v = reinterpret_cast<const float*>(in + s.v_scales);
   }
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
-  ASSIGN_OR_RETURN(char* workspace,
-                   lane.workspace.Get(pool, stream, kernels::cuda::WorkspaceBytes(args)));
+  kernels::cuda::Plan plan;
+  char* workspace = nullptr;
+  RETURN_IF_ERROR(PlanLaunch(args, lane, &plan, &workspace));
   const char* new_k = l.in_place ? first.k_bytes.data() : in + s.k;
   const char* new_v = l.in_place ? first.v_bytes.data() : in + s.v;
 
@@ -314,7 +332,7 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   }
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
   RETURN_IF_CUDA_ERROR("attention kernel",
-                       kernels::cuda::Run(args, workspace, stream));
+                       kernels::cuda::Run(args, plan, workspace, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
   if (!l.in_place) RETURN_IF_ERROR(CopyOutputs(l, dev_out, stream));
   if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "attn/kernels/cuda_attention.h"
 #include "backends/cuda_device_state.h"
 #include "backends/cuda_util.h"
 #include "sessions/step_device.h"
@@ -88,6 +89,11 @@ class CudaStepDevice : public StepDevice {
   absl::Status Init(const Options& options);
   absl::Status AllocateKvRegion(const Options& options);
   absl::Status Enqueue(Lane& lane, const StepLaunch& launch);
+  // The kernel's plan for args and its workspace from the lane's memory. A decode plan whose
+  // split-KV partials do not fit the device pool runs unsplit instead (no workspace): slower for
+  // that launch, where failing would refuse a step whose tensors the pool holds.
+  absl::Status PlanLaunch(const kernels::AttentionArgs& args, Lane& lane, kernels::cuda::Plan* plan,
+                          char** workspace);
 
   std::shared_ptr<CudaDeviceState> state_;
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor

@@ -97,6 +97,18 @@ def test_remote_kv_cache(client, model_dtype, kv_dtype, batch):
         run(child, 2, ckeys, cvals)
         run(cache, 1, keys, vals)
         child.close()
+        # crop: a positive length keeps that many tokens; 0 or negative drops -length, given as
+        # an int or a 0-d tensor (transformers' assisted generation passes both kinds)
+        run(cache, 3, keys, vals)
+        for length, dropped in ((torch.tensor(0), 0), (0, 0), (torch.tensor(-1), 1), (14, 1)):
+            before = cache.seq_length()
+            cache.crop(length)
+            assert cache.seq_length() == before - dropped and isinstance(cache.seq_length(), int)
+            for layer in range(layers):
+                for b in range(batch):
+                    keys[layer][b] = keys[layer][b][:len(keys[layer][b]) - dropped]
+                    vals[layer][b] = vals[layer][b][:len(vals[layer][b]) - dropped]
+        run(cache, 1, keys, vals)
         if batch == 3:
             cache.reorder([2, 2, 0])  # beam search: rows become forks of others
             for layer in range(layers):

@@ -108,6 +108,7 @@ class RemoteKVCache:
 
     def truncate(self, tokens: int) -> None:
         """Drops the last `tokens` tokens of every layer of every sequence."""
+        tokens = int(tokens)
         if tokens < 0 or any(tokens > n for n in self.lengths):
             raise InvalidArgument(f"cannot drop {tokens} tokens from caches of {self.lengths}")
         if tokens == 0:
@@ -117,9 +118,11 @@ class RemoteKVCache:
         self.lengths = [n - tokens for n in self.lengths]
 
     def crop(self, length: int) -> None:
-        """Keeps the first `length` tokens (negative: drops -length)."""
+        """Keeps the first `length` tokens; 0 or negative: drops -length (transformers' newer
+        meaning, which its assisted generation uses, with a 0-d tensor, to drop rejected drafts)."""
+        length = int(length)
         current = max(self.lengths) if self.lengths else 0
-        keep = current + length if length < 0 else length
+        keep = current + length if length <= 0 else length
         if keep < current:
             self.truncate(current - keep)
 
