@@ -67,6 +67,9 @@ class RunSh:
             self.read_until("\0never\0", 0.05)  # keep the terminal drained
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid == self.pid:
+                # What the terminal still holds (the last lines can outrun the reads above on a
+                # loaded machine): read to its end.
+                self.read_until("\0never\0", 5)
                 self.status = os.waitstatus_to_exitcode(status)
                 if self.status < 0:
                     self.status = 128 - self.status
