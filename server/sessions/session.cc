@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "sessions/session_moves.h"
 
 namespace attn {
 
@@ -37,7 +38,8 @@ absl::StatusOr<std::vector<Session::LayerState>> Session::RefLayerStates() const
   std::vector<LayerState> states;
   states.reserve(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (layers_[l].busy || !layers_[l].waiting.empty()) {
+    // A frozen session's steps that hold or wait for a layer fail before they change it.
+    if (!frozen_ && (layers_[l].busy || !layers_[l].waiting.empty())) {
       return absl::FailedPreconditionError(
           absl::StrCat("session ", id_, " layer ", l, " has a step in progress"));
     }
@@ -53,6 +55,29 @@ void Session::AdoptLayers(std::vector<LayerState> layers) {
     layers_[l].pages = std::move(layers[l].pages);
     layers_[l].tokens = layers[l].tokens;
   }
+}
+
+absl::Status Session::Freeze() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return absl::NotFoundError(absl::StrCat("session ", id_, " is closed"));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (layers_[l].busy || !layers_[l].waiting.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", id_, " layer ", l, " has a step in progress"));
+    }
+  }
+  frozen_ = true;
+  return absl::OkStatus();
+}
+
+void Session::Thaw() {
+  std::lock_guard<std::mutex> lock(mu_);
+  frozen_ = false;
+}
+
+bool Session::frozen() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return frozen_;
 }
 
 bool Session::AcquireLayer(int32_t layer, std::function<void()> start) {
@@ -101,6 +126,8 @@ void Session::ReleaseLayer(int32_t layer) {
 
 absl::StatusOr<PendingAppend> Session::BeginAppend(int32_t layer, int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
+  // A frozen session that was closed has moved: the step is sent again and finds where.
+  if (frozen_) return SessionMovingError(id_);
   if (closed_) {
     return absl::NotFoundError(absl::StrCat("session ", id_, " was closed before this step ran"));
   }
@@ -168,6 +195,7 @@ void Session::AbortAppend(PendingAppend p) { pool_->Unref(p.taken, shape_.page_s
 
 absl::StatusOr<Session::TruncateResult> Session::Truncate(int64_t tokens) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (frozen_) return SessionMovingError(id_);
   if (closed_) return absl::NotFoundError(absl::StrCat("session ", id_, " was closed"));
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (layers_[i].busy) {

@@ -99,6 +99,15 @@ class Session {
   // caller owns on each page.
   void AdoptLayers(std::vector<LayerState> layers);
 
+  // Holds the session still while it is moved to another replica: from Freeze on, steps that
+  // have not begun, truncate and close get UNAVAILABLE ("attnd-session-moving", nothing applied)
+  // until Thaw (the move failed); a session closed while frozen has moved and stays frozen, so
+  // that its late steps are sent again too. FAILED_PRECONDITION while a layer has a step in
+  // progress or waiting (nothing changes then).
+  absl::Status Freeze();
+  void Thaw();
+  bool frozen() const;
+
   // The per-layer FIFO. True: no step of the layer is in progress and the caller's step holds
   // the layer now. False: `start` runs (on the thread that ends the previous step) once every
   // earlier step of the layer has ended; it then holds the layer.
@@ -155,6 +164,7 @@ class Session {
   mutable std::mutex mu_;
   std::vector<Layer> layers_;
   bool closed_ = false;
+  bool frozen_ = false;
   Clock::time_point last_used_;
 };
 

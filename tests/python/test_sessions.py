@@ -4,6 +4,8 @@ the float64 reference over the cache the test sent."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,50 @@ def test_session_client_reports_unreachable_targets():
         attnd.SessionClient("ipv4:127.0.0.1:1", info_timeout=0.5, retries=0)
     with pytest.raises(attnd.Unavailable, match="'localhost' has no port"):
         attnd.SessionClient("localhost")
+
+
+def test_session_client_follows_a_session_handed_off_on_drain():
+    b = Server("--replica_id=py-b", "--kv_cache_bytes=16777216")
+    a = Server("--replica_id=py-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",
+               "--drain_quiet_ms=3000")
+    try:
+        rng = np.random.default_rng(31)
+        with attnd.SessionClient(a.target) as sc:  # knows A only; learns B from A's answer
+            s = sc.create_session(2, 2, 64, "bf16")
+            m = Model(2, 2, 64)
+
+            def step(layer, n):
+                q, q64 = make(rng, (n, 4, 64), "bf16")
+                k, k64 = make(rng, (n, 2, 64), "bf16")
+                v, v64 = make(rng, (n, 2, 64), "bf16")
+                r = sc.step(s.id, layer, q, k, v)  # always the id it was created with
+                m.k[layer] = np.concatenate([m.k[layer], k64])
+                m.v[layer] = np.concatenate([m.v[layer], v64])
+                assert r.cached_tokens == len(m.k[layer])
+                o_ref, _ = reference(q64, m.k[layer], m.v[layer], causal=True)
+                assert relative_error(values(r.o, "bf16"), o_ref) <= TOLERANCE["bf16"]
+
+            for layer in (0, 1):
+                step(layer, 40)
+            a.proc.terminate()
+            deadline = time.monotonic() + 30
+            while "hand-off: 1 sessions moved" not in a.tail(50):
+                assert time.monotonic() < deadline, a.tail()
+                time.sleep(0.02)
+            for _ in range(3):
+                for layer in (0, 1):
+                    step(layer, 1)
+            assert sc.current_session_id(s.id).startswith("py-b.")
+            assert a.proc.wait(timeout=30) == 0
+            q, _ = make(rng, (1, 4, 64), "bf16")
+            k, _ = make(rng, (1, 2, 64), "bf16")
+            got = sc.batch_step([(s.id, 0, q, k, k), (s.id, 1, q, k, k)])
+            assert [r.cached_tokens for r in got] == [44, 44]
+            assert sc.close_session(s.id) >= 0
+        with attnd.Client(b.target) as c:
+            info = c.info()
+            assert info.kv_cache.sessions == 0
+            assert info.kv_cache.free_pages == info.kv_cache.total_pages
+    finally:
+        a.stop()
+        b.stop()

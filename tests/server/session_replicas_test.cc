@@ -18,7 +18,14 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/server_builder.h>
+#include <signal.h>
+
+#include <atomic>
+#include <thread>
+
 #include "attn/client/session.h"
+#include "session_util.h"
 #include "test_util.h"
 
 namespace attn {
@@ -319,6 +326,326 @@ TEST(SessionReplicasTls, TheCertificateIsCheckedAgainstTheNameNotThePodAddress) 
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->cached_tokens, 2);
   EXPECT_TRUE((*c)->CloseSession(s->session_id).ok());
+}
+
+
+// --- Hand-off on drain: a SIGTERM'd replica moves its sessions to its --handoff_peers ----------
+
+// Sessions of 3 layers whose every answer is checked against the float64 reference over what the
+// session must hold (SessionShadow): a step lost, applied twice or applied to a wrong cache shows
+// as a wrong cached_tokens or a wrong o.
+class HandoffLoad {
+ public:
+  explicit HandoffLoad(SessionClient* client) : client_(client) {}
+  static testing::SessionSpec Shape() {
+    testing::SessionSpec s;
+    s.layers = 3;
+    s.heads = kHeads;
+    s.kv_heads = kKvHeads;
+    s.head_dim = kHeadDim;
+    return s;
+  }
+  // A new session, every layer prefilled with `tokens` tokens.
+  void Create(int64_t tokens) {
+    auto info = client_->CreateSession(Spec(3));
+    ASSERT_TRUE(info.ok()) << info.status();
+    sessions_.push_back({info->session_id, testing::SessionShadow(Shape())});
+    for (int l = 0; l < 3; ++l) ASSERT_TRUE(StepOnce(sessions_.size() - 1, l, tokens).ok());
+  }
+  // A fork of session i (its pages shared on the replica), which then goes its own way.
+  void Fork(size_t i) {
+    auto info = client_->ForkSession(sessions_[i].id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    sessions_.push_back({info->session_id, sessions_[i].shadow});
+  }
+  // One step of session i, layer `layer`, checked; the status of the call.
+  absl::Status StepOnce(size_t i, int layer, int tokens) {
+    Tracked& t = sessions_[i];
+    const v1::StepRequest req = testing::RandomStep(t.id, layer, tokens, Shape(), rng_);
+    StepInput in;
+    in.session_id = t.id;  // the id it was created with, whatever replica holds it now
+    in.layer = layer;
+    for (auto [from, to] : {std::pair{&req.q(), &in.q}, {&req.k_new(), &in.k_new}, {&req.v_new(), &in.v_new}}) {
+      auto tensor = client::FromWireTensor(*from);
+      if (!tensor.ok()) return tensor.status();
+      *to = std::move(*tensor);
+    }
+    auto r = client_->Step(in);
+    if (!r.ok()) return r.status();
+    t.shadow.Append(req);
+    ++steps_;
+    EXPECT_EQ(r->cached_tokens, t.shadow.Tokens(layer)) << t.id << " layer " << layer;
+    v1::StepResponse response;
+    client::ToWireTensor(r->o, response.mutable_o());
+    const auto err = t.shadow.Check(req, response);
+    EXPECT_LT(err.o, testing::StepTolerance(v1::DTYPE_BFLOAT16)) << t.id << " layer " << layer;
+    EXPECT_EQ(err.non_finite, 0);
+    return absl::OkStatus();
+  }
+  // `rounds` decode steps of every layer of every session.
+  void Decode(int rounds) {
+    for (int r = 0; r < rounds; ++r) {
+      for (size_t i = 0; i < sessions_.size(); ++i) {
+        for (int l = 0; l < 3; ++l) {
+          absl::Status st = StepOnce(i, l, 1 + (r + l) % 2);
+          ASSERT_TRUE(st.ok()) << sessions_[i].id << " round " << r << " layer " << l << ": " << st;
+        }
+      }
+    }
+  }
+  void CloseAll() {
+    for (const Tracked& t : sessions_) {
+      auto closed = client_->CloseSession(t.id);
+      EXPECT_TRUE(closed.ok()) << t.id << ": " << closed.status();
+    }
+  }
+  size_t size() const { return sessions_.size(); }
+  const std::string& id(size_t i) const { return sessions_[i].id; }
+  int64_t steps() const { return steps_; }
+
+ private:
+  struct Tracked {
+    std::string id;
+    testing::SessionShadow shadow;
+  };
+  SessionClient* const client_;
+  std::vector<Tracked> sessions_;
+  std::mt19937_64 rng_{29};
+  int64_t steps_ = 0;
+};
+
+std::vector<std::string> ReplicaFlags(const std::string& id, std::vector<std::string> more = {}) {
+  std::vector<std::string> f = {"--threads=1", "--kv_cache_bytes=8388608", "--replica_id=" + id,
+                                "--drain_grace_s=10", "--drain_quiet_ms=1500"};
+  f.insert(f.end(), more.begin(), more.end());
+  return f;
+}
+
+std::unique_ptr<SessionClient> ClientOf(const AttndProcess& p, const std::string& token = "") {
+  client::SessionClientOptions o;
+  o.client.target = "ipv4:" + p.target();
+  o.client.bearer_token = token;
+  auto c = SessionClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+v1::KvCacheInfo KvCache(const AttndProcess& p, const std::string& token = "") {
+  auto c = client::Client::Create({.target = p.target(), .bearer_token = token});
+  EXPECT_TRUE(c.ok());
+  auto info = (*c)->GetServerInfo();
+  EXPECT_TRUE(info.ok()) << info.status();
+  return info.ok() ? info->kv_cache() : v1::KvCacheInfo();
+}
+
+// Waits for a line of the process's log.
+bool LogSays(const AttndProcess& p, const std::string& text, int timeout_ms = 20000) {
+  for (int waited = 0; waited < timeout_ms; waited += 20) {
+    if (p.Log().find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+int CountOf(const std::string& log, const std::string& text) {
+  int n = 0;
+  for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+  return n;
+}
+
+TEST(SessionHandoff, ASigtermedReplicaMovesEverySessionAndDecodingGoesOn) {
+  auto b = AttndProcess::Start(ReplicaFlags("hand-b"));
+  ASSERT_NE(b, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags("hand-a", {"--handoff_peers=" + b->target()}));
+  ASSERT_NE(a, nullptr);
+  // The client knows A only: it learns B from A's answers.
+  auto client = ClientOf(*a);
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 4; ++i) load.Create(17 + 13 * i);
+  load.Fork(1);
+  load.Decode(2);
+  const int64_t b_free = KvCache(*b).free_pages();
+
+  // SIGTERM A while a thread keeps decoding every session: no call may fail.
+  std::atomic<bool> stop{false};
+  std::thread decoder([&] {
+    while (!stop.load()) {
+      load.Decode(1);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const int64_t steps_before = load.steps();
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 5 sessions moved")) << a->Log();
+  // Decoding goes on past the hand-off, on B.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  stop = true;
+  decoder.join();
+  EXPECT_GT(load.steps(), steps_before + 15);
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 20000), 0) << a->Log();
+  const std::string log = a->Log();
+  EXPECT_NE(log.find(", 0 not moved"), std::string::npos) << log;
+  EXPECT_NE(log.find("KV pages in use after hand-off: 0"), std::string::npos) << log;
+
+  // Every session is on B now, once each, under an id of B.
+  const v1::KvCacheInfo on_b = KvCache(*b);
+  EXPECT_EQ(on_b.sessions(), 5);
+  EXPECT_LT(on_b.free_pages(), b_free);
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("hand-b.", 0), 0u) << load.id(i);
+  }
+  EXPECT_EQ(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"OK\""}), 5);
+  // Closing through the old ids gives every page back on B.
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*b).sessions(), 0);
+  EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
+}
+
+TEST(SessionHandoff, AFullPeerIsPassedOverAndOwnersStayTheOwners) {
+  // Three replicas sharing a token file: B is full (its one session slot taken), C takes the
+  // sessions. The moved sessions still belong to the token that created them.
+  char tmpl[] = "/tmp/attn-handoff-tokens-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  ASSERT_GE(fd, 0);
+  const std::string tokens = "alpha-token\nbeta-token\n";
+  ASSERT_EQ(write(fd, tokens.data(), tokens.size()), static_cast<ssize_t>(tokens.size()));
+  close(fd);
+  const std::string auth = std::string("--auth_token_file=") + tmpl;
+  auto b = AttndProcess::Start(ReplicaFlags("full-b", {auth, "--max_sessions=1"}));
+  auto c = AttndProcess::Start(ReplicaFlags("room-c", {auth}));
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(
+      ReplicaFlags("src-a", {auth, "--handoff_peers=" + b->target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto on_b = client::CreateSession(
+      **client::Client::Create({.target = b->target(), .bearer_token = "beta-token"}), Spec(1));
+  ASSERT_TRUE(on_b.ok()) << on_b.status();
+  const v1::KvCacheInfo b_before = KvCache(*b, "beta-token");
+
+  auto client = ClientOf(*a, "alpha-token");
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 3; ++i) load.Create(9 + 11 * i);
+  load.Fork(0);
+  load.Decode(1);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 4 sessions moved")) << a->Log();
+  // Decoding goes on at C (the client learns where from A, which answers until it is quiet).
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  const std::string log = a->Log();
+  EXPECT_NE(log.find("KV pages in use after hand-off: 0"), std::string::npos) << log;
+
+  // B is as it was.
+  const v1::KvCacheInfo b_after = KvCache(*b, "beta-token");
+  EXPECT_EQ(b_after.sessions(), 1);
+  EXPECT_EQ(b_after.free_pages(), b_before.free_pages());
+  EXPECT_EQ(KvCache(*c, "alpha-token").sessions(), 4);
+  EXPECT_GE(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"RESOURCE_EXHAUSTED\""}), 1);
+  // Another token does not see them on C.
+  auto other = client::Client::Create({.target = c->target(), .bearer_token = "beta-token"});
+  ASSERT_TRUE(other.ok());
+  auto stolen = client::TruncateSession(**other, client->CurrentSessionId(load.id(0)), 0);
+  EXPECT_EQ(stolen.status().code(), absl::StatusCode::kNotFound) << stolen.status();
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*c, "alpha-token").free_pages(), KvCache(*c, "alpha-token").total_pages());
+  unlink(tmpl);
+}
+
+// A peer that refuses (another token file), and one that is full: the sessions stay whole on the
+// source, which goes on serving them until it exits, and says why it kept each.
+TEST(SessionHandoff, APeerThatRefusesLeavesEverySessionWholeOnTheSource) {
+  char t1[] = "/tmp/attn-handoff-a-XXXXXX", t2[] = "/tmp/attn-handoff-b-XXXXXX";
+  for (auto [path, token] : {std::pair{t1, "source-token"}, {t2, "other-deploy-token"}}) {
+    const int fd = mkstemp(path);
+    ASSERT_GE(fd, 0);
+    ASSERT_GT(write(fd, token, strlen(token)), 0);
+    close(fd);
+  }
+  auto b = AttndProcess::Start(ReplicaFlags("refuse-b", {std::string("--auth_token_file=") + t2}));
+  auto c = AttndProcess::Start(ReplicaFlags("tiny-c", {"--kv_cache_bytes=262144"}));
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "keep-a", {std::string("--auth_token_file=") + t1, "--drain_grace_s=30", "--drain_quiet_ms=30000",
+                 "--handoff_peers=" + b->target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf(*a, "source-token");
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 2; ++i) load.Create(300);
+  load.Fork(1);
+  load.Decode(1);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 0 sessions moved")) << a->Log();
+  const std::string log = a->Log();
+  // Each session: the last peer tried was C, which has too few pages.
+  EXPECT_EQ(CountOf(log, "not moved (peer_full)"), 3) << log;
+  EXPECT_GE(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"UNAUTHENTICATED\""}), 3);
+  // Nothing stayed behind on the peers.
+  EXPECT_EQ(KvCache(*c).sessions(), 0);
+  EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
+  EXPECT_EQ(KvCache(*b, "other-deploy-token").sessions(), 0);
+  // The sessions are whole on A, which still serves them during its drain.
+  load.Decode(2);
+  load.CloseAll();
+  EXPECT_EQ(a->SignalAndWait(SIGTERM, 30000) , 128 + SIGTERM);
+  unlink(t1);
+  unlink(t2);
+}
+
+// A peer that fails mid-transfer (after some pages) and one whose process is gone: the move
+// goes to the next peer, or the session stays whole.
+class FailingImport final : public v1::Attention::Service {
+ public:
+  grpc::Status ImportSession(grpc::ServerContext*, grpc::ServerReader<v1::SessionTransferChunk>* reader,
+                             v1::ImportSessionResponse*) override {
+    v1::SessionTransferChunk chunk;
+    for (int i = 0; i < 3 && reader->Read(&chunk); ++i) ++chunks;
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the peer went away mid-transfer");
+  }
+  std::atomic<int> chunks{0};
+};
+
+TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
+  FailingImport failing;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&failing);
+  auto fake = builder.BuildAndStart();
+  ASSERT_NE(fake, nullptr);
+  auto gone = AttndProcess::Start(ReplicaFlags("gone-g"));
+  ASSERT_NE(gone, nullptr);
+  const std::string gone_target = gone->target();
+  EXPECT_EQ(gone->SignalAndWait(SIGKILL, 5000), 128 + SIGKILL);
+  auto c = AttndProcess::Start(ReplicaFlags("next-c"));
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "mid-a", {"--handoff_peers=127.0.0.1:" + std::to_string(port) + "," + gone_target + "," +
+                                   c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf(*a);
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 2; ++i) load.Create(200 + 100 * i);
+  load.Decode(1);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 2 sessions moved")) << a->Log();
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  EXPECT_GE(failing.chunks.load(), 3);
+  EXPECT_EQ(KvCache(*c).sessions(), 2);
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
+  fake->Shutdown();
 }
 
 }  // namespace

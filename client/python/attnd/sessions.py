@@ -20,14 +20,15 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from . import _core
 from .client import Client, Session
-from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, Unavailable
+from .errors import (AttndError, BatchStepError, FailedPrecondition, InvalidArgument, NotFound,
+                     Unavailable)
 
 _PASS_OVER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
               grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -116,6 +117,28 @@ def resolve_target(target: str) -> List[Endpoint]:
     return out
 
 
+# A session that moved (hand-off on drain, attention.proto ImportSession): FAILED_PRECONDITION whose
+# message holds "attnd-moved-to: <address>;<new id>"; one being moved: UNAVAILABLE with
+# "attnd-session-moving" (nothing applied; sent again shortly).
+_MOVED_TO = "attnd-moved-to: "
+_MOVING = "attnd-session-moving"
+_MOVING_PAUSE_MAX = 0.05
+
+
+def _moved_to(e: Any) -> Optional[Tuple[str, str]]:
+    if not isinstance(e, FailedPrecondition):
+        return None
+    at = e.message.rfind(_MOVED_TO)
+    if at < 0:
+        return None
+    address, _, new_id = e.message[at + len(_MOVED_TO):].split(")")[0].partition(";")
+    return (address, new_id) if address and "." in new_id else None
+
+
+def _moving(e: Any) -> bool:
+    return isinstance(e, Unavailable) and _MOVING in e.message
+
+
 class _Replica:
     def __init__(self, info: ReplicaInfo, client: Any):
         self.info = info
@@ -137,7 +160,17 @@ class _Routing:
         self.replicas: List[_Replica] = []
         self.refreshed_at = float("-inf")
         self.create_turn = 0
+        self.moved: Dict[str, str] = {}  # old session id -> the id it moved to
         self.lock = threading.Lock()
+
+    def current(self, session_id: str) -> str:
+        """The id session_id goes by now (it may have moved more than once)."""
+        with self.lock:
+            for _ in range(16):
+                if session_id not in self.moved:
+                    break
+                session_id = self.moved[session_id]
+        return session_id
 
     def resolve(self) -> Tuple[List[Endpoint], List[str]]:
         endpoints: List[Endpoint] = []
@@ -295,6 +328,7 @@ class SessionClient:
                 pass  # the known replicas stay; the call reports its own error
 
     def _route(self, session_id: str) -> _Replica:
+        session_id = self._routing.current(session_id)
         r = self._routing.find(session_id)
         if r is None:
             self._refresh_if_older(self._routing.min_refresh_interval)
@@ -302,6 +336,54 @@ class SessionClient:
         if r is None:
             raise self._routing.no_replica(session_id)
         return r
+
+    def current_session_id(self, session_id: str) -> str:
+        """The id a session goes by now: itself, or the id it got where it moved to."""
+        return self._routing.current(session_id)
+
+    def _learn_move(self, session_id: str, e: AttndError) -> bool:
+        """True when e says session_id moved: the new id and its replica are then known."""
+        to = _moved_to(e)
+        if to is None or to[1] == session_id:
+            return False
+        address, new_id = to
+        if self._routing.find(new_id) is None:
+            try:
+                endpoint = resolve_target(address)[0]
+            except (AttndError, IndexError):
+                return False
+            replica = _Replica(ReplicaInfo(new_id.rsplit(".", 1)[0], endpoint.address, 0, 0, 0),
+                               Client(endpoint.address, **self._routing.options_for(endpoint)))
+            with self._routing.lock:
+                self._routing.replicas.append(replica)
+        with self._routing.lock:
+            self._routing.moved[session_id] = new_id
+        return True
+
+    def _current_item(self, raw: Any) -> Any:
+        item = _core.as_step_item(raw)
+        sid = _core.session_id_of(item.session)
+        now = self._routing.current(sid)
+        return raw if now == sid else replace(item, session=now)
+
+    def _on_session(self, session_id: str, timeout: Optional[float], call: Any) -> Any:
+        """call(current id, client) on the session's replica, following a move (twice at most)
+        and sending again a call refused while the session moves, within timeout."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
+        sid = self._routing.current(session_id)
+        follows, pause = 0, 0.002
+        while True:
+            try:
+                return call(sid, self._route(sid).client)
+            except AttndError as e:
+                if follows < 2 and self._learn_move(sid, e):
+                    sid, follows = self._routing.current(sid), follows + 1
+                    continue
+                if _moving(e) and time.monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(pause * 2, _MOVING_PAUSE_MAX)
+                    continue
+                raise
 
     def replicas(self) -> List[ReplicaInfo]:
         with self._routing.lock:
@@ -345,37 +427,55 @@ class SessionClient:
 
     def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
              **options: Any) -> _core.StepResult:
-        return self._route(_core.session_id_of(session)).client.step(session, layer, q, k_new,
-                                                                     v_new, **options)
+        return self._on_session(
+            _core.session_id_of(session), options.get("timeout"),
+            lambda sid, c: c.step(sid, layer, q, k_new, v_new, **options))
 
     def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                    return_exceptions: bool = False) -> List[Any]:
         """Items of several replicas go as one BatchStep per replica, in parallel; results come
         back in the order of items (failed items as in Client.batch_step)."""
         results, groups = _group(items, self._route)
+        # Items of moved sessions go with the ids they have now.
+        sent = [self._current_item(x) for x in items]
 
         def send(group: Tuple[_Replica, List[int]]) -> Any:
             try:
-                return group[0].client.batch_step([items[i] for i in group[1]], timeout=timeout,
+                return group[0].client.batch_step([sent[i] for i in group[1]], timeout=timeout,
                                                   return_exceptions=True)
             except AttndError as e:
                 return e
         for (replica, idx), answer in zip(groups, self._pool.map(send, groups)):
             for j, i in enumerate(idx):
                 results[i] = answer if isinstance(answer, AttndError) else answer[j]
+        # Items whose session moved, or was moving, go again one by one (following it), in order.
+        for i, r in enumerate(results):
+            if _moved_to(r) is not None or _moving(r):
+                item = _core.as_step_item(items[i])
+                try:
+                    results[i] = self._on_session(
+                        _core.session_id_of(item.session), timeout,
+                        lambda sid, c: c.batch_step([replace(item, session=sid)], timeout=timeout)[0])
+                except BatchStepError as e:
+                    results[i] = e.results[0]
+                except AttndError as e:
+                    results[i] = e
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
 
     def truncate_session(self, session_id: str, tokens: int,
                          timeout: Optional[float] = None) -> _core.TruncateResult:
-        return self._route(session_id).client.truncate_session(session_id, tokens, timeout)
+        return self._on_session(session_id, timeout,
+                                lambda sid, c: c.truncate_session(sid, tokens, timeout))
 
     def fork_session(self, session_id: str, timeout: Optional[float] = None) -> Session:
-        return self.session(session_id).fork(timeout)
+        return self._on_session(session_id, timeout,
+                                lambda sid, c: c.session(sid).fork(timeout))
 
     def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
-        return self._route(session_id).client.close_session(session_id, timeout)
+        return self._on_session(session_id, timeout,
+                                lambda sid, c: c.close_session(sid, timeout))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
