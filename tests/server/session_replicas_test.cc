@@ -416,7 +416,7 @@ class HandoffLoad {
 
 std::vector<std::string> ReplicaFlags(const std::string& id, std::vector<std::string> more = {}) {
   std::vector<std::string> f = {"--threads=1", "--kv_cache_bytes=8388608", "--replica_id=" + id,
-                                "--drain_grace_s=10", "--drain_quiet_ms=1500"};
+                                "--drain_grace_s=10", "--drain_quiet_ms=1500", "--drain_timeout_s=8"};
   f.insert(f.end(), more.begin(), more.end());
   return f;
 }
@@ -485,7 +485,7 @@ TEST(SessionHandoff, ASigtermedReplicaMovesEverySessionAndDecodingGoesOn) {
   decoder.join();
   EXPECT_GT(load.steps(), steps_before + 15);
   load.Decode(2);
-  EXPECT_EQ(a->SignalAndWait(0, 20000), 0) << a->Log();
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
   const std::string log = a->Log();
   EXPECT_NE(log.find(", 0 not moved"), std::string::npos) << log;
   EXPECT_NE(log.find("KV pages in use after hand-off: 0"), std::string::npos) << log;
