@@ -72,7 +72,7 @@ int RunOverGrpc(const std::vector<Row>& rows, int64_t most_pages, int64_t pb, ch
     SessionManager::Options mo;
     mo.replica_id = "bench-src";
     mo.head_dims = {128};
-    mo.max_session_tokens = 1 << 20;
+    mo.max_session_tokens = po.max_session_tokens;  // the peer takes what it could create
     auto sessions = *SessionManager::Create(mo, pool.get(), nullptr);
     std::vector<double> ms;
     int64_t bytes = 0;
@@ -89,7 +89,10 @@ int RunOverGrpc(const std::vector<Row>& rows, int64_t most_pages, int64_t pb, ch
           handoff->MoveAll(t0 + std::chrono::seconds(60));
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      if (done.moved != 1) return 1;
+      if (done.moved != 1) {
+        std::fprintf(stderr, "the session did not move (the log above says why)\n");
+        return 1;
+      }
       bytes = done.bytes;
       SessionManager& dst = *(*peer)->sessions();
       for (const std::string& id : dst.OpenSessionIds()) (void)dst.Close(id, "");

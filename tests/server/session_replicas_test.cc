@@ -416,7 +416,7 @@ class HandoffLoad {
 
 std::vector<std::string> ReplicaFlags(const std::string& id, std::vector<std::string> more = {}) {
   std::vector<std::string> f = {"--threads=1", "--kv_cache_bytes=8388608", "--replica_id=" + id,
-                                "--drain_grace_s=10", "--drain_quiet_ms=1500", "--drain_timeout_s=8"};
+                                "--drain_grace_s=10", "--drain_quiet_ms=1500", "--drain_timeout_s=3"};
   f.insert(f.end(), more.begin(), more.end());
   return f;
 }
