@@ -299,6 +299,10 @@ absl::Status SessionManager::CheckImport(const SessionShape& shape) const {
   p.head_dim = shape.head_dim;
   p.dtype = shape.dtype;
   p.max_tokens = shape.max_tokens;
+  if (shape.max_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session transfer: max_tokens must be >= 1 (the session's limit), got ", shape.max_tokens));
+  }
   RETURN_IF_ERROR(CheckCreateParams(p));
   {
     std::lock_guard<std::mutex> lock(mu_);

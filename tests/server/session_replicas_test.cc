@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/server_builder.h>
 #include <signal.h>
 
@@ -25,6 +27,7 @@
 #include <thread>
 
 #include "attn/client/session.h"
+#include "sessions/crc32c.h"
 #include "session_util.h"
 #include "test_util.h"
 
@@ -599,6 +602,160 @@ TEST(SessionHandoff, APeerThatRefusesLeavesEverySessionWholeOnTheSource) {
   EXPECT_EQ(a->SignalAndWait(SIGTERM, 30000) , 128 + SIGTERM);
   unlink(t1);
   unlink(t2);
+}
+
+// ImportSession by hand: what a peer accepts and refuses, and that a refused or broken transfer
+// leaves nothing behind.
+class ImportSessionTest : public ::testing::Test {
+ protected:
+  // One layer of 130 tokens of rows of 2 KV heads x 64 x bf16 (256 bytes): with 16-token pages of
+  // the 2 KiB row (32 KiB of keys), 128 tokens a page, so 2 pages.
+  static constexpr int64_t kPageBytes = 32768, kTokens = 130;
+  void SetUp() override {
+    peer_ = AttndProcess::Start({"--threads=1", "--kv_cache_bytes=4194304", "--replica_id=imp"});
+    ASSERT_NE(peer_, nullptr);
+    stub_ = v1::Attention::NewStub(
+        grpc::CreateChannel(peer_->target(), grpc::InsecureChannelCredentials()));
+    spec_.layers = 1;
+    spec_.heads = kHeads;
+    spec_.kv_heads = kKvHeads;
+    spec_.head_dim = kHeadDim;
+    contents_ = testing::RandomStep("", 0, kTokens, spec_, rng_);
+    total_pages_ = KvCache(*peer_).total_pages();
+  }
+  v1::SessionTransferChunk Header() const {
+    v1::SessionTransferChunk c;
+    v1::SessionTransferHeader* h = c.mutable_header();
+    h->set_num_layers(1);
+    h->set_num_kv_heads(kKvHeads);
+    h->set_head_dim(kHeadDim);
+    h->set_dtype(v1::DTYPE_BFLOAT16);
+    h->set_max_tokens(4096);
+    h->set_page_tokens(128);
+    h->set_page_span(1);
+    h->set_page_bytes(kPageBytes);
+    h->add_layer_tokens(kTokens);
+    h->add_layer_pages(2);
+    h->set_source_session_id("elsewhere.0123");
+    return c;
+  }
+  // Page i of the contents: its keys, then its values, each padded to a page.
+  v1::SessionTransferChunk Page(int64_t i) const {
+    v1::SessionTransferChunk c;
+    std::string kv(2 * kPageBytes, '\0');
+    for (int half = 0; half < 2; ++half) {
+      const std::string& rows = half == 0 ? contents_.k_new().data() : contents_.v_new().data();
+      const size_t from = static_cast<size_t>(i * kPageBytes);
+      const size_t n = std::min<size_t>(kPageBytes, rows.size() - from);
+      rows.copy(kv.data() + half * kPageBytes, n, from);
+    }
+    c.mutable_page()->set_index(i);
+    c.mutable_page()->set_crc32c(Crc32c(kv));
+    c.mutable_page()->set_kv(std::move(kv));
+    return c;
+  }
+  grpc::Status Import(const std::vector<v1::SessionTransferChunk>& chunks,
+                      v1::ImportSessionResponse* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = stub_->ImportSession(&ctx, response);
+    for (const auto& c : chunks) {
+      if (!stream->Write(c)) break;
+    }
+    stream->WritesDone();
+    return stream->Finish();
+  }
+  // The peer holds no session and every page is free.
+  void ExpectNothingLeft() {
+    const v1::KvCacheInfo info = KvCache(*peer_);
+    EXPECT_EQ(info.sessions(), 0);
+    EXPECT_EQ(info.free_pages(), total_pages_);
+  }
+
+  std::unique_ptr<AttndProcess> peer_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+  testing::SessionSpec spec_;
+  v1::StepRequest contents_;
+  int64_t total_pages_ = 0;
+  std::mt19937_64 rng_{41};
+};
+
+TEST_F(ImportSessionTest, AnImportedSessionHoldsExactlyTheBytesSent) {
+  v1::ImportSessionResponse response;
+  const grpc::Status st = Import({Header(), Page(0), Page(1)}, &response);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(response.session_id().rfind("imp.", 0), 0u) << response.session_id();
+  EXPECT_EQ(response.pages(), 2);
+  EXPECT_EQ(KvCache(*peer_).sessions(), 1);
+  // A step over the imported cache equals the reference over the keys and values sent.
+  testing::SessionShadow shadow(spec_);
+  shadow.Append(contents_);
+  const v1::StepRequest step = testing::RandomStep(response.session_id(), 0, 3, spec_, rng_);
+  v1::StepResponse out;
+  const grpc::Status stepped = testing::Step(stub_.get(), step, &out);
+  ASSERT_TRUE(stepped.ok()) << stepped.error_message();
+  shadow.Append(step);
+  EXPECT_EQ(out.cached_tokens(), kTokens + 3);
+  EXPECT_LT(shadow.Check(step, out).o, testing::StepTolerance(v1::DTYPE_BFLOAT16));
+  ASSERT_TRUE(testing::CloseSession(stub_.get(), response.session_id()).ok());
+  ExpectNothingLeft();
+}
+
+TEST_F(ImportSessionTest, ABadTransferIsRefusedAndLeavesNothing) {
+  struct Case {
+    const char* what;
+    std::vector<v1::SessionTransferChunk> chunks;
+    grpc::StatusCode code;
+    const char* says;
+  };
+  v1::SessionTransferChunk corrupt = Page(1);
+  corrupt.mutable_page()->mutable_kv()->at(100) ^= 0x40;  // one bit flipped on the way
+  v1::SessionTransferChunk other_layout = Header();
+  other_layout.mutable_header()->set_page_tokens(64);
+  v1::SessionTransferChunk bad_dim = Header();
+  bad_dim.mutable_header()->set_head_dim(65);
+  v1::SessionTransferChunk bad_count = Header();
+  bad_count.mutable_header()->set_layer_pages(0, 3);
+  v1::SessionTransferChunk no_limit = Header();
+  no_limit.mutable_header()->set_max_tokens(0);
+  v1::SessionTransferChunk short_page = Page(0);
+  short_page.mutable_page()->mutable_kv()->resize(100);
+  const std::vector<Case> cases = {
+      {"a page first", {Page(0)}, grpc::StatusCode::INVALID_ARGUMENT, "header"},
+      {"a checksum that does not match", {Header(), Page(0), corrupt}, grpc::StatusCode::DATA_LOSS,
+       "CRC32C"},
+      {"pages out of order", {Header(), Page(1)}, grpc::StatusCode::INVALID_ARGUMENT, "index 1"},
+      {"a page of the wrong size", {Header(), short_page}, grpc::StatusCode::INVALID_ARGUMENT,
+       "bytes"},
+      {"a page missing", {Header(), Page(0)}, grpc::StatusCode::FAILED_PRECONDITION,
+       "1 of 2 pages"},
+      {"a page too many", {Header(), Page(0), Page(1), Page(1)},
+       grpc::StatusCode::INVALID_ARGUMENT, "index 1"},
+      {"another page layout", {other_layout}, grpc::StatusCode::INVALID_ARGUMENT, "page_tokens"},
+      {"an unsupported head_dim", {bad_dim}, grpc::StatusCode::INVALID_ARGUMENT, "head_dim"},
+      {"a page count that does not match the tokens", {bad_count},
+       grpc::StatusCode::INVALID_ARGUMENT, "130 tokens in 3 pages"},
+      {"no token limit", {no_limit}, grpc::StatusCode::INVALID_ARGUMENT, "max_tokens"},
+  };
+  for (const Case& c : cases) {
+    v1::ImportSessionResponse response;
+    const grpc::Status st = Import(c.chunks, &response);
+    EXPECT_EQ(st.error_code(), c.code) << c.what << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(c.says), std::string::npos) << c.what << ": " << st.error_message();
+    EXPECT_TRUE(response.session_id().empty()) << c.what;
+    ExpectNothingLeft();
+  }
+}
+
+TEST_F(ImportSessionTest, AFullPeerRefusesBeforeAnyPage) {
+  v1::SessionTransferChunk huge = Header();
+  huge.mutable_header()->set_max_tokens(131072);
+  huge.mutable_header()->set_layer_tokens(0, 128 * (total_pages_ + 1));
+  huge.mutable_header()->set_layer_pages(0, total_pages_ + 1);
+  v1::ImportSessionResponse response;
+  const grpc::Status st = Import({huge}, &response);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  ExpectNothingLeft();
 }
 
 // A peer that fails mid-transfer (after some pages) and one whose process is gone: the move
