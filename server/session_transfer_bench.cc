@@ -81,7 +81,6 @@ int RunOverGrpc(const std::vector<Row>& rows, int64_t most_pages, int64_t pb, ch
       SessionHandoff::Options ho;
       ho.peers = {absl::StrCat("127.0.0.1:", (*peer)->port())};
       ho.kv_region = KvRegion{sk, sv, most_pages, pb};
-      ho.kv_region_on_host = true;
       ho.max_message_bytes = 64 << 20;
       auto handoff = *SessionHandoff::Create(ho, sessions.get(), nullptr, nullptr);
       const auto t0 = std::chrono::steady_clock::now();

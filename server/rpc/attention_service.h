@@ -71,10 +71,10 @@ class AttentionService final : public AttentionCallbackBase {
     // request's string, one into the response's, one into fresh slices); for measuring the wire
     // path.
     bool attend_wire_path = true;
-    // The KV region sessions are imported into (ImportSession); kv_region_on_host false (the
-    // CUDA backend's device memory): ImportSession answers UNIMPLEMENTED.
+    // The KV region sessions are imported into (ImportSession) and the step device whose copies
+    // reach it (null: the region is host memory, copied with memcpy). Must outlive the service.
     KvRegion kv_region;
-    bool kv_region_on_host = false;
+    const StepDevice* kv_device = nullptr;
     // Hand-off on drain (--handoff_peers): while draining, session steps are still taken until
     // their session moves (it then answers where it went) instead of UNAVAILABLE at once.
     bool handoff_on_drain = false;

@@ -172,7 +172,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.attend_wire_path = options.attend_wire_path;
   if (s->step_device_ != nullptr) {
     so.kv_region = s->step_device_->kv_region();
-    so.kv_region_on_host = !s->backend_->HasGpu();
+    so.kv_device = s->step_device_.get();
   }
   so.handoff_on_drain = !options.handoff_peers.empty() && s->sessions_ != nullptr;
   RETURN_IF_ERROR(s->StartSharedMemory());
@@ -389,7 +389,7 @@ absl::Status AttnServer::CreateHandoff() {
   ho.tls_server_name = options_.handoff_tls_server_name;
   ho.max_message_bytes = options_.max_message_bytes;
   ho.kv_region = step_device_->kv_region();
-  ho.kv_region_on_host = !backend_->HasGpu();
+  ho.kv_device = step_device_.get();
   if (!options_.tls_cert.empty()) {
     grpc::SslCredentialsOptions ssl;
     if (!options_.tls_client_ca.empty()) {
@@ -401,10 +401,6 @@ absl::Status AttnServer::CreateHandoff() {
   }
   ASSIGN_OR_RETURN(handoff_, SessionHandoff::Create(std::move(ho), sessions_.get(),
                                                     authenticator_.get(), metrics_.get()));
-  if (backend_->HasGpu()) {
-    Log("hand-off: this backend keeps the KV cache in device memory; sessions are not moved on "
-        "drain (ImportSession answers UNIMPLEMENTED)");
-  }
   return absl::OkStatus();
 }
 

@@ -142,7 +142,8 @@ void SessionHandoff::Connect(const std::vector<std::string>& peers) {
 absl::StatusOr<std::string> SessionHandoff::SendTo(size_t p, const Session& session,
                                                    Clock::time_point deadline, int64_t* bytes) {
   ASSIGN_OR_RETURN(std::unique_ptr<SessionExporter> exporter,
-                   SessionExporter::Create(session, &sessions_->pool(), options_.kv_region));
+                   SessionExporter::Create(session, &sessions_->pool(), options_.kv_region,
+                                           options_.kv_device));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + (deadline - Clock::now()));
   if (authenticator_ != nullptr) {
@@ -166,6 +167,12 @@ absl::StatusOr<std::string> SessionHandoff::SendTo(size_t p, const Session& sess
     wire->set_crc32c(page->crc32c);
     sent += static_cast<int64_t>(wire->kv().size());
     ok = stream->Write(chunk);
+  }
+  if (!exporter->status().ok()) {
+    // The peer sees the call cancelled and frees what it took.
+    ctx.TryCancel();
+    (void)stream->Finish();
+    return exporter->status();
   }
   if (ok) stream->WritesDone();
   RETURN_IF_ERROR(FromGrpcStatus(stream->Finish()));
@@ -196,11 +203,6 @@ SessionHandoff::Summary SessionHandoff::MoveAll(Clock::time_point deadline) {
       ++summary.not_moved;
       Record(id, result, why);
     };
-    if (!options_.kv_region_on_host) {
-      not_moved("unsupported", "this backend keeps the KV cache in device memory; hand-off "
-                               "needs it in host memory (the CPU backend)");
-      continue;
-    }
     if (stop_.load()) {
       not_moved("stopped", "a second signal ended the hand-off");
       continue;

@@ -46,7 +46,9 @@ class SessionHandoff {
     std::string tls_server_name;  // overrides the name checked in the peers' certificates
     int64_t max_message_bytes = 256ll << 20;
     KvRegion kv_region;
-    bool kv_region_on_host = false;  // false: nothing is moved (the CUDA backend's device memory)
+    // The step device whose copies reach kv_region (null: host memory, memcpy). Must outlive
+    // MoveAll.
+    const StepDevice* kv_device = nullptr;
   };
   static absl::StatusOr<std::unique_ptr<SessionHandoff>> Create(Options options,
                                                                 SessionManager* sessions,

@@ -79,11 +79,6 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
     if (service_->sessions_ == nullptr) {
       return absl::UnimplementedError("this attnd has no KV cache region: it takes no sessions");
     }
-    if (!service_->options_.kv_region_on_host) {
-      return absl::UnimplementedError(
-          "ImportSession needs a KV cache in host memory (the CPU backend); this attnd keeps it "
-          "in device memory");
-    }
     return absl::OkStatus();
   }
 
@@ -98,7 +93,8 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
       RETURN_IF_ERROR(service_->sessions_->CheckImport(header.shape));
       ASSIGN_OR_RETURN(importer_,
                        SessionImporter::Create(std::move(header), &service_->sessions_->pool(),
-                                               service_->options_.kv_region));
+                                               service_->options_.kv_region,
+                                               service_->options_.kv_device));
       return absl::OkStatus();
     }
     if (!chunk_.has_page()) {
