@@ -26,6 +26,8 @@ ABSL_FLAG(int, repeats, 5, "moves per row; the table shows the median");
 ABSL_FLAG(int64_t, page_bytes, 8192, "pool page bytes of keys (values as many)");
 ABSL_FLAG(bool, over_grpc, false,
           "move the sessions with the drain's hand-off to an in-process attnd over loopback gRPC");
+ABSL_FLAG(std::string, peer_backend, "cpu",
+          "--over_grpc: the receiving attnd's backend (cuda: pages are written into device memory)");
 
 namespace attn {
 namespace {
@@ -55,7 +57,7 @@ int RunOverGrpc(const std::vector<Row>& rows, int64_t most_pages, int64_t pb, ch
   ServerOptions po;
   po.listen = "127.0.0.1:0";
   po.metrics_listen = "";
-  po.backend = "cpu";
+  po.backend = absl::GetFlag(FLAGS_peer_backend);
   po.threads = 1;
   po.kv_page_tokens = pb / 2048;
   po.kv_cache_bytes = 2 * (most_pages + 16) * pb;

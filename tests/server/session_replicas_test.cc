@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -417,10 +418,19 @@ class HandoffLoad {
   int64_t steps_ = 0;
 };
 
+// The backend of the hand-off tests' replicas: the CPU one, or CUDA's where
+// $ATTND_TEST_BACKEND=cuda (the GPU host's run; the last --backend given wins).
+std::vector<std::string> BackendFlags() {
+  const char* b = std::getenv("ATTND_TEST_BACKEND");
+  if (b == nullptr || std::string(b) != "cuda") return {};
+  return {"--backend=cuda", "--device_pool_bytes=1073741824", "--pinned_pool_bytes=268435456"};
+}
+
 std::vector<std::string> ReplicaFlags(const std::string& id, std::vector<std::string> more = {}) {
   std::vector<std::string> f = {"--threads=1", "--kv_cache_bytes=8388608", "--replica_id=" + id,
                                 "--drain_grace_s=10", "--drain_quiet_ms=1500", "--drain_timeout_s=3"};
   f.insert(f.end(), more.begin(), more.end());
+  for (std::string& b : BackendFlags()) f.push_back(std::move(b));
   return f;
 }
 
@@ -612,7 +622,9 @@ class ImportSessionTest : public ::testing::Test {
   // the 2 KiB row (32 KiB of keys), 128 tokens a page, so 2 pages.
   static constexpr int64_t kPageBytes = 32768, kTokens = 130;
   void SetUp() override {
-    peer_ = AttndProcess::Start({"--threads=1", "--kv_cache_bytes=4194304", "--replica_id=imp"});
+    std::vector<std::string> flags = {"--threads=1", "--kv_cache_bytes=4194304", "--replica_id=imp"};
+    for (std::string& b : BackendFlags()) flags.push_back(std::move(b));
+    peer_ = AttndProcess::Start(flags);
     ASSERT_NE(peer_, nullptr);
     stub_ = v1::Attention::NewStub(
         grpc::CreateChannel(peer_->target(), grpc::InsecureChannelCredentials()));
