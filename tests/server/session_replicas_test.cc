@@ -774,23 +774,68 @@ TEST_F(ImportSessionTest, AFullPeerRefusesBeforeAnyPage) {
 // goes to the next peer, or the session stays whole.
 class FailingImport final : public v1::Attention::Service {
  public:
+  explicit FailingImport(std::chrono::milliseconds stall = {}) : stall_(stall) {}
   grpc::Status ImportSession(grpc::ServerContext*, grpc::ServerReader<v1::SessionTransferChunk>* reader,
                              v1::ImportSessionResponse*) override {
     v1::SessionTransferChunk chunk;
     for (int i = 0; i < 3 && reader->Read(&chunk); ++i) ++chunks;
+    std::this_thread::sleep_for(stall_);  // a transfer in flight for that long
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the peer went away mid-transfer");
   }
   std::atomic<int> chunks{0};
+
+ private:
+  const std::chrono::milliseconds stall_;
 };
+
+struct FakePeer {
+  explicit FakePeer(FailingImport* service) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service);
+    server = builder.BuildAndStart();
+  }
+  ~FakePeer() {
+    if (server) server->Shutdown(std::chrono::system_clock::now());
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port); }
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// A second SIGTERM while a session is in flight: that move ends (here: the stalled peer fails,
+// the next peer takes it), the rest stay on the source, which exits at once after.
+TEST(SessionHandoff, ASecondSigtermEndsTheHandOffAfterTheSessionInFlight) {
+  FailingImport stalling(std::chrono::milliseconds(1500));
+  FakePeer fake(&stalling);
+  ASSERT_NE(fake.server, nullptr);
+  auto c = AttndProcess::Start(ReplicaFlags("after-c"));
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(
+      ReplicaFlags("twice-a", {"--drain_timeout_s=20", "--handoff_peers=" + fake.target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf(*a);
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 3; ++i) load.Create(150);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  for (int waited = 0; stalling.chunks.load() < 3 && waited < 20000; waited += 10) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GE(stalling.chunks.load(), 3) << a->Log();
+  EXPECT_EQ(a->SignalAndWait(SIGTERM, 30000), 128 + SIGTERM) << a->Log();
+  const std::string log = a->Log();
+  EXPECT_EQ(CountOf(log, "not moved (stopped)"), 2) << log;
+  // The session in flight went to C, whole (its import completed), and nothing else did.
+  EXPECT_EQ(KvCache(*c).sessions(), 1);
+  EXPECT_EQ(ScrapeMetric(c->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"OK\""}), 1);
+}
 
 TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
   FailingImport failing;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&failing);
-  auto fake = builder.BuildAndStart();
-  ASSERT_NE(fake, nullptr);
+  FakePeer fake(&failing);
+  ASSERT_NE(fake.server, nullptr);
   auto gone = AttndProcess::Start(ReplicaFlags("gone-g"));
   ASSERT_NE(gone, nullptr);
   const std::string gone_target = gone->target();
@@ -798,8 +843,7 @@ TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
   auto c = AttndProcess::Start(ReplicaFlags("next-c"));
   ASSERT_NE(c, nullptr);
   auto a = AttndProcess::Start(ReplicaFlags(
-      "mid-a", {"--handoff_peers=127.0.0.1:" + std::to_string(port) + "," + gone_target + "," +
-                                   c->target()}));
+      "mid-a", {"--handoff_peers=" + fake.target() + "," + gone_target + "," + c->target()}));
   ASSERT_NE(a, nullptr);
   auto client = ClientOf(*a);
   ASSERT_NE(client, nullptr);
@@ -814,7 +858,6 @@ TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
   EXPECT_EQ(KvCache(*c).sessions(), 2);
   load.CloseAll();
   EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
-  fake->Shutdown();
 }
 
 }  // namespace
