@@ -193,7 +193,8 @@ def test_session_client_follows_a_session_handed_off_on_drain():
                 q, q64 = make(rng, (n, 4, 64), "bf16")
                 k, k64 = make(rng, (n, 2, 64), "bf16")
                 v, v64 = make(rng, (n, 2, 64), "bf16")
-                r = sc.step(s.id, layer, q, k, v)  # always the id it was created with
+                # The Session object and the id it was created with, whatever replica holds it.
+                r = s.step(layer, q, k, v) if n > 1 else sc.step(s.id, layer, q, k, v)
                 m.k[layer] = np.concatenate([m.k[layer], k64])
                 m.v[layer] = np.concatenate([m.v[layer], v64])
                 assert r.cached_tokens == len(m.k[layer])
@@ -210,12 +211,15 @@ def test_session_client_follows_a_session_handed_off_on_drain():
             for _ in range(3):
                 for layer in (0, 1):
                     step(layer, 1)
+            for layer in (0, 1):
+                step(layer, 2)
             assert sc.current_session_id(s.id).startswith("py-b.")
             assert a.proc.wait(timeout=30) == 0
             q, _ = make(rng, (1, 4, 64), "bf16")
             k, _ = make(rng, (1, 2, 64), "bf16")
             got = sc.batch_step([(s.id, 0, q, k, k), (s.id, 1, q, k, k)])
-            assert [r.cached_tokens for r in got] == [44, 44]
+            assert [r.cached_tokens for r in got] == [46, 46]
+            assert s.truncate(1).cached_tokens == [45, 45]
             assert sc.close_session(s.id) >= 0
         with attnd.Client(b.target) as c:
             info = c.info()

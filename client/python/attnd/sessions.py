@@ -282,6 +282,33 @@ def _group(items: Sequence[Any], route: Any) -> Tuple[List[Any], List[Tuple[Any,
     return results, groups
 
 
+class _FollowingClient:
+    """What the Session objects of a SessionClient call: every call goes to the replica that
+    holds the session now, following it when it moves (SessionClient._on_session)."""
+
+    def __init__(self, sessions: "SessionClient", session_id: str):
+        self._sessions = sessions
+        self._session_id = session_id
+
+    @property
+    def options(self) -> Any:
+        return self._sessions.client_for(self._session_id).options
+
+    def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
+             **options: Any) -> _core.StepResult:
+        return self._sessions.step(_core.session_id_of(session), layer, q, k_new, v_new, **options)
+
+    def truncate_session(self, session_id: str, tokens: int, timeout: Optional[float] = None) -> Any:
+        return self._sessions.truncate_session(session_id, tokens, timeout)
+
+    def fork_session(self, session_id: str, timeout: Optional[float] = None) -> Any:
+        return self._sessions._on_session(session_id, timeout,
+                                          lambda sid, c: c.fork_session(sid, timeout))
+
+    def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
+        return self._sessions.close_session(session_id, timeout)
+
+
 class SessionClient:
     """Sessions over one or many attnd replicas (see the module's description).
 
@@ -416,14 +443,18 @@ class SessionClient:
             if s.info.replica_id:
                 with self._routing.lock:
                     r.info.replica_id = s.info.replica_id
+            s.client = _FollowingClient(self, s.id)
             return s
         if len(tried) <= 1:
             raise last
         raise type(last)(f"CreateSession failed on every replica: {'; '.join(tried)}", last.code)
 
     def session(self, session_id: str) -> Session:
-        """A Session object for an id, bound to the replica that holds it."""
-        return self._route(session_id).client.session(session_id)
+        """A Session object for an id; its calls go to the replica that holds it, following it
+        when it moves."""
+        s = self._route(session_id).client.session(session_id)
+        s.client = _FollowingClient(self, session_id)
+        return s
 
     def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
              **options: Any) -> _core.StepResult:
@@ -470,8 +501,7 @@ class SessionClient:
                                 lambda sid, c: c.truncate_session(sid, tokens, timeout))
 
     def fork_session(self, session_id: str, timeout: Optional[float] = None) -> Session:
-        return self._on_session(session_id, timeout,
-                                lambda sid, c: c.session(sid).fork(timeout))
+        return self.session(session_id).fork(timeout)
 
     def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
         return self._on_session(session_id, timeout,
