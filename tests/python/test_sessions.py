@@ -228,3 +228,47 @@ def test_session_client_follows_a_session_handed_off_on_drain():
     finally:
         a.stop()
         b.stop()
+
+
+def test_async_session_client_follows_a_session_handed_off_on_drain():
+    import asyncio
+
+    b = Server("--replica_id=apy-b", "--kv_cache_bytes=16777216")
+    a = Server("--replica_id=apy-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",
+               "--drain_quiet_ms=3000")
+    rng = np.random.default_rng(37)
+    m = Model(1, 2, 64)
+
+    async def step(sc, sid, n):
+        q, q64 = make(rng, (n, 4, 64), "fp16")
+        k, k64 = make(rng, (n, 2, 64), "fp16")
+        v, v64 = make(rng, (n, 2, 64), "fp16")
+        r = await sc.step(sid, 0, q, k, v)
+        m.k[0] = np.concatenate([m.k[0], k64])
+        m.v[0] = np.concatenate([m.v[0], v64])
+        assert r.cached_tokens == len(m.k[0])
+        o_ref, _ = reference(q64, m.k[0], m.v[0], causal=True)
+        assert relative_error(values(r.o, "fp16"), o_ref) <= TOLERANCE["fp16"]
+
+    async def main():
+        sc = await attnd.AsyncSessionClient.create(a.target)
+        s = await sc.create_session(1, 2, 64, "fp16")
+        await step(sc, s.id, 30)
+        a.proc.terminate()
+        deadline = time.monotonic() + 30
+        while "hand-off: 1 sessions moved" not in a.tail(50):
+            assert time.monotonic() < deadline, a.tail()
+            await asyncio.sleep(0.02)
+        await step(sc, s.id, 1)
+        assert sc.current_session_id(s.id).startswith("apy-b.")
+        await step(sc, s.id, 2)
+        assert (await sc.truncate_session(s.id, 3)).cached_tokens == [30]
+        assert await sc.close_session(s.id) >= 0
+        await sc.close()
+
+    try:
+        asyncio.run(main())
+        assert a.proc.wait(timeout=30) == 0
+    finally:
+        a.stop()
+        b.stop()

@@ -163,6 +163,26 @@ class _Routing:
         self.moved: Dict[str, str] = {}  # old session id -> the id it moved to
         self.lock = threading.Lock()
 
+    def learn_move(self, session_id: str, e: Any, make_client: Any) -> bool:
+        """True when e says session_id moved: the new id and its replica (a client of its
+        address made with make_client(Endpoint) if it is not known) are then known."""
+        to = _moved_to(e)
+        if to is None or to[1] == session_id:
+            return False
+        address, new_id = to
+        if self.find(new_id) is None:
+            try:
+                endpoint = resolve_target(address)[0]
+            except (AttndError, IndexError):
+                return False
+            replica = _Replica(ReplicaInfo(new_id.rsplit(".", 1)[0], endpoint.address, 0, 0, 0),
+                               make_client(endpoint))
+            with self.lock:
+                self.replicas.append(replica)
+        with self.lock:
+            self.moved[session_id] = new_id
+        return True
+
     def current(self, session_id: str) -> str:
         """The id session_id goes by now (it may have moved more than once)."""
         with self.lock:
@@ -261,6 +281,14 @@ class _Routing:
                           r.info.sessions if answered else 0, (i + n - turn % n) % n), r))
         rows.sort(key=lambda x: x[0])
         return [(r, f"{r.info.replica_id} at {r.info.endpoint}") for _, r in rows]
+
+
+def _current_item(routing: _Routing, raw: Any) -> Any:
+    """The step item with the id its session goes by now."""
+    item = _core.as_step_item(raw)
+    sid = _core.session_id_of(item.session)
+    now = routing.current(sid)
+    return raw if now == sid else replace(item, session=now)
 
 
 def _group(items: Sequence[Any], route: Any) -> Tuple[List[Any], List[Tuple[Any, List[int]]]]:
@@ -369,29 +397,8 @@ class SessionClient:
         return self._routing.current(session_id)
 
     def _learn_move(self, session_id: str, e: AttndError) -> bool:
-        """True when e says session_id moved: the new id and its replica are then known."""
-        to = _moved_to(e)
-        if to is None or to[1] == session_id:
-            return False
-        address, new_id = to
-        if self._routing.find(new_id) is None:
-            try:
-                endpoint = resolve_target(address)[0]
-            except (AttndError, IndexError):
-                return False
-            replica = _Replica(ReplicaInfo(new_id.rsplit(".", 1)[0], endpoint.address, 0, 0, 0),
-                               Client(endpoint.address, **self._routing.options_for(endpoint)))
-            with self._routing.lock:
-                self._routing.replicas.append(replica)
-        with self._routing.lock:
-            self._routing.moved[session_id] = new_id
-        return True
-
-    def _current_item(self, raw: Any) -> Any:
-        item = _core.as_step_item(raw)
-        sid = _core.session_id_of(item.session)
-        now = self._routing.current(sid)
-        return raw if now == sid else replace(item, session=now)
+        return self._routing.learn_move(
+            session_id, e, lambda ep: Client(ep.address, **self._routing.options_for(ep)))
 
     def _on_session(self, session_id: str, timeout: Optional[float], call: Any) -> Any:
         """call(current id, client) on the session's replica, following a move (twice at most)
@@ -468,7 +475,7 @@ class SessionClient:
         back in the order of items (failed items as in Client.batch_step)."""
         results, groups = _group(items, self._route)
         # Items of moved sessions go with the ids they have now.
-        sent = [self._current_item(x) for x in items]
+        sent = [_current_item(self._routing, x) for x in items]
 
         def send(group: Tuple[_Replica, List[int]]) -> Any:
             try:
@@ -554,6 +561,7 @@ class AsyncSessionClient:
             self._routing.install(endpoints, clients, await self._ask_all(clients), problems)
 
     async def _route(self, session_id: str) -> _Replica:
+        session_id = self._routing.current(session_id)
         r = self._routing.find(session_id)
         if r is None and self._routing.due(self._routing.min_refresh_interval):
             try:
@@ -568,6 +576,31 @@ class AsyncSessionClient:
     def replicas(self) -> List[ReplicaInfo]:
         with self._routing.lock:
             return [ReplicaInfo(**r.info.__dict__) for r in self._routing.replicas]
+
+    def current_session_id(self, session_id: str) -> str:
+        """The id a session goes by now: itself, or the id it got where it moved to."""
+        return self._routing.current(session_id)
+
+    async def _on_session(self, session_id: str, timeout: Optional[float], call: Any) -> Any:
+        """As SessionClient._on_session: await call(current id, client), following a move."""
+        from . import aio
+
+        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
+        sid = self._routing.current(session_id)
+        follows, pause = 0, 0.002
+        while True:
+            try:
+                return await call(sid, (await self._route(sid)).client)
+            except AttndError as e:
+                if follows < 2 and self._routing.learn_move(
+                        sid, e, lambda ep: aio.Client(ep.address, **self._routing.options_for(ep))):
+                    sid, follows = self._routing.current(sid), follows + 1
+                    continue
+                if _moving(e) and time.monotonic() + pause < deadline:
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, _MOVING_PAUSE_MAX)
+                    continue
+                raise
 
     async def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype: Any = "bfloat16", max_tokens: int = 0,
@@ -605,8 +638,9 @@ class AsyncSessionClient:
 
     async def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
                    **options: Any) -> _core.StepResult:
-        r = await self._route(_core.session_id_of(session))
-        return await r.client.step(session, layer, q, k_new, v_new, **options)
+        return await self._on_session(
+            _core.session_id_of(session), options.get("timeout"),
+            lambda sid, c: c.step(sid, layer, q, k_new, v_new, **options))
 
     async def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                          return_exceptions: bool = False) -> List[Any]:
@@ -626,9 +660,11 @@ class AsyncSessionClient:
             return r
         results, groups = _group(items, route)
 
+        sent = [_current_item(self._routing, x) for x in items]
+
         async def send(group: Tuple[_Replica, List[int]]) -> Any:
             try:
-                return await group[0].client.batch_step([items[i] for i in group[1]],
+                return await group[0].client.batch_step([sent[i] for i in group[1]],
                                                         timeout=timeout, return_exceptions=True)
             except AttndError as e:
                 return e
@@ -636,20 +672,35 @@ class AsyncSessionClient:
         for (replica, idx), answer in zip(groups, answers):
             for j, i in enumerate(idx):
                 results[i] = answer if isinstance(answer, AttndError) else answer[j]
+        for i, r in enumerate(results):
+            if _moved_to(r) is not None or _moving(r):
+                item = _core.as_step_item(items[i])
+
+                async def again(sid: str, c: Any, item: Any = item) -> Any:
+                    return (await c.batch_step([replace(item, session=sid)], timeout=timeout))[0]
+                try:
+                    results[i] = await self._on_session(_core.session_id_of(item.session), timeout,
+                                                        again)
+                except BatchStepError as e:
+                    results[i] = e.results[0]
+                except AttndError as e:
+                    results[i] = e
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
 
     async def truncate_session(self, session_id: str, tokens: int,
                                timeout: Optional[float] = None) -> _core.TruncateResult:
-        return await (await self._route(session_id)).client.truncate_session(session_id, tokens,
-                                                                              timeout)
+        return await self._on_session(session_id, timeout,
+                                      lambda sid, c: c.truncate_session(sid, tokens, timeout))
 
     async def fork_session(self, session_id: str, timeout: Optional[float] = None) -> Any:
-        return await (await self.session(session_id)).fork(timeout)
+        return await self._on_session(session_id, timeout,
+                                      lambda sid, c: c.session(sid).fork(timeout))
 
     async def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
-        return await (await self._route(session_id)).client.close_session(session_id, timeout)
+        return await self._on_session(session_id, timeout,
+                                      lambda sid, c: c.close_session(sid, timeout))
 
     async def close(self) -> None:
         for r in self._routing.replicas:
