@@ -388,14 +388,17 @@ void SessionClient::RefreshIfOlder(milliseconds age) {
 std::shared_ptr<SessionClient::Replica> SessionClient::FindReplica(const std::string& session_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Replica> best;
-  for (const auto& r : replicas_) {
-    const std::string& id = r->info.replica_id;
-    if (id.empty() || session_id.size() <= id.size() || session_id[id.size()] != '.' ||
-        session_id.compare(0, id.size(), id) != 0) {
-      continue;
+  for (const auto* list : {&replicas_, &followed_}) {
+    for (const auto& r : *list) {
+      const std::string& id = r->info.replica_id;
+      if (id.empty() || session_id.size() <= id.size() || session_id[id.size()] != '.' ||
+          session_id.compare(0, id.size(), id) != 0) {
+        continue;
+      }
+      // Replica ids may hold dots themselves (--replica_id=host.domain): the longest match wins;
+      // among equals, the targets' replica.
+      if (!best || id.size() > best->info.replica_id.size()) best = r;
     }
-    // Replica ids may hold dots themselves (--replica_id=host.domain): the longest match wins.
-    if (!best || id.size() > best->info.replica_id.size()) best = r;
   }
   return best;
 }
@@ -539,7 +542,7 @@ bool SessionClient::LearnMove(const std::string& id, const absl::Status& st) {
     r->info.endpoint = resolved->front().address;
     r->client = std::move(*c);
     std::lock_guard<std::mutex> lock(mu_);
-    replicas_.push_back(std::move(r));
+    followed_.push_back(std::move(r));
   }
   std::lock_guard<std::mutex> lock(mu_);
   moved_[id] = new_id;

@@ -434,9 +434,10 @@ std::vector<std::string> ReplicaFlags(const std::string& id, std::vector<std::st
   return f;
 }
 
-std::unique_ptr<SessionClient> ClientOf(const AttndProcess& p, const std::string& token = "") {
+std::unique_ptr<SessionClient> ClientOf(const std::vector<const AttndProcess*>& targets,
+                                        const std::string& token = "") {
   client::SessionClientOptions o;
-  o.client.target = "ipv4:" + p.target();
+  for (const AttndProcess* p : targets) o.more_targets.push_back("ipv4:" + p->target());
   o.client.bearer_token = token;
   auto c = SessionClient::Create(o);
   EXPECT_TRUE(c.ok()) << c.status();
@@ -472,7 +473,7 @@ TEST(SessionHandoff, ASigtermedReplicaMovesEverySessionAndDecodingGoesOn) {
   auto a = AttndProcess::Start(ReplicaFlags("hand-a", {"--handoff_peers=" + b->target()}));
   ASSERT_NE(a, nullptr);
   // The client knows A only: it learns B from A's answers.
-  auto client = ClientOf(*a);
+  auto client = ClientOf({a.get()});
   ASSERT_NE(client, nullptr);
   HandoffLoad load(client.get());
   for (int i = 0; i < 4; ++i) load.Create(17 + 13 * i);
@@ -540,7 +541,8 @@ TEST(SessionHandoff, AFullPeerIsPassedOverAndOwnersStayTheOwners) {
   ASSERT_TRUE(on_b.ok()) << on_b.status();
   const v1::KvCacheInfo b_before = KvCache(*b, "beta-token");
 
-  auto client = ClientOf(*a, "alpha-token");
+  // The client knows A and B (where no session fits, so that all go to A), not C.
+  auto client = ClientOf({a.get(), b.get()}, "alpha-token");
   ASSERT_NE(client, nullptr);
   HandoffLoad load(client.get());
   for (int i = 0; i < 3; ++i) load.Create(9 + 11 * i);
@@ -554,6 +556,9 @@ TEST(SessionHandoff, AFullPeerIsPassedOverAndOwnersStayTheOwners) {
   const std::string log = a->Log();
   EXPECT_NE(log.find("KV pages in use after hand-off: 0"), std::string::npos) << log;
 
+  // C, learned from A's answers, stays known when the targets are resolved again (A is gone).
+  ASSERT_TRUE(client->Refresh().ok());
+  load.Decode(1);
   // B is as it was.
   const v1::KvCacheInfo b_after = KvCache(*b, "beta-token");
   EXPECT_EQ(b_after.sessions(), 1);
@@ -589,7 +594,7 @@ TEST(SessionHandoff, APeerThatRefusesLeavesEverySessionWholeOnTheSource) {
       "keep-a", {std::string("--auth_token_file=") + t1, "--drain_grace_s=30", "--drain_quiet_ms=30000",
                  "--handoff_peers=" + b->target() + "," + c->target()}));
   ASSERT_NE(a, nullptr);
-  auto client = ClientOf(*a, "source-token");
+  auto client = ClientOf({a.get()}, "source-token");
   ASSERT_NE(client, nullptr);
   HandoffLoad load(client.get());
   for (int i = 0; i < 2; ++i) load.Create(300);
@@ -814,7 +819,7 @@ TEST(SessionHandoff, ASecondSigtermEndsTheHandOffAfterTheSessionInFlight) {
   auto a = AttndProcess::Start(
       ReplicaFlags("twice-a", {"--drain_timeout_s=20", "--handoff_peers=" + fake.target() + "," + c->target()}));
   ASSERT_NE(a, nullptr);
-  auto client = ClientOf(*a);
+  auto client = ClientOf({a.get()});
   ASSERT_NE(client, nullptr);
   HandoffLoad load(client.get());
   for (int i = 0; i < 3; ++i) load.Create(150);
@@ -845,7 +850,7 @@ TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
   auto a = AttndProcess::Start(ReplicaFlags(
       "mid-a", {"--handoff_peers=" + fake.target() + "," + gone_target + "," + c->target()}));
   ASSERT_NE(a, nullptr);
-  auto client = ClientOf(*a);
+  auto client = ClientOf({a.get()});
   ASSERT_NE(client, nullptr);
   HandoffLoad load(client.get());
   for (int i = 0; i < 2; ++i) load.Create(200 + 100 * i);

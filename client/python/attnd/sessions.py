@@ -161,6 +161,8 @@ class _Routing:
         self.refreshed_at = float("-inf")
         self.create_turn = 0
         self.moved: Dict[str, str] = {}  # old session id -> the id it moved to
+        # Replicas learned from moves that the targets did not name (kept across refreshes).
+        self.followed: List[_Replica] = []
         self.lock = threading.Lock()
 
     def learn_move(self, session_id: str, e: Any, make_client: Any) -> bool:
@@ -178,7 +180,7 @@ class _Routing:
             replica = _Replica(ReplicaInfo(new_id.rsplit(".", 1)[0], endpoint.address, 0, 0, 0),
                                make_client(endpoint))
             with self.lock:
-                self.replicas.append(replica)
+                self.followed.append(replica)
         with self.lock:
             self.moved[session_id] = new_id
         return True
@@ -240,7 +242,7 @@ class _Routing:
     def find(self, session_id: str) -> Optional[_Replica]:
         best = None
         with self.lock:
-            for r in self.replicas:
+            for r in self.replicas + self.followed:
                 rid = r.info.replica_id
                 if rid and session_id.startswith(rid + ".") and len(session_id) > len(rid) + 1:
                     if best is None or len(rid) > len(best.info.replica_id):
@@ -516,7 +518,7 @@ class SessionClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        for r in self._routing.replicas:
+        for r in self._routing.replicas + self._routing.followed:
             r.client.close()
 
     def __enter__(self) -> "SessionClient":
@@ -703,7 +705,7 @@ class AsyncSessionClient:
                                       lambda sid, c: c.close_session(sid, timeout))
 
     async def close(self) -> None:
-        for r in self._routing.replicas:
+        for r in self._routing.replicas + self._routing.followed:
             await r.client.close()
 
     async def __aenter__(self) -> "AsyncSessionClient":

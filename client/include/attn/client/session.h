@@ -231,6 +231,9 @@ class SessionClient {
   std::chrono::steady_clock::time_point refreshed_at_;  // guarded by mu_
   uint64_t create_turn_ = 0;                            // guarded by mu_
   std::map<std::string, std::string> moved_;           // old id -> new id; guarded by mu_
+  // Replicas learned from moves that the targets did not name (kept across refreshes, which
+  // only replace replicas_); guarded by mu_.
+  std::vector<std::shared_ptr<Replica>> followed_;
   std::mutex refresh_mu_;  // one Refresh at a time (held without mu_ while it calls out)
 };
 
