@@ -5,7 +5,11 @@
 // tests/client/session_client_test.cc.)
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -517,6 +521,68 @@ TEST(SessionHandoff, ASigtermedReplicaMovesEverySessionAndDecodingGoesOn) {
   load.CloseAll();
   EXPECT_EQ(KvCache(*b).sessions(), 0);
   EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
+}
+
+// A free TCP port on 127.0.0.1 now (for a replica that must come back at the same address).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// A rolling restart of two replicas under 64 decoding sessions: A drains (its sessions move to
+// B) and comes back as A2 at the same address, then B drains (every session moves to A2). The
+// decode loop sees no error, and every answer equals the float64 reference.
+TEST(SessionHandoff, ARollingRestartOfTwoReplicasUnder64DecodingSessionsLosesNothing) {
+  const int pa = FreePort(), pb = FreePort();
+  ASSERT_GT(pa, 0);
+  ASSERT_GT(pb, 0);
+  auto replica = [&](const std::string& id, int port, int peer) {
+    return AttndProcess::Start(ReplicaFlags(
+        id, {"--listen=127.0.0.1:" + std::to_string(port), "--kv_cache_bytes=33554432",
+             "--handoff_peers=127.0.0.1:" + std::to_string(peer)}));
+  };
+  auto a = replica("roll-a", pa, pb);
+  auto b = replica("roll-b", pb, pa);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto client = ClientOf({a.get(), b.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 64; ++i) load.Create(8 + i % 5);
+  std::atomic<bool> stop{false};
+  std::thread decoder([&] {
+    while (!stop.load() && !::testing::Test::HasFatalFailure()) load.Decode(1);
+  });
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "sessions moved")) << a->Log();
+  EXPECT_NE(a->Log().find(", 0 not moved"), std::string::npos) << a->Log();
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  auto a2 = replica("roll-a2", pa, pb);
+  ASSERT_NE(a2, nullptr);
+  ASSERT_EQ(kill(b->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*b, "hand-off: 64 sessions moved")) << b->Log();
+  EXPECT_EQ(b->SignalAndWait(0, 30000), 0) << b->Log();
+  const int64_t steps_after = load.steps();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  stop = true;
+  decoder.join();
+  EXPECT_GT(load.steps(), steps_after);
+  EXPECT_EQ(KvCache(*a2).sessions(), 64);
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("roll-a2.", 0), 0u) << load.id(i);
+  }
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*a2).free_pages(), KvCache(*a2).total_pages());
 }
 
 TEST(SessionHandoff, AFullPeerIsPassedOverAndOwnersStayTheOwners) {
