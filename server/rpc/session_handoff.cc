@@ -211,17 +211,19 @@ SessionHandoff::Summary SessionHandoff::MoveAll(Clock::time_point deadline) {
       not_moved("no_peer", "no --handoff_peers");
       continue;
     }
-    // Its steps accepted so far finish first: the freeze waits for a moment with none running.
+    // Frozen, no step begins any more; those that had begun end first.
     absl::StatusOr<std::shared_ptr<Session>> session = sessions_->BeginMove(id);
-    while (absl::IsFailedPrecondition(session.status()) && Clock::now() < deadline &&
-           !stop_.load()) {
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-      session = sessions_->BeginMove(id);
-    }
     if (absl::IsNotFound(session.status())) continue;  // closed (or expired) meanwhile
     if (!session.ok()) {
-      not_moved(absl::IsFailedPrecondition(session.status()) ? "busy" : "error",
-                std::string(session.status().message()));
+      not_moved("error", std::string(session.status().message()));
+      continue;
+    }
+    while (!(*session)->Settled() && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (!(*session)->Settled()) {
+      sessions_->EndMove(*session, "", "");
+      not_moved("busy", "a step it had begun did not end before the drain's deadline");
       continue;
     }
     absl::Status last = absl::DeadlineExceededError("drain_timeout_s ran out before a peer took it");

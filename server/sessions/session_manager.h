@@ -90,8 +90,8 @@ class SessionManager {
 
   // Hand-off on drain (session_transfer.h moves the bytes). StopCreating: CreateSession gets
   // UNAVAILABLE and ForkSession the moving status from now on, so that the set of open sessions
-  // only shrinks. OpenSessionIds: the sessions open now. BeginMove freezes one (Session::Freeze)
-  // for its export; then EndMove with the peer's address and new id (the session is closed here,
+  // only shrinks. OpenSessionIds: the sessions open now. BeginMove freezes one (Session::Freeze;
+  // export it once Settled); then EndMove with the peer's address and new id (the session is closed here,
   // its pages given back, and calls on its id get SessionMovedError from then on), or with an
   // empty new_id (the move failed: the session goes on here).
   void StopCreating();

@@ -584,12 +584,18 @@ TEST(SessionManagerTest, AMovingSessionRefusesChangesAndAMovedOneSaysWhere) {
   auto pool = Pool(32);
   auto m = Manager(pool.get());
   auto s = SessionWithTokens(*m, 2, {5, 5});
-  // Not while a step holds a layer.
+  // A step that had begun before the freeze ends as usual; the export waits for it.
   ASSERT_TRUE(s->AcquireLayer(0, [] {}));
-  EXPECT_EQ(m->BeginMove(s->id()).status().code(), absl::StatusCode::kFailedPrecondition);
-  s->ReleaseLayer(0);
+  auto begun = s->BeginAppend(0, 2);
+  ASSERT_TRUE(begun.ok()) << begun.status();
   auto moving = m->BeginMove(s->id());
   ASSERT_TRUE(moving.ok()) << moving.status();
+  EXPECT_FALSE(s->Settled());
+  EXPECT_EQ(s->RefLayerStates().status().code(), absl::StatusCode::kFailedPrecondition);
+  s->CommitAppend(*std::move(begun));
+  s->ReleaseLayer(0);
+  EXPECT_TRUE(s->Settled());
+  EXPECT_EQ(s->CachedTokens(0), 7);
   // Frozen: steps, truncate, fork and close are refused with the retry status; nothing changes.
   ASSERT_TRUE(s->AcquireLayer(1, [] {}));
   EXPECT_EQ(s->BeginAppend(1, 1).status().code(), absl::StatusCode::kUnavailable);
@@ -605,7 +611,7 @@ TEST(SessionManagerTest, AMovingSessionRefusesChangesAndAMovedOneSaysWhere) {
                                  m->Close(s->id(), "owner-a").status()}) {
     EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
   }
-  EXPECT_EQ(s->CachedTokens(0), 5);
+  EXPECT_EQ(s->CachedTokens(0), 7);
   // A failed move thaws it.
   m->EndMove(*moving, "", "");
   EXPECT_TRUE(m->Truncate(s->id(), "owner-a", 1).ok());
