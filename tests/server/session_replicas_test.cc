@@ -268,7 +268,9 @@ TEST(SessionReplicasByName, ADnsNameIsResolvedToItsAddresses) {
 // certificate names the Service and not each pod's address.
 class LocalhostPki {
  public:
-  LocalhostPki() {
+  // usage: the certificate's extendedKeyUsage (serverAuth; serverAuth,clientAuth for replicas
+  // that call each other over mTLS).
+  explicit LocalhostPki(const std::string& usage = "serverAuth") {
     char tmpl[] = "/tmp/attn-session-tls-XXXXXX";
     dir_ = mkdtemp(tmpl) ? tmpl : "";
     const std::string script = R"sh(set -e
@@ -276,11 +278,11 @@ ec="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
 openssl req -x509 $ec -keyout ca.key -out ca.pem -days 2 -subj /CN=attn-test-ca \
   -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
 openssl req $ec -keyout server.key -out server.csr -subj /CN=localhost
-printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' > server.ext
+printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=%s\n' "$1" > server.ext
 openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile server.ext
 )sh";
     std::ofstream(path("make.sh")) << script;
-    FILE* p = popen(("cd '" + dir_ + "' && sh make.sh 2>&1").c_str(), "r");
+    FILE* p = popen(("cd '" + dir_ + "' && sh make.sh " + usage + " 2>&1").c_str(), "r");
     char buf[4096];
     for (size_t n; p && (n = fread(buf, 1, sizeof(buf), p)) > 0;) log_.append(buf, n);
     ok_ = p != nullptr && pclose(p) == 0;
@@ -929,6 +931,51 @@ TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
   EXPECT_EQ(KvCache(*c).sessions(), 2);
   load.CloseAll();
   EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
+}
+
+// Replicas that require client certificates (mTLS) move sessions to each other with their own
+// certificates, checked against the deploy's CA under the Service's name.
+TEST(SessionHandoff, ReplicasHandSessionsOffOverMutualTls) {
+  LocalhostPki pki("serverAuth,clientAuth");
+  ASSERT_TRUE(pki.ok()) << "openssl failed:\n" << pki.log();
+  const std::vector<std::string> tls = {"--tls_cert=" + pki.path("server.pem"),
+                                        "--tls_key=" + pki.path("server.key"),
+                                        "--tls_client_ca=" + pki.path("ca.pem")};
+  auto b = AttndProcess::Start(ReplicaFlags("mtls-b", tls));
+  ASSERT_NE(b, nullptr);
+  // A replica of another deploy (another CA): the TLS handshake fails both ways, nothing moves
+  // there, and the next peer is tried.
+  LocalhostPki other("serverAuth,clientAuth");
+  ASSERT_TRUE(other.ok()) << other.log();
+  auto stranger = AttndProcess::Start(ReplicaFlags(
+      "mtls-x", {"--tls_cert=" + other.path("server.pem"), "--tls_key=" + other.path("server.key"),
+                 "--tls_client_ca=" + other.path("ca.pem")}));
+  ASSERT_NE(stranger, nullptr);
+  std::vector<std::string> a_flags = tls;
+  a_flags.push_back("--handoff_peers=localhost:" + std::to_string(stranger->port()) +
+                    ",localhost:" + std::to_string(b->port()));
+  auto a = AttndProcess::Start(ReplicaFlags("mtls-a", a_flags));
+  ASSERT_NE(a, nullptr);
+  client::SessionClientOptions o;
+  o.client.target = "localhost:" + std::to_string(a->port());
+  o.client.tls_ca_pem = pki.pem("ca.pem");
+  o.client.tls_cert_pem = pki.pem("server.pem");
+  o.client.tls_key_pem = pki.pem("server.key");
+  auto c = SessionClient::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  HandoffLoad load(c->get());
+  for (int i = 0; i < 2; ++i) load.Create(40);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 2 sessions moved")) << a->Log();
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ((*c)->CurrentSessionId(load.id(i)).rfind("mtls-b.", 0), 0u) << load.id(i);
+  }
+  const double imported = ScrapeMetric(stranger->metrics_port(), "attn_requests_total",
+                                      {"rpc=\"ImportSession\""});
+  EXPECT_TRUE(std::isnan(imported) || imported == 0) << imported;
+  load.CloseAll();
 }
 
 }  // namespace
