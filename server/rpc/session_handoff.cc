@@ -144,8 +144,13 @@ absl::StatusOr<std::string> SessionHandoff::SendTo(size_t p, const Session& sess
   ASSIGN_OR_RETURN(std::unique_ptr<SessionExporter> exporter,
                    SessionExporter::Create(session, &sessions_->pool(), options_.kv_region,
                                            options_.kv_device));
+  // A peer that stops reading (hung, not gone) holds one attempt, not the whole drain: 5 s plus
+  // the session's bytes at 50 MB/s, a tenth of the slowest rate measured, at most.
+  const int64_t kv_bytes = 2 * exporter->header().page_bytes * exporter->header().TotalPages();
+  const auto attempt = std::chrono::seconds(5) + std::chrono::milliseconds(kv_bytes / 50'000);
+  const Clock::time_point until = std::min(deadline, Clock::now() + attempt);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + (deadline - Clock::now()));
+  ctx.set_deadline(std::chrono::system_clock::now() + (until - Clock::now()));
   if (authenticator_ != nullptr) {
     ASSIGN_OR_RETURN(std::string token, authenticator_->TokenOf(session.owner()));
     ctx.AddMetadata("authorization", absl::StrCat("Bearer ", token));
