@@ -95,6 +95,9 @@ class AttentionService final : public AttentionCallbackBase {
   bool QuietSince(Clock::time_point t) const {
     return last_activity_ns_.load() <= t.time_since_epoch().count();
   }
+  // Restarts the quiet period of QuietSince, as an answer does: once sessions have moved, their
+  // callers get a whole --drain_quiet_ms to hear where, however long the move took.
+  void RestartQuietPeriod() { OnCallAnswered(); }
   // The end of a drain's lame-duck phase: every open AttendStream finishes with UNAVAILABLE once
   // its items in flight are answered (a stream left open would otherwise be cancelled by gRPC's
   // Shutdown when drain_timeout runs out); streams opened later are refused the same way.

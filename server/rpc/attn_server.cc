@@ -433,7 +433,10 @@ void AttnServer::Drain() {
   server_->GetHealthCheckService()->Shutdown();
   // Logged once it holds (tests wait for this line).
   Log("draining: health NOT_SERVING, new calls UNAVAILABLE, finishing accepted requests");
-  if (handoff_) HandOffSessions();
+  if (handoff_) {
+    HandOffSessions();
+    service_->RestartQuietPeriod();
+  }
   WaitUntilQuiet();
   service_->EndOpenStreams();
   batcher_->Drain();

@@ -848,11 +848,16 @@ TEST_F(ImportSessionTest, AFullPeerRefusesBeforeAnyPage) {
 class FailingImport final : public v1::Attention::Service {
  public:
   explicit FailingImport(std::chrono::milliseconds stall = {}) : stall_(stall) {}
-  grpc::Status ImportSession(grpc::ServerContext*, grpc::ServerReader<v1::SessionTransferChunk>* reader,
+  grpc::Status ImportSession(grpc::ServerContext* ctx,
+                             grpc::ServerReader<v1::SessionTransferChunk>* reader,
                              v1::ImportSessionResponse*) override {
     v1::SessionTransferChunk chunk;
     for (int i = 0; i < 3 && reader->Read(&chunk); ++i) ++chunks;
-    std::this_thread::sleep_for(stall_);  // a transfer in flight for that long
+    // A transfer in flight for that long (or until the sender gives up).
+    const auto until = std::chrono::steady_clock::now() + stall_;
+    while (std::chrono::steady_clock::now() < until && !ctx->IsCancelled()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the peer went away mid-transfer");
   }
   std::atomic<int> chunks{0};
@@ -903,6 +908,32 @@ TEST(SessionHandoff, ASecondSigtermEndsTheHandOffAfterTheSessionInFlight) {
   EXPECT_EQ(KvCache(*c).sessions(), 1);
   EXPECT_EQ(ScrapeMetric(c->metrics_port(), "attn_requests_total",
                          {"rpc=\"ImportSession\"", "code=\"OK\""}), 1);
+}
+
+// A peer that stops reading mid-transfer (hung, not gone) holds one attempt, not the drain.
+TEST(SessionHandoff, AHungPeerCostsOneBoundedAttempt) {
+  FailingImport hung(std::chrono::minutes(2));
+  FakePeer fake(&hung);
+  ASSERT_NE(fake.server, nullptr);
+  auto c = AttndProcess::Start(ReplicaFlags("past-c"));
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "hung-a", {"--drain_timeout_s=60", "--handoff_peers=" + fake.target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  load.Create(100);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 1 sessions moved", 30000)) << a->Log();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(seconds, 4.5);  // the attempt on the hung peer: 5 s and a little for 100 tokens
+  EXPECT_LT(seconds, 20);   // not the drain's 60 s
+  load.Decode(1);
+  EXPECT_EQ(KvCache(*c).sessions(), 1);
+  load.CloseAll();
 }
 
 TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
