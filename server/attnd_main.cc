@@ -249,8 +249,8 @@ int main(int argc, char** argv) {
         drainer = std::thread([s] { s->Drain(); });
       } else {
         std::cerr << "attnd: received " << strsignal(sig)
-                  << " again while draining; exiting once the session being handed off (if "
-                     "any) has moved or stayed, open calls unanswered"
+                  << " again while draining; exiting at once, open calls unanswered (once the "
+                     "session being handed off, if any, has moved or stayed)"
                   << std::endl;
         s->StopHandoff();
         std::_Exit(128 + sig);
