@@ -66,6 +66,14 @@ ABSL_FLAG(int64_t, drain_quiet_ms, kDefaults.drain_quiet_ms,
           "for this long (milliseconds) and nothing is queued or running");
 ABSL_FLAG(double, drain_timeout_s, kDefaults.drain_timeout_s,
           "On SIGTERM/SIGINT, how long open calls get to finish, seconds");
+ABSL_FLAG(std::vector<std::string>, handoff_peers, {},
+          "On SIGTERM/SIGINT, move every open session to one of these replicas (host:port, "
+          "comma-separated, tried in turn) within --drain_timeout_s; calls on a moved session "
+          "then get FAILED_PRECONDITION naming its new replica and id (attnd-moved-to). Empty: "
+          "sessions end with the process");
+ABSL_FLAG(std::string, handoff_tls_server_name, "",
+          "With TLS: the name the peers' certificates are checked against (default: the "
+          "--handoff_peers host)");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert,
           "PEM server certificate (chain) file; with --tls_key, serves TLS");
 ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key file of --tls_cert");
@@ -171,6 +179,8 @@ attn::ServerOptions OptionsFromFlags() {
   o.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);
   o.drain_quiet_ms = absl::GetFlag(FLAGS_drain_quiet_ms);
   o.drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
+  o.handoff_peers = absl::GetFlag(FLAGS_handoff_peers);
+  o.handoff_tls_server_name = absl::GetFlag(FLAGS_handoff_tls_server_name);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
@@ -239,8 +249,10 @@ int main(int argc, char** argv) {
         drainer = std::thread([s] { s->Drain(); });
       } else {
         std::cerr << "attnd: received " << strsignal(sig)
-                  << " again while draining; exiting at once, open calls unanswered"
+                  << " again while draining; exiting at once, open calls unanswered (once the "
+                     "session being handed off, if any, has moved or stayed)"
                   << std::endl;
+        s->StopHandoff();
         std::_Exit(128 + sig);
       }
     }

@@ -4,6 +4,7 @@
 #include <future>
 #include <map>
 #include <numeric>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -112,6 +113,25 @@ std::vector<internal::Endpoint> ResolveAll(const std::vector<std::string>& targe
   }
   return endpoints;
 }
+
+constexpr char kMovedTo[] = "attnd-moved-to: ";
+constexpr char kMoving[] = "attnd-session-moving";
+
+// "<address>;<new id>" of a moved session's status, or "".
+std::string MovedTo(const absl::Status& st) {
+  if (!absl::IsFailedPrecondition(st)) return "";
+  const absl::string_view m = st.message();
+  const size_t at = m.rfind(kMovedTo);
+  if (at == absl::string_view::npos) return "";
+  absl::string_view rest = m.substr(at + sizeof(kMovedTo) - 1);
+  return std::string(rest.substr(0, rest.find(')')));
+}
+
+bool Moving(const absl::Status& st) {
+  return absl::IsUnavailable(st) && st.message().find(kMoving) != absl::string_view::npos;
+}
+
+bool Followable(const absl::Status& st) { return !MovedTo(st).empty() || Moving(st); }
 
 bool PassOverOnCreate(const absl::Status& st) {
   return absl::IsResourceExhausted(st) || absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st);
@@ -379,14 +399,17 @@ void SessionClient::RefreshIfOlder(milliseconds age) {
 std::shared_ptr<SessionClient::Replica> SessionClient::FindReplica(const std::string& session_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Replica> best;
-  for (const auto& r : replicas_) {
-    const std::string& id = r->info.replica_id;
-    if (id.empty() || session_id.size() <= id.size() || session_id[id.size()] != '.' ||
-        session_id.compare(0, id.size(), id) != 0) {
-      continue;
+  for (const auto* list : {&replicas_, &followed_}) {
+    for (const auto& r : *list) {
+      const std::string& id = r->info.replica_id;
+      if (id.empty() || session_id.size() <= id.size() || session_id[id.size()] != '.' ||
+          session_id.compare(0, id.size(), id) != 0) {
+        continue;
+      }
+      // Replica ids may hold dots themselves (--replica_id=host.domain): the longest match wins;
+      // among equals, the targets' replica.
+      if (!best || id.size() > best->info.replica_id.size()) best = r;
     }
-    // Replica ids may hold dots themselves (--replica_id=host.domain): the longest match wins.
-    if (!best || id.size() > best->info.replica_id.size()) best = r;
   }
   return best;
 }
@@ -500,10 +523,78 @@ absl::StatusOr<SessionInfo> SessionClient::CreateSession(const SessionSpec& spec
                                                 absl::StrJoin(tried, "; ")));
 }
 
+std::string SessionClient::CurrentSessionId(const std::string& session_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string id = session_id;
+  // A session may move more than once; a cycle cannot arise, but the walk is bounded anyway.
+  for (int hops = 0; hops < 16; ++hops) {
+    auto it = moved_.find(id);
+    if (it == moved_.end()) break;
+    id = it->second;
+  }
+  return id;
+}
+
+bool SessionClient::LearnMove(const std::string& id, const absl::Status& st) {
+  const std::string to = MovedTo(st);
+  const size_t semi = to.find(';');
+  if (semi == std::string::npos || semi == 0 || semi + 1 >= to.size()) return false;
+  const std::string address = to.substr(0, semi), new_id = to.substr(semi + 1);
+  const size_t dot = new_id.rfind('.');
+  if (dot == std::string::npos || dot == 0 || new_id == id) return false;
+  if (FindReplica(new_id) == nullptr) {
+    // The replica it moved to is not one of the targets (yet): reach it at the address named.
+    auto resolved = internal::ResolveEndpoints(address);
+    if (!resolved.ok() || resolved->empty()) return false;
+    auto c = ClientOf(resolved->front());
+    if (!c.ok()) return false;
+    auto r = std::make_shared<Replica>();
+    r->info.replica_id = new_id.substr(0, dot);
+    r->info.endpoint = resolved->front().address;
+    r->client = std::move(*c);
+    std::lock_guard<std::mutex> lock(mu_);
+    followed_.push_back(std::move(r));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  moved_[id] = new_id;
+  return true;
+}
+
+template <typename Result, typename Call>
+absl::StatusOr<Result> SessionClient::OnSession(const std::string& session_id, milliseconds timeout,
+                                                const Call& call) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string id = CurrentSessionId(session_id);
+  int follows = 0;
+  milliseconds pause{2};
+  for (;;) {
+    auto r = Route(id);
+    if (!r.ok()) return r.status();
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    absl::StatusOr<Result> out = call(id, *(*r)->client, std::max(left, milliseconds(1)));
+    if (out.ok()) return out;
+    if (follows < 2 && LearnMove(id, out.status())) {
+      id = CurrentSessionId(id);
+      ++follows;
+      continue;
+    }
+    if (Moving(out.status()) && std::chrono::steady_clock::now() + pause < deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, milliseconds(50));
+      continue;
+    }
+    return out;
+  }
+}
+
 absl::StatusOr<StepResult> SessionClient::Step(const StepInput& in, milliseconds timeout) {
-  auto r = Route(in.session_id);
-  if (!r.ok()) return r.status();
-  return attn::client::Step(*(*r)->client, in, timeout);
+  return OnSession<StepResult>(in.session_id, timeout,
+                               [&](const std::string& id, Client& c, milliseconds t) {
+                                 if (id == in.session_id) return attn::client::Step(c, in, t);
+                                 StepInput moved = in;
+                                 moved.session_id = id;
+                                 return attn::client::Step(c, moved, t);
+                               });
 }
 
 absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SessionClient::BatchStep(
@@ -512,7 +603,7 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SessionClient::BatchStep
   std::vector<std::pair<std::shared_ptr<Replica>, std::vector<size_t>>> groups;
   absl::Status first_error;
   for (size_t i = 0; i < items.size(); ++i) {
-    auto r = Route(items[i].session_id);
+    auto r = Route(CurrentSessionId(items[i].session_id));
     if (!r.ok()) {
       results[i] = r.status();
       if (first_error.ok()) first_error = r.status();
@@ -531,8 +622,17 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SessionClient::BatchStep
     if (any.empty()) return absl::UnavailableError("BatchStep: no replica is known");
     return attn::client::BatchStep(*ClientForReplica(any[0].replica_id), items, timeout);
   }
+  // Items of moved sessions go with their current ids.
+  std::vector<StepInput> renamed;
+  bool any_moved = false;
+  for (const StepInput& in : items) any_moved |= CurrentSessionId(in.session_id) != in.session_id;
+  if (any_moved) {
+    renamed = items;
+    for (StepInput& in : renamed) in.session_id = CurrentSessionId(in.session_id);
+  }
+  const std::vector<StepInput>& sent = any_moved ? renamed : items;
   auto send = [&](size_t g) {
-    return SendBatch(*groups[g].first->client, items, &groups[g].second, timeout);
+    return SendBatch(*groups[g].first->client, sent, &groups[g].second, timeout);
   };
   std::vector<std::future<absl::StatusOr<std::vector<absl::StatusOr<StepResult>>>>> calls;
   for (size_t g = 1; g < groups.size(); ++g) calls.push_back(std::async(std::launch::async, send, g));
@@ -549,33 +649,42 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SessionClient::BatchStep
     for (size_t j = 0; j < idx.size(); ++j) results[idx[j]] = std::move((*answer)[j]);
   }
   if (!reached) return first_error;
+  // Items whose session moved, or was moving, go again one by one (Step follows), in order.
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!results[i].ok() && Followable(results[i].status())) results[i] = Step(items[i], timeout);
+  }
   return results;
 }
 
 absl::StatusOr<TruncateResult> SessionClient::TruncateSession(const std::string& session_id,
                                                               int64_t tokens, milliseconds timeout) {
-  auto r = Route(session_id);
-  if (!r.ok()) return r.status();
-  return attn::client::TruncateSession(*(*r)->client, session_id, tokens, timeout);
+  return OnSession<TruncateResult>(session_id, timeout,
+                                   [&](const std::string& id, Client& c, milliseconds t) {
+                                     return attn::client::TruncateSession(c, id, tokens, t);
+                                   });
 }
 
 absl::StatusOr<SessionInfo> SessionClient::ForkSession(const std::string& session_id,
                                                        milliseconds timeout) {
-  auto r = Route(session_id);
-  if (!r.ok()) return r.status();
-  auto forked = attn::client::ForkSession(*(*r)->client, session_id, timeout);
+  auto forked = OnSession<SessionInfo>(session_id, timeout,
+                                       [&](const std::string& id, Client& c, milliseconds t) {
+                                         return attn::client::ForkSession(c, id, t);
+                                       });
   if (forked.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    forked->endpoint = (*r)->info.endpoint;
+    if (auto r = FindReplica(forked->session_id)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      forked->endpoint = r->info.endpoint;
+    }
   }
   return forked;
 }
 
 absl::StatusOr<int64_t> SessionClient::CloseSession(const std::string& session_id,
                                                     milliseconds timeout) {
-  auto r = Route(session_id);
-  if (!r.ok()) return r.status();
-  return attn::client::CloseSession(*(*r)->client, session_id, timeout);
+  return OnSession<int64_t>(session_id, timeout,
+                            [&](const std::string& id, Client& c, milliseconds t) {
+                              return attn::client::CloseSession(c, id, t);
+                            });
 }
 
 }  // namespace attn::client

@@ -37,6 +37,11 @@ for f in "$out"/*.yaml; do
     fail "$n: grace period ($grace), --drain_grace_s ($lame), --drain_timeout_s ($drain) or preStop sleep ($sleep_s) not found"
   [ "$grace" -ge $((sleep_s + lame + drain)) ] ||
     fail "$n: terminationGracePeriodSeconds $grace < preStop $sleep_s s + drain_grace $lame s + drain $drain s"
+  # With session hand-off (--handoff_peers) the sessions move first, within --drain_timeout_s.
+  if grep -q -E '^ +--handoff_peers=' "$f"; then
+    [ "$grace" -ge $((sleep_s + drain + lame + drain)) ] ||
+      fail "$n: terminationGracePeriodSeconds $grace < preStop $sleep_s s + hand-off $drain s + drain_grace $lame s + drain $drain s"
+  fi
   # Read-only root filesystem: the CUDA JIT cache must point into the /tmp emptyDir.
   expect "$n" '^ +- mountPath: /tmp$|^ +mountPath: /tmp$' "no /tmp mount"
   grep -A1 -E '^ +- name: CUDA_CACHE_PATH$' "$f" | grep -q -E '^ +value: /tmp/' ||

@@ -372,4 +372,23 @@ absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepL
   return t;
 }
 
+absl::Status CudaStepDevice::ReadKv(char* host, const char* kv, size_t bytes) const {
+  RETURN_IF_ERROR(state_->Health());
+  RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
+  RETURN_IF_CUDA_ERROR("cudaMemcpy (KV page to host)",
+                       cudaMemcpy(host, kv, bytes, cudaMemcpyDeviceToHost));
+  return absl::OkStatus();
+}
+
+absl::Status CudaStepDevice::WriteKv(char* kv, const char* host, size_t bytes) const {
+  RETURN_IF_ERROR(state_->Health());
+  RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
+  RETURN_IF_CUDA_ERROR("cudaMemcpy (KV page to the device)",
+                       cudaMemcpy(kv, host, bytes, cudaMemcpyHostToDevice));
+  // From pageable memory the copy may return before its DMA has landed: wait for the stream it
+  // ran on, so that a step launched next reads the page.
+  RETURN_IF_CUDA_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(0));
+  return absl::OkStatus();
+}
+
 }  // namespace attn

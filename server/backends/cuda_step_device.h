@@ -45,6 +45,10 @@ class CudaStepDevice : public StepDevice {
   absl::StatusOr<OutputBytes> OutputStaging(size_t bytes) override;
   absl::Status Launch(int lane, const StepLaunch& launch) override;
   absl::StatusOr<StepLaunchTimes> Wait(int lane, const StepLaunch& launch) override;
+  // Synchronous copies on the default stream (the lanes' streams are non-blocking, so these
+  // wait for no launch); the pages copied belong to a session with no step running.
+  absl::Status ReadKv(char* host, const char* kv, size_t bytes) const override;
+  absl::Status WriteKv(char* kv, const char* host, size_t bytes) const override;
 
  private:
   // Device memory a lane keeps from launch to launch (from the device pool, on the lane's

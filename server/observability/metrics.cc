@@ -40,6 +40,7 @@ const char* RpcName(Rpc rpc) {
     case Rpc::kForkSession: return "ForkSession";
     case Rpc::kGetServerInfo: return "GetServerInfo";
     case Rpc::kEcho: return "Echo";
+    case Rpc::kImportSession: return "ImportSession";
     case Rpc::kCount: break;
   }
   return "unknown";
@@ -145,6 +146,16 @@ void Metrics::Build(const Options& o) {
                  "an FP8 session cache (x / scale beyond the E4M3 range)")
            .Register(r)
            .Add({});
+  handoffs_family_ = &prometheus::BuildCounter()
+                          .Name("attn_session_handoffs_total")
+                          .Help("Sessions a draining replica tried to move to a peer "
+                                "(--handoff_peers), by result: moved, or why not")
+                          .Register(r);
+  handoff_bytes_ = &prometheus::BuildCounter()
+                        .Name("attn_session_handoff_bytes_total")
+                        .Help("KV bytes (keys and values) moved to peers on drain")
+                        .Register(r)
+                        .Add({});
   step_tokens_ = hist("attn_step_tokens_per_launch",
                       "New (query) tokens of the session steps computed in one launch",
                       Exponential(1, 2, 15));
@@ -275,6 +286,14 @@ void Metrics::SetKvCachePages(int64_t used, int64_t free) {
 
 void Metrics::AddSessionEvictions(const char* reason, int64_t n) {
   if (std::string(reason) == "ttl") evictions_ttl_->Increment(static_cast<double>(n));
+}
+
+void Metrics::AddSessionHandoff(const std::string& result) {
+  handoffs_family_->Add({{"result", result}}).Increment();
+}
+
+void Metrics::AddSessionHandoffBytes(int64_t bytes) {
+  handoff_bytes_->Increment(static_cast<double>(bytes));
 }
 
 void Metrics::SetSessions(int64_t n) { sessions_->Set(static_cast<double>(n)); }

@@ -36,6 +36,7 @@ enum class Rpc : int {
   kForkSession,
   kGetServerInfo,
   kEcho,
+  kImportSession,
   kCount,
 };
 const char* RpcName(Rpc rpc);
@@ -70,6 +71,12 @@ class Metrics {
   void SetSessions(int64_t n);
   // attn_session_evictions_total{reason}; reason is "ttl" (idle past --session_ttl_s).
   void AddSessionEvictions(const char* reason, int64_t n);
+  // attn_session_handoffs_total{result}: sessions a draining replica tried to move to a peer,
+  // by outcome ("moved", or why not: "refused", "peer_full", "peer_unavailable", "busy",
+  // "checksum", "timeout", "error").
+  void AddSessionHandoff(const std::string& result);
+  // attn_session_handoff_bytes_total: KV bytes moved to peers.
+  void AddSessionHandoffBytes(int64_t bytes);
   void SetGpuMemory(int64_t used, int64_t free, int64_t total);
   // attn_shared_memory_regions{kind} and attn_shared_memory_region_bytes{kind}: the regions
   // registered now and their sizes, kind "host" or "cuda".
@@ -130,6 +137,8 @@ class Metrics {
   prometheus::Gauge* kv_usage_ = nullptr;
   prometheus::Counter* evictions_ttl_ = nullptr;
   prometheus::Counter* kv_fp8_saturations_ = nullptr;
+  prometheus::Family<prometheus::Counter>* handoffs_family_ = nullptr;
+  prometheus::Counter* handoff_bytes_ = nullptr;
   prometheus::Histogram* step_tokens_ = nullptr;
   prometheus::Histogram* decode_bandwidth_ = nullptr;
   prometheus::Gauge* sessions_ = nullptr;

@@ -15,6 +15,7 @@
 #include "engine/backend.h"
 #include "observability/metrics.h"
 #include "common/tsan_annotations.h"
+#include "sessions/step_device.h"
 
 namespace attn {
 
@@ -39,7 +40,8 @@ using AttentionCallbackBase = v1::Attention::WithRawCallbackMethod_Attend<
     v1::Attention::WithCallbackMethod_ForkSession<
     v1::Attention::WithCallbackMethod_CloseSession<
     v1::Attention::WithCallbackMethod_GetServerInfo<
-    v1::Attention::WithRawCallbackMethod_Echo<v1::Attention::Service>>>>>>>>>>;
+    v1::Attention::WithRawCallbackMethod_Echo<
+    v1::Attention::WithCallbackMethod_ImportSession<v1::Attention::Service>>>>>>>>>>>;
 
 // Attend and AttendStream are raw methods (grpc::ByteBuffer in and out): their tensors go from
 // gRPC's received slices into the backend's staging with one copy, and their outputs back out as
@@ -69,6 +71,13 @@ class AttentionService final : public AttentionCallbackBase {
     // request's string, one into the response's, one into fresh slices); for measuring the wire
     // path.
     bool attend_wire_path = true;
+    // The KV region sessions are imported into (ImportSession) and the step device whose copies
+    // reach it (null: the region is host memory, copied with memcpy). Must outlive the service.
+    KvRegion kv_region;
+    const StepDevice* kv_device = nullptr;
+    // Hand-off on drain (--handoff_peers): while draining, session steps are still taken until
+    // their session moves (it then answers where it went) instead of UNAVAILABLE at once.
+    bool handoff_on_drain = false;
   };
   // batcher, backend, metrics and sessions must outlive the service; sessions may be null (the
   // session RPCs then answer UNIMPLEMENTED).
@@ -78,11 +87,17 @@ class AttentionService final : public AttentionCallbackBase {
   // New calls (and new AttendStream items) get UNAVAILABLE from now on; calls already accepted
   // complete.
   void StartDraining() { draining_.store(true); }
+  // Steps are refused (UNAVAILABLE) while draining, unless their sessions are handed off: they
+  // then go on until their session moves.
+  bool RefuseSteps() const { return draining_.load() && !options_.handoff_on_drain; }
   // True when no call (nor AttendStream item) has arrived or been answered after t. An answer
   // counts: its client's next call is about to come and must find the listener still open.
   bool QuietSince(Clock::time_point t) const {
     return last_activity_ns_.load() <= t.time_since_epoch().count();
   }
+  // Restarts the quiet period of QuietSince, as an answer does: once sessions have moved, their
+  // callers get a whole --drain_quiet_ms to hear where, however long the move took.
+  void RestartQuietPeriod() { OnCallAnswered(); }
   // The end of a drain's lame-duck phase: every open AttendStream finishes with UNAVAILABLE once
   // its items in flight are answered (a stream left open would otherwise be cancelled by gRPC's
   // Shutdown when drain_timeout runs out); streams opened later are refused the same way.
@@ -128,6 +143,9 @@ class AttentionService final : public AttentionCallbackBase {
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
+  // session_import.cc.
+  grpc::ServerReadReactor<v1::SessionTransferChunk>* ImportSession(
+      grpc::CallbackServerContext* ctx, v1::ImportSessionResponse* response) override;
 
  private:
   // Finishes a unary call and records it.
@@ -192,7 +210,11 @@ class AttentionService final : public AttentionCallbackBase {
   // replica_id and kv_cache of GetServerInfo.
   void FillSessionInfo(v1::GetServerInfoResponse* response) const;
 
+  // Adds the trailing metadata key of a moved session (session_moves.h) when st says it moved.
+  static void AddMovedTo(grpc::CallbackServerContext* ctx, const absl::Status& st);
+
   friend class AttendStreamReactor;
+  friend class SessionImportReactor;
   friend class RejectedStreamReactor;
 
   // Open AttendStreams, for EndOpenStreams. Register returns true when streams are already being

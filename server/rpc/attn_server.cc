@@ -27,6 +27,7 @@
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
 #include "sessions/step_pipeline.h"
+#include "rpc/session_handoff.h"
 #include "rpc/session_warmup.h"
 #include "transport/region_registry.h"
 #include "rpc/region_service.h"
@@ -169,6 +170,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   so.authenticator = s->authenticator_.get();
   so.max_pending_per_client = options.max_pending_per_client;
   so.attend_wire_path = options.attend_wire_path;
+  if (s->step_device_ != nullptr) {
+    so.kv_region = s->step_device_->kv_region();
+    so.kv_device = s->step_device_.get();
+  }
+  so.handoff_on_drain = !options.handoff_peers.empty() && s->sessions_ != nullptr;
   RETURN_IF_ERROR(s->StartSharedMemory());
   so.regions = s->regions_.get();
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),
@@ -179,6 +185,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     return absl::InternalError("an attn.v1.Attention method has no callback handler "
                                "(AttentionCallbackBase in rpc/attention_service.h)");
   }
+
+  RETURN_IF_ERROR(s->CreateHandoff());
 
   // Warm before the port opens: gRPC's health service reports SERVING from the moment it
   // starts, so any later warm-up would leave a window in which probes see SERVING too early.
@@ -369,12 +377,66 @@ void AttnServer::MonitorBackendLoop() {
   } while (!monitor_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return stopping_; }));
 }
 
+// The hand-off of sessions to peers on drain (--handoff_peers).
+absl::Status AttnServer::CreateHandoff() {
+  if (options_.handoff_peers.empty()) return absl::OkStatus();
+  if (sessions_ == nullptr) {
+    Log("--handoff_peers given but this attnd has no sessions: nothing to hand off");
+    return absl::OkStatus();
+  }
+  SessionHandoff::Options ho;
+  ho.peers = options_.handoff_peers;
+  ho.tls_server_name = options_.handoff_tls_server_name;
+  ho.max_message_bytes = options_.max_message_bytes;
+  ho.kv_region = step_device_->kv_region();
+  ho.kv_device = step_device_.get();
+  if (!options_.tls_cert.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    if (!options_.tls_client_ca.empty()) {
+      ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadSecretFile("--tls_client_ca", options_.tls_client_ca));
+    }
+    ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadSecretFile("--tls_cert", options_.tls_cert));
+    ASSIGN_OR_RETURN(ssl.pem_private_key, ReadSecretFile("--tls_key", options_.tls_key));
+    ho.credentials = grpc::SslCredentials(ssl);
+  }
+  ASSIGN_OR_RETURN(handoff_, SessionHandoff::Create(std::move(ho), sessions_.get(),
+                                                    authenticator_.get(), metrics_.get()));
+  return absl::OkStatus();
+}
+
+// Sessions move to the peers; the listener stays open meanwhile (and through the lame-duck
+// phase after), so that calls on moved sessions learn where they went.
+void AttnServer::HandOffSessions() {
+  sessions_->StopCreating();
+  const auto start = Clock::now();
+  const auto deadline =
+      start + std::chrono::milliseconds(static_cast<int64_t>(options_.drain_timeout_s * 1000));
+  const SessionHandoff::Summary s = handoff_->MoveAll(deadline);
+  // Steps that found a session before it moved end (refused) before its pages are counted.
+  for (int i = 0; i < 200 && batcher_->Pending() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  Log(absl::StrFormat("hand-off: %d sessions moved (%d bytes in %.3f s), %d not moved; KV "
+                      "pages in use after hand-off: %d",
+                      s.moved, s.bytes, seconds, s.not_moved,
+                      kv_pool_->num_pages() - kv_pool_->FreePages()));
+}
+
+void AttnServer::StopHandoff() {
+  if (handoff_) handoff_->Stop();
+}
+
 void AttnServer::Drain() {
   service_->StartDraining();
   batcher_->StartDraining();  // queued requests go now: no batch partner is coming
   server_->GetHealthCheckService()->Shutdown();
   // Logged once it holds (tests wait for this line).
   Log("draining: health NOT_SERVING, new calls UNAVAILABLE, finishing accepted requests");
+  if (handoff_) {
+    HandOffSessions();
+    service_->RestartQuietPeriod();
+  }
   WaitUntilQuiet();
   service_->EndOpenStreams();
   batcher_->Drain();

@@ -28,6 +28,7 @@ class SessionManager;
 class RegionRegistry;
 class RegionSocket;
 class RegionService;
+class SessionHandoff;
 
 class AttnServer {
  public:
@@ -53,12 +54,17 @@ class AttnServer {
   void Drain();
   // Blocks until the gRPC server has shut down.
   void Wait();
+  // A second signal during the drain: the session hand-off stops after the session in flight
+  // (moved, or left whole here); returns once it has. At once when there is no hand-off.
+  void StopHandoff();
 
  private:
   AttnServer() = default;
   absl::Status WarmUp();
   absl::Status CreateSessions(const BackendInfo& info);
   absl::Status StartSharedMemory();
+  absl::Status CreateHandoff();
+  void HandOffSessions();
   void WaitUntilQuiet();
   void MonitorBackendLoop();
 
@@ -72,6 +78,7 @@ class AttnServer {
   std::unique_ptr<StepPipeline> step_pipeline_;  // borrows step_device_
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<SessionHandoff> handoff_;  // null: no --handoff_peers; borrows sessions_
   // Shared memory: null unless --allow_shared_memory (the service answers FAILED_PRECONDITION).
   std::unique_ptr<RegionRegistry> regions_;
   std::unique_ptr<RegionSocket> region_socket_;

@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -135,6 +137,17 @@ absl::StatusOr<std::string> Authenticator::Check(std::string_view authorization)
   }
   if (match < 0) return absl::UnauthenticatedError("invalid bearer token");
   return absl::StrCat("token:", match);
+}
+
+absl::StatusOr<std::string> Authenticator::TokenOf(const std::string& identity) const {
+  constexpr absl::string_view kPrefix = "token:";
+  size_t i = 0;
+  if (!absl::StartsWith(identity, kPrefix) ||
+      !absl::SimpleAtoi(absl::string_view(identity).substr(kPrefix.size()), &i) ||
+      i >= tokens_.size()) {
+    return absl::NotFoundError(absl::StrCat("no bearer token for identity '", identity, "'"));
+  }
+  return tokens_[i];
 }
 
 absl::StatusOr<std::string> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {

@@ -44,6 +44,9 @@ class Authenticator {
   absl::StatusOr<std::string> Authenticate(const grpc::ServerContextBase& ctx) const;
 
   size_t size() const { return tokens_.size(); }
+  // The token of an identity Check returned ("token:<i>"), for calls this replica makes on a
+  // session owner's behalf (hand-off to a peer); NOT_FOUND for any other string.
+  absl::StatusOr<std::string> TokenOf(const std::string& identity) const;
 
  private:
   explicit Authenticator(std::vector<std::string> tokens) : tokens_(std::move(tokens)) {}

@@ -32,6 +32,12 @@ struct ServerOptions {
   double drain_grace_s = 5;
   int64_t drain_quiet_ms = 200;
   double drain_timeout_s = 30;
+  // Hand-off on drain: peers (host:port) the open sessions move to on SIGTERM, tried in turn,
+  // within drain_timeout_s (rpc/session_handoff.h); empty: sessions end with the process. With
+  // TLS the peers are called with this replica's certificate and key (mTLS) and verified against
+  // tls_client_ca; handoff_tls_server_name overrides the name checked in their certificates.
+  std::vector<std::string> handoff_peers;
+  std::string handoff_tls_server_name;
   // Security (server/rpc/auth.h). TLS when tls_cert and tls_key (PEM file paths) are set; mTLS
   // (client certificates required and verified against this CA) when tls_client_ca is set too.
   std::string tls_cert;

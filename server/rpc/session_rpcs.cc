@@ -18,6 +18,7 @@
 #include "rpc/step_request_decoder.h"
 #include "rpc/step_validation.h"
 #include "sessions/session_manager.h"
+#include "sessions/session_moves.h"
 #include "sessions/step_job.h"
 
 namespace attn {
@@ -53,6 +54,11 @@ void AttentionService::FillSessionInfo(v1::GetServerInfoResponse* response) cons
   info->set_free_pages(pool.FreePages());
   info->set_sessions(sessions_->OpenSessions());
   info->set_session_ttl_seconds(std::chrono::duration_cast<std::chrono::seconds>(o.ttl).count());
+}
+
+void AttentionService::AddMovedTo(grpc::CallbackServerContext* ctx, const absl::Status& st) {
+  const std::string to = MovedToOf(st);
+  if (!to.empty()) ctx->AddTrailingMetadata(kMovedToKey, to);
 }
 
 grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerContext* ctx,
@@ -191,8 +197,9 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
   auto* reactor = ctx->DefaultReactor();
   auto call = std::make_shared<WireStepCall>();
   // Runs once: on the step's completion, or here when it never got that far.
-  auto finish = [this, reactor, arrival, received, response,
+  auto finish = [this, ctx, reactor, arrival, received, response,
                  raw = call.get()](const absl::Status& st) {
+    AddMovedTo(ctx, st);
     int64_t sent = 0;
     if (st.ok()) {
       WireStepCall::Output& out = raw->outputs.front();
@@ -203,7 +210,7 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
   };
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
-    if (draining_.load()) return absl::UnavailableError(kShuttingDown);
+    if (RefuseSteps()) return absl::UnavailableError(kShuttingDown);
     RETURN_IF_ERROR(call->Take(request));
     RETURN_IF_ERROR(DecodeStepRequest(call->pieces, &call->requests.emplace_back()));
     call->outputs.resize(1);
@@ -251,7 +258,7 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
   auto* reactor = ctx->DefaultReactor();
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
-    if (draining_.load()) return absl::UnavailableError(kShuttingDown);
+    if (RefuseSteps()) return absl::UnavailableError(kShuttingDown);
     auto call = std::make_shared<WireStepCall>();
     RETURN_IF_ERROR(call->Take(request));
     RETURN_IF_ERROR(DecodeBatchStepRequest(call->pieces, &call->requests));
@@ -321,6 +328,7 @@ grpc::ServerUnaryReactor* AttentionService::TruncateSession(
     response->set_freed_pages(r.freed_pages);
     return absl::OkStatus();
   }();
+  AddMovedTo(ctx, st);
   FinishUnary(reactor, Rpc::kTruncateSession, start, st, Bytes(*request),
               st.ok() ? Bytes(*response) : 0);
   return reactor;
@@ -341,6 +349,7 @@ grpc::ServerUnaryReactor* AttentionService::ForkSession(grpc::CallbackServerCont
     response->set_replica_id(sessions_->options().replica_id);
     return absl::OkStatus();
   }();
+  AddMovedTo(ctx, st);
   FinishUnary(reactor, Rpc::kForkSession, start, st, Bytes(*request),
               st.ok() ? Bytes(*response) : 0);
   return reactor;
@@ -359,6 +368,7 @@ grpc::ServerUnaryReactor* AttentionService::CloseSession(grpc::CallbackServerCon
     response->set_freed_pages(freed);
     return absl::OkStatus();
   }();
+  AddMovedTo(ctx, st);
   FinishUnary(reactor, Rpc::kCloseSession, start, st, Bytes(*request),
               st.ok() ? Bytes(*response) : 0);
   return reactor;

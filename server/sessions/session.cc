@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "sessions/session_moves.h"
 
 namespace attn {
 
@@ -36,8 +37,14 @@ absl::StatusOr<std::vector<Session::LayerState>> Session::RefLayerStates() const
   if (closed_) return absl::NotFoundError(absl::StrCat("session ", id_, " is closed"));
   std::vector<LayerState> states;
   states.reserve(layers_.size());
+  // A frozen session's steps that have not begun fail before they change it: only those that
+  // had begun matter then.
+  if (frozen_ && appending_ > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id_, " has ", appending_, " steps appending"));
+  }
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (layers_[l].busy || !layers_[l].waiting.empty()) {
+    if (!frozen_ && (layers_[l].busy || !layers_[l].waiting.empty())) {
       return absl::FailedPreconditionError(
           absl::StrCat("session ", id_, " layer ", l, " has a step in progress"));
     }
@@ -53,6 +60,28 @@ void Session::AdoptLayers(std::vector<LayerState> layers) {
     layers_[l].pages = std::move(layers[l].pages);
     layers_[l].tokens = layers[l].tokens;
   }
+}
+
+absl::Status Session::Freeze() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return absl::NotFoundError(absl::StrCat("session ", id_, " is closed"));
+  frozen_ = true;
+  return absl::OkStatus();
+}
+
+bool Session::Settled() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return appending_ == 0;
+}
+
+void Session::Thaw() {
+  std::lock_guard<std::mutex> lock(mu_);
+  frozen_ = false;
+}
+
+bool Session::frozen() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return frozen_;
 }
 
 bool Session::AcquireLayer(int32_t layer, std::function<void()> start) {
@@ -101,6 +130,8 @@ void Session::ReleaseLayer(int32_t layer) {
 
 absl::StatusOr<PendingAppend> Session::BeginAppend(int32_t layer, int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
+  // A frozen session that was closed has moved: the step is sent again and finds where.
+  if (frozen_) return SessionMovingError(id_);
   if (closed_) {
     return absl::NotFoundError(absl::StrCat("session ", id_, " was closed before this step ran"));
   }
@@ -132,6 +163,7 @@ absl::StatusOr<PendingAppend> Session::BeginAppend(int32_t layer, int64_t n) {
     for (int64_t r = 0; r < in_last; ++r) p.copies.push_back({shared * t + r, copy * t + r});
     p.replaced = shared;
   }
+  ++appending_;  // until CommitAppend or AbortAppend
   return p;
 }
 
@@ -154,6 +186,7 @@ std::vector<int32_t> Session::TableAfter(const PendingAppend& p) const {
 void Session::CommitAppend(PendingAppend p) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    --appending_;
     Layer& l = layers_[p.layer];
     size_t next = 0;
     if (p.replaced) l.pages.back() = p.taken[next++];
@@ -164,10 +197,17 @@ void Session::CommitAppend(PendingAppend p) {
   if (p.replaced) pool_->Unref({&*p.replaced, 1}, shape_.page_span);
 }
 
-void Session::AbortAppend(PendingAppend p) { pool_->Unref(p.taken, shape_.page_span); }
+void Session::AbortAppend(PendingAppend p) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --appending_;
+  }
+  pool_->Unref(p.taken, shape_.page_span);
+}
 
 absl::StatusOr<Session::TruncateResult> Session::Truncate(int64_t tokens) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (frozen_) return SessionMovingError(id_);
   if (closed_) return absl::NotFoundError(absl::StrCat("session ", id_, " was closed"));
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (layers_[i].busy) {

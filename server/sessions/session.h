@@ -107,6 +107,17 @@ class Session {
   // caller owns on each page.
   void AdoptLayers(std::vector<LayerState> layers);
 
+  // Holds the session still while it is moved to another replica: from Freeze on, steps that
+  // have not begun (BeginAppend), truncate and close get UNAVAILABLE ("attnd-session-moving",
+  // nothing applied) until Thaw (the move failed); a session closed while frozen has moved and
+  // stays frozen, so that its late steps are sent again too. Steps that had begun end as usual:
+  // the tables are still once Settled (RefLayerStates refuses a frozen session before that).
+  // NOT_FOUND once closed.
+  absl::Status Freeze();
+  void Thaw();
+  bool frozen() const;
+  bool Settled() const;  // no step between BeginAppend and CommitAppend/AbortAppend
+
   // The per-layer FIFO. True: no step of the layer is in progress and the caller's step holds
   // the layer now. False: `start` runs (on the thread that ends the previous step) once every
   // earlier step of the layer has ended; it then holds the layer.
@@ -163,6 +174,8 @@ class Session {
   mutable std::mutex mu_;
   std::vector<Layer> layers_;
   bool closed_ = false;
+  bool frozen_ = false;
+  int64_t appending_ = 0;  // steps between BeginAppend and CommitAppend/AbortAppend
   Clock::time_point last_used_;
 };
 

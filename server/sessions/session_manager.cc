@@ -9,7 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_util.h"
 #include "observability/metrics.h"
+#include "sessions/session_moves.h"
 
 namespace attn {
 namespace {
@@ -152,6 +154,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(const Cre
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stop_creating_) return Draining();
     if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "this replica (", options_.replica_id, ") has ", sessions_.size(),
@@ -169,6 +172,7 @@ void SessionManager::RememberLocked(const std::string& id, const char* how) {
   if (options_.remembered_ids == 0) return;
   if (gone_.emplace(id, how).second) gone_order_.push_back(id);
   while (gone_order_.size() > options_.remembered_ids) {
+    moved_.erase(gone_order_.front());
     gone_.erase(gone_order_.front());
     gone_order_.pop_front();
   }
@@ -180,6 +184,9 @@ absl::Status SessionManager::NotOpen(const std::string& id) const {
     return absl::FailedPreconditionError(absl::StrCat(
         "session ", id, " belongs to replica ", replica, ", but this is replica ",
         options_.replica_id, "; send the session's calls to replica ", replica));
+  }
+  if (auto it = moved_.find(id); it != moved_.end()) {
+    return SessionMovedError(id, it->second.first, it->second.second);
   }
   if (auto it = gone_.find(id); it != gone_.end()) {
     if (std::string(it->second) == "expired") {
@@ -220,12 +227,14 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Fork(const std::string&
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stop_creating_) return SessionMovingError(id);
     if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "this replica (", options_.replica_id, ") has ", sessions_.size(),
           " open sessions, its limit (--max_sessions ", options_.max_sessions,
           "); close sessions before forking"));
     }
+    if ((*parent)->frozen()) return SessionMovingError(id);
     s = (*parent)->Fork(NewIdLocked());
     sessions_.emplace(s->id(), s);
   }
@@ -239,6 +248,7 @@ absl::StatusOr<int64_t> SessionManager::Close(const std::string& id, const std::
     std::lock_guard<std::mutex> lock(mu_);
     auto it = FindOwnedLocked(id, owner);
     if (!it.ok()) return it.status();
+    if ((*it)->second->frozen()) return SessionMovingError(id);
     s = std::move((*it)->second);
     sessions_.erase(*it);
     RememberLocked(id, "closed");
@@ -261,13 +271,109 @@ absl::StatusOr<Session::TruncateResult> SessionManager::Truncate(const std::stri
   return r;
 }
 
+absl::Status SessionManager::Draining() const {
+  return absl::UnavailableError(absl::StrCat("replica ", options_.replica_id,
+                                             " is draining: it creates no sessions; use another "
+                                             "replica"));
+}
+
+void SessionManager::StopCreating() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stop_creating_ = true;
+}
+
+std::vector<std::string> SessionManager::OpenSessionIds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> ids;
+  ids.reserve(sessions_.size());
+  for (const auto& [id, s] : sessions_) ids.push_back(id);
+  return ids;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::BeginMove(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return NotOpen(id);
+  RETURN_IF_ERROR(it->second->Freeze());
+  return it->second;
+}
+
+void SessionManager::EndMove(const std::shared_ptr<Session>& session, const std::string& address,
+                             const std::string& new_id) {
+  if (new_id.empty()) {
+    session->Thaw();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.erase(session->id());
+    moved_[session->id()] = {address, new_id};
+    RememberLocked(session->id(), "moved");
+  }
+  session->Close();
+  UpdateMetrics();
+}
+
+absl::Status SessionManager::CheckImport(const SessionShape& shape) const {
+  CreateParams p;
+  p.num_layers = shape.num_layers;
+  p.num_kv_heads = shape.num_kv_heads;
+  p.head_dim = shape.head_dim;
+  p.dtype = shape.dtype;
+  p.max_tokens = shape.max_tokens;
+  p.cache_dtype = shape.cache_dtype;
+  p.k_scales = shape.k_scales;
+  p.v_scales = shape.v_scales;
+  if (shape.max_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session transfer: max_tokens must be >= 1 (the session's limit), got ", shape.max_tokens));
+  }
+  RETURN_IF_ERROR(CheckCreateParams(p));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_creating_) return Draining();
+    if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this replica (", options_.replica_id, ") has ", sessions_.size(),
+          " open sessions, its limit (--max_sessions ", options_.max_sessions, ")"));
+    }
+  }
+  const PageLayout layout = PageLayoutFor(shape.RowBytes());
+  if (layout.tokens != shape.page_tokens || layout.span != shape.page_span) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session transfer: page_tokens ", shape.page_tokens, " / page_span ", shape.page_span,
+        " differ from this replica's ", layout.tokens, " / ", layout.span,
+        " for that row (replicas must share --kv_page_tokens)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::AddImported(
+    const std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>& finish) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_creating_) return Draining();
+    if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this replica (", options_.replica_id, ") has ", sessions_.size(),
+          " open sessions, its limit (--max_sessions ", options_.max_sessions, ")"));
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<Session> made, finish(NewIdLocked()));
+    s = std::move(made);
+    sessions_.emplace(s->id(), s);
+  }
+  UpdateMetrics();
+  return s;
+}
+
 int64_t SessionManager::ExpireIdle(Clock::time_point now) {
   std::vector<std::shared_ptr<Session>> expired;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = sessions_.begin(); it != sessions_.end();) {
       const std::shared_ptr<Session>& s = it->second;
-      if (now - s->last_used() > options_.ttl && !s->Busy()) {
+      if (now - s->last_used() > options_.ttl && !s->Busy() && !s->frozen()) {
         RememberLocked(it->first, "expired");
         expired.push_back(std::move(it->second));
         it = sessions_.erase(it);

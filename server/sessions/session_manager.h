@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -18,6 +19,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -90,6 +92,25 @@ class SessionManager {
   absl::StatusOr<Session::TruncateResult> Truncate(const std::string& id,
                                                    const std::string& owner, int64_t tokens);
 
+  // Hand-off on drain (session_transfer.h moves the bytes). StopCreating: CreateSession gets
+  // UNAVAILABLE and ForkSession the moving status from now on, so that the set of open sessions
+  // only shrinks. OpenSessionIds: the sessions open now. BeginMove freezes one (Session::Freeze;
+  // export it once Settled); then EndMove with the peer's address and new id (the session is closed here,
+  // its pages given back, and calls on its id get SessionMovedError from then on), or with an
+  // empty new_id (the move failed: the session goes on here).
+  void StopCreating();
+  std::vector<std::string> OpenSessionIds() const;
+  absl::StatusOr<std::shared_ptr<Session>> BeginMove(const std::string& id);
+  void EndMove(const std::shared_ptr<Session>& session, const std::string& address,
+               const std::string& new_id);
+  // Checks an incoming session's shape against this replica's limits and page layout
+  // (INVALID_ARGUMENT naming the field), UNAVAILABLE once StopCreating ran, RESOURCE_EXHAUSTED at
+  // --max_sessions; then `finish` makes the session with its new id (SessionImporter::Finish) and
+  // it becomes open here, owned by owner.
+  absl::Status CheckImport(const SessionShape& shape) const;
+  absl::StatusOr<std::shared_ptr<Session>> AddImported(
+      const std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>& finish);
+
   // Closes the sessions idle for longer than the TTL (none with a step in progress) as of now;
   // returns how many. The expiry thread calls it; tests may too.
   int64_t ExpireIdle(Clock::time_point now);
@@ -115,6 +136,7 @@ class SessionManager {
   absl::StatusOr<SessionMap::iterator> FindOwnedLocked(const std::string& id,
                                                        const std::string& owner);
   absl::Status NotOpen(const std::string& id) const;  // mu_ held
+  absl::Status Draining() const;
   void RememberLocked(const std::string& id, const char* how);
   void ExpiryLoop();
 
@@ -125,6 +147,9 @@ class SessionManager {
   mutable std::mutex mu_;
   SessionMap sessions_;
   std::unordered_map<std::string, const char*> gone_;  // id -> "closed" / "expired"
+  // Moved sessions: id -> (address, new id); remembered for as long as closed ones.
+  std::unordered_map<std::string, std::pair<std::string, std::string>> moved_;
+  bool stop_creating_ = false;
   std::deque<std::string> gone_order_;
   std::mt19937_64 rng_;
   std::atomic<Clock::rep> metrics_updated_{0};

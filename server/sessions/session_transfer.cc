@@ -23,9 +23,8 @@ int64_t SessionTransferHeader::TotalPages() const {
   return n;
 }
 
-absl::StatusOr<std::unique_ptr<SessionExporter>> SessionExporter::Create(const Session& session,
-                                                                         KvPagePool* pool,
-                                                                         KvRegion region) {
+absl::StatusOr<std::unique_ptr<SessionExporter>> SessionExporter::Create(
+    const Session& session, KvPagePool* pool, KvRegion region, const StepDevice* device) {
   ASSIGN_OR_RETURN(std::vector<Session::LayerState> layers, session.RefLayerStates());
   SessionTransferHeader header;
   header.shape = session.shape();
@@ -36,13 +35,23 @@ absl::StatusOr<std::unique_ptr<SessionExporter>> SessionExporter::Create(const S
     header.layer_pages.push_back(static_cast<int64_t>(l.pages.size()));
   }
   return std::unique_ptr<SessionExporter>(
-      new SessionExporter(std::move(header), std::move(layers), pool, region));
+      new SessionExporter(std::move(header), std::move(layers), pool, region, device));
 }
 
 SessionExporter::SessionExporter(SessionTransferHeader header,
                                  std::vector<Session::LayerState> layers, KvPagePool* pool,
-                                 KvRegion region)
-    : header_(std::move(header)), layers_(std::move(layers)), pool_(pool), region_(region) {}
+                                 KvRegion region, const StepDevice* device)
+    : header_(std::move(header)),
+      layers_(std::move(layers)),
+      pool_(pool),
+      region_(region),
+      device_(device) {}
+
+absl::Status SessionExporter::Read(char* host, const char* kv, size_t bytes) const {
+  if (device_ != nullptr) return device_->ReadKv(host, kv, bytes);
+  std::memcpy(host, kv, bytes);
+  return absl::OkStatus();
+}
 
 SessionExporter::~SessionExporter() {
   for (const Session::LayerState& l : layers_) pool_->Unref(l.pages, header_.shape.page_span);
@@ -53,21 +62,22 @@ std::optional<SessionTransferPage> SessionExporter::Next() {
     ++layer_;
     page_ = 0;
   }
-  if (layer_ >= layers_.size()) return std::nullopt;
+  if (layer_ >= layers_.size() || !status_.ok()) return std::nullopt;
   const int32_t run = layers_[layer_].pages[page_++];
   const int64_t offset = PageOffset(run, header_.shape, region_);
   SessionTransferPage page;
   page.index = index_++;
   page.kv.resize(static_cast<size_t>(2 * header_.page_bytes));
-  std::memcpy(page.kv.data(), region_.k + offset, static_cast<size_t>(header_.page_bytes));
-  std::memcpy(page.kv.data() + header_.page_bytes, region_.v + offset,
-              static_cast<size_t>(header_.page_bytes));
+  const auto n = static_cast<size_t>(header_.page_bytes);
+  status_ = Read(page.kv.data(), region_.k + offset, n);
+  if (status_.ok()) status_ = Read(page.kv.data() + n, region_.v + offset, n);
+  if (!status_.ok()) return std::nullopt;
   page.crc32c = Crc32c(page.kv);
   return page;
 }
 
 absl::StatusOr<std::unique_ptr<SessionImporter>> SessionImporter::Create(
-    SessionTransferHeader header, KvPagePool* pool, KvRegion region) {
+    SessionTransferHeader header, KvPagePool* pool, KvRegion region, const StepDevice* device) {
   const SessionShape& shape = header.shape;
   if (shape.num_layers <= 0 || shape.page_tokens <= 0 || shape.page_span <= 0) {
     return absl::InvalidArgumentError("session transfer: shape has no layers or no page layout");
@@ -98,12 +108,22 @@ absl::StatusOr<std::unique_ptr<SessionImporter>> SessionImporter::Create(
   std::vector<int32_t> pages;
   RETURN_IF_ERROR(pool->Allocate(header.TotalPages(), &pages, shape.page_span));
   return std::unique_ptr<SessionImporter>(
-      new SessionImporter(std::move(header), std::move(pages), pool, region));
+      new SessionImporter(std::move(header), std::move(pages), pool, region, device));
 }
 
 SessionImporter::SessionImporter(SessionTransferHeader header, std::vector<int32_t> pages,
-                                 KvPagePool* pool, KvRegion region)
-    : header_(std::move(header)), pages_(std::move(pages)), pool_(pool), region_(region) {}
+                                 KvPagePool* pool, KvRegion region, const StepDevice* device)
+    : header_(std::move(header)),
+      pages_(std::move(pages)),
+      pool_(pool),
+      region_(region),
+      device_(device) {}
+
+absl::Status SessionImporter::Write(char* kv, const char* host, size_t bytes) const {
+  if (device_ != nullptr) return device_->WriteKv(kv, host, bytes);
+  std::memcpy(kv, host, bytes);
+  return absl::OkStatus();
+}
 
 SessionImporter::~SessionImporter() {
   if (!finished_) pool_->Unref(pages_, header_.shape.page_span);
@@ -124,9 +144,9 @@ absl::Status SessionImporter::Accept(const SessionTransferPage& page) {
         absl::StrCat("session transfer: page ", page.index, " does not match its CRC32C"));
   }
   const int64_t offset = PageOffset(pages_[received_], header_.shape, region_);
-  std::memcpy(region_.k + offset, page.kv.data(), static_cast<size_t>(header_.page_bytes));
-  std::memcpy(region_.v + offset, page.kv.data() + header_.page_bytes,
-              static_cast<size_t>(header_.page_bytes));
+  const auto n = static_cast<size_t>(header_.page_bytes);
+  RETURN_IF_ERROR(Write(region_.k + offset, page.kv.data(), n));
+  RETURN_IF_ERROR(Write(region_.v + offset, page.kv.data() + n, n));
   ++received_;
   return absl::OkStatus();
 }

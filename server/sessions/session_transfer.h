@@ -5,7 +5,9 @@
 // arrives and only then gives out a session. Either side dropping out midway frees what it took;
 // the source session is not touched by an export, so a failed move leaves it whole.
 //
-// The KV region must be addressable by the host (the CPU backend's). Ownership: the exporter
+// Pages are read and written with the step device's copies (StepDevice::ReadKv/WriteKv: memcpy
+// for the CPU backend's host region, device copies for CUDA's), or with memcpy when no device is
+// given (the region is then host memory). Ownership: the exporter
 // owns one extra reference on every page it will read until it is destroyed; the importer owns
 // the pages it took until Finish hands them to the new session.
 #pragma once
@@ -43,22 +45,26 @@ struct SessionTransferPage {
 
 class SessionExporter {
  public:
-  static absl::StatusOr<std::unique_ptr<SessionExporter>> Create(const Session& session,
-                                                                 KvPagePool* pool,
-                                                                 KvRegion region);
+  static absl::StatusOr<std::unique_ptr<SessionExporter>> Create(
+      const Session& session, KvPagePool* pool, KvRegion region,
+      const StepDevice* device = nullptr);
   ~SessionExporter();  // drops the references it took
 
   const SessionTransferHeader& header() const { return header_; }
-  // The next page, or nullopt once every page was given.
+  // The next page, or nullopt once every page was given or a read failed (status() says).
   std::optional<SessionTransferPage> Next();
+  const absl::Status& status() const { return status_; }
 
  private:
   SessionExporter(SessionTransferHeader header, std::vector<Session::LayerState> layers,
-                  KvPagePool* pool, KvRegion region);
+                  KvPagePool* pool, KvRegion region, const StepDevice* device);
+  absl::Status Read(char* host, const char* kv, size_t bytes) const;
   const SessionTransferHeader header_;
   const std::vector<Session::LayerState> layers_;
   KvPagePool* const pool_;
   const KvRegion region_;
+  const StepDevice* const device_;  // null: memcpy
+  absl::Status status_;
   size_t layer_ = 0;
   size_t page_ = 0;
   int64_t index_ = 0;
@@ -69,9 +75,9 @@ class SessionImporter {
   // Checks the header against this replica (page size, shape) and takes every page the session
   // needs: INVALID_ARGUMENT naming the field that does not fit, RESOURCE_EXHAUSTED when the pool
   // is short of pages.
-  static absl::StatusOr<std::unique_ptr<SessionImporter>> Create(SessionTransferHeader header,
-                                                                 KvPagePool* pool,
-                                                                 KvRegion region);
+  static absl::StatusOr<std::unique_ptr<SessionImporter>> Create(
+      SessionTransferHeader header, KvPagePool* pool, KvRegion region,
+      const StepDevice* device = nullptr);
   ~SessionImporter();  // gives back the pages when Finish did not run
 
   // Writes the page into its place: DATA_LOSS when its checksum does not match its bytes,
@@ -82,11 +88,13 @@ class SessionImporter {
 
  private:
   SessionImporter(SessionTransferHeader header, std::vector<int32_t> pages, KvPagePool* pool,
-                  KvRegion region);
+                  KvRegion region, const StepDevice* device);
+  absl::Status Write(char* kv, const char* host, size_t bytes) const;
   const SessionTransferHeader header_;
   std::vector<int32_t> pages_;  // taken, in the header's table order; owned until Finish
   KvPagePool* const pool_;
   const KvRegion region_;
+  const StepDevice* const device_;  // null: memcpy
   int64_t received_ = 0;
   bool finished_ = false;
 };

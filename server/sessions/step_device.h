@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 
 #include "absl/status/status.h"
@@ -44,6 +45,17 @@ class StepDevice {
   // one launch per lane at a time, so that the host work of one overlaps another's device time.
   virtual int Lanes() const = 0;
   virtual KvRegion kv_region() const = 0;
+  // Copies between the KV region and host memory, for moving a session to another replica
+  // (sessions/session_transfer.h); they return once the bytes are in place, and a step launched
+  // after sees them. A host region (the CPU backend's) is copied with memcpy.
+  virtual absl::Status ReadKv(char* host, const char* kv, size_t bytes) const {
+    std::memcpy(host, kv, bytes);
+    return absl::OkStatus();
+  }
+  virtual absl::Status WriteKv(char* kv, const char* host, size_t bytes) const {
+    std::memcpy(kv, host, bytes);
+    return absl::OkStatus();
+  }
   // An error once the device cannot compute any more (every step then fails with it).
   virtual absl::Status Health() const { return absl::OkStatus(); }
 

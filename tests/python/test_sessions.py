@@ -4,6 +4,8 @@ the float64 reference over the cache the test sent."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -252,3 +254,144 @@ def test_fp8_cache_session_refuses_bad_scales(client):
     with pytest.raises(attnd.InvalidArgument, match=r"v_scales must have num_kv_heads \(2\)"):
         client.create_session(1, 2, 64, "bf16", cache_dtype="fp8_e4m3", k_scales=[0.01, 0.01],
                               v_scales=[0.01])
+
+
+def test_session_client_follows_a_session_handed_off_on_drain():
+    b = Server("--replica_id=py-b", "--kv_cache_bytes=16777216")
+    a = Server("--replica_id=py-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",
+               "--drain_quiet_ms=3000")
+    try:
+        rng = np.random.default_rng(31)
+        with attnd.SessionClient(a.target) as sc:  # knows A only; learns B from A's answer
+            s = sc.create_session(2, 2, 64, "bf16")
+            m = Model(2, 2, 64)
+
+            def step(layer, n):
+                q, q64 = make(rng, (n, 4, 64), "bf16")
+                k, k64 = make(rng, (n, 2, 64), "bf16")
+                v, v64 = make(rng, (n, 2, 64), "bf16")
+                # The Session object and the id it was created with, whatever replica holds it.
+                r = s.step(layer, q, k, v) if n > 1 else sc.step(s.id, layer, q, k, v)
+                m.k[layer] = np.concatenate([m.k[layer], k64])
+                m.v[layer] = np.concatenate([m.v[layer], v64])
+                assert r.cached_tokens == len(m.k[layer])
+                o_ref, _ = reference(q64, m.k[layer], m.v[layer], causal=True)
+                assert relative_error(values(r.o, "bf16"), o_ref) <= TOLERANCE["bf16"]
+
+            for layer in (0, 1):
+                step(layer, 40)
+            a.proc.terminate()
+            deadline = time.monotonic() + 30
+            while "hand-off: 1 sessions moved" not in a.tail(50):
+                assert time.monotonic() < deadline, a.tail()
+                time.sleep(0.02)
+            for _ in range(3):
+                for layer in (0, 1):
+                    step(layer, 1)
+            for layer in (0, 1):
+                step(layer, 2)
+            assert sc.current_session_id(s.id).startswith("py-b.")
+            assert a.proc.wait(timeout=30) == 0
+            q, _ = make(rng, (1, 4, 64), "bf16")
+            k, _ = make(rng, (1, 2, 64), "bf16")
+            got = sc.batch_step([(s.id, 0, q, k, k), (s.id, 1, q, k, k)])
+            assert [r.cached_tokens for r in got] == [46, 46]
+            assert s.truncate(1).cached_tokens == [45, 45]
+            assert sc.close_session(s.id) >= 0
+        with attnd.Client(b.target) as c:
+            info = c.info()
+            assert info.kv_cache.sessions == 0
+            assert info.kv_cache.free_pages == info.kv_cache.total_pages
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_an_fp8_session_is_handed_off_with_its_cache_type_and_scales():
+    b = Server("--replica_id=f8-b", "--kv_cache_bytes=16777216")
+    a = Server("--replica_id=f8-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",
+               "--drain_quiet_ms=3000")
+    try:
+        with attnd.Client(a.target) as c:
+            if not c.info().fp8.session_fp8_cache:
+                pytest.skip("this server's backend has no FP8 session caches")
+        with attnd.SessionClient(a.target) as sc:
+            rng = np.random.default_rng(41)
+            heads, kv_heads, d, dtype = 4, 2, 64, "bf16"
+            k_scales = np.array([2.0 / 448, 5.0 / 448], dtype=np.float32)
+            v_scales = np.array([4.0 / 448, 3.0 / 448], dtype=np.float32)
+            s = sc.create_session(1, kv_heads, d, dtype, cache_dtype="fp8_e4m3",
+                                  k_scales=k_scales, v_scales=v_scales)
+            cached = [np.zeros((0, kv_heads, d)), np.zeros((0, kv_heads, d))]
+
+            def step(n):
+                q, q64 = make(rng, (n, heads, d), dtype)
+                k, k64 = make(rng, (n, kv_heads, d), dtype)
+                v, v64 = make(rng, (n, kv_heads, d), dtype)
+                r = sc.step(s.id, 0, q, k, v)
+                for i, (x64, sc_) in enumerate(((k64, k_scales), (v64, v_scales))):
+                    xq = _e4m3_values((x64 / sc_[None, :, None]).astype(np.float32))
+                    cached[i] = np.concatenate([cached[i], xq * sc_[None, :, None]])
+                assert r.cached_tokens == len(cached[0])
+                o_ref, _ = reference(q64, cached[0], cached[1], causal=True)
+                assert relative_error(values(r.o, dtype), o_ref) <= TOLERANCE[dtype]
+
+            step(16)
+            step(1)
+            a.proc.terminate()
+            deadline = time.monotonic() + 30
+            while "hand-off: 1 sessions moved" not in a.tail(50):
+                assert time.monotonic() < deadline, a.tail()
+                time.sleep(0.02)
+            for _ in range(3):  # on B now: the same quantized cache, the same scales
+                step(1)
+            assert sc.current_session_id(s.id).startswith("f8-b.")
+            assert a.proc.wait(timeout=30) == 0
+            sc.close_session(s.id)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_async_session_client_follows_a_session_handed_off_on_drain():
+    import asyncio
+
+    b = Server("--replica_id=apy-b", "--kv_cache_bytes=16777216")
+    a = Server("--replica_id=apy-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",
+               "--drain_quiet_ms=3000")
+    rng = np.random.default_rng(37)
+    m = Model(1, 2, 64)
+
+    async def step(sc, sid, n):
+        q, q64 = make(rng, (n, 4, 64), "fp16")
+        k, k64 = make(rng, (n, 2, 64), "fp16")
+        v, v64 = make(rng, (n, 2, 64), "fp16")
+        r = await sc.step(sid, 0, q, k, v)
+        m.k[0] = np.concatenate([m.k[0], k64])
+        m.v[0] = np.concatenate([m.v[0], v64])
+        assert r.cached_tokens == len(m.k[0])
+        o_ref, _ = reference(q64, m.k[0], m.v[0], causal=True)
+        assert relative_error(values(r.o, "fp16"), o_ref) <= TOLERANCE["fp16"]
+
+    async def main():
+        sc = await attnd.AsyncSessionClient.create(a.target)
+        s = await sc.create_session(1, 2, 64, "fp16")
+        await step(sc, s.id, 30)
+        a.proc.terminate()
+        deadline = time.monotonic() + 30
+        while "hand-off: 1 sessions moved" not in a.tail(50):
+            assert time.monotonic() < deadline, a.tail()
+            await asyncio.sleep(0.02)
+        await step(sc, s.id, 1)
+        assert sc.current_session_id(s.id).startswith("apy-b.")
+        await step(sc, s.id, 2)
+        assert (await sc.truncate_session(s.id, 3)).cached_tokens == [30]
+        assert await sc.close_session(s.id) >= 0
+        await sc.close()
+
+    try:
+        asyncio.run(main())
+        assert a.proc.wait(timeout=30) == 0
+    finally:
+        a.stop()
+        b.stop()

@@ -5,13 +5,17 @@
 // reference count equals the number of page tables that hold it.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <map>
 #include <random>
 #include <set>
 
 #include "sessions/crc32c.h"
 #include "sessions/kv_page_pool.h"
+#include "sessions/session_moves.h"
 #include "sessions/session_transfer.h"
+#include "sessions/step_device.h"
 #include "sessions/session_manager.h"
 
 namespace attn {
@@ -497,6 +501,137 @@ TEST(SessionTransferTest, ExportWaitsForNoStepInProgress) {
   ASSERT_TRUE(m->Close(s->id(), "owner-a").ok());
   EXPECT_EQ(SessionExporter::Create(*s, pool.get(), region.region).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// A step device that only copies KV pages (counting them), failing from the n-th copy on.
+class CopyingDevice final : public StepDevice {
+ public:
+  explicit CopyingDevice(int fail_from) : fail_from_(fail_from) {}
+  int Lanes() const override { return 1; }
+  KvRegion kv_region() const override { return {}; }
+  absl::StatusOr<char*> InputStaging(int, size_t) override { return absl::UnimplementedError(""); }
+  absl::StatusOr<OutputBytes> OutputStaging(size_t) override { return absl::UnimplementedError(""); }
+  absl::Status Launch(int, const StepLaunch&) override { return absl::UnimplementedError(""); }
+  absl::StatusOr<StepLaunchTimes> Wait(int, const StepLaunch&) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status ReadKv(char* host, const char* kv, size_t bytes) const override {
+    return Copy(host, kv, bytes);
+  }
+  absl::Status WriteKv(char* kv, const char* host, size_t bytes) const override {
+    return Copy(kv, host, bytes);
+  }
+  int copies() const { return copies_; }
+
+ private:
+  absl::Status Copy(char* dst, const char* src, size_t bytes) const {
+    if (++copies_ >= fail_from_) return absl::InternalError("device copy failed");
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  const int fail_from_;
+  mutable int copies_ = 0;
+};
+
+TEST(SessionTransferTest, PagesGoThroughTheDevicesCopiesAndAFailedCopyEndsTheMove) {
+  auto src_pool = Pool(32), dst_pool = Pool(32);
+  HostRegion src(32, 2048, 8), dst(32, 2048, 9);
+  auto m = Manager(src_pool.get());
+  auto s = SessionWithTokens(*m, 2, {9, 20});  // 2 + 3 pages
+  {
+    CopyingDevice reads(1000), writes(1000);
+    auto exporter = *SessionExporter::Create(*s, src_pool.get(), src.region, &reads);
+    auto importer = *SessionImporter::Create(exporter->header(), dst_pool.get(), dst.region, &writes);
+    while (auto page = exporter->Next()) ASSERT_TRUE(importer->Accept(*page).ok());
+    ASSERT_TRUE(exporter->status().ok());
+    EXPECT_EQ(reads.copies(), 10);  // keys and values of 5 pages
+    EXPECT_EQ(writes.copies(), 10);
+    auto moved = *importer->Finish("dst.1");
+    auto a = *s->RefLayerStates();
+    auto b = *moved->RefLayerStates();
+    for (int l = 0; l < 2; ++l) {
+      for (size_t p = 0; p < a[l].pages.size(); ++p) {
+        EXPECT_EQ(src.Page(a[l].pages[p], 1), dst.Page(b[l].pages[p], 1));
+      }
+      src_pool->Unref(a[l].pages);
+      dst_pool->Unref(b[l].pages);
+    }
+  }
+  EXPECT_EQ(dst_pool->FreePages(), 32);
+  {
+    // A read that fails ends the export with its status; a write that fails refuses the page.
+    CopyingDevice reads(4), writes(3);
+    auto exporter = *SessionExporter::Create(*s, src_pool.get(), src.region, &reads);
+    auto importer = *SessionImporter::Create(exporter->header(), dst_pool.get(), dst.region, &writes);
+    auto first = exporter->Next();
+    ASSERT_TRUE(first.has_value());
+    const absl::Status accepted = importer->Accept(*first);
+    EXPECT_TRUE(accepted.ok()) << accepted;
+    EXPECT_FALSE(exporter->Next().has_value());
+    EXPECT_EQ(exporter->status().code(), absl::StatusCode::kInternal);
+    auto again = *SessionExporter::Create(*s, src_pool.get(), src.region);
+    again->Next();
+    EXPECT_EQ(importer->Accept(*again->Next()).code(), absl::StatusCode::kInternal);
+    EXPECT_FALSE(importer->Finish("dst.2").ok());
+  }
+  EXPECT_EQ(dst_pool->FreePages(), 32);  // the importer gave back what it took
+  EXPECT_EQ(s->CachedTokens(1), 20);     // the source is whole
+  ASSERT_TRUE(m->Close(s->id(), "owner-a").ok());
+  EXPECT_EQ(src_pool->FreePages(), 32);
+}
+
+TEST(SessionManagerTest, AMovingSessionRefusesChangesAndAMovedOneSaysWhere) {
+  auto pool = Pool(32);
+  auto m = Manager(pool.get());
+  auto s = SessionWithTokens(*m, 2, {5, 5});
+  // A step that had begun before the freeze ends as usual; the export waits for it.
+  ASSERT_TRUE(s->AcquireLayer(0, [] {}));
+  auto begun = s->BeginAppend(0, 2);
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  auto moving = m->BeginMove(s->id());
+  ASSERT_TRUE(moving.ok()) << moving.status();
+  EXPECT_FALSE(s->Settled());
+  EXPECT_EQ(s->RefLayerStates().status().code(), absl::StatusCode::kFailedPrecondition);
+  s->CommitAppend(*std::move(begun));
+  s->ReleaseLayer(0);
+  EXPECT_TRUE(s->Settled());
+  EXPECT_EQ(s->CachedTokens(0), 7);
+  // Frozen: steps, truncate, fork and close are refused with the retry status; nothing changes.
+  ASSERT_TRUE(s->AcquireLayer(1, [] {}));
+  EXPECT_EQ(s->BeginAppend(1, 1).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(s->BeginAppend(1, 1).status().message().find("attnd-session-moving"),
+            std::string::npos);
+  // The export still reads its tables while a refused step holds the layer.
+  auto states = s->RefLayerStates();
+  ASSERT_TRUE(states.ok()) << states.status();
+  for (const Session::LayerState& l : *states) pool->Unref(l.pages);
+  s->ReleaseLayer(1);
+  for (const absl::Status& st : {m->Truncate(s->id(), "owner-a", 1).status(),
+                                 m->Fork(s->id(), "owner-a").status(),
+                                 m->Close(s->id(), "owner-a").status()}) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  }
+  EXPECT_EQ(s->CachedTokens(0), 7);
+  // A failed move thaws it.
+  m->EndMove(*moving, "", "");
+  EXPECT_TRUE(m->Truncate(s->id(), "owner-a", 1).ok());
+  // A move that succeeds closes it here (its pages freed) and remembers where it went.
+  moving = m->BeginMove(s->id());
+  ASSERT_TRUE(moving.ok());
+  m->EndMove(*moving, "10.0.0.7:50051", "peer.abc");
+  EXPECT_EQ(pool->FreePages(), 32);
+  EXPECT_EQ(m->OpenSessions(), 0);
+  for (const absl::Status& st : {m->Find(s->id(), "owner-a").status(),
+                                 m->Close(s->id(), "owner-a").status()}) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_EQ(MovedToOf(st), "10.0.0.7:50051;peer.abc") << st;
+  }
+  // A step that found it before the move is sent again, and then learns where it went.
+  EXPECT_EQ(s->BeginAppend(0, 1).status().code(), absl::StatusCode::kUnavailable);
+  // While draining: no new session, and a fork is told to come back (its session will move).
+  m->StopCreating();
+  EXPECT_EQ(m->CreateSession(Params(1), "owner-a").status().code(),
+            absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -5,10 +5,15 @@
 // tests/client/session_client_test.cc.)
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,7 +23,17 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/server_builder.h>
+#include <signal.h>
+
+#include <atomic>
+#include <thread>
+
 #include "attn/client/session.h"
+#include "sessions/crc32c.h"
+#include "session_util.h"
 #include "test_util.h"
 
 namespace attn {
@@ -253,7 +268,9 @@ TEST(SessionReplicasByName, ADnsNameIsResolvedToItsAddresses) {
 // certificate names the Service and not each pod's address.
 class LocalhostPki {
  public:
-  LocalhostPki() {
+  // usage: the certificate's extendedKeyUsage (serverAuth; serverAuth,clientAuth for replicas
+  // that call each other over mTLS).
+  explicit LocalhostPki(const std::string& usage = "serverAuth") {
     char tmpl[] = "/tmp/attn-session-tls-XXXXXX";
     dir_ = mkdtemp(tmpl) ? tmpl : "";
     const std::string script = R"sh(set -e
@@ -261,11 +278,11 @@ ec="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
 openssl req -x509 $ec -keyout ca.key -out ca.pem -days 2 -subj /CN=attn-test-ca \
   -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
 openssl req $ec -keyout server.key -out server.csr -subj /CN=localhost
-printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' > server.ext
+printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=%s\n' "$1" > server.ext
 openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile server.ext
 )sh";
     std::ofstream(path("make.sh")) << script;
-    FILE* p = popen(("cd '" + dir_ + "' && sh make.sh 2>&1").c_str(), "r");
+    FILE* p = popen(("cd '" + dir_ + "' && sh make.sh " + usage + " 2>&1").c_str(), "r");
     char buf[4096];
     for (size_t n; p && (n = fread(buf, 1, sizeof(buf), p)) > 0;) log_.append(buf, n);
     ok_ = p != nullptr && pclose(p) == 0;
@@ -319,6 +336,677 @@ TEST(SessionReplicasTls, TheCertificateIsCheckedAgainstTheNameNotThePodAddress) 
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->cached_tokens, 2);
   EXPECT_TRUE((*c)->CloseSession(s->session_id).ok());
+}
+
+
+// --- Hand-off on drain: a SIGTERM'd replica moves its sessions to its --handoff_peers ----------
+
+// Sessions of 3 layers whose every answer is checked against the float64 reference over what the
+// session must hold (SessionShadow): a step lost, applied twice or applied to a wrong cache shows
+// as a wrong cached_tokens or a wrong o.
+class HandoffLoad {
+ public:
+  explicit HandoffLoad(SessionClient* client) : client_(client) {}
+  static testing::SessionSpec Shape() {
+    testing::SessionSpec s;
+    s.layers = 3;
+    s.heads = kHeads;
+    s.kv_heads = kKvHeads;
+    s.head_dim = kHeadDim;
+    return s;
+  }
+  // A new session, every layer prefilled with `tokens` tokens.
+  void Create(int64_t tokens) {
+    auto info = client_->CreateSession(Spec(3));
+    ASSERT_TRUE(info.ok()) << info.status();
+    sessions_.push_back({info->session_id, testing::SessionShadow(Shape())});
+    for (int l = 0; l < 3; ++l) ASSERT_TRUE(StepOnce(sessions_.size() - 1, l, tokens).ok());
+  }
+  // A fork of session i (its pages shared on the replica), which then goes its own way.
+  void Fork(size_t i) {
+    auto info = client_->ForkSession(sessions_[i].id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    sessions_.push_back({info->session_id, sessions_[i].shadow});
+  }
+  // One step of session i, layer `layer`, checked; the status of the call.
+  absl::Status StepOnce(size_t i, int layer, int tokens) {
+    Tracked& t = sessions_[i];
+    const v1::StepRequest req = testing::RandomStep(t.id, layer, tokens, Shape(), rng_);
+    StepInput in;
+    in.session_id = t.id;  // the id it was created with, whatever replica holds it now
+    in.layer = layer;
+    for (auto [from, to] : {std::pair{&req.q(), &in.q}, {&req.k_new(), &in.k_new}, {&req.v_new(), &in.v_new}}) {
+      auto tensor = client::FromWireTensor(*from);
+      if (!tensor.ok()) return tensor.status();
+      *to = std::move(*tensor);
+    }
+    auto r = client_->Step(in);
+    if (!r.ok()) return r.status();
+    t.shadow.Append(req);
+    ++steps_;
+    EXPECT_EQ(r->cached_tokens, t.shadow.Tokens(layer)) << t.id << " layer " << layer;
+    v1::StepResponse response;
+    client::ToWireTensor(r->o, response.mutable_o());
+    const auto err = t.shadow.Check(req, response);
+    EXPECT_LT(err.o, testing::StepTolerance(v1::DTYPE_BFLOAT16)) << t.id << " layer " << layer;
+    EXPECT_EQ(err.non_finite, 0);
+    return absl::OkStatus();
+  }
+  // `rounds` decode steps of every layer of every session.
+  void Decode(int rounds) {
+    for (int r = 0; r < rounds; ++r) {
+      for (size_t i = 0; i < sessions_.size(); ++i) {
+        for (int l = 0; l < 3; ++l) {
+          absl::Status st = StepOnce(i, l, 1 + (r + l) % 2);
+          ASSERT_TRUE(st.ok()) << sessions_[i].id << " round " << r << " layer " << l << ": " << st;
+        }
+      }
+    }
+  }
+  void CloseAll() {
+    for (const Tracked& t : sessions_) {
+      auto closed = client_->CloseSession(t.id);
+      EXPECT_TRUE(closed.ok()) << t.id << ": " << closed.status();
+    }
+  }
+  size_t size() const { return sessions_.size(); }
+  const std::string& id(size_t i) const { return sessions_[i].id; }
+  int64_t steps() const { return steps_; }
+
+ private:
+  struct Tracked {
+    std::string id;
+    testing::SessionShadow shadow;
+  };
+  SessionClient* const client_;
+  std::vector<Tracked> sessions_;
+  std::mt19937_64 rng_{29};
+  int64_t steps_ = 0;
+};
+
+// The backend of the hand-off tests' replicas: the CPU one, or CUDA's where
+// $ATTND_TEST_BACKEND=cuda (the GPU host's run; the last --backend given wins).
+std::vector<std::string> BackendFlags() {
+  const char* b = std::getenv("ATTND_TEST_BACKEND");
+  if (b == nullptr || std::string(b) != "cuda") return {};
+  return {"--backend=cuda", "--device_pool_bytes=1073741824", "--pinned_pool_bytes=268435456"};
+}
+
+std::vector<std::string> ReplicaFlags(const std::string& id, std::vector<std::string> more = {}) {
+  std::vector<std::string> f = {"--threads=1", "--kv_cache_bytes=8388608", "--replica_id=" + id,
+                                "--drain_grace_s=10", "--drain_quiet_ms=1500", "--drain_timeout_s=3"};
+  f.insert(f.end(), more.begin(), more.end());
+  for (std::string& b : BackendFlags()) f.push_back(std::move(b));
+  return f;
+}
+
+std::unique_ptr<SessionClient> ClientOf(const std::vector<const AttndProcess*>& targets,
+                                        const std::string& token = "") {
+  client::SessionClientOptions o;
+  for (const AttndProcess* p : targets) o.more_targets.push_back("ipv4:" + p->target());
+  o.client.bearer_token = token;
+  auto c = SessionClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+v1::KvCacheInfo KvCache(const AttndProcess& p, const std::string& token = "") {
+  auto c = client::Client::Create({.target = p.target(), .bearer_token = token});
+  EXPECT_TRUE(c.ok());
+  auto info = (*c)->GetServerInfo();
+  EXPECT_TRUE(info.ok()) << info.status();
+  return info.ok() ? info->kv_cache() : v1::KvCacheInfo();
+}
+
+// Waits for a line of the process's log.
+bool LogSays(const AttndProcess& p, const std::string& text, int timeout_ms = 20000) {
+  for (int waited = 0; waited < timeout_ms; waited += 20) {
+    if (p.Log().find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+int CountOf(const std::string& log, const std::string& text) {
+  int n = 0;
+  for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+  return n;
+}
+
+TEST(SessionHandoff, ASigtermedReplicaMovesEverySessionAndDecodingGoesOn) {
+  auto b = AttndProcess::Start(ReplicaFlags("hand-b"));
+  ASSERT_NE(b, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags("hand-a", {"--handoff_peers=" + b->target()}));
+  ASSERT_NE(a, nullptr);
+  // The client knows A only: it learns B from A's answers.
+  auto client = ClientOf({a.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 4; ++i) load.Create(17 + 13 * i);
+  load.Fork(1);
+  load.Decode(2);
+  const int64_t b_free = KvCache(*b).free_pages();
+
+  // SIGTERM A while a thread keeps decoding every session: no call may fail.
+  std::atomic<bool> stop{false};
+  std::thread decoder([&] {
+    while (!stop.load()) {
+      load.Decode(1);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const int64_t steps_before = load.steps();
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 5 sessions moved")) << a->Log();
+  // Decoding goes on past the hand-off, on B.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  stop = true;
+  decoder.join();
+  EXPECT_GT(load.steps(), steps_before + 15);
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  const std::string log = a->Log();
+  EXPECT_NE(log.find(", 0 not moved"), std::string::npos) << log;
+  EXPECT_NE(log.find("KV pages in use after hand-off: 0"), std::string::npos) << log;
+
+  // Every session is on B now, once each, under an id of B.
+  const v1::KvCacheInfo on_b = KvCache(*b);
+  EXPECT_EQ(on_b.sessions(), 5);
+  EXPECT_LT(on_b.free_pages(), b_free);
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("hand-b.", 0), 0u) << load.id(i);
+  }
+  EXPECT_EQ(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"OK\""}), 5);
+  // Closing through the old ids gives every page back on B.
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*b).sessions(), 0);
+  EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
+}
+
+// A free TCP port on 127.0.0.1 now (for a replica that must come back at the same address).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// A rolling restart of two replicas under 64 decoding sessions: A drains (its sessions move to
+// B) and comes back as A2 at the same address, then B drains (every session moves to A2). The
+// decode loop sees no error, and every answer equals the float64 reference.
+TEST(SessionHandoff, ARollingRestartOfTwoReplicasUnder64DecodingSessionsLosesNothing) {
+  const int pa = FreePort(), pb = FreePort();
+  ASSERT_GT(pa, 0);
+  ASSERT_GT(pb, 0);
+  auto replica = [&](const std::string& id, int port, int peer) {
+    return AttndProcess::Start(ReplicaFlags(
+        id, {"--listen=127.0.0.1:" + std::to_string(port), "--kv_cache_bytes=33554432",
+             "--handoff_peers=127.0.0.1:" + std::to_string(peer)}));
+  };
+  auto a = replica("roll-a", pa, pb);
+  auto b = replica("roll-b", pb, pa);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto client = ClientOf({a.get(), b.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 64; ++i) load.Create(8 + i % 5);
+  std::atomic<bool> stop{false};
+  std::thread decoder([&] {
+    while (!stop.load() && !::testing::Test::HasFatalFailure()) load.Decode(1);
+  });
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "sessions moved")) << a->Log();
+  EXPECT_NE(a->Log().find(", 0 not moved"), std::string::npos) << a->Log();
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  auto a2 = replica("roll-a2", pa, pb);
+  ASSERT_NE(a2, nullptr);
+  ASSERT_EQ(kill(b->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*b, "hand-off: 64 sessions moved")) << b->Log();
+  EXPECT_EQ(b->SignalAndWait(0, 30000), 0) << b->Log();
+  const int64_t steps_after = load.steps();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  stop = true;
+  decoder.join();
+  EXPECT_GT(load.steps(), steps_after);
+  EXPECT_EQ(KvCache(*a2).sessions(), 64);
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("roll-a2.", 0), 0u) << load.id(i);
+  }
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*a2).free_pages(), KvCache(*a2).total_pages());
+}
+
+TEST(SessionHandoff, AFullPeerIsPassedOverAndOwnersStayTheOwners) {
+  // Three replicas sharing a token file: B is full (its one session slot taken), C takes the
+  // sessions. The moved sessions still belong to the token that created them.
+  char tmpl[] = "/tmp/attn-handoff-tokens-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  ASSERT_GE(fd, 0);
+  const std::string tokens = "alpha-token\nbeta-token\n";
+  ASSERT_EQ(write(fd, tokens.data(), tokens.size()), static_cast<ssize_t>(tokens.size()));
+  close(fd);
+  const std::string auth = std::string("--auth_token_file=") + tmpl;
+  auto b = AttndProcess::Start(ReplicaFlags("full-b", {auth, "--max_sessions=1"}));
+  auto c = AttndProcess::Start(ReplicaFlags("room-c", {auth}));
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(
+      ReplicaFlags("src-a", {auth, "--handoff_peers=" + b->target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto on_b = client::CreateSession(
+      **client::Client::Create({.target = b->target(), .bearer_token = "beta-token"}), Spec(1));
+  ASSERT_TRUE(on_b.ok()) << on_b.status();
+  const v1::KvCacheInfo b_before = KvCache(*b, "beta-token");
+
+  // The client knows A and B (where no session fits, so that all go to A), not C.
+  auto client = ClientOf({a.get(), b.get()}, "alpha-token");
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 3; ++i) load.Create(9 + 11 * i);
+  load.Fork(0);
+  load.Decode(1);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 4 sessions moved")) << a->Log();
+  // Decoding goes on at C (the client learns where from A, which answers until it is quiet).
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  const std::string log = a->Log();
+  EXPECT_NE(log.find("KV pages in use after hand-off: 0"), std::string::npos) << log;
+
+  // C, learned from A's answers, stays known when the targets are resolved again (A is gone).
+  ASSERT_TRUE(client->Refresh().ok());
+  load.Decode(1);
+  // B is as it was.
+  const v1::KvCacheInfo b_after = KvCache(*b, "beta-token");
+  EXPECT_EQ(b_after.sessions(), 1);
+  EXPECT_EQ(b_after.free_pages(), b_before.free_pages());
+  EXPECT_EQ(KvCache(*c, "alpha-token").sessions(), 4);
+  EXPECT_GE(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"RESOURCE_EXHAUSTED\""}), 1);
+  // Another token does not see them on C.
+  auto other = client::Client::Create({.target = c->target(), .bearer_token = "beta-token"});
+  ASSERT_TRUE(other.ok());
+  auto stolen = client::TruncateSession(**other, client->CurrentSessionId(load.id(0)), 0);
+  EXPECT_EQ(stolen.status().code(), absl::StatusCode::kNotFound) << stolen.status();
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*c, "alpha-token").free_pages(), KvCache(*c, "alpha-token").total_pages());
+  unlink(tmpl);
+}
+
+// A peer that refuses (another token file), and one that is full: the sessions stay whole on the
+// source, which goes on serving them until it exits, and says why it kept each.
+TEST(SessionHandoff, APeerThatRefusesLeavesEverySessionWholeOnTheSource) {
+  char t1[] = "/tmp/attn-handoff-a-XXXXXX", t2[] = "/tmp/attn-handoff-b-XXXXXX";
+  for (auto [path, token] : {std::pair{t1, "source-token"}, {t2, "other-deploy-token"}}) {
+    const int fd = mkstemp(path);
+    ASSERT_GE(fd, 0);
+    ASSERT_GT(write(fd, token, strlen(token)), 0);
+    close(fd);
+  }
+  auto b = AttndProcess::Start(ReplicaFlags("refuse-b", {std::string("--auth_token_file=") + t2}));
+  auto c = AttndProcess::Start(ReplicaFlags("tiny-c", {"--kv_cache_bytes=262144"}));
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "keep-a", {std::string("--auth_token_file=") + t1, "--drain_grace_s=30", "--drain_quiet_ms=30000",
+                 "--handoff_peers=" + b->target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get()}, "source-token");
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 2; ++i) load.Create(300);
+  load.Fork(1);
+  load.Decode(1);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 0 sessions moved")) << a->Log();
+  const std::string log = a->Log();
+  // Each session: the last peer tried was C, which has too few pages.
+  EXPECT_EQ(CountOf(log, "not moved (peer_full)"), 3) << log;
+  EXPECT_GE(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"UNAUTHENTICATED\""}), 3);
+  // Nothing stayed behind on the peers.
+  EXPECT_EQ(KvCache(*c).sessions(), 0);
+  EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
+  EXPECT_EQ(KvCache(*b, "other-deploy-token").sessions(), 0);
+  // The sessions are whole on A, which still serves them during its drain.
+  load.Decode(2);
+  load.CloseAll();
+  EXPECT_EQ(a->SignalAndWait(SIGTERM, 30000) , 128 + SIGTERM);
+  unlink(t1);
+  unlink(t2);
+}
+
+// ImportSession by hand: what a peer accepts and refuses, and that a refused or broken transfer
+// leaves nothing behind.
+class ImportSessionTest : public ::testing::Test {
+ protected:
+  // One layer of 130 tokens of rows of 2 KV heads x 64 x bf16 (256 bytes): with 16-token pages of
+  // the 2 KiB row (32 KiB of keys), 128 tokens a page, so 2 pages.
+  static constexpr int64_t kPageBytes = 32768, kTokens = 130;
+  void SetUp() override {
+    std::vector<std::string> flags = {"--threads=1", "--kv_cache_bytes=4194304", "--replica_id=imp"};
+    for (std::string& b : BackendFlags()) flags.push_back(std::move(b));
+    peer_ = AttndProcess::Start(flags);
+    ASSERT_NE(peer_, nullptr);
+    stub_ = v1::Attention::NewStub(
+        grpc::CreateChannel(peer_->target(), grpc::InsecureChannelCredentials()));
+    spec_.layers = 1;
+    spec_.heads = kHeads;
+    spec_.kv_heads = kKvHeads;
+    spec_.head_dim = kHeadDim;
+    contents_ = testing::RandomStep("", 0, kTokens, spec_, rng_);
+    total_pages_ = KvCache(*peer_).total_pages();
+  }
+  v1::SessionTransferChunk Header() const {
+    v1::SessionTransferChunk c;
+    v1::SessionTransferHeader* h = c.mutable_header();
+    h->set_num_layers(1);
+    h->set_num_kv_heads(kKvHeads);
+    h->set_head_dim(kHeadDim);
+    h->set_dtype(v1::DTYPE_BFLOAT16);
+    h->set_max_tokens(4096);
+    h->set_page_tokens(128);
+    h->set_page_span(1);
+    h->set_page_bytes(kPageBytes);
+    h->add_layer_tokens(kTokens);
+    h->add_layer_pages(2);
+    h->set_source_session_id("elsewhere.0123");
+    return c;
+  }
+  // Page i of the contents: its keys, then its values, each padded to a page.
+  v1::SessionTransferChunk Page(int64_t i) const {
+    v1::SessionTransferChunk c;
+    std::string kv(2 * kPageBytes, '\0');
+    for (int half = 0; half < 2; ++half) {
+      const std::string& rows = half == 0 ? contents_.k_new().data() : contents_.v_new().data();
+      const size_t from = static_cast<size_t>(i * kPageBytes);
+      const size_t n = std::min<size_t>(kPageBytes, rows.size() - from);
+      rows.copy(kv.data() + half * kPageBytes, n, from);
+    }
+    c.mutable_page()->set_index(i);
+    c.mutable_page()->set_crc32c(Crc32c(kv));
+    c.mutable_page()->set_kv(std::move(kv));
+    return c;
+  }
+  grpc::Status Import(const std::vector<v1::SessionTransferChunk>& chunks,
+                      v1::ImportSessionResponse* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = stub_->ImportSession(&ctx, response);
+    for (const auto& c : chunks) {
+      if (!stream->Write(c)) break;
+    }
+    stream->WritesDone();
+    return stream->Finish();
+  }
+  // The peer holds no session and every page is free.
+  void ExpectNothingLeft() {
+    const v1::KvCacheInfo info = KvCache(*peer_);
+    EXPECT_EQ(info.sessions(), 0);
+    EXPECT_EQ(info.free_pages(), total_pages_);
+  }
+
+  std::unique_ptr<AttndProcess> peer_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+  testing::SessionSpec spec_;
+  v1::StepRequest contents_;
+  int64_t total_pages_ = 0;
+  std::mt19937_64 rng_{41};
+};
+
+TEST_F(ImportSessionTest, AnImportedSessionHoldsExactlyTheBytesSent) {
+  v1::ImportSessionResponse response;
+  const grpc::Status st = Import({Header(), Page(0), Page(1)}, &response);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(response.session_id().rfind("imp.", 0), 0u) << response.session_id();
+  EXPECT_EQ(response.pages(), 2);
+  EXPECT_EQ(KvCache(*peer_).sessions(), 1);
+  // A step over the imported cache equals the reference over the keys and values sent.
+  testing::SessionShadow shadow(spec_);
+  shadow.Append(contents_);
+  const v1::StepRequest step = testing::RandomStep(response.session_id(), 0, 3, spec_, rng_);
+  v1::StepResponse out;
+  const grpc::Status stepped = testing::Step(stub_.get(), step, &out);
+  ASSERT_TRUE(stepped.ok()) << stepped.error_message();
+  shadow.Append(step);
+  EXPECT_EQ(out.cached_tokens(), kTokens + 3);
+  EXPECT_LT(shadow.Check(step, out).o, testing::StepTolerance(v1::DTYPE_BFLOAT16));
+  ASSERT_TRUE(testing::CloseSession(stub_.get(), response.session_id()).ok());
+  ExpectNothingLeft();
+}
+
+TEST_F(ImportSessionTest, ABadTransferIsRefusedAndLeavesNothing) {
+  struct Case {
+    const char* what;
+    std::vector<v1::SessionTransferChunk> chunks;
+    grpc::StatusCode code;
+    const char* says;
+  };
+  v1::SessionTransferChunk corrupt = Page(1);
+  corrupt.mutable_page()->mutable_kv()->at(100) ^= 0x40;  // one bit flipped on the way
+  v1::SessionTransferChunk other_layout = Header();
+  other_layout.mutable_header()->set_page_tokens(64);
+  v1::SessionTransferChunk bad_dim = Header();
+  bad_dim.mutable_header()->set_head_dim(65);
+  v1::SessionTransferChunk bad_count = Header();
+  bad_count.mutable_header()->set_layer_pages(0, 3);
+  v1::SessionTransferChunk no_limit = Header();
+  no_limit.mutable_header()->set_max_tokens(0);
+  v1::SessionTransferChunk short_page = Page(0);
+  short_page.mutable_page()->mutable_kv()->resize(100);
+  const std::vector<Case> cases = {
+      {"a page first", {Page(0)}, grpc::StatusCode::INVALID_ARGUMENT, "header"},
+      {"a checksum that does not match", {Header(), Page(0), corrupt}, grpc::StatusCode::DATA_LOSS,
+       "CRC32C"},
+      {"pages out of order", {Header(), Page(1)}, grpc::StatusCode::INVALID_ARGUMENT, "index 1"},
+      {"a page of the wrong size", {Header(), short_page}, grpc::StatusCode::INVALID_ARGUMENT,
+       "bytes"},
+      {"a page missing", {Header(), Page(0)}, grpc::StatusCode::FAILED_PRECONDITION,
+       "1 of 2 pages"},
+      {"a page too many", {Header(), Page(0), Page(1), Page(1)},
+       grpc::StatusCode::INVALID_ARGUMENT, "index 1"},
+      {"another page layout", {other_layout}, grpc::StatusCode::INVALID_ARGUMENT, "page_tokens"},
+      {"an unsupported head_dim", {bad_dim}, grpc::StatusCode::INVALID_ARGUMENT, "head_dim"},
+      {"a page count that does not match the tokens", {bad_count},
+       grpc::StatusCode::INVALID_ARGUMENT, "130 tokens in 3 pages"},
+      {"no token limit", {no_limit}, grpc::StatusCode::INVALID_ARGUMENT, "max_tokens"},
+  };
+  for (const Case& c : cases) {
+    v1::ImportSessionResponse response;
+    const grpc::Status st = Import(c.chunks, &response);
+    EXPECT_EQ(st.error_code(), c.code) << c.what << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(c.says), std::string::npos) << c.what << ": " << st.error_message();
+    EXPECT_TRUE(response.session_id().empty()) << c.what;
+    ExpectNothingLeft();
+  }
+}
+
+TEST_F(ImportSessionTest, AFullPeerRefusesBeforeAnyPage) {
+  v1::SessionTransferChunk huge = Header();
+  huge.mutable_header()->set_max_tokens(131072);
+  huge.mutable_header()->set_layer_tokens(0, 128 * (total_pages_ + 1));
+  huge.mutable_header()->set_layer_pages(0, total_pages_ + 1);
+  v1::ImportSessionResponse response;
+  const grpc::Status st = Import({huge}, &response);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  ExpectNothingLeft();
+}
+
+// A peer that fails mid-transfer (after some pages) and one whose process is gone: the move
+// goes to the next peer, or the session stays whole.
+class FailingImport final : public v1::Attention::Service {
+ public:
+  explicit FailingImport(std::chrono::milliseconds stall = {}) : stall_(stall) {}
+  grpc::Status ImportSession(grpc::ServerContext* ctx,
+                             grpc::ServerReader<v1::SessionTransferChunk>* reader,
+                             v1::ImportSessionResponse*) override {
+    v1::SessionTransferChunk chunk;
+    for (int i = 0; i < 3 && reader->Read(&chunk); ++i) ++chunks;
+    // A transfer in flight for that long (or until the sender gives up).
+    const auto until = std::chrono::steady_clock::now() + stall_;
+    while (std::chrono::steady_clock::now() < until && !ctx->IsCancelled()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the peer went away mid-transfer");
+  }
+  std::atomic<int> chunks{0};
+
+ private:
+  const std::chrono::milliseconds stall_;
+};
+
+struct FakePeer {
+  explicit FakePeer(FailingImport* service) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service);
+    server = builder.BuildAndStart();
+  }
+  ~FakePeer() {
+    if (server) server->Shutdown(std::chrono::system_clock::now());
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port); }
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// A second SIGTERM while a session is in flight: that move ends (here: the stalled peer fails,
+// the next peer takes it), the rest stay on the source, which exits at once after.
+TEST(SessionHandoff, ASecondSigtermEndsTheHandOffAfterTheSessionInFlight) {
+  FailingImport stalling(std::chrono::milliseconds(1500));
+  FakePeer fake(&stalling);
+  ASSERT_NE(fake.server, nullptr);
+  auto c = AttndProcess::Start(ReplicaFlags("after-c"));
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(
+      ReplicaFlags("twice-a", {"--drain_timeout_s=20", "--handoff_peers=" + fake.target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 3; ++i) load.Create(150);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  for (int waited = 0; stalling.chunks.load() < 3 && waited < 20000; waited += 10) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GE(stalling.chunks.load(), 3) << a->Log();
+  EXPECT_EQ(a->SignalAndWait(SIGTERM, 30000), 128 + SIGTERM) << a->Log();
+  const std::string log = a->Log();
+  EXPECT_EQ(CountOf(log, "not moved (stopped)"), 2) << log;
+  // The session in flight went to C, whole (its import completed), and nothing else did.
+  EXPECT_EQ(KvCache(*c).sessions(), 1);
+  EXPECT_EQ(ScrapeMetric(c->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"OK\""}), 1);
+}
+
+// A peer that stops reading mid-transfer (hung, not gone) holds one attempt, not the drain.
+TEST(SessionHandoff, AHungPeerCostsOneBoundedAttempt) {
+  FailingImport hung(std::chrono::minutes(2));
+  FakePeer fake(&hung);
+  ASSERT_NE(fake.server, nullptr);
+  auto c = AttndProcess::Start(ReplicaFlags("past-c"));
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "hung-a", {"--drain_timeout_s=60", "--handoff_peers=" + fake.target() + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  load.Create(100);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 1 sessions moved", 30000)) << a->Log();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(seconds, 4.5);  // the attempt on the hung peer: 5 s and a little for 100 tokens
+  EXPECT_LT(seconds, 20);   // not the drain's 60 s
+  load.Decode(1);
+  EXPECT_EQ(KvCache(*c).sessions(), 1);
+  load.CloseAll();
+}
+
+TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
+  FailingImport failing;
+  FakePeer fake(&failing);
+  ASSERT_NE(fake.server, nullptr);
+  auto gone = AttndProcess::Start(ReplicaFlags("gone-g"));
+  ASSERT_NE(gone, nullptr);
+  const std::string gone_target = gone->target();
+  EXPECT_EQ(gone->SignalAndWait(SIGKILL, 5000), 128 + SIGKILL);
+  auto c = AttndProcess::Start(ReplicaFlags("next-c"));
+  ASSERT_NE(c, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "mid-a", {"--handoff_peers=" + fake.target() + "," + gone_target + "," + c->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 2; ++i) load.Create(200 + 100 * i);
+  load.Decode(1);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 2 sessions moved")) << a->Log();
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  EXPECT_GE(failing.chunks.load(), 3);
+  EXPECT_EQ(KvCache(*c).sessions(), 2);
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
+}
+
+// Replicas that require client certificates (mTLS) move sessions to each other with their own
+// certificates, checked against the deploy's CA under the Service's name.
+TEST(SessionHandoff, ReplicasHandSessionsOffOverMutualTls) {
+  LocalhostPki pki("serverAuth,clientAuth");
+  ASSERT_TRUE(pki.ok()) << "openssl failed:\n" << pki.log();
+  const std::vector<std::string> tls = {"--tls_cert=" + pki.path("server.pem"),
+                                        "--tls_key=" + pki.path("server.key"),
+                                        "--tls_client_ca=" + pki.path("ca.pem")};
+  auto b = AttndProcess::Start(ReplicaFlags("mtls-b", tls));
+  ASSERT_NE(b, nullptr);
+  // A replica of another deploy (another CA): the TLS handshake fails both ways, nothing moves
+  // there, and the next peer is tried.
+  LocalhostPki other("serverAuth,clientAuth");
+  ASSERT_TRUE(other.ok()) << other.log();
+  auto stranger = AttndProcess::Start(ReplicaFlags(
+      "mtls-x", {"--tls_cert=" + other.path("server.pem"), "--tls_key=" + other.path("server.key"),
+                 "--tls_client_ca=" + other.path("ca.pem")}));
+  ASSERT_NE(stranger, nullptr);
+  std::vector<std::string> a_flags = tls;
+  a_flags.push_back("--handoff_peers=localhost:" + std::to_string(stranger->port()) +
+                    ",localhost:" + std::to_string(b->port()));
+  auto a = AttndProcess::Start(ReplicaFlags("mtls-a", a_flags));
+  ASSERT_NE(a, nullptr);
+  client::SessionClientOptions o;
+  o.client.target = "localhost:" + std::to_string(a->port());
+  o.client.tls_ca_pem = pki.pem("ca.pem");
+  o.client.tls_cert_pem = pki.pem("server.pem");
+  o.client.tls_key_pem = pki.pem("server.key");
+  auto c = SessionClient::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  HandoffLoad load(c->get());
+  for (int i = 0; i < 2; ++i) load.Create(40);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 2 sessions moved")) << a->Log();
+  load.Decode(2);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ((*c)->CurrentSessionId(load.id(i)).rfind("mtls-b.", 0), 0u) << load.id(i);
+  }
+  const double imported = ScrapeMetric(stranger->metrics_port(), "attn_requests_total",
+                                      {"rpc=\"ImportSession\""});
+  EXPECT_TRUE(std::isnan(imported) || imported == 0) << imported;
+  load.CloseAll();
 }
 
 }  // namespace

@@ -20,14 +20,15 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from . import _core
 from .client import Client, Session
-from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, Unavailable
+from .errors import (AttndError, BatchStepError, FailedPrecondition, InvalidArgument, NotFound,
+                     Unavailable)
 
 _PASS_OVER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
               grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -116,6 +117,28 @@ def resolve_target(target: str) -> List[Endpoint]:
     return out
 
 
+# A session that moved (hand-off on drain, attention.proto ImportSession): FAILED_PRECONDITION whose
+# message holds "attnd-moved-to: <address>;<new id>"; one being moved: UNAVAILABLE with
+# "attnd-session-moving" (nothing applied; sent again shortly).
+_MOVED_TO = "attnd-moved-to: "
+_MOVING = "attnd-session-moving"
+_MOVING_PAUSE_MAX = 0.05
+
+
+def _moved_to(e: Any) -> Optional[Tuple[str, str]]:
+    if not isinstance(e, FailedPrecondition):
+        return None
+    at = e.message.rfind(_MOVED_TO)
+    if at < 0:
+        return None
+    address, _, new_id = e.message[at + len(_MOVED_TO):].split(")")[0].partition(";")
+    return (address, new_id) if address and "." in new_id else None
+
+
+def _moving(e: Any) -> bool:
+    return isinstance(e, Unavailable) and _MOVING in e.message
+
+
 class _Replica:
     def __init__(self, info: ReplicaInfo, client: Any):
         self.info = info
@@ -137,7 +160,39 @@ class _Routing:
         self.replicas: List[_Replica] = []
         self.refreshed_at = float("-inf")
         self.create_turn = 0
+        self.moved: Dict[str, str] = {}  # old session id -> the id it moved to
+        # Replicas learned from moves that the targets did not name (kept across refreshes).
+        self.followed: List[_Replica] = []
         self.lock = threading.Lock()
+
+    def learn_move(self, session_id: str, e: Any, make_client: Any) -> bool:
+        """True when e says session_id moved: the new id and its replica (a client of its
+        address made with make_client(Endpoint) if it is not known) are then known."""
+        to = _moved_to(e)
+        if to is None or to[1] == session_id:
+            return False
+        address, new_id = to
+        if self.find(new_id) is None:
+            try:
+                endpoint = resolve_target(address)[0]
+            except (AttndError, IndexError):
+                return False
+            replica = _Replica(ReplicaInfo(new_id.rsplit(".", 1)[0], endpoint.address, 0, 0, 0),
+                               make_client(endpoint))
+            with self.lock:
+                self.followed.append(replica)
+        with self.lock:
+            self.moved[session_id] = new_id
+        return True
+
+    def current(self, session_id: str) -> str:
+        """The id session_id goes by now (it may have moved more than once)."""
+        with self.lock:
+            for _ in range(16):
+                if session_id not in self.moved:
+                    break
+                session_id = self.moved[session_id]
+        return session_id
 
     def resolve(self) -> Tuple[List[Endpoint], List[str]]:
         endpoints: List[Endpoint] = []
@@ -187,7 +242,7 @@ class _Routing:
     def find(self, session_id: str) -> Optional[_Replica]:
         best = None
         with self.lock:
-            for r in self.replicas:
+            for r in self.replicas + self.followed:
                 rid = r.info.replica_id
                 if rid and session_id.startswith(rid + ".") and len(session_id) > len(rid) + 1:
                     if best is None or len(rid) > len(best.info.replica_id):
@@ -230,6 +285,14 @@ class _Routing:
         return [(r, f"{r.info.replica_id} at {r.info.endpoint}") for _, r in rows]
 
 
+def _current_item(routing: _Routing, raw: Any) -> Any:
+    """The step item with the id its session goes by now."""
+    item = _core.as_step_item(raw)
+    sid = _core.session_id_of(item.session)
+    now = routing.current(sid)
+    return raw if now == sid else replace(item, session=now)
+
+
 def _group(items: Sequence[Any], route: Any) -> Tuple[List[Any], List[Tuple[Any, List[int]]]]:
     results: List[Any] = [None] * len(items)
     groups: List[Tuple[Any, List[int]]] = []
@@ -247,6 +310,33 @@ def _group(items: Sequence[Any], route: Any) -> Tuple[List[Any], List[Tuple[Any,
         else:
             groups.append((replica, [i]))
     return results, groups
+
+
+class _FollowingClient:
+    """What the Session objects of a SessionClient call: every call goes to the replica that
+    holds the session now, following it when it moves (SessionClient._on_session)."""
+
+    def __init__(self, sessions: "SessionClient", session_id: str):
+        self._sessions = sessions
+        self._session_id = session_id
+
+    @property
+    def options(self) -> Any:
+        return self._sessions.client_for(self._session_id).options
+
+    def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
+             **options: Any) -> _core.StepResult:
+        return self._sessions.step(_core.session_id_of(session), layer, q, k_new, v_new, **options)
+
+    def truncate_session(self, session_id: str, tokens: int, timeout: Optional[float] = None) -> Any:
+        return self._sessions.truncate_session(session_id, tokens, timeout)
+
+    def fork_session(self, session_id: str, timeout: Optional[float] = None) -> Any:
+        return self._sessions._on_session(session_id, timeout,
+                                          lambda sid, c: c.fork_session(sid, timeout))
+
+    def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
+        return self._sessions.close_session(session_id, timeout)
 
 
 class SessionClient:
@@ -295,6 +385,7 @@ class SessionClient:
                 pass  # the known replicas stay; the call reports its own error
 
     def _route(self, session_id: str) -> _Replica:
+        session_id = self._routing.current(session_id)
         r = self._routing.find(session_id)
         if r is None:
             self._refresh_if_older(self._routing.min_refresh_interval)
@@ -302,6 +393,33 @@ class SessionClient:
         if r is None:
             raise self._routing.no_replica(session_id)
         return r
+
+    def current_session_id(self, session_id: str) -> str:
+        """The id a session goes by now: itself, or the id it got where it moved to."""
+        return self._routing.current(session_id)
+
+    def _learn_move(self, session_id: str, e: AttndError) -> bool:
+        return self._routing.learn_move(
+            session_id, e, lambda ep: Client(ep.address, **self._routing.options_for(ep)))
+
+    def _on_session(self, session_id: str, timeout: Optional[float], call: Any) -> Any:
+        """call(current id, client) on the session's replica, following a move (twice at most)
+        and sending again a call refused while the session moves, within timeout."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
+        sid = self._routing.current(session_id)
+        follows, pause = 0, 0.002
+        while True:
+            try:
+                return call(sid, self._route(sid).client)
+            except AttndError as e:
+                if follows < 2 and self._learn_move(sid, e):
+                    sid, follows = self._routing.current(sid), follows + 1
+                    continue
+                if _moving(e) and time.monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(pause * 2, _MOVING_PAUSE_MAX)
+                    continue
+                raise
 
     def replicas(self) -> List[ReplicaInfo]:
         with self._routing.lock:
@@ -336,52 +454,73 @@ class SessionClient:
             if s.info.replica_id:
                 with self._routing.lock:
                     r.info.replica_id = s.info.replica_id
+            s.client = _FollowingClient(self, s.id)
             return s
         if len(tried) <= 1:
             raise last
         raise type(last)(f"CreateSession failed on every replica: {'; '.join(tried)}", last.code)
 
     def session(self, session_id: str) -> Session:
-        """A Session object for an id, bound to the replica that holds it."""
-        return self._route(session_id).client.session(session_id)
+        """A Session object for an id; its calls go to the replica that holds it, following it
+        when it moves."""
+        s = self._route(session_id).client.session(session_id)
+        s.client = _FollowingClient(self, session_id)
+        return s
 
     def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
              **options: Any) -> _core.StepResult:
-        return self._route(_core.session_id_of(session)).client.step(session, layer, q, k_new,
-                                                                     v_new, **options)
+        return self._on_session(
+            _core.session_id_of(session), options.get("timeout"),
+            lambda sid, c: c.step(sid, layer, q, k_new, v_new, **options))
 
     def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                    return_exceptions: bool = False) -> List[Any]:
         """Items of several replicas go as one BatchStep per replica, in parallel; results come
         back in the order of items (failed items as in Client.batch_step)."""
         results, groups = _group(items, self._route)
+        # Items of moved sessions go with the ids they have now.
+        sent = [_current_item(self._routing, x) for x in items]
 
         def send(group: Tuple[_Replica, List[int]]) -> Any:
             try:
-                return group[0].client.batch_step([items[i] for i in group[1]], timeout=timeout,
+                return group[0].client.batch_step([sent[i] for i in group[1]], timeout=timeout,
                                                   return_exceptions=True)
             except AttndError as e:
                 return e
         for (replica, idx), answer in zip(groups, self._pool.map(send, groups)):
             for j, i in enumerate(idx):
                 results[i] = answer if isinstance(answer, AttndError) else answer[j]
+        # Items whose session moved, or was moving, go again one by one (following it), in order.
+        for i, r in enumerate(results):
+            if _moved_to(r) is not None or _moving(r):
+                item = _core.as_step_item(items[i])
+                try:
+                    results[i] = self._on_session(
+                        _core.session_id_of(item.session), timeout,
+                        lambda sid, c: c.batch_step([replace(item, session=sid)], timeout=timeout)[0])
+                except BatchStepError as e:
+                    results[i] = e.results[0]
+                except AttndError as e:
+                    results[i] = e
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
 
     def truncate_session(self, session_id: str, tokens: int,
                          timeout: Optional[float] = None) -> _core.TruncateResult:
-        return self._route(session_id).client.truncate_session(session_id, tokens, timeout)
+        return self._on_session(session_id, timeout,
+                                lambda sid, c: c.truncate_session(sid, tokens, timeout))
 
     def fork_session(self, session_id: str, timeout: Optional[float] = None) -> Session:
         return self.session(session_id).fork(timeout)
 
     def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
-        return self._route(session_id).client.close_session(session_id, timeout)
+        return self._on_session(session_id, timeout,
+                                lambda sid, c: c.close_session(sid, timeout))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        for r in self._routing.replicas:
+        for r in self._routing.replicas + self._routing.followed:
             r.client.close()
 
     def __enter__(self) -> "SessionClient":
@@ -426,6 +565,7 @@ class AsyncSessionClient:
             self._routing.install(endpoints, clients, await self._ask_all(clients), problems)
 
     async def _route(self, session_id: str) -> _Replica:
+        session_id = self._routing.current(session_id)
         r = self._routing.find(session_id)
         if r is None and self._routing.due(self._routing.min_refresh_interval):
             try:
@@ -440,6 +580,31 @@ class AsyncSessionClient:
     def replicas(self) -> List[ReplicaInfo]:
         with self._routing.lock:
             return [ReplicaInfo(**r.info.__dict__) for r in self._routing.replicas]
+
+    def current_session_id(self, session_id: str) -> str:
+        """The id a session goes by now: itself, or the id it got where it moved to."""
+        return self._routing.current(session_id)
+
+    async def _on_session(self, session_id: str, timeout: Optional[float], call: Any) -> Any:
+        """As SessionClient._on_session: await call(current id, client), following a move."""
+        from . import aio
+
+        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
+        sid = self._routing.current(session_id)
+        follows, pause = 0, 0.002
+        while True:
+            try:
+                return await call(sid, (await self._route(sid)).client)
+            except AttndError as e:
+                if follows < 2 and self._routing.learn_move(
+                        sid, e, lambda ep: aio.Client(ep.address, **self._routing.options_for(ep))):
+                    sid, follows = self._routing.current(sid), follows + 1
+                    continue
+                if _moving(e) and time.monotonic() + pause < deadline:
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, _MOVING_PAUSE_MAX)
+                    continue
+                raise
 
     async def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype: Any = "bfloat16", max_tokens: int = 0,
@@ -479,8 +644,9 @@ class AsyncSessionClient:
 
     async def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
                    **options: Any) -> _core.StepResult:
-        r = await self._route(_core.session_id_of(session))
-        return await r.client.step(session, layer, q, k_new, v_new, **options)
+        return await self._on_session(
+            _core.session_id_of(session), options.get("timeout"),
+            lambda sid, c: c.step(sid, layer, q, k_new, v_new, **options))
 
     async def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                          return_exceptions: bool = False) -> List[Any]:
@@ -500,9 +666,11 @@ class AsyncSessionClient:
             return r
         results, groups = _group(items, route)
 
+        sent = [_current_item(self._routing, x) for x in items]
+
         async def send(group: Tuple[_Replica, List[int]]) -> Any:
             try:
-                return await group[0].client.batch_step([items[i] for i in group[1]],
+                return await group[0].client.batch_step([sent[i] for i in group[1]],
                                                         timeout=timeout, return_exceptions=True)
             except AttndError as e:
                 return e
@@ -510,23 +678,38 @@ class AsyncSessionClient:
         for (replica, idx), answer in zip(groups, answers):
             for j, i in enumerate(idx):
                 results[i] = answer if isinstance(answer, AttndError) else answer[j]
+        for i, r in enumerate(results):
+            if _moved_to(r) is not None or _moving(r):
+                item = _core.as_step_item(items[i])
+
+                async def again(sid: str, c: Any, item: Any = item) -> Any:
+                    return (await c.batch_step([replace(item, session=sid)], timeout=timeout))[0]
+                try:
+                    results[i] = await self._on_session(_core.session_id_of(item.session), timeout,
+                                                        again)
+                except BatchStepError as e:
+                    results[i] = e.results[0]
+                except AttndError as e:
+                    results[i] = e
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
 
     async def truncate_session(self, session_id: str, tokens: int,
                                timeout: Optional[float] = None) -> _core.TruncateResult:
-        return await (await self._route(session_id)).client.truncate_session(session_id, tokens,
-                                                                              timeout)
+        return await self._on_session(session_id, timeout,
+                                      lambda sid, c: c.truncate_session(sid, tokens, timeout))
 
     async def fork_session(self, session_id: str, timeout: Optional[float] = None) -> Any:
-        return await (await self.session(session_id)).fork(timeout)
+        return await self._on_session(session_id, timeout,
+                                      lambda sid, c: c.session(sid).fork(timeout))
 
     async def close_session(self, session_id: str, timeout: Optional[float] = None) -> int:
-        return await (await self._route(session_id)).client.close_session(session_id, timeout)
+        return await self._on_session(session_id, timeout,
+                                      lambda sid, c: c.close_session(sid, timeout))
 
     async def close(self) -> None:
-        for r in self._routing.replicas:
+        for r in self._routing.replicas + self._routing.followed:
             await r.client.close()
 
     async def __aenter__(self) -> "AsyncSessionClient":

@@ -10,12 +10,21 @@
 //    found from the session id's prefix ("<replica_id>.<random>", see attention.proto), so a
 //    session id made by another process routes too when its replica is one of the endpoints.
 //
+// Sessions that move: a replica that drains with --handoff_peers moves its sessions to a peer,
+// and then answers calls on a moved id with FAILED_PRECONDITION naming the new address and id
+// ("attnd-moved-to", attention.proto ImportSession). SessionClient follows by itself: it sends
+// the call again to that address with the new id and remembers the mapping, so that callers keep
+// using the id they were given; calls refused while the session is being moved (UNAVAILABLE,
+// "attnd-session-moving": nothing was applied) are sent again shortly, within the call's
+// timeout. CurrentSessionId tells the id a session goes by now.
+//
 // Errors are absl::Status with the server's code and message; errors made here (no replica for
 // a session id, no endpoint reachable) say so and name the session and the endpoints.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -178,6 +187,9 @@ class SessionClient {
   absl::StatusOr<int64_t> CloseSession(const std::string& session_id,
                                        std::chrono::milliseconds timeout = kDefaultSessionTimeout);
 
+  // The id session_id goes by now: itself, or the id it was given where it moved to.
+  std::string CurrentSessionId(const std::string& session_id) const;
+
   // The client of the replica that holds session_id (NOT_FOUND when none of the endpoints is
   // that replica, after resolving the targets again). For driving the stubs directly.
   absl::StatusOr<std::shared_ptr<Client>> ClientFor(const std::string& session_id);
@@ -214,12 +226,24 @@ class SessionClient {
   // Refresh() when the last one is older than `age`.
   void RefreshIfOlder(std::chrono::milliseconds age);
   absl::Status NoReplicaError(const std::string& session_id) const;
+  // When st says that session id moved: remembers where (and the replica there, a client of
+  // its address made if needed) and returns true.
+  bool LearnMove(const std::string& id, const absl::Status& st);
+  // Runs call(current id, client of its replica) on the session, following a move (twice at
+  // most) and sending again a call refused while the session moves, until timeout.
+  template <typename Result, typename Call>
+  absl::StatusOr<Result> OnSession(const std::string& session_id, std::chrono::milliseconds timeout,
+                                   const Call& call);
 
   const SessionClientOptions options_;
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<Replica>> replicas_;      // guarded by mu_
   std::chrono::steady_clock::time_point refreshed_at_;  // guarded by mu_
   uint64_t create_turn_ = 0;                            // guarded by mu_
+  std::map<std::string, std::string> moved_;           // old id -> new id; guarded by mu_
+  // Replicas learned from moves that the targets did not name (kept across refreshes, which
+  // only replace replicas_); guarded by mu_.
+  std::vector<std::shared_ptr<Replica>> followed_;
   std::mutex refresh_mu_;  // one Refresh at a time (held without mu_ while it calls out)
 };
 
