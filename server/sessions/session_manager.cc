@@ -134,6 +134,17 @@ std::string SessionManager::NewIdLocked() {
   }
 }
 
+absl::Status SessionManager::RoomForOneMoreLocked() const {
+  if (stop_creating_) return Draining();
+  if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this replica (", options_.replica_id, ") has ", sessions_.size(),
+        " open sessions, its limit (--max_sessions ", options_.max_sessions,
+        "); close sessions or use another replica"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(const CreateParams& p,
                                                                        const std::string& owner) {
   if (absl::Status st = CheckCreateParams(p); !st.ok()) return st;
@@ -154,13 +165,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(const Cre
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_creating_) return Draining();
-    if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this replica (", options_.replica_id, ") has ", sessions_.size(),
-          " open sessions, its limit (--max_sessions ", options_.max_sessions,
-          "); close sessions or use another replica"));
-    }
+    RETURN_IF_ERROR(RoomForOneMoreLocked());
     s = std::make_shared<Session>(NewIdLocked(), owner, shape, pool_);
     sessions_.emplace(s->id(), s);
   }
@@ -331,12 +336,7 @@ absl::Status SessionManager::CheckImport(const SessionShape& shape) const {
   RETURN_IF_ERROR(CheckCreateParams(p));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_creating_) return Draining();
-    if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this replica (", options_.replica_id, ") has ", sessions_.size(),
-          " open sessions, its limit (--max_sessions ", options_.max_sessions, ")"));
-    }
+    RETURN_IF_ERROR(RoomForOneMoreLocked());
   }
   const PageLayout layout = PageLayoutFor(shape.RowBytes());
   if (layout.tokens != shape.page_tokens || layout.span != shape.page_span) {
@@ -353,12 +353,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::AddImported(
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_creating_) return Draining();
-    if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this replica (", options_.replica_id, ") has ", sessions_.size(),
-          " open sessions, its limit (--max_sessions ", options_.max_sessions, ")"));
-    }
+    RETURN_IF_ERROR(RoomForOneMoreLocked());
     ASSIGN_OR_RETURN(std::unique_ptr<Session> made, finish(NewIdLocked()));
     s = std::move(made);
     sessions_.emplace(s->id(), s);

@@ -130,6 +130,8 @@ class SessionManager {
  private:
   SessionManager(const Options& options, KvPagePool* pool, Metrics* metrics);
   std::string NewIdLocked();
+  // OK when one more session may open here: not draining, under --max_sessions (mu_ held).
+  absl::Status RoomForOneMoreLocked() const;
   absl::Status CheckCreateParams(const CreateParams& p) const;
   using SessionMap = std::unordered_map<std::string, std::shared_ptr<Session>>;
   // The session `owner` may use, or why not (mu_ held).

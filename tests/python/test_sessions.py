@@ -256,6 +256,16 @@ def test_fp8_cache_session_refuses_bad_scales(client):
                               v_scales=[0.01])
 
 
+def drain_until_handed_off(server, sessions=1):
+    """SIGTERM to server (started with --handoff_peers), then waits until its log says it moved
+    `sessions` sessions to a peer."""
+    server.proc.terminate()
+    deadline = time.monotonic() + 30
+    while f"hand-off: {sessions} sessions moved" not in server.tail(50):
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(0.02)
+
+
 def test_session_client_follows_a_session_handed_off_on_drain():
     b = Server("--replica_id=py-b", "--kv_cache_bytes=16777216")
     a = Server("--replica_id=py-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",
@@ -280,11 +290,7 @@ def test_session_client_follows_a_session_handed_off_on_drain():
 
             for layer in (0, 1):
                 step(layer, 40)
-            a.proc.terminate()
-            deadline = time.monotonic() + 30
-            while "hand-off: 1 sessions moved" not in a.tail(50):
-                assert time.monotonic() < deadline, a.tail()
-                time.sleep(0.02)
+            drain_until_handed_off(a)
             for _ in range(3):
                 for layer in (0, 1):
                     step(layer, 1)
@@ -338,11 +344,7 @@ def test_an_fp8_session_is_handed_off_with_its_cache_type_and_scales():
 
             step(16)
             step(1)
-            a.proc.terminate()
-            deadline = time.monotonic() + 30
-            while "hand-off: 1 sessions moved" not in a.tail(50):
-                assert time.monotonic() < deadline, a.tail()
-                time.sleep(0.02)
+            drain_until_handed_off(a)
             for _ in range(3):  # on B now: the same quantized cache, the same scales
                 step(1)
             assert sc.current_session_id(s.id).startswith("f8-b.")
@@ -377,11 +379,7 @@ def test_async_session_client_follows_a_session_handed_off_on_drain():
         sc = await attnd.AsyncSessionClient.create(a.target)
         s = await sc.create_session(1, 2, 64, "fp16")
         await step(sc, s.id, 30)
-        a.proc.terminate()
-        deadline = time.monotonic() + 30
-        while "hand-off: 1 sessions moved" not in a.tail(50):
-            assert time.monotonic() < deadline, a.tail()
-            await asyncio.sleep(0.02)
+        await asyncio.get_running_loop().run_in_executor(None, drain_until_handed_off, a)
         await step(sc, s.id, 1)
         assert sc.current_session_id(s.id).startswith("apy-b.")
         await step(sc, s.id, 2)
