@@ -90,17 +90,28 @@ class Payload:
     first byte (for finding it in a shared-memory region), ``cuda`` its device index or -1.
     """
 
-    __slots__ = ("dtype", "shape", "nbytes", "data", "ptr", "cuda", "source")
+    __slots__ = ("dtype", "shape", "nbytes", "_data", "ptr", "cuda", "source")
 
     def __init__(self, dtype: int, shape: Tuple[int, ...], nbytes: int, data: Any, ptr: int,
                  cuda: int, source: Any):
         self.dtype = dtype
         self.shape = shape
         self.nbytes = nbytes
-        self.data = data
+        self._data = data
         self.ptr = ptr
         self.cuda = cuda
         self.source = source
+
+    @property
+    def data(self) -> Any:
+        # A CPU torch tensor's buffer is made only when its bytes go into a message: a tensor in a
+        # shared region is sent as (region, offset), and making it costs more than the rest.
+        if self._data is None:
+            torch = _load_torch()
+            flat = self.source.view(torch.uint8) if self.dtype == FLOAT8_E4M3 else \
+                self.source.view(torch.int16) if self.dtype != FLOAT32 else self.source
+            self._data = flat.numpy().data
+        return self._data
 
 
 def payload(x: Any, name: str) -> Payload:
@@ -130,9 +141,7 @@ def payload(x: Any, name: str) -> Payload:
         nbytes = x.numel() * x.element_size()
         if x.is_cuda:
             return Payload(code, tuple(x.shape), nbytes, x, x.data_ptr(), x.device.index or 0, x)
-        flat = x.view(torch.uint8) if code == FLOAT8_E4M3 else \
-            x.view(torch.int16) if code != FLOAT32 else x
-        return Payload(code, tuple(x.shape), nbytes, flat.numpy().data, x.data_ptr(), -1, x)
+        return Payload(code, tuple(x.shape), nbytes, None, x.data_ptr(), -1, x)
     raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 

@@ -111,6 +111,14 @@ def _tensor_head(number: int, dtype: int, shape: Tuple[int, ...], nbytes: int) -
     return _tag(number, _LEN) + varint(len(fields) + len(data_head) + nbytes) + fields + data_head
 
 
+@lru_cache(maxsize=4096)
+def _region_tensor_parts(dtype: int, shape: Tuple[int, ...], region: str) -> Tuple[bytes, bytes]:
+    """A Tensor's dtype and shape fields, and its slice's region field (what region_slice writes
+    first): the same for every step of a decode loop over one region."""
+    return (_varint_field(TENSOR_DTYPE, dtype) + _packed(TENSOR_SHAPE, shape),
+            _len_field(SLICE_REGION, region.encode()))
+
+
 class Message:
     """A message being written: its parts (bytes and tensor payloads, in order) and size."""
 
@@ -129,9 +137,13 @@ class Message:
     def tensor(self, number: int, p: Payload, region: Optional[Tuple[str, int]] = None) -> None:
         """Tensor p as field `number`: its bytes, or (region name, offset) in a shared region."""
         if region is not None:
-            fields = _varint_field(TENSOR_DTYPE, p.dtype) + _packed(TENSOR_SHAPE, p.shape) + \
-                     region_slice(TENSOR_REGION, region[0], region[1], p.nbytes)
-            self.add(_len_field(number, fields))
+            head, name = _region_tensor_parts(p.dtype, tuple(p.shape), region[0])
+            body = name
+            if region[1]:
+                body += _varint_field(SLICE_OFFSET, region[1])
+            if p.nbytes:
+                body += _varint_field(SLICE_BYTES, p.nbytes)
+            self.add(_len_field(number, head + _len_field(TENSOR_REGION, body)))
             return
         self.add(_tensor_head(number, p.dtype, tuple(p.shape), p.nbytes))
         if p.nbytes:
