@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "common/tsan_annotations.h"
 #include "observability/metrics.h"
 #include "rpc/attention_service.h"
 #include "rpc/grpc_status.h"
@@ -67,10 +68,13 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
       End(st);
       return;
     }
-    StartRead(&chunk_);
+    ReadNext();
   }
 
+  // gRPC runs each reaction after the call into it that asked for it (StartRead, Finish), on
+  // another of its threads: the hand-off marks show TSan that ordering (tsan_annotations.h).
   void OnReadDone(bool ok) override {
+    TakeBackFromGrpc(this);
     service_->OnCallArrived(Clock::now());
     if (!ok) {
       End(Complete());
@@ -82,16 +86,22 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
       End(st);
       return;
     }
-    StartRead(&chunk_);
+    ReadNext();
   }
 
   void OnDone() override {
+    TakeBackFromGrpc(this);
     service_->HandlerReturns();
     delete this;
   }
 
  private:
   using Clock = std::chrono::steady_clock;
+
+  void ReadNext() {
+    HandOffToGrpc(this);
+    StartRead(&chunk_);
+  }
 
   // Who may import, and whether this replica can.
   absl::Status Admit() {
@@ -157,6 +167,7 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
           std::chrono::duration<double>(Clock::now() - start_).count(), received_,
           out.ok() ? static_cast<int64_t>(response_->ByteSizeLong()) : 0);
     }
+    HandOffToGrpc(this);
     Finish(ToGrpcStatus(out));
   }
 
