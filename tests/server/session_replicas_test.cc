@@ -421,7 +421,7 @@ class HandoffLoad {
   SessionClient* const client_;
   std::vector<Tracked> sessions_;
   std::mt19937_64 rng_{29};
-  int64_t steps_ = 0;
+  std::atomic<int64_t> steps_{0};  // read by the test while its load thread steps
 };
 
 // The backend of the hand-off tests' replicas: the CPU one, or CUDA's where
