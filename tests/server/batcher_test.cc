@@ -215,13 +215,14 @@ class BatcherTest : public ::testing::Test {
     return f.get();
   }
 
-  // Declared first: the fakes and the batcher read the ids until they are gone.
+  // Declared first: the fakes and the batcher read the ids, and their threads answer the calls
+  // (a promise's set_value may still be running when its future is ready), until they are gone.
   std::mutex ids_mu_;
   std::map<const Job*, uint64_t> ids_;
+  std::map<uint64_t, std::unique_ptr<Call>> calls_;
   std::unique_ptr<FakeBackend> backend_;
   std::unique_ptr<FakeBackend> steps_;
   std::unique_ptr<Batcher> batcher_;
-  std::map<uint64_t, std::unique_ptr<Call>> calls_;
 };
 
 // Requests that arrive while the backend is busy gather into its next batch.

@@ -499,8 +499,11 @@ TEST(SessionHandoff, ASigtermedReplicaMovesEverySessionAndDecodingGoesOn) {
   const int64_t steps_before = load.steps();
   ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
   ASSERT_TRUE(LogSays(*a, "hand-off: 5 sessions moved")) << a->Log();
-  // Decoding goes on past the hand-off, on B.
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Decoding goes on past the hand-off, on B (waited for, not timed: sanitized builds step slowly).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (load.steps() <= steps_before + 15 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   stop = true;
   decoder.join();
   EXPECT_GT(load.steps(), steps_before + 15);
@@ -575,7 +578,10 @@ TEST(SessionHandoff, ARollingRestartOfTwoReplicasUnder64DecodingSessionsLosesNot
   ASSERT_TRUE(LogSays(*b, "hand-off: 64 sessions moved")) << b->Log();
   EXPECT_EQ(b->SignalAndWait(0, 30000), 0) << b->Log();
   const int64_t steps_after = load.steps();
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (load.steps() <= steps_after && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   stop = true;
   decoder.join();
   EXPECT_GT(load.steps(), steps_after);

@@ -133,10 +133,12 @@ class StepPipelineTest : public ::testing::Test {
   std::unique_ptr<CpuBackend> backend_;
   std::unique_ptr<CpuStepDevice> cpu_;
   std::unique_ptr<BoundedDevice> device_;
-  std::unique_ptr<StepPipeline> pipeline_;
   std::unique_ptr<KvPagePool> pool_;
   std::unique_ptr<SessionManager> manager_;
   std::deque<std::string> inputs_;
+  // Destroyed first: its completion threads may still be releasing finished jobs, whose sessions
+  // give their pages back to pool_.
+  std::unique_ptr<StepPipeline> pipeline_;
 };
 
 TEST_F(StepPipelineTest, ALaunchTheDeviceHasNoRoomForIsSplitAndComputesTheSame) {
