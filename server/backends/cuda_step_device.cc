@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "attn/kernels/cuda_attention.h"
 #include "backends/kv_copy.h"
+#include "backends/segment_copy.h"
 #include "common/status_util.h"
 
 namespace attn {
@@ -28,89 +30,166 @@ cudaError_t WaitForLaunch(cudaEvent_t event, size_t steps, double expected_us) {
   return PollEvent(event, expected_us > 50 ? 0.7 * expected_us : 0, microseconds(2000));
 }
 
-// The launch's inputs onto the device (async, on stream): the staging in one copy when no member
-// goes direct; else the tables in one, and each tensor on its own, from staging or straight from
-// its region (a GPU region's on the device).
-absl::Status CopyInputs(const StepLaunch& l, char* dev, cudaStream_t stream) {
-  const StepLayout& s = l.layout;
-  const bool any_direct = std::any_of(l.routes.begin(), l.routes.end(),
-                                      [](const StepRoute& r) { return r.AnyInput(); });
-  if (!any_direct) {
-    RETURN_IF_CUDA_ERROR("H2D copy",
-                         cudaMemcpyAsync(dev, l.in, s.in_bytes, cudaMemcpyHostToDevice, stream));
+// Byte ranges of a staging buffer to copy, merged where they touch or lie close: the parts of a
+// launch that go through staging, whose holes are the direct members' parts.
+class StagedRanges {
+ public:
+  void Add(size_t begin, size_t bytes) {
+    if (bytes > 0) ranges_.push_back({begin, begin + bytes});
+  }
+  // One copy per merged range from src to dst (same offsets).
+  absl::Status Copy(char* dst, const char* src, cudaMemcpyKind kind, cudaStream_t stream) {
+    std::sort(ranges_.begin(), ranges_.end());
+    size_t merged = 0;
+    for (const auto& range : ranges_) {
+      if (merged > 0 && range.first <= ranges_[merged - 1].second + kMergeGap) {
+        ranges_[merged - 1].second = std::max(ranges_[merged - 1].second, range.second);
+      } else {
+        ranges_[merged++] = range;
+      }
+    }
+    ranges_.resize(merged);
+    for (const auto& [begin, end] : ranges_) {
+      RETURN_IF_CUDA_ERROR(kind == cudaMemcpyHostToDevice ? "H2D copy" : "D2H copy",
+                           cudaMemcpyAsync(dst + begin, src + begin, end - begin, kind, stream));
+    }
     return absl::OkStatus();
   }
-  RETURN_IF_CUDA_ERROR("H2D copy",
-                       cudaMemcpyAsync(dev + s.tables, l.in + s.tables, s.in_bytes - s.tables,
-                                       cudaMemcpyHostToDevice, stream));
+
+ private:
+  // A gap this small costs less copied along than a copy call of its own.
+  static constexpr size_t kMergeGap = size_t{4} << 10;
+  std::vector<std::pair<size_t, size_t>> ranges_;
+};
+
+// The parts of a launch's input tensors, in staging order, for each member: q, k_new, v_new.
+struct InputPart {
+  const char* where;  // where the tensor lies (its region or the request)
+  size_t bytes;
+  bool direct;
+};
+
+template <typename Fn>
+void ForEachInput(const StepLaunch& l, Fn&& fn) {
+  const StepLayout& s = l.layout;
   size_t q_at = s.q, k_at = s.k, v_at = s.v;
   for (size_t m = 0; m < l.members.size(); ++m) {
     const StepJob& job = *l.members[m];
     const StepRoute& r = l.routes[m];
-    const size_t q_bytes = job.QBytes(), kv_bytes = job.KvBytes();
-    const std::tuple<const char*, size_t, bool, size_t*> parts[] = {
-        {job.q_bytes.data(), q_bytes, r.q, &q_at},
-        {job.k_bytes.data(), kv_bytes, r.k, &k_at},
-        {job.v_bytes.data(), kv_bytes, r.v, &v_at}};
-    for (const auto& [region, bytes, direct, at] : parts) {
-      const char* src = direct ? region : l.in + *at;
-      const bool d2d = direct && r.device;
-      RETURN_IF_CUDA_ERROR(d2d ? "D2D copy" : "H2D copy",
-                           cudaMemcpyAsync(dev + *at, src, bytes,
-                                           d2d ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
-                                           stream));
-      *at += bytes;
+    fn(r, InputPart{job.q_bytes.data(), job.QBytes(), r.q}, q_at);
+    fn(r, InputPart{job.k_bytes.data(), job.KvBytes(), r.k}, k_at);
+    fn(r, InputPart{job.v_bytes.data(), job.KvBytes(), r.v}, v_at);
+    q_at += job.QBytes();
+    k_at += job.KvBytes();
+    v_at += job.KvBytes();
+  }
+}
+
+}  // namespace
+
+// Segments of the launch's tensors in GPU regions: inputs gathered into the device's copy of the
+// staging (first), outputs scattered from the device's output (after).
+int32_t CudaStepDevice::CountSegments(const StepLaunch& l) {
+  int32_t n = 0;
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const StepRoute& r = l.routes[m];
+    if (!r.device) continue;
+    n += int32_t{r.q} + int32_t{r.k} + int32_t{r.v} + int32_t{r.o} +
+         int32_t{r.lse && l.members[m]->return_lse};
+  }
+  return n;
+}
+
+int32_t CudaStepDevice::FillSegments(const StepLaunch& l, char* dev_in, char* dev_out,
+                                     CopySegment* table) {
+  int32_t n = 0;
+  ForEachInput(l, [&](const StepRoute& r, const InputPart& p, size_t at) {
+    if (p.direct && r.device) {
+      table[n++] = CopySegment{p.where, dev_in + at, static_cast<int64_t>(p.bytes), 0, 0, 1};
+    }
+  });
+  const int32_t inputs = n;
+  const int32_t* cu_q = l.cu_seqlens_q();
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const StepJob& job = *l.members[m];
+    const StepRoute& r = l.routes[m];
+    if (!r.device) continue;
+    if (r.o) {
+      const size_t at = l.layout.o + size_t(cu_q[m]) * (job.OBytes() / size_t(job.total_q));
+      table[n++] = CopySegment{dev_out + at, job.o_out, static_cast<int64_t>(job.OBytes()), 0, 0, 1};
+    }
+    if (r.lse && job.return_lse) {  // a strided block of the launch's [num_heads, total_q]
+      const int64_t row = int64_t{sizeof(float)} * job.total_q;
+      table[n++] = CopySegment{dev_out + l.layout.lse + sizeof(float) * cu_q[m], job.lse_out, row,
+                               int64_t{sizeof(float)} * l.total_q, row, l.key.num_heads};
     }
   }
+  return inputs;
+}
+
+// The launch's inputs onto the device (async, on stream): the staged parts and the tables in as
+// few copies as they allow; a registered host region's tensor straight from it; the tensors in
+// GPU regions gathered by one kernel over the segment table (already on the device).
+absl::Status CudaStepDevice::CopyInputs(const StepLaunch& l, char* dev,
+                                        const CopySegment* segments, int32_t n,
+                                        cudaStream_t stream) {
+  const StepLayout& s = l.layout;
+  StagedRanges staged;
+  ForEachInput(l, [&](const StepRoute&, const InputPart& p, size_t at) {
+    if (!p.direct) staged.Add(at, p.bytes);
+  });
+  staged.Add(s.tables, s.in_bytes - s.tables);
+  RETURN_IF_ERROR(staged.Copy(dev, l.in, cudaMemcpyHostToDevice, stream));
+  absl::Status st;
+  ForEachInput(l, [&](const StepRoute& r, const InputPart& p, size_t at) {
+    if (!st.ok() || !p.direct || r.device) return;
+    if (cudaError_t e = cudaMemcpyAsync(dev + at, p.where, p.bytes, cudaMemcpyHostToDevice, stream);
+        e != cudaSuccess) {
+      st = CudaError("H2D copy", e);
+    }
+  });
+  RETURN_IF_ERROR(st);
+  RETURN_IF_CUDA_ERROR("segment copies", LaunchSegmentCopies(segments, n, stream));
   return absl::OkStatus();
 }
 
-// The launch's outputs off the device (async, on stream): into the output staging in one copy
-// when no member goes direct; else each member's o (and lse, a strided block of the launch's
-// [num_heads, total_q]) into staging or straight into its region.
-absl::Status CopyOutputs(const StepLaunch& l, const char* dev, cudaStream_t stream) {
+// The launch's outputs off the device (async, on stream): the staged ones into the output
+// staging in as few copies as they allow; a registered host region's straight into it; those of
+// GPU regions scattered by one kernel over the segment table.
+absl::Status CudaStepDevice::CopyOutputs(const StepLaunch& l, const char* dev,
+                                         const CopySegment* segments, int32_t n,
+                                         cudaStream_t stream) {
   const StepLayout& s = l.layout;
-  char* host = l.out.data;
-  const bool any_direct = std::any_of(l.routes.begin(), l.routes.end(),
-                                      [](const StepRoute& r) { return r.AnyOutput(); });
-  if (!any_direct) {
-    RETURN_IF_CUDA_ERROR("D2H copy",
-                         cudaMemcpyAsync(host, dev, s.out_bytes, cudaMemcpyDeviceToHost, stream));
-    return absl::OkStatus();
-  }
-  const int32_t heads = l.key.num_heads;
   const int32_t* cu_q = l.cu_seqlens_q();
+  StagedRanges staged;
   bool staged_lse = false;
   for (size_t m = 0; m < l.members.size(); ++m) {
     const StepJob& job = *l.members[m];
     const StepRoute& r = l.routes[m];
     const size_t o_bytes = job.OBytes();
     const size_t at = s.o + size_t(cu_q[m]) * (o_bytes / size_t(job.total_q));
-    const cudaMemcpyKind o_kind =
-        r.o && r.device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
-    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(r.o ? job.o_out : host + at, dev + at,
-                                                     o_bytes, o_kind, stream));
+    if (!r.o) {
+      staged.Add(at, o_bytes);
+    } else if (!r.device) {
+      RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(job.o_out, dev + at, o_bytes,
+                                                       cudaMemcpyDeviceToHost, stream));
+    }
     if (!job.return_lse) continue;
     if (!r.lse) {
       staged_lse = true;
-      continue;
+    } else if (!r.device) {
+      const size_t row = sizeof(float) * job.total_q;
+      RETURN_IF_CUDA_ERROR("D2H copy",
+                           cudaMemcpy2DAsync(job.lse_out, row, dev + s.lse + sizeof(float) * cu_q[m],
+                                             sizeof(float) * l.total_q, row, l.key.num_heads,
+                                             cudaMemcpyDeviceToHost, stream));
     }
-    const size_t row = sizeof(float) * job.total_q;
-    RETURN_IF_CUDA_ERROR(
-        "D2H copy",
-        cudaMemcpy2DAsync(job.lse_out, row, dev + s.lse + sizeof(float) * cu_q[m],
-                          sizeof(float) * l.total_q, row, heads,
-                          r.device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost, stream));
   }
-  if (staged_lse) {  // the whole lse of the launch: small next to o
-    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(host + s.lse, dev + s.lse,
-                                                     s.out_bytes - s.lse, cudaMemcpyDeviceToHost,
-                                                     stream));
-  }
+  if (staged_lse) staged.Add(s.lse, s.out_bytes - s.lse);  // the whole lse: small next to o
+  if (l.staged_out) RETURN_IF_ERROR(staged.Copy(l.out.data, dev, cudaMemcpyDeviceToHost, stream));
+  RETURN_IF_CUDA_ERROR("segment copies", LaunchSegmentCopies(segments, n, stream));
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<char*> CudaStepDevice::LaneMemory::Get(DevicePool* pool, cudaStream_t stream,
                                                       size_t bytes) {
@@ -274,8 +353,19 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   const size_t tokens = l.in_place ? 0 : size_t(l.total_q);
   const size_t dev_out_bytes =
       l.in_place ? 0 : s.lse + (l.any_lse ? sizeof(float) * key.num_heads * tokens : 0);
-  ASSIGN_OR_RETURN(char* in, lane.in.Get(pool, stream, s.in_bytes));
+  // The segment table of the tensors in GPU regions rides behind the staging's device copy.
+  const int32_t segments = l.in_place ? 0 : CountSegments(l);
+  const size_t table_at = (s.in_bytes + 15) / 16 * 16;
+  const size_t table_bytes = sizeof(CopySegment) * size_t(segments);
+  ASSIGN_OR_RETURN(char* in, lane.in.Get(pool, stream, table_at + table_bytes));
   ASSIGN_OR_RETURN(char* dev_out, lane.out.Get(pool, stream, dev_out_bytes));
+  if (lane.segments.capacity() < table_bytes) {
+    lane.segments = PinnedBuffer();
+    ASSIGN_OR_RETURN(lane.segments, state_->pinned_pool().Acquire(table_bytes));
+  }
+  auto* host_table = static_cast<CopySegment*>(lane.segments.data());
+  auto* dev_table = reinterpret_cast<CopySegment*>(in + table_at);
+  const int32_t input_segments = segments > 0 ? FillSegments(l, in, dev_out, host_table) : 0;
   const StepJob& first = *l.members.front();
 
   kernels::AttentionArgs args = l.HostArgs();
@@ -308,7 +398,11 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
                          cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
                                          cudaMemcpyHostToDevice, stream));
   } else {
-    RETURN_IF_ERROR(CopyInputs(l, in, stream));
+    if (segments > 0) {
+      RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
+                                                       cudaMemcpyHostToDevice, stream));
+    }
+    RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
   }
   // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
   RETURN_IF_CUDA_ERROR(
@@ -334,7 +428,10 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   RETURN_IF_CUDA_ERROR("attention kernel",
                        kernels::cuda::Run(args, plan, workspace, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
-  if (!l.in_place) RETURN_IF_ERROR(CopyOutputs(l, dev_out, stream));
+  if (!l.in_place) {
+    RETURN_IF_ERROR(CopyOutputs(l, dev_out, dev_table + input_segments, segments - input_segments,
+                                stream));
+  }
   if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait
     RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(l.in + s.saturations, saturated,
                                                      sizeof(int64_t), cudaMemcpyDeviceToHost,

@@ -15,6 +15,7 @@
 #include "attn/kernels/cuda_attention.h"
 #include "backends/cuda_device_state.h"
 #include "backends/cuda_util.h"
+#include "backends/segment_copy.h"
 #include "sessions/step_device.h"
 
 namespace attn {
@@ -72,6 +73,7 @@ class CudaStepDevice : public StepDevice {
     cudaStream_t stream = nullptr;
     cudaEvent_t events[4] = {};  // start, inputs and rows in, kernel done, outputs out
     PinnedBuffer staging;        // input staging, grown on demand, reused launch after launch
+    PinnedBuffer segments;       // the segment table's host side (CopySegment), likewise
     // The device copy of the input staging, the launch's outputs, the kernel's workspace.
     LaneMemory in, out, workspace;
     // What the lane keeps after a launch: its buffers while they stay within its share of the
@@ -93,6 +95,15 @@ class CudaStepDevice : public StepDevice {
   absl::Status Init(const Options& options);
   absl::Status AllocateKvRegion(const Options& options);
   absl::Status Enqueue(Lane& lane, const StepLaunch& launch);
+  // Copies of the tensors in GPU regions (StepRoute::device), done by one segment-copy kernel for
+  // the inputs and one for the outputs. FillSegments writes the table, inputs first, and returns
+  // how many are inputs.
+  static int32_t CountSegments(const StepLaunch& l);
+  static int32_t FillSegments(const StepLaunch& l, char* dev_in, char* dev_out, CopySegment* table);
+  static absl::Status CopyInputs(const StepLaunch& l, char* dev, const CopySegment* segments,
+                                 int32_t n, cudaStream_t stream);
+  static absl::Status CopyOutputs(const StepLaunch& l, const char* dev,
+                                  const CopySegment* segments, int32_t n, cudaStream_t stream);
   // The kernel's plan for args and its workspace from the lane's memory. A decode plan whose
   // split-KV partials do not fit the device pool runs unsplit instead (no workspace): slower for
   // that launch, where failing would refuse a step whose tensors the pool holds.

@@ -28,6 +28,7 @@ using Clock = std::chrono::steady_clock;
 inline double Micros(Clock::duration d) {
   return std::chrono::duration<double, std::micro>(d).count();
 }
+inline double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // Jobs that share a key can be packed into one launch.
 struct BatchKey {

@@ -19,6 +19,10 @@ struct BatchReport {
   double kv_bytes_read = 0;
   // Elements of 16-bit k_new/v_new that saturated to +-448 on their way into an FP8 cache.
   int64_t kv_fp8_saturations = 0;
+  // Session steps: host time of the launches' parts on their lane (summed over the batch's
+  // launches): planning and staging, enqueueing the copies and kernels, waiting for the device,
+  // and finishing (appends committed, outputs handed on, callers told or handed to threads).
+  double stage_seconds = 0, enqueue_seconds = 0, wait_seconds = 0, finish_seconds = 0;
 };
 
 }  // namespace attn

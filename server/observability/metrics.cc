@@ -25,6 +25,8 @@ prometheus::Histogram::BucketBoundaries Exponential(double base, double factor, 
 
 // 10 us .. ~42 s, doubling: suits a small decode step and a long prefill alike.
 prometheus::Histogram::BucketBoundaries LatencyBuckets() { return Exponential(10e-6, 2.0, 23); }
+// Parts of a step: from a microsecond (a lone step's enqueue) to about a second.
+prometheus::Histogram::BucketBoundaries PhaseBuckets() { return Exponential(1e-6, 2.0, 21); }
 
 }  // namespace
 
@@ -159,6 +161,19 @@ void Metrics::Build(const Options& o) {
   step_tokens_ = hist("attn_step_tokens_per_launch",
                       "New (query) tokens of the session steps computed in one launch",
                       Exponential(1, 2, 15));
+  auto& phases = prometheus::BuildHistogram()
+                     .Name("attn_step_phase_duration_seconds")
+                     .Help("Host time of a session step's parts: per Step/BatchStep call, its "
+                           "request decoded and its jobs made (decode) and its answer encoded "
+                           "(answer); per launch, its planning and staging (stage), its copies "
+                           "and kernels enqueued (enqueue), the wait for the device (wait), its "
+                           "appends committed and callers told (finish)")
+                     .Register(r);
+  const char* phase_names[] = {"decode", "stage", "enqueue", "wait", "finish", "answer"};
+  static_assert(std::size(phase_names) == static_cast<size_t>(StepPhase::kCount));
+  for (size_t i = 0; i < step_phases_.size(); ++i) {
+    step_phases_[i] = &phases.Add({{"phase", phase_names[i]}}, PhaseBuckets());
+  }
   decode_bandwidth_ = hist("attn_decode_bandwidth_bytes_per_second",
                            "K and V bytes read from the KV cache per decode launch over its "
                            "kernel time",
@@ -242,6 +257,10 @@ void Metrics::ObserveStreamItem(absl::StatusCode code) {
 
 void Metrics::ObserveQueueSeconds(double seconds) { queue_->Observe(seconds); }
 
+void Metrics::ObserveStepPhase(StepPhase phase, double seconds) {
+  step_phases_[static_cast<size_t>(phase)]->Observe(seconds);
+}
+
 void Metrics::ObserveBatch(const BatchReport& report) {
   if (report.requests == 0) return;
   if (report.kv_fp8_saturations > 0) {
@@ -249,6 +268,10 @@ void Metrics::ObserveBatch(const BatchReport& report) {
   }
   if (report.step_launches > 0) {
     step_tokens_->Observe(static_cast<double>(report.tokens) / report.step_launches);
+    ObserveStepPhase(StepPhase::kStage, report.stage_seconds);
+    ObserveStepPhase(StepPhase::kEnqueue, report.enqueue_seconds);
+    ObserveStepPhase(StepPhase::kWait, report.wait_seconds);
+    ObserveStepPhase(StepPhase::kFinish, report.finish_seconds);
     if (report.decode && report.compute_seconds > 0 && report.kv_bytes_read > 0) {
       decode_bandwidth_->Observe(report.kv_bytes_read / report.compute_seconds);
     }

@@ -41,6 +41,11 @@ enum class Rpc : int {
 };
 const char* RpcName(Rpc rpc);
 
+// Parts of a session step's way through attnd (docs/STEP_PATH.md), for
+// attn_step_phase_duration_seconds{phase}: per call, its request decoded and its jobs made
+// (decode) and its answer encoded (answer); per launch, on its lane, the parts of BatchReport.
+enum class StepPhase { kDecode, kStage, kEnqueue, kWait, kFinish, kAnswer, kCount };
+
 class Metrics {
  public:
   struct Options {
@@ -62,6 +67,7 @@ class Metrics {
   void ObserveStreamItem(absl::StatusCode code);
   void ObserveQueueSeconds(double seconds);
   void ObserveBatch(const BatchReport& report);
+  void ObserveStepPhase(StepPhase phase, double seconds);
   void SetPendingRequests(int64_t n);
   void SetMaxQueueSize(int64_t n);
   void SetDevicePool(const MemoryBytes& bytes);
@@ -140,6 +146,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* handoffs_family_ = nullptr;
   prometheus::Counter* handoff_bytes_ = nullptr;
   prometheus::Histogram* step_tokens_ = nullptr;
+  std::array<prometheus::Histogram*, static_cast<size_t>(StepPhase::kCount)> step_phases_{};
   prometheus::Histogram* decode_bandwidth_ = nullptr;
   prometheus::Gauge* sessions_ = nullptr;
   prometheus::Gauge* gpu_used_ = nullptr;

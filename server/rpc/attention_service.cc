@@ -21,8 +21,6 @@
 namespace attn {
 namespace {
 
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
 constexpr char kShuttingDown[] = "attnd is shutting down; retry on another replica";
 
 // One unary Attend through protobuf messages (Options::attend_wire_path false).

@@ -153,6 +153,10 @@ class AttentionService final : public AttentionCallbackBase {
                    const absl::Status& st, int64_t received, int64_t sent);
   grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, Rpc rpc,
                                           int64_t received);
+  // attn_step_phase_duration_seconds{phase}: the time from `since` to now.
+  void ObserveStepPhase(StepPhase phase, Clock::time_point since) {
+    if (metrics_) metrics_->ObserveStepPhase(phase, Seconds(Clock::now() - since));
+  }
   // The caller's identity for the per-client limit ("token:<i>" or its peer host), or
   // UNAUTHENTICATED when tokens are on and the call has no valid one.
   absl::StatusOr<std::string> Identify(const grpc::CallbackServerContext* ctx) const;

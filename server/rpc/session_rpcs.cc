@@ -202,9 +202,11 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
     AddMovedTo(ctx, st);
     int64_t sent = 0;
     if (st.ok()) {
+      const auto encode_start = Clock::now();
       WireStepCall::Output& out = raw->outputs.front();
       *response = EncodeStepResponse(out.response, std::move(out.o), std::move(out.lse));
       sent = static_cast<int64_t>(response->Length());
+      ObserveStepPhase(StepPhase::kAnswer, encode_start);
     }
     FinishUnary(reactor, Rpc::kStep, arrival, st, received, sent);
   };
@@ -223,6 +225,7 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
                                  }));
     std::vector<std::unique_ptr<StepJob>> jobs;
     jobs.push_back(std::move(job));
+    ObserveStepPhase(StepPhase::kDecode, arrival);
     EnqueueSteps(std::move(jobs));
     return absl::OkStatus();
   }();
@@ -268,6 +271,7 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     auto batch = std::make_shared<BatchStepCall>();
     batch->slot = slot;
     batch->finish = [this, reactor, arrival, received, response, raw = call.get()] {
+      const auto encode_start = Clock::now();
       std::vector<EncodedStepResult> results(raw->outputs.size());
       for (size_t i = 0; i < results.size(); ++i) {
         WireStepCall::Output& out = raw->outputs[i];
@@ -281,6 +285,7 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
         results[i].lse = std::move(out.lse);
       }
       *response = EncodeBatchStepResponse(results);
+      ObserveStepPhase(StepPhase::kAnswer, encode_start);
       FinishUnary(reactor, Rpc::kBatchStep, arrival, absl::OkStatus(), received,
                   static_cast<int64_t>(response->Length()));
     };
@@ -303,6 +308,7 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
         batch->ItemDone();
       }
     }
+    ObserveStepPhase(StepPhase::kDecode, arrival);
     EnqueueSteps(std::move(jobs));
     batch->ItemDone();
     return absl::OkStatus();

@@ -144,7 +144,9 @@ void StepPipeline::RunOnLane(int lane, Work work) {
     job->batch_requests = static_cast<int32_t>(n);
     job->batch_tokens = report.tokens;
   }
+  const auto finish_start = Clock::now();
   Finish(std::move(work.batch), std::move(status));
+  report.finish_seconds += Seconds(Clock::now() - finish_start);
   work.on_finished(report);
 }
 
@@ -152,6 +154,7 @@ void StepPipeline::RunLaunches(int lane, std::span<std::unique_ptr<StepJob>> job
                                std::span<size_t> members, std::span<absl::Status> status,
                                BatchReport* report) {
   // Plan, first part: each member's append, all or nothing for that member.
+  const auto stage_start = Clock::now();
   std::vector<size_t> launched;
   std::vector<StepJob*> launched_jobs;
   for (size_t i : members) {
@@ -168,10 +171,13 @@ void StepPipeline::RunLaunches(int lane, std::span<std::unique_ptr<StepJob>> job
   if (launched.empty()) return;
 
   StepLaunch launch;
-  const auto stage_start = Clock::now();
   absl::Status st = PlanAndStage(lane, launched_jobs, &launch);
-  const double stage_us = Micros(Clock::now() - stage_start);
+  const auto staged = Clock::now();
+  const double stage_us = Micros(staged - stage_start);
+  report->stage_seconds += stage_us * 1e-6;
   if (st.ok()) st = device_->Launch(lane, launch);
+  const auto enqueued = Clock::now();
+  report->enqueue_seconds += Seconds(enqueued - staged);
   if (absl::IsResourceExhausted(st) && launched.size() > 1) {
     // The device (or its staging) has no room for them together: give the pages back and run
     // the halves one after the other, so that only a step that does not fit by itself fails.
@@ -194,7 +200,10 @@ void StepPipeline::RunLaunches(int lane, std::span<std::unique_ptr<StepJob>> job
       st = waited.status();
     }
   }
+  const auto device_done = Clock::now();
+  report->wait_seconds += Seconds(device_done - enqueued);
   EndLaunch(launch, st);
+  report->finish_seconds += Seconds(Clock::now() - device_done);
   if (!st.ok()) {
     for (size_t i : launched) status[i] = st;
     return;

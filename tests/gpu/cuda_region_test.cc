@@ -5,7 +5,8 @@
 //   through CUDA IPC, with o and lse written into GPU memory, checked against the float64
 //   reference over several steps (outputs poisoned first), aligned (the launch in place) and not
 //   (device-to-device copies);
-// - a BatchStep of one launch mixing a GPU-region item, a host-region item and an inline one;
+// - a BatchStep of one launch mixing a GPU-region item, a host-region item and an inline one, and
+//   one of many steps in GPU regions (gathered and scattered by one kernel each);
 // - a CUDA VMM allocation passed as a file descriptor: an Attend in place through it, and the
 //   registrations refused (past the allocation, another device, not a VMM allocation's);
 // - Attends whose tensors all lie in GPU regions, large and aligned (the kernel reading and
@@ -384,6 +385,64 @@ TEST_F(CudaRegionTest, OneLaunchMixesGpuRegionHostRegionAndInlineSteps) {
       EXPECT_LT(e.o, kOTolerance) << name << ", round " << round;
       EXPECT_LT(e.lse, kLseTolerance) << name << ", round " << round;
     }
+  }
+}
+
+// A BatchStep of many steps in GPU regions is one launch whose tensors one kernel gathers and
+// scatters: decode steps and chunks, aligned and not, with lse and without, among inline steps.
+TEST_F(CudaRegionTest, ManyGpuRegionStepsInOneLaunchMatchTheReference) {
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
+  GpuBuffer& gin = RegisterGpu("gin");
+  GpuBuffer& gout = RegisterGpu("gout");
+  ASSERT_FALSE(HasFailure());
+  constexpr int kSteps = 24;
+  std::vector<std::string> ids;
+  std::vector<SessionShadow> shadows;
+  for (int i = 0; i < kSteps; ++i) {
+    ids.push_back(CreateSession());
+    shadows.emplace_back(kSpec);
+  }
+  for (int round = 0; round < 4; ++round) {
+    v1::BatchStepRequest batch;
+    std::vector<v1::StepRequest> steps, sent;
+    for (int i = 0; i < kSteps; ++i) {
+      const int tokens = round == 0 ? 9 + i % 7 : (i + round) % 5 == 0 ? 3 : 1;
+      v1::StepRequest step = testing::RandomStep(ids[i], i % 2, tokens, kSpec, rng_);
+      step.set_return_lse((i + round) % 3 != 0);
+      // Every fourth inline; the others in the GPU regions, every third of those off 16 bytes.
+      const uint64_t skew = i % 3 == 1 ? 2 * uint64_t(1 + i % 4) : 0;
+      const Placement at{"gin", "gout", 65536 * uint64_t(i) + skew, 65536 * uint64_t(i) + skew};
+      sent.push_back(i % 4 == 3 ? step : InRegions(step, at, [&](uint64_t where, const std::string& d) {
+        gin.Write(where, d);
+      }));
+      steps.push_back(std::move(step));
+      *batch.add_steps() = sent.back();
+    }
+    gout.Poison();
+    v1::BatchStepResponse response;
+    grpc::ClientContext ctx;
+    client_->PrepareContext(&ctx, std::chrono::milliseconds(30000));
+    const grpc::Status st = client_->stub()->BatchStep(&ctx, batch, &response);
+    ASSERT_TRUE(st.ok()) << st.error_message() << "\n" << attnd_->Log();
+    ASSERT_EQ(response.results_size(), kSteps);
+    for (int i = 0; i < kSteps; ++i) {
+      const v1::StepResult& result = response.results(i);
+      ASSERT_EQ(result.status_code(), 0) << "step " << i << ": " << result.status_message();
+      shadows[i].Append(steps[i]);
+      EXPECT_EQ(result.response().cached_tokens(), shadows[i].Tokens(i % 2)) << "step " << i;
+      const v1::StepResponse answer =
+          i % 4 == 3 ? result.response()
+                     : ReadBack(sent[i], result.response(),
+                                [&](uint64_t at, uint64_t n) { return gout.Read(at, n); });
+      const SessionShadow::Error err = shadows[i].Check(steps[i], answer);
+      EXPECT_EQ(err.non_finite, 0) << "round " << round << ", step " << i;
+      EXPECT_LT(err.o, kOTolerance) << "round " << round << ", step " << i;
+      EXPECT_LT(err.lse, kLseTolerance) << "round " << round << ", step " << i;
+    }
+    std::printf("round %d: %d steps, launch of %d, kernel %.1f us, transfer %.1f us\n", round,
+                kSteps, response.results(0).response().timing().batch_requests(),
+                response.results(0).response().timing().compute_us(),
+                response.results(0).response().timing().transfer_us());
   }
 }
 

@@ -409,6 +409,17 @@ TEST_F(SessionTest, ServerInfoAndMetricsDescribeTheCache) {
   }
   EXPECT_EQ(testing::MetricValue(text, "attn_sessions", {}), 1);
   EXPECT_EQ(testing::MetricValue(text, "attn_kv_cache_pages", {"state=\"used\""}), 3);
+  // Two Step calls, two launches: each phase counted once per call or launch.
+  for (const char* phase : {"decode", "stage", "enqueue", "wait", "finish", "answer"}) {
+    const std::string label = std::string("phase=\"") + phase + "\"";
+    EXPECT_EQ(testing::MetricValue(text, "attn_step_phase_duration_seconds_count", {label}), 2)
+        << phase;
+  }
+  for (const char* phase : {"decode", "stage"}) {
+    const std::string label = std::string("phase=\"") + phase + "\"";
+    EXPECT_GT(testing::MetricValue(text, "attn_step_phase_duration_seconds_sum", {label}), 0)
+        << phase;
+  }
   EXPECT_NEAR(testing::MetricValue(text, "attn_kv_cache_usage_ratio", {}), 3.0 / 2048, 1e-9);
   EXPECT_EQ(testing::MetricValue(text, "attn_step_tokens_per_launch_count", {}), 2);
   EXPECT_EQ(testing::MetricValue(text, "attn_decode_bandwidth_bytes_per_second_count", {}), 1);
