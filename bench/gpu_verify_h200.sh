@@ -11,13 +11,16 @@
 #   steps    attn-bench --mode decode: a lone Step (stub, wire and GPU-region coding) and its Echo,
 #            BatchStep of 64 from 4 callers, after their sessions' prefill
 #   example  client/python/gpu_check.sh example 1 (an 8b-shaped decoder, teacher-forced tokens)
+#   handoff  attn-session-transfer-bench --over_grpc: sessions moved by the drain's hand-off over
+#            loopback gRPC into a CPU and a CUDA peer (GB/s)
 # Every part runs under its own timeout; logs and tables go to OUT_DIR/PART, and a line per part
 # to OUT_DIR/summary.txt.
 #   . BUNDLE/env.sh && bench/gpu_verify_h200.sh BUNDLE OUT_DIR PART...
 # BUNDLE: a gpu-bundle of attnd, attnctl, attn-bench, the cuda_*_test suites, with
 # lib/libattn_kernels_capi.so beside the other libraries.
 set -uo pipefail
-self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+self_dir=$(cd "$(dirname "$0")" && pwd)
+self=$self_dir/$(basename "$0")
 inner=""
 if [ "${1:-}" = --inner ]; then inner=$2; shift 2; fi  # one part's body, run under part's timeout
 bundle=$(cd "$1" && pwd)
@@ -68,20 +71,50 @@ suites() {
   done
 }
 
+# One attnd per value of STEP_LANES (--step_lanes); per level, the means of
+# attn_step_phase_duration_seconds (bench/step_phases.py) into steps/phases.md.
 steps() {
-  local port=50051 log=$out/steps/attnd.log
-  "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen=127.0.0.1:0 --backend=cuda \
-    --kv_cache_bytes=17179869184 --allow_shared_memory >"$log" 2>&1 &
-  attnd_pid=$!
-  trap 'kill -TERM $attnd_pid 2>/dev/null' EXIT
-  for _ in $(seq 300); do grep -q 'serving attn.v1' "$log" && break; sleep 0.2; done
+  local port=50051 mport=9464 lanes
   local common=(--target 127.0.0.1:$port --mode decode --layers 1 --cache_tokens 4096 --heads 32
                 --kv_heads 8 --head_dim 128 --dtype bf16 --duration_s "${LEVEL_S:-3}" --warmup_s 0.5)
-  "$bin/attn-bench" "${common[@]}" --sessions 1 --step_coding stub,wire,gpu --csv "$out/steps/decode.csv" --label lone
-  "$bin/attn-bench" "${common[@]}" --sessions 256 --batch_step 64 --step_coding stub,wire \
-    --csv "$out/steps/decode.csv" --label batch64x4
-  kill -TERM $attnd_pid
-  wait $attnd_pid
+  local scrape=("$py" "$self_dir/step_phases.py" scrape "http://127.0.0.1:$mport/metrics")
+  local header=--header
+  for lanes in ${STEP_LANES:-2}; do
+    local log=$out/steps/attnd-lanes$lanes.log
+    "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen=127.0.0.1:$mport --backend=cuda \
+      --kv_cache_bytes=17179869184 --allow_shared_memory --step_lanes="$lanes" >"$log" 2>&1 &
+    attnd_pid=$!
+    trap 'kill -TERM $attnd_pid 2>/dev/null' EXIT
+    for _ in $(seq 300); do grep -q 'serving attn.v1' "$log" && break; sleep 0.2; done
+    "${scrape[@]}" "$out/steps/m0"
+    "$bin/attn-bench" "${common[@]}" --sessions 1 --step_coding "${LONE_CODINGS:-stub,wire,gpu}" \
+      --csv "$out/steps/decode.csv" --label "lone-lanes$lanes"
+    "${scrape[@]}" "$out/steps/m1"
+    # The same set-up twice (256 sessions prefilled to 4k), once with a tiny measured part: the
+    # difference is the decode level's alone.
+    "$bin/attn-bench" "${common[@]}" --sessions 256 --batch_step 64 --step_coding "${BATCH_CODINGS:-wire}" \
+      --duration_s 0.05 --warmup_s 0 --label "setup-only" >"$out/steps/setup-lanes$lanes.txt"
+    "${scrape[@]}" "$out/steps/m2"
+    "$bin/attn-bench" "${common[@]}" --sessions 256 --batch_step 64 --step_coding "${BATCH_CODINGS:-wire}" \
+      --csv "$out/steps/decode.csv" --label "batch64x4-lanes$lanes"
+    "${scrape[@]}" "$out/steps/m3"
+    "$py" "$self_dir/step_phases.py" diff "$out/steps/m0" "$out/steps/m1" "lone, $lanes lanes (all codings)" $header >>"$out/steps/phases.md"
+    header=
+    "$py" "$self_dir/step_phases.py" diff "$out/steps/m2" "$out/steps/m3" "BatchStep 64 x 4, $lanes lanes" \
+      --less "$out/steps/m1" "$out/steps/m2" >>"$out/steps/phases.md"
+    kill -TERM $attnd_pid
+    wait $attnd_pid
+  done
+  cat "$out/steps/phases.md"
+}
+
+handoff() {
+  local peer
+  for peer in cpu cuda; do
+    echo "== peer $peer"
+    "$bin/attn-session-transfer-bench" --over_grpc --repeats="${HANDOFF_REPEATS:-3}" \
+      --page_bytes=32768 --peer_backend=$peer
+  done
 }
 
 if [ -n "$inner" ]; then
@@ -98,6 +131,7 @@ for p in "$@"; do
     steps) mkdir -p "$out/steps"; part steps "${STEPS_TIMEOUT:-240}" "$self" --inner steps "$bundle" "$out" ;;
     example) part example "${EXAMPLE_TIMEOUT:-300}" env OUT="$out/example" ATTND_BIN_DIR="$bin" \
                EXAMPLE_TIMEOUT=$((${EXAMPLE_TIMEOUT:-300} - 10)) client/python/gpu_check.sh example 1 ;;
+    handoff) part handoff "${HANDOFF_TIMEOUT:-200}" "$self" --inner handoff "$bundle" "$out" ;;
     *) echo "gpu_verify_h200: unknown part $p" >&2 ;;
   esac
 done
