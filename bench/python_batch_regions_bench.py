@@ -17,8 +17,9 @@ two ways):
              requests prepared per shape (the default) or coded per call (prepare_batches=False)
 
 grpcio's call includes attnd's work; the table gives the server's own total_us of item 0 (its
-ServerTiming) beside it, and an Echo of the same request and answer sizes (grpcio's own floor on
-this host). The sessions are kept between --cache and --cache + --window tokens (truncated back,
+ServerTiming) beside it, what the call took beyond it (transport, attnd's decoding and encoding),
+and an Echo of the same request and answer sizes (grpcio's own floor on this host). "client" is
+the Python time of a call but grpcio's: the target for a prepared 32-step call is <= 50 us. The sessions are kept between --cache and --cache + --window tokens (truncated back,
 not timed).
 
     bench/python_batch_regions_bench.py --target 127.0.0.1:50051 --region host      # any backend
@@ -148,6 +149,7 @@ class Bench:
                            ("grpcio call", t3, t4), ("reading", t4, t5), ("sum", t0, t5)):
             parts.add(name, b - a)
         parts.add("server total_us", results[0].timing.total_us * 1e-6)
+        parts.add("grpcio call - server total_us", (t4 - t3) - results[0].timing.total_us * 1e-6)
         parts.add("client (sum - grpcio call)", (t5 - t0) - (t4 - t3))
         self.advance()
 
@@ -168,6 +170,7 @@ class Bench:
             parts.add(name, b - a)
         parts.add("items (region rows)", 0.0)
         parts.add("server total_us", results[0].timing.total_us * 1e-6)
+        parts.add("grpcio call - server total_us", (t3 - t2) - results[0].timing.total_us * 1e-6)
         parts.add("client (sum - grpcio call)", (t4 - t0) - (t3 - t2))
         self.advance()
 
@@ -282,7 +285,8 @@ def main() -> int:
         bench.close()
 
     rows = ["items (region rows)", "coding", "cuda sync", "grpcio call", "reading", "sum",
-            "client (sum - grpcio call)", "e2e", "server total_us", "echo (same sizes)",
+            "client (sum - grpcio call)", "e2e", "server total_us", "grpcio call - server total_us",
+            "echo (same sizes)",
             "torch RemoteKVCache.step (per call)", "torch RemoteKVCache.step (prepared)"]
     print(f"BatchStep of {args.batch} decode steps ({args.heads}/{args.kv_heads} heads, "
           f"d={args.head_dim}, {args.dtype}), {args.region} region "
