@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -198,9 +198,9 @@ class Bench:
         self.region.close()
 
 
-def torch_layers(args: argparse.Namespace, client: Any, prepared: bool, parts: Parts,
-                 rounds: int) -> None:
-    """RemoteKVCache.step of one layer (q, k, v made fresh on the device each call, untimed)."""
+def torch_layers(args: argparse.Namespace, client: Any, prepared: bool, parts: Parts) -> None:
+    """RemoteKVCache.step of one layer, the same q, k, v each call (and a device synchronize
+    before and after it on the GPU, so that its time includes the step's device work)."""
     import attnd.torch as at
 
     transport = "cuda-ipc" if args.region == "cuda" else "shm"
@@ -279,8 +279,8 @@ def main() -> int:
         if torch is not None and not args.no_torch_layers:
             for r in range(args.rounds):
                 for prepared in ((False, True) if r % 2 == 0 else (True, False)):
-                    torch_layers(args, bench.client, prepared, ways["prepared" if prepared else
-                                                                    "ordinary"], r)
+                    torch_layers(args, bench.client, prepared,
+                                 ways["prepared" if prepared else "ordinary"])
     finally:
         bench.close()
 
