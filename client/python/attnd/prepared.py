@@ -4,8 +4,8 @@ A model that decodes a batch of sequences with its inputs and outputs in registe
 for every layer of every token, the same BatchStep but for the layer: the same sessions, the same
 region slices for q, k_new, v_new, o (and lse). ``client.prepare_batch_step(items)`` codes that
 request once, with each step's layer written as a fixed-width varint (protobuf reads a padded
-varint as the same value), and each call then only rewrites the layers in place (the message of a
-layer once written is kept) and sends the bytes as they are. The answer is checked with one pass
+varint as the same value); the message of a layer is those bytes with the layers rewritten at
+their fixed places, made at its first call and kept, and each call sends it as it is. The answer is checked with one pass
 over its bytes (every item OK, every o in its region); any other answer (a failed item) is read
 in full, so errors are those of ``client.batch_step``, item by item.
 
@@ -71,7 +71,8 @@ def _region_step(regions: RegionTable, item: _core.StepItem, index: int
 
 class BatchStepTemplate:
     """The coded BatchStep of a fixed list of steps in regions, and the reading of its answers
-    (no I/O: PreparedBatchStep and aio's AsyncPreparedBatchStep send it).
+    (no I/O: PreparedBatchStep and aio's AsyncPreparedBatchStep send it). Safe to share between
+    threads (nothing is rewritten in place after it is made).
 
     Attributes: ``session_ids`` and ``layers`` (as prepared), ``devices`` (CUDA devices whose
     current stream is synchronized before each call: those of GPU-region inputs).
@@ -100,7 +101,6 @@ class BatchStepTemplate:
                 devices.add(p.cuda_sync)
         self.devices = sorted(devices)
         self._o_bytes = o_bytes or 0
-        self._buf = head
         self._initial = bytes(head)
         self._by_layer: Dict[int, bytes] = {}
 
@@ -130,7 +130,9 @@ class BatchStepTemplate:
         return self._write(layers)
 
     def _write(self, layers: Sequence[int]) -> bytes:
-        buf, width = self._buf, _wire.LAYER_WIDTH
+        # A copy each time, so that threads sending one template at different layers do not
+        # rewrite each other's bytes (a layer's message is then kept).
+        buf, width = bytearray(self._initial), _wire.LAYER_WIDTH
         for at, layer in zip(self._layer_at, layers):
             buf[at:at + width] = _wire.fixed_varint(int(layer), width)
         return bytes(buf)
