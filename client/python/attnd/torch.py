@@ -240,7 +240,7 @@ class RemoteKVCache:
         (a decode loop reuses them at every layer of every token)."""
         b, n, h, d = q.shape
         hkv = k.shape[2]
-        key = (b, n, h, hkv, d, float(scale or 0.0), window)
+        key = (b, n, h, hkv, d, float(scale or 0.0), None if window is None else tuple(window))
         slots = self._slots.get(key)
         if slots is not None:
             return slots
