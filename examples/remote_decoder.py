@@ -21,6 +21,9 @@ Sizes:
   --size 8b     CUDA, bfloat16, 32 layers, 32/8 heads, d=128 (a Llama-3-8B-shaped model with a
                 32000-token vocabulary), 2048-token prompts, 256 new tokens, batch 1 and 32, over
                 gRPC and over a CUDA IPC region, with --teacher-forced.
+Over a region (--transport cuda-ipc, or shm: a host region for the CPU), q, k and v of each layer
+are copied into the region and a batch's step is one BatchStep coded once per shape
+(attnd.torch.RemoteKVCache, Client.prepare_batch_step), only its layer rewritten each time.
 
 The model is transformers' LlamaForCausalLM (attn_implementation "sdpa" against "attnd", with
 attnd.torch.AttndCache) where transformers is installed, else a small PyTorch decoder of this
@@ -586,7 +589,8 @@ def main() -> int:
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--model", choices=("auto", "hf", "own"), default="auto")
-    p.add_argument("--transport", default=None, help="grpc, cuda-ipc or both (default: grpc; "
+    p.add_argument("--transport", default=None, help="comma-separated: grpc, shm (a host region: "
+                   "CPU, attnd on this host), cuda-ipc; or both (grpc,cuda-ipc) (default: grpc; "
                    "8b: both)")
     p.add_argument("--batch", default=None, help="comma-separated batch sizes (small: 1,2; 8b: 1,32)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (small: 40; 8b: 2048)")

@@ -7,13 +7,20 @@
 #   example  examples/remote_decoder.py --size 8b: batch 1 (with the teacher-forced comparison)
 #            and batch 32, over gRPC and over a CUDA IPC region ("example 1" or "example 32"
 #            runs one batch size)
-#   bench    bench/python_client_bench.py: the Python sync and asyncio clients against attn-bench
+#   bench    in one command (about 9 minutes at most): bench/python_client_bench.py (the Python
+#            sync and asyncio clients against attn-bench), bench/python_batch_regions_bench.py
+#            (where a batch-32 decode BatchStep's client time goes, GPU regions and host regions,
+#            prepared against coded per call), and the example at --size 8b --batch 32 over
+#            CUDA IPC and gRPC (attnd's added us per layer)
 #
 # Usage, from the repository root (no argument: every part):
 #   . .gpu/env.sh && client/python/gpu_check.sh [tests|example [1|32]|bench]...
 # Environment: ATTND_BIN_DIR (default .gpu/bin: attnd, attn-bench), OUT (results; default
 # gpu-python-results), PYTHON (default python3), BENCH_ARGS (more arguments of the benchmark),
-# EXAMPLE_ARGS (more arguments of the example), TESTS_TIMEOUT, EXAMPLE_TIMEOUT, BENCH_TIMEOUT (seconds per part; defaults 580, 570, 570).
+# EXAMPLE_ARGS (more arguments of the example), TESTS_TIMEOUT, EXAMPLE_TIMEOUT (seconds per
+# part; defaults 580, 570); the bench part's three runs: BENCH_TIMEOUT (180), REGIONS_TIMEOUT
+# (100), BENCH_EXAMPLE_TIMEOUT (280), REGIONS_ARGS (more arguments of the regions benchmark),
+# BENCH_EXAMPLE_ARGS (the example's transports and more; default --transport cuda-ipc,grpc).
 #
 # The package is imported from client/python. Its protocol descriptors
 # (client/python/attnd/_proto/_descriptor_set.py, git-ignored) are generated from proto/ with
@@ -86,13 +93,15 @@ run_tests() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 }
 
+# run_example BATCHES SECONDS NAME ARGS...: the example at --size 8b on an attnd of its own.
 run_example() {
-  local batches=$1
-  start_attnd "$out/attnd-example-$batches.log" --allow_shared_memory \
+  local batches=$1 seconds=$2 name=$3
+  shift 3
+  start_attnd "$out/attnd-$name.log" --allow_shared_memory \
     --kv_cache_bytes=34359738368 --max_session_tokens=8192 || { rc=1; return; }
-  note "examples/remote_decoder.py --size 8b --batch $batches against $TARGET"
-  timeout "${EXAMPLE_TIMEOUT:-570}" "$py" examples/remote_decoder.py --target "$TARGET" --size 8b --batch "$batches" \
-    ${EXAMPLE_ARGS:-} --json "$out/remote_decoder_8b_batch$batches.json" 2>&1 | tee "$out/remote_decoder_8b_batch$batches.log"
+  note "examples/remote_decoder.py --size 8b --batch $batches $* against $TARGET"
+  timeout "$seconds" "$py" examples/remote_decoder.py --target "$TARGET" --size 8b --batch "$batches" \
+    "$@" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   stop_attnd
 }
@@ -100,11 +109,28 @@ run_example() {
 run_bench() {
   start_attnd "$out/attnd-bench.log" --kv_cache_bytes=8589934592 || { rc=1; return; }
   note "bench/python_client_bench.py against $TARGET"
-  timeout "${BENCH_TIMEOUT:-570}" "$py" bench/python_client_bench.py --target "$TARGET" --attn-bench "$bin/attn-bench" \
-    --duration 5 --rounds 2 --json "$out/python_client_bench.json" ${BENCH_ARGS:-} 2>&1 |
+  timeout "${BENCH_TIMEOUT:-180}" "$py" bench/python_client_bench.py --target "$TARGET" --attn-bench "$bin/attn-bench" \
+    --duration 3 --rounds 2 --json "$out/python_client_bench.json" ${BENCH_ARGS:-} 2>&1 |
     tee "$out/python_client_bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   stop_attnd
+
+  start_attnd "$out/attnd-regions.log" --allow_shared_memory --kv_cache_bytes=8589934592 ||
+    { rc=1; return; }
+  local region
+  for region in cuda host; do
+    note "bench/python_batch_regions_bench.py --region $region against $TARGET"
+    timeout "$(( ${REGIONS_TIMEOUT:-100} / 2 ))" "$py" bench/python_batch_regions_bench.py \
+      --target "$TARGET" --region "$region" --calls 200 --rounds 3 \
+      --json "$out/python_batch_regions_$region.json" ${REGIONS_ARGS:-} 2>&1 |
+      tee "$out/python_batch_regions_$region.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  done
+  stop_attnd
+
+  # shellcheck disable=SC2086  # BENCH_EXAMPLE_ARGS is a list of arguments
+  run_example 32 "${BENCH_EXAMPLE_TIMEOUT:-280}" bench_remote_decoder_8b_batch32 \
+    ${BENCH_EXAMPLE_ARGS:---transport cuda-ipc,grpc}
 }
 
 parts=("$@")
@@ -116,10 +142,13 @@ while [ $i -lt ${#parts[@]} ]; do
     example)
       if [ $((i + 1)) -lt ${#parts[@]} ] && [[ ${parts[$((i + 1))]} =~ ^[0-9,]+$ ]]; then
         i=$((i + 1))
-        run_example "${parts[$i]}"
+        # shellcheck disable=SC2086  # EXAMPLE_ARGS is a list of arguments
+        run_example "${parts[$i]}" "${EXAMPLE_TIMEOUT:-570}" "remote_decoder_8b_batch${parts[$i]}" ${EXAMPLE_ARGS:-}
       else
-        run_example 1
-        run_example 32
+        # shellcheck disable=SC2086
+        run_example 1 "${EXAMPLE_TIMEOUT:-570}" remote_decoder_8b_batch1 ${EXAMPLE_ARGS:-}
+        # shellcheck disable=SC2086
+        run_example 32 "${EXAMPLE_TIMEOUT:-570}" remote_decoder_8b_batch32 ${EXAMPLE_ARGS:-}
       fi ;;
     bench) run_bench ;;
     *) echo "gpu_check: unknown part '${parts[$i]}' (tests, example [BATCH], bench)" >&2; rc=2 ;;

@@ -1,6 +1,7 @@
 """examples/remote_decoder.py at its small size (float32 on the CPU): the decoder with its
 attention in attnd generates the same tokens as with local attention, its speculative decoding
-(truncating rejected drafts) reproduces greedy decoding, and a forked continuation matches."""
+(truncating rejected drafts) reproduces greedy decoding, and a forked continuation matches; over
+gRPC and over a host region (its batched steps prepared once per shape)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def models():
 def test_remote_decoder_small(server, model):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "remote_decoder.py"),
-                          "--target", server.target, "--size", "small", "--model", model],
+                          "--target", server.target, "--size", "small", "--model", model,
+                          "--transport", "grpc,shm"],
                          capture_output=True, text=True, env=env, timeout=600)
     print(run.stdout[-4000:], run.stderr[-4000:])
     assert run.returncode == 0

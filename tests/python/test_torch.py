@@ -56,11 +56,15 @@ def test_torch_outputs_are_usable_tensors(client):
 @pytest.mark.parametrize("model_dtype,kv_dtype", [(torch.bfloat16, None),
                                                   (torch.float32, torch.float16)])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_remote_kv_cache(client, model_dtype, kv_dtype, batch):
+@pytest.mark.parametrize("transport,prepare", [("grpc", True), ("shm", True), ("shm", False)])
+def test_remote_kv_cache(client, model_dtype, kv_dtype, batch, transport, prepare):
+    """Prefill, decode, fork, truncate, crop and reorder, every output against the reference;
+    "shm" goes through a host region, its BatchSteps prepared per shape (or coded each step)."""
     gen = torch.Generator().manual_seed(52)
     layers, heads, kv_heads, d = 2, 4, 2, 64
     wire = "bf16" if model_dtype == torch.bfloat16 else "fp16"
-    cache = at.RemoteKVCache(client, layers, kv_heads, d, kv_dtype=kv_dtype, record_latency=True)
+    cache = at.RemoteKVCache(client, layers, kv_heads, d, kv_dtype=kv_dtype, record_latency=True,
+                             transport=transport, prepare_batches=prepare)
     attn = [at.RemoteAttention(i) for i in range(layers)]
     keys = [[np.zeros((0, kv_heads, d))] * batch for _ in range(layers)]
     vals = [[np.zeros((0, kv_heads, d))] * batch for _ in range(layers)]
@@ -71,7 +75,7 @@ def test_remote_kv_cache(client, model_dtype, kv_dtype, batch):
             k = torch.randn(batch, n, kv_heads, d, generator=gen).to(model_dtype)
             v = torch.randn(batch, n, kv_heads, d, generator=gen).to(model_dtype)
             o = attn[layer](q, k, v, c)
-            assert o.shape == q.shape and o.dtype == model_dtype
+            assert o.shape == q.shape and o.dtype == model_dtype and not o.isnan().any()
             for b in range(batch):
                 # what the session holds: the values rounded to its dtype
                 k64 = k[b].to(c.kv_dtype).double().numpy()

@@ -8,8 +8,9 @@
         o = s.step(0, q, k_new, v_new).o                  # KV cache kept in attnd
 
 Modules: ``attnd.aio`` (asyncio client, same surface), ``attnd.sessions`` (SessionClient over
-replicas), ``attnd.regions`` (shared memory), ``attnd.torch`` (a PyTorch attention module and the
-transformers integration). Errors are ``attnd.AttndError`` with the gRPC code and attnd's message.
+replicas), ``attnd.regions`` (shared memory), ``attnd.prepared`` (a BatchStep over regions coded
+once for a decode loop), ``attnd.torch`` (a PyTorch attention module and the transformers
+integration). Errors are ``attnd.AttndError`` with the gRPC code and attnd's message.
 """
 
 from ._core import (AttendItem, AttendResult, SessionInfo, StepItem, StepResult,
@@ -19,14 +20,15 @@ from .client import Client, Session
 from .errors import (AlreadyExists, AttndError, BatchStepError, Cancelled,
                      DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                      ResourceExhausted, Unauthenticated, Unavailable)
+from .prepared import AsyncPreparedBatchStep, BatchStepResults, PreparedBatchStep
 from .regions import CudaRegion, HostRegion
 from .sessions import AsyncSessionClient, ReplicaInfo, SessionClient
 
 __version__ = "0.1.0"
 __all__ = [
-    "AlreadyExists", "AsyncSessionClient", "AttendItem", "AttendResult", "AttndError",
-    "BatchStepError", "Cancelled", "Client", "CudaRegion", "DeadlineExceeded",
-    "FailedPrecondition", "HostRegion", "InvalidArgument", "NotFound", "ReplicaInfo",
+    "AlreadyExists", "AsyncPreparedBatchStep", "AsyncSessionClient", "AttendItem", "AttendResult",
+    "AttndError", "BatchStepError", "BatchStepResults", "Cancelled", "Client", "CudaRegion", "DeadlineExceeded",
+    "FailedPrecondition", "HostRegion", "InvalidArgument", "NotFound", "PreparedBatchStep", "ReplicaInfo",
     "ResourceExhausted", "ServerTiming", "Session", "SessionClient", "SessionInfo", "StepItem",
     "StepResult", "TruncateResult", "Unauthenticated", "Unavailable",
 ]

@@ -58,6 +58,24 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+def fixed_varint(n: int, width: int) -> bytes:
+    """n as a varint of exactly `width` bytes (padded with continuation bytes: protobuf reads a
+    non-minimal varint as the same value), so that a value can be rewritten in place. A negative
+    n takes ten bytes, as protobuf writes it."""
+    n &= _MASK64
+    out = bytearray()
+    for _ in range(width - 1):
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    if n > 0x7F:
+        raise ValueError(f"{n} does not fit a varint of {width} bytes")
+    out.append(n)
+    return bytes(out)
+
+
+LAYER_WIDTH = 10  # bytes of a layer rewritten in place: any int32, negative ones too
+
+
 def _tag(number: int, wire_type: int) -> bytes:
     return varint((number << 3) | wire_type)
 
@@ -205,10 +223,15 @@ def attend_request(q: Payload, k: Payload, v: Payload, regions: Sequence[Optiona
 
 def step_request(session_id: str, layer: int, q: Payload, k: Payload, v: Payload,
                  regions: Sequence[Optional[Tuple[str, int]]], scale: float, return_lse: bool,
-                 window: Optional[Tuple[int, int]], outputs: Optional[Outputs]) -> Message:
+                 window: Optional[Tuple[int, int]], outputs: Optional[Outputs],
+                 layer_width: int = 0) -> Message:
+    """A StepRequest. With layer_width, the layer is written even when 0, as a varint of that
+    many bytes right after the session id's field (layer_offset says where its value starts)."""
     m = Message()
     head = _len_field(STEP_SESSION, session_id.encode()) if session_id else b""
-    if layer:
+    if layer_width:
+        head += _tag(STEP_LAYER, _VARINT) + fixed_varint(layer, layer_width)
+    elif layer:
         head += _varint_field(STEP_LAYER, layer)
     m.add(head)
     m.tensor(STEP_Q, q, regions[0])
@@ -227,6 +250,12 @@ def step_request(session_id: str, layer: int, q: Payload, k: Payload, v: Payload
             tail += region_slice(STEP_LSE_REGION, *outputs.lse_region)
     m.add(tail)
     return m
+
+
+def layer_offset(session_id: str) -> int:
+    """Where the layer's value starts in a StepRequest written with layer_width."""
+    return (len(_len_field(STEP_SESSION, session_id.encode())) if session_id else 0) + \
+        len(_tag(STEP_LAYER, _VARINT))
 
 
 def batch_step_request(steps: Sequence[Message]) -> Message:
@@ -507,6 +536,49 @@ def read_batch_step_response(buf: bytes) -> List[Tuple[int, str, Optional[Respon
                 response = read_response(buf, v2, step=True)
         out.append((code, message, response))
     return out
+
+
+_RESULT_TAG = (BATCH_STEPS << 3) | _LEN
+_RESPONSE_TAG = (RESULT_RESPONSE << 3) | _LEN
+_O_TAG = (RESP_O << 3) | _LEN
+
+
+def all_steps_in_regions(buf: bytes, count: int, o_bytes: int) -> bool:
+    """True when the BatchStepResponse in buf holds `count` results, each nothing but a response
+    (status 0) whose o field is shorter than o_bytes (so its data is not in the message: it went
+    to the region asked for). False means "read it all" (read_batch_step_response): an item
+    failed, or the answer is laid out otherwise (a length over two bytes, a malformed answer).
+    The per-step check of a prepared BatchStep whose outputs all lie in regions."""
+    at, end, seen = 0, len(buf), 0
+    while at < end:
+        if buf[at] != _RESULT_TAG:
+            return False
+        n = buf[at + 1]
+        at += 2
+        if n >= 0x80:
+            if at >= end or buf[at] >= 0x80:
+                return False
+            n = (n & 0x7F) | (buf[at] << 7)
+            at += 1
+        stop = at + n
+        # the result: only its response field (a failed item starts with its status_code)
+        if stop > end or n < 4 or buf[at] != _RESPONSE_TAG:
+            return False
+        m = buf[at + 1]
+        if m >= 0x80:
+            if buf[at + 2] >= 0x80:
+                return False
+            m = (m & 0x7F) | (buf[at + 2] << 7)
+            at += 3
+        else:
+            at += 2
+        # the response's first field is o, and o holds no data
+        if at + m != stop or m < 2 or buf[at] != _O_TAG or buf[at + 1] >= 0x80 or \
+                buf[at + 1] >= o_bytes:
+            return False
+        at = stop
+        seen += 1
+    return seen == count
 
 
 def read_echo_response(buf: bytes) -> Tuple[int, int]:

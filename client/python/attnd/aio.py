@@ -23,6 +23,7 @@ from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepRes
                     TruncateResult)
 from .client import _ChannelSet, _deliver
 from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
+from .prepared import AsyncPreparedBatchStep, BatchStepTemplate
 from .regions import CudaRegion, HostRegion, Registered, RegionSocket, next_region_name
 
 _INFO_TIMEOUT = 10.0
@@ -205,6 +206,10 @@ class Client(_ChannelSet):
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
+
+    def prepare_batch_step(self, items: Sequence[Any]) -> AsyncPreparedBatchStep:
+        """See attnd.Client.prepare_batch_step; ``await prepared.step(layer)`` sends it."""
+        return AsyncPreparedBatchStep(self, BatchStepTemplate(self.regions, items))
 
     async def truncate_session(self, session_id: str, tokens: int,
                                timeout: Optional[float] = None) -> TruncateResult:

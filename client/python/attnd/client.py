@@ -24,6 +24,7 @@ from . import _core, _proto, _wire
 from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
 from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
+from .prepared import BatchStepTemplate, PreparedBatchStep
 from .regions import CudaRegion, HostRegion, Registered, RegionSocket, RegionTable, next_region_name
 
 _INFO_TIMEOUT = 10.0
@@ -320,6 +321,14 @@ class Client(_ChannelSet):
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
+
+    def prepare_batch_step(self, items: Sequence[Any]) -> PreparedBatchStep:
+        """A BatchStep of these items coded once, to send many times (a decode loop): each item's
+        q, k_new, v_new and out (and lse_out with return_lse) must lie in a region registered
+        with this client, and stay there; only the layer changes from call to call
+        (``prepared.step(layer)``). The answers and errors are those of batch_step. See
+        attnd.prepared."""
+        return PreparedBatchStep(self, BatchStepTemplate(self.regions, items))
 
     def truncate_session(self, session_id: str, tokens: int,
                          timeout: Optional[float] = None) -> TruncateResult:

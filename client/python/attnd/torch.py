@@ -3,8 +3,11 @@
 - ``RemoteKVCache``: one attnd session per sequence of a batch; ``step(layer, q, k, v)`` appends
   each sequence's new keys and values to its layer's cache and returns attention over it (a Step
   for one sequence, one BatchStep for many). ``fork``, ``truncate``/``crop``, ``reorder`` (beam
-  search: forks), ``close``. Transports: ``"grpc"`` (tensors in the messages) or ``"cuda-ipc"``
-  (a GPU region shared with a co-located attnd: q, k, v and o never leave the device).
+  search: forks), ``close``. Transports: ``"grpc"`` (tensors in the messages), ``"cuda-ipc"`` (a
+  GPU region shared with a co-located attnd: q, k, v and o never leave the device) or ``"shm"``
+  (a host region shared with a co-located attnd, for CPU tensors). Over a region, the BatchStep
+  of a step shape is coded once (``Client.prepare_batch_step``) and each layer's step only
+  copies q, k, v into the region and sends it.
 - ``RemoteAttention``: an ``nn.Module`` a model calls with its own q, k, v for prefill and decode.
 - ``register_transformers()``: registers ``"attnd"`` as a Hugging Face transformers attention
   implementation, and ``AttndCache`` is a transformers ``Cache`` whose keys and values live in
@@ -24,16 +27,17 @@ Not supported: padded batches (sequences of different lengths in one batch), dro
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ._core import StepItem
 from .errors import AttndError, InvalidArgument
-from .regions import CudaRegion
+from .regions import CudaRegion, HostRegion
 
 _SESSION_DTYPES = (torch.float16, torch.bfloat16)
+_TRANSPORTS = ("grpc", "shm", "cuda-ipc")
 
 
 class RemoteKVCache:
@@ -44,20 +48,24 @@ class RemoteKVCache:
         num_layers, num_kv_heads, head_dim: the model's attention shape.
         kv_dtype: the sessions' dtype (torch.float16 or torch.bfloat16); None: the dtype of the
             first q (float16 for a float32 model).
-        transport: "grpc" or "cuda-ipc" (needs attnd's CUDA backend on this host, started with
-            --allow_shared_memory, and CUDA tensors).
+        transport: "grpc"; "cuda-ipc" (needs attnd's CUDA backend on this host, started with
+            --allow_shared_memory, and CUDA tensors); or "shm" (a host region: attnd on this host
+            with --allow_shared_memory, and CPU tensors).
         max_tokens: per-session token limit (0: the server's).
-        copy_outputs: with cuda-ipc, return o as a fresh tensor (True) or as a view of the shared
-            region that the next step overwrites (False: one device copy less per layer).
+        copy_outputs: over a region, return o as a fresh tensor (True) or as a view of the shared
+            region that the next step overwrites (False: one copy less per layer).
         record_latency: keep each step's wall time in ``latencies[layer]`` (seconds).
+        prepare_batches: over a region, code each step shape's BatchStep once and send it again
+            at every layer (True), or code it at every step (False: for comparison).
     """
 
     def __init__(self, client: Any, num_layers: int, num_kv_heads: int, head_dim: int, *,
                  kv_dtype: Optional[torch.dtype] = None, transport: str = "grpc",
                  max_tokens: int = 0, copy_outputs: bool = True, record_latency: bool = False,
-                 _sessions: Optional[List[Any]] = None, _lengths: Optional[List[int]] = None):
-        if transport not in ("grpc", "cuda-ipc"):
-            raise InvalidArgument(f"transport must be 'grpc' or 'cuda-ipc', got {transport!r}")
+                 prepare_batches: bool = True, _sessions: Optional[List[Any]] = None,
+                 _lengths: Optional[List[int]] = None):
+        if transport not in _TRANSPORTS:
+            raise InvalidArgument(f"transport must be 'grpc', 'shm' or 'cuda-ipc', got {transport!r}")
         if kv_dtype is not None and kv_dtype not in _SESSION_DTYPES:
             raise InvalidArgument(f"kv_dtype must be torch.float16 or torch.bfloat16, got {kv_dtype}")
         self.client = client
@@ -71,9 +79,10 @@ class RemoteKVCache:
         self.sessions: List[Any] = list(_sessions or [])
         self.lengths: List[int] = list(_lengths or [0] * self.num_layers)
         self.record_latency = record_latency
+        self.prepare_batches = prepare_batches
         self.latencies: List[List[float]] = [[] for _ in range(self.num_layers)]
-        self._arena: Optional[CudaRegion] = None
-        self._arena_name: Optional[str] = None
+        self._arena: Any = None  # the CudaRegion or HostRegion of "cuda-ipc" or "shm"
+        self._slots: Dict[tuple, _Slots] = {}
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -104,6 +113,7 @@ class RemoteKVCache:
                              kv_dtype=self.kv_dtype, transport=self.transport,
                              max_tokens=self.max_tokens, copy_outputs=self.copy_outputs,
                              record_latency=self.record_latency,
+                             prepare_batches=self.prepare_batches,
                              _sessions=[s.fork() for s in self.sessions], _lengths=self.lengths)
 
     def truncate(self, tokens: int) -> None:
@@ -142,6 +152,7 @@ class RemoteKVCache:
             if j not in used:
                 s.close()
         self.sessions = fresh
+        self._slots.clear()  # their requests name the old sessions
 
     def close(self) -> None:
         """Closes every session (and unregisters the GPU region)."""
@@ -152,13 +163,7 @@ class RemoteKVCache:
                 pass
         self.sessions = []
         self.lengths = [0] * self.num_layers
-        if self._arena is not None:
-            try:
-                self.client.unregister_region(self._arena)
-            except AttndError:
-                pass
-            self._arena.close()
-            self._arena = None
+        self._drop_arena()
 
     def __enter__(self) -> "RemoteKVCache":
         return self
@@ -181,10 +186,10 @@ class RemoteKVCache:
         batch, n = q.shape[0], q.shape[1]
         self._ensure(batch, q.dtype)
         start = time.perf_counter()
-        if self.transport == "cuda-ipc":
-            o = self._step_ipc(layer, q, k, v, scale, window)
-        else:
+        if self.transport == "grpc":
             o = self._step_grpc(layer, q, k, v, scale, window)
+        else:
+            o = self._step_region(layer, q, k, v, scale, window)
         if self.record_latency:
             self.latencies[layer].append(time.perf_counter() - start)
         self.lengths[layer] += n
@@ -205,46 +210,102 @@ class RemoteKVCache:
         o = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
         return o.to(device=q.device, dtype=q.dtype)
 
-    def _arena_for(self, nbytes: int, device: torch.device) -> CudaRegion:
+    def _arena_for(self, nbytes: int, device: torch.device) -> Any:
+        """The region the steps' tensors go through (grown, and registered again, when a step
+        needs more room; the slots over the old one are dropped with it)."""
         if self._arena is not None and self._arena.nbytes >= nbytes:
             return self._arena
-        if self._arena is not None:
-            self.client.unregister_region(self._arena)
-            self._arena.close()
+        self._drop_arena()
         size = max(nbytes, 1 << 20)
         size = 1 << (size - 1).bit_length()  # room to grow into
-        self._arena = CudaRegion(size, device.index or 0)
+        self._arena = CudaRegion(size, device.index or 0) if self.transport == "cuda-ipc" else \
+            HostRegion(size)
         self.client.register_region(self._arena)
         return self._arena
 
-    def _step_ipc(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float, window: Optional[Tuple[int, int]]) -> torch.Tensor:
-        if not q.is_cuda:
-            raise InvalidArgument("transport cuda-ipc needs CUDA tensors")
-        dt = self.kv_dtype
+    def _drop_arena(self) -> None:
+        self._slots.clear()
+        if self._arena is None:
+            return
+        try:
+            self.client.unregister_region(self._arena)
+        except AttndError:
+            pass
+        self._arena.close()
+        self._arena = None
+
+    def _slots_for(self, q: torch.Tensor, k: torch.Tensor, scale: float,
+                   window: Optional[Tuple[int, int]]) -> _Slots:
+        """The region views of a step of this shape and the step's request, made once per shape
+        (a decode loop reuses them at every layer of every token)."""
         b, n, h, d = q.shape
         hkv = k.shape[2]
+        key = (b, n, h, hkv, d, float(scale or 0.0), None if window is None else tuple(window))
+        slots = self._slots.get(key)
+        if slots is not None:
+            return slots
+        dt = self.kv_dtype
         elt = torch.tensor([], dtype=dt).element_size()
-        sizes = [b * n * h * d, b * n * hkv * d, b * n * hkv * d, b * n * h * d]
-        aligned = [(x * elt + 255) // 256 * 256 for x in sizes]
+        shapes = [(b, n, h, d), (b, n, hkv, d), (b, n, hkv, d), (b, n, h, d)]
+        aligned = [(b * n * x[2] * d * elt + 255) // 256 * 256 for x in shapes]
         arena = self._arena_for(sum(aligned), q.device)
-        arena.reset()
-        qa = arena.tensor((b, n, h, d), dt)
-        ka = arena.tensor((b, n, hkv, d), dt)
-        va = arena.tensor((b, n, hkv, d), dt)
-        oa = arena.tensor((b, n, h, d), dt)
-        qa.copy_(q)
-        ka.copy_(k)
-        va.copy_(v)
-        if len(self.sessions) == 1:
-            self.sessions[0].step(layer, qa[0], ka[0], va[0], scale=scale, window=window, out=oa[0])
+        if len(self._slots) >= _MAX_SLOTS:
+            self._slots.clear()
+        # Every shape's views start at the region's start: one step is in flight at a time, and
+        # an o handed out without a copy is overwritten by the next step (copy_outputs).
+        offsets = [sum(aligned[:i]) for i in range(4)]
+        qa, ka, va, oa = (arena.tensor(shape, dt, offset=at) for shape, at in zip(shapes, offsets))
+        if b == 1:
+            slots = _Slots(qa, ka, va, oa, None, (qa[0], ka[0], va[0], oa[0]))
+        elif not self.prepare_batches:
+            slots = _Slots(qa, ka, va, oa, None, None)
         else:
+            prepared = self.client.prepare_batch_step(
+                [StepItem(s, 0, qa[i], ka[i], va[i], scale=scale, window=window, out=oa[i])
+                 for i, s in enumerate(self.sessions)])
+            slots = _Slots(qa, ka, va, oa, prepared, None)
+        self._slots[key] = slots
+        return slots
+
+    def _step_region(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float, window: Optional[Tuple[int, int]]) -> torch.Tensor:
+        if self.transport == "cuda-ipc" and not q.is_cuda:
+            raise InvalidArgument("transport cuda-ipc needs CUDA tensors")
+        if self.transport == "shm" and q.is_cuda:
+            raise InvalidArgument("transport shm needs CPU tensors (cuda-ipc is for CUDA ones)")
+        slots = self._slots_for(q, k, scale, window)
+        slots.q.copy_(q)
+        slots.k.copy_(k)
+        slots.v.copy_(v)
+        if slots.prepared is not None:
+            slots.prepared.step(layer)
+        elif slots.rows is not None:
+            qa, ka, va, oa = slots.rows
+            self.sessions[0].step(layer, qa, ka, va, scale=scale, window=window, out=oa)
+        else:  # coded at every step
+            qa, ka, va, oa = slots.q, slots.k, slots.v, slots.o
             self.client.batch_step([StepItem(s, layer, qa[i], ka[i], va[i], scale=scale,
                                              window=window, out=oa[i])
                                     for i, s in enumerate(self.sessions)])
+        oa = slots.o
         if oa.dtype != q.dtype:
             return oa.to(q.dtype)
         return oa.clone() if self.copy_outputs else oa
+
+
+class _Slots(NamedTuple):
+    """A step shape's views of the region (q, k, v, o: [batch, tokens, heads, head_dim]) and
+    its prepared BatchStep (batch > 1) or its rows (one sequence: a Step)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    prepared: Any
+    rows: Any
+
+
+_MAX_SLOTS = 8  # step shapes kept (decode, and the prefill chunks' shapes)
 
 
 class RemoteAttention(nn.Module):
