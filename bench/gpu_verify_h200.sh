@@ -71,7 +71,7 @@ suites() {
   done
 }
 
-# One attnd per value of STEP_LANES (--step_lanes); per level, the means of
+# One attnd per value of STEP_LANES (--step_lanes; ATTND_EXTRA: more flags); per level, the means of
 # attn_step_phase_duration_seconds (bench/step_phases.py) into steps/phases.md.
 steps() {
   local port=50051 mport=9464 lanes
@@ -82,7 +82,7 @@ steps() {
   for lanes in ${STEP_LANES:-2}; do
     local log=$out/steps/attnd-lanes$lanes.log
     "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen=127.0.0.1:$mport --backend=cuda \
-      --kv_cache_bytes=17179869184 --allow_shared_memory --step_lanes="$lanes" >"$log" 2>&1 &
+      --kv_cache_bytes=17179869184 --allow_shared_memory --step_lanes="$lanes" ${ATTND_EXTRA:-} >"$log" 2>&1 &
     attnd_pid=$!
     trap 'kill -TERM $attnd_pid 2>/dev/null' EXIT
     for _ in $(seq 300); do grep -q 'serving attn.v1' "$log" && break; sleep 0.2; done

@@ -174,8 +174,13 @@ int Run() {
     for (const grpc::Slice& s : received) {
       pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
     }
+    // The headers on a call's arena, as attnd's BatchStep has them.
+    google::protobuf::ArenaOptions arena_options;
+    arena_options.start_block_size = size_t{16} << 10;
+    arena_options.max_block_size = size_t{256} << 10;
+    google::protobuf::Arena arena(arena_options);
     std::vector<DecodedStepRequest> decoded;
-    if (!DecodeBatchStepRequest(pieces, &decoded).ok()) return 1;
+    if (!DecodeBatchStepRequest(pieces, &decoded, &arena).ok()) return 1;
     const auto t1 = Clock::now();
     std::vector<v1::StepResponse> responses(decoded.size());
     std::vector<OutputBytes> o(decoded.size());
@@ -183,15 +188,15 @@ int Run() {
     std::promise<void> all_done, finished;
     JobBatch batch;
     for (size_t i = 0; i < decoded.size(); ++i) {
-      auto s = (*manager)->Find(decoded[i].header.session_id(), "");
+      auto s = (*manager)->Find(decoded[i].header().session_id(), "");
       if (!s.ok()) return 1;
-      auto job = ValidateStepRequest(decoded[i].header, *s, limits, StepRegions{},
+      auto job = ValidateStepRequest(decoded[i].header(), *s, limits, StepRegions{},
                                      &decoded[i].data);
       if (!job.ok()) {
         std::fprintf(stderr, "attn-step-bench: %s\n", job.status().ToString().c_str());
         return 1;
       }
-      PrepareStepResponse(**job, decoded[i].header, &responses[i]);
+      PrepareStepResponse(**job, decoded[i].header(), &responses[i]);
       StepJob* raw = job->get();
       (*job)->done = [&, i, raw](absl::Status st) {
         raw->session->ReleaseLayer(raw->layer);

@@ -160,7 +160,7 @@ absl::Status DecodeStep(WireReader& r, absl::string_view message, absl::string_v
     AppendVarint(tensor_fields.size(), &head);
     head.append(tensor_fields);
   }
-  if (out->header.MergeFromString(head)) return absl::OkStatus();
+  if (out->header().MergeFromString(head)) return absl::OkStatus();
   // Refused (a bad embedded message, or a string that is not UTF-8): find the field, alone.
   for (size_t i = 0; i < fields.size(); ++i) {
     const size_t end = i + 1 < fields.size() ? fields[i + 1].offset : head.size();
@@ -185,7 +185,8 @@ absl::Status DecodeStepRequest(std::span<const std::string_view> pieces, Decoded
 }
 
 absl::Status DecodeBatchStepRequest(std::span<const std::string_view> pieces,
-                                    std::vector<DecodedStepRequest>* out) {
+                                    std::vector<DecodedStepRequest>* out,
+                                    google::protobuf::Arena* arena) {
   constexpr absl::string_view kMessage = "BatchStepRequest";
   WireReader r(pieces);
   Scratch scratch;
@@ -208,7 +209,7 @@ absl::Status DecodeBatchStepRequest(std::span<const std::string_view> pieces,
     uint64_t n, outer = 0;
     RETURN_IF_ERROR(ReadLength(r, kMessage, Field{step}, at, &n));
     r.PushLimit(n, &outer);
-    RETURN_IF_ERROR(DecodeStep(r, kMessage, step, scratch, &out->emplace_back()));
+    RETURN_IF_ERROR(DecodeStep(r, kMessage, step, scratch, &out->emplace_back(arena)));
     r.PopLimit(outer);
   }
   return absl::OkStatus();

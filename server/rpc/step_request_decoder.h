@@ -8,26 +8,45 @@
 // field and the byte it went wrong at.
 #pragma once
 
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "google/protobuf/arena.h"
 #include "attn/v1/attention.pb.h"
 #include "engine/wire_tensors.h"
 
 namespace attn {
 
-struct DecodedStepRequest {
-  v1::StepRequest header;  // everything but the data fields of q, k_new and v_new
-  WireTensors data;        // those (as q, k and v), as pieces of the input (borrowed)
+class DecodedStepRequest {
+ public:
+  // The header on arena (then valid as long as the arena), or owned here when it is null: a
+  // call's arena takes the many small allocations of a BatchStep's headers (sub-messages,
+  // shapes) in a few blocks.
+  explicit DecodedStepRequest(google::protobuf::Arena* arena = nullptr)
+      : owned_(arena == nullptr ? std::make_unique<v1::StepRequest>() : nullptr),
+        header_(arena == nullptr ? owned_.get()
+                                 : google::protobuf::Arena::CreateMessage<v1::StepRequest>(arena)) {}
+
+  // Everything but the data fields of q, k_new and v_new.
+  v1::StepRequest& header() { return *header_; }
+  const v1::StepRequest& header() const { return *header_; }
+  WireTensors data;  // those (as q, k and v), as pieces of the input (borrowed)
+
+ private:
+  std::unique_ptr<v1::StepRequest> owned_;
+  v1::StepRequest* header_;
 };
 
 // pieces: the message's bytes, in order (any split, empty pieces allowed). out must be fresh.
 absl::Status DecodeStepRequest(std::span<const std::string_view> pieces, DecodedStepRequest* out);
 
-// A BatchStepRequest: one DecodedStepRequest per item of steps, in order, appended to out.
+// A BatchStepRequest: one DecodedStepRequest per item of steps, in order, appended to out, their
+// headers on arena (null: each owns its own).
 absl::Status DecodeBatchStepRequest(std::span<const std::string_view> pieces,
-                                    std::vector<DecodedStepRequest>* out);
+                                    std::vector<DecodedStepRequest>* out,
+                                    google::protobuf::Arena* arena = nullptr);
 
 }  // namespace attn

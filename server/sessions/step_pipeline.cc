@@ -17,6 +17,23 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 // Launches of at most this many steps are latency-bound: their callers are told on the lane,
 // with no hop to another thread.
 constexpr size_t kFinishOnLaneSteps = 4;
+// The same for launches whose steps come from at most this many calls (BatchSteps: telling a
+// step is cheap but for the last of its call, which answers it).
+constexpr size_t kFinishOnLaneCalls = 2;
+
+// Whether the batch's steps come from at most `most` calls (the messages they hold); a step that
+// holds none counts as a call of its own.
+bool FromAtMostCalls(std::span<const std::unique_ptr<StepJob>> batch, size_t most) {
+  std::vector<const void*> calls;
+  size_t count = 0;
+  for (const auto& job : batch) {
+    const void* call = job->input_hold.get();
+    if (call != nullptr && std::find(calls.begin(), calls.end(), call) != calls.end()) continue;
+    if (++count > most) return false;
+    calls.push_back(call);
+  }
+  return true;
+}
 
 StepLayout PlanLayout(const StepLaunch& l) {
   const BatchKey& key = l.key;
@@ -341,7 +358,7 @@ void StepPipeline::EndLaunch(const StepLaunch& l, const absl::Status& st) {
 void StepPipeline::Finish(std::vector<std::unique_ptr<StepJob>> batch,
                           std::vector<absl::Status> status) {
   const size_t n = batch.size();
-  if (n <= kFinishOnLaneSteps) {
+  if (n <= kFinishOnLaneSteps || FromAtMostCalls(batch, kFinishOnLaneCalls)) {
     for (size_t i = 0; i < n; ++i) {
       batch[i]->done(std::move(status[i]));
       batch[i].reset();

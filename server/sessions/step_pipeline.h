@@ -75,7 +75,8 @@ class StepPipeline : public BatchRunner {
   absl::Status PlanAndStage(int lane, std::span<StepJob* const> members, StepLaunch* launch);
   // Commits (ok) or aborts every member's append and, on success, hands each its outputs.
   void EndLaunch(const StepLaunch& launch, const absl::Status& st);
-  // Tells each job's caller; on this lane for a small launch, else over the completion pool.
+  // Tells each job's caller: on this lane for a small launch or one of a call or two (a
+  // BatchStep), else over the completion pool.
   void Finish(std::vector<std::unique_ptr<StepJob>> batch, std::vector<absl::Status> status);
 
   StepDevice* const device_;

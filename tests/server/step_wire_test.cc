@@ -232,7 +232,7 @@ void ExpectDecodesAsProtobuf(const std::string& bytes, std::mt19937_64& rng) {
       EXPECT_EQ(copied, t != nullptr ? t->data() : "");
       if (t != nullptr) t->clear_data();
     }
-    EXPECT_EQ(got[i].header.SerializeAsString(), header.SerializeAsString()) << "step " << i;
+    EXPECT_EQ(got[i].header().SerializeAsString(), header.SerializeAsString()) << "step " << i;
   }
 }
 
