@@ -130,18 +130,24 @@ SessionImporter::~SessionImporter() {
 }
 
 absl::Status SessionImporter::Accept(const SessionTransferPage& page) {
-  if (finished_ || page.index != received_ || received_ >= static_cast<int64_t>(pages_.size())) {
+  if (finished_ || received_ >= static_cast<int64_t>(pages_.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session transfer: page index ", page.index, " after all ", pages_.size(),
+                     " pages the header's layer_pages announce"));
+  }
+  if (page.index != received_) {
     return absl::InvalidArgumentError(absl::StrCat("session transfer: page index ", page.index,
                                                    " where ", received_, " was expected"));
   }
   if (static_cast<int64_t>(page.kv.size()) != 2 * header_.page_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("session transfer: page ", page.index, " has ",
-                                                   page.kv.size(), " bytes, not ",
-                                                   2 * header_.page_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session transfer: page ", page.index, "'s kv has ", page.kv.size(), " bytes, not ",
+        2 * header_.page_bytes, " (2 x page_bytes)"));
   }
   if (Crc32c(page.kv) != page.crc32c) {
     return absl::DataLossError(
-        absl::StrCat("session transfer: page ", page.index, " does not match its CRC32C"));
+        absl::StrCat("session transfer: page ", page.index,
+                     "'s kv does not match its crc32c (CRC32C): damaged on the way"));
   }
   const int64_t offset = PageOffset(pages_[received_], header_.shape, region_);
   const auto n = static_cast<size_t>(header_.page_bytes);

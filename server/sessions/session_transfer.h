@@ -86,6 +86,9 @@ class SessionImporter {
   // The session with every page received; FAILED_PRECONDITION while some are missing.
   absl::StatusOr<std::unique_ptr<Session>> Finish(std::string id);
 
+  int64_t received() const { return received_; }                          // pages so far
+  int64_t expected() const { return static_cast<int64_t>(pages_.size()); }  // of the header
+
  private:
   SessionImporter(SessionTransferHeader header, std::vector<int32_t> pages, KvPagePool* pool,
                   KvRegion region, const StepDevice* device);
