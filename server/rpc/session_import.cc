@@ -84,8 +84,9 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
   // The sender closed its side: the session is made when every page came.
   absl::Status Complete() {
     if (ctx_->IsCancelled()) return absl::CancelledError("ImportSession: the sender went away");
-    ASSIGN_OR_RETURN(std::shared_ptr<Session> s, stream_->Complete());
-    response_->set_session_id(s->id());
+    ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Session>> made, stream_->Complete());
+    response_->set_session_id(made.front()->id());
+    for (const auto& s : made) response_->add_session_ids(s->id());
     response_->set_replica_id(service_->sessions_->options().replica_id);
     response_->set_pages(stream_->pages());
     return absl::OkStatus();

@@ -1,5 +1,6 @@
 #include "rpc/session_import_stream.h"
 
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -43,6 +44,7 @@ absl::StatusOr<SessionTransferHeader> HeaderFromWire(const v1::SessionTransferHe
   header.page_bytes = h.page_bytes();
   header.layer_tokens.assign(h.layer_tokens().begin(), h.layer_tokens().end());
   header.layer_pages.assign(h.layer_pages().begin(), h.layer_pages().end());
+  header.shared_pages.assign(h.shared_pages().begin(), h.shared_pages().end());
   return header;
 }
 
@@ -51,48 +53,65 @@ absl::StatusOr<SessionTransferHeader> HeaderFromWire(const v1::SessionTransferHe
 SessionImportStream::SessionImportStream(Target target, std::string owner)
     : target_(std::move(target)), owner_(std::move(owner)) {}
 
-SessionImportStream::~SessionImportStream() = default;  // importer_ gives back its pages
+// Importers go first (in reverse), each giving back its references, then the stream's numbering.
+SessionImportStream::~SessionImportStream() {
+  while (!importers_.empty()) importers_.pop_back();
+}
 
 absl::Status SessionImportStream::TakeHeader(const v1::SessionTransferHeader& h) {
   ASSIGN_OR_RETURN(SessionTransferHeader header, HeaderFromWire(h, target_.fp8));
-  source_id_ = h.source_session_id();
+  if (source_ids_.empty()) source_id_ = h.source_session_id();
   header.owner = owner_;
-  RETURN_IF_ERROR(target_.sessions->CheckImport(header.shape));
-  ASSIGN_OR_RETURN(importer_, SessionImporter::Create(std::move(header),
-                                                      &target_.sessions->pool(),
-                                                      target_.kv_region, target_.kv_device));
+  RETURN_IF_ERROR(target_.sessions->CheckImport(header.shape,
+                                                static_cast<int64_t>(importers_.size())));
+  ASSIGN_OR_RETURN(std::unique_ptr<SessionImporter> importer,
+                   SessionImporter::Create(std::move(header), &target_.sessions->pool(),
+                                           target_.kv_region, target_.kv_device, &stream_pages_));
+  importers_.push_back(std::move(importer));
+  source_ids_.push_back(h.source_session_id());
   return absl::OkStatus();
 }
 
 absl::Status SessionImportStream::Take(v1::SessionTransferChunk& chunk) {
-  if (importer_ == nullptr) {
+  SessionImporter* last = importers_.empty() ? nullptr : importers_.back().get();
+  if (last == nullptr) {
     if (!chunk.has_header()) {
       return absl::InvalidArgumentError("ImportSession: the first chunk must be the header");
     }
     return TakeHeader(chunk.header());
   }
+  const int64_t missing = last->expected() - last->received();
+  if (chunk.has_header() && missing == 0) return TakeHeader(chunk.header());
   if (!chunk.has_page()) {
-    return absl::InvalidArgumentError("ImportSession: every chunk after the header is a page");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ImportSession: every chunk after the header is a page until the ", last->expected(),
+        " pages its layer_pages announce have come (", missing, " to come)",
+        chunk.has_header() ? "; then the header of the next session of a fork family may follow"
+                           : ""));
   }
   SessionTransferPage page;
   page.index = chunk.page().index();
   page.kv = std::move(*chunk.mutable_page()->mutable_kv());
   page.crc32c = chunk.page().crc32c();
-  RETURN_IF_ERROR(importer_->Accept(page));
+  RETURN_IF_ERROR(last->Accept(page));
   ++pages_;
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionImportStream::Complete() {
-  if (importer_ == nullptr) return absl::InvalidArgumentError("ImportSession: no header");
-  if (importer_->received() != importer_->expected()) {
+absl::StatusOr<std::vector<std::shared_ptr<Session>>> SessionImportStream::Complete() {
+  if (importers_.empty()) return absl::InvalidArgumentError("ImportSession: no header");
+  const SessionImporter& last = *importers_.back();
+  if (last.received() != last.expected()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ImportSession: the stream ended after ", importer_->received(), " of the ",
-        importer_->expected(), " pages the header's layer_pages announce"));
+        "ImportSession: the stream ended after ", last.received(), " of the ", last.expected(),
+        " pages the header's layer_pages announce"));
   }
-  SessionImporter* importer = importer_.get();
-  return target_.sessions->AddImported(
-      [importer](std::string id) { return importer->Finish(std::move(id)); });
+  std::vector<std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string)>> finish;
+  for (const auto& importer : importers_) {
+    SessionImporter* i = importer.get();
+    finish.push_back([i](std::string id) { return i->Finish(std::move(id)); });
+  }
+  return target_.sessions->AddImported(finish);
 }
 
 }  // namespace attn

@@ -98,18 +98,24 @@ class SessionManager {
   // export it once Settled); then EndMove with the peer's address and new id (the session is closed here,
   // its pages given back, and calls on its id get SessionMovedError from then on), or with an
   // empty new_id (the move failed: the session goes on here).
+  // OpenSessionFamilies: the same, grouped into fork families (sessions that share pages, directly
+  // or through others), each sorted by id; once StopCreating ran
+  // no fork adds sharing, so a family found then only ever splits.
   void StopCreating();
   std::vector<std::string> OpenSessionIds() const;
+  std::vector<std::vector<std::string>> OpenSessionFamilies() const;
   absl::StatusOr<std::shared_ptr<Session>> BeginMove(const std::string& id);
   void EndMove(const std::shared_ptr<Session>& session, const std::string& address,
                const std::string& new_id);
   // Checks an incoming session's shape against this replica's limits and page layout
   // (INVALID_ARGUMENT naming the field), UNAVAILABLE once StopCreating ran, RESOURCE_EXHAUSTED at
-  // --max_sessions; then `finish` makes the session with its new id (SessionImporter::Finish) and
-  // it becomes open here, owned by owner.
-  absl::Status CheckImport(const SessionShape& shape) const;
-  absl::StatusOr<std::shared_ptr<Session>> AddImported(
-      const std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>& finish);
+  // --max_sessions (counting `before` sessions of the same stream not yet added); then each
+  // `finish` makes a session of the stream with its new id (SessionImporter::Finish), and they
+  // become open here together, or none does.
+  absl::Status CheckImport(const SessionShape& shape, int64_t before = 0) const;
+  absl::StatusOr<std::vector<std::shared_ptr<Session>>> AddImported(
+      const std::vector<std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>>&
+          finish);
 
   // Closes the sessions idle for longer than the TTL (none with a step in progress) as of now;
   // returns how many. The expiry thread calls it; tests may too.
@@ -130,8 +136,8 @@ class SessionManager {
  private:
   SessionManager(const Options& options, KvPagePool* pool, Metrics* metrics);
   std::string NewIdLocked();
-  // OK when one more session may open here: not draining, under --max_sessions (mu_ held).
-  absl::Status RoomForOneMoreLocked() const;
+  // OK when n more sessions may open here: not draining, within --max_sessions (mu_ held).
+  absl::Status RoomForMoreLocked(int64_t n) const;
   absl::Status CheckCreateParams(const CreateParams& p) const;
   using SessionMap = std::unordered_map<std::string, std::shared_ptr<Session>>;
   // The session `owner` may use, or why not (mu_ held).

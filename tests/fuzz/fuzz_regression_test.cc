@@ -285,6 +285,42 @@ TEST(FuzzRegression, ImportTargetRefusesBadStreamsAndLeavesNothing) {
     EXPECT_FALSE(out.valid) << b.what;
     EXPECT_TRUE(out.violation.empty()) << b.what << ": " << out.violation;
   }
+
+  // A fork family in one stream: the session, then a fork sharing its first layer's two pages
+  // and a page of its own; then the fork's shared_pages wrong in every way.
+  auto family = [&](auto change_fork, int fork_pages = 1) {
+    std::string in = stream(same, {ok, ok, ok}, false);
+    attn::fuzz::AppendImportRecord(&in, ImportOp::kChunk, header([&](auto& h) {
+                                     h.set_layer_tokens(1, 5);
+                                     for (int64_t k : {1, 2, 0}) h.add_shared_pages(k);
+                                     change_fork(h);
+                                   }));
+    for (int i = 0; i < fork_pages; ++i) attn::fuzz::AppendImportRecord(&in, ImportOp::kPage, ok);
+    attn::fuzz::AppendImportRecord(&in, ImportOp::kEnd, "");
+    return in;
+  };
+  const Outcome fam = run(family(same));
+  EXPECT_TRUE(fam.valid && fam.computed);
+  EXPECT_TRUE(fam.violation.empty()) << fam.violation;
+  const std::vector<Bad> bad_family = {
+      {"shared_pages naming a page not sent", family([](auto& h) { h.set_shared_pages(1, 4); })},
+      {"shared_pages negative", family([](auto& h) { h.set_shared_pages(0, -1); })},
+      {"shared_pages one entry short", family([](auto& h) { h.mutable_shared_pages()->RemoveLast(); })},
+      {"shared_pages of another page_span", family([](auto& h) {
+         h.set_num_kv_heads(3);  // rows of 48 bytes: pages of 3 pool pages
+         h.set_page_tokens(128);
+         h.set_page_span(3);
+         h.set_page_bytes(6144);
+         h.set_layer_pages(0, 1);
+         h.mutable_shared_pages()->RemoveLast();
+       })},
+      {"the fork's own page missing", family(same, 0)},
+  };
+  for (const Bad& b : bad_family) {
+    const Outcome out = run(b.input);
+    EXPECT_FALSE(out.valid) << b.what;
+    EXPECT_TRUE(out.violation.empty()) << b.what << ": " << out.violation;
+  }
 }
 
 }  // namespace

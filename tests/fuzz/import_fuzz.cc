@@ -1,6 +1,7 @@
 #include "import_fuzz.h"
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -60,10 +61,10 @@ class Stream {
     const absl::Status st = stream_->Take(chunk);
     if (!st.ok()) return Refused(st);
     if (header) {
-      header_ = chunk.header();
-      have_header_ = true;
+      headers_.push_back(chunk.header());
     } else {
       sent_.push_back(kv);
+      sent_span_ += headers_.back().page_span();
     }
   }
 
@@ -75,7 +76,8 @@ class Stream {
     std::memcpy(&size_delta, p + 1, 2);
     uint32_t fill = 0;
     std::memcpy(&fill, p + 4, std::min<size_t>(len - 4, 4));
-    const int64_t page_bytes = have_header_ ? header_.page_bytes() : SessionEngine::kPageBytes;
+    const int64_t page_bytes =
+        headers_.empty() ? SessionEngine::kPageBytes : headers_.back().page_bytes();
     const int64_t bytes = std::max<int64_t>(0, 2 * page_bytes + size_delta);
     v1::SessionTransferChunk chunk;
     chunk.mutable_page()->set_index(static_cast<int64_t>(sent_.size()) + index_delta);
@@ -94,19 +96,20 @@ class Stream {
 
   // The sender closed its side.
   void End() {
-    absl::StatusOr<std::shared_ptr<Session>> s = stream_->Complete();
-    if (!s.ok()) return Refused(s.status());
+    absl::StatusOr<std::vector<std::shared_ptr<Session>>> made = stream_->Complete();
+    if (!made.ok()) return Refused(made.status());
     stream_.reset();
     done_ = true;
-    if (!have_header_) {
-      Violation("a stream without a header made a session");
-      return;
+    if (made->size() != headers_.size()) {
+      Violation(absl::StrCat(headers_.size(), " headers made ", made->size(), " sessions"));
     }
-    Check(**s);
-    const std::string id = (*s)->id();
-    s->reset();
-    if (!e_.manager->Close(id, "").ok()) Violation("the imported session cannot be closed");
-    ExpectAsBefore("an imported session, closed");
+    Check(*made);
+    for (auto& s : *made) {
+      const std::string id = s->id();
+      s.reset();
+      if (!e_.manager->Close(id, "").ok()) Violation("an imported session cannot be closed");
+    }
+    ExpectAsBefore("imported sessions, closed");
     if (out_->violation.empty()) out_->valid = out_->computed = true;
   }
 
@@ -144,41 +147,80 @@ class Stream {
     }
   }
 
-  // The session holds what the header said and the bytes sent, page for page.
-  void Check(const Session& s) {
-    const int64_t span = header_.page_span();
-    int64_t table_pages = 0;
-    for (int64_t p : header_.layer_pages()) table_pages += p;
-    if (e_.manager->OpenSessions() != sessions_before_ + 1) {
-      Violation("an accepted stream did not add exactly one session");
+  // The bytes each page of the header's tables must hold: the stream's page it names, or its own
+  // pages in the order they came (first: the stream index of its first own page).
+  std::vector<const std::string*> Expected(const v1::SessionTransferHeader& h, size_t* first) {
+    std::vector<const std::string*> table;
+    int64_t total = 0;
+    for (int64_t p : h.layer_pages()) total += p;
+    for (int64_t i = 0; i < total; ++i) {
+      const int64_t k = h.shared_pages().empty() ? 0 : h.shared_pages(static_cast<int>(i));
+      const size_t at = k == 0 ? (*first)++ : static_cast<size_t>(k - 1);
+      table.push_back(at < sent_.size() ? &sent_[at] : nullptr);
     }
-    for (int32_t l = 0; l < s.shape().num_layers; ++l) {
-      if (l >= header_.layer_tokens_size() || s.CachedTokens(l) != header_.layer_tokens(l)) {
-        Violation(absl::StrCat("layer ", l, " holds ", s.CachedTokens(l),
-                               " tokens, not the header's"));
+    return table;
+  }
+
+  // Each session holds what its header said and the bytes sent, page for page, and the pool
+  // counts each page sent once (shared ones as well).
+  void Check(const std::vector<std::shared_ptr<Session>>& made) {
+    if (e_.manager->OpenSessions() != sessions_before_ + static_cast<int64_t>(made.size())) {
+      Violation("an accepted stream did not add exactly its sessions");
+    }
+    if (e_.pool->FreePages() != free_before_ - sent_span_) {
+      Violation(absl::StrCat("the pool lost ", free_before_ - e_.pool->FreePages(),
+                             " pages for the ", sent_span_, " pool pages sent"));
+    }
+    // Each page holds one reference per table entry naming it, over all the sessions.
+    std::map<std::pair<int32_t, int32_t>, int32_t> entries;  // (run, span) -> table entries
+    for (const auto& s : made) {
+      for (int32_t run : s->TablePages()) ++entries[{run, s->shape().page_span}];
+    }
+    for (const auto& [page, n] : entries) {
+      if (e_.pool->RefCount(page.first, page.second) != n) {
+        Violation(absl::StrCat("page run ", page.first, " has ",
+                               e_.pool->RefCount(page.first, page.second), " references for ",
+                               n, " table entries"));
       }
     }
-    if (s.PagesHeld() != table_pages * span ||
-        e_.pool->FreePages() != free_before_ - table_pages * span) {
-      Violation(absl::StrCat("the session holds ", s.PagesHeld(), " pages and the pool lost ",
-                             free_before_ - e_.pool->FreePages(), "; the header's tables have ",
-                             table_pages, " of span ", span));
-    }
-    auto exporter =
-        SessionExporter::Create(s, e_.pool.get(), e_.device->kv_region(), e_.device.get());
-    if (!exporter.ok()) {
-      Violation(absl::StrCat("an imported session cannot be exported: ",
-                             exporter.status().ToString()));
-      return;
-    }
-    size_t i = 0;
-    for (auto page = (*exporter)->Next(); page; page = (*exporter)->Next(), ++i) {
-      if (i >= sent_.size() || page->kv != sent_[i]) {
-        Violation(absl::StrCat("page ", i, " reads back other bytes than were sent"));
+    size_t first = 0;
+    for (size_t k = 0; k < made.size() && k < headers_.size(); ++k) {
+      const Session& s = *made[k];
+      const v1::SessionTransferHeader& h = headers_[k];
+      for (int32_t l = 0; l < s.shape().num_layers; ++l) {
+        if (l >= h.layer_tokens_size() || s.CachedTokens(l) != h.layer_tokens(l)) {
+          Violation(absl::StrCat("session ", k, " layer ", l, " holds ", s.CachedTokens(l),
+                                 " tokens, not the header's"));
+        }
+      }
+      const std::vector<const std::string*> expected = Expected(h, &first);
+      if (s.PagesHeld() != static_cast<int64_t>(expected.size()) * h.page_span()) {
+        Violation(absl::StrCat("session ", k, " holds ", s.PagesHeld(), " pool pages, its tables ",
+                               expected.size(), " of span ", h.page_span()));
+      }
+      // Read back in a stream of its own: pages it holds twice come once, named in the header.
+      auto exporter =
+          SessionExporter::Create(s, e_.pool.get(), e_.device->kv_region(), e_.device.get());
+      if (!exporter.ok()) {
+        Violation(absl::StrCat("an imported session cannot be exported: ",
+                               exporter.status().ToString()));
         return;
       }
+      std::vector<std::string> own;
+      for (auto page = (*exporter)->Next(); page; page = (*exporter)->Next()) {
+        own.push_back(std::move(page->kv));
+      }
+      const std::vector<int64_t>& shared = (*exporter)->header().shared_pages;
+      size_t next = 0;
+      for (size_t i = 0; i < expected.size(); ++i) {
+        const int64_t ref = shared.empty() ? 0 : shared[i];
+        const size_t at = ref == 0 ? next++ : static_cast<size_t>(ref - 1);
+        if (at >= own.size() || expected[i] == nullptr || own[at] != *expected[i]) {
+          Violation(absl::StrCat("session ", k, " page ", i, " reads back other bytes than sent"));
+          return;
+        }
+      }
     }
-    if (i != sent_.size()) Violation(absl::StrCat(i, " pages read back, ", sent_.size(), " sent"));
   }
 
   SessionEngine& e_;
@@ -187,9 +229,9 @@ class Stream {
   const int64_t sessions_before_;
   std::unique_ptr<SessionImportStream> stream_;
   bool done_ = false;
-  bool have_header_ = false;
-  v1::SessionTransferHeader header_;  // the header the stream took
-  std::vector<std::string> sent_;     // the pages it took, in order
+  std::vector<v1::SessionTransferHeader> headers_;  // the headers the stream took
+  std::vector<std::string> sent_;                   // the pages it took, in stream order
+  int64_t sent_span_ = 0;                           // pool pages of them
 };
 
 }  // namespace

@@ -4,7 +4,7 @@
 // session_fuzz.h, over every session RPC) and region/ (region_fuzz.h: each template with its
 // tensors in r0, in r1, at offsets that are multiples of the element size but not of 16, and in
 // the GPU region) and import/ (import_fuzz.h: ImportSession streams of 16-bit and FP8 caches,
-// pages of one and of several pool pages, an empty session).
+// pages of one and of several pool pages, an empty session, a fork family in one stream).
 //   make_fuzz_seeds <dir>
 // The checked-in tests/fuzz/corpus/ was written by it; scripts/fuzz.sh refreshes it.
 #include <cstdio>
@@ -240,6 +240,31 @@ std::vector<std::pair<std::string, std::string>> ImportSeeds() {
     attn::fuzz::AppendImportRecord(&input, attn::fuzz::ImportOp::kEnd, "");
     out.emplace_back(s.name, input);
   }
+  // A fork family in one stream: the f16 session, then a fork that shares its first layer's two
+  // pages (stream pages 0 and 1) and has a page of its own in the second layer.
+  std::string family = out.front().second;
+  family.resize(family.size() - 3);  // without its end
+  attn::v1::SessionTransferChunk fork;
+  attn::v1::SessionTransferHeader* h = fork.mutable_header();
+  h->set_num_layers(3);
+  h->set_num_kv_heads(2);
+  h->set_head_dim(8);
+  h->set_dtype(f16);
+  h->set_max_tokens(96);
+  h->set_page_tokens(64);
+  h->set_page_span(1);
+  h->set_page_bytes(2048);
+  for (auto [tokens, pages] : {std::pair{70, 2}, {5, 1}, {0, 0}}) {
+    h->add_layer_tokens(tokens);
+    h->add_layer_pages(pages);
+  }
+  for (int64_t k : {1, 2, 0}) h->add_shared_pages(k);
+  h->set_source_session_id("elsewhere.fork");
+  attn::fuzz::AppendImportRecord(&family, attn::fuzz::ImportOp::kChunk, fork.SerializeAsString());
+  attn::fuzz::AppendImportRecord(&family, attn::fuzz::ImportOp::kPage,
+                                 attn::fuzz::ImportPagePayload(0, 0, 0, fill++));
+  attn::fuzz::AppendImportRecord(&family, attn::fuzz::ImportOp::kEnd, "");
+  out.emplace_back("import_fork_family", family);
   return out;
 }
 

@@ -1278,6 +1278,23 @@ std::vector<ImportBadCase> ImportBadCases() {
        "page_tokens 128 / page_span 1 differ from this replica's 256 / 1"},
       {"ScalesWithoutAnFp8Cache", BadHeader([](auto& h) { h.add_v_scales(1.0f); }), IA,
        "v_scales is only for an FP8 cache (cache_dtype DTYPE_FLOAT8_E4M3)"},
+      // shared_pages: pages of sessions sent before in the same stream (a fork family).
+      {"SharedPagesNamingNoPageSent", BadHeader([](auto& h) {
+         h.add_shared_pages(1);
+         h.add_shared_pages(0);
+       }), IA, "shared_pages[0] = 1 names no page sent before it (0 were) in this stream"},
+      {"SharedPagesNegative", BadHeader([](auto& h) {
+         h.add_shared_pages(0);
+         h.add_shared_pages(-1);
+       }), IA, "shared_pages[1] = -1 names no page sent before it"},
+      {"SharedPagesOneEntryShort", BadHeader([](auto& h) { h.add_shared_pages(0); }), IA,
+       "shared_pages must have one entry per page of the tables (2), got 1"},
+      {"ForkHeaderNamingAPageNotSent", [] {
+         return Chunks{ImportHeader(), ImportPage(0), ImportPage(1), ImportHeader([](auto& h) {
+                         h.add_shared_pages(1);
+                         h.add_shared_pages(3);
+                       })};
+       }, IA, "shared_pages[1] = 3 names no page sent before it (2 were) in this stream"},
       // SessionTransferPage.
       {"PageChecksumWrong", BadPage([](auto& p) { p.set_crc32c(p.crc32c() ^ 1); }),
        StatusCode::DATA_LOSS, "page 0's kv does not match its crc32c"},
@@ -1353,6 +1370,32 @@ INSTANTIATE_TEST_SUITE_P(Matrix, ImportBadInput, ::testing::ValuesIn(ImportBadCa
                          [](const ::testing::TestParamInfo<ImportBadCase>& info) {
                            return info.param.name;
                          });
+
+// A fork family in one stream: the session, then a fork sharing its first page (and a page of
+// its own after it): both open, the shared page held once, and every page back once both close.
+TEST_F(ImportBadInput, AForkFamilyInOneStreamSharesItsPage) {
+  v1::ImportSessionResponse response;
+  const grpc::Status st = Import({ImportHeader(), ImportPage(0), ImportPage(1),
+                                  ImportHeader([](auto& h) {
+                                    h.add_shared_pages(1);
+                                    h.add_shared_pages(0);
+                                  }),
+                                  ImportPage(2)},
+                                 &response);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(response.session_ids_size(), 2);
+  EXPECT_EQ(response.session_ids(0), response.session_id());
+  EXPECT_EQ(response.pages(), 3);
+  v1::KvCacheInfo with;
+  ASSERT_TRUE(testing::GetKvCache(stub_, &with).ok());
+  EXPECT_EQ(with.free_pages(), before_.free_pages() - 3);
+  EXPECT_EQ(with.sessions(), before_.sessions() + 2);
+  ASSERT_TRUE(testing::CloseSession(stub_, response.session_ids(0)).ok());
+  ASSERT_TRUE(testing::GetKvCache(stub_, &with).ok());
+  EXPECT_EQ(with.free_pages(), before_.free_pages() - 2);  // the shared page stays with the fork
+  ASSERT_TRUE(testing::CloseSession(stub_, response.session_ids(1)).ok());
+  ExpectNothingLeft("a fork family, closed");
+}
 
 // A sender that goes away midway (its call cancelled after a page): the peer frees what it took.
 TEST_F(ImportBadInput, ASenderThatGoesAwayMidwayLeavesNothing) {
