@@ -111,7 +111,7 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> SessionImportStream::Compl
     SessionImporter* i = importer.get();
     finish.push_back([i](std::string id) { return i->Finish(std::move(id)); });
   }
-  return target_.sessions->AddImported(finish);
+  return target_.sessions->AddImported(finish, source_ids_);
 }
 
 }  // namespace attn

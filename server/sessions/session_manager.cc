@@ -223,6 +223,13 @@ absl::StatusOr<SessionManager::SessionMap::iterator> SessionManager::FindOwnedLo
   if (it != sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("no session ", id, " on replica ", options_.replica_id));
   }
+  // A session imported here, asked for by its id on the replica it came from (by its owner).
+  if (auto alias = imported_from_.find(id); alias != imported_from_.end()) {
+    auto here = sessions_.find(alias->second);
+    if (here != sessions_.end() && here->second->owner() == owner) {
+      return SessionMovedError(id, "", alias->second);
+    }
+  }
   return NotOpen(id);
 }
 
@@ -385,7 +392,8 @@ absl::Status SessionManager::CheckImport(const SessionShape& shape, int64_t befo
 
 absl::StatusOr<std::vector<std::shared_ptr<Session>>> SessionManager::AddImported(
     const std::vector<std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>>&
-        finish) {
+        finish,
+    const std::vector<std::string>& source_ids) {
   std::vector<std::shared_ptr<Session>> made;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -399,7 +407,21 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> SessionManager::AddImporte
       }
       made.push_back(std::move(*s));
     }
-    for (const auto& s : made) sessions_.emplace(s->id(), s);
+    for (size_t i = 0; i < made.size(); ++i) {
+      sessions_.emplace(made[i]->id(), made[i]);
+      // Ids of this replica's own are never another replica's: no alias shadows one.
+      if (i < source_ids.size() && !source_ids[i].empty() &&
+          ReplicaOfSessionId(source_ids[i]) != options_.replica_id &&
+          options_.remembered_ids > 0) {
+        if (imported_from_.insert_or_assign(source_ids[i], made[i]->id()).second) {
+          imported_order_.push_back(source_ids[i]);
+        }
+        while (imported_order_.size() > options_.remembered_ids) {
+          imported_from_.erase(imported_order_.front());
+          imported_order_.pop_front();
+        }
+      }
+    }
   }
   UpdateMetrics();
   return made;

@@ -112,10 +112,15 @@ class SessionManager {
   // --max_sessions (counting `before` sessions of the same stream not yet added); then each
   // `finish` makes a session of the stream with its new id (SessionImporter::Finish), and they
   // become open here together, or none does.
+  // source_ids: each session's id on the replica it came from (may be empty): a call on that id
+  // here, by the session's owner, gets SessionMovedError naming the new id and an empty address
+  // (this replica), for as long as ids are remembered, so that a caller whose source replica has
+  // gone can find its session by asking the other replicas.
   absl::Status CheckImport(const SessionShape& shape, int64_t before = 0) const;
   absl::StatusOr<std::vector<std::shared_ptr<Session>>> AddImported(
       const std::vector<std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>>&
-          finish);
+          finish,
+      const std::vector<std::string>& source_ids = {});
 
   // Closes the sessions idle for longer than the TTL (none with a step in progress) as of now;
   // returns how many. The expiry thread calls it; tests may too.
@@ -157,6 +162,9 @@ class SessionManager {
   std::unordered_map<std::string, const char*> gone_;  // id -> "closed" / "expired"
   // Moved sessions: id -> (address, new id); remembered for as long as closed ones.
   std::unordered_map<std::string, std::pair<std::string, std::string>> moved_;
+  // Imported sessions: id on their source replica -> id here; the oldest forgotten first.
+  std::unordered_map<std::string, std::string> imported_from_;
+  std::deque<std::string> imported_order_;
   bool stop_creating_ = false;
   std::deque<std::string> gone_order_;
   std::mt19937_64 rng_;

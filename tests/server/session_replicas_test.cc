@@ -575,6 +575,55 @@ TEST(SessionHandoff, AForkFamilyMovesInOneStreamAndKeepsSharingItsPages) {
   EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
 }
 
+// A caller idle while its replica drains: the lame-duck phase ends and A exits before the caller's
+// next call, which meets a closed port. The client asks the other replicas, B (which took the
+// sessions) answers their old ids with their new ones, and decoding goes on there, every answer
+// equal to the float64 reference; single steps and BatchSteps alike.
+TEST(SessionHandoff, ACallerIdleThroughTheDrainFindsItsSessionsOnThePeer) {
+  // B's cache is the smaller, so that the sessions are created on A.
+  auto b = AttndProcess::Start(ReplicaFlags("idle-b", {"--kv_cache_bytes=4194304"}));
+  ASSERT_NE(b, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "idle-a", {"--drain_quiet_ms=200", "--handoff_peers=" + b->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get(), b.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 2; ++i) load.Create(40 + 30 * i);
+  load.Fork(1);
+  for (size_t i = 0; i < load.size(); ++i) {
+    ASSERT_EQ(load.id(i).rfind("idle-a.", 0), 0u) << load.id(i);
+  }
+  load.Decode(1);
+  // Idle from here until A has gone.
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  ASSERT_NE(a->Log().find("hand-off: 3 sessions moved"), std::string::npos) << a->Log();
+  load.Decode(2);
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("idle-b.", 0), 0u) << load.id(i);
+  }
+  // Another client, which never saw A answer, finds them too, through a BatchStep.
+  auto other = ClientOf({b.get()});
+  ASSERT_NE(other, nullptr);
+  std::mt19937_64 rng(5);
+  std::vector<StepInput> items;
+  for (size_t i = 0; i < load.size(); ++i) items.push_back(RandomStep(load.id(i), 0, 1, rng));
+  auto batch = other->BatchStep(items);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  for (const auto& r : *batch) EXPECT_TRUE(r.ok()) << r.status();
+  // The old id asked by hand: B names the new one, with no address (B itself).
+  auto direct = client::Client::Create({.target = b->target()});
+  ASSERT_TRUE(direct.ok());
+  auto asked = client::TruncateSession(**direct, load.id(0), 0);
+  EXPECT_EQ(asked.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(asked.status().message().find("attnd-moved-to: ;idle-b."), std::string::npos)
+      << asked.status();
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*b).sessions(), 0);
+  EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
+}
+
 // A free TCP port on 127.0.0.1 now (for a replica that must come back at the same address).
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
