@@ -5,11 +5,12 @@
 #   attend   AttendRequest bytes: wire reader, validation, region resolution, CPU kernel
 #   session  programs of session requests: session manager, step validation, CPU backend
 #   region   Attends and steps whose tensors the input places in shared-memory regions
+#   import   ImportSession streams: header and page checks, page accounting, the bytes kept
 # and prints, per target and process, the executions, executions per second (wall clock) and
 # executions per CPU second (the speed on one core, also on a busy machine).
 #
-#   scripts/fuzz.sh            # 60 s: 20 s per target (what CI runs)
-#   scripts/fuzz.sh 3600       # 20 minutes per target; see docs/RELIABILITY.md (Fuzzing)
+#   scripts/fuzz.sh            # 60 s: 15 s per target (what CI runs)
+#   scripts/fuzz.sh 3600       # 15 minutes per target; see docs/RELIABILITY.md (Fuzzing)
 #   ATTN_FUZZ_JOBS=2 scripts/fuzz.sh 3600     # two processes per target, side by side
 #   ATTN_FUZZ_TARGETS="region" scripts/fuzz.sh 600   # one target, all 600 s
 #   ATTN_FUZZ_NICE=19          # run the fuzzers under nice -n 19 (a shared machine)
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 seconds=${1:-60}
 dir=${ATTN_FUZZ_BUILD_DIR:-build-fuzz}
-read -r -a targets <<<"${ATTN_FUZZ_TARGETS:-attend session region}"
+read -r -a targets <<<"${ATTN_FUZZ_TARGETS:-attend session region import}"
 jobs=${ATTN_FUZZ_JOBS:-1}
 clang=${CLANG_CXX:-$(command -v clang++ || command -v clang++-14 || true)}
 if [ -z "$clang" ]; then

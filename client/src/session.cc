@@ -538,11 +538,13 @@ std::string SessionClient::CurrentSessionId(const std::string& session_id) const
 bool SessionClient::LearnMove(const std::string& id, const absl::Status& st) {
   const std::string to = MovedTo(st);
   const size_t semi = to.find(';');
-  if (semi == std::string::npos || semi == 0 || semi + 1 >= to.size()) return false;
+  if (semi == std::string::npos || semi + 1 >= to.size()) return false;
   const std::string address = to.substr(0, semi), new_id = to.substr(semi + 1);
   const size_t dot = new_id.rfind('.');
   if (dot == std::string::npos || dot == 0 || new_id == id) return false;
   if (FindReplica(new_id) == nullptr) {
+    // No address: the replica that answered, which is known (its id starts the new one).
+    if (address.empty()) return false;
     // The replica it moved to is not one of the targets (yet): reach it at the address named.
     auto resolved = internal::ResolveEndpoints(address);
     if (!resolved.ok() || resolved->empty()) return false;
@@ -560,6 +562,33 @@ bool SessionClient::LearnMove(const std::string& id, const absl::Status& st) {
   return true;
 }
 
+bool SessionClient::FindMoved(const std::string& id, const std::shared_ptr<Replica>& unreached,
+                              std::chrono::steady_clock::time_point deadline) {
+  RefreshIfOlder(options_.min_refresh_interval);
+  std::vector<std::shared_ptr<Replica>> others;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto* list : {&replicas_, &followed_}) {
+      for (const auto& r : *list) {
+        if (r != unreached && r->client != (unreached ? unreached->client : nullptr)) {
+          others.push_back(r);
+        }
+      }
+    }
+  }
+  for (const auto& r : others) {
+    const auto left =
+        std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left <= milliseconds(0)) return false;
+    // Truncating no token changes nothing: the replica that took the session answers with its
+    // new id, the others that they do not hold it.
+    auto asked = attn::client::TruncateSession(*r->client, id, 0,
+                                               std::min(left, options_.info_timeout));
+    if (LearnMove(id, asked.status())) return true;
+  }
+  return false;
+}
+
 template <typename Result, typename Call>
 absl::StatusOr<Result> SessionClient::OnSession(const std::string& session_id, milliseconds timeout,
                                                 const Call& call) {
@@ -569,11 +598,21 @@ absl::StatusOr<Result> SessionClient::OnSession(const std::string& session_id, m
   milliseconds pause{2};
   for (;;) {
     auto r = Route(id);
-    if (!r.ok()) return r.status();
-    const auto left = std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
-    absl::StatusOr<Result> out = call(id, *(*r)->client, std::max(left, milliseconds(1)));
+    const auto left =
+        std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    absl::StatusOr<Result> out =
+        r.ok() ? call(id, *(*r)->client, std::max(left, milliseconds(1)))
+               : absl::StatusOr<Result>(r.status());
     if (out.ok()) return out;
     if (follows < 2 && LearnMove(id, out.status())) {
+      id = CurrentSessionId(id);
+      ++follows;
+      continue;
+    }
+    // Its replica is gone (a drain whose answers about the moves this caller, idle, missed), or
+    // not reached: one that took the session in a hand-off knows it by this id.
+    const bool unreached = !r.ok() || (absl::IsUnavailable(out.status()) && !Moving(out.status()));
+    if (follows < 2 && unreached && FindMoved(id, r.ok() ? *r : nullptr, deadline)) {
       id = CurrentSessionId(id);
       ++follows;
       continue;
@@ -602,10 +641,12 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SessionClient::BatchStep
   std::vector<absl::StatusOr<StepResult>> results(items.size(), absl::UnknownError("not sent"));
   std::vector<std::pair<std::shared_ptr<Replica>, std::vector<size_t>>> groups;
   absl::Status first_error;
+  std::vector<bool> unrouted(items.size(), false);
   for (size_t i = 0; i < items.size(); ++i) {
     auto r = Route(CurrentSessionId(items[i].session_id));
     if (!r.ok()) {
       results[i] = r.status();
+      unrouted[i] = true;
       if (first_error.ok()) first_error = r.status();
       continue;
     }
@@ -648,11 +689,20 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SessionClient::BatchStep
     reached = true;
     for (size_t j = 0; j < idx.size(); ++j) results[idx[j]] = std::move((*answer)[j]);
   }
-  if (!reached) return first_error;
-  // Items whose session moved, or was moving, go again one by one (Step follows), in order.
+  // Items whose session moved, or was moving, go again one by one (Step follows), in order; so do
+  // those whose replica is gone or was not reached (Step asks the other replicas whether one took
+  // the session in a hand-off).
+  bool found = false;
   for (size_t i = 0; i < items.size(); ++i) {
-    if (!results[i].ok() && Followable(results[i].status())) results[i] = Step(items[i], timeout);
+    if (results[i].ok()) continue;
+    const absl::Status& st = results[i].status();
+    const bool unreached = unrouted[i] || (absl::IsUnavailable(st) && !Moving(st));
+    if (Followable(st) || unreached) {
+      results[i] = Step(items[i], timeout);
+      found |= results[i].ok();
+    }
   }
+  if (!reached && !found) return first_error;
   return results;
 }
 

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <numeric>
 #include <iostream>
 #include <thread>
 #include <utility>
@@ -54,6 +55,7 @@ void HeaderToWire(const SessionTransferHeader& h, const std::string& id,
   out->set_page_bytes(h.page_bytes);
   out->mutable_layer_tokens()->Assign(h.layer_tokens.begin(), h.layer_tokens.end());
   out->mutable_layer_pages()->Assign(h.layer_pages.begin(), h.layer_pages.end());
+  out->mutable_shared_pages()->Assign(h.shared_pages.begin(), h.shared_pages.end());
   out->set_source_session_id(id);
 }
 
@@ -145,53 +147,112 @@ void SessionHandoff::Connect(const std::vector<std::string>& peers) {
   }
 }
 
-absl::StatusOr<std::string> SessionHandoff::SendTo(size_t p, const Session& session,
-                                                   Clock::time_point deadline, int64_t* bytes) {
-  ASSIGN_OR_RETURN(std::unique_ptr<SessionExporter> exporter,
-                   SessionExporter::Create(session, &sessions_->pool(), options_.kv_region,
-                                           options_.kv_device));
+absl::StatusOr<std::vector<std::string>> SessionHandoff::SendTo(
+    size_t p, const std::vector<std::shared_ptr<Session>>& sessions, Clock::time_point deadline,
+    int64_t* bytes) {
+  // Every exporter first (each holds its pages until the transfer ends), in one numbering: a page
+  // a session shares with one before it is named in its header, not sent again.
+  StreamPages numbering;
+  std::vector<std::unique_ptr<SessionExporter>> exporters;
+  int64_t kv_bytes = 0;
+  for (const auto& s : sessions) {
+    ASSIGN_OR_RETURN(std::unique_ptr<SessionExporter> e,
+                     SessionExporter::Create(*s, &sessions_->pool(), options_.kv_region,
+                                             options_.kv_device, &numbering));
+    kv_bytes += 2 * e->header().page_bytes * e->header().OwnPages();
+    exporters.push_back(std::move(e));
+  }
   // A peer that stops reading (hung, not gone) holds one attempt, not the whole drain: 5 s plus
-  // the session's bytes at 50 MB/s, a tenth of the slowest rate measured, at most.
-  const int64_t kv_bytes = 2 * exporter->header().page_bytes * exporter->header().TotalPages();
+  // the family's bytes at 50 MB/s, a tenth of the slowest rate measured, at most.
   const auto attempt = std::chrono::seconds(5) + std::chrono::milliseconds(kv_bytes / 50'000);
   const Clock::time_point until = std::min(deadline, Clock::now() + attempt);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + (until - Clock::now()));
   if (authenticator_ != nullptr) {
-    ASSIGN_OR_RETURN(std::string token, authenticator_->TokenOf(session.owner()));
+    // A family has one owner (forks keep their parent's).
+    ASSIGN_OR_RETURN(std::string token, authenticator_->TokenOf(sessions.front()->owner()));
     ctx.AddMetadata("authorization", absl::StrCat("Bearer ", token));
   }
   v1::ImportSessionResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::SessionTransferChunk>> stream =
       stubs_[p]->ImportSession(&ctx, &response);
-  v1::SessionTransferChunk chunk;
-  HeaderToWire(exporter->header(), session.id(), chunk.mutable_header());
   // A failed write means the call has ended: Finish says why.
-  bool ok = stream->Write(chunk);
+  bool ok = true;
   int64_t sent = 0;
-  while (ok) {
-    std::optional<SessionTransferPage> page = exporter->Next();
-    if (!page) break;
-    v1::SessionTransferPage* wire = chunk.mutable_page();
-    wire->set_index(page->index);
-    wire->set_kv(std::move(page->kv));
-    wire->set_crc32c(page->crc32c);
-    sent += static_cast<int64_t>(wire->kv().size());
+  absl::Status read;
+  for (size_t i = 0; ok && read.ok() && i < exporters.size(); ++i) {
+    v1::SessionTransferChunk chunk;
+    HeaderToWire(exporters[i]->header(), sessions[i]->id(), chunk.mutable_header());
     ok = stream->Write(chunk);
+    while (ok) {
+      std::optional<SessionTransferPage> page = exporters[i]->Next();
+      if (!page) break;
+      v1::SessionTransferPage* wire = chunk.mutable_page();
+      wire->set_index(page->index);
+      wire->set_kv(std::move(page->kv));
+      wire->set_crc32c(page->crc32c);
+      sent += static_cast<int64_t>(wire->kv().size());
+      ok = stream->Write(chunk);
+    }
+    read = exporters[i]->status();
   }
-  if (!exporter->status().ok()) {
+  if (!read.ok()) {
     // The peer sees the call cancelled and frees what it took.
     ctx.TryCancel();
     (void)stream->Finish();
-    return exporter->status();
+    return read;
   }
   if (ok) stream->WritesDone();
   RETURN_IF_ERROR(FromGrpcStatus(stream->Finish()));
-  if (response.session_id().empty()) {
-    return absl::InternalError("the peer answered ImportSession without a session id");
+  std::vector<std::string> ids(response.session_ids().begin(), response.session_ids().end());
+  // A peer that predates fork families names its one session in session_id only.
+  if (ids.empty() && sessions.size() == 1 && !response.session_id().empty()) {
+    ids.push_back(response.session_id());
+  }
+  if (ids.size() != sessions.size() ||
+      std::any_of(ids.begin(), ids.end(), [](const std::string& id) { return id.empty(); })) {
+    return absl::InternalError(absl::StrCat("the peer answered ImportSession of ",
+                                            sessions.size(), " sessions with ", ids.size(),
+                                            " session ids"));
   }
   *bytes = sent;
-  return response.session_id();
+  return ids;
+}
+
+std::vector<SessionHandoff::Moved> SessionHandoff::MoveFamily(
+    const std::vector<std::shared_ptr<Session>>& family, const std::vector<std::string>& peers,
+    Clock::time_point deadline, size_t* turn, int64_t* bytes, absl::Status* last) {
+  std::vector<Moved> moved(family.size());
+  std::vector<size_t> left(family.size());
+  std::iota(left.begin(), left.end(), size_t{0});
+  for (size_t k = 0; k < peers.size() && !left.empty() && Clock::now() < deadline; ++k) {
+    const size_t p = (*turn + k) % peers.size();
+    std::vector<std::vector<size_t>> streams = {left};
+    std::vector<size_t> still;
+    for (size_t s = 0; s < streams.size(); ++s) {
+      std::vector<std::shared_ptr<Session>> sessions;
+      for (size_t i : streams[s]) sessions.push_back(family[i]);
+      int64_t sent = 0;
+      absl::StatusOr<std::vector<std::string>> ids = SendTo(p, sessions, deadline, &sent);
+      if (ids.ok()) {
+        for (size_t j = 0; j < streams[s].size(); ++j) moved[streams[s][j]] = {peers[p], (*ids)[j]};
+        *bytes += sent;
+        continue;
+      }
+      *last = absl::Status(ids.status().code(),
+                           absl::StrCat(peers[p], ": ", ids.status().message()));
+      // A peer without fork families refuses the second header: one session per stream there.
+      if (absl::IsInvalidArgument(ids.status()) && streams[s].size() > 1) {
+        const std::vector<size_t> one_by_one = streams[s];
+        for (size_t i : one_by_one) streams.push_back({i});
+        continue;
+      }
+      still.insert(still.end(), streams[s].begin(), streams[s].end());
+    }
+    if (still.size() < left.size()) *turn = p + 1;  // the next family starts at the next peer
+    left = std::move(still);
+  }
+  return moved;
 }
 
 void SessionHandoff::Record(const std::string& id, const std::string& result,
@@ -205,62 +266,70 @@ SessionHandoff::Summary SessionHandoff::MoveAll(Clock::time_point deadline) {
   Summary summary;
   const std::vector<std::string> peers = ResolvePeers();
   Connect(peers);
-  const std::vector<std::string> ids = sessions_->OpenSessionIds();
-  Log(absl::StrCat("hand-off: moving ", ids.size(), " sessions to ", peers.size(), " peers (",
-                   absl::StrJoin(peers, ", "), ")"));
+  const std::vector<std::vector<std::string>> families = sessions_->OpenSessionFamilies();
+  size_t open = 0;
+  for (const auto& f : families) open += f.size();
+  Log(absl::StrCat("hand-off: moving ", open, " sessions (", families.size(),
+                   " fork families) to ", peers.size(), " peers (", absl::StrJoin(peers, ", "),
+                   ")"));
   size_t turn = 0;
-  for (const std::string& id : ids) {
-    auto not_moved = [&](const std::string& result, const std::string& why) {
+  for (const std::vector<std::string>& ids : families) {
+    auto not_moved = [&](const std::string& id, const std::string& result,
+                         const std::string& why) {
       ++summary.not_moved;
       Record(id, result, why);
     };
-    if (stop_.load()) {
-      not_moved("stopped", "a second signal ended the hand-off");
-      continue;
-    }
-    if (peers.empty()) {
-      not_moved("no_peer", "no --handoff_peers");
+    if (stop_.load() || peers.empty()) {
+      for (const std::string& id : ids) {
+        if (stop_.load()) {
+          not_moved(id, "stopped", "a second signal ended the hand-off");
+        } else {
+          not_moved(id, "no_peer", "no --handoff_peers");
+        }
+      }
       continue;
     }
     // Frozen, no step begins any more; those that had begun end first.
-    absl::StatusOr<std::shared_ptr<Session>> session = sessions_->BeginMove(id);
-    if (absl::IsNotFound(session.status())) continue;  // closed (or expired) meanwhile
-    if (!session.ok()) {
-      not_moved("error", std::string(session.status().message()));
-      continue;
+    std::vector<std::shared_ptr<Session>> family;
+    for (const std::string& id : ids) {
+      absl::StatusOr<std::shared_ptr<Session>> session = sessions_->BeginMove(id);
+      if (absl::IsNotFound(session.status())) continue;  // closed (or expired) meanwhile
+      if (!session.ok()) {
+        not_moved(id, "error", std::string(session.status().message()));
+        continue;
+      }
+      family.push_back(std::move(*session));
     }
-    while (!(*session)->Settled() && Clock::now() < deadline) {
+    if (family.empty()) continue;
+    auto settled = [&] {
+      return std::all_of(family.begin(), family.end(),
+                         [](const auto& s) { return s->Settled(); });
+    };
+    while (!settled() && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    if (!(*session)->Settled()) {
-      sessions_->EndMove(*session, "", "");
-      not_moved("busy", "a step it had begun did not end before the drain's deadline");
+    if (!settled()) {
+      for (const auto& s : family) {
+        sessions_->EndMove(s, "", "");
+        not_moved(s->id(), "busy", "a step of its fork family did not end before the drain's "
+                                   "deadline");
+      }
       continue;
     }
     absl::Status last = absl::DeadlineExceededError("drain_timeout_s ran out before a peer took it");
-    std::string new_id, address;
     int64_t bytes = 0;
-    for (size_t k = 0; k < peers.size() && Clock::now() < deadline; ++k) {
-      const size_t p = (turn + k) % peers.size();
-      absl::StatusOr<std::string> moved = SendTo(p, **session, deadline, &bytes);
-      if (moved.ok()) {
-        new_id = *moved;
-        address = peers[p];
-        turn = p + 1;  // the next session starts at the next peer
-        break;
+    const std::vector<Moved> moved = MoveFamily(family, peers, deadline, &turn, &bytes, &last);
+    for (size_t i = 0; i < family.size(); ++i) {
+      sessions_->EndMove(family[i], moved[i].address, moved[i].new_id);
+      if (moved[i].new_id.empty()) {
+        not_moved(family[i]->id(), HandoffResultOf(last), std::string(last.message()));
+        continue;
       }
-      last = absl::Status(moved.status().code(),
-                          absl::StrCat(peers[p], ": ", moved.status().message()));
+      ++summary.moved;
+      Record(family[i]->id(), "moved", "");
     }
-    sessions_->EndMove(*session, address, new_id);
-    if (new_id.empty()) {
-      not_moved(HandoffResultOf(last), std::string(last.message()));
-      continue;
-    }
-    ++summary.moved;
     summary.bytes += bytes;
-    if (metrics_) metrics_->AddSessionHandoffBytes(bytes);
-    Record(id, "moved", "");
+    if (metrics_ && bytes > 0) metrics_->AddSessionHandoffBytes(bytes);
   }
   return summary;
 }

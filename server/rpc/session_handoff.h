@@ -1,8 +1,11 @@
 // Hand-off on drain: moves each open session of this replica to a peer (--handoff_peers) with
-// the peers' ImportSession (attention.proto), one session at a time, one page in flight (the
-// streaming write returns once gRPC's flow control takes the page). A session is frozen for its
+// the peers' ImportSession (attention.proto), one fork family at a time (a session alone, or
+// sessions that share pages: one stream, each shared page sent once), one page in flight (the
+// streaming write returns once gRPC's flow control takes the page). A family is frozen for its
 // move (Session::Freeze) and marked moved only once the peer answered OK; any failure (the peer
-// full, refusing, gone, a checksum) leaves it whole here, and the next peer is tried.
+// full, refusing, gone, a checksum) leaves it whole here, and the next peer is tried. A peer that
+// refuses a family's second header (one that predates fork families) gets its sessions one per
+// stream.
 //
 // Who may move: each transfer carries the session owner's bearer token (this replica's token
 // file has it), so the peer gives the session to the same identity; without tokens, none.
@@ -73,9 +76,19 @@ class SessionHandoff {
   // options_.peers with dns:/// names resolved to their addresses now.
   std::vector<std::string> ResolvePeers() const;
   void Connect(const std::vector<std::string>& peers);  // stubs_, one per address
-  // The session's new id on peer p, or why not; nothing changes here.
-  absl::StatusOr<std::string> SendTo(size_t p, const Session& session, Clock::time_point deadline,
-                                     int64_t* bytes);
+  // The sessions' new ids on peer p (in their order), sent in one stream, or why not; nothing
+  // changes here.
+  absl::StatusOr<std::vector<std::string>> SendTo(
+      size_t p, const std::vector<std::shared_ptr<Session>>& sessions, Clock::time_point deadline,
+      int64_t* bytes);
+  // Moves one frozen, settled family to the first peer that takes it: each session's new id and
+  // address ("" where none did), *last the last failure.
+  struct Moved {
+    std::string address, new_id;
+  };
+  std::vector<Moved> MoveFamily(const std::vector<std::shared_ptr<Session>>& family,
+                                const std::vector<std::string>& peers, Clock::time_point deadline,
+                                size_t* turn, int64_t* bytes, absl::Status* last);
   // The moved or not-moved outcome of one session, logged and counted.
   void Record(const std::string& id, const std::string& result, const std::string& why);
 

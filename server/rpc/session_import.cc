@@ -2,7 +2,8 @@
 // at a time and the next read starts only once it has been checked and written into its page, so
 // a transfer holds one page in memory here (gRPC's flow control holds the sender back meanwhile).
 // The session is created only after the last page, with its owner the identity of the caller's
-// token; every failure before that frees the pages taken (SessionImporter).
+// token; every failure before that frees the pages taken. The chunks themselves are checked by
+// SessionImportStream.
 #include <memory>
 #include <string>
 #include <utility>
@@ -13,49 +14,10 @@
 #include "observability/metrics.h"
 #include "rpc/attention_service.h"
 #include "rpc/grpc_status.h"
-#include "rpc/step_validation.h"
+#include "rpc/session_import_stream.h"
 #include "sessions/session_manager.h"
-#include "sessions/session_transfer.h"
 
 namespace attn {
-namespace {
-
-// The session's cache type and scales, checked as CreateSession checks them (fp8: what this
-// replica's backend offers).
-absl::Status CacheFromWire(const v1::SessionTransferHeader& h, const Fp8Features& fp8,
-                           SessionShape* shape) {
-  v1::CreateSessionRequest as_created;
-  as_created.set_dtype(h.dtype());
-  as_created.set_head_dim(h.head_dim());
-  as_created.set_cache_dtype(h.cache_dtype());
-  *as_created.mutable_k_scales() = h.k_scales();
-  *as_created.mutable_v_scales() = h.v_scales();
-  SessionManager::CreateParams p;
-  RETURN_IF_ERROR(SessionCacheParams(as_created, fp8, &p));
-  shape->cache_dtype = p.cache_dtype;
-  shape->k_scales = std::move(p.k_scales);
-  shape->v_scales = std::move(p.v_scales);
-  return absl::OkStatus();
-}
-
-absl::StatusOr<SessionTransferHeader> HeaderFromWire(const v1::SessionTransferHeader& h,
-                                                     const Fp8Features& fp8) {
-  SessionTransferHeader header;
-  header.shape.num_layers = h.num_layers();
-  header.shape.num_kv_heads = h.num_kv_heads();
-  header.shape.head_dim = h.head_dim();
-  ASSIGN_OR_RETURN(header.shape.dtype, SessionDType(h.dtype()));
-  header.shape.max_tokens = h.max_tokens();
-  header.shape.page_tokens = h.page_tokens();
-  header.shape.page_span = h.page_span();
-  RETURN_IF_ERROR(CacheFromWire(h, fp8, &header.shape));
-  header.page_bytes = h.page_bytes();
-  header.layer_tokens.assign(h.layer_tokens().begin(), h.layer_tokens().end());
-  header.layer_pages.assign(h.layer_pages().begin(), h.layer_pages().end());
-  return header;
-}
-
-}  // namespace
 
 // Owns itself from its creation until OnDone.
 class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferChunk> {
@@ -81,7 +43,7 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
       return;
     }
     received_ += static_cast<int64_t>(chunk_.ByteSizeLong());
-    absl::Status st = Take();
+    absl::Status st = stream_->Take(chunk_);
     if (!st.ok()) {
       End(st);
       return;
@@ -106,60 +68,37 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
   // Who may import, and whether this replica can.
   absl::Status Admit() {
     ASSIGN_OR_RETURN(std::string client, service_->Identify(ctx_));
-    owner_ = service_->SessionOwner(client);
     if (service_->sessions_ == nullptr) {
       return absl::UnimplementedError("this attnd has no KV cache region: it takes no sessions");
     }
-    return absl::OkStatus();
-  }
-
-  absl::Status Take() {
-    if (importer_ == nullptr) {
-      if (!chunk_.has_header()) {
-        return absl::InvalidArgumentError("ImportSession: the first chunk must be the header");
-      }
-      ASSIGN_OR_RETURN(SessionTransferHeader header, HeaderFromWire(chunk_.header(), service_->options_.limits.fp8));
-      source_id_ = chunk_.header().source_session_id();
-      header.owner = owner_;
-      RETURN_IF_ERROR(service_->sessions_->CheckImport(header.shape));
-      ASSIGN_OR_RETURN(importer_,
-                       SessionImporter::Create(std::move(header), &service_->sessions_->pool(),
-                                               service_->options_.kv_region,
-                                               service_->options_.kv_device));
-      return absl::OkStatus();
-    }
-    if (!chunk_.has_page()) {
-      return absl::InvalidArgumentError("ImportSession: every chunk after the header is a page");
-    }
-    SessionTransferPage page;
-    page.index = chunk_.page().index();
-    page.kv = std::move(*chunk_.mutable_page()->mutable_kv());
-    page.crc32c = chunk_.page().crc32c();
-    RETURN_IF_ERROR(importer_->Accept(page));
-    ++pages_;
+    SessionImportStream::Target target;
+    target.sessions = service_->sessions_;
+    target.kv_region = service_->options_.kv_region;
+    target.kv_device = service_->options_.kv_device;
+    target.fp8 = service_->options_.limits.fp8;
+    stream_ = std::make_unique<SessionImportStream>(std::move(target),
+                                                    service_->SessionOwner(client));
     return absl::OkStatus();
   }
 
   // The sender closed its side: the session is made when every page came.
   absl::Status Complete() {
     if (ctx_->IsCancelled()) return absl::CancelledError("ImportSession: the sender went away");
-    if (importer_ == nullptr) return absl::InvalidArgumentError("ImportSession: no header");
-    SessionImporter* importer = importer_.get();
-    ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
-                     service_->sessions_->AddImported(
-                         [importer](std::string id) { return importer->Finish(std::move(id)); }));
-    response_->set_session_id(s->id());
+    ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Session>> made, stream_->Complete());
+    response_->set_session_id(made.front()->id());
+    for (const auto& s : made) response_->add_session_ids(s->id());
     response_->set_replica_id(service_->sessions_->options().replica_id);
-    response_->set_pages(pages_);
+    response_->set_pages(stream_->pages());
     return absl::OkStatus();
   }
 
   void End(const absl::Status& st) {
-    importer_.reset();  // pages not handed to a session go back now
+    const std::string source_id = stream_ ? stream_->source_id() : "";
+    stream_.reset();  // pages not handed to a session go back now
     const absl::Status out =
-        st.ok() || source_id_.empty()
+        st.ok() || source_id.empty()
             ? st
-            : absl::Status(st.code(), absl::StrCat(st.message(), " (importing ", source_id_, ")"));
+            : absl::Status(st.code(), absl::StrCat(st.message(), " (importing ", source_id, ")"));
     service_->OnCallAnswered();
     if (service_->metrics_) {
       service_->metrics_->ObserveRequest(
@@ -176,10 +115,7 @@ class SessionImportReactor : public grpc::ServerReadReactor<v1::SessionTransferC
   v1::ImportSessionResponse* const response_;
   const Clock::time_point start_;
   v1::SessionTransferChunk chunk_;
-  std::string owner_;
-  std::string source_id_;
-  std::unique_ptr<SessionImporter> importer_;
-  int64_t pages_ = 0;
+  std::unique_ptr<SessionImportStream> stream_;  // from Admit until End
   int64_t received_ = 0;
 };
 

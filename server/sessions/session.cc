@@ -267,6 +267,13 @@ int64_t Session::PagesHeld() const {
   return n;
 }
 
+std::vector<int32_t> Session::TablePages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> runs;
+  for (const Layer& l : layers_) runs.insert(runs.end(), l.pages.begin(), l.pages.end());
+  return runs;
+}
+
 void Session::Touch(Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   last_used_ = now;

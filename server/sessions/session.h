@@ -153,6 +153,9 @@ class Session {
 
   int64_t CachedTokens(int32_t layer) const;
   int64_t PagesHeld() const;  // pool pages the tables hold references to
+  // The pages (runs) of every layer's table as they are now, unreferenced: which sessions share
+  // pages (SessionManager::OpenSessionFamilies).
+  std::vector<int32_t> TablePages() const;
   void Touch(Clock::time_point now);
   Clock::time_point last_used() const;
   // True when some layer has a step in progress or waiting.

@@ -134,13 +134,14 @@ std::string SessionManager::NewIdLocked() {
   }
 }
 
-absl::Status SessionManager::RoomForOneMoreLocked() const {
+absl::Status SessionManager::RoomForMoreLocked(int64_t n) const {
   if (stop_creating_) return Draining();
-  if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+  if (static_cast<int64_t>(sessions_.size()) + n > options_.max_sessions) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "this replica (", options_.replica_id, ") has ", sessions_.size(),
-        " open sessions, its limit (--max_sessions ", options_.max_sessions,
-        "); close sessions or use another replica"));
+        " open sessions, its limit (--max_sessions ", options_.max_sessions, ")",
+        n > 1 ? absl::StrCat(", and ", n, " more were asked for") : "",
+        "; close sessions or use another replica"));
   }
   return absl::OkStatus();
 }
@@ -165,7 +166,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(const Cre
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(RoomForOneMoreLocked());
+    RETURN_IF_ERROR(RoomForMoreLocked(1));
     s = std::make_shared<Session>(NewIdLocked(), owner, shape, pool_);
     sessions_.emplace(s->id(), s);
   }
@@ -221,6 +222,13 @@ absl::StatusOr<SessionManager::SessionMap::iterator> SessionManager::FindOwnedLo
   // Another identity's session reads as unknown: its existence is not disclosed.
   if (it != sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("no session ", id, " on replica ", options_.replica_id));
+  }
+  // A session imported here, asked for by its id on the replica it came from (by its owner).
+  if (auto alias = imported_from_.find(id); alias != imported_from_.end()) {
+    auto here = sessions_.find(alias->second);
+    if (here != sessions_.end() && here->second->owner() == owner) {
+      return SessionMovedError(id, "", alias->second);
+    }
   }
   return NotOpen(id);
 }
@@ -295,6 +303,40 @@ std::vector<std::string> SessionManager::OpenSessionIds() const {
   return ids;
 }
 
+std::vector<std::vector<std::string>> SessionManager::OpenSessionFamilies() const {
+  std::vector<std::shared_ptr<Session>> open;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) open.push_back(s);
+  }
+  // Ids are "<replica>.<random>": the order of opening is not in them, so families keep the
+  // order of the session map, sorted by id for a stable order between runs.
+  std::sort(open.begin(), open.end(),
+            [](const auto& a, const auto& b) { return a->id() < b->id(); });
+  // Union-find over the sessions, joined through the pages their tables hold.
+  std::vector<size_t> parent(open.size());
+  std::iota(parent.begin(), parent.end(), size_t{0});
+  auto root = [&](size_t i) {
+    while (parent[i] != i) i = parent[i] = parent[parent[i]];
+    return i;
+  };
+  std::unordered_map<int32_t, size_t> holder;  // page run -> a session holding it
+  for (size_t i = 0; i < open.size(); ++i) {
+    for (int32_t run : open[i]->TablePages()) {
+      auto [it, first] = holder.emplace(run, i);
+      if (!first) parent[root(i)] = root(it->second);
+    }
+  }
+  std::vector<std::vector<std::string>> families;
+  std::unordered_map<size_t, size_t> family_of_root;
+  for (size_t i = 0; i < open.size(); ++i) {
+    auto [it, first] = family_of_root.emplace(root(i), families.size());
+    if (first) families.emplace_back();
+    families[it->second].push_back(open[i]->id());
+  }
+  return families;
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::BeginMove(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(id);
@@ -319,7 +361,7 @@ void SessionManager::EndMove(const std::shared_ptr<Session>& session, const std:
   UpdateMetrics();
 }
 
-absl::Status SessionManager::CheckImport(const SessionShape& shape) const {
+absl::Status SessionManager::CheckImport(const SessionShape& shape, int64_t before) const {
   CreateParams p;
   p.num_layers = shape.num_layers;
   p.num_kv_heads = shape.num_kv_heads;
@@ -336,7 +378,7 @@ absl::Status SessionManager::CheckImport(const SessionShape& shape) const {
   RETURN_IF_ERROR(CheckCreateParams(p));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(RoomForOneMoreLocked());
+    RETURN_IF_ERROR(RoomForMoreLocked(before + 1));
   }
   const PageLayout layout = PageLayoutFor(shape.RowBytes());
   if (layout.tokens != shape.page_tokens || layout.span != shape.page_span) {
@@ -348,18 +390,41 @@ absl::Status SessionManager::CheckImport(const SessionShape& shape) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::AddImported(
-    const std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>& finish) {
-  std::shared_ptr<Session> s;
+absl::StatusOr<std::vector<std::shared_ptr<Session>>> SessionManager::AddImported(
+    const std::vector<std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>>&
+        finish,
+    const std::vector<std::string>& source_ids) {
+  std::vector<std::shared_ptr<Session>> made;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(RoomForOneMoreLocked());
-    ASSIGN_OR_RETURN(std::unique_ptr<Session> made, finish(NewIdLocked()));
-    s = std::move(made);
-    sessions_.emplace(s->id(), s);
+    RETURN_IF_ERROR(RoomForMoreLocked(static_cast<int64_t>(finish.size())));
+    for (const auto& f : finish) {
+      absl::StatusOr<std::unique_ptr<Session>> s = f(NewIdLocked());
+      if (!s.ok()) {
+        // None of the stream's sessions opens; those made give their pages back as they go.
+        for (auto& m : made) m->Close();
+        return s.status();
+      }
+      made.push_back(std::move(*s));
+    }
+    for (size_t i = 0; i < made.size(); ++i) {
+      sessions_.emplace(made[i]->id(), made[i]);
+      // Ids of this replica's own are never another replica's: no alias shadows one.
+      if (i < source_ids.size() && !source_ids[i].empty() &&
+          ReplicaOfSessionId(source_ids[i]) != options_.replica_id &&
+          options_.remembered_ids > 0) {
+        if (imported_from_.insert_or_assign(source_ids[i], made[i]->id()).second) {
+          imported_order_.push_back(source_ids[i]);
+        }
+        while (imported_order_.size() > options_.remembered_ids) {
+          imported_from_.erase(imported_order_.front());
+          imported_order_.pop_front();
+        }
+      }
+    }
   }
   UpdateMetrics();
-  return s;
+  return made;
 }
 
 int64_t SessionManager::ExpireIdle(Clock::time_point now) {

@@ -98,18 +98,29 @@ class SessionManager {
   // export it once Settled); then EndMove with the peer's address and new id (the session is closed here,
   // its pages given back, and calls on its id get SessionMovedError from then on), or with an
   // empty new_id (the move failed: the session goes on here).
+  // OpenSessionFamilies: the same, grouped into fork families (sessions that share pages, directly
+  // or through others), each sorted by id; once StopCreating ran
+  // no fork adds sharing, so a family found then only ever splits.
   void StopCreating();
   std::vector<std::string> OpenSessionIds() const;
+  std::vector<std::vector<std::string>> OpenSessionFamilies() const;
   absl::StatusOr<std::shared_ptr<Session>> BeginMove(const std::string& id);
   void EndMove(const std::shared_ptr<Session>& session, const std::string& address,
                const std::string& new_id);
   // Checks an incoming session's shape against this replica's limits and page layout
   // (INVALID_ARGUMENT naming the field), UNAVAILABLE once StopCreating ran, RESOURCE_EXHAUSTED at
-  // --max_sessions; then `finish` makes the session with its new id (SessionImporter::Finish) and
-  // it becomes open here, owned by owner.
-  absl::Status CheckImport(const SessionShape& shape) const;
-  absl::StatusOr<std::shared_ptr<Session>> AddImported(
-      const std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>& finish);
+  // --max_sessions (counting `before` sessions of the same stream not yet added); then each
+  // `finish` makes a session of the stream with its new id (SessionImporter::Finish), and they
+  // become open here together, or none does.
+  // source_ids: each session's id on the replica it came from (may be empty): a call on that id
+  // here, by the session's owner, gets SessionMovedError naming the new id and an empty address
+  // (this replica), for as long as ids are remembered, so that a caller whose source replica has
+  // gone can find its session by asking the other replicas.
+  absl::Status CheckImport(const SessionShape& shape, int64_t before = 0) const;
+  absl::StatusOr<std::vector<std::shared_ptr<Session>>> AddImported(
+      const std::vector<std::function<absl::StatusOr<std::unique_ptr<Session>>(std::string id)>>&
+          finish,
+      const std::vector<std::string>& source_ids = {});
 
   // Closes the sessions idle for longer than the TTL (none with a step in progress) as of now;
   // returns how many. The expiry thread calls it; tests may too.
@@ -130,8 +141,8 @@ class SessionManager {
  private:
   SessionManager(const Options& options, KvPagePool* pool, Metrics* metrics);
   std::string NewIdLocked();
-  // OK when one more session may open here: not draining, under --max_sessions (mu_ held).
-  absl::Status RoomForOneMoreLocked() const;
+  // OK when n more sessions may open here: not draining, within --max_sessions (mu_ held).
+  absl::Status RoomForMoreLocked(int64_t n) const;
   absl::Status CheckCreateParams(const CreateParams& p) const;
   using SessionMap = std::unordered_map<std::string, std::shared_ptr<Session>>;
   // The session `owner` may use, or why not (mu_ held).
@@ -151,6 +162,9 @@ class SessionManager {
   std::unordered_map<std::string, const char*> gone_;  // id -> "closed" / "expired"
   // Moved sessions: id -> (address, new id); remembered for as long as closed ones.
   std::unordered_map<std::string, std::pair<std::string, std::string>> moved_;
+  // Imported sessions: id on their source replica -> id here; the oldest forgotten first.
+  std::unordered_map<std::string, std::string> imported_from_;
+  std::deque<std::string> imported_order_;
   bool stop_creating_ = false;
   std::deque<std::string> gone_order_;
   std::mt19937_64 rng_;

@@ -13,6 +13,11 @@ absl::Status SessionMovingError(const std::string& id) {
 
 absl::Status SessionMovedError(const std::string& id, const std::string& address,
                                const std::string& new_id) {
+  if (address.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id, " moved to this replica as ", new_id,
+                     "; send its calls with that id (", kMovedToKey, ": ;", new_id, ")"));
+  }
   return absl::FailedPreconditionError(
       absl::StrCat("session ", id, " moved to replica at ", address, " as ", new_id,
                    "; send its calls there (", kMovedToKey, ": ", address, ";", new_id, ")"));

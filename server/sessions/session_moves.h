@@ -18,7 +18,8 @@ inline constexpr char kMovingMarker[] = "attnd-session-moving";
 // UNAVAILABLE: nothing was applied; the call may be sent again shortly (to the same replica,
 // which then answers with the session's new place, or with the session itself).
 absl::Status SessionMovingError(const std::string& id);
-// FAILED_PRECONDITION naming the new place: "... attnd-moved-to: <address>;<new id>".
+// FAILED_PRECONDITION naming the new place: "... attnd-moved-to: <address>;<new id>". An empty
+// address is the replica that answers (one that imported the session, asked by its old id).
 absl::Status SessionMovedError(const std::string& id, const std::string& address,
                                const std::string& new_id);
 // "<address>;<new id>" of a SessionMovedError's message, or "" for any other status.

@@ -1,9 +1,10 @@
 // Replays, in the normal build, through each fuzz target's own code path: every input under
 // tests/fuzz/regressions/<target>/ (inputs that once crashed or broke an invariant there) and the
-// seed corpus tests/fuzz/corpus/<target>/, for the targets attend, session and region.
+// seed corpus tests/fuzz/corpus/<target>/, for the targets attend, session, region and import.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -12,6 +13,7 @@
 
 #include "attend_fuzz.h"
 #include "attn/v1/attention.pb.h"
+#include "import_fuzz.h"
 #include "region_fuzz.h"
 #include "session_fuzz.h"
 
@@ -25,7 +27,8 @@ struct Target {
 };
 const Target kTargets[] = {{"attend", attn::fuzz::RunAttendInput},
                            {"session", attn::fuzz::RunSessionInput},
-                           {"region", attn::fuzz::RunRegionInput}};
+                           {"region", attn::fuzz::RunRegionInput},
+                           {"import", attn::fuzz::RunImportInput}};
 
 // Regular files under dir, sorted; none when dir does not exist (git keeps no empty folder).
 std::vector<std::filesystem::path> FilesUnder(const std::string& dir) {
@@ -195,6 +198,129 @@ TEST(FuzzRegression, SessionProgramRunsCleanAndLeavesEveryPageFree) {
   attn::fuzz::AppendRecord(&p, SessionOp::kStep, wrong.SerializeAsString());
   const auto out2 = attn::fuzz::RunSessionInput(reinterpret_cast<const uint8_t*>(p.data()), p.size());
   EXPECT_TRUE(out2.violation.empty()) << out2.violation;
+}
+
+// Import streams built here, each refused (or accepted) with every page and session count as
+// before: the good stream of the f16 seed's shape, then that stream with a checksum off, a page
+// short, a page index skipped, a page too many, the stream ended early, dropped midway, a second
+// header, absurd sizes, FP8 scales missing, and the layer_pages not matching the tokens.
+TEST(FuzzRegression, ImportTargetRefusesBadStreamsAndLeavesNothing) {
+  using attn::fuzz::ImportOp;
+  using attn::fuzz::ImportPagePayload;
+  auto header = [](auto change) {
+    attn::v1::SessionTransferChunk c;
+    attn::v1::SessionTransferHeader* h = c.mutable_header();
+    h->set_num_layers(2);
+    h->set_num_kv_heads(2);
+    h->set_head_dim(8);
+    h->set_dtype(attn::v1::DTYPE_FLOAT16);
+    h->set_max_tokens(96);
+    h->set_page_tokens(64);
+    h->set_page_span(1);
+    h->set_page_bytes(2048);
+    for (int64_t t : {70, 3}) {
+      h->add_layer_tokens(t);
+      h->add_layer_pages((t + 63) / 64);
+    }
+    change(*h);
+    return c.SerializeAsString();
+  };
+  auto stream = [&](auto change, std::vector<std::string> pages, bool end = true) {
+    std::string in;
+    attn::fuzz::AppendImportRecord(&in, ImportOp::kChunk, header(change));
+    for (const std::string& p : pages) attn::fuzz::AppendImportRecord(&in, ImportOp::kPage, p);
+    if (end) attn::fuzz::AppendImportRecord(&in, ImportOp::kEnd, "");
+    return in;
+  };
+  auto run = [](const std::string& in) {
+    return attn::fuzz::RunImportInput(reinterpret_cast<const uint8_t*>(in.data()), in.size());
+  };
+  const auto same = [](attn::v1::SessionTransferHeader&) {};
+  const std::string ok = ImportPagePayload(0, 0, 0, 5);
+  Outcome good = run(stream(same, {ok, ok, ok}));
+  EXPECT_TRUE(good.valid && good.computed);
+  EXPECT_TRUE(good.violation.empty()) << good.violation;
+  struct Bad {
+    const char* what;
+    std::string input;
+  };
+  std::string second_header = stream(same, {ok}, false);
+  attn::fuzz::AppendImportRecord(&second_header, ImportOp::kChunk, header(same));
+  std::string dropped = stream(same, {ok, ok}, false);
+  attn::fuzz::AppendImportRecord(&dropped, ImportOp::kDrop, "");
+  const std::vector<Bad> bad = {
+      {"a checksum off", stream(same, {ok, ImportPagePayload(0, 0, 1, 5), ok})},
+      {"a page short", stream(same, {ok, ImportPagePayload(0, -1, 0, 5), ok})},
+      {"a page index skipped", stream(same, {ok, ImportPagePayload(1, 0, 0, 5)})},
+      {"a page index repeated", stream(same, {ok, ImportPagePayload(-1, 0, 0, 5)})},
+      {"a page too many", stream(same, {ok, ok, ok, ok})},
+      {"the stream ended early", stream(same, {ok, ok})},
+      {"dropped midway", dropped},
+      {"a second header", second_header},
+      {"absurd page_bytes", stream([](auto& h) { h.set_page_bytes(int64_t{1} << 50); }, {ok})},
+      {"absurd layer counts", stream([](auto& h) {
+         h.set_num_layers(1 << 30);
+       }, {ok})},
+      {"more pages than the pool has", stream([](auto& h) {
+         h.set_max_tokens(1 << 20);
+         h.set_layer_tokens(0, int64_t{64} << 20);
+         h.set_layer_pages(0, int64_t{1} << 20);
+       }, {ok})},
+      {"negative tokens", stream([](auto& h) { h.set_layer_tokens(1, -3); }, {ok})},
+      {"layer_pages not matching the tokens", stream([](auto& h) { h.set_layer_pages(1, 2); }, {ok})},
+      {"FP8 cache without scales", stream([](auto& h) {
+         h.set_cache_dtype(attn::v1::DTYPE_FLOAT8_E4M3);
+       }, {ok})},
+      {"FP8 scales without an FP8 cache", stream([](auto& h) { h.add_k_scales(1.0f); }, {ok})},
+      {"FP8 scale NaN", stream([](auto& h) {
+         h.set_cache_dtype(attn::v1::DTYPE_FLOAT8_E4M3);
+         h.add_k_scales(std::nanf(""));
+         h.add_k_scales(1.0f);
+         h.add_v_scales(1.0f);
+         h.add_v_scales(1.0f);
+       }, {ok})},
+  };
+  for (const Bad& b : bad) {
+    const Outcome out = run(b.input);
+    EXPECT_FALSE(out.valid) << b.what;
+    EXPECT_TRUE(out.violation.empty()) << b.what << ": " << out.violation;
+  }
+
+  // A fork family in one stream: the session, then a fork sharing its first layer's two pages
+  // and a page of its own; then the fork's shared_pages wrong in every way.
+  auto family = [&](auto change_fork, int fork_pages = 1) {
+    std::string in = stream(same, {ok, ok, ok}, false);
+    attn::fuzz::AppendImportRecord(&in, ImportOp::kChunk, header([&](auto& h) {
+                                     h.set_layer_tokens(1, 5);
+                                     for (int64_t k : {1, 2, 0}) h.add_shared_pages(k);
+                                     change_fork(h);
+                                   }));
+    for (int i = 0; i < fork_pages; ++i) attn::fuzz::AppendImportRecord(&in, ImportOp::kPage, ok);
+    attn::fuzz::AppendImportRecord(&in, ImportOp::kEnd, "");
+    return in;
+  };
+  const Outcome fam = run(family(same));
+  EXPECT_TRUE(fam.valid && fam.computed);
+  EXPECT_TRUE(fam.violation.empty()) << fam.violation;
+  const std::vector<Bad> bad_family = {
+      {"shared_pages naming a page not sent", family([](auto& h) { h.set_shared_pages(1, 4); })},
+      {"shared_pages negative", family([](auto& h) { h.set_shared_pages(0, -1); })},
+      {"shared_pages one entry short", family([](auto& h) { h.mutable_shared_pages()->RemoveLast(); })},
+      {"shared_pages of another page_span", family([](auto& h) {
+         h.set_num_kv_heads(3);  // rows of 48 bytes: pages of 3 pool pages
+         h.set_page_tokens(128);
+         h.set_page_span(3);
+         h.set_page_bytes(6144);
+         h.set_layer_pages(0, 1);
+         h.mutable_shared_pages()->RemoveLast();
+       })},
+      {"the fork's own page missing", family(same, 0)},
+  };
+  for (const Bad& b : bad_family) {
+    const Outcome out = run(b.input);
+    EXPECT_FALSE(out.valid) << b.what;
+    EXPECT_TRUE(out.violation.empty()) << b.what << ": " << out.violation;
+  }
 }
 
 }  // namespace

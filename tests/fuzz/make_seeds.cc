@@ -3,7 +3,8 @@
 // sequences, windows, scales, LSE, tensors and outputs in region r0), session/ (programs,
 // session_fuzz.h, over every session RPC) and region/ (region_fuzz.h: each template with its
 // tensors in r0, in r1, at offsets that are multiples of the element size but not of 16, and in
-// the GPU region).
+// the GPU region) and import/ (import_fuzz.h: ImportSession streams of 16-bit and FP8 caches,
+// pages of one and of several pool pages, an empty session, a fork family in one stream).
 //   make_fuzz_seeds <dir>
 // The checked-in tests/fuzz/corpus/ was written by it; scripts/fuzz.sh refreshes it.
 #include <cstdio>
@@ -15,6 +16,7 @@
 
 #include "attn/kernels/dtype_convert.h"
 #include "attn/v1/attention.pb.h"
+#include "import_fuzz.h"
 #include "region_fuzz.h"
 
 namespace {
@@ -175,6 +177,97 @@ std::vector<std::pair<std::string, std::string>> RegionSeeds() {
   return seeds;
 }
 
+// ImportSession streams (import_fuzz.h) the fuzz engine's replica accepts (2 KiB pool pages,
+// sessions of at most 96 tokens): a header, then a generated page per page of its tables.
+struct ImportSeed {
+  const char* name;
+  DType dtype;
+  int kv_heads, head_dim;
+  std::vector<int64_t> layer_tokens;
+  bool fp8 = false;
+};
+
+std::vector<std::pair<std::string, std::string>> ImportSeeds() {
+  const DType f16 = attn::v1::DTYPE_FLOAT16, bf16 = attn::v1::DTYPE_BFLOAT16;
+  const std::vector<ImportSeed> seeds = {
+      // Rows of 32 bytes: 64 tokens a page; a full page, a partial one, an empty layer.
+      {"import_f16_two_layers", f16, 2, 8, {70, 3, 0}},
+      // Rows of 48 bytes divide no page: pages of 3 pool pages, 128 tokens each.
+      {"import_bf16_page_span_3", bf16, 3, 8, {96, 5}},
+      // An FP8 cache (rows of 32 one-byte codes) with its scales.
+      {"import_fp8_cache", f16, 2, 16, {65, 1}, true},
+      {"import_empty_session", bf16, 1, 4, {0}},
+  };
+  std::vector<std::pair<std::string, std::string>> out;
+  uint32_t fill = 1;
+  for (const ImportSeed& s : seeds) {
+    const int64_t elem = s.fp8 ? 1 : 2;
+    const int64_t row = s.kv_heads * s.head_dim * elem;
+    const int64_t pool_page = 2048;
+    int64_t span = 1;
+    while (span * pool_page % row != 0) ++span;
+    const int64_t page_tokens = span * pool_page / row;
+    attn::v1::SessionTransferChunk c;
+    attn::v1::SessionTransferHeader* h = c.mutable_header();
+    h->set_num_layers(static_cast<int32_t>(s.layer_tokens.size()));
+    h->set_num_kv_heads(s.kv_heads);
+    h->set_head_dim(s.head_dim);
+    h->set_dtype(s.dtype);
+    h->set_max_tokens(96);
+    h->set_page_tokens(static_cast<int32_t>(page_tokens));
+    h->set_page_span(static_cast<int32_t>(span));
+    h->set_page_bytes(span * pool_page);
+    int64_t pages = 0;
+    for (int64_t t : s.layer_tokens) {
+      h->add_layer_tokens(t);
+      h->add_layer_pages((t + page_tokens - 1) / page_tokens);
+      pages += (t + page_tokens - 1) / page_tokens;
+    }
+    h->set_source_session_id("elsewhere.seed");
+    if (s.fp8) {
+      h->set_cache_dtype(attn::v1::DTYPE_FLOAT8_E4M3);
+      for (int g = 0; g < s.kv_heads; ++g) {
+        h->add_k_scales(0.01f * (g + 1));
+        h->add_v_scales(0.02f * (g + 1));
+      }
+    }
+    std::string input;
+    attn::fuzz::AppendImportRecord(&input, attn::fuzz::ImportOp::kChunk, c.SerializeAsString());
+    for (int64_t p = 0; p < pages; ++p) {
+      attn::fuzz::AppendImportRecord(&input, attn::fuzz::ImportOp::kPage,
+                                     attn::fuzz::ImportPagePayload(0, 0, 0, fill++));
+    }
+    attn::fuzz::AppendImportRecord(&input, attn::fuzz::ImportOp::kEnd, "");
+    out.emplace_back(s.name, input);
+  }
+  // A fork family in one stream: the f16 session, then a fork that shares its first layer's two
+  // pages (stream pages 0 and 1) and has a page of its own in the second layer.
+  std::string family = out.front().second;
+  family.resize(family.size() - 3);  // without its end
+  attn::v1::SessionTransferChunk fork;
+  attn::v1::SessionTransferHeader* h = fork.mutable_header();
+  h->set_num_layers(3);
+  h->set_num_kv_heads(2);
+  h->set_head_dim(8);
+  h->set_dtype(f16);
+  h->set_max_tokens(96);
+  h->set_page_tokens(64);
+  h->set_page_span(1);
+  h->set_page_bytes(2048);
+  for (auto [tokens, pages] : {std::pair{70, 2}, {5, 1}, {0, 0}}) {
+    h->add_layer_tokens(tokens);
+    h->add_layer_pages(pages);
+  }
+  for (int64_t k : {1, 2, 0}) h->add_shared_pages(k);
+  h->set_source_session_id("elsewhere.fork");
+  attn::fuzz::AppendImportRecord(&family, attn::fuzz::ImportOp::kChunk, fork.SerializeAsString());
+  attn::fuzz::AppendImportRecord(&family, attn::fuzz::ImportOp::kPage,
+                                 attn::fuzz::ImportPagePayload(0, 0, 0, fill++));
+  attn::fuzz::AppendImportRecord(&family, attn::fuzz::ImportOp::kEnd, "");
+  out.emplace_back("import_fork_family", family);
+  return out;
+}
+
 bool Write(const std::string& dir, const std::string& name, const std::string& bytes) {
   std::ofstream out(dir + "/" + name + ".pb", std::ios::binary);
   out << bytes;
@@ -217,7 +310,8 @@ int main(int argc, char** argv) {
   const std::string attend_dir = std::string(argv[1]) + "/attend";
   const std::string session_dir = std::string(argv[1]) + "/session";
   const std::string region_dir = std::string(argv[1]) + "/region";
-  for (const std::string& d : {attend_dir, session_dir, region_dir}) {
+  const std::string import_dir = std::string(argv[1]) + "/import";
+  for (const std::string& d : {attend_dir, session_dir, region_dir, import_dir}) {
     std::error_code ec;
     std::filesystem::create_directories(d, ec);
     if (ec) {
@@ -275,6 +369,9 @@ int main(int argc, char** argv) {
   }
   for (const auto& [name, input] : RegionSeeds()) {
     if (!Write(region_dir, name, input)) return 1;
+  }
+  for (const auto& [name, input] : ImportSeeds()) {
+    if (!Write(import_dir, name, input)) return 1;
   }
   return 0;
 }

@@ -313,6 +313,71 @@ def test_session_client_follows_a_session_handed_off_on_drain():
         b.stop()
 
 
+def test_session_clients_idle_through_the_drain_find_their_sessions_on_the_peer():
+    """A and B; the sessions are made on A (B's cache is the smaller). The callers stay idle while
+    A hands them off and exits, so their next calls meet a closed port: the clients ask B, which
+    answers the old ids with the new ones, and the steps go on there (sync and async clients,
+    Step and BatchStep), equal to the float64 reference."""
+    import asyncio
+
+    b = Server("--replica_id=idle-py-b", "--kv_cache_bytes=8388608")
+    a = Server("--replica_id=idle-py-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",
+               "--drain_quiet_ms=200")
+    try:
+        rng = np.random.default_rng(43)
+        with attnd.SessionClient([a.target, b.target]) as sc:
+            s = sc.create_session(1, 2, 64, "bf16")
+            t = sc.create_session(1, 2, 64, "bf16")
+            assert s.id.startswith("idle-py-a.") and t.id.startswith("idle-py-a.")
+            models = {s.id: Model(1, 2, 64), t.id: Model(1, 2, 64)}
+
+            def data(sid, n):
+                q, q64 = make(rng, (n, 4, 64), "bf16")
+                k, k64 = make(rng, (n, 2, 64), "bf16")
+                v, v64 = make(rng, (n, 2, 64), "bf16")
+                m = models[sid]
+                m.k[0] = np.concatenate([m.k[0], k64])
+                m.v[0] = np.concatenate([m.v[0], v64])
+                return (q, k, v), q64
+
+            def check(sid, r, q64):
+                m = models[sid]
+                assert r.cached_tokens == len(m.k[0])
+                o_ref, _ = reference(q64, m.k[0], m.v[0], causal=True)
+                assert relative_error(values(r.o, "bf16"), o_ref) <= TOLERANCE["bf16"]
+
+            for sid in (s.id, t.id):
+                (q, k, v), q64 = data(sid, 20)
+                check(sid, sc.step(sid, 0, q, k, v), q64)
+            a.proc.terminate()  # idle until A has gone
+            assert a.proc.wait(timeout=30) == 0, a.tail()
+            assert "hand-off: 2 sessions moved" in a.tail(50)
+            (q, k, v), q64 = data(s.id, 1)
+            check(s.id, sc.step(s.id, 0, q, k, v), q64)
+            assert sc.current_session_id(s.id).startswith("idle-py-b.")
+            (q, k, v), q64 = data(t.id, 2)
+            got = sc.batch_step([(t.id, 0, q, k, v)])
+            check(t.id, got[0], q64)
+            assert sc.current_session_id(t.id).startswith("idle-py-b.")
+
+            async def from_async_client():  # one that never knew A
+                ac = await attnd.AsyncSessionClient.create([b.target])
+                (q, k, v), q64 = data(s.id, 1)
+                check(s.id, await ac.step(s.id, 0, q, k, v), q64)
+                assert ac.current_session_id(s.id) == sc.current_session_id(s.id)
+                await ac.close()
+            asyncio.run(from_async_client())
+            for sid in (s.id, t.id):
+                assert sc.close_session(sid) >= 0
+        with attnd.Client(b.target) as c:
+            info = c.info()
+            assert info.kv_cache.sessions == 0
+            assert info.kv_cache.free_pages == info.kv_cache.total_pages
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_an_fp8_session_is_handed_off_with_its_cache_type_and_scales():
     b = Server("--replica_id=f8-b", "--kv_cache_bytes=16777216")
     a = Server("--replica_id=f8-a", "--kv_cache_bytes=16777216", f"--handoff_peers={b.target}",

@@ -23,6 +23,7 @@
 #include "common/reference.h"
 #include "rpc/step_validation.h"
 #include "session_util.h"
+#include "sessions/crc32c.h"
 #include "common/tsan_annotations.h"
 #include "test_util.h"
 
@@ -1104,6 +1105,336 @@ INSTANTIATE_TEST_SUITE_P(Matrix, SessionBadInput, ::testing::ValuesIn(SessionBad
                          [](const ::testing::TestParamInfo<SessionBadCase>& info) {
                            return info.param.name;
                          });
+
+// ImportSession (the hand-off's receiving side): every field of SessionTransferHeader and
+// SessionTransferPage wrong, and streams of the wrong length, each its own test
+// (ImportBadInput/Matrix.<Name>) with its exact code and a message naming the field. The stream
+// goes to the session server (256 pages of 32 KiB); afterwards its KV pool has as many free pages
+// and sessions as before, and a good import still works.
+struct ImportBadCase {
+  std::string name;
+  std::function<std::vector<v1::SessionTransferChunk>()> chunks;
+  StatusCode code;
+  std::string message_part;
+};
+void PrintTo(const ImportBadCase& c, std::ostream* os) { *os << c.name; }
+
+// A session of one layer of 130 tokens (2 KV heads x 64 x bf16: rows of 256 bytes, 128 a page):
+// two pages.
+constexpr int64_t kImportPageBytes = 32768;
+v1::SessionTransferChunk ImportHeader(
+    const std::function<void(v1::SessionTransferHeader&)>& change = {}) {
+  v1::SessionTransferChunk c;
+  v1::SessionTransferHeader* h = c.mutable_header();
+  h->set_num_layers(1);
+  h->set_num_kv_heads(2);
+  h->set_head_dim(64);
+  h->set_dtype(v1::DTYPE_BFLOAT16);
+  h->set_max_tokens(4096);
+  h->set_page_tokens(128);
+  h->set_page_span(1);
+  h->set_page_bytes(kImportPageBytes);
+  h->add_layer_tokens(130);
+  h->add_layer_pages(2);
+  h->set_source_session_id("elsewhere.0123");
+  if (change) change(*h);
+  return c;
+}
+// Page i: bf16 values of i's pattern (finite), with its CRC32C.
+v1::SessionTransferChunk ImportPage(int64_t i,
+                                    const std::function<void(v1::SessionTransferPage&)>& change = {}) {
+  v1::SessionTransferChunk c;
+  std::string kv(2 * kImportPageBytes, '\0');
+  for (size_t b = 0; b < kv.size(); ++b) kv[b] = static_cast<char>(b % 2 ? 0x3c : (b * 7 + i) & 0xff);
+  c.mutable_page()->set_index(i);
+  c.mutable_page()->set_crc32c(Crc32c(kv));
+  c.mutable_page()->set_kv(std::move(kv));
+  if (change) change(*c.mutable_page());
+  return c;
+}
+// The header changed by `change`, then both pages.
+std::function<std::vector<v1::SessionTransferChunk>()> BadHeader(
+    std::function<void(v1::SessionTransferHeader&)> change) {
+  return [change] {
+    return std::vector<v1::SessionTransferChunk>{ImportHeader(change), ImportPage(0), ImportPage(1)};
+  };
+}
+// An FP8 cache of the same shape (rows of 128 one-byte codes: 256 tokens a page, one page).
+void MakeFp8Header(v1::SessionTransferHeader& h) {
+  h.set_cache_dtype(v1::DTYPE_FLOAT8_E4M3);
+  h.set_page_tokens(256);
+  h.set_layer_pages(0, 1);
+  for (float s : {0.01f, 0.02f}) {
+    h.add_k_scales(s);
+    h.add_v_scales(s);
+  }
+}
+std::function<std::vector<v1::SessionTransferChunk>()> BadFp8Header(
+    std::function<void(v1::SessionTransferHeader&)> change) {
+  return [change] {
+    return std::vector<v1::SessionTransferChunk>{ImportHeader([&](auto& h) {
+                                                   MakeFp8Header(h);
+                                                   change(h);
+                                                 }),
+                                                 ImportPage(0)};
+  };
+}
+// The header, page 0 changed by `change`, page 1.
+std::function<std::vector<v1::SessionTransferChunk>()> BadPage(
+    std::function<void(v1::SessionTransferPage&)> change) {
+  return [change] {
+    return std::vector<v1::SessionTransferChunk>{ImportHeader(), ImportPage(0, change), ImportPage(1)};
+  };
+}
+
+std::vector<ImportBadCase> ImportBadCases() {
+  const auto IA = StatusCode::INVALID_ARGUMENT;
+  using Chunks = std::vector<v1::SessionTransferChunk>;
+  return {
+      // The stream's shape.
+      {"NoChunkAtAll", [] { return Chunks{}; }, IA, "ImportSession: no header"},
+      {"APageFirst", [] { return Chunks{ImportPage(0), ImportPage(1)}; }, IA,
+       "the first chunk must be the header"},
+      {"AnEmptyChunkFirst", [] { return Chunks{v1::SessionTransferChunk()}; }, IA,
+       "the first chunk must be the header"},
+      {"ASecondHeader", [] { return Chunks{ImportHeader(), ImportPage(0), ImportHeader()}; }, IA,
+       "every chunk after the header is a page"},
+      {"AnEmptyChunkAfterTheHeader",
+       [] { return Chunks{ImportHeader(), v1::SessionTransferChunk()}; }, IA,
+       "every chunk after the header is a page"},
+      {"EndsAfterTheHeader", [] { return Chunks{ImportHeader()}; }, IA,
+       "the stream ended after 0 of the 2 pages the header's layer_pages announce"},
+      {"EndsAPageEarly", [] { return Chunks{ImportHeader(), ImportPage(0)}; }, IA,
+       "the stream ended after 1 of the 2 pages the header's layer_pages announce"},
+      {"APageTooMany",
+       [] { return Chunks{ImportHeader(), ImportPage(0), ImportPage(1), ImportPage(2)}; }, IA,
+       "page index 2 after all 2 pages the header's layer_pages announce"},
+      // SessionTransferHeader.
+      {"NumLayersZero", BadHeader([](auto& h) { h.set_num_layers(0); }), IA,
+       "num_layers must be in [1, 1024], got 0"},
+      {"NumLayersHuge", BadHeader([](auto& h) { h.set_num_layers(1 << 30); }), IA,
+       "num_layers must be in [1, 1024], got 1073741824"},
+      {"NumKvHeadsZero", BadHeader([](auto& h) { h.set_num_kv_heads(0); }), IA,
+       "num_kv_heads must be >= 1, got 0"},
+      {"NumKvHeadsHuge", BadHeader([](auto& h) { h.set_num_kv_heads(kInt32Max); }), IA,
+       "num_kv_heads must be at most 65536"},
+      {"HeadDimUnsupported", BadHeader([](auto& h) { h.set_head_dim(80); }), IA,
+       "head_dim 80 is not supported"},
+      {"DtypeFloat32", BadHeader([](auto& h) { h.set_dtype(v1::DTYPE_FLOAT32); }), IA,
+       "dtype must be DTYPE_FLOAT16 or DTYPE_BFLOAT16 (the cache's element type), got "
+       "DTYPE_FLOAT32"},
+      {"DtypeUnspecified", BadHeader([](auto& h) { h.clear_dtype(); }), IA,
+       "dtype must be DTYPE_FLOAT16 or DTYPE_BFLOAT16 (the cache's element type), got "
+       "DTYPE_UNSPECIFIED"},
+      {"MaxTokensZero", BadHeader([](auto& h) { h.set_max_tokens(0); }), IA,
+       "max_tokens must be >= 1 (the session's limit), got 0"},
+      {"MaxTokensOverTheLimit", BadHeader([](auto& h) { h.set_max_tokens(int64_t{1} << 40); }),
+       IA, "max_tokens must be in [0, 131072]"},
+      {"PageTokensOfAnotherReplica", BadHeader([](auto& h) { h.set_page_tokens(64); }), IA,
+       "page_tokens 64 / page_span 1 differ from this replica's 128 / 1"},
+      {"PageSpanOfAnotherReplica", BadHeader([](auto& h) { h.set_page_span(2); }), IA,
+       "page_tokens 128 / page_span 2 differ from this replica's 128 / 1"},
+      {"PageBytesOfAnotherReplica", BadHeader([](auto& h) { h.set_page_bytes(16384); }), IA,
+       "page_bytes 16384 does not match this replica's 32768"},
+      {"PageBytesAbsurd", BadHeader([](auto& h) { h.set_page_bytes(int64_t{1} << 62); }), IA,
+       "page_bytes 4611686018427387904 does not match"},
+      {"PageBytesNegative", BadHeader([](auto& h) { h.set_page_bytes(-32768); }), IA,
+       "page_bytes -32768 does not match"},
+      {"LayerTokensMissing", BadHeader([](auto& h) { h.clear_layer_tokens(); }), IA,
+       "layer_tokens and layer_pages must have num_layers (1) entries"},
+      {"LayerPagesTooMany", BadHeader([](auto& h) { h.add_layer_pages(0); }), IA,
+       "layer_tokens and layer_pages must have num_layers (1) entries"},
+      {"LayerPagesNotTheTokens", BadHeader([](auto& h) { h.set_layer_pages(0, 3); }), IA,
+       "layer 0 has 130 tokens in 3 pages"},
+      {"LayerPagesNegative", BadHeader([](auto& h) { h.set_layer_pages(0, -2); }), IA,
+       "layer 0 has 130 tokens in -2 pages"},
+      {"LayerTokensNegative", BadHeader([](auto& h) { h.set_layer_tokens(0, -1); }), IA,
+       "layer 0 has -1 tokens"},
+      {"LayerTokensOverMaxTokens", BadHeader([](auto& h) {
+         h.set_layer_tokens(0, 4097);
+         h.set_layer_pages(0, 33);
+       }), IA, "layer 0 has 4097 tokens in 33 pages"},
+      {"LayerTokensInt64Max", BadHeader([](auto& h) {
+         h.set_layer_tokens(0, std::numeric_limits<int64_t>::max());
+       }), IA, "layer 0 has 9223372036854775807 tokens"},
+      {"MorePagesThanThePoolHas", BadHeader([](auto& h) {
+         h.set_max_tokens(131072);
+         h.set_layer_tokens(0, 128 * 257);
+         h.set_layer_pages(0, 257);
+       }), StatusCode::RESOURCE_EXHAUSTED, "257"},
+      {"CacheDtypeFloat32", BadHeader([](auto& h) { h.set_cache_dtype(v1::DTYPE_FLOAT32); }), IA,
+       "cache_dtype must be unset, the session's dtype or DTYPE_FLOAT8_E4M3, got DTYPE_FLOAT32"},
+      {"Fp8KScalesMissing", BadFp8Header([](auto& h) { h.clear_k_scales(); }), IA,
+       "k_scales is required for an FP8 cache"},
+      {"Fp8VScalesMissing", BadFp8Header([](auto& h) { h.clear_v_scales(); }), IA,
+       "v_scales is required for an FP8 cache"},
+      {"Fp8KScalesTooMany", BadFp8Header([](auto& h) { h.add_k_scales(0.5f); }), IA,
+       "k_scales must have num_kv_heads (2) entries, got 3"},
+      {"Fp8VScaleNaN", BadFp8Header([](auto& h) { h.set_v_scales(1, kNaN); }), IA,
+       "v_scales[1] must be finite and > 0, got nan"},
+      {"Fp8KScaleZero", BadFp8Header([](auto& h) { h.set_k_scales(0, 0.0f); }), IA,
+       "k_scales[0] must be finite and > 0, got 0"},
+      {"Fp8PageLayoutOf16BitRows", BadFp8Header([](auto& h) { h.set_page_tokens(128); }), IA,
+       "page_tokens 128 / page_span 1 differ from this replica's 256 / 1"},
+      {"ScalesWithoutAnFp8Cache", BadHeader([](auto& h) { h.add_v_scales(1.0f); }), IA,
+       "v_scales is only for an FP8 cache (cache_dtype DTYPE_FLOAT8_E4M3)"},
+      // shared_pages: pages of sessions sent before in the same stream (a fork family).
+      {"SharedPagesNamingNoPageSent", BadHeader([](auto& h) {
+         h.add_shared_pages(1);
+         h.add_shared_pages(0);
+       }), IA, "shared_pages[0] = 1 names no page sent before it (0 were) in this stream"},
+      {"SharedPagesNegative", BadHeader([](auto& h) {
+         h.add_shared_pages(0);
+         h.add_shared_pages(-1);
+       }), IA, "shared_pages[1] = -1 names no page sent before it"},
+      {"SharedPagesOneEntryShort", BadHeader([](auto& h) { h.add_shared_pages(0); }), IA,
+       "shared_pages must have one entry per page of the tables (2), got 1"},
+      {"ForkHeaderNamingAPageNotSent", [] {
+         return Chunks{ImportHeader(), ImportPage(0), ImportPage(1), ImportHeader([](auto& h) {
+                         h.add_shared_pages(1);
+                         h.add_shared_pages(3);
+                       })};
+       }, IA, "shared_pages[1] = 3 names no page sent before it (2 were) in this stream"},
+      // SessionTransferPage.
+      {"PageChecksumWrong", BadPage([](auto& p) { p.set_crc32c(p.crc32c() ^ 1); }),
+       StatusCode::DATA_LOSS, "page 0's kv does not match its crc32c"},
+      {"PageBitFlipped", BadPage([](auto& p) { (*p.mutable_kv())[77] ^= 0x10; }),
+       StatusCode::DATA_LOSS, "page 0's kv does not match its crc32c"},
+      {"PageIndexSkipsOne", BadPage([](auto& p) { p.set_index(1); }), IA,
+       "page index 1 where 0 was expected"},
+      {"PageIndexNegative", BadPage([](auto& p) { p.set_index(-1); }), IA,
+       "page index -1 where 0 was expected"},
+      {"PageKvEmpty", BadPage([](auto& p) { p.clear_kv(); }), IA,
+       "page 0's kv has 0 bytes, not 65536 (2 x page_bytes)"},
+      {"PageKvOneByteShort", BadPage([](auto& p) {
+         p.mutable_kv()->pop_back();
+         p.set_crc32c(Crc32c(p.kv()));
+       }), IA, "page 0's kv has 65535 bytes, not 65536"},
+      {"PageKvOneByteLong", BadPage([](auto& p) {
+         p.mutable_kv()->push_back('x');
+         p.set_crc32c(Crc32c(p.kv()));
+       }), IA, "page 0's kv has 65537 bytes, not 65536"},
+  };
+}
+
+class ImportBadInput : public ::testing::TestWithParam<ImportBadCase> {
+ protected:
+  void SetUp() override {
+    stub_ = SessionServer()->client->stub();
+    ASSERT_TRUE(testing::GetKvCache(stub_, &before_).ok());
+  }
+  grpc::Status Import(const std::vector<v1::SessionTransferChunk>& chunks,
+                      v1::ImportSessionResponse* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    auto stream = stub_->ImportSession(&ctx, response);
+    for (const auto& c : chunks) {
+      if (!stream->Write(c)) break;
+    }
+    stream->WritesDone();
+    return stream->Finish();
+  }
+  // As many free pages and sessions as before the case (the refusal gives back what it took
+  // before its status is sent).
+  void ExpectNothingLeft(const std::string& after) {
+    v1::KvCacheInfo now;
+    ASSERT_TRUE(testing::GetKvCache(stub_, &now).ok());
+    EXPECT_EQ(now.free_pages(), before_.free_pages()) << after;
+    EXPECT_EQ(now.sessions(), before_.sessions()) << after;
+  }
+
+  v1::Attention::Stub* stub_ = nullptr;
+  v1::KvCacheInfo before_;
+};
+
+TEST_P(ImportBadInput, RefusedAndLeavesNothing) {
+  const ImportBadCase& c = GetParam();
+  v1::ImportSessionResponse response;
+  const grpc::Status st = Import(c.chunks(), &response);
+  EXPECT_EQ(st.error_code(), c.code) << st.error_message();
+  EXPECT_NE(st.error_message().find(c.message_part), std::string::npos)
+      << "message: " << st.error_message() << "\nwanted: " << c.message_part;
+  EXPECT_TRUE(response.session_id().empty());
+  ExpectNothingLeft(c.name);
+  // The good stream is still taken, holds its two pages, and gives them back on close.
+  const grpc::Status good = Import({ImportHeader(), ImportPage(0), ImportPage(1)}, &response);
+  ASSERT_TRUE(good.ok()) << "after " << c.name << ": " << good.error_message();
+  v1::KvCacheInfo with;
+  ASSERT_TRUE(testing::GetKvCache(stub_, &with).ok());
+  EXPECT_EQ(with.free_pages(), before_.free_pages() - 2);
+  ASSERT_TRUE(testing::CloseSession(stub_, response.session_id()).ok());
+  ExpectNothingLeft(c.name + ", then a good import closed");
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, ImportBadInput, ::testing::ValuesIn(ImportBadCases()),
+                         [](const ::testing::TestParamInfo<ImportBadCase>& info) {
+                           return info.param.name;
+                         });
+
+// A fork family in one stream: the session, then a fork sharing its first page (and a page of
+// its own after it): both open, the shared page held once, and every page back once both close.
+TEST_F(ImportBadInput, AForkFamilyInOneStreamSharesItsPage) {
+  v1::ImportSessionResponse response;
+  const grpc::Status st = Import({ImportHeader(), ImportPage(0), ImportPage(1),
+                                  ImportHeader([](auto& h) {
+                                    h.add_shared_pages(1);
+                                    h.add_shared_pages(0);
+                                  }),
+                                  ImportPage(2)},
+                                 &response);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(response.session_ids_size(), 2);
+  EXPECT_EQ(response.session_ids(0), response.session_id());
+  EXPECT_EQ(response.pages(), 3);
+  v1::KvCacheInfo with;
+  ASSERT_TRUE(testing::GetKvCache(stub_, &with).ok());
+  EXPECT_EQ(with.free_pages(), before_.free_pages() - 3);
+  EXPECT_EQ(with.sessions(), before_.sessions() + 2);
+  ASSERT_TRUE(testing::CloseSession(stub_, response.session_ids(0)).ok());
+  ASSERT_TRUE(testing::GetKvCache(stub_, &with).ok());
+  EXPECT_EQ(with.free_pages(), before_.free_pages() - 2);  // the shared page stays with the fork
+  ASSERT_TRUE(testing::CloseSession(stub_, response.session_ids(1)).ok());
+  ExpectNothingLeft("a fork family, closed");
+}
+
+// A sender that goes away midway (its call cancelled after a page): the peer frees what it took.
+TEST_F(ImportBadInput, ASenderThatGoesAwayMidwayLeavesNothing) {
+  grpc::ClientContext ctx;
+  v1::ImportSessionResponse response;
+  auto stream = stub_->ImportSession(&ctx, &response);
+  ASSERT_TRUE(stream->Write(ImportHeader()));
+  ASSERT_TRUE(stream->Write(ImportPage(0)));
+  ctx.TryCancel();
+  EXPECT_EQ(stream->Finish().error_code(), StatusCode::CANCELLED);
+  v1::KvCacheInfo now;
+  for (int waited = 0; waited < 10000; waited += 10) {
+    ASSERT_TRUE(testing::GetKvCache(stub_, &now).ok());
+    if (now.free_pages() == before_.free_pages()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ExpectNothingLeft("a cancelled import");
+}
+
+// Every field of SessionTransferHeader and SessionTransferPage that can be wrong has a case whose
+// message names it (source_session_id is only logged: any value is valid).
+TEST(BadInputMatrixTable, EveryImportFieldHasACaseNamingIt) {
+  const auto cases = ImportBadCases();
+  for (const google::protobuf::Descriptor* d :
+       {v1::SessionTransferHeader::descriptor(), v1::SessionTransferPage::descriptor()}) {
+    for (int i = 0; i < d->field_count(); ++i) {
+      const std::string field = d->field(i)->name();
+      if (field == "source_session_id") continue;
+      const std::regex word("(^|[^A-Za-z0-9_])" + field + "($|[^A-Za-z0-9_])");
+      int named = 0;
+      for (const ImportBadCase& c : cases) named += std::regex_search(c.message_part, word);
+      EXPECT_GT(named, 0) << "no import bad case's message names " << d->name() << "." << field;
+    }
+  }
+  std::set<std::string> names;
+  for (const ImportBadCase& c : cases) {
+    EXPECT_TRUE(names.insert(c.name).second) << "duplicate case name " << c.name;
+  }
+}
 
 // An FP8 cache asked of a backend without FP8 sessions (every backend attnd has today serves
 // them, so the check is exercised on the validation function the service calls).

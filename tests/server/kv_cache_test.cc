@@ -440,6 +440,91 @@ TEST(SessionTransferTest, MovesEveryLayerPageByPageAndFreesTheExportersReference
   EXPECT_EQ(src_pool->FreePages(), 64);
 }
 
+// A session and two forks (one grown past the shared pages, one truncated into them) in one
+// stream: each shared page crosses once, the peer holds as many pages as the source with the same
+// references, and an append into a shared partial page there copies it (copy on write), leaving
+// the others' bytes as they were.
+TEST(SessionTransferTest, AForkFamilyCrossesInOneStreamAndSharesItsPagesAgain) {
+  auto src_pool = Pool(64, 7), dst_pool = Pool(64, 11);
+  HostRegion src(64, 2048, 5), dst(64, 2048, 6);
+  auto m = Manager(src_pool.get());
+  auto s = SessionWithTokens(*m, 2, {13, 20});  // 8 tokens per page: 2 + 3 pages
+  auto grown = *m->Fork(s->id(), "owner-a");
+  auto cut = *m->Fork(s->id(), "owner-a");
+  for (int l = 0; l < 2; ++l) {  // grown: 5 more tokens per layer (a copy of the partial page)
+    ASSERT_TRUE(grown->AcquireLayer(l, [] {}));
+    auto p = grown->BeginAppend(l, 5);
+    ASSERT_TRUE(p.ok()) << p.status();
+    grown->CommitAppend(*std::move(p));
+    grown->ReleaseLayer(l);
+  }
+  ASSERT_TRUE(cut->Truncate(6).ok());  // 7 and 14 tokens: shares 1 + 2 pages
+  const std::vector<std::shared_ptr<Session>> family = {s, grown, cut};
+  const int64_t src_used = 64 - src_pool->FreePages();
+  std::vector<std::unique_ptr<Session>> moved;
+  int64_t pages_sent = 0;
+  {
+    StreamPages out, in;
+    std::vector<std::unique_ptr<SessionExporter>> exporters;
+    std::vector<std::unique_ptr<SessionImporter>> importers;
+    for (const auto& f : family) {
+      exporters.push_back(*SessionExporter::Create(*f, src_pool.get(), src.region, nullptr, &out));
+      auto importer =
+          SessionImporter::Create(exporters.back()->header(), dst_pool.get(), dst.region, nullptr, &in);
+      ASSERT_TRUE(importer.ok()) << importer.status();
+      importers.push_back(*std::move(importer));
+      while (auto page = exporters.back()->Next()) {
+        ASSERT_TRUE(importers.back()->Accept(*page).ok());
+        ++pages_sent;
+      }
+    }
+    // The first session sends all of its pages, the forks only those they do not share.
+    EXPECT_TRUE(exporters[0]->header().shared_pages.empty());
+    EXPECT_EQ(exporters[2]->header().OwnPages(), 0);  // the truncated fork: all shared
+    EXPECT_EQ(pages_sent, src_used);
+    for (size_t i = 0; i < family.size(); ++i) {
+      moved.push_back(*importers[i]->Finish("dst." + std::to_string(i)));
+    }
+  }
+  EXPECT_EQ(64 - dst_pool->FreePages(), src_used);
+  for (size_t i = 0; i < family.size(); ++i) {
+    auto a = *family[i]->RefLayerStates();
+    auto b = *moved[i]->RefLayerStates();
+    for (int l = 0; l < 2; ++l) {
+      EXPECT_EQ(moved[i]->CachedTokens(l), family[i]->CachedTokens(l));
+      ASSERT_EQ(a[l].pages.size(), b[l].pages.size());
+      for (size_t p = 0; p < a[l].pages.size(); ++p) {
+        EXPECT_EQ(src.Page(a[l].pages[p], 1), dst.Page(b[l].pages[p], 1));
+        // As many references there as here (less the one each RefLayerStates took).
+        EXPECT_EQ(dst_pool->RefCount(b[l].pages[p]), src_pool->RefCount(a[l].pages[p]))
+            << "session " << i << " layer " << l << " page " << p;
+      }
+      src_pool->Unref(a[l].pages);
+      dst_pool->Unref(b[l].pages);
+    }
+  }
+  // Copy on write on the peer: the truncated fork appends into the page it shares with the
+  // others (layer 0, 7 of 8 rows): it gets a copy, and the others' page keeps its bytes.
+  Session& cut_here = *moved[2];
+  const int32_t shared_page = cut_here.TablePages()[0];
+  const std::string before = dst.Page(shared_page, 1);
+  ASSERT_EQ(dst_pool->RefCount(shared_page), 3);
+  ASSERT_TRUE(cut_here.AcquireLayer(0, [] {}));
+  auto p = cut_here.BeginAppend(0, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->replaced.has_value());
+  EXPECT_EQ(*p->replaced, shared_page);
+  cut_here.CommitAppend(*std::move(p));
+  cut_here.ReleaseLayer(0);
+  EXPECT_EQ(dst_pool->RefCount(shared_page), 2);
+  EXPECT_NE(cut_here.TablePages()[0], shared_page);
+  EXPECT_EQ(dst.Page(shared_page, 1), before);
+  moved.clear();  // every page goes back on both sides
+  EXPECT_EQ(dst_pool->FreePages(), 64);
+  for (const auto& f : family) ASSERT_TRUE(m->Close(f->id(), "owner-a").ok());
+  EXPECT_EQ(src_pool->FreePages(), 64);
+}
+
 TEST(SessionTransferTest, CorruptPageFullPeerAndAbandonedMoveLeaveTheSourceWhole) {
   auto src_pool = Pool(32), dst_pool = Pool(32);
   HostRegion src(32, 2048, 3), dst(32, 2048, 4);

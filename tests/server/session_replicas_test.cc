@@ -520,9 +520,105 @@ TEST(SessionHandoff, ASigtermedReplicaMovesEverySessionAndDecodingGoesOn) {
   for (size_t i = 0; i < load.size(); ++i) {
     EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("hand-b.", 0), 0u) << load.id(i);
   }
+  // Five streams: the fork's one page per layer was copied on its first decode, so it shares
+  // nothing with its parent any more and moves alone.
   EXPECT_EQ(ScrapeMetric(b->metrics_port(), "attn_requests_total",
                          {"rpc=\"ImportSession\"", "code=\"OK\""}), 5);
   // Closing through the old ids gives every page back on B.
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*b).sessions(), 0);
+  EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
+}
+
+// A session and two forks move as one family: each page they share crosses once and is shared
+// again on the peer, which then holds exactly as many pages as the source did; both forks and
+// their parent then decode on the peer (copy on write of the shared pages there) and every
+// answer equals the float64 reference; closing them frees every page on both sides.
+TEST(SessionHandoff, AForkFamilyMovesInOneStreamAndKeepsSharingItsPages) {
+  auto b = AttndProcess::Start(ReplicaFlags("fam-b"));
+  ASSERT_NE(b, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags("fam-a", {"--handoff_peers=" + b->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  // 300 tokens a layer: 128 a page (rows of 256 bytes), so 2 full pages and a partial one.
+  load.Create(300);
+  load.Fork(0);
+  load.Fork(0);
+  // Each decodes: the partial last pages are copied on write; the full ones stay shared.
+  load.Decode(1);
+  const v1::KvCacheInfo a_before = KvCache(*a), b_before = KvCache(*b);
+  const int64_t a_used = a_before.total_pages() - a_before.free_pages();
+  ASSERT_EQ(b_before.free_pages(), b_before.total_pages());
+  // 2 shared pages and 3 of each session's own per layer: a third of 3 x 3 copies.
+  EXPECT_EQ(a_used, 3 * (2 + 3));
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 3 sessions moved")) << a->Log();
+  const v1::KvCacheInfo b_after = KvCache(*b);
+  EXPECT_EQ(b_after.sessions(), 3);
+  EXPECT_EQ(b_after.total_pages() - b_after.free_pages(), a_used)
+      << "the peer holds other pages than the source did";
+  EXPECT_EQ(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"OK\""}), 1);
+  // The bytes moved: the family's pages once (keys and values of 32 KiB each).
+  EXPECT_EQ(ScrapeMetric(a->metrics_port(), "attn_session_handoff_bytes_total", {}),
+            a_used * 2 * 32768);
+  load.Decode(3);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  EXPECT_NE(a->Log().find("KV pages in use after hand-off: 0"), std::string::npos) << a->Log();
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("fam-b.", 0), 0u) << load.id(i);
+  }
+  load.CloseAll();
+  EXPECT_EQ(KvCache(*b).sessions(), 0);
+  EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
+}
+
+// A caller idle while its replica drains: the lame-duck phase ends and A exits before the caller's
+// next call, which meets a closed port. The client asks the other replicas, B (which took the
+// sessions) answers their old ids with their new ones, and decoding goes on there, every answer
+// equal to the float64 reference; single steps and BatchSteps alike.
+TEST(SessionHandoff, ACallerIdleThroughTheDrainFindsItsSessionsOnThePeer) {
+  // B's cache is the smaller, so that the sessions are created on A.
+  auto b = AttndProcess::Start(ReplicaFlags("idle-b", {"--kv_cache_bytes=4194304"}));
+  ASSERT_NE(b, nullptr);
+  auto a = AttndProcess::Start(ReplicaFlags(
+      "idle-a", {"--drain_quiet_ms=200", "--handoff_peers=" + b->target()}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get(), b.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  for (int i = 0; i < 2; ++i) load.Create(40 + 30 * i);
+  load.Fork(1);
+  for (size_t i = 0; i < load.size(); ++i) {
+    ASSERT_EQ(load.id(i).rfind("idle-a.", 0), 0u) << load.id(i);
+  }
+  load.Decode(1);
+  // Idle from here until A has gone.
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  ASSERT_NE(a->Log().find("hand-off: 3 sessions moved"), std::string::npos) << a->Log();
+  load.Decode(2);
+  for (size_t i = 0; i < load.size(); ++i) {
+    EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("idle-b.", 0), 0u) << load.id(i);
+  }
+  // Another client, which never saw A answer, finds them too, through a BatchStep.
+  auto other = ClientOf({b.get()});
+  ASSERT_NE(other, nullptr);
+  std::mt19937_64 rng(5);
+  std::vector<StepInput> items;
+  for (size_t i = 0; i < load.size(); ++i) items.push_back(RandomStep(load.id(i), 0, 1, rng));
+  auto batch = other->BatchStep(items);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  for (const auto& r : *batch) EXPECT_TRUE(r.ok()) << r.status();
+  // The old id asked by hand: B names the new one, with no address (B itself).
+  auto direct = client::Client::Create({.target = b->target()});
+  ASSERT_TRUE(direct.ok());
+  auto asked = client::TruncateSession(**direct, load.id(0), 0);
+  EXPECT_EQ(asked.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(asked.status().message().find("attnd-moved-to: ;idle-b."), std::string::npos)
+      << asked.status();
   load.CloseAll();
   EXPECT_EQ(KvCache(*b).sessions(), 0);
   EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
@@ -679,8 +775,10 @@ TEST(SessionHandoff, APeerThatRefusesLeavesEverySessionWholeOnTheSource) {
   const std::string log = a->Log();
   // Each session: the last peer tried was C, which has too few pages.
   EXPECT_EQ(CountOf(log, "not moved (peer_full)"), 3) << log;
-  EXPECT_GE(ScrapeMetric(b->metrics_port(), "attn_requests_total",
-                         {"rpc=\"ImportSession\"", "code=\"UNAUTHENTICATED\""}), 3);
+  // One refused stream per family: session 0 alone, session 1 with its fork (they still share
+  // their full pages).
+  EXPECT_EQ(ScrapeMetric(b->metrics_port(), "attn_requests_total",
+                         {"rpc=\"ImportSession\"", "code=\"UNAUTHENTICATED\""}), 2);
   // Nothing stayed behind on the peers.
   EXPECT_EQ(KvCache(*c).sessions(), 0);
   EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
@@ -818,8 +916,8 @@ TEST_F(ImportSessionTest, ABadTransferIsRefusedAndLeavesNothing) {
       {"pages out of order", {Header(), Page(1)}, grpc::StatusCode::INVALID_ARGUMENT, "index 1"},
       {"a page of the wrong size", {Header(), short_page}, grpc::StatusCode::INVALID_ARGUMENT,
        "bytes"},
-      {"a page missing", {Header(), Page(0)}, grpc::StatusCode::FAILED_PRECONDITION,
-       "1 of 2 pages"},
+      {"a page missing", {Header(), Page(0)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "1 of the 2 pages"},
       {"a page too many", {Header(), Page(0), Page(1), Page(1)},
        grpc::StatusCode::INVALID_ARGUMENT, "index 1"},
       {"another page layout", {other_layout}, grpc::StatusCode::INVALID_ARGUMENT, "page_tokens"},
@@ -968,6 +1066,55 @@ TEST(SessionHandoff, APeerThatFailsMidTransferLeavesTheSessionForTheNextPeer) {
   EXPECT_EQ(KvCache(*c).sessions(), 2);
   load.CloseAll();
   EXPECT_EQ(KvCache(*c).free_pages(), KvCache(*c).total_pages());
+}
+
+// A peer that predates fork families: it refuses a stream with a second header as such a peer
+// does (INVALID_ARGUMENT), and takes streams of one session, naming it in session_id only.
+class PeerWithoutFamilies final : public v1::Attention::Service {
+ public:
+  grpc::Status ImportSession(grpc::ServerContext*, grpc::ServerReader<v1::SessionTransferChunk>* reader,
+                             v1::ImportSessionResponse* response) override {
+    v1::SessionTransferChunk chunk;
+    int headers = 0;
+    while (reader->Read(&chunk)) {
+      headers += chunk.has_header();
+      if (chunk.has_header() && chunk.header().shared_pages_size() > 0) ++shared_named;
+    }
+    if (headers > 1) {
+      ++refused;
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "ImportSession: every chunk after the header is a page");
+    }
+    response->set_session_id("old-p." + std::to_string(++taken));
+    return grpc::Status::OK;
+  }
+  std::atomic<int> refused{0}, taken{0}, shared_named{0};
+};
+
+TEST(SessionHandoff, AForkFamilyGoesOneSessionPerStreamToAPeerWithoutFamilies) {
+  PeerWithoutFamilies old;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&old);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto a = AttndProcess::Start(
+      ReplicaFlags("fam-old-a", {"--handoff_peers=127.0.0.1:" + std::to_string(port)}));
+  ASSERT_NE(a, nullptr);
+  auto client = ClientOf({a.get()});
+  ASSERT_NE(client, nullptr);
+  HandoffLoad load(client.get());
+  load.Create(300);
+  load.Fork(0);
+  ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(LogSays(*a, "hand-off: 2 sessions moved")) << a->Log();
+  EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  EXPECT_EQ(old.refused.load(), 1);      // the family's stream
+  EXPECT_EQ(old.taken.load(), 2);        // then each session alone, every page its own
+  EXPECT_EQ(old.shared_named.load(), 1); // only in the refused stream
+  EXPECT_NE(a->Log().find("KV pages in use after hand-off: 0"), std::string::npos) << a->Log();
+  server->Shutdown(std::chrono::system_clock::now());
 }
 
 // Replicas that require client certificates (mTLS) move sessions to each other with their own

@@ -118,7 +118,8 @@ def resolve_target(target: str) -> List[Endpoint]:
 
 
 # A session that moved (hand-off on drain, attention.proto ImportSession): FAILED_PRECONDITION whose
-# message holds "attnd-moved-to: <address>;<new id>"; one being moved: UNAVAILABLE with
+# message holds "attnd-moved-to: <address>;<new id>" (an empty address: the replica that answered,
+# which took the session and was asked by its old id); one being moved: UNAVAILABLE with
 # "attnd-session-moving" (nothing applied; sent again shortly).
 _MOVED_TO = "attnd-moved-to: "
 _MOVING = "attnd-session-moving"
@@ -131,12 +132,17 @@ def _moved_to(e: Any) -> Optional[Tuple[str, str]]:
     at = e.message.rfind(_MOVED_TO)
     if at < 0:
         return None
-    address, _, new_id = e.message[at + len(_MOVED_TO):].split(")")[0].partition(";")
-    return (address, new_id) if address and "." in new_id else None
+    address, semi, new_id = e.message[at + len(_MOVED_TO):].split(")")[0].partition(";")
+    return (address, new_id) if semi and "." in new_id else None
 
 
 def _moving(e: Any) -> bool:
     return isinstance(e, Unavailable) and _MOVING in e.message
+
+
+def _unreached(e: Any) -> bool:
+    """The replica could not be reached (or refused for a reason of its own, not the move)."""
+    return isinstance(e, Unavailable) and not _moving(e)
 
 
 class _Replica:
@@ -173,6 +179,8 @@ class _Routing:
             return False
         address, new_id = to
         if self.find(new_id) is None:
+            if not address:  # the replica that answered, which is known
+                return False
             try:
                 endpoint = resolve_target(address)[0]
             except (AttndError, IndexError):
@@ -238,6 +246,12 @@ class _Routing:
                     f"no attnd answered GetServerInfo at {', '.join(self.targets)}: " +
                     ("; ".join(problems) if problems else "the targets resolved to no address"))
             self.replicas = fresh
+
+    def others(self, unreached: Optional[_Replica]) -> List[_Replica]:
+        """The known replicas but `unreached` (its client's)."""
+        with self.lock:
+            return [r for r in self.replicas + self.followed
+                    if unreached is None or (r is not unreached and r.client is not unreached.client)]
 
     def find(self, session_id: str) -> Optional[_Replica]:
         best = None
@@ -402,15 +416,35 @@ class SessionClient:
         return self._routing.learn_move(
             session_id, e, lambda ep: Client(ep.address, **self._routing.options_for(ep)))
 
+    def _find_moved(self, session_id: str, unreached: Optional[_Replica], deadline: float) -> bool:
+        """The session's replica is gone or not reached: asks the other replicas (the targets
+        resolved again) whether one took it in a hand-off, and learns the move from it. A
+        truncate of no token changes nothing: the replica that took the session answers its old
+        id with the new one, the others that they do not hold it."""
+        self._refresh_if_older(self._routing.min_refresh_interval)
+        for r in self._routing.others(unreached):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                r.client.truncate_session(session_id, 0, min(left, self._routing.info_timeout))
+            except AttndError as e:
+                if self._learn_move(session_id, e):
+                    return True
+        return False
+
     def _on_session(self, session_id: str, timeout: Optional[float], call: Any) -> Any:
-        """call(current id, client) on the session's replica, following a move (twice at most)
-        and sending again a call refused while the session moves, within timeout."""
+        """call(current id, client) on the session's replica, following a move (twice at most;
+        also one found by asking the other replicas when its replica cannot be reached) and
+        sending again a call refused while the session moves, within timeout."""
         deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
         sid = self._routing.current(session_id)
         follows, pause = 0, 0.002
         while True:
+            replica = None
             try:
-                return call(sid, self._route(sid).client)
+                replica = self._route(sid)
+                return call(sid, replica.client)
             except AttndError as e:
                 if follows < 2 and self._learn_move(sid, e):
                     sid, follows = self._routing.current(sid), follows + 1
@@ -418,6 +452,10 @@ class SessionClient:
                 if _moving(e) and time.monotonic() + pause < deadline:
                     time.sleep(pause)
                     pause = min(pause * 2, _MOVING_PAUSE_MAX)
+                    continue
+                if (follows < 2 and (replica is None or _unreached(e))
+                        and self._find_moved(sid, replica, deadline)):
+                    sid, follows = self._routing.current(sid), follows + 1
                     continue
                 raise
 
@@ -478,6 +516,7 @@ class SessionClient:
         """Items of several replicas go as one BatchStep per replica, in parallel; results come
         back in the order of items (failed items as in Client.batch_step)."""
         results, groups = _group(items, self._route)
+        unrouted = {i for i, r in enumerate(results) if r is not None}  # no replica known
         # Items of moved sessions go with the ids they have now.
         sent = [_current_item(self._routing, x) for x in items]
 
@@ -490,9 +529,10 @@ class SessionClient:
         for (replica, idx), answer in zip(groups, self._pool.map(send, groups)):
             for j, i in enumerate(idx):
                 results[i] = answer if isinstance(answer, AttndError) else answer[j]
-        # Items whose session moved, or was moving, go again one by one (following it), in order.
+        # Items whose session moved, or was moving, go again one by one (following it), in order;
+        # so do those whose replica is gone or not reached (another may have taken the session).
         for i, r in enumerate(results):
-            if _moved_to(r) is not None or _moving(r):
+            if _moved_to(r) is not None or _moving(r) or _unreached(r) or i in unrouted:
                 item = _core.as_step_item(items[i])
                 try:
                     results[i] = self._on_session(
@@ -587,24 +627,53 @@ class AsyncSessionClient:
 
     async def _on_session(self, session_id: str, timeout: Optional[float], call: Any) -> Any:
         """As SessionClient._on_session: await call(current id, client), following a move."""
-        from . import aio
-
         deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
         sid = self._routing.current(session_id)
         follows, pause = 0, 0.002
         while True:
+            replica = None
             try:
-                return await call(sid, (await self._route(sid)).client)
+                replica = await self._route(sid)
+                return await call(sid, replica.client)
             except AttndError as e:
-                if follows < 2 and self._routing.learn_move(
-                        sid, e, lambda ep: aio.Client(ep.address, **self._routing.options_for(ep))):
+                if follows < 2 and self._learn_move(sid, e):
                     sid, follows = self._routing.current(sid), follows + 1
                     continue
                 if _moving(e) and time.monotonic() + pause < deadline:
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, _MOVING_PAUSE_MAX)
                     continue
+                if (follows < 2 and (replica is None or _unreached(e))
+                        and await self._find_moved(sid, replica, deadline)):
+                    sid, follows = self._routing.current(sid), follows + 1
+                    continue
                 raise
+
+    def _learn_move(self, session_id: str, e: AttndError) -> bool:
+        from . import aio
+
+        return self._routing.learn_move(
+            session_id, e, lambda ep: aio.Client(ep.address, **self._routing.options_for(ep)))
+
+    async def _find_moved(self, session_id: str, unreached: Optional[_Replica],
+                          deadline: float) -> bool:
+        """As SessionClient._find_moved."""
+        if self._routing.due(self._routing.min_refresh_interval):
+            try:
+                await self.refresh()
+            except AttndError:
+                pass
+        for r in self._routing.others(unreached):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await r.client.truncate_session(session_id, 0,
+                                                min(left, self._routing.info_timeout))
+            except AttndError as e:
+                if self._learn_move(session_id, e):
+                    return True
+        return False
 
     async def create_session(self, num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype: Any = "bfloat16", max_tokens: int = 0,
@@ -665,6 +734,7 @@ class AsyncSessionClient:
                 raise r
             return r
         results, groups = _group(items, route)
+        unrouted = {i for i, r in enumerate(results) if r is not None}  # no replica known
 
         sent = [_current_item(self._routing, x) for x in items]
 
@@ -679,7 +749,7 @@ class AsyncSessionClient:
             for j, i in enumerate(idx):
                 results[i] = answer if isinstance(answer, AttndError) else answer[j]
         for i, r in enumerate(results):
-            if _moved_to(r) is not None or _moving(r):
+            if _moved_to(r) is not None or _moving(r) or _unreached(r) or i in unrouted:
                 item = _core.as_step_item(items[i])
 
                 async def again(sid: str, c: Any, item: Any = item) -> Any:

@@ -229,8 +229,14 @@ class SessionClient {
   // When st says that session id moved: remembers where (and the replica there, a client of
   // its address made if needed) and returns true.
   bool LearnMove(const std::string& id, const absl::Status& st);
+  // The session's replica cannot be reached (or is no longer known): asks the other replicas
+  // (the targets resolved again) whether one took it in a hand-off (the session's old id there
+  // answers with its new one) and learns the move; false when none did.
+  bool FindMoved(const std::string& id, const std::shared_ptr<Replica>& unreached,
+                 std::chrono::steady_clock::time_point deadline);
   // Runs call(current id, client of its replica) on the session, following a move (twice at
-  // most) and sending again a call refused while the session moves, until timeout.
+  // most; also one found by asking the other replicas when its replica cannot be reached) and
+  // sending again a call refused while the session moves, until timeout.
   template <typename Result, typename Call>
   absl::StatusOr<Result> OnSession(const std::string& session_id, std::chrono::milliseconds timeout,
                                    const Call& call);
