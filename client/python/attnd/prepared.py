@@ -197,12 +197,8 @@ class BatchStepResults(SequenceABC):
         return f"BatchStepResults({len(self)} steps)"
 
 
-class PreparedBatchStep:
-    """A BatchStep coded once for a fixed list of steps whose tensors lie in registered regions
-    (``Client.prepare_batch_step``); ``step(layer)`` sends it. See the module's description.
-
-    Attributes: ``session_ids``, ``layers`` (as prepared), ``client``.
-    """
+class _Prepared:
+    """What the sync and asyncio prepared BatchSteps share: the template and its steps."""
 
     def __init__(self, client: Any, template: BatchStepTemplate):
         self.client = client
@@ -212,6 +208,14 @@ class PreparedBatchStep:
 
     def __len__(self) -> int:
         return len(self.template)
+
+
+class PreparedBatchStep(_Prepared):
+    """A BatchStep coded once for a fixed list of steps whose tensors lie in registered regions
+    (``Client.prepare_batch_step``); ``step(layer)`` sends it. See the module's description.
+
+    Attributes: ``session_ids``, ``layers`` (as prepared), ``client``.
+    """
 
     def step(self, layer: Layers = None, *, timeout: Optional[float] = None,
              return_exceptions: bool = False) -> BatchStepResults:
@@ -233,19 +237,10 @@ class PreparedBatchStep:
         return f"PreparedBatchStep({len(self)} steps)"
 
 
-class AsyncPreparedBatchStep:
+class AsyncPreparedBatchStep(_Prepared):
     """asyncio twin of PreparedBatchStep (``attnd.aio.Client.prepare_batch_step``); ``await
     prepared.step(layer)``. The GPU synchronization before the call blocks the event loop for as
     long as the stream's queued work takes."""
-
-    def __init__(self, client: Any, template: BatchStepTemplate):
-        self.client = client
-        self.template = template
-        self.session_ids = template.session_ids
-        self.layers = template.layers
-
-    def __len__(self) -> int:
-        return len(self.template)
 
     async def step(self, layer: Layers = None, *, timeout: Optional[float] = None,
                    return_exceptions: bool = False) -> BatchStepResults:
