@@ -50,6 +50,9 @@ ABSL_FLAG(int, streams, kDefaults.streams, "CUDA streams of Attend (CUDA backend
 ABSL_FLAG(int, step_lanes, kDefaults.step_lanes,
           "CUDA streams of session steps, each with its own staging: launches in flight at once "
           "(CUDA backend); 0: as many as --streams");
+ABSL_FLAG(int64_t, batch_step_chunk, kDefaults.batch_step_chunk,
+          "A BatchStep's steps go to the step lanes in chunks of this many as they are decoded, so "
+          "that an idle lane stages the first while the rest are decoded (0: all at once)");
 ABSL_FLAG(int64_t, step_idle_poll_us, kDefaults.step_idle_poll_us,
           "CUDA backend: how long a step lane that finished a launch looks for the next one, "
           "yielding its core, before it sleeps (microseconds; 0: sleeps at once)");
@@ -174,6 +177,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.streams = absl::GetFlag(FLAGS_streams);
   o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
+  o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
   o.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);

@@ -78,6 +78,10 @@ class AttentionService final : public AttentionCallbackBase {
     // Hand-off on drain (--handoff_peers): while draining, session steps are still taken until
     // their session moves (it then answers where it went) instead of UNAVAILABLE at once.
     bool handoff_on_drain = false;
+    // A BatchStep's steps go to the batcher in chunks of this many as their jobs are made (an
+    // idle lane stages the first chunk's launch while the handler makes the next chunk's jobs;
+    // chunks that meet busy lanes are gathered again); 0: all at once.
+    int64_t batch_step_chunk = 32;
   };
   // batcher, backend, metrics and sessions must outlive the service; sessions may be null (the
   // session RPCs then answer UNIMPLEMENTED).

@@ -112,6 +112,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   if (options.drain_quiet_ms < 0) {
     return absl::InvalidArgumentError("--drain_quiet_ms must be >= 0");
   }
+  if (options.batch_step_chunk < 0) {
+    return absl::InvalidArgumentError("--batch_step_chunk must be >= 0 (0: a whole BatchStep at once)");
+  }
   if (options.step_idle_poll_us < 0 || options.step_idle_poll_us > 1'000'000) {
     return absl::InvalidArgumentError("--step_idle_poll_us must be in [0, 1000000]");
   }
@@ -175,6 +178,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     so.kv_device = s->step_device_.get();
   }
   so.handoff_on_drain = !options.handoff_peers.empty() && s->sessions_ != nullptr;
+  so.batch_step_chunk = options.batch_step_chunk;
   RETURN_IF_ERROR(s->StartSharedMemory());
   so.regions = s->regions_.get();
   s->service_ = std::make_unique<AttentionService>(so, s->batcher_.get(), s->backend_.get(),

@@ -22,6 +22,7 @@ struct ServerOptions {
   int64_t max_inflight_bytes = int64_t{4} << 30;  // tensor bytes of queued + running requests
   int streams = 2;                               // CUDA streams of Attend
   int step_lanes = 4;  // CUDA streams (and staging) of session steps; 0: as many as streams
+  int64_t batch_step_chunk = 32;  // a BatchStep's steps submitted in chunks of this many; 0: at once
   int64_t step_idle_poll_us = 200;  // a GPU step lane's look for the next launch before it sleeps
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging

@@ -253,11 +253,6 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
 
 namespace {
 
-// A BatchStep's steps go to the batcher in chunks of this many as their jobs are made: an idle
-// lane plans and stages the first chunk's launch while this thread makes the next chunk's jobs
-// (about 3-5 us a step). Chunks that meet busy lanes are gathered into one launch again.
-constexpr size_t kStepSubmitChunk = 32;
-
 // One BatchStep call while its items are computed: finishes the call when the last one is done.
 struct BatchStepCall {
   std::atomic<int64_t> remaining{0};
@@ -313,7 +308,9 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     };
     batch->remaining = static_cast<int64_t>(n) + 1;  // + 1 until every item is queued
     std::vector<std::unique_ptr<StepJob>> jobs;
-    jobs.reserve(std::min(n, kStepSubmitChunk));
+    // In chunks of options_.batch_step_chunk (0: all at once): see Options.
+    const size_t chunk = options_.batch_step_chunk > 0 ? size_t(options_.batch_step_chunk) : n;
+    jobs.reserve(std::min(n, chunk));
     for (size_t i = 0; i < n; ++i) {
       WireStepCall::Output* out = &call->outputs[i];
       // The jobs hold the call (input_hold) until they are gone, the handler until it returns:
@@ -329,7 +326,7 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
         out->status = job.status();
         batch->ItemDone();
       }
-      if (jobs.size() == kStepSubmitChunk && i + 1 < n) {
+      if (jobs.size() == chunk && i + 1 < n) {
         EnqueueSteps(std::move(jobs));
         jobs.clear();
       }

@@ -249,9 +249,9 @@ TEST_F(CudaSessionTest, AStepLaunchThatDoesNotFitTheDevicePoolIsSplit) {
               static_cast<long long>(o.device_pool_bytes), kSteps, whole);
 }
 
-// 64 sessions prefilled with 300-token chunks, then BatchSteps of 64 decode steps: one launch
-// each, every answer right.
-TEST_F(CudaSessionTest, BatchStepOf64DecodeStepsIsOneLaunch) {
+// 64 sessions prefilled with 300-token chunks, then BatchSteps of 64 decode steps: launches of
+// the submission chunks (32, --batch_step_chunk) or of the whole call, every answer right.
+TEST_F(CudaSessionTest, BatchStepOf64DecodeStepsGoesInOneOrTwoLaunches) {
   const SessionSpec spec{1, 32, 8, 128, v1::DTYPE_BFLOAT16};
   std::vector<std::string> ids;
   std::vector<SessionShadow> shadows(64, SessionShadow(spec));
@@ -281,7 +281,8 @@ TEST_F(CudaSessionTest, BatchStepOf64DecodeStepsIsOneLaunch) {
       const auto e = shadows[i].Check(req.steps(i), resp.results(i).response());
       EXPECT_LE(e.o, 2e-2) << "session " << i;
       EXPECT_LE(e.lse, 2e-3) << "session " << i;
-      EXPECT_EQ(resp.results(i).response().timing().batch_requests(), 64);
+      EXPECT_GE(resp.results(i).response().timing().batch_requests(), 32);
+      EXPECT_LE(resp.results(i).response().timing().batch_requests(), 64);
     }
     std::printf("BatchStep of 64 decode steps over ~330 cached tokens: kernel %.1f us, "
                 "transfer %.1f us\n",
