@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -380,7 +381,9 @@ class HandoffLoad {
       if (!tensor.ok()) return tensor.status();
       *to = std::move(*tensor);
     }
+    const auto start = std::chrono::steady_clock::now();
     auto r = client_->Step(in);
+    latencies_.push_back({start, std::chrono::steady_clock::now() - start});
     if (!r.ok()) return r.status();
     t.shadow.Append(req);
     ++steps_;
@@ -412,6 +415,13 @@ class HandoffLoad {
   size_t size() const { return sessions_.size(); }
   const std::string& id(size_t i) const { return sessions_[i].id; }
   int64_t steps() const { return steps_; }
+  // Each Step call's start and latency (the client's, moves followed included). Read only once
+  // the thread that steps is done.
+  struct Latency {
+    std::chrono::steady_clock::time_point start;
+    std::chrono::steady_clock::duration took;
+  };
+  const std::vector<Latency>& latencies() const { return latencies_; }
 
  private:
   struct Tracked {
@@ -422,7 +432,29 @@ class HandoffLoad {
   std::vector<Tracked> sessions_;
   std::mt19937_64 rng_{29};
   std::atomic<int64_t> steps_{0};  // read by the test while its load thread steps
+  std::vector<Latency> latencies_;
 };
+
+// "p50 X ms, p99 Y ms, max Z ms (N steps)" of the steps whose start lies inside (or, with
+// inside false, outside) any of the windows.
+std::string LatencyOf(const std::vector<HandoffLoad::Latency>& all,
+                      const std::vector<std::pair<std::chrono::steady_clock::time_point,
+                                                  std::chrono::steady_clock::time_point>>& windows,
+                      bool inside) {
+  std::vector<double> ms;
+  for (const auto& l : all) {
+    bool in = false;
+    for (const auto& [from, to] : windows) in |= l.start >= from && l.start < to;
+    if (in == inside) ms.push_back(std::chrono::duration<double, std::milli>(l.took).count());
+  }
+  if (ms.empty()) return "no steps";
+  std::sort(ms.begin(), ms.end());
+  auto at = [&](double q) { return ms[std::min(ms.size() - 1, size_t(q * double(ms.size())))]; };
+  char line[128];
+  std::snprintf(line, sizeof line, "p50 %.2f ms, p99 %.2f ms, max %.2f ms (%zu steps)", at(0.5),
+                at(0.99), ms.back(), ms.size());
+  return line;
+}
 
 // The backend of the hand-off tests' replicas: the CPU one, or CUDA's where
 // $ATTND_TEST_BACKEND=cuda (the GPU host's run; the last --backend given wins).
@@ -664,15 +696,23 @@ TEST(SessionHandoff, ARollingRestartOfTwoReplicasUnder64DecodingSessionsLosesNot
   std::thread decoder([&] {
     while (!stop.load() && !::testing::Test::HasFatalFailure()) load.Decode(1);
   });
+  // The hand-offs' windows, from each SIGTERM to its replica's exit, for the step latencies.
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point>>
+      windows;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // steps before any hand-off
+  windows.push_back({std::chrono::steady_clock::now(), {}});
   ASSERT_EQ(kill(a->pid(), SIGTERM), 0);
   ASSERT_TRUE(LogSays(*a, "sessions moved")) << a->Log();
   EXPECT_NE(a->Log().find(", 0 not moved"), std::string::npos) << a->Log();
   EXPECT_EQ(a->SignalAndWait(0, 30000), 0) << a->Log();
+  windows.back().second = std::chrono::steady_clock::now();
   auto a2 = replica("roll-a2", pa, pb);
   ASSERT_NE(a2, nullptr);
+  windows.push_back({std::chrono::steady_clock::now(), {}});
   ASSERT_EQ(kill(b->pid(), SIGTERM), 0);
   ASSERT_TRUE(LogSays(*b, "hand-off: 64 sessions moved")) << b->Log();
   EXPECT_EQ(b->SignalAndWait(0, 30000), 0) << b->Log();
+  windows.back().second = std::chrono::steady_clock::now();
   const int64_t steps_after = load.steps();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (load.steps() <= steps_after && std::chrono::steady_clock::now() < deadline) {
@@ -681,6 +721,10 @@ TEST(SessionHandoff, ARollingRestartOfTwoReplicasUnder64DecodingSessionsLosesNot
   stop = true;
   decoder.join();
   EXPECT_GT(load.steps(), steps_after);
+  // What the callers saw (not a check: speed depends on the machine).
+  std::printf("rolling restart, step latency: during the two hand-offs %s; otherwise %s\n",
+              LatencyOf(load.latencies(), windows, true).c_str(),
+              LatencyOf(load.latencies(), windows, false).c_str());
   EXPECT_EQ(KvCache(*a2).sessions(), 64);
   for (size_t i = 0; i < load.size(); ++i) {
     EXPECT_EQ(client->CurrentSessionId(load.id(i)).rfind("roll-a2.", 0), 0u) << load.id(i);
