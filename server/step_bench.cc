@@ -175,10 +175,7 @@ int Run() {
       pieces.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
     }
     // The headers on a call's arena, as attnd's BatchStep has them.
-    google::protobuf::ArenaOptions arena_options;
-    arena_options.start_block_size = size_t{16} << 10;
-    arena_options.max_block_size = size_t{256} << 10;
-    google::protobuf::Arena arena(arena_options);
+    google::protobuf::Arena arena(StepCallArenaOptions());
     std::vector<DecodedStepRequest> decoded;
     if (!DecodeBatchStepRequest(pieces, &decoded, &arena).ok()) return 1;
     const auto t1 = Clock::now();

@@ -115,8 +115,8 @@ int32_t CudaStepDevice::FillSegments(const StepLaunch& l, char* dev_in, char* de
     const StepRoute& r = l.routes[m];
     if (!r.device) continue;
     if (r.o) {
-      const size_t at = l.layout.o + size_t(cu_q[m]) * (job.OBytes() / size_t(job.total_q));
-      table[n++] = CopySegment{dev_out + at, job.o_out, static_cast<int64_t>(job.OBytes()), 0, 0, 1};
+      table[n++] = CopySegment{dev_out + l.OAt(m), job.o_out, static_cast<int64_t>(job.OBytes()),
+                               0, 0, 1};
     }
     if (r.lse && job.return_lse) {  // a strided block of the launch's [num_heads, total_q]
       const int64_t row = int64_t{sizeof(float)} * job.total_q;
@@ -167,7 +167,7 @@ absl::Status CudaStepDevice::CopyOutputs(const StepLaunch& l, const char* dev,
     const StepJob& job = *l.members[m];
     const StepRoute& r = l.routes[m];
     const size_t o_bytes = job.OBytes();
-    const size_t at = s.o + size_t(cu_q[m]) * (o_bytes / size_t(job.total_q));
+    const size_t at = l.OAt(m);
     if (!r.o) {
       staged.Add(at, o_bytes);
     } else if (!r.device) {

@@ -101,7 +101,7 @@ grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerCo
 // step to complete encodes the answer.
 struct WireStepCall {
   // The requests' headers and the responses' (declared first: freed last).
-  google::protobuf::Arena arena{ArenaOptions()};
+  google::protobuf::Arena arena{StepCallArenaOptions()};
   std::vector<grpc::Slice> slices;
   std::vector<std::string_view> pieces;
   std::vector<DecodedStepRequest> requests;
@@ -112,13 +112,6 @@ struct WireStepCall {
   };
   std::vector<Output> outputs;
 
-  // A BatchStep of 64 decode steps takes about 40 KiB of headers and responses: a few blocks.
-  static google::protobuf::ArenaOptions ArenaOptions() {
-    google::protobuf::ArenaOptions o;
-    o.start_block_size = size_t{16} << 10;
-    o.max_block_size = size_t{256} << 10;
-    return o;
-  }
   void MakeOutputs(size_t n) {
     outputs.resize(n);
     for (Output& out : outputs) {

@@ -63,6 +63,11 @@ struct StepLaunch {
   // the cache with each member's scales, E4M3(x / scale) saturating (sessions/fp8_quantize.h).
   bool Fp8Quantizes() const { return key.fp8_cache && !key.fp8_kv; }
   const int32_t* cu_seqlens_q() const { return At<int32_t>(layout.cu_q); }
+  // Where member m's o begins in the launch's output ([total_q, num_heads, head_dim]).
+  size_t OAt(size_t m) const {
+    const size_t row = size_t(key.num_heads) * key.head_dim * kernels::DTypeSize(key.wire_dtype);
+    return layout.o + size_t(cu_seqlens_q()[m]) * row;
+  }
   // The kernel arguments with the host arrays in `in`; q, k, v, o and lse are unset (the
   // device puts its own addresses in, and those of the arrays' device copy).
   kernels::AttentionArgs HostArgs() const;

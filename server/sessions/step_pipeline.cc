@@ -319,8 +319,6 @@ absl::Status StepPipeline::PlanAndStage(int lane, std::span<StepJob* const> memb
 }
 
 void StepPipeline::EndLaunch(const StepLaunch& l, const absl::Status& st) {
-  const size_t q_row = size_t(l.key.num_heads) * l.key.head_dim *
-                       kernels::DTypeSize(l.key.wire_dtype);
   const int32_t* cu_q = l.cu_seqlens_q();
   for (size_t m = 0; m < l.members.size(); ++m) {
     StepJob& job = *l.members[m];
@@ -335,7 +333,7 @@ void StepPipeline::EndLaunch(const StepLaunch& l, const absl::Status& st) {
     const StepRoute& r = l.routes[m];
     const size_t q0 = static_cast<size_t>(cu_q[m]);
     if (!r.o) {
-      const size_t at = l.layout.o + q0 * q_row;
+      const size_t at = l.OAt(m);
       if (job.o_out != nullptr) {  // a host region the device does not write into directly
         std::memcpy(job.o_out, l.out.data + at, job.OBytes());
       } else {
