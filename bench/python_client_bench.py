@@ -7,7 +7,9 @@
   step     a decode Step over a 4k-token cache (32/8 heads, d=128, bf16, one session): the Python
            sync client and attn-bench --mode decode --sessions 1 (same targets)
   aio      64 decode Steps in flight, 64 sessions: the asyncio client from one thread, and
-           attn-bench --mode decode --sessions 64 (target: Python steps/s >= 0.90x C++)
+           attn-bench --mode decode --sessions 64 (target: Python steps/s >= 0.90x C++); the
+           asyncio client sends the steps of one turn of its event loop as one BatchStep
+  aio1     the same with attnd.aio.Client(coalesce_steps=False): one Step call per step
 
 Each pair runs back to back, C++ first, --rounds times (alternating the order), and the table
 gives each round and the median ratios. attnd needs room for 64 sessions of 4k+64 tokens
@@ -129,7 +131,7 @@ def py_step(args: argparse.Namespace, client: attnd.Client) -> Dict[str, float]:
         return closed_loop(lambda: s.step(0, q, k, v), args.duration, args.warmup, between)
 
 
-def py_aio(args: argparse.Namespace, sessions: int) -> Dict[str, float]:
+def py_aio(args: argparse.Namespace, sessions: int, coalesce: bool = True) -> Dict[str, float]:
     rng = np.random.default_rng(3)
     q, k, v = bf16(rng, (1, HEADS, D)), bf16(rng, (1, KV_HEADS, D)), bf16(rng, (1, KV_HEADS, D))
     with attnd.Client(args.target) as sync_client:
@@ -140,7 +142,8 @@ def py_aio(args: argparse.Namespace, sessions: int) -> Dict[str, float]:
             ids.append(s.id)
 
         async def main() -> Dict[str, float]:
-            async with attnd.aio.Client(args.target, connections=args.aio_connections) as c:
+            async with attnd.aio.Client(args.target, connections=args.aio_connections,
+                                        coalesce_steps=coalesce) as c:
                 latencies: List[float] = []
                 state = {"measure": False, "stop": False}
                 paused = [0.0]
@@ -187,7 +190,7 @@ def main() -> int:
     p.add_argument("--cache", type=int, default=4096, help="decode: cached tokens")
     p.add_argument("--aio-sessions", type=int, default=64)
     p.add_argument("--aio-connections", type=int, default=4)
-    p.add_argument("--only", default="attend,step,aio", help="comma-separated parts to run")
+    p.add_argument("--only", default="attend,step,aio,aio1", help="comma-separated parts to run")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     parts = args.only.split(",")
@@ -203,6 +206,8 @@ def main() -> int:
         "step": (lambda: cpp_decode(args, 1), lambda: py_step(args, client)),
         "aio": (lambda: cpp_decode(args, args.aio_sessions),
                 lambda: py_aio(args, args.aio_sessions)),
+        "aio1": (lambda: cpp_decode(args, args.aio_sessions),
+                 lambda: py_aio(args, args.aio_sessions, coalesce=False)),
     }
     for part in parts:
         runs[part] = []
@@ -215,12 +220,12 @@ def main() -> int:
     client.close()
 
     targets = {"attend": ("p50", 1.10, "req/s", 0.90), "step": ("p50", 1.10, "req/s", 0.90),
-               "aio": (None, None, "steps/s", 0.90)}
+               "aio": (None, None, "steps/s", 0.90), "aio1": (None, None, "steps/s", 0.90)}
     summary: Dict[str, Any] = {}
     print(f"\n{'part':7} {'round':>5} {'C++ p50 ms':>10} {'Py p50 ms':>10} {'p50 Py/C++':>10} "
           f"{'C++ /s':>9} {'Py /s':>9} {'/s Py/C++':>9}")
     for part, rounds in runs.items():
-        rate_key = "steps_per_s" if part == "aio" else "requests_per_s"
+        rate_key = "steps_per_s" if part.startswith("aio") else "requests_per_s"
         p50s, rates = [], []
         for i, r in enumerate(rounds):
             p50 = r["py"]["p50_ms"] / r["cpp"]["p50_ms"]

@@ -167,3 +167,59 @@ def test_async_session_client(server):
             with pytest.raises(attnd.NotFound, match="not a session id"):
                 await sc.step("nodot", 0, q, k, k)
     asyncio.run(main())
+
+
+def test_asyncio_steps_of_one_turn_travel_as_one_batch_step(server):
+    """Concurrent steps go as one BatchStep, each with its own result or error; a cancelled caller
+    harms no other; coalesce_steps=False sends Steps."""
+    rng = np.random.default_rng(35)
+    heads, kv_heads, d, n = 4, 2, 64, 12
+
+    def calls(rpc):
+        return metric(server.metrics(), "attn_requests_total", rpc=rpc, code="OK")
+
+    async def main():
+        async with attnd.aio.Client(server.target) as c, \
+                attnd.aio.Client(server.target, coalesce_steps=False) as plain:
+            sessions = await asyncio.gather(*(c.create_session(1, kv_heads, d, "fp16")
+                                              for _ in range(n)))
+            caches = [[np.zeros((0, kv_heads, d))] * 2 for _ in sessions]
+            for round_, who in enumerate((c, plain, c)):
+                steps, refs = [], []
+                for i, (s, cache) in enumerate(zip(sessions, caches)):
+                    t = 5 if round_ == 0 else 1
+                    q, q64 = make(rng, (t, heads, d), "fp16")
+                    k, k64 = make(rng, (t, kv_heads, d), "fp16")
+                    v, v64 = make(rng, (t, kv_heads, d), "fp16")
+                    if round_ == 2 and i == 3:  # a bad item: head_dim of k differs from q's
+                        steps.append(who.step(s, 0, q, k[:, :, :32].copy(), v[:, :, :32].copy()))
+                        refs.append(None)
+                        continue
+                    cache[0] = np.concatenate([cache[0], k64])
+                    cache[1] = np.concatenate([cache[1], v64])
+                    steps.append(who.step(s, 0, q, k, v))
+                    refs.append(reference(q64, cache[0], cache[1], causal=True)[0])
+                before = calls("BatchStep"), calls("Step")
+                results = await asyncio.gather(*steps, return_exceptions=True)
+                after = calls("BatchStep"), calls("Step")
+                for r, ref in zip(results, refs):
+                    if ref is None:
+                        assert isinstance(r, attnd.InvalidArgument) and "head_dim" in str(r)
+                    else:
+                        assert relative_error(values(r.o, "fp16"), ref) <= TOLERANCE["fp16"]
+                if who is c:
+                    assert after[0] - before[0] == 1 and after[1] == before[1]
+                else:
+                    assert after[0] == before[0] and after[1] - before[1] == n
+            # One caller cancelled while its turn is gathered: the others' steps still land.
+            q, _ = make(rng, (1, heads, d), "fp16")
+            k, _ = make(rng, (1, kv_heads, d), "fp16")
+            tasks = [asyncio.ensure_future(s.step(0, q, k, k)) for s in sessions[:4]]
+            await asyncio.sleep(0)
+            tasks[0].cancel()
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            assert isinstance(done[0], asyncio.CancelledError)
+            assert [r.cached_tokens for r in done[1:]] == [8, 8, 7]  # 3 missed the bad round
+            await asyncio.gather(*(s.close() for s in sessions))
+
+    asyncio.run(main())

@@ -7,18 +7,23 @@
     asyncio.run(main())
 
 One Client belongs to one event loop (grpc.aio's rule); any number of calls may be in flight.
+
+Steps issued in the same turn of the event loop (64 sessions' coroutines each awaiting
+``client.step``, say) go to attnd together as one BatchStep, where each keeps its own result or
+error: one call and one launch instead of 64 (``coalesce_steps=False`` sends each as a Step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
 
-from . import _core, _proto
+from . import _core, _proto, _tensors, _wire
 from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
 from .client import _ChannelSet, _deliver
@@ -38,7 +43,8 @@ class Client(_ChannelSet):
                  timeout: Optional[float] = None, retries: int = 3, retry_backoff: float = 0.05,
                  connections: int = 1, max_message_bytes: int = 256 << 20,
                  wait_for_ready: bool = False, lb_policy: Optional[str] = None,
-                 channel_options: Sequence[Tuple[str, Any]] = ()):
+                 channel_options: Sequence[Tuple[str, Any]] = (), coalesce_steps: bool = True,
+                 max_coalesced_steps: int = 128):
         self.options = ClientOptions(
             target=target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
             tls_server_name=tls_server_name, token=token, timeout=timeout, retries=retries,
@@ -46,6 +52,7 @@ class Client(_ChannelSet):
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
             lb_policy=lb_policy, channel_options=tuple(channel_options))
         self._open(grpc.aio.secure_channel, grpc.aio.insecure_channel)
+        self._steps = _StepCoalescer(self, max_coalesced_steps) if coalesce_steps else None
 
     async def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
         call = self._methods()[method]
@@ -67,6 +74,8 @@ class Client(_ChannelSet):
                 raise from_rpc_error(e) from None
 
     async def close(self) -> None:
+        if self._steps is not None:
+            await self._steps.drain()
         if self._region_socket is not None:
             self._region_socket.close()
             self._region_socket = None
@@ -188,7 +197,14 @@ class Client(_ChannelSet):
                    scale: float = 0.0, return_lse: bool = False,
                    window: Optional[Tuple[int, int]] = None, out: Any = None, lse_out: Any = None,
                    timeout: Optional[float] = None) -> StepResult:
-        """See attnd.Client.step."""
+        """See attnd.Client.step (steps of one turn of the event loop travel as one BatchStep
+        unless the client was made with coalesce_steps=False)."""
+        if self._steps is not None:
+            m, maker, o_in, lse_in, device = _core.step_message(
+                self.regions, session, layer, q, k_new, v_new, scale, return_lse, window, out,
+                lse_out)
+            prepared = _core.Prepared(b"", maker, out, lse_out, o_in, lse_in, device)
+            return await self._steps.add(m, prepared, self._timeout(timeout))
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
                                window, out, lse_out)
         _core.cuda_synchronize(p.cuda_sync)
@@ -264,6 +280,71 @@ class Client(_ChannelSet):
             self.regions.remove(name)
             await self._unary("UnregisterRegion", _proto.UnregisterRegionRequest(name=name),
                               self._timeout(timeout, _INFO_TIMEOUT))
+
+
+class _StepCoalescer:
+    """Collects the steps a Client is asked for during one turn of its event loop and sends them
+    when the turn ends: one Step where there is one, else BatchSteps of at most `limit` items (one
+    per deadline). Each caller's future gets its own item's result or error; a failed call fails
+    every item it carried. Items whose caller was cancelled before sending are left out."""
+
+    def __init__(self, client: Client, limit: int):
+        self._client = client
+        self._limit = max(1, int(limit))
+        self._pending: Dict[Optional[float], List[Tuple[Any, _core.Prepared, asyncio.Future]]] = {}
+        self._scheduled = False
+        self._sending: "set[asyncio.Task]" = set()
+
+    async def add(self, message: Any, prepared: _core.Prepared,
+                  timeout: Optional[float]) -> StepResult:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.setdefault(timeout, []).append((message, prepared, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return await future
+
+    async def drain(self) -> None:
+        if self._sending:
+            await asyncio.gather(*self._sending, return_exceptions=True)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        groups, self._pending = self._pending, {}
+        for timeout, items in groups.items():
+            for at in range(0, len(items), self._limit):
+                task = asyncio.ensure_future(self._send(items[at:at + self._limit], timeout))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+
+    async def _send(self, items: List[Tuple[Any, _core.Prepared, asyncio.Future]],
+                    timeout: Optional[float]) -> None:
+        items = [it for it in items if not it[2].done()]
+        if not items:
+            return
+        try:
+            for device in {p.cuda_sync for _, p, _ in items if p.cuda_sync is not None}:
+                _core.cuda_synchronize(device)
+            if len(items) == 1:
+                m, p, _ = items[0]
+                p.message = _tensors.assemble(m.parts, m.size, m.cuda)
+                buf = await self._client._unary("Step", p.message, timeout)
+                results: List[Any] = [_core.read_step(buf, p)]
+            else:
+                m = _wire.batch_step_request([it[0] for it in items])
+                buf = await self._client._unary(
+                    "BatchStep", _tensors.assemble(m.parts, m.size, m.cuda), timeout)
+                results = _core.read_batch_step(buf, [it[1] for it in items])
+        except Exception as e:  # the call failed: so did each of its items (each its own copy)
+            results = [e] + [copy.copy(e) for _ in items[1:]]
+        for (_, _, future), r in zip(items, results):
+            if future.done():
+                continue
+            if isinstance(r, Exception):
+                future.set_exception(r)
+            else:
+                future.set_result(r)
 
 
 async def _aiter(items: Any) -> AsyncIterator[Any]:
