@@ -56,6 +56,11 @@ absl::Status CudaBackend::Init() {
     if (d == 64 || d == 128 || d == 256) info_.fp8.session_head_dims.push_back(d);
   }
   if (info_.fp8.session_head_dims.empty()) info_.fp8.session_cache = false;
+  // FP8 Attend (k and v, and q too) runs on the same two paths: the FP8 decode kernel for at most
+  // 16 queries per sequence, else the conversion and the 16-bit forward kernel (q's codes are
+  // converted with their descales first).
+  info_.fp8.attend_kv = info_.fp8.session_cache;
+  info_.fp8.attend_q = info_.fp8.session_cache;
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);
