@@ -326,7 +326,7 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
     auto state = std::make_unique<CudaJobState>();
     state->q_bytes = job.q_bytes.size();
     state->kv_bytes = job.k_bytes.size();
-    state->o_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
+    state->o_bytes = state->q_bytes;
     state->q_src = job.q_bytes.data();
     state->k_src = job.k_bytes.data();
     state->v_src = job.v_bytes.data();
