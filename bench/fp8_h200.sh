@@ -46,14 +46,14 @@ if start_attnd; then
   summary+=("attnctl session demo --kv_dtype=fp8 --check rc=$?")
   if [ -x "$bin/attn-bench" ]; then
     # The same decode through the service with a bf16 and an FP8 cache: steps/s and the KV bytes
-    # read per second (the cache column), sessions x cache tokens as in the kernel targets. FP8
-    # caches prefill in chunks of 16 (the FP8 kernel's most new tokens per step).
+    # read per second (the cache column), sessions x cache tokens as in the kernel targets. Both
+    # prefill in chunks of 1024 (FP8: the conversion and the 16-bit forward kernel).
     for kv in "" fp8; do
       for shape in "64 4096" "16 32768" "128 8192"; do
         set -- $shape
         "$bin/attn-bench" --target 127.0.0.1:$port --mode=decode --heads 32 --kv_heads 8 \
           --head_dim 128 --sessions "$1" --cache_tokens "$2" --batch_step "$1" \
-          --prefill_chunk "$([ -n "$kv" ] && echo 16 || echo 1024)" ${kv:+--kv_dtype=$kv} --duration_s "${LEVEL_S:-10}" --warmup_s 2 \
+          --prefill_chunk 1024 ${kv:+--kv_dtype=$kv} --duration_s "${LEVEL_S:-10}" --warmup_s 2 \
           >>"$out/decode_${kv:-bf16}.txt" 2>&1
         summary+=("attn-bench decode ${kv:-bf16} $1 x $2 rc=$?")
       done

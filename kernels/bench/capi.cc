@@ -166,6 +166,40 @@ int attn_run_fp8kv(int dtype, const void* q, const void* k, const void* v, void*
   return PlanAndRun(a, 0, workspace, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// attn_run_fp8kv with the forward kernel's generation forced (gen 1 / 2; 0: Run's own choice):
+// for FP8 K/V with more than 16 queries per sequence, the 16-bit kernel that runs after the
+// conversion of K/V into the workspace.
+int attn_run_fp8kv_gen(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                       const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int batch,
+                       int total_q, int total_k, int max_seqlen_q, int max_seqlen_k, int num_heads,
+                       int num_kv_heads, int head_dim, float softmax_scale, int causal,
+                       int window_left, int window_right, int page_size, int num_pages,
+                       const int32_t* page_indptr, const int32_t* page_indices,
+                       const int32_t* seqlens_k, const float* k_scale, const float* v_scale,
+                       void* workspace, uintptr_t stream, int gen) {
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
+               max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
+               causal, window_left, window_right);
+  SetPaged(&a, page_size, num_pages, page_indptr, page_indices, seqlens_k);
+  a.kv_dtype = attn::kernels::DType::kFloat8E4M3;
+  a.kv_scales = {k_scale, v_scale};
+  return PlanAndRun(a, gen, workspace, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// All-FP8 attention's q step (attn::kernels::cuda::DequantizeFp8Q): q_out [total_q, num_heads,
+// head_dim] of dtype = E4M3(q_codes) * q_scale[b, kv head]; cu_seqlens_q on the device.
+int attn_dequantize_fp8_q(int dtype, const void* q_codes, const float* q_scale, void* q_out,
+                          const int32_t* cu_seqlens_q, int batch, int total_q, int num_heads,
+                          int num_kv_heads, int head_dim, uintptr_t stream) {
+  static int dummy = 0;
+  const attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, &dummy, &dummy, &dummy, &dummy, nullptr, cu_seqlens_q, &dummy, batch,
+               total_q, 1, 1, 1, num_heads, num_kv_heads, head_dim, 0.0f, 0, -1, -1);
+  return static_cast<int>(attn::kernels::cuda::DequantizeFp8Q(
+      a, q_codes, q_scale, q_out, reinterpret_cast<cudaStream_t>(stream)));
+}
+
 // The KV splits the decode plan (with this library's plan options) gives a decode shape of batch
 // sequences with max_seqlen_q queries each over max_seqlen_k keys (fp8_kv: FP8 K/V); -(StatusCode)
 // when the plan is refused, 0 when the shape goes to the forward kernel.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <span>
 
 #include "attn/kernels/cuda_attention.h"
 #include "backends/cuda_backend.h"
@@ -22,9 +23,9 @@ namespace {
 // host region registered with the device (Job::host_registered) or a GPU region
 // (device_tensors): the job's region_holds keep those mapped.
 struct CudaJobState : BackendJobState {
-  PinnedBuffer in;   // staged inputs, in the compute dtype, back to back (q, k, v)
+  PinnedBuffer in;   // staged inputs, in the compute dtype (FP8: codes), back to back (q, k, v)
   PinnedBuffer out;  // outputs that come back through staging (o, then lse)
-  size_t q_bytes = 0, kv_bytes = 0, o_bytes = 0;  // in the compute dtype
+  size_t q_bytes = 0, kv_bytes = 0, o_bytes = 0;  // in the compute dtype (FP8: codes)
   const char* q_src = nullptr;
   const char* k_src = nullptr;
   const char* v_src = nullptr;
@@ -38,11 +39,19 @@ CudaJobState& StateOf(const AttendJob& job) {
   return static_cast<CudaJobState&>(*job.backend_state);
 }
 
-// Where each part of a packed launch lives inside the device input and output buffers.
+// Bytes of one element of q and of k/v as staged: FP8 codes stay one byte, the rest is 16-bit.
+size_t QElementBytes(const BatchKey& key) { return key.fp8_q ? 1 : 2; }
+size_t KvElementBytes(const BatchKey& key) { return key.fp8_kv ? 1 : 2; }
+
+// Where each part of a packed launch lives inside the device input and output buffers. The
+// sequence offsets and FP8 descales ([num_seqs, num_kv_heads] float32 each) are staged on the host
+// as they lie on the device (from cu_q on), copied in one piece.
 struct PackedLayout {
   int32_t total_q = 0, total_k = 0, num_seqs = 0, max_q = 0, max_k = 0;
   size_t q = 0, k = 0, v = 0, cu_q = 0, cu_k = 0, in_bytes = 0;  // offsets into the input
-  size_t cu_region = 0;                                            // cu_q and cu_k, together
+  size_t k_scales = 0, v_scales = 0, q_scales = 0;  // FP8 descales (fp8_kv; q's: fp8_q)
+  size_t q_wide = 0;  // fp8_q: q converted to o's 16-bit type
+  size_t cu_region = 0;  // cu_q, cu_k and the descales, together
   size_t o = 0, lse = 0, out_bytes = 0;                            // offsets into the output
   bool any_lse = false;
 };
@@ -58,18 +67,27 @@ PackedLayout PlanLayout(std::span<const std::unique_ptr<AttendJob>> jobs) {
     l.max_k = std::max(l.max_k, job->max_seqlen_k);
     l.any_lse |= job->return_lse;
   }
-  const size_t q_bytes = size_t(l.total_q) * key.num_heads * key.head_dim * 2;
-  const size_t kv_bytes = size_t(l.total_k) * key.num_kv_heads * key.head_dim * 2;
+  const size_t o_bytes = size_t(l.total_q) * key.num_heads * key.head_dim * 2;
+  const size_t q_bytes = size_t(l.total_q) * key.num_heads * key.head_dim * QElementBytes(key);
+  const size_t kv_bytes =
+      size_t(l.total_k) * key.num_kv_heads * key.head_dim * KvElementBytes(key);
   const size_t cu_bytes = AlignUp(sizeof(int32_t) * (size_t(l.num_seqs) + 1));
+  const size_t scale_bytes =
+      key.fp8_kv ? AlignUp(sizeof(float) * size_t(l.num_seqs) * key.num_kv_heads) : 0;
   l.q = 0;
   l.k = AlignUp(q_bytes);
   l.v = l.k + AlignUp(kv_bytes);
   l.cu_q = l.v + AlignUp(kv_bytes);
   l.cu_k = l.cu_q + cu_bytes;
-  l.cu_region = 2 * cu_bytes;
-  l.in_bytes = l.cu_k + cu_bytes;
+  l.k_scales = l.cu_k + cu_bytes;
+  l.v_scales = l.k_scales + scale_bytes;
+  l.q_scales = l.v_scales + scale_bytes;
+  const size_t staged_end = l.q_scales + (key.fp8_q ? scale_bytes : 0);
+  l.cu_region = staged_end - l.cu_q;
+  l.q_wide = staged_end;
+  l.in_bytes = l.q_wide + (key.fp8_q ? AlignUp(o_bytes) : 0);
   l.o = 0;
-  l.lse = AlignUp(q_bytes);
+  l.lse = AlignUp(o_bytes);
   l.out_bytes = l.lse + (l.any_lse ? sizeof(float) * key.num_heads * size_t(l.total_q) : 0);
   return l;
 }
@@ -77,7 +95,10 @@ PackedLayout PlanLayout(std::span<const std::unique_ptr<AttendJob>> jobs) {
 // fp32 requests run in fp16 when every value fits it, else in bf16.
 kernels::DType ComputeDType(const AttendJob& job) {
   if (job.key.wire_dtype != kernels::DType::kFloat32) return job.key.wire_dtype;
-  for (std::string_view t : {job.q_bytes, job.k_bytes, job.v_bytes}) {
+  // FP8 k and v are codes, computed on in q's 16-bit type: only q decides.
+  const size_t tensors = job.key.fp8_kv ? 1 : 3;
+  const std::string_view all[] = {job.q_bytes, job.k_bytes, job.v_bytes};
+  for (std::string_view t : std::span(all, tensors)) {
     const size_t n = t.size() / 4;
     for (size_t i = 0; i < n; ++i) {
       float x;  // through memcpy: no alignment assumed of the request's bytes
@@ -110,18 +131,22 @@ HostCopy StagingCopy(std::string_view src, ElementCast cast, char* dst) {
 // with the device that need no conversion: the launch copies those straight from the region.
 absl::Status StageInputs(const AttendJob& job, kernels::DType compute, PinnedPool& pool,
                          const HostCopier& copier, CudaJobState& state) {
+  // FP8 codes are staged as they came; the rest in the compute dtype.
   const ElementCast cast = StagingCast(job.key.wire_dtype, compute);
-  const bool as_is = cast == ElementCast::kNone;
+  const ElementCast q_cast = job.key.fp8_q ? ElementCast::kNone : cast;
+  const ElementCast kv_cast = job.key.fp8_kv ? ElementCast::kNone : cast;
   const Job::HostRegistered& reg = job.host_registered;
   struct Part {
     std::string_view src;
+    ElementCast cast;
     bool direct;
     size_t bytes;  // staged
     const char** to;
   };
-  const Part parts[] = {{job.q_bytes, as_is && reg.q, state.q_bytes, &state.q_src},
-                        {job.k_bytes, as_is && reg.k, state.kv_bytes, &state.k_src},
-                        {job.v_bytes, as_is && reg.v, state.kv_bytes, &state.v_src}};
+  const bool q_as_is = q_cast == ElementCast::kNone, kv_as_is = kv_cast == ElementCast::kNone;
+  const Part parts[] = {{job.q_bytes, q_cast, q_as_is && reg.q, state.q_bytes, &state.q_src},
+                        {job.k_bytes, kv_cast, kv_as_is && reg.k, state.kv_bytes, &state.k_src},
+                        {job.v_bytes, kv_cast, kv_as_is && reg.v, state.kv_bytes, &state.v_src}};
   size_t staged = 0;
   for (const Part& p : parts) staged += p.direct ? 0 : p.bytes;
   if (staged > 0) {
@@ -135,7 +160,7 @@ absl::Status StageInputs(const AttendJob& job, kernels::DType compute, PinnedPoo
       *p.to = p.src.data();
       continue;
     }
-    copies[n++] = StagingCopy(p.src, cast, at);
+    copies[n++] = StagingCopy(p.src, p.cast, at);
     *p.to = at;
     at += p.bytes;
   }
@@ -226,8 +251,9 @@ constexpr size_t kInPlaceAttendBytes = size_t{1} << 20;
 }  // namespace
 
 bool CudaBackend::AttendsInPlace(const AttendJob& job) {
-  // The kernels read q, k and v and write o and lse 16 bytes at a time.
-  return job.device_tensors && job.q_bytes.size() >= kInPlaceAttendBytes &&
+  // The kernels read q, k and v and write o and lse 16 bytes at a time. FP8 inputs go through the
+  // packed launch, which stages their descales on the device.
+  return job.device_tensors && !job.key.fp8_kv && job.q_bytes.size() >= kInPlaceAttendBytes &&
          Aligned16(job.q_bytes.data()) && Aligned16(job.k_bytes.data()) &&
          Aligned16(job.v_bytes.data()) && Aligned16(job.o_out) &&
          (!job.return_lse || Aligned16(job.lse_out));
@@ -316,9 +342,9 @@ absl::Status CudaBackend::Prepare(AttendJob& job) {
   CudaJobState& state = StateOf(job);
   // Inputs staged from the wire are 16-bit already: computed as sent.
   const kernels::DType compute = state.inputs_staged ? key.wire_dtype : ComputeDType(job);
-  state.q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
-  state.kv_bytes = size_t(job.total_k) * key.num_kv_heads * key.head_dim * 2;
-  state.o_bytes = state.q_bytes;
+  state.q_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * QElementBytes(key);
+  state.kv_bytes = size_t(job.total_k) * key.num_kv_heads * key.head_dim * KvElementBytes(key);
+  state.o_bytes = size_t(job.total_q) * key.num_heads * key.head_dim * 2;
   if (state.inputs_staged) {
     const char* in = static_cast<const char*>(state.in.data());
     state.q_src = in;
@@ -369,6 +395,19 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
     q_tokens += job->total_q;
     k_tokens += job->total_k;
   }
+  if (key.fp8_kv) {  // the descales, [num_seqs, num_kv_heads] each, behind the offsets
+    char* staged = static_cast<char*>(host_cu.data());
+    auto* k_scales = reinterpret_cast<float*>(staged + (layout.k_scales - layout.cu_q));
+    auto* v_scales = reinterpret_cast<float*>(staged + (layout.v_scales - layout.cu_q));
+    auto* q_scales = reinterpret_cast<float*>(staged + (layout.q_scales - layout.cu_q));
+    size_t at = 0;
+    for (const auto& job : jobs) {
+      std::copy(job->k_descales.begin(), job->k_descales.end(), k_scales + at);
+      std::copy(job->v_descales.begin(), job->v_descales.end(), v_scales + at);
+      if (key.fp8_q) std::copy(job->q_descales.begin(), job->q_descales.end(), q_scales + at);
+      at += job->k_descales.size();
+    }
+  }
 
   DevicePool* pool = &state_->device_pool();
   DeviceBuffer dev_in(pool, lane.stream), dev_out(pool, lane.stream);
@@ -385,6 +424,14 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   args.lse = layout.any_lse ? reinterpret_cast<float*>(dev_out.get() + layout.lse) : nullptr;
   args.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev_in.get() + layout.cu_q);
   args.cu_seqlens_k = reinterpret_cast<const int32_t*>(dev_in.get() + layout.cu_k);
+  if (key.fp8_kv) {
+    args.kv_dtype = kernels::DType::kFloat8E4M3;
+    args.kv_scales = {reinterpret_cast<const float*>(dev_in.get() + layout.k_scales),
+                      reinterpret_cast<const float*>(dev_in.get() + layout.v_scales)};
+  }
+  // All-FP8: q's codes are converted (with their descales) into o's type before the kernel.
+  const void* q_codes = args.q;
+  if (key.fp8_q) args.q = dev_in.get() + layout.q_wide;
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
   DeviceBuffer workspace(pool, lane.stream);
   RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
@@ -395,6 +442,13 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], s));
   RETURN_IF_ERROR(CopyInputs(jobs, layout, host_cu, dev_in.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], s));
+  if (key.fp8_q) {
+    RETURN_IF_CUDA_ERROR(
+        "FP8 q conversion",
+        kernels::cuda::DequantizeFp8Q(args, q_codes,
+                                      reinterpret_cast<const float*>(dev_in.get() + layout.q_scales),
+                                      const_cast<void*>(args.q), s));
+  }
   RETURN_IF_CUDA_ERROR("attention kernel", kernels::cuda::Run(args, workspace.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], s));
   RETURN_IF_ERROR(CopyOutputs(jobs, layout, dev_out.get(), s));

@@ -46,15 +46,21 @@ absl::Status CudaBackend::Init() {
   int n = 0;
   const int* dims = kernels::cuda::CompiledHeadDims(&n);
   info_.head_dims.assign(dims, dims + n);
-  // FP8-cache sessions: steps run the FP8 paged decode kernel, which takes at most 16 queries
-  // per sequence (longer chunks are refused at validation).
-  // The FP8 kernel is compiled for sm_90a, at head dims 64, 128 and 256.
+  // FP8-cache sessions: steps of at most 16 new tokens run the FP8 paged decode kernel (compiled
+  // for sm_90a, at head dims 64, 128 and 256); longer ones (chunked prefill) convert the cache's
+  // rows to 16 bits in the launch's workspace and run the 16-bit forward kernel, so a step has no
+  // token limit of its own (session_max_step_tokens 0).
   info_.fp8.session_cache = prop.major == 9 && prop.minor == 0;
-  info_.fp8.session_max_step_tokens = 16;
+  info_.fp8.session_max_step_tokens = 0;
   for (int32_t d : info_.head_dims) {
     if (d == 64 || d == 128 || d == 256) info_.fp8.session_head_dims.push_back(d);
   }
   if (info_.fp8.session_head_dims.empty()) info_.fp8.session_cache = false;
+  // FP8 Attend (k and v, and q too) runs on the same two paths: the FP8 decode kernel for at most
+  // 16 queries per sequence, else the conversion and the 16-bit forward kernel (q's codes are
+  // converted with their descales first).
+  info_.fp8.attend_kv = info_.fp8.session_cache;
+  info_.fp8.attend_q = info_.fp8.session_cache;
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);

@@ -96,8 +96,8 @@ TEST_F(CudaSessionTest, RowsThatDoNotDivideAPageAreServedInRunsOfPages) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
-// FP8 (E4M3) caches: steps run the FP8 paged decode kernel (at most 16 new tokens per step), the
-// new keys and values quantized on the host with each session's per-KV-head scales (some small
+// FP8 (E4M3) caches: steps of up to 16 new tokens run the FP8 paged decode kernel, longer ones the
+// 16-bit forward kernel over the cache converted in the launch's workspace; the new keys and values quantized on the host with each session's per-KV-head scales (some small
 // enough to saturate). Every answer against the float64 reference over the dequantized cache, the
 // same interleavings of steps, BatchSteps, truncates, forks (copy on write of FP8 pages) and closes.
 SessionSpec Fp8(SessionSpec spec, std::mt19937_64& rng, bool codes = false) {
@@ -127,41 +127,42 @@ TEST_F(CudaSessionTest, Fp8CacheRandomInterleavingsMatchTheReference) {
   ASSERT_TRUE(testing::CloseSession(stub_, bf16.session_id()).ok());
   testing::WorkloadOptions o = GpuTolerances();
   o.ops = 250;
-  o.chunks = {1, 1, 1, 1, 2, 5, 15, 16};  // the FP8 kernel takes up to 16 new tokens per step
+  o.chunks = {1, 1, 1, 1, 2, 5, 15, 16, 17, 40, 100};
   std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
-// A chunk of more than 16 new tokens on an FP8 cache is refused (FAILED_PRECONDITION naming q and
-// the limit) and changes nothing; GetServerInfo says so.
-TEST_F(CudaSessionTest, Fp8CacheChunksOverTheKernelLimitAreRefused) {
+// An FP8 cache prefilled by one step of 600 new tokens (the forward path over the converted
+// cache), then decoded (the FP8 decode kernel) and extended by chunks around the decode kernel's
+// 16 queries, every answer against the float64 reference over the dequantized cache; new tokens
+// sent as 16-bit values (quantized on the device) and as codes. GetServerInfo: no step limit.
+TEST_F(CudaSessionTest, Fp8CachePrefillOf600TokensThenDecode) {
   grpc::ClientContext ctx;
   v1::GetServerInfoResponse info;
   ASSERT_TRUE(stub_->GetServerInfo(&ctx, {}, &info).ok());
   EXPECT_TRUE(info.fp8().session_fp8_cache());
-  EXPECT_EQ(info.fp8().session_fp8_max_step_tokens(), 16);
-  const SessionSpec spec = Fp8({1, 8, 2, 128, v1::DTYPE_BFLOAT16}, rng_);
-  v1::CreateSessionResponse r;
-  ASSERT_TRUE(testing::CreateSession(stub_, spec, &r).ok());
-  SessionShadow shadow(spec);
-  v1::StepResponse response;
-  for (int n : {16, 16, 3}) {
-    const v1::StepRequest step = testing::RandomStep(r.session_id(), 0, n, spec, rng_);
-    ASSERT_TRUE(testing::Step(stub_, step, &response).ok());
-    shadow.Append(step);
-    EXPECT_LE(shadow.Check(step, response).o, GpuTolerances().o_tolerance_bf16);
+  EXPECT_EQ(info.fp8().session_fp8_max_step_tokens(), 0);
+  const int64_t total = FreePages();
+  for (const bool codes : {false, true}) {
+    const SessionSpec spec = Fp8({1, 32, 8, 128, v1::DTYPE_BFLOAT16}, rng_, codes);
+    v1::CreateSessionResponse r;
+    ASSERT_TRUE(testing::CreateSession(stub_, spec, &r).ok());
+    SessionShadow shadow(spec);
+    v1::StepResponse response;
+    int cached = 0;
+    for (int n : {600, 1, 1, 1, 16, 17, 1, 200, 1}) {
+      const v1::StepRequest step = testing::RandomStep(r.session_id(), 0, n, spec, rng_);
+      const grpc::Status st = testing::Step(stub_, step, &response);
+      ASSERT_TRUE(st.ok()) << n << " new tokens, codes " << codes << ": " << st.error_message();
+      shadow.Append(step);
+      EXPECT_EQ(response.cached_tokens(), cached + n);
+      EXPECT_LE(shadow.Check(step, response).o, GpuTolerances().o_tolerance_bf16)
+          << n << " new tokens over " << cached << " cached, codes " << codes;
+      cached += n;
+    }
+    ASSERT_TRUE(testing::CloseSession(stub_, r.session_id()).ok());
   }
-  const grpc::Status st =
-      testing::Step(stub_, testing::RandomStep(r.session_id(), 0, 17, spec, rng_), &response);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
-  EXPECT_NE(st.error_message().find("q.shape[0] (17 new tokens)"), std::string::npos)
-      << st.error_message();
-  const v1::StepRequest step = testing::RandomStep(r.session_id(), 0, 1, spec, rng_);
-  ASSERT_TRUE(testing::Step(stub_, step, &response).ok());
-  shadow.Append(step);
-  EXPECT_EQ(response.cached_tokens(), 36);
-  EXPECT_LE(shadow.Check(step, response).o, GpuTolerances().o_tolerance_bf16);
-  ASSERT_TRUE(testing::CloseSession(stub_, r.session_id()).ok());
+  EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
 // Device memory a paged launch of `sessions` steps of `tokens` new tokens each over `cached`

@@ -1,4 +1,5 @@
-// GPU decode (split-KV) and paged K/V vs the float64 reference and the CPU backend.
+// GPU decode (split-KV), paged K/V and FP8 K/V (decode kernel, and the forward path that converts
+// FP8 to 16 bits first, also with FP8 q) vs the float64 reference and the CPU backend.
 //
 // Every case draws fresh random inputs (the seed is printed with any failure). Paged cases scatter
 // each sequence's keys over a shuffled, non-contiguous page pool with spare pages; every pool row
@@ -27,6 +28,7 @@
 #include "attn/kernels/attention.h"
 #include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/cuda_attention.h"
+#include "attn/kernels/dtype_convert.h"
 #include "common/reference.h"
 #include "gpu/gpu_test_util.h"
 
@@ -65,6 +67,9 @@ struct Case {
   // K/V as FP8 (e4m3) codes with per-(sequence, KV head) scales (kv_dtype); the reference and the
   // CPU backend see the values the codes stand for. Pool rows no key covers hold NaN codes.
   bool fp8_kv = false;
+  // With fp8_kv: q as FP8 codes too, with scales per (sequence, KV head), converted on the device
+  // (DequantizeFp8Q) into q's 16-bit buffer (poisoned first) before the run.
+  bool fp8_q = false;
   float q_scale = 1.0f;        // q's random values times this (exactly representable: a power of 2 or not, rounded to dtype)
   float softmax_scale = 0.0f;  // AttentionArgs::softmax_scale
   uint64_t seed = 1;
@@ -76,7 +81,7 @@ std::string Describe(const Case& c) {
                   (c.causal ? " causal" : "") + " win=(" + std::to_string(c.window_left) + "," +
                   std::to_string(c.window_right) + ") page=" + std::to_string(c.page_size) +
                   (c.share_prefix ? " shared-prefix" : "") +
-                  (c.gen == FwdGeneration::kGen2 ? " gen2" : "") + (c.fp8_kv ? " fp8-kv" : "") +
+                  (c.gen == FwdGeneration::kGen2 ? " gen2" : "") + (c.fp8_kv ? " fp8-kv" : "") + (c.fp8_q ? " fp8-q" : "") +
                   (c.no_workspace ? " no-workspace" : "") + " seed=" + std::to_string(c.seed) +
                   " lq=[";
   for (int l : c.len_q) s += std::to_string(l) + ",";
@@ -176,6 +181,24 @@ void RunAndCheck(Case c) {
     vq = attn::testing::QuantizeE4m3(vf, cu_k, Hkv, D);
     a.kv_dtype = DType::kFloat8E4M3;
   }
+  // FP8 q: codes with one scale per (sequence, KV head): a KV head's query heads are adjacent in
+  // a row, so they quantize as one head of group * D values. The CPU backend's semantics: the codes
+  // widen exactly to 16 bits (q_wide) and q's scale multiplies k's.
+  attn::testing::Fp8Quantized qq;
+  HostTensor q_wide;
+  std::vector<float> cpu_k_scales = kq.scales;
+  if (c.fp8_q) {
+    ASSERT_TRUE(c.fp8_kv) << "FP8 q comes with FP8 K/V";
+    const int group = a.num_heads / Hkv;
+    qq = attn::testing::QuantizeE4m3(q.ToDouble(), cu_q, Hkv, group * D);
+    std::vector<float> widened(nq);
+    for (int64_t i = 0; i < nq; ++i) widened[i] = float(attn::testing::E4m3ToDouble(qq.codes[i]));
+    q_wide = HostTensor::Filled(c.dtype, nq, 0.0f);
+    for (int64_t i = 0; i < nq; i += D) {
+      attn::kernels::cpu::StoreRow(c.dtype, widened.data() + i, D, q_wide.data(), i);
+    }
+    for (size_t i = 0; i < cpu_k_scales.size(); ++i) cpu_k_scales[i] *= qq.scales[i];
+  }
   const size_t kv_es = c.fp8_kv ? 1 : es;
   const uint8_t* k_src = c.fp8_kv ? kq.codes.data() : k.bytes.data();
   const uint8_t* v_src = c.fp8_kv ? vq.codes.data() : v.bytes.data();
@@ -256,6 +279,13 @@ void RunAndCheck(Case c) {
   // Poison: 0xFFFF is a NaN in fp16 and bf16, 0xFFFFFFFF a NaN in float32.
   ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, nq * es), cudaSuccess);
   ASSERT_EQ(cudaMemset(dlse.ptr, 0xFF, lse_bytes), cudaSuccess);
+  DeviceBuffer dq_codes(c.fp8_q ? nq : 1), dq_scales(scale_bytes);
+  ASSERT_TRUE(dq_codes.ptr && dq_scales.ptr);
+  if (c.fp8_q) {
+    ASSERT_EQ(cudaMemcpy(dq_codes.ptr, qq.codes.data(), nq, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dq_scales.ptr, qq.scales.data(), scale_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dq.ptr, 0xFF, nq * es), cudaSuccess);  // the conversion must write all of q
+  }
 
   a.q = dq.ptr;
   a.k = dk.ptr;
@@ -309,6 +339,11 @@ void RunAndCheck(Case c) {
   ASSERT_TRUE(dws.ptr);
   ASSERT_EQ(cudaMemset(dws.ptr, 0xFF, ws_bytes == 0 ? 1 : ws_bytes), cudaSuccess);
   void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
+  if (c.fp8_q) {
+    const cudaError_t qerr = attn::kernels::cuda::DequantizeFp8Q(
+        a, dq_codes.ptr, static_cast<const float*>(dq_scales.ptr), dq.ptr, nullptr);
+    ASSERT_EQ(qerr, cudaSuccess) << cudaGetErrorString(qerr);
+  }
   const cudaError_t err = c.decode_splits > 0       ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
                           : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
                                                           : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
@@ -325,15 +360,17 @@ void RunAndCheck(Case c) {
   AttentionArgs shape = a;
   shape.paged = {};
   shape.total_k = cu_k.back();
+  const std::vector<double> q_ref = c.fp8_q ? qq.values : q.ToDouble();
   const attn::testing::ReferenceResult ref =
-      c.fp8_kv ? attn::testing::ReferenceAttention(shape, q.ToDouble(), kq.values, vq.values, cu_q, cu_k)
+      c.fp8_kv ? attn::testing::ReferenceAttention(shape, q_ref, kq.values, vq.values, cu_q, cu_k)
                : attn::testing::ReferenceAttention(shape, q.ToDouble(), k.ToDouble(), v.ToDouble(), cu_q, cu_k);
   const attn::testing::ErrorStats eo = attn::testing::CompareTo(ref.o, out);
   const double tol = c.dtype == DType::kBFloat16 ? 1e-2 : 2e-3;
   EXPECT_EQ(eo.non_finite, 0) << "unwritten or non-finite O elements";
   EXPECT_LE(eo.rel_l2, tol) << "O rel L2 " << eo.rel_l2 << " max abs " << eo.max_abs;
   if (shape.total_k > 0) {
-    const HostTensor cpu = c.fp8_kv ? RunOnCpu(shape, q, k_src, v_src, cu_q, cu_k, kq.scales.data(), vq.scales.data())
+    const HostTensor cpu = c.fp8_kv ? RunOnCpu(shape, c.fp8_q ? q_wide : q, k_src, v_src, cu_q, cu_k,
+                                               cpu_k_scales.data(), vq.scales.data())
                                     : RunOnCpu(shape, q, k_src, v_src, cu_q, cu_k);
     EXPECT_LE(Distance(out, cpu), 2 * tol) << "GPU vs CPU backend";
   }
@@ -479,8 +516,9 @@ void PrintTo(const Fp8Param& p, std::ostream* os) { *os << Fp8Name({p, 0}); }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuFp8Decode, ::testing::ValuesIn(AllFp8()), Fp8Name);
 
-// FP8 K/V: what the CUDA backend refuses (more than 16 queries per sequence, a forced forward
-// generation, missing scales), empty caches (o = 0, lse = -inf) and no LSE.
+// FP8 K/V: what the CUDA backend takes and refuses (more than 16 queries per sequence: the forward
+// path; a forced forward generation on a decode shape: through MakePlan only; missing scales),
+// empty caches (o = 0, lse = -inf) and no LSE.
 TEST(GpuFp8DecodeMisc, EmptyCachesLargeQueriesAndRefusals) {
   SKIP_WITHOUT_GPU();
   if (!HeadDimCompiled(128)) GTEST_SKIP() << "head dim 128 is not compiled into this build";
@@ -503,17 +541,27 @@ TEST(GpuFp8DecodeMisc, EmptyCachesLargeQueriesAndRefusals) {
   attn::kernels::Status st = attn::kernels::cuda::CanImplement(a);
   if (st.message().find("not compiled") != std::string::npos) GTEST_SKIP() << st.message();
   EXPECT_TRUE(st.ok()) << st.message();
-  a.max_seqlen_q = 40;  // past the decode kernel: no FP8 forward kernel
+  a.max_seqlen_q = 40;  // past the decode kernel: the forward path, with its conversion's workspace
   a.total_q = 40;
   st = attn::kernels::cuda::CanImplement(a);
-  EXPECT_EQ(st.code(), attn::kernels::StatusCode::kUnimplemented);
-  EXPECT_NE(st.message().find("max_seqlen_q"), std::string::npos) << st.message();
+  EXPECT_TRUE(st.ok()) << st.message();
+  attn::kernels::cuda::Plan plan;
+  ASSERT_TRUE(attn::kernels::cuda::MakePlan(a, {}, &plan).ok());
+  EXPECT_TRUE(plan.fp8_dequant);
+  EXPECT_NE(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
+  EXPECT_EQ(plan.fp8_kv_rows, 100);
+  EXPECT_GE(plan.workspace_bytes, size_t(2) * 100 * 2 * 128 * 2 + plan.fp8_inner_workspace_bytes);
+  EXPECT_EQ(attn::kernels::cuda::WorkspaceBytes(a), plan.workspace_bytes);
   a.max_seqlen_q = 16;
   a.total_q = 16;
   attn::kernels::cuda::PlanOptions forced;
   forced.generation = FwdGeneration::kGen1;
-  attn::kernels::cuda::Plan plan;
-  EXPECT_EQ(attn::kernels::cuda::MakePlan(a, forced, &plan).code(), attn::kernels::StatusCode::kUnimplemented);
+  ASSERT_TRUE(attn::kernels::cuda::MakePlan(a, forced, &plan).ok());
+  EXPECT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kGen1);
+  EXPECT_TRUE(plan.fp8_dequant);
+  // Run(args, workspace, stream, gen) assumes the default plan's workspace: refused here.
+  EXPECT_EQ(attn::kernels::cuda::Run(a, dummy, nullptr, FwdGeneration::kGen1), cudaErrorInvalidValue);
+  cudaGetLastError();
   a.kv_scales = {};
   EXPECT_EQ(attn::kernels::cuda::CanImplement(a).code(), attn::kernels::StatusCode::kInvalidArgument);
 
@@ -551,6 +599,70 @@ TEST(GpuFp8DecodeMisc, LargeBf16Queries) {
   c.seed = NextSeed();
   RunAndCheck(c);
 }
+
+// ---- FP8 K/V (and all-FP8) forward: more than 16 queries per sequence --------------------------
+// The conversion into the workspace, then the 16-bit forward kernel. dtype x head dim x (MHA,
+// GQA 4) x layout (contiguous, shuffled pages of 16 and 64).
+class GpuFp8Forward : public ::testing::TestWithParam<Fp8Param> {
+ protected:
+  Case Base(bool fp8_q) const {
+    const Fp8Param& fp = GetParam();
+    Case c;
+    c.dtype = fp.dtype;
+    c.head_dim = fp.head_dim;
+    c.num_heads = 8;
+    c.num_kv_heads = 8 / fp.group;
+    c.page_size = fp.page;
+    c.fp8_kv = true;
+    c.fp8_q = fp8_q;
+    c.expect_decode = 0;
+    c.seed = NextSeed();
+    return c;
+  }
+};
+
+// Ragged chunks over ragged caches (keys around tiles and pages, chunks longer than the cache:
+// rows that see no key under causal), causal and not, a window; K/V only and q, k, v all FP8.
+TEST_P(GpuFp8Forward, RaggedChunksCausalAndNot) {
+  SKIP_WITHOUT_GPU();
+  for (bool fp8_q : {false, true}) {
+    Case c = Base(fp8_q);
+    c.causal = true;
+    c.len_q = {17, 200, 64, 33};
+    c.len_k = {17, 900, 1000, 20};
+    RunAndCheck(c);
+    c = Base(fp8_q);
+    c.len_q = {129, 40};
+    c.len_k = {511, 65};
+    RunAndCheck(c);
+    c = Base(fp8_q);
+    c.causal = true;
+    c.window_left = 96;
+    c.len_q = {300};
+    c.len_k = {1300};
+    RunAndCheck(c);
+  }
+}
+
+// Generation 1 forced on the converted K/V (the plan's other choice), and a sequence of 0 keys
+// beside long ones (paged).
+TEST_P(GpuFp8Forward, ForcedGen1AndEmptyCaches) {
+  SKIP_WITHOUT_GPU();
+  Case c = Base(false);
+  c.causal = true;
+  c.gen = FwdGeneration::kGen1;
+  c.len_q = {100, 18};
+  c.len_k = {700, 18};
+  RunAndCheck(c);
+  if (GetParam().page > 0) {
+    c = Base(true);
+    c.len_q = {24, 50, 30};
+    c.len_k = {0, 333, 0};
+    RunAndCheck(c);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuFp8Forward, ::testing::ValuesIn(AllFp8()), Fp8Name);
 
 // ---- Multi-token decode steps (causal, bottom-right aligned), windows -------------------------
 struct StepParam {

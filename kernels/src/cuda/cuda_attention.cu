@@ -3,7 +3,9 @@
 //   max_seqlen_q <= kDecodeMaxSeqlenQ: the split-KV decode kernel (contiguous or paged K/V; FP8
 //     K/V: its FP8 variant, RunDecodeFp8), with its row blocks and splits (PlanDecode);
 //   otherwise: generation 2 (sm_90a, where CanImplementGen2 holds; ATTN_SM90_HDIM_<d>), with its
-//     tiling and tile order (PlanFlashFwdSm90[Paged]<T, D>), else generation 1.
+//     tiling and tile order (PlanFlashFwdSm90[Paged]<T, D>), else generation 1; FP8 K/V: the
+//     same choice on the 16-bit K/V that Run first converts them to in the workspace
+//     (PlanFp8Forward, fp8_dequant.h).
 // Run turns AttentionArgs into the kernel's parameters (FlashParams, DecodeParams) and launches
 // RunDecode<T, D>, RunFlashFwdSm90[Paged]<T, D> or RunFlashFwd[Paged]<T, D> as the plan says.
 #include "attn/kernels/cuda_attention.h"
@@ -20,6 +22,7 @@
 #include "decode_params.h"
 #include "decode_plan.h"
 #include "flash_params.h"
+#include "fp8_dequant.h"
 
 namespace attn::kernels::cuda {
 namespace {
@@ -355,6 +358,53 @@ cudaError_t RunDecodeTyped(const DecodeParams& p, int head_dim, bool paged, cuda
   }
 }
 
+// Where Run puts what the FP8 forward path converts, inside the workspace (256-byte aligned
+// parts): the forward kernel's own workspace, the paged sequences' row offsets, then K and V.
+struct Fp8Workspace {
+  size_t offsets = 0, k = 0, v = 0, bytes = 0;
+};
+
+size_t AlignTo256(size_t n) { return (n + 255) / 256 * 256; }
+
+int64_t Fp8KvRows(const AttentionArgs& a) {
+  return IsPaged(a) ? int64_t(a.batch) * a.max_seqlen_k : a.total_k;
+}
+
+Fp8Workspace Fp8WorkspaceLayout(const AttentionArgs& a, size_t inner_bytes) {
+  Fp8Workspace w;
+  w.offsets = AlignTo256(inner_bytes);
+  const size_t offsets_bytes = IsPaged(a) ? sizeof(int32_t) * (size_t(a.batch) + 1) : 0;
+  w.k = w.offsets + AlignTo256(offsets_bytes);
+  const size_t kv_bytes =
+      size_t(Fp8KvRows(a)) * a.num_kv_heads * a.head_dim * DTypeSize(a.dtype);
+  w.v = w.k + AlignTo256(kv_bytes);
+  w.bytes = w.v + AlignTo256(kv_bytes);
+  return w;
+}
+
+// The 16-bit arguments the forward kernel runs on after the conversion of FP8 K/V: contiguous
+// K/V in the workspace at the sequences' offsets. workspace null: placeholders, for planning
+// (aligned, never read).
+AttentionArgs Fp8InnerArgs(const AttentionArgs& a, char* workspace) {
+  AttentionArgs in = a;
+  in.kv_dtype.reset();
+  in.kv_scales = {};
+  in.paged = PagedKv{};
+  in.total_k = static_cast<int32_t>(Fp8KvRows(a));
+  if (workspace == nullptr) {
+    static const char* const kPlaceholder = reinterpret_cast<const char*>(uintptr_t{256});
+    in.k = kPlaceholder;
+    in.v = kPlaceholder;
+    if (IsPaged(a)) in.cu_seqlens_k = reinterpret_cast<const int32_t*>(kPlaceholder);
+    return in;
+  }
+  const Fp8Workspace w = Fp8WorkspaceLayout(a, 0);  // offsets relative to the conversion's part
+  in.k = workspace + w.k;
+  in.v = workspace + w.v;
+  if (IsPaged(a)) in.cu_seqlens_k = reinterpret_cast<const int32_t*>(workspace + w.offsets);
+  return in;
+}
+
 }  // namespace
 
 bool Compiled() { return true; }
@@ -377,7 +427,16 @@ Status CanImplement(const AttentionArgs& args) {
   if (args.batch > 65535 || args.num_heads > 65535 || args.num_kv_heads > 65535) {
     return {StatusCode::kInvalidArgument, "CUDA backend: batch and num_heads must be <= 65535 (grid limit)"};
   }
-  if (IsFp8Kv(args)) {
+  if (IsFp8Kv(args) && args.max_seqlen_q > kDecodeMaxSeqlenQ) {
+    // The forward path: K/V converted to 16 bits into [batch * max_seqlen_k] rows (paged) or
+    // [total_k] rows, then a forward kernel of this head dim.
+    if (IsPaged(args) && int64_t(args.batch) * args.max_seqlen_k > INT32_MAX) {
+      return {StatusCode::kInvalidArgument,
+              "CUDA backend: float8_e4m3 paged k and v with more than " +
+                  std::to_string(kDecodeMaxSeqlenQ) +
+                  " queries per sequence need batch * max_seqlen_k < 2^31"};
+    }
+  } else if (IsFp8Kv(args)) {
     if (!Fp8HeadDimCompiled(args.head_dim)) {
       return {StatusCode::kUnimplemented, "CUDA backend: float8_e4m3 k and v with head_dim " +
                                               std::to_string(args.head_dim) +
@@ -387,15 +446,10 @@ Status CanImplement(const AttentionArgs& args) {
     DeviceInfo info;
     if (!GetDeviceInfo(&info) || info.major != 9 || info.minor != 0) {
       return {StatusCode::kUnimplemented,
-              "CUDA backend: float8_e4m3 k and v need a compute capability 9.0 device (the kernel "
-              "is compiled for sm_90a)"};
-    }
-    if (args.max_seqlen_q > kDecodeMaxSeqlenQ) {
-      return {StatusCode::kUnimplemented,
-              "CUDA backend: float8_e4m3 k and v run with at most " +
+              "CUDA backend: float8_e4m3 k and v with at most " +
                   std::to_string(kDecodeMaxSeqlenQ) +
-                  " queries per sequence (max_seqlen_q, the decode kernel); got " +
-                  std::to_string(args.max_seqlen_q)};
+                  " queries per sequence (the FP8 decode kernel) need a compute capability 9.0 "
+                  "device (the kernel is compiled for sm_90a)"};
     }
   }
   return Status::Ok();
@@ -404,9 +458,8 @@ Status CanImplement(const AttentionArgs& args) {
 Status CanImplementGen2(const AttentionArgs& args) {
   Status s = CanImplement(args);
   if (!s.ok()) return s;
-  if (IsFp8Kv(args)) {
-    return {StatusCode::kUnimplemented, "CUDA generation 2: float8_e4m3 k and v are not supported"};
-  }
+  // FP8 K/V: generation 2 runs on the 16-bit K/V they are converted to.
+  if (IsFp8Kv(args)) return CanImplementGen2(Fp8InnerArgs(args, nullptr));
   if (!Sm90HeadDimCompiled(args.head_dim)) {
     return {StatusCode::kUnimplemented, "CUDA generation 2: head_dim " + std::to_string(args.head_dim) +
                                             " is not compiled for sm_90a in this build"};
@@ -444,10 +497,24 @@ Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* pla
     *plan = p;
     return Status::Ok();
   }
-  if (IsFp8Kv(args)) {  // only the decode kernel reads FP8 K/V
-    return {StatusCode::kUnimplemented,
-            "CUDA backend: float8_e4m3 k and v run on the decode kernel only (a forced forward "
-            "generation cannot)"};
+  if (IsFp8Kv(args)) {
+    // The forward kernel's plan on the 16-bit K/V Run converts FP8 K/V to, and room for them.
+    if (Fp8KvRows(args) > INT32_MAX) {
+      return {StatusCode::kInvalidArgument,
+              "CUDA backend: float8_e4m3 paged k and v on a forward kernel need batch * "
+              "max_seqlen_k < 2^31"};
+    }
+    Plan inner;
+    s = MakePlan(Fp8InnerArgs(args, nullptr), options, &inner);
+    if (!s.ok()) return s;
+    p = inner;
+    p.paged = IsPaged(args);
+    p.fp8_dequant = true;
+    p.fp8_kv_rows = Fp8KvRows(args);
+    p.fp8_inner_workspace_bytes = inner.workspace_bytes;
+    p.workspace_bytes = Fp8WorkspaceLayout(args, inner.workspace_bytes).bytes;
+    *plan = p;
+    return Status::Ok();
   }
   bool gen2 = false;
   if (options.generation == FwdGeneration::kGen2) {
@@ -490,10 +557,57 @@ Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* pla
   return Status::Ok();
 }
 
+namespace {
+
+// FP8 K/V on a forward kernel: K and V converted into the workspace, then the 16-bit forward
+// kernel on them, all on stream.
+cudaError_t RunFp8Forward(const AttentionArgs& args, const Plan& plan, void* workspace,
+                          cudaStream_t stream) {
+  if (workspace == nullptr || plan.fp8_kv_rows != Fp8KvRows(args)) return cudaErrorInvalidValue;
+  char* conversion = static_cast<char*>(workspace) + AlignTo256(plan.fp8_inner_workspace_bytes);
+  const AttentionArgs inner = Fp8InnerArgs(args, conversion);
+  if (IsPaged(args)) {
+    cudaError_t err = LaunchSeqlensScan(args.paged.seqlens_k, args.batch,
+                                        const_cast<int32_t*>(inner.cu_seqlens_k), stream);
+    if (err != cudaSuccess) return err;
+  }
+  Fp8DequantParams d;
+  d.row_offsets = inner.cu_seqlens_k;
+  d.page_indptr = args.paged.page_indptr;
+  d.page_indices = args.paged.page_indices;
+  d.page_size = args.paged.page_size;
+  d.batch = args.batch;
+  d.rows = plan.fp8_kv_rows;
+  d.heads = args.num_kv_heads;
+  d.scale_heads = args.num_kv_heads;
+  d.head_dim = args.head_dim;
+  d.bf16 = args.dtype == DType::kBFloat16;
+  for (int part = 0; part < 2; ++part) {
+    d.src = static_cast<const uint8_t*>(part == 0 ? args.k : args.v);
+    d.dst = const_cast<void*>(part == 0 ? inner.k : inner.v);
+    d.scales = part == 0 ? args.kv_scales.k : args.kv_scales.v;
+    cudaError_t err = LaunchFp8Dequant(d, stream);
+    if (err != cudaSuccess) return err;
+  }
+  Plan inner_plan = plan;
+  inner_plan.paged = false;
+  inner_plan.fp8_dequant = false;
+  inner_plan.fp8_kv_rows = 0;
+  inner_plan.fp8_inner_workspace_bytes = 0;
+  inner_plan.workspace_bytes = plan.fp8_inner_workspace_bytes;
+  return Run(inner, inner_plan, plan.fp8_inner_workspace_bytes > 0 ? workspace : nullptr, stream);
+}
+
+}  // namespace
+
 cudaError_t Run(const AttentionArgs& args, const Plan& plan, void* workspace, cudaStream_t stream) {
   if (!CanImplement(args).ok()) return cudaErrorInvalidValue;
   const bool paged = IsPaged(args);
   if (paged != plan.paged) return cudaErrorInvalidValue;
+  if (plan.fp8_dequant != (IsFp8Kv(args) && plan.kernel != Plan::Kernel::kDecode)) {
+    return cudaErrorInvalidValue;  // a plan of other arguments
+  }
+  if (plan.fp8_dequant) return RunFp8Forward(args, plan, workspace, stream);
   cudaError_t err;
   switch (plan.kernel) {
     case Plan::Kernel::kDecode: {
@@ -551,6 +665,11 @@ cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream)
 }
 
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream, FwdGeneration gen) {
+  // FP8 K/V on a decode shape: a forced forward generation needs more workspace than the default
+  // plan's (WorkspaceBytes), which is all this call can assume; MakePlan states what it needs.
+  if (IsFp8Kv(args) && gen != FwdGeneration::kAuto && UsesDecodeKernel(args)) {
+    return cudaErrorInvalidValue;
+  }
   PlanOptions options;
   options.generation = gen;
   // The caller sized the workspace for the default plan (WorkspaceBytes): a forced generation 2
@@ -560,6 +679,27 @@ cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream,
   Plan plan;
   if (!MakePlan(args, options, &plan).ok()) return cudaErrorInvalidValue;
   return Run(args, plan, workspace, stream);
+}
+
+cudaError_t DequantizeFp8Q(const AttentionArgs& args, const void* q_codes, const float* q_scales,
+                           void* q_out, cudaStream_t stream) {
+  if (args.dtype != DType::kFloat16 && args.dtype != DType::kBFloat16) return cudaErrorInvalidValue;
+  if (args.num_kv_heads < 1 || args.num_heads % args.num_kv_heads != 0 || args.total_q < 0 ||
+      args.cu_seqlens_q == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  Fp8DequantParams d;
+  d.src = static_cast<const uint8_t*>(q_codes);
+  d.dst = q_out;
+  d.scales = q_scales;
+  d.row_offsets = args.cu_seqlens_q;
+  d.batch = args.batch;
+  d.rows = args.total_q;
+  d.heads = args.num_heads;
+  d.scale_heads = args.num_kv_heads;
+  d.head_dim = args.head_dim;
+  d.bf16 = args.dtype == DType::kBFloat16;
+  return LaunchFp8Dequant(d, stream);
 }
 
 const int* CompiledHeadDims(int* n) {

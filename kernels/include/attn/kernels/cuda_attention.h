@@ -10,14 +10,20 @@
 //    splits by their LSE. The fp32 partials live in the caller's workspace
 //    (Plan::workspace_bytes). FP8 K/V (AttentionArgs::kv_dtype float8_e4m3, head dims 64, 128 and
 //    256) runs a kernel of the same structure that converts the e4m3 codes to fp16 in registers
-//    (the k scale folded into the softmax scale, the v scale into the normalisation); FP8 K/V has
-//    no forward kernel here (CanImplement refuses more than 16 queries per sequence).
+//    (the k scale folded into the softmax scale, the v scale into the normalisation).
 //  - forward (everything else): one fused FlashAttention kernel in two generations:
 //    generation 2 (sm_90a: wgmma, TMA, warp specialisation) on compute capability 9.0 devices where
 //    CanImplementGen2 holds (head dims 64/128/256 compiled for 90a; contiguous K/V, and paged K/V
 //    with pages of a multiple of 8 tokens when forced: see MakePlan); generation 1
 //    (FlashAttention-2 class: mma.sync m16n8k16, ldmatrix, cp.async pipeline) everywhere else,
 //    reading K/V through the page table when paged (chunked prefill over a cached prefix).
+//    FP8 K/V (contiguous or paged) with more than 16 queries per sequence runs here too, in two
+//    steps on the caller's stream: a conversion kernel writes the e4m3 codes times their scales
+//    (KvScales), rounded once to dtype, as contiguous K/V rows into the workspace (paged K/V
+//    gathered through the page table, so that the contiguous kernels run), then the forward
+//    kernel above runs on those 16-bit rows. It computes in 16 bits like the fp16/bf16 path (no
+//    FP8 tensor-core math), so its speed is that of the 16-bit forward plus the conversion.
+//    All-FP8 attention (q too): DequantizeFp8Q converts q first.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,8 +39,10 @@ namespace attn::kernels::cuda {
 bool Compiled();
 
 // OK when a kernel of this build can run args: dtype fp16/bf16, a compiled head dim, sizes in
-// range (paged: num_pages * page_size < 2^31); FP8 K/V: head dim 64, 128 or 256 and at most 16
-// queries per sequence. Does not read cu_seqlens, page tables or FP8 scales (device memory);
+// range (paged: num_pages * page_size < 2^31); FP8 K/V with at most 16 queries per sequence (the
+// FP8 decode kernel): head dim 64, 128 or 256 on a compute capability 9.0 device; with more (the
+// forward path): any compiled head dim, and batch * max_seqlen_k < 2^31 when paged. Does not read
+// cu_seqlens, page tables or FP8 scales (device memory);
 // callers validate them on the host first (ValidateCuSeqlens, ValidatePageTable, ValidateKvScales).
 Status CanImplement(const AttentionArgs& args);
 
@@ -66,7 +74,9 @@ struct Plan {
   bool paged = false;
   // Device scratch Run needs, in bytes: the decode kernel's split-KV partials (splits * total_q *
   // num_heads * (head_dim + 1) floats; 0 without splits), or 16 for generation 2's tile counter
-  // where its plan takes tiles from one (gen2_tile_counter); else 0. Pass Run a buffer of at least
+  // where its plan takes tiles from one (gen2_tile_counter); else 0. FP8 K/V on a forward kernel
+  // (fp8_dequant): that kernel's own scratch plus the converted K and V (2 * fp8_kv_rows *
+  // num_kv_heads * head_dim 16-bit values) and, paged, the sequences' row offsets. Pass Run a buffer of at least
   // this size, 256-byte aligned, used by one launch at a time (launches on one stream may share
   // it).
   size_t workspace_bytes = 0;
@@ -84,6 +94,13 @@ struct Plan {
   bool gen2_tile_counter = false;
   bool gen2_tma_store_o = true;
   int gen2_sms = 0;
+  // FP8 K/V on a forward kernel (kGen1 or kGen2 above, planned for the 16-bit K/V): Run first
+  // converts K and V into the workspace, fp8_kv_rows rows each (total_k; paged: batch *
+  // max_seqlen_k, a host-known bound on the sum of seqlens_k, the rows past the sum zeroed), behind
+  // the forward kernel's own fp8_inner_workspace_bytes.
+  bool fp8_dequant = false;
+  int64_t fp8_kv_rows = 0;
+  size_t fp8_inner_workspace_bytes = 0;
 };
 
 // The plan for args (CanImplement must hold; a forced generation 2 needs CanImplementGen2). Reads
@@ -111,14 +128,23 @@ cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream)
 // OK when the generation-2 forward kernel can run args on the current device: CanImplement
 // holds, the device has compute capability 9.0, the build compiled the kernel for this head dim
 // (ATTN_CUDA_ARCHS lists 90a), q, k and v are 16-byte aligned, and paged K/V has pages of a
-// multiple of 8 tokens.
+// multiple of 8 tokens. FP8 K/V: on the contiguous 16-bit K/V they are converted to.
 Status CanImplementGen2(const AttentionArgs& args);
 
 // As Run above, with the kernel chosen by gen (PlanOptions::generation); cudaErrorInvalidValue when
-// a forced generation cannot run args (CanImplementGen2 for kGen2). A forced generation 2 on a
+// a forced generation cannot run args (CanImplementGen2 for kGen2), and for FP8 K/V on a decode
+// shape (a forced forward needs more workspace than WorkspaceBytes: use MakePlan). A forced generation 2 on a
 // decode shape uses the tile counter only when WorkspaceBytes(args) covers it (the caller sized
 // the workspace for the default plan).
 cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream, FwdGeneration gen);
+
+// All-FP8 attention's first step: writes q_out [total_q, num_heads, head_dim] in args.dtype (fp16
+// or bf16) as E4M3(q_codes) * q_scales[b * num_kv_heads + h / (num_heads / num_kv_heads)] for query
+// head h of a row of sequence b (args.cu_seqlens_q, device), rounded once; then Run args with
+// args.q = q_out and FP8 K/V computes (q_scale q) . (k_scale k) as the CPU backend does. Device
+// pointers; enqueued on stream, no allocation; cudaErrorInvalidValue for arguments it cannot take.
+cudaError_t DequantizeFp8Q(const AttentionArgs& args, const void* q_codes, const float* q_scales,
+                           void* q_out, cudaStream_t stream);
 
 // Head dims compiled into this build, ascending; count written to *n.
 const int* CompiledHeadDims(int* n);

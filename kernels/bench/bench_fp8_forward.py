@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""attnd's FP8 forward path (e4m3 inputs converted to 16 bits in the workspace, then the 16-bit
+forward kernel) beside the bf16 forward kernel on the same shapes, in one run.
+
+Usage: python3 bench_fp8_forward.py --lib path/to/libattn_kernels_capi.so --out table.md
+
+FP8-KV paged prefill: batch 1, GQA 32/8, d=128, a chunk of C queries over P cached keys plus the
+  chunk (causal, bottom-right aligned), K/V in page pools of --pages tokens in shuffled order.
+  bf16: the bf16 pools (the plan's kernel); FP8: the e4m3 codes of the same values (one scale per
+  (sequence, KV head), amax / 448) and the plan's path (conversion + the 16-bit forward kernel).
+FP8 Attend: q, k and v in e4m3 (scales per (sequence, KV head)), MHA with 2048 / d heads, batch
+  16384 / s sequences of s queries and s keys, non-causal; FP8 is DequantizeFp8Q of q, then the FP8
+  K/V run, both timed; bf16: generation 2 forced on the bf16 values.
+TFLOP/s with FLOPs 4 * H * D * (keys each query sees). err: relative L2 against a float32
+  reference (torch SDPA) on the values each one computes with (bf16: the bf16 inputs; FP8: the
+  dequantized codes), for sequence 0.
+This path computes in 16 bits (no FP8 tensor-core math), so FP8 / bf16 is expected a little under
+1.0: the table measures the conversion's cost.
+Times: CUDA events around N back-to-back launches (>= --min-ms), median of --reps.
+"""
+import argparse
+import ctypes
+import datetime
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import time_ms, warm_up_clocks  # noqa: E402
+
+P = ctypes.c_void_p
+I = ctypes.c_int
+BF16 = 2
+
+
+def load(path):
+    lib = ctypes.CDLL(path)
+    run_args = [I] + [P] * 7 + [I] * 8 + [ctypes.c_float, I, I, I, I, I, P, P, P]
+    lib.attn_run_gen.restype = I
+    lib.attn_run_gen.argtypes = run_args + [P, ctypes.c_size_t, I]
+    lib.attn_run_fp8kv_gen.restype = I
+    lib.attn_run_fp8kv_gen.argtypes = run_args + [P, P, P, ctypes.c_size_t, I]
+    lib.attn_dequantize_fp8_q.restype = I
+    lib.attn_dequantize_fp8_q.argtypes = [I, P, P, P, P, I, I, I, I, I, ctypes.c_size_t]
+    return lib
+
+
+def ptr(t):
+    return t.data_ptr() if t is not None else None
+
+
+class Shape:
+    def __init__(self, b, sq, sk, h, hkv, d, causal):
+        self.b, self.sq, self.sk, self.h, self.hkv, self.d, self.causal = b, sq, sk, h, hkv, d, causal
+        dev = torch.device("cuda")
+        self.cu_q = (torch.arange(b + 1, device=dev, dtype=torch.int32) * sq).contiguous()
+        self.cu_k = (torch.arange(b + 1, device=dev, dtype=torch.int32) * sk).contiguous()
+
+    def flops(self):
+        seen = self.sq * self.sk
+        if self.causal:
+            p = self.sk - self.sq
+            seen = sum(min(self.sk, i + p + 1) for i in range(self.sq))
+        return 4.0 * self.b * self.h * self.d * seen
+
+
+def run_bf16(lib, s, q, k, v, o, stream, paged=None, gen=0):
+    ps, npg, indptr, indices, seqlens = paged if paged else (0, 0, None, None, None)
+    rc = lib.attn_run_gen(BF16, ptr(q), ptr(k), ptr(v), ptr(o), None, ptr(s.cu_q),
+                          None if paged else ptr(s.cu_k), s.b, s.b * s.sq, 0 if paged else s.b * s.sk,
+                          s.sq, s.sk, s.h, s.hkv, s.d, 0.0, int(s.causal), -1, -1, ps, npg,
+                          ptr(indptr), ptr(indices), ptr(seqlens), None, stream, gen)
+    if rc != 0:
+        raise RuntimeError(f"attn_run_gen returned {rc}")
+
+
+def run_fp8(lib, s, q, k, v, o, ks, vs, stream, paged=None, gen=0):
+    ps, npg, indptr, indices, seqlens = paged if paged else (0, 0, None, None, None)
+    rc = lib.attn_run_fp8kv_gen(BF16, ptr(q), ptr(k), ptr(v), ptr(o), None, ptr(s.cu_q),
+                                None if paged else ptr(s.cu_k), s.b, s.b * s.sq,
+                                0 if paged else s.b * s.sk, s.sq, s.sk, s.h, s.hkv, s.d, 0.0,
+                                int(s.causal), -1, -1, ps, npg, ptr(indptr), ptr(indices),
+                                ptr(seqlens), ptr(ks), ptr(vs), None, stream, gen)
+    if rc != 0:
+        raise RuntimeError(f"attn_run_fp8kv_gen returned {rc}")
+
+
+def dequantize_q(lib, s, q_codes, q_scale, q_out, stream):
+    rc = lib.attn_dequantize_fp8_q(BF16, ptr(q_codes), ptr(q_scale), ptr(q_out), ptr(s.cu_q), s.b,
+                                   s.b * s.sq, s.h, s.hkv, s.d, stream)
+    if rc != 0:
+        raise RuntimeError(f"attn_dequantize_fp8_q returned {rc}")
+
+
+def quantize(x, b, rows, heads):
+    """x [b*rows, heads*g, d] -> (uint8 codes, float32 scales [b, heads]) with one scale per
+    (sequence, head group) of amax / 448, and the float32 values the codes stand for."""
+    xs = x.float().reshape(b, rows, heads, -1)
+    amax = xs.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    c = (xs / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    deq = c.float() * scale[:, None, :, None]
+    return (c.view(torch.uint8).reshape(x.shape).contiguous(), scale.contiguous(),
+            deq.reshape(x.shape))
+
+
+def pool_of(x, ps, perm, fill):
+    """x [L, Hkv, D] as a page pool of ps-token pages placed by perm (the last page padded)."""
+    L = x.shape[0]
+    npg = perm.numel()
+    xp = torch.full((npg * ps,) + tuple(x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+    xp[:L] = x
+    pool = torch.empty((npg, ps) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    pool[perm] = xp.view(pool.shape)
+    return pool
+
+
+def reference(s, q, k, v):
+    """float32 attention of sequence 0 (bottom-right causal when s.causal), [sq, h, d]."""
+    g = s.h // s.hkv
+    qt = q[:s.sq].float().transpose(0, 1)
+    kt = k[:s.sk].float().repeat_interleave(g, dim=1).transpose(0, 1)
+    vt = v[:s.sk].float().repeat_interleave(g, dim=1).transpose(0, 1)
+    mask = None
+    if s.causal:
+        i = torch.arange(s.sq, device=q.device)[:, None]
+        j = torch.arange(s.sk, device=q.device)[None, :]
+        mask = j <= i + (s.sk - s.sq)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def rel_err(o, ref, s):
+    got = o[:s.sq].float()
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def prefill_point(lib, C, Pc, ps, args, dev):
+    stream = torch.cuda.current_stream().cuda_stream
+    s = Shape(1, C, Pc + C, 32, 8, 128, True)
+    L = s.sk
+    q = torch.randn(C, s.h, s.d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(L, s.hkv, s.d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(L, s.hkv, s.d, device=dev, dtype=torch.bfloat16)
+    kc, ks, kd = quantize(k, 1, L, s.hkv)
+    vc, vs, vd = quantize(v, 1, L, s.hkv)
+    npg = (L + ps - 1) // ps
+    perm = torch.randperm(npg, device=dev)
+    paged = (ps, npg, torch.tensor([0, npg], device=dev, dtype=torch.int32),
+             perm.to(torch.int32).contiguous(), torch.tensor([L], device=dev, dtype=torch.int32))
+    pk, pv = pool_of(k, ps, perm, float("nan")), pool_of(v, ps, perm, float("nan"))
+    pkc, pvc = pool_of(kc, ps, perm, 0x7F), pool_of(vc, ps, perm, 0x7F)
+    o = torch.full_like(q, float("nan"))
+    warm_up_clocks(dev)
+    t_bf = time_ms(lambda: run_bf16(lib, s, q, pk, pv, o, stream, paged), args.warmup, args.reps,
+                   args.min_ms)
+    o.fill_(float("nan"))
+    run_bf16(lib, s, q, pk, pv, o, stream, paged)
+    torch.cuda.synchronize()
+    err_bf = rel_err(o, reference(s, q, k, v), s)
+    t_f8 = time_ms(lambda: run_fp8(lib, s, q, pkc, pvc, o, ks, vs, stream, paged), args.warmup,
+                   args.reps, args.min_ms)
+    o.fill_(float("nan"))
+    run_fp8(lib, s, q, pkc, pvc, o, ks, vs, stream, paged)
+    torch.cuda.synchronize()
+    err_f8 = rel_err(o, reference(s, q, kd, vd), s)
+    tf = lambda t: s.flops() / (t * 1e-3) / 1e12
+    row = dict(kind="prefill", C=C, P=Pc, ps=ps, bf=tf(t_bf), f8=tf(t_f8), bf_us=t_bf * 1e3,
+               f8_us=t_f8 * 1e3, err_bf=err_bf, err_f8=err_f8)
+    print(f"prefill chunk {C} over {Pc}, pages {ps}: bf16 {row['bf']:.1f} TFLOP/s, fp8-kv "
+          f"{row['f8']:.1f} TFLOP/s (x{row['f8'] / row['bf']:.3f}), err {err_bf:.1e} / {err_f8:.1e}",
+          flush=True)
+    return row
+
+
+def attend_point(lib, d, sl, args, dev):
+    stream = torch.cuda.current_stream().cuda_stream
+    b = max(1, 16384 // sl)
+    h = 2048 // d
+    s = Shape(b, sl, sl, h, h, d, False)
+    q = torch.randn(b * sl, h, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(b * sl, h, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(b * sl, h, d, device=dev, dtype=torch.bfloat16)
+    qc, qs, qd = quantize(q, b, sl, h)
+    kc, ks, kd = quantize(k, b, sl, h)
+    vc, vs, vd = quantize(v, b, sl, h)
+    q16 = torch.empty_like(q)  # where the FP8 path widens q
+    o = torch.full_like(q, float("nan"))
+    warm_up_clocks(dev)
+    t_bf = time_ms(lambda: run_bf16(lib, s, q, k, v, o, stream, gen=2), args.warmup, args.reps,
+                   args.min_ms)
+    o.fill_(float("nan"))
+    run_bf16(lib, s, q, k, v, o, stream, gen=2)
+    torch.cuda.synchronize()
+    err_bf = rel_err(o, reference(s, q, k, v), s)
+
+    def fp8_call():
+        dequantize_q(lib, s, qc, qs, q16, stream)
+        run_fp8(lib, s, q16, kc, vc, o, ks, vs, stream)
+
+    t_f8 = time_ms(fp8_call, args.warmup, args.reps, args.min_ms)
+    o.fill_(float("nan"))
+    q16.fill_(float("nan"))
+    fp8_call()
+    torch.cuda.synchronize()
+    err_f8 = rel_err(o, reference(s, qd, kd, vd), s)
+    tf = lambda t: s.flops() / (t * 1e-3) / 1e12
+    row = dict(kind="attend", d=d, s=sl, b=b, h=h, bf=tf(t_bf), f8=tf(t_f8), bf_us=t_bf * 1e3,
+               f8_us=t_f8 * 1e3, err_bf=err_bf, err_f8=err_f8)
+    print(f"attend d={d} s={sl} ({b} x {h} heads): bf16 gen2 {row['bf']:.1f} TFLOP/s, fp8 "
+          f"{row['f8']:.1f} TFLOP/s (x{row['f8'] / row['bf']:.3f}), err {err_bf:.1e} / {err_f8:.1e}",
+          flush=True)
+    return row
+
+
+def write_table(rows, out, final):
+    lines = [f"# FP8 forward vs bf16 ({torch.cuda.get_device_name(0)}, "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", ""]
+    pre = [r for r in rows if r["kind"] == "prefill"]
+    if pre:
+        lines += ["## FP8-KV paged prefill (batch 1, GQA 32/8, d=128, causal)", "",
+                  "| chunk | cached | page | bf16 TFLOP/s | FP8-KV TFLOP/s | FP8/bf16 | bf16 us | "
+                  "FP8 us | err bf16 | err FP8 |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in pre:
+            lines.append(f"| {r['C']} | {r['P']} | {r['ps']} | {r['bf']:.1f} | {r['f8']:.1f} | "
+                         f"{r['f8'] / r['bf']:.3f} | {r['bf_us']:.1f} | {r['f8_us']:.1f} | "
+                         f"{r['err_bf']:.1e} | {r['err_f8']:.1e} |")
+        lines.append("")
+    att = [r for r in rows if r["kind"] == "attend"]
+    if att:
+        lines += ["## FP8 Attend (q, k, v e4m3; MHA, 16k tokens, non-causal) vs bf16 generation 2",
+                  "",
+                  "| d | s | batch x heads | bf16 gen2 TFLOP/s | FP8 TFLOP/s | FP8/bf16 | bf16 us | "
+                  "FP8 us | err bf16 | err FP8 |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in att:
+            lines.append(f"| {r['d']} | {r['s']} | {r['b']} x {r['h']} | {r['bf']:.1f} | "
+                         f"{r['f8']:.1f} | {r['f8'] / r['bf']:.3f} | {r['bf_us']:.1f} | "
+                         f"{r['f8_us']:.1f} | {r['err_bf']:.1e} | {r['err_f8']:.1e} |")
+        lines.append("")
+    text = "\n".join(lines)
+    with open(out, "w") as f:
+        f.write(text + "\n")
+    if final:
+        print(text)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prefill", default="512x4096,2048x4096", help="CHUNKxCACHED list")
+    ap.add_argument("--pages", default="16,64")
+    ap.add_argument("--attend", default="128x4096,128x8192,256x4096,256x8192", help="DxS list")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--min-ms", type=float, default=10.0)
+    args = ap.parse_args()
+    lib = load(args.lib)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    rows = []
+    for item in [x for x in args.prefill.split(",") if x]:
+        C, Pc = (int(x) for x in item.split("x"))
+        for ps in [int(x) for x in args.pages.split(",") if x]:
+            rows.append(prefill_point(lib, C, Pc, ps, args, dev))
+            write_table(rows, args.out, False)
+    for item in [x for x in args.attend.split(",") if x]:
+        d, sl = (int(x) for x in item.split("x"))
+        rows.append(attend_point(lib, d, sl, args, dev))
+        write_table(rows, args.out, False)
+        torch.cuda.empty_cache()
+    write_table(rows, args.out, True)
+
+
+if __name__ == "__main__":
+    main()

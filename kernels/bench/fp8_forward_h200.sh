@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One bounded GPU run (Hopper) of the checks and measurements of the FP8 forward path (FP8 K/V and
+# all-FP8 q/k/v with more than 16 queries per sequence: e4m3 converted to 16 bits in the workspace,
+# then the 16-bit forward kernel), under 6 minutes:
+#  1. tests: gpu_decode_test's FP8 suites (GpuFp8Forward: contiguous and shuffled pages of 16 and
+#     64, causal and not, windows, GQA, head dims 64/128/256, fp16 and bf16, ragged batches, FP8 q;
+#     GpuFp8Decode*: the decode kernel beside it) in 8 shards at once; cuda_session_test's FP8
+#     sessions (a 600-token FP8 prefill step then decode; random interleavings with chunks past 16);
+#     cuda_server_test's FP8 cases where the binary is in BIN.
+#  2. sanitize: compute-sanitizer memcheck on small FP8 forward cases (paged with an empty cache,
+#     contiguous with FP8 q).
+#  3. bench: bench_fp8_forward.py: FP8-KV paged prefill vs bf16 paged prefill (batch 1, GQA 32/8,
+#     d=128, 4k cached, chunks 512 and 2048, pages 16 and 64, causal) and FP8 Attend (q, k, v e4m3,
+#     d=128 and 256, s=4k and 8k, non-causal) vs bf16 generation 2, TFLOP/s and ratios.
+# Every step runs under `timeout`, within BUDGET_S seconds in all (default 330); a step that does
+# not fit in what is left is skipped and said so. The last thing printed is the table of steps.
+#   kernels/bench/fp8_forward_h200.sh BIN OUT [BUDGET_S]
+# BIN: gpu_decode_test, cuda_session_test, (optional) cuda_server_test, libattn_kernels_capi.so,
+#      bench_fp8_forward.py, bench_decode.py. OUT: where every log and table goes.
+set -u
+bin=$(cd "$1" && pwd)
+budget=${3:-330}
+mkdir -p "$2"
+out=$(cd "$2" && pwd)
+t0=$(date +%s)
+status="$out/status.tsv"
+: >"$status"
+
+left() { echo $((budget - ($(date +%s) - t0))); }
+
+# What a log says, in a few words: gtest's counts, compute-sanitizer's error summary, a timeout.
+summary_of() {
+  local log=$1 rc=$2 s=""
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then s="TIMED OUT; "; fi
+  s+=$(grep -hoE '^\[==========\] [0-9]+ tests? from [0-9]+ test suites? ran' "$log" 2>/dev/null |
+       awk '{n += $2} END {if (n) printf "%d ran; ", n}')
+  s+=$(grep -hoE '^\[  PASSED  \] [0-9]+' "$log" 2>/dev/null | awk '{n += $4} END {if (NR) printf "%d passed; ", n}')
+  s+=$(grep -hoE '^\[  SKIPPED \] [0-9]+' "$log" 2>/dev/null | awk '{n += $4} END {if (NR) printf "%d skipped; ", n}')
+  s+=$(grep -hoE '^\[  FAILED  \] [0-9]+ tests?' "$log" 2>/dev/null | awk '{n += $4} END {if (NR) printf "%d FAILED; ", n}')
+  s+=$(grep -hoE 'ERROR SUMMARY: [0-9]+ errors?' "$log" 2>/dev/null | sort -u | tr '\n' ';')
+  echo "${s:-rc $rc}"
+}
+
+# step NAME LIMIT_S LOG CMD...: CMD under timeout (LIMIT_S, or what is left of the budget less a
+# reserve for the summary), its output to LOG, one line to status.tsv; returns CMD's status (124:
+# timed out, 99: skipped for want of time).
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local l
+  l=$(($(left) - 10))
+  if [ "$l" -lt 15 ]; then
+    printf '%s\tskipped\t0\tnot enough time left\n' "$name" >>"$status"
+    return 99
+  fi
+  [ "$limit" -gt "$l" ] && limit=$l
+  local s rc
+  s=$(date +%s)
+  timeout -k 5 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - s))" "$(summary_of "$log" "$rc")" >>"$status"
+  return $rc
+}
+
+timeout 20 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+  --format=csv >"$out/device.txt" 2>&1
+
+# 1. tests (the float64 reference is the slow part: 8 shards at once)
+shards() {
+  local i
+  for i in 0 1 2 3 4 5 6 7; do
+    GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i "$bin/gpu_decode_test" --gtest_filter='*Fp8*' \
+      >"$out/tests_shard$i.txt" 2>&1 &
+  done
+  wait
+  cat "$out"/tests_shard[0-7].txt
+}
+step "tests gpu_decode_test *Fp8*" 150 "$out/tests_kernels.txt" bash -c "$(declare -f shards); \
+  bin='$bin' out='$out' shards"
+step "tests cuda_session_test *Fp8*" 120 "$out/tests_sessions.txt" "$bin/cuda_session_test" \
+  --gtest_filter='*Fp8*'
+if [ -x "$bin/cuda_server_test" ]; then
+  step "tests cuda_server_test *Fp8*" 60 "$out/tests_server.txt" "$bin/cuda_server_test" \
+    --gtest_filter='*Fp8*'
+fi
+cat "$out"/tests_*.txt 2>/dev/null | grep -hE '^\[  FAILED  \] [A-Za-z]' | sort -u >"$out/tests_failed.txt"
+
+# 2. sanitize
+small='*GpuFp8Forward.ForcedGen1AndEmptyCaches/bf16_d128_gqa4_page16:*GpuFp8Forward.ForcedGen1AndEmptyCaches/fp16_d64_mha_page64'
+step "compute-sanitizer memcheck" 60 "$out/sanitize_memcheck.txt" compute-sanitizer --tool memcheck \
+  --error-exitcode 3 "$bin/gpu_decode_test" --gtest_filter="$small"
+
+# 3. bench
+step "bench bench_fp8_forward.py" 150 "$out/bench.log" bash -c "cd '$bin' && exec python3 \
+  bench_fp8_forward.py --lib ./libattn_kernels_capi.so --out '$out/bench.md'"
+
+{
+  echo "== fp8_forward_h200.sh: $(($(date +%s) - t0)) s of $budget"
+  [ -s "$out/tests_failed.txt" ] && { echo "-- failed tests:"; head -n 40 "$out/tests_failed.txt"; }
+  [ -f "$out/bench.md" ] && { echo "-- bench_fp8_forward.py tables:"; sed -n '3,200p' "$out/bench.md"; }
+  [ -f "$out/bench.md" ] || { echo "-- bench log (no table):"; tail -n 30 "$out/bench.log"; }
+  echo "-- steps (rc 124/137: timed out; 99: skipped):"
+  printf 'step\trc\ts\tresult\n'
+  cat "$status"
+} | tee "$out/summary.txt"
