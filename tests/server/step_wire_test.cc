@@ -282,7 +282,8 @@ TEST_F(StepWireCodecTest, TruncatedOrCorruptRequestsAreRefusedWhereProtobufRefus
   DecodedStepRequest decoded;
   const absl::Status st = DecodeStepRequest(RandomSplit(step_bytes, rng_), &decoded);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("StepRequest is malformed: session_id: protobuf could not parse"),
+  EXPECT_NE(st.message().find("StepRequest is malformed: session_id: a string that is not valid "
+                             "UTF-8"),
             std::string::npos)
       << st;
   // A length past the end, inside k_new of the second step.
