@@ -6,12 +6,15 @@
 #include <cstdint>
 #include <cstring>
 #include <string_view>
-#include <vector>
+
+#include "absl/container/inlined_vector.h"
 
 namespace attn {
 
 struct WireBytes {
-  std::vector<std::string_view> pieces;
+  // Held in place up to two (a tensor rarely spans more slices): a BatchStep's many tensors then
+  // take no allocation each.
+  absl::InlinedVector<std::string_view, 2> pieces;
   uint64_t size = 0;  // the pieces' sizes summed
 
   // Copies the pieces back to back into dst, which holds size bytes.

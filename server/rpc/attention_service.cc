@@ -127,7 +127,10 @@ absl::Status AttentionService::SubmitWireAttend(grpc::CallbackServerContext* ctx
   const auto stage = [this, call](AttendJob& job) -> absl::Status {
     RETURN_IF_ERROR(backend_->StageWireInputs(job, call->request.data));
     // The tensors are staged: the received bytes can go.
-    call->request.data = WireTensors();
+    for (WireBytes* w : {&call->request.data.q, &call->request.data.k, &call->request.data.v}) {
+      w->pieces.clear();
+      w->size = 0;
+    }
     call->pieces.clear();
     call->slices.clear();
     return absl::OkStatus();

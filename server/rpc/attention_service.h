@@ -201,13 +201,22 @@ class AttentionService final : public AttentionCallbackBase {
   std::string SessionOwner(const std::string& client) const {
     return options_.authenticator != nullptr ? client : std::string();
   }
-  // Looks up (as client's) and validates item `item` of call and makes its job, whose done
-  // fills the item's answer and runs on_done after giving the layer back (the job holds the
+  // What every step of one Step or BatchStep call shares, worked out once per call.
+  struct StepCallScope {
+    grpc::CallbackServerContext* ctx;
+    std::string owner;           // SessionOwner of the caller
+    StepRegions regions;         // where its steps' region slices are looked up
+    Clock::time_point arrival;
+    Clock::time_point deadline;  // the call's, on the steady clock
+  };
+  StepCallScope MakeStepCallScope(grpc::CallbackServerContext* ctx, const std::string& client,
+                                  Clock::time_point arrival) const;
+  // Looks up (as the scope's owner's) and validates item `item` of call and makes its job, whose
+  // done fills the item's answer and runs on_done after giving the layer back (the job holds the
   // layer once started, see StartSteps).
-  absl::StatusOr<std::unique_ptr<StepJob>> MakeStepJob(grpc::CallbackServerContext* ctx,
-                                                       const std::string& client,
+  absl::StatusOr<std::unique_ptr<StepJob>> MakeStepJob(const StepCallScope& scope,
                                                        std::shared_ptr<WireStepCall> call,
-                                                       size_t item, Clock::time_point arrival,
+                                                       size_t item,
                                                        std::function<void(absl::Status)> on_done);
   // Queues each job after the earlier steps of its (session, layer): those whose layer is free
   // go to the batcher together (one launch where their keys agree), the others when their turn

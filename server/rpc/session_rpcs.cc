@@ -135,22 +135,28 @@ struct WireStepCall {
   }
 };
 
+AttentionService::StepCallScope AttentionService::MakeStepCallScope(
+    grpc::CallbackServerContext* ctx, const std::string& client, Clock::time_point arrival) const {
+  return StepCallScope{ctx, SessionOwner(client),
+                       StepRegions{client, options_.regions, backend_->HasGpu()}, arrival,
+                       SteadyDeadline(ctx)};
+}
+
 absl::StatusOr<std::unique_ptr<StepJob>> AttentionService::MakeStepJob(
-    grpc::CallbackServerContext* ctx, const std::string& client,
-    std::shared_ptr<WireStepCall> call, size_t item, Clock::time_point arrival,
+    const StepCallScope& scope, std::shared_ptr<WireStepCall> call, size_t item,
     std::function<void(absl::Status)> on_done) {
   DecodedStepRequest& request = call->requests[item];
   WireStepCall::Output* out = &call->outputs[item];
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                   sessions_->Find(request.header().session_id(), SessionOwner(client)));
-  const StepRegions regions{client, options_.regions, backend_->HasGpu()};
+                   sessions_->Find(request.header().session_id(), scope.owner));
   ASSIGN_OR_RETURN(std::unique_ptr<StepJob> job,
                    ValidateStepRequest(request.header(), std::move(session), options_.limits,
-                                       regions, &request.data));
+                                       scope.regions, &request.data));
   PrepareStepResponse(*job, request.header(), out->response);
+  const Clock::time_point arrival = scope.arrival;
   job->arrival = arrival;
-  job->deadline = SteadyDeadline(ctx);
-  job->is_cancelled = [ctx] { return ctx->IsCancelled(); };
+  job->deadline = scope.deadline;
+  job->is_cancelled = [ctx = scope.ctx] { return ctx->IsCancelled(); };
   StepJob* raw = job.get();
   // The job holds its layer from the moment it starts until here; the next step of the layer
   // may start (on this thread) before the caller hears.
@@ -228,7 +234,7 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
     call->MakeOutputs(1);
     ASSIGN_OR_RETURN(std::shared_ptr<PendingLimiter::Slot> slot, pending_.Acquire(client));
     ASSIGN_OR_RETURN(std::unique_ptr<StepJob> job,
-                     MakeStepJob(ctx, client, call, 0, arrival,
+                     MakeStepJob(MakeStepCallScope(ctx, client, arrival), call, 0,
                                  [slot, finish](absl::Status s) {
                                    slot->Release();
                                    finish(s);
@@ -304,11 +310,12 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
     // In chunks of options_.batch_step_chunk (0: all at once): see Options.
     const size_t chunk = options_.batch_step_chunk > 0 ? size_t(options_.batch_step_chunk) : n;
     jobs.reserve(std::min(n, chunk));
+    const StepCallScope scope = MakeStepCallScope(ctx, client, arrival);
     for (size_t i = 0; i < n; ++i) {
       WireStepCall::Output* out = &call->outputs[i];
       // The jobs hold the call (input_hold) until they are gone, the handler until it returns:
       // it lives until the answer is encoded, whoever completes the last item.
-      auto job = MakeStepJob(ctx, client, call, i, arrival,
+      auto job = MakeStepJob(scope, call, i,
                              [batch, out](absl::Status s) {
                                out->status = std::move(s);
                                batch->ItemDone();

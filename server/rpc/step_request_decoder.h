@@ -1,10 +1,12 @@
 // Decodes StepRequest and BatchStepRequest from the slices gRPC received them in without copying
 // their tensors' bytes: q.data, k_new.data and v_new.data come out as pieces of those slices
 // (WireTensors' q, k and v), and every other field of a step (small: session id, layer, shapes,
-// dtypes, options, regions) is re-encoded as it came and parsed by protobuf itself, in one parse
-// per step. The result is what protobuf's own parser would give (fields in any order, repeated or
-// split across slices, unknown fields skipped, the last data field of a tensor winning), except
-// that the tensors' data fields stay empty. Malformed input gets INVALID_ARGUMENT naming the
+// dtypes, options, regions) is written straight into its header message as it is read. The
+// result is what protobuf's own parser would give (fields in any order, repeated or split across
+// slices, sub-messages merged, packed or unpacked repeated fields, unknown fields of every wire
+// type kept as protobuf keeps them, the last data field of a tensor winning), except that the
+// tensors' data fields stay empty; it refuses exactly what protobuf refuses (nesting, tag and
+// length limits, strings that are not UTF-8). Malformed input gets INVALID_ARGUMENT naming the
 // field and the byte it went wrong at.
 #pragma once
 

@@ -14,6 +14,7 @@
 #include "rpc/step_validation.h"
 #include "sessions/kv_page_pool.h"
 #include "sessions/session_manager.h"
+#include "step_decode_check.h"
 
 namespace attn::fuzz {
 namespace {
@@ -114,6 +115,8 @@ class Program {
     switch (op) {
       case SessionOp::kCreate: return Create(msg, len);
       case SessionOp::kStep: {
+        out_->violation = CheckStepDecoder(msg, len, false);
+        if (!out_->violation.empty()) return;
         v1::StepRequest r;
         if (!r.ParseFromArray(msg, static_cast<int>(len))) return;
         v1::BatchStepRequest b;
@@ -121,6 +124,8 @@ class Program {
         return Steps(b);
       }
       case SessionOp::kBatchStep: {
+        out_->violation = CheckStepDecoder(msg, len, true);
+        if (!out_->violation.empty()) return;
         v1::BatchStepRequest b;
         if (b.ParseFromArray(msg, static_cast<int>(len)) && b.steps_size() <= 8) Steps(b);
         return;

@@ -11,12 +11,14 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/impl/client_unary_call.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "attn/client/session.h"
 #include "attn/client/wire_coding.h"
+#include "attn/util/wire_fields.h"
 #include "common/wire_test_util.h"
 #include "rpc/response_encoder.h"
 #include "rpc/step_request_decoder.h"
@@ -207,16 +209,32 @@ TEST_F(StepWireCodecTest, ClientEncodesRequestsAsProtobufDoes) {
 }
 
 // Checks that attnd's decoder reads bytes (any split) as protobuf's parser does: the same
-// header, the data fields as pieces; or that both refuse them.
-void ExpectDecodesAsProtobuf(const std::string& bytes, std::mt19937_64& rng) {
+// header (unknown fields included, compared as serialized bytes), the data fields as pieces; or
+// that both refuse them. batch: a BatchStepRequest, else a lone StepRequest.
+void ExpectDecodesAsProtobuf(const std::string& bytes, std::mt19937_64& rng, bool batch = true) {
+  SCOPED_TRACE(::testing::Message() << (batch ? "BatchStepRequest" : "StepRequest") << " of "
+                                    << bytes.size() << " bytes");
   v1::BatchStepRequest want;
-  const bool parses = want.ParseFromString(bytes);
+  bool parses;
   std::vector<DecodedStepRequest> got;
-  const absl::Status st = DecodeBatchStepRequest(RandomSplit(bytes, rng), &got);
+  google::protobuf::Arena arena;
+  absl::Status st;
+  const std::vector<std::string_view> pieces = RandomSplit(bytes, rng);
+  if (batch) {
+    parses = want.ParseFromString(bytes);
+    st = DecodeBatchStepRequest(pieces, &got, rng() % 2 ? &arena : nullptr);
+  } else {
+    parses = want.add_steps()->ParseFromString(bytes);
+    st = DecodeStepRequest(pieces, &got.emplace_back(rng() % 2 ? &arena : nullptr));
+  }
   ASSERT_EQ(st.ok(), parses) << st;
   if (!parses) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("BatchStepRequest is malformed: "), std::string::npos) << st;
+    EXPECT_EQ(st.message().find(batch ? "BatchStepRequest is malformed: "
+                                      : "StepRequest is malformed: "),
+              0u)
+        << st;
+    EXPECT_NE(st.message().find(" (at byte "), std::string::npos) << st;
     return;
   }
   ASSERT_EQ(got.size(), static_cast<size_t>(want.steps_size()));
@@ -232,8 +250,247 @@ void ExpectDecodesAsProtobuf(const std::string& bytes, std::mt19937_64& rng) {
       EXPECT_EQ(copied, t != nullptr ? t->data() : "");
       if (t != nullptr) t->clear_data();
     }
-    EXPECT_EQ(got[i].header().SerializeAsString(), header.SerializeAsString()) << "step " << i;
+    EXPECT_EQ(got[i].header().SerializeAsString(), header.SerializeAsString())
+        << "step " << i << ": decoder " << got[i].header().ShortDebugString() << "; protobuf "
+        << header.ShortDebugString();
   }
+}
+
+// The protobuf wire format written by hand, for encodings protobuf's serializer never makes:
+// fields out of order or repeated, unpacked repeated fields, unknown fields and groups,
+// over-long varints.
+namespace hand {
+
+std::string Varint(uint64_t v) {
+  std::string s;
+  wire::AppendVarint(v, &s);
+  return s;
+}
+std::string Tag(uint64_t number, uint32_t type) { return Varint(number << 3 | type); }
+std::string Len(uint64_t number, const std::string& body) {
+  return Tag(number, 2) + Varint(body.size()) + body;
+}
+std::string VarintField(uint64_t number, uint64_t v) { return Tag(number, 0) + Varint(v); }
+std::string Fixed32(uint64_t number, float f) {
+  std::string s = Tag(number, 5);
+  s.append(reinterpret_cast<const char*>(&f), 4);
+  return s;
+}
+std::string Fixed64(uint64_t number, uint64_t v) {
+  std::string s = Tag(number, 1);
+  s.append(reinterpret_cast<const char*>(&v), 8);
+  return s;
+}
+std::string Group(uint64_t number, const std::string& body) {
+  return Tag(number, 3) + body + Tag(number, 4);
+}
+// Groups nested depth deep, a varint in the innermost.
+std::string NestedGroups(uint64_t number, int depth) {
+  std::string s = VarintField(1, 7);
+  for (int i = 0; i < depth; ++i) s = Group(number, s);
+  return s;
+}
+std::string Packed(const std::vector<int64_t>& values) {
+  std::string s;
+  for (int64_t v : values) wire::AppendVarint(static_cast<uint64_t>(v), &s);
+  return s;
+}
+std::string PackedFloats(const std::vector<float>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), 4 * values.size());
+}
+
+}  // namespace hand
+
+// A random step with every field the decoder knows, and unknown fields of every wire type (kept
+// by protobuf in the message they arrive in) here and there.
+v1::StepRequest RandomFullStep(const SessionSpec& spec, std::mt19937_64& rng) {
+  v1::StepRequest r = RandomStepRequest(rng() % 2 ? "replica-a.3" : "", spec, 1 + rng() % 4, rng);
+  auto unknowns = [&rng](google::protobuf::Message* m) {
+    auto* u = m->GetReflection()->MutableUnknownFields(m);
+    for (int i = 0; i < static_cast<int>(rng() % 3); ++i) {
+      const int number = 30 + static_cast<int>(rng() % 2000);
+      switch (rng() % 5) {
+        case 0: u->AddVarint(number, rng()); break;
+        case 1: u->AddFixed32(number, static_cast<uint32_t>(rng())); break;
+        case 2: u->AddFixed64(number, rng()); break;
+        case 3: u->AddLengthDelimited(number, RandomBytes(rng, rng() % 9)); break;
+        default: u->AddGroup(number)->AddVarint(1, rng() % 300); break;
+      }
+    }
+  };
+  if (rng() % 3 == 0) {
+    r.mutable_o_region()->set_region("out");
+    r.mutable_o_region()->set_offset(rng() % 4096);
+    r.mutable_o_region()->set_bytes(rng() % 100000);
+    unknowns(r.mutable_o_region());
+  }
+  if (rng() % 3 == 0) r.mutable_lse_region()->set_region("lse\u00e9");
+  if (rng() % 3 == 0) {
+    for (int i = 0; i < spec.kv_heads; ++i) {
+      r.add_k_new_scales(static_cast<float>(rng() % 1000) / 448);
+      r.add_v_new_scales(rng() % 5 == 0 ? -0.0f : static_cast<float>(rng() % 1000) / 448);
+    }
+  }
+  if (rng() % 4 == 0) r.set_layer(-1 - static_cast<int32_t>(rng() % 5));  // 10-byte varints
+  if (rng() % 4 == 0) r.mutable_v_new()->mutable_region()->set_region("in");
+  if (rng() % 4 == 0) r.mutable_q()->set_dtype(static_cast<v1::DType>(17));  // open enum
+  for (google::protobuf::Message* m : {static_cast<google::protobuf::Message*>(&r),
+                                       static_cast<google::protobuf::Message*>(r.mutable_q()),
+                                       static_cast<google::protobuf::Message*>(r.mutable_window())}) {
+    if (rng() % 3 == 0) unknowns(m);
+  }
+  return r;
+}
+
+TEST_F(StepWireCodecTest, DecoderMatchesProtobufOnRandomMessagesAndMerges) {
+  for (int i = 0; i < 300; ++i) {
+    std::vector<v1::StepRequest> steps(1 + rng_() % 4);
+    for (auto& s : steps) s = RandomFullStep(spec_, rng_);
+    // A lone step, and the same bytes twice (protobuf merges them: the later data wins, shapes
+    // and scales append, sub-messages merge).
+    const std::string one = steps[0].SerializeAsString();
+    ExpectDecodesAsProtobuf(one, rng_, false);
+    ExpectDecodesAsProtobuf(one + steps.back().SerializeAsString(), rng_, false);
+    // A step cut into its fields, the fields shuffled: any order.
+    {
+      v1::StepRequest s = steps[0];
+      std::vector<std::string> fields;
+      const google::protobuf::Reflection* refl = s.GetReflection();
+      std::vector<const google::protobuf::FieldDescriptor*> set;
+      refl->ListFields(s, &set);
+      for (const auto* fd : set) {
+        v1::StepRequest only;
+        only.GetReflection()->SwapFields(&s, &only, {fd});
+        fields.push_back(only.SerializeAsString());
+        only.GetReflection()->SwapFields(&s, &only, {fd});
+      }
+      std::shuffle(fields.begin(), fields.end(), rng_);
+      std::string shuffled;
+      for (const auto& f : fields) shuffled += f;
+      ExpectDecodesAsProtobuf(shuffled, rng_, false);
+    }
+    v1::BatchStepRequest batch;
+    for (const auto& s : steps) *batch.add_steps() = s;
+    std::string bytes = batch.SerializeAsString();
+    if (i % 3 == 0) bytes += batch.SerializeAsString();
+    if (i % 5 == 0) bytes += hand::Group(9, hand::VarintField(2, 1)) + hand::Fixed64(10, 3);
+    ExpectDecodesAsProtobuf(bytes, rng_);
+  }
+}
+
+TEST_F(StepWireCodecTest, DecoderMatchesProtobufOnHandMadeEncodings) {
+  using namespace hand;
+  const std::string data = RandomBytes(rng_, 64);
+  const std::string q_a = VarintField(1, v1::DTYPE_BFLOAT16) + Len(2, Packed({1, 2})) +
+                          Len(3, data) + Len(4, Len(1, "r1") + VarintField(2, 64));
+  const std::string q_b = VarintField(2, 16) + VarintField(2, 8) + Len(4, VarintField(3, 32)) +
+                          Len(3, data.substr(0, 16));
+  const std::vector<std::string> good = {
+      // Out of order, a tensor twice (merged; the later data wins), unpacked and packed shape.
+      Len(3, q_a) + VarintField(2, 1) + Len(1, "s") + Len(3, q_b) + Len(4, q_a),
+      // A tensor again without data: the earlier data stays.
+      Len(5, q_b) + Len(5, VarintField(1, 2)),
+      // Sub-messages twice: merged field by field.
+      Len(8, VarintField(1, 3)) + Len(8, VarintField(2, 5)) + Len(8, VarintField(1, 4)),
+      Len(20, Len(1, "a")) + Len(20, VarintField(2, 8)) + Len(21, VarintField(3, 4)) +
+          Len(20, Len(1, "b")),
+      // Scales packed and unpacked, mixed; an empty packed run.
+      Len(22, PackedFloats({1.5f, -0.0f})) + Fixed32(22, 2.5f) + Len(22, "") +
+          Fixed32(23, 0.25f) + Len(23, PackedFloats({3.0f})),
+      // Scalars again: the last wins; softmax_scale and return_lse.
+      Fixed32(6, 0.5f) + VarintField(7, 1) + Fixed32(6, -0.0f) + VarintField(7, 0) +
+          VarintField(2, 3) + VarintField(2, 0),
+      // Known numbers with other wire types are unknown fields (kept where they arrive).
+      VarintField(1, 5) + Fixed32(2, 1.0f) + VarintField(3, 9) + Len(3, Fixed64(3, 1)) +
+          Len(3, Fixed32(2, 4.0f)) + Len(6, "xy") + Fixed64(7, 1) + Len(8, Fixed32(1, 1.0f)),
+      // Unknown fields of every wire type at every level; groups nested in groups.
+      VarintField(99, 1) + Fixed64(100, 2) + Fixed32(101, 3.0f) + Len(102, "abc") +
+          Group(103, VarintField(1, 1) + Group(2, Len(3, "x")) + Fixed32(4, 1.0f)) +
+          Len(3, Group(50, Len(1, "y")) + VarintField(60, 1)) +
+          Len(20, Group(9, "") + Len(7, "z")) + Len(8, Fixed64(9, 5)),
+      // Field numbers at the top of the range; a 5-byte tag whose bits past 32 protobuf drops.
+      VarintField((uint64_t{1} << 29) - 1, 4) + std::string("\x88\x80\x80\x80\x70\x05", 6),
+      // 10-byte varints: negative int32s, a dtype outside the enum, bits past the 64th.
+      VarintField(2, static_cast<uint64_t>(-7)) + Len(3, VarintField(1, 1ull << 40)) +
+          Tag(7, 0) + std::string("\x80\x80\x80\x80\x80\x80\x80\x80\x80\x7e", 10),
+      // Groups as deep as protobuf takes them in a lone step (100).
+      NestedGroups(40, 100),
+      // Empty.
+      "",
+  };
+  const std::vector<std::string> bad = {
+      Len(22, PackedFloats({1.0f}) + "x"),                     // packed floats, not 4-byte
+      Len(3, Len(2, "\x80")),                                  // packed varint cut short
+      Len(3, Len(2, std::string(11, '\x80') + "\x01")),        // packed varint over 10 bytes
+      Tag(9, 3) + VarintField(1, 1) + Tag(8, 4),                // mismatched end of group
+      Tag(9, 3) + VarintField(1, 1),                            // group without its end
+      Tag(9, 4),                                                // end of a group not started
+      Len(3, Tag(9, 4)),                                        // ... inside a tensor
+      Tag(9, 6) + "\x01", Tag(9, 7) + "\x01",                   // wire types that do not exist
+      std::string("\x00\x01", 2), std::string("\x02\x00", 2),   // field number 0
+      std::string("\x88\x80\x80\x80\x80\x00\x05", 7),          // a 6-byte tag
+      Tag(1, 2) + std::string("\x81\x80\x80\x80\x80\x00", 6) + "s",  // a 6-byte length
+      Len(1, "\xc3\x28"),                                       // session_id not UTF-8
+      Len(20, Len(1, "\xff")),                                  // region name not UTF-8
+      Len(3, Len(4, Len(1, "\xed\xa0\x80"))),                   // surrogate, in q.region
+      Len(3, VarintField(1, 1)).substr(0, 3),                   // tensor cut short
+      Tag(6, 5) + "ab",                                         // fixed32 cut short
+      Tag(99, 1) + "abcdefg",                                   // fixed64 cut short
+      VarintField(2, 1) + std::string(10, '\xff') + "\x01",      // varint over 10 bytes
+      NestedGroups(40, 101),                                    // groups past protobuf's limit
+      Len(8, NestedGroups(40, 100)),                            // ... counted with the window
+  };
+  for (int round = 0; round < 20; ++round) {
+    for (const std::string& s : good) {
+      ASSERT_TRUE(v1::StepRequest().ParseFromString(s)) << "a good encoding protobuf refuses";
+      ExpectDecodesAsProtobuf(s, rng_, false);
+      ExpectDecodesAsProtobuf(Len(1, s) + Len(1, s), rng_);
+    }
+    for (const std::string& s : bad) {
+      ASSERT_FALSE(v1::StepRequest().ParseFromString(s)) << "a bad encoding protobuf takes";
+      ExpectDecodesAsProtobuf(s, rng_, false);
+      ExpectDecodesAsProtobuf(Len(1, good[round % good.size()]) + Len(1, s), rng_);
+    }
+  }
+  // In a batch, each step counts as one level: groups 99 deep inside a step pass, 100 do not.
+  v1::BatchStepRequest b;
+  EXPECT_TRUE(b.ParseFromString(Len(1, NestedGroups(40, 99))));
+  EXPECT_FALSE(b.ParseFromString(Len(1, NestedGroups(40, 100))));
+  ExpectDecodesAsProtobuf(Len(1, NestedGroups(40, 99)), rng_);
+  ExpectDecodesAsProtobuf(Len(1, NestedGroups(40, 100)), rng_);
+  // Unknown fields of the batch itself (groups too) are skipped.
+  ExpectDecodesAsProtobuf(Group(2, Len(1, "x")) + Len(1, good[0]) + VarintField(1, 3), rng_);
+}
+
+TEST_F(StepWireCodecTest, DecoderErrorsNameTheFieldAndByte) {
+  using namespace hand;
+  const std::string step = Len(1, "s") + Len(3, VarintField(1, 3) + Len(2, "\x80"));
+  std::vector<DecodedStepRequest> got;
+  const std::string bytes = Len(1, Len(1, "t")) + Len(1, step);
+  absl::Status st = DecodeBatchStepRequest(std::vector<std::string_view>{bytes}, &got);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  // q.shape's tag: after the first step (5 bytes), the second's tag and length (2), its
+  // session_id (3), q's tag and length (2) and q.dtype (2).
+  EXPECT_EQ(std::string(st.message()),
+            "BatchStepRequest is malformed: steps[1].q.shape: truncated or over-long varint in a "
+            "packed field (at byte 14 of the message)");
+  DecodedStepRequest one;
+  st = DecodeStepRequest(std::vector<std::string_view>{step}, &one);
+  EXPECT_EQ(std::string(st.message()),
+            "StepRequest is malformed: q.shape: truncated or over-long varint in a packed field "
+            "(at byte 7 of the message)");
+  DecodedStepRequest region;
+  const std::string bad_region = Len(20, Len(1, "ok") + Len(1, "\xff"));
+  st = DecodeStepRequest(std::vector<std::string_view>{bad_region}, &region);
+  EXPECT_EQ(std::string(st.message()),
+            "StepRequest is malformed: o_region.region: a string that is not valid UTF-8 (at "
+            "byte 7 of the message)");  // o_region's tag is 2 bytes, its length 1, "ok" 4
+  DecodedStepRequest unknown;
+  const std::string bad_unknown = VarintField(2, 1) + Tag(77, 3) + VarintField(1, 1);
+  st = DecodeStepRequest(std::vector<std::string_view>{bad_unknown}, &unknown);
+  EXPECT_EQ(std::string(st.message()),
+            "StepRequest is malformed: field 77: group without its end (at byte 2 of the "
+            "message)");
 }
 
 TEST_F(StepWireCodecTest, ServerDecodesAnySplitAsProtobufDoes) {
@@ -282,7 +539,8 @@ TEST_F(StepWireCodecTest, TruncatedOrCorruptRequestsAreRefusedWhereProtobufRefus
   DecodedStepRequest decoded;
   const absl::Status st = DecodeStepRequest(RandomSplit(step_bytes, rng_), &decoded);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("StepRequest is malformed: session_id: protobuf could not parse"),
+  EXPECT_NE(st.message().find("StepRequest is malformed: session_id: a string that is not valid "
+                             "UTF-8"),
             std::string::npos)
       << st;
   // A length past the end, inside k_new of the second step.

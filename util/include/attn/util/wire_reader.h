@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,6 +33,21 @@ class WireReader {
   // A varint of at most 10 bytes (bits past the 64th dropped); false when it runs past the limit
   // or is longer (what was consumed is not given back: the caller reports the input malformed).
   bool ReadVarint(uint64_t* value) {
+    // Where the next 10 bytes lie in one piece and inside the limit (most varints): read in place.
+    if (piece_ < pieces_.size() && pieces_[piece_].size() - offset_ >= 10 && remaining() >= 10) {
+      const auto* s = reinterpret_cast<const uint8_t*>(pieces_[piece_].data() + offset_);
+      uint64_t v = 0;
+      for (int i = 0; i < 10; ++i) {
+        v |= uint64_t{s[i] & 0x7fu} << (7 * i);
+        if ((s[i] & 0x80) == 0) {
+          Advance(i + 1);
+          *value = v;
+          return true;
+        }
+      }
+      Advance(10);
+      return false;
+    }
     uint64_t v = 0;
     for (int i = 0; i < 10; ++i) {
       if (AtLimit()) return false;
@@ -48,8 +64,10 @@ class WireReader {
     }
     return false;
   }
-  // The next n bytes appended to out as pieces of the input; false when fewer than n are left.
-  bool ReadPieces(uint64_t n, std::vector<std::string_view>* out) {
+  // The next n bytes appended to out (a vector of string_view, or any container with push_back)
+  // as pieces of the input; false when fewer than n are left.
+  template <typename Pieces>
+  bool ReadPieces(uint64_t n, Pieces* out) {
     if (n > remaining()) return false;
     Consume(n, [out](std::string_view p) { out->push_back(p); });
     return true;
@@ -58,6 +76,22 @@ class WireReader {
   bool AppendTo(uint64_t n, std::string* out) {
     if (n > remaining()) return false;
     Consume(n, [out](std::string_view p) { out->append(p); });
+    return true;
+  }
+
+  // The next n bytes copied to dst (small values: fixed-size fields); false when fewer are left.
+  bool CopyTo(uint64_t n, char* dst) {
+    if (n > remaining()) return false;
+    Consume(n, [&dst](std::string_view p) {
+      std::memcpy(dst, p.data(), p.size());
+      dst += p.size();
+    });
+    return true;
+  }
+  // Steps over the next n bytes; false when fewer are left.
+  bool Skip(uint64_t n) {
+    if (n > remaining()) return false;
+    Consume(n, [](std::string_view) {});
     return true;
   }
 
@@ -78,6 +112,12 @@ class WireReader {
       ++piece_;
       offset_ = 0;
     }
+  }
+  // Moves n bytes on inside the current piece (n <= what is left of it).
+  void Advance(size_t n) {
+    offset_ += n;
+    pos_ += n;
+    SkipEmpty();
   }
   // Hands the next n bytes (n <= remaining()) to take, piece by piece.
   template <typename Take>
