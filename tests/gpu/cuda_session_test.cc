@@ -70,6 +70,10 @@ TEST_F(CudaSessionTest, RandomInterleavingsMatchTheReference) {
       {2, 4, 4, 128, v1::DTYPE_BFLOAT16},  // MHA, d 128, 8 tokens per page
   };
   testing::WorkloadOptions o = GpuTolerances();
+  // Steps of more than 16 tokens run the forward path on the cache converted to 16 bits (codes
+  // times scales rounded to bf16/fp16): their LSE is that of the rounded values (measured up to
+  // 0.019 off the exact one here; the decode kernel folds the scales and stays within 2e-3).
+  o.lse_tolerance = 4e-2;
   o.ops = 250;
   o.chunks = {1, 1, 1, 1, 2, 5, 15, 16, 17, 40, 100};
   std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
@@ -126,6 +130,10 @@ TEST_F(CudaSessionTest, Fp8CacheRandomInterleavingsMatchTheReference) {
   ASSERT_TRUE(testing::CloseSession(stub_, fp8.session_id()).ok());
   ASSERT_TRUE(testing::CloseSession(stub_, bf16.session_id()).ok());
   testing::WorkloadOptions o = GpuTolerances();
+  // Steps of more than 16 tokens run the forward path on the cache converted to 16 bits (codes
+  // times scales rounded to bf16/fp16): their LSE is that of the rounded values (measured up to
+  // 0.019 off the exact one here; the decode kernel folds the scales and stays within 2e-3).
+  o.lse_tolerance = 4e-2;
   o.ops = 250;
   o.chunks = {1, 1, 1, 1, 2, 5, 15, 16, 17, 40, 100};
   std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
