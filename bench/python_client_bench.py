@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import statistics
 import subprocess
@@ -112,18 +113,51 @@ def py_attend(args: argparse.Namespace, client: attnd.Client) -> Dict[str, float
     return closed_loop(lambda: client.attend(q, k, v), args.duration, args.warmup)
 
 
-def prefill(session: Any, rng: np.random.Generator, tokens: int, chunk: int = 1024) -> None:
+_PREFILL_CHUNKS: Dict[int, tuple] = {}
+
+
+def prefill(session: Any, tokens: int, chunk: int = 1024) -> None:
+    """Fills a session's cache (not measured). One random chunk per size serves every session:
+    drawing fresh bf16 values for 64 sessions of 4k tokens took longer than the runs."""
     for at in range(0, tokens, chunk):
         n = min(chunk, tokens - at)
-        session.step(0, bf16(rng, (n, HEADS, D)), bf16(rng, (n, KV_HEADS, D)),
-                     bf16(rng, (n, KV_HEADS, D)))
+        if n not in _PREFILL_CHUNKS:
+            rng = np.random.default_rng(n)
+            _PREFILL_CHUNKS[n] = (bf16(rng, (n, HEADS, D)), bf16(rng, (n, KV_HEADS, D)),
+                                  bf16(rng, (n, KV_HEADS, D)))
+        session.step(0, *_PREFILL_CHUNKS[n])
+
+
+class AioSessions:
+    """The asyncio parts' sessions: prefilled once through the sync client, used by every run of
+    those parts (each run leaves them as it found them), closed at the end."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.client: Any = None
+        self.ids: List[str] = []
+
+    def get(self) -> List[str]:
+        if self.client is None:
+            self.client = attnd.Client(self.args.target)
+            for _ in range(self.args.aio_sessions):
+                s = self.client.create_session(1, KV_HEADS, D, "bf16")
+                self.ids.append(s.id)
+                prefill(s, self.args.cache)
+        return self.ids
+
+    def close(self) -> None:
+        if self.client is not None:
+            for sid in self.ids:
+                self.client.close_session(sid)
+            self.client.close()
 
 
 def py_step(args: argparse.Namespace, client: attnd.Client) -> Dict[str, float]:
     rng = np.random.default_rng(2)
     q, k, v = bf16(rng, (1, HEADS, D)), bf16(rng, (1, KV_HEADS, D)), bf16(rng, (1, KV_HEADS, D))
     with client.create_session(1, KV_HEADS, D, "bf16") as s:
-        prefill(s, rng, args.cache)
+        prefill(s, args.cache)
 
         def between(i: int) -> None:
             if i % DECODE_WINDOW == 0:
@@ -131,49 +165,40 @@ def py_step(args: argparse.Namespace, client: attnd.Client) -> Dict[str, float]:
         return closed_loop(lambda: s.step(0, q, k, v), args.duration, args.warmup, between)
 
 
-def py_aio(args: argparse.Namespace, sessions: int, coalesce: bool = True) -> Dict[str, float]:
+def py_aio(args: argparse.Namespace, ids: List[str], coalesce: bool = True) -> Dict[str, float]:
     rng = np.random.default_rng(3)
     q, k, v = bf16(rng, (1, HEADS, D)), bf16(rng, (1, KV_HEADS, D)), bf16(rng, (1, KV_HEADS, D))
-    with attnd.Client(args.target) as sync_client:
-        ids = []
-        for _ in range(sessions):  # prefilled through the sync client (not measured)
-            s = sync_client.create_session(1, KV_HEADS, D, "bf16")
-            prefill(s, rng, args.cache)
-            ids.append(s.id)
 
-        async def main() -> Dict[str, float]:
-            async with attnd.aio.Client(args.target, connections=args.aio_connections,
-                                        coalesce_steps=coalesce) as c:
-                latencies: List[float] = []
-                state = {"measure": False, "stop": False}
-                paused = [0.0]
+    async def main() -> Dict[str, float]:
+        async with attnd.aio.Client(args.target, connections=args.aio_connections,
+                                    coalesce_steps=coalesce) as c:
+            latencies: List[float] = []
+            state = {"measure": False, "stop": False}
 
-                async def worker(sid: str) -> None:
-                    s = c.session(sid)
-                    i = 0
-                    while not state["stop"]:
-                        t0 = time.perf_counter()
-                        await s.step(0, q, k, v)
-                        if state["measure"]:
-                            latencies.append(time.perf_counter() - t0)
-                        i += 1
-                        if i % DECODE_WINDOW == 0:
-                            await s.truncate(DECODE_WINDOW)
-                tasks = [asyncio.ensure_future(worker(sid)) for sid in ids]
-                await asyncio.sleep(args.warmup)
-                state["measure"] = True
-                start = time.perf_counter()
-                await asyncio.sleep(args.duration)
-                state["measure"] = False
-                elapsed = time.perf_counter() - start
-                state["stop"] = True
-                await asyncio.gather(*tasks)
-                return summarize(latencies, elapsed - paused[0])
-        try:
-            return asyncio.run(main())
-        finally:
-            for sid in ids:
-                sync_client.close_session(sid)
+            async def worker(sid: str) -> None:
+                s = c.session(sid)
+                i = 0
+                while not state["stop"]:
+                    t0 = time.perf_counter()
+                    await s.step(0, q, k, v)
+                    if state["measure"]:
+                        latencies.append(time.perf_counter() - t0)
+                    i += 1
+                    if i % DECODE_WINDOW == 0:
+                        await s.truncate(DECODE_WINDOW)
+                if i % DECODE_WINDOW:  # back to the prefilled length for the next run
+                    await s.truncate(i % DECODE_WINDOW)
+            tasks = [asyncio.ensure_future(worker(sid)) for sid in ids]
+            await asyncio.sleep(args.warmup)
+            state["measure"] = True
+            start = time.perf_counter()
+            await asyncio.sleep(args.duration)
+            state["measure"] = False
+            elapsed = time.perf_counter() - start
+            state["stop"] = True
+            await asyncio.gather(*tasks)
+            return summarize(latencies, elapsed)
+    return asyncio.run(main())
 
 
 def main() -> int:
@@ -192,48 +217,56 @@ def main() -> int:
     p.add_argument("--aio-connections", type=int, default=4)
     p.add_argument("--only", default="attend,step,aio,aio1", help="comma-separated parts to run")
     p.add_argument("--json", default=None)
+    p.add_argument("--dump-stacks-after", type=float, default=0,
+                   help="print every thread's stack if still running after this many seconds "
+                        "(0: never); for runs under a time limit")
     args = p.parse_args()
+    if args.dump_stacks_after > 0:
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     parts = args.only.split(",")
     client = attnd.Client(args.target)
     info = client.info()
     print(f"attnd {info.version} ({info.backend}, {info.device_name}) at {args.target}; "
           f"{args.duration:g} s per run, {args.rounds} rounds; Python "
           f"{sys.version.split()[0]}, grpcio {__import__('grpc').__version__}, protobuf "
-          f"{__import__('google.protobuf').protobuf.__version__}")
+          f"{__import__('google.protobuf').protobuf.__version__}", flush=True)
     runs: Dict[str, List[Dict[str, Any]]] = {}
+    aio_sessions = AioSessions(args)
     plan = {
         "attend": (lambda: cpp_attend(args), lambda: py_attend(args, client)),
         "step": (lambda: cpp_decode(args, 1), lambda: py_step(args, client)),
         "aio": (lambda: cpp_decode(args, args.aio_sessions),
-                lambda: py_aio(args, args.aio_sessions)),
+                lambda: py_aio(args, aio_sessions.get())),
         "aio1": (lambda: cpp_decode(args, args.aio_sessions),
-                 lambda: py_aio(args, args.aio_sessions, coalesce=False)),
+                 lambda: py_aio(args, aio_sessions.get(), coalesce=False)),
     }
-    for part in parts:
-        runs[part] = []
-        for r in range(args.rounds):
-            order = ["cpp", "py"] if r % 2 == 0 else ["py", "cpp"]
-            result: Dict[str, Any] = {}
-            for who in order:
-                result[who] = plan[part][0 if who == "cpp" else 1]()
-            runs[part].append(result)
-    client.close()
-
     targets = {"attend": ("p50", 1.10, "req/s", 0.90), "step": ("p50", 1.10, "req/s", 0.90),
                "aio": (None, None, "steps/s", 0.90), "aio1": (None, None, "steps/s", 0.90)}
     summary: Dict[str, Any] = {}
+    # Each row is printed as soon as its round is done, and each run's wall time with it, so that
+    # a run cut off by a time limit still shows what it measured and where the time went.
     print(f"\n{'part':7} {'round':>5} {'C++ p50 ms':>10} {'Py p50 ms':>10} {'p50 Py/C++':>10} "
-          f"{'C++ /s':>9} {'Py /s':>9} {'/s Py/C++':>9}")
-    for part, rounds in runs.items():
+          f"{'C++ /s':>9} {'Py /s':>9} {'/s Py/C++':>9}  wall s (C++, Py)", flush=True)
+    for part in parts:
+        runs[part] = []
         rate_key = "steps_per_s" if part.startswith("aio") else "requests_per_s"
         p50s, rates = [], []
-        for i, r in enumerate(rounds):
+        for i in range(args.rounds):
+            order = ["cpp", "py"] if i % 2 == 0 else ["py", "cpp"]
+            r: Dict[str, Any] = {}
+            wall: Dict[str, float] = {}
+            for who in order:
+                t0 = time.perf_counter()
+                r[who] = plan[part][0 if who == "cpp" else 1]()
+                wall[who] = time.perf_counter() - t0
+            runs[part].append(r)
             p50 = r["py"]["p50_ms"] / r["cpp"]["p50_ms"]
             rate = r["py"][rate_key] / r["cpp"][rate_key]
             p50s.append(p50)
             rates.append(rate)
             print(f"{part:7} {i:>5} {r['cpp']['p50_ms']:>10.3f} {r['py']['p50_ms']:>10.3f} "
-                  f"{p50:>10.3f} {r['cpp'][rate_key]:>9.1f} {r['py'][rate_key]:>9.1f} {rate:>9.3f}")
+                  f"{p50:>10.3f} {r['cpp'][rate_key]:>9.1f} {r['py'][rate_key]:>9.1f} {rate:>9.3f}"
+                  f"  {wall['cpp']:.1f}, {wall['py']:.1f}", flush=True)
         p50_max, rate_min = targets[part][1], targets[part][3]
         med_p50, med_rate = statistics.median(p50s), statistics.median(rates)
         met = med_rate >= rate_min and (p50_max is None or med_p50 <= p50_max)
@@ -241,7 +274,10 @@ def main() -> int:
                          "target": (f"p50 <= {p50_max}x and " if p50_max else "") +
                                    f"{targets[part][2]} >= {rate_min}x", "met": met}
         print(f"{part:7} {'median':>5} {'':>10} {'':>10} {med_p50:>10.3f} {'':>9} {'':>9} "
-              f"{med_rate:>9.3f}  target {summary[part]['target']}: {'met' if met else 'NOT met'}")
+              f"{med_rate:>9.3f}  target {summary[part]['target']}: {'met' if met else 'NOT met'}",
+              flush=True)
+    aio_sessions.close()
+    client.close()
     if args.json:
         Path(args.json).write_text(json.dumps({
             "attnd": {"version": info.version, "backend": info.backend, "device": info.device_name},

@@ -110,7 +110,8 @@ run_bench() {
   start_attnd "$out/attnd-bench.log" --kv_cache_bytes=8589934592 || { rc=1; return; }
   note "bench/python_client_bench.py against $TARGET"
   timeout "${BENCH_TIMEOUT:-180}" "$py" bench/python_client_bench.py --target "$TARGET" --attn-bench "$bin/attn-bench" \
-    --duration 3 --rounds 2 --json "$out/python_client_bench.json" ${BENCH_ARGS:-} 2>&1 |
+    --duration 3 --rounds 2 --json "$out/python_client_bench.json" \
+    --dump-stacks-after "$(( ${BENCH_TIMEOUT:-180} - 10 ))" ${BENCH_ARGS:-} 2>&1 |
     tee "$out/python_client_bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   stop_attnd
