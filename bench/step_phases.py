@@ -13,7 +13,7 @@ import re
 import sys
 import urllib.request
 
-PHASES = ["decode", "stage", "enqueue", "wait", "finish", "answer"]
+PHASES = ["decode", "stage", "enqueue", "wait", "finish", "answer", "send"]
 LINE = re.compile(r'^attn_step_phase_duration_seconds_(sum|count)\{phase="(\w+)"\} (\S+)$')
 
 

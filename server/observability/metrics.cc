@@ -164,12 +164,15 @@ void Metrics::Build(const Options& o) {
   auto& phases = prometheus::BuildHistogram()
                      .Name("attn_step_phase_duration_seconds")
                      .Help("Host time of a session step's parts: per Step/BatchStep call, its "
-                           "request decoded and its jobs made (decode) and its answer encoded "
-                           "(answer); per launch, its planning and staging (stage), its copies "
-                           "and kernels enqueued (enqueue), the wait for the device (wait), its "
-                           "appends committed and callers told (finish)")
+                           "request decoded and its jobs made (decode), its answer encoded "
+                           "(answer) and handed to gRPC (send: off gRPC's threads this writes "
+                           "the answer to the socket); per launch, its planning and staging "
+                           "(stage), its copies and kernels enqueued (enqueue), the wait for the "
+                           "device (wait), its appends committed and callers told (finish, "
+                           "which holds the answer and send of the calls it completes)")
                      .Register(r);
-  const char* phase_names[] = {"decode", "stage", "enqueue", "wait", "finish", "answer"};
+  const char* phase_names[] = {"decode", "stage", "enqueue", "wait", "finish", "answer",
+                               "send"};
   static_assert(std::size(phase_names) == static_cast<size_t>(StepPhase::kCount));
   for (size_t i = 0; i < step_phases_.size(); ++i) {
     step_phases_[i] = &phases.Add({{"phase", phase_names[i]}}, PhaseBuckets());

@@ -43,8 +43,9 @@ const char* RpcName(Rpc rpc);
 
 // Parts of a session step's way through attnd (docs/STEP_PATH.md), for
 // attn_step_phase_duration_seconds{phase}: per call, its request decoded and its jobs made
-// (decode) and its answer encoded (answer); per launch, on its lane, the parts of BatchReport.
-enum class StepPhase { kDecode, kStage, kEnqueue, kWait, kFinish, kAnswer, kCount };
+// (decode), its answer encoded (answer) and handed to gRPC (send); per launch, on its lane, the
+// parts of BatchReport.
+enum class StepPhase { kDecode, kStage, kEnqueue, kWait, kFinish, kAnswer, kSend, kCount };
 
 class Metrics {
  public:

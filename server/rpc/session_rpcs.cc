@@ -224,7 +224,9 @@ grpc::ServerUnaryReactor* AttentionService::Step(grpc::CallbackServerContext* ct
       sent = static_cast<int64_t>(response->Length());
       ObserveStepPhase(StepPhase::kAnswer, encode_start);
     }
+    const auto send_start = Clock::now();
     FinishUnary(reactor, Rpc::kStep, arrival, st, received, sent);
+    if (st.ok()) ObserveStepPhase(StepPhase::kSend, send_start);
   };
   absl::Status st = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::string client, Identify(ctx));
@@ -302,8 +304,10 @@ grpc::ServerUnaryReactor* AttentionService::BatchStep(grpc::CallbackServerContex
       }
       *response = EncodeBatchStepResponse(results);
       ObserveStepPhase(StepPhase::kAnswer, encode_start);
+      const auto send_start = Clock::now();
       FinishUnary(reactor, Rpc::kBatchStep, arrival, absl::OkStatus(), received,
                   static_cast<int64_t>(response->Length()));
+      ObserveStepPhase(StepPhase::kSend, send_start);
     };
     batch->remaining = static_cast<int64_t>(n) + 1;  // + 1 until every item is queued
     std::vector<std::unique_ptr<StepJob>> jobs;

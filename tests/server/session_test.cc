@@ -415,6 +415,14 @@ TEST_F(SessionTest, ServerInfoAndMetricsDescribeTheCache) {
     EXPECT_EQ(testing::MetricValue(text, "attn_step_phase_duration_seconds_count", {label}), 2)
         << phase;
   }
+  // send is observed once reactor->Finish has returned, which may be after the caller heard.
+  double sends = 0;
+  for (int i = 0; i < 200 && sends < 2; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    sends = testing::MetricValue(testing::HttpGet(server_.server->metrics_port(), "/metrics"),
+                                 "attn_step_phase_duration_seconds_count", {"phase=\"send\""});
+  }
+  EXPECT_EQ(sends, 2);
   for (const char* phase : {"decode", "stage"}) {
     const std::string label = std::string("phase=\"") + phase + "\"";
     EXPECT_GT(testing::MetricValue(text, "attn_step_phase_duration_seconds_sum", {label}), 0)
