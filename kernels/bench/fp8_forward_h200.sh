@@ -26,41 +26,8 @@ t0=$(date +%s)
 status="$out/status.tsv"
 : >"$status"
 
-left() { echo $((budget - ($(date +%s) - t0))); }
-
-# What a log says, in a few words: gtest's counts, compute-sanitizer's error summary, a timeout.
-summary_of() {
-  local log=$1 rc=$2 s=""
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then s="TIMED OUT; "; fi
-  s+=$(grep -hoE '^\[==========\] [0-9]+ tests? from [0-9]+ test suites? ran' "$log" 2>/dev/null |
-       awk '{n += $2} END {if (n) printf "%d ran; ", n}')
-  s+=$(grep -hoE '^\[  PASSED  \] [0-9]+' "$log" 2>/dev/null | awk '{n += $4} END {if (NR) printf "%d passed; ", n}')
-  s+=$(grep -hoE '^\[  SKIPPED \] [0-9]+' "$log" 2>/dev/null | awk '{n += $4} END {if (NR) printf "%d skipped; ", n}')
-  s+=$(grep -hoE '^\[  FAILED  \] [0-9]+ tests?' "$log" 2>/dev/null | awk '{n += $4} END {if (NR) printf "%d FAILED; ", n}')
-  s+=$(grep -hoE 'ERROR SUMMARY: [0-9]+ errors?' "$log" 2>/dev/null | sort -u | tr '\n' ';')
-  echo "${s:-rc $rc}"
-}
-
-# step NAME LIMIT_S LOG CMD...: CMD under timeout (LIMIT_S, or what is left of the budget less a
-# reserve for the summary), its output to LOG, one line to status.tsv; returns CMD's status (124:
-# timed out, 99: skipped for want of time).
-step() {
-  local name=$1 limit=$2 log=$3
-  shift 3
-  local l
-  l=$(($(left) - 10))
-  if [ "$l" -lt 15 ]; then
-    printf '%s\tskipped\t0\tnot enough time left\n' "$name" >>"$status"
-    return 99
-  fi
-  [ "$limit" -gt "$l" ] && limit=$l
-  local s rc
-  s=$(date +%s)
-  timeout -k 5 "$limit" "$@" >"$log" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - s))" "$(summary_of "$log" "$rc")" >>"$status"
-  return $rc
-}
+# shellcheck source=kernels/bench/bounded_steps.sh
+. "$(dirname "$0")/bounded_steps.sh"
 
 timeout 20 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
   --format=csv >"$out/device.txt" 2>&1

@@ -8,9 +8,9 @@
 #include <cmath>
 #include <thread>
 
-#include "attn/kernels/dtype_convert.h"
-#include "engine/backend.h"
 #include "common/reference.h"
+#include "engine/backend.h"
+#include "fp8_attend_check.h"
 #include "gpu/gpu_test_util.h"
 #include "test_util.h"
 
@@ -112,114 +112,42 @@ TEST_F(CudaServerTest, Fp8AttendMatchesTheReferenceOfItsDequantizedInputs) {
                     "64/128/256 compiled for sm_90a)";
   }
   EXPECT_TRUE(info->fp8().attend_fp8_q());
-  std::normal_distribution<double> normal(0.0, 1.0);
-  const int hq = 8, hkv = 2;
-  struct Quantized {
-    client::Tensor codes;
-    std::vector<float> descale;
-    std::vector<double> values;
-  };
-  // x [rows, heads, d] as codes with descales per (sequence, head), or one per tensor.
-  auto quantize = [&](const std::vector<double>& x, const std::vector<int32_t>& cu, int heads,
-                      int d, bool per_head) {
-    testing::Fp8Quantized f = testing::QuantizeE4m3(x, cu, heads, d);
-    if (!per_head) {
-      const float sc = *std::max_element(f.scales.begin(), f.scales.end());
-      f.scales.assign(1, sc);
-      for (size_t i = 0; i < x.size(); ++i) {
-        f.codes[i] = kernels::cpu::FloatToE4m3Bits(static_cast<float>(x[i] / sc));
-        f.values[i] = testing::E4m3ToDouble(f.codes[i]) * sc;
-      }
-    }
-    Quantized q;
-    q.codes.dtype = client::DType::kFloat8E4M3;
-    q.codes.shape = {cu.back(), heads, d};
-    q.codes.data.assign(f.codes.begin(), f.codes.end());
-    q.descale = f.scales;
-    q.values = std::move(f.values);
-    return q;
-  };
-  auto random = [&](int64_t n) {
-    std::vector<double> x(n);
-    for (double& e : x) e = normal(rng_);
-    return x;
-  };
   struct Lengths {
     std::vector<int32_t> q, k;
   };
   const Lengths cases[] = {{{5, 1, 40}, {40, 9, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
   for (const Lengths& lengths : cases) {
-    const std::vector<int32_t> cu_q = testing::CuSeqlens(lengths.q);
-    const std::vector<int32_t> cu_k = testing::CuSeqlens(lengths.k);
     for (int d : {64, 128}) {
       for (bool causal : {false, true}) {
-        const bool per_head = causal;  // both kinds over the loop
-        const Quantized k = quantize(random(int64_t{cu_k.back()} * hkv * d), cu_k, hkv, d, per_head);
-        const Quantized v = quantize(random(int64_t{cu_k.back()} * hkv * d), cu_k, hkv, d, per_head);
-        const std::vector<double> qx = random(int64_t{cu_q.back()} * hq * d);
-        kernels::AttentionArgs shape;
-        shape.num_heads = hq;
-        shape.num_kv_heads = hkv;
-        shape.head_dim = d;
-        shape.causal = causal;
-        client::AttendOptions o;
-        o.cu_seqlens_q = cu_q;
-        o.cu_seqlens_k = cu_k;
-        o.causal = causal;
-        o.k_descale = k.descale;
-        o.v_descale = v.descale;
         for (client::DType qt : {client::DType::kFloat32, client::DType::kBFloat16,
                                  client::DType::kFloat8E4M3}) {
-          SCOPED_TRACE(::testing::Message() << "max_q " << lengths.q.size() << "/" << cu_q.back()
-                                            << " d " << d << " causal " << causal << " q "
-                                            << int(qt));
-          client::AttendOptions oq = o;
-          client::Tensor q;
-          std::vector<double> q_values;
-          client::DType out_type = qt;
-          if (qt == client::DType::kFloat8E4M3) {
-            // q's descales are per (sequence, KV head): a KV head's query heads quantize together.
-            Quantized qq = quantize(qx, cu_q, hkv, (hq / hkv) * d, per_head);
-            qq.codes.shape = {cu_q.back(), hq, d};
-            q = std::move(qq.codes);
-            q_values = std::move(qq.values);
-            oq.q_descale = qq.descale;
-            out_type = per_head ? client::DType::kFloat16 : client::DType::kBFloat16;
-            oq.o_dtype = out_type;
-          } else {
-            q = client::Tensor::FromFloats(qt, {cu_q.back(), hq, d},
-                                           std::vector<float>(qx.begin(), qx.end()));
-            const std::vector<float> f = q.ToFloats();
-            q_values.assign(f.begin(), f.end());
-          }
-          auto result = s.client->Attend(q, k.codes, v.codes, oq);
+          SCOPED_TRACE(::testing::Message() << "max_q " << lengths.q.size() << " d " << d
+                                            << " causal " << causal << " q " << int(qt));
+          testing::Fp8AttendCase c;
+          c.cu_q = testing::CuSeqlens(lengths.q);
+          c.cu_k = testing::CuSeqlens(lengths.k);
+          c.head_dim = d;
+          c.causal = causal;
+          c.per_head = causal;  // both kinds over the loop
+          c.q_type = qt;
+          const testing::Fp8Attend a = testing::MakeFp8Attend(c, rng_);
+          auto result = s.client->Attend(a.q, a.k.codes, a.v.codes, a.options);
           ASSERT_TRUE(result.ok()) << result.status();
-          ASSERT_EQ(result->o.dtype, out_type);
-          ASSERT_EQ(result->o.shape, q.shape);
-          const testing::ReferenceResult ref =
-              testing::ReferenceAttention(shape, q_values, k.values, v.values, cu_q, cu_k);
-          const std::vector<float> got = result->o.ToFloats();
-          double num = 0, den = 0;
-          for (size_t i = 0; i < ref.o.size(); ++i) {
-            ASSERT_TRUE(std::isfinite(got[i])) << i;
-            num += (got[i] - ref.o[i]) * (got[i] - ref.o[i]);
-            den += ref.o[i] * ref.o[i];
-          }
           // fp32 q computes in fp16 on the GPU; K/V rounded once more to 16 bits after the
           // conversion: the 16-bit type's tolerance.
-          const double tol = out_type == client::DType::kBFloat16 ? 1e-2 : 3e-3;
-          EXPECT_LE(std::sqrt(num / den), tol);
+          const double tol = a.out_type == client::DType::kBFloat16 ? 1e-2 : 3e-3;
+          EXPECT_LE(testing::Fp8AttendError(a, result->o), tol);
           if (qt == client::DType::kFloat8E4M3 && d == 64 && !causal) {
-            client::AttendOptions bad = oq;
+            client::AttendOptions bad = a.options;
             bad.k_descale.assign(bad.k_descale.size(), 0.0f);
-            auto refused = s.client->Attend(q, k.codes, v.codes, bad);
+            auto refused = s.client->Attend(a.q, a.k.codes, a.v.codes, bad);
             ASSERT_FALSE(refused.ok());
             EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
                 << refused.status();
             EXPECT_NE(std::string(refused.status().message()).find("fp8.k_descale"),
                       std::string::npos)
                 << refused.status();
-            auto again = s.client->Attend(q, k.codes, v.codes, oq);
+            auto again = s.client->Attend(a.q, a.k.codes, a.v.codes, a.options);
             ASSERT_TRUE(again.ok()) << again.status();
           }
         }

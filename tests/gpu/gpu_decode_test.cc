@@ -468,21 +468,23 @@ struct Fp8Param {
   int page;  // 0 contiguous
 };
 
+// A case of 8 query heads with an FP8 cache in fp's dtype, head dim, grouping and layout.
+Case Fp8Case(const Fp8Param& fp, int expect_decode) {
+  Case c;
+  c.dtype = fp.dtype;
+  c.head_dim = fp.head_dim;
+  c.num_heads = 8;
+  c.num_kv_heads = 8 / fp.group;
+  c.page_size = fp.page;
+  c.fp8_kv = true;
+  c.expect_decode = expect_decode;
+  c.seed = NextSeed();
+  return c;
+}
+
 class GpuFp8Decode : public ::testing::TestWithParam<Fp8Param> {
  protected:
-  Case Base() const {
-    const Fp8Param& fp = GetParam();
-    Case c;
-    c.dtype = fp.dtype;
-    c.head_dim = fp.head_dim;
-    c.num_heads = 8;
-    c.num_kv_heads = 8 / fp.group;
-    c.page_size = fp.page;
-    c.fp8_kv = true;
-    c.expect_decode = 1;
-    c.seed = NextSeed();
-    return c;
-  }
+  Case Base() const { return Fp8Case(GetParam(), 1); }
 };
 
 // One token over ragged caches (around the 32-key tiles and page sizes, long enough to split), one
@@ -627,17 +629,8 @@ TEST(GpuFp8DecodeMisc, LargeBf16Queries) {
 class GpuFp8Forward : public ::testing::TestWithParam<Fp8Param> {
  protected:
   Case Base(bool fp8_q) const {
-    const Fp8Param& fp = GetParam();
-    Case c;
-    c.dtype = fp.dtype;
-    c.head_dim = fp.head_dim;
-    c.num_heads = 8;
-    c.num_kv_heads = 8 / fp.group;
-    c.page_size = fp.page;
-    c.fp8_kv = true;
+    Case c = Fp8Case(GetParam(), 0);
     c.fp8_q = fp8_q;
-    c.expect_decode = 0;
-    c.seed = NextSeed();
     return c;
   }
 };

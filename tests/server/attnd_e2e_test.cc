@@ -20,7 +20,7 @@
 #include <set>
 #include <thread>
 
-#include "attn/kernels/dtype_convert.h"
+#include "fp8_attend_check.h"
 #include "common/reference.h"
 #include "test_util.h"
 
@@ -99,97 +99,24 @@ TEST(AttndEndToEnd, Fp8AttendMatchesTheReferenceOfItsDequantizedInputs) {
   EXPECT_TRUE(info->fp8().attend_fp8_q());
 
   std::mt19937_64 rng(std::random_device{}());
-  std::normal_distribution<double> normal(0.0, 1.0);
-  const int hq = 8, hkv = 2;
-  const std::vector<int32_t> cu_q = testing::CuSeqlens({5, 1, 17});
-  const std::vector<int32_t> cu_k = testing::CuSeqlens({40, 9, 33});
-  // Quantizes x [rows, heads, d] to codes with descales per (sequence, head), or one per tensor.
-  struct Quantized {
-    client::Tensor codes;
-    std::vector<float> descale;
-    std::vector<double> values;
-  };
-  auto quantize = [&](const std::vector<double>& x, const std::vector<int32_t>& cu, int heads,
-                      int d, bool per_head) {
-    Quantized q;
-    testing::Fp8Quantized f = testing::QuantizeE4m3(x, cu, heads, d);
-    if (!per_head) {
-      const float s = *std::max_element(f.scales.begin(), f.scales.end());
-      f.scales.assign(1, s);
-      for (size_t i = 0; i < x.size(); ++i) {
-        f.codes[i] = kernels::cpu::FloatToE4m3Bits(static_cast<float>(x[i] / s));
-        f.values[i] = testing::E4m3ToDouble(f.codes[i]) * s;
-      }
-    }
-    q.codes.dtype = client::DType::kFloat8E4M3;
-    q.codes.shape = {cu.back(), heads, d};
-    q.codes.data.assign(f.codes.begin(), f.codes.end());
-    q.descale = f.scales;
-    q.values = std::move(f.values);
-    return q;
-  };
-  auto random = [&](int64_t n) {
-    std::vector<double> x(n);
-    for (double& e : x) e = normal(rng);
-    return x;
-  };
   for (int d : {64, 128}) {
     for (bool causal : {false, true}) {
       for (bool per_head : {false, true}) {
-        const auto kx = random(int64_t{cu_k.back()} * hkv * d);
-        const auto vx = random(int64_t{cu_k.back()} * hkv * d);
-        const auto qx = random(int64_t{cu_q.back()} * hq * d);
-        const Quantized k = quantize(kx, cu_k, hkv, d, per_head);
-        const Quantized v = quantize(vx, cu_k, hkv, d, per_head);
-        kernels::AttentionArgs shape;
-        shape.num_heads = hq;
-        shape.num_kv_heads = hkv;
-        shape.head_dim = d;
-        shape.causal = causal;
-        client::AttendOptions o;
-        o.cu_seqlens_q = cu_q;
-        o.cu_seqlens_k = cu_k;
-        o.causal = causal;
-        o.k_descale = k.descale;
-        o.v_descale = v.descale;
         for (client::DType qt : {client::DType::kFloat32, client::DType::kFloat16,
                                  client::DType::kBFloat16, client::DType::kFloat8E4M3}) {
           SCOPED_TRACE(::testing::Message() << "d " << d << " causal " << causal << " per_head "
                                           << per_head << " q " << int(qt));
-          client::AttendOptions oq = o;
-          client::Tensor q;
-          std::vector<double> q_values;
-          client::DType out_type = qt;
-          if (qt == client::DType::kFloat8E4M3) {
-            // q's descales are indexed by (sequence, KV head): quantize each KV head's group of
-            // query heads together, as [rows, hkv, group * d].
-            Quantized qq = quantize(qx, cu_q, hkv, (hq / hkv) * d, per_head);
-            qq.codes.shape = {cu_q.back(), hq, d};
-            q = std::move(qq.codes);
-            q_values = std::move(qq.values);
-            oq.q_descale = qq.descale;
-            out_type = per_head ? client::DType::kFloat16 : client::DType::kBFloat16;
-            oq.o_dtype = out_type;
-          } else {
-            q = client::Tensor::FromFloats(qt, {cu_q.back(), hq, d},
-                                           std::vector<float>(qx.begin(), qx.end()));
-            const std::vector<float> f = q.ToFloats();
-            q_values.assign(f.begin(), f.end());
-          }
-          auto result = client->Attend(q, k.codes, v.codes, oq);
+          testing::Fp8AttendCase c;
+          c.cu_q = testing::CuSeqlens({5, 1, 17});
+          c.cu_k = testing::CuSeqlens({40, 9, 33});
+          c.head_dim = d;
+          c.causal = causal;
+          c.per_head = per_head;
+          c.q_type = qt;
+          const testing::Fp8Attend a = testing::MakeFp8Attend(c, rng);
+          auto result = client->Attend(a.q, a.k.codes, a.v.codes, a.options);
           ASSERT_TRUE(result.ok()) << result.status();
-          ASSERT_EQ(result->o.dtype, out_type);
-          ASSERT_EQ(result->o.shape, q.shape);
-          const testing::ReferenceResult ref =
-              testing::ReferenceAttention(shape, q_values, k.values, v.values, cu_q, cu_k);
-          const std::vector<float> got = result->o.ToFloats();
-          double num = 0, den = 0;
-          for (size_t i = 0; i < ref.o.size(); ++i) {
-            ASSERT_TRUE(std::isfinite(got[i])) << i;
-            num += (got[i] - ref.o[i]) * (got[i] - ref.o[i]);
-            den += ref.o[i] * ref.o[i];
-          }
-          EXPECT_LE(std::sqrt(num / den), testing::ToleranceFor(out_type));
+          EXPECT_LE(testing::Fp8AttendError(a, result->o), testing::ToleranceFor(a.out_type));
         }
       }
     }
