@@ -10,6 +10,7 @@
 #include <google/protobuf/util/field_comparator.h>
 #include <google/protobuf/util/message_differencer.h>
 
+#include "fuzz_env.h"
 #include "rpc/attend_request_decoder.h"
 #include "rpc/attend_validation.h"
 #include "transport/tensor_source.h"
@@ -54,16 +55,7 @@ double MaxAbs(std::string_view bytes, v1::DType dtype) {
 // INVALID_ARGUMENT, accept whatever protobuf accepts with the same message (tensor data as pieces
 // of the input), and validate that message as the protobuf path does. "" when all holds.
 std::string CheckWireReader(const uint8_t* data, size_t size, const RequestLimits& limits) {
-  std::string_view bytes(reinterpret_cast<const char*>(data), size);
-  std::vector<std::string_view> pieces;
-  size_t start = 0;
-  for (size_t i = 0; i < size; ++i) {
-    if ((data[i] & 7) == 5 || i == size / 3 || i == 2 * size / 3) {
-      pieces.push_back(bytes.substr(start, i + 1 - start));
-      start = i + 1;
-    }
-  }
-  pieces.push_back(bytes.substr(start));
+  const std::vector<std::string_view> pieces = PiecesOf(data, size);
   DecodedAttendRequest decoded;
   const absl::Status st = DecodeAttendRequest(pieces, &decoded);
   v1::AttendRequest expected;

@@ -146,4 +146,18 @@ std::string ComputeAttendOnCpu(AttendJob& job, const v1::AttendRequest& request,
   return "";
 }
 
+std::vector<std::string_view> PiecesOf(const uint8_t* data, size_t size) {
+  const std::string_view bytes(reinterpret_cast<const char*>(data), size);
+  std::vector<std::string_view> pieces;
+  size_t start = 0;
+  for (size_t i = 0; i < size; ++i) {
+    if ((data[i] & 7) == 5 || i == size / 3 || i == 2 * size / 3) {
+      pieces.push_back(bytes.substr(start, i + 1 - start));
+      start = i + 1;
+    }
+  }
+  pieces.push_back(bytes.substr(start));
+  return pieces;
+}
+
 }  // namespace attn::fuzz

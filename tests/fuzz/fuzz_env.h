@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "engine/attend_job.h"
 #include "engine/job.h"
@@ -68,5 +70,9 @@ class FuzzRegions {
 // violation.
 std::string ComputeAttendOnCpu(AttendJob& job, const v1::AttendRequest& request,
                                v1::AttendResponse* response);
+
+// The input as the slices a message may arrive in, cut where the input says: after each byte whose
+// low 3 bits are 0b101, and at 1/3 and 2/3 of it (views of data).
+std::vector<std::string_view> PiecesOf(const uint8_t* data, size_t size);
 
 }  // namespace attn::fuzz

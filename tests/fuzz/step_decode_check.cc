@@ -6,24 +6,11 @@
 #include "absl/strings/str_cat.h"
 
 #include "attn/v1/attention.pb.h"
+#include "fuzz_env.h"
 #include "rpc/step_request_decoder.h"
 
 namespace attn::fuzz {
 namespace {
-
-std::vector<std::string_view> PiecesOf(const uint8_t* data, size_t size) {
-  const std::string_view bytes(reinterpret_cast<const char*>(data), size);
-  std::vector<std::string_view> pieces;
-  size_t start = 0;
-  for (size_t i = 0; i < size; ++i) {
-    if ((data[i] & 7) == 5 || i == size / 3 || i == 2 * size / 3) {
-      pieces.push_back(bytes.substr(start, i + 1 - start));
-      start = i + 1;
-    }
-  }
-  pieces.push_back(bytes.substr(start));
-  return pieces;
-}
 
 // want (protobuf's step, data cleared here) against the decoder's.
 std::string CompareStep(v1::StepRequest want, const DecodedStepRequest& got, size_t index) {
