@@ -10,7 +10,8 @@ import pytest
 
 import attnd
 import attnd.aio
-from conftest import TOLERANCE, check_lse, make, metric, reference, relative_error, values
+from conftest import (TOLERANCE, Server, check_lse, make, metric, reference, relative_error,
+                      values)
 
 
 def _items(rng, n, bad_at=()):
@@ -223,3 +224,41 @@ def test_asyncio_steps_of_one_turn_travel_as_one_batch_step(server):
             await asyncio.gather(*(s.close() for s in sessions))
 
     asyncio.run(main())
+
+
+def test_asyncio_coalesced_prefills_stay_under_the_message_limit():
+    """Concurrent prefills whose steps together pass the message limit go in several BatchSteps
+    (or Steps), each answered right, instead of one call refused as too large."""
+    limit = 4 << 20
+    server = Server(f"--max_message_bytes={limit}")
+    rng = np.random.default_rng(36)
+    heads, kv_heads, d, n, t = 4, 2, 64, 8, 600  # 600 KiB of tensors a step, 4.7 MiB together
+
+    def calls(rpc):
+        return metric(server.metrics(), "attn_requests_total", rpc=rpc, code="OK")
+
+    async def main():
+        async with attnd.aio.Client(server.target, max_message_bytes=limit) as c:
+            sessions = await asyncio.gather(*(c.create_session(1, kv_heads, d, "fp16")
+                                              for _ in range(n)))
+            steps, refs = [], []
+            for s in sessions:
+                q, q64 = make(rng, (t, heads, d), "fp16")
+                k, k64 = make(rng, (t, kv_heads, d), "fp16")
+                v, v64 = make(rng, (t, kv_heads, d), "fp16")
+                steps.append(s.step(0, q, k, v))
+                refs.append(reference(q64, k64, v64, causal=True)[0])
+            before = calls("BatchStep"), calls("Step")
+            results = await asyncio.gather(*steps)
+            after = calls("BatchStep"), calls("Step")
+            for r, ref in zip(results, refs):
+                assert r.cached_tokens == t
+                assert relative_error(values(r.o, "fp16"), ref) <= TOLERANCE["fp16"]
+            # At most half the limit (2 MiB) a call: steps 3, 3 and 2 in three BatchSteps.
+            assert (after[0] - before[0], after[1] - before[1]) == (3, 0)
+            await asyncio.gather(*(s.close() for s in sessions))
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()

@@ -11,6 +11,9 @@ One Client belongs to one event loop (grpc.aio's rule); any number of calls may 
 Steps issued in the same turn of the event loop (64 sessions' coroutines each awaiting
 ``client.step``, say) go to attnd together as one BatchStep, where each keeps its own result or
 error: one call and one launch instead of 64 (``coalesce_steps=False`` sends each as a Step).
+A BatchStep carries at most ``max_coalesced_steps`` steps and ``max_coalesced_bytes`` of tensors
+(and never more than half of ``max_message_bytes``): concurrent prefills go in several calls
+rather than in one message too large to send or to answer.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ _INFO_TIMEOUT = 10.0
 
 
 class Client(_ChannelSet):
-    """asyncio twin of attnd.Client (same arguments and methods, as coroutines)."""
+    """asyncio twin of attnd.Client (same arguments and methods, as coroutines), and:
+
+    Args:
+        coalesce_steps: steps asked for in one turn of the event loop travel as one BatchStep
+            (False: one Step call each).
+        max_coalesced_steps, max_coalesced_bytes: the most steps, and request bytes, one such
+            BatchStep carries (bytes: at most half of max_message_bytes either way).
+    """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, tls: bool = False,
                  tls_ca: PathOrPem = None, tls_cert: PathOrPem = None, tls_key: PathOrPem = None,
@@ -44,7 +54,7 @@ class Client(_ChannelSet):
                  connections: int = 1, max_message_bytes: int = 256 << 20,
                  wait_for_ready: bool = False, lb_policy: Optional[str] = None,
                  channel_options: Sequence[Tuple[str, Any]] = (), coalesce_steps: bool = True,
-                 max_coalesced_steps: int = 128):
+                 max_coalesced_steps: int = 128, max_coalesced_bytes: int = 32 << 20):
         self.options = ClientOptions(
             target=target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
             tls_server_name=tls_server_name, token=token, timeout=timeout, retries=retries,
@@ -52,7 +62,9 @@ class Client(_ChannelSet):
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
             lb_policy=lb_policy, channel_options=tuple(channel_options))
         self._open(grpc.aio.secure_channel, grpc.aio.insecure_channel)
-        self._steps = _StepCoalescer(self, max_coalesced_steps) if coalesce_steps else None
+        self._steps = (_StepCoalescer(self, max_coalesced_steps,
+                                      min(max_coalesced_bytes, max_message_bytes // 2))
+                       if coalesce_steps else None)
 
     async def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
         call = self._methods()[method]
@@ -284,13 +296,16 @@ class Client(_ChannelSet):
 
 class _StepCoalescer:
     """Collects the steps a Client is asked for during one turn of its event loop and sends them
-    when the turn ends: one Step where there is one, else BatchSteps of at most `limit` items (one
-    per deadline). Each caller's future gets its own item's result or error; a failed call fails
-    every item it carried. Items whose caller was cancelled before sending are left out."""
+    when the turn ends: one Step where there is one, else BatchSteps of at most `limit` items and
+    `max_bytes` of request (one group per deadline; an answer is never larger than its request: o
+    has q's shape, lse is 4 bytes per query head and token). A step larger than max_bytes goes
+    alone. Each caller's future gets its own item's result or error; a failed call fails every
+    item it carried. Items whose caller was cancelled before sending are left out."""
 
-    def __init__(self, client: Client, limit: int):
+    def __init__(self, client: Client, limit: int, max_bytes: int):
         self._client = client
         self._limit = max(1, int(limit))
+        self._max_bytes = max(1, int(max_bytes))
         self._pending: Dict[Optional[float], List[Tuple[Any, _core.Prepared, asyncio.Future]]] = {}
         self._scheduled = False
         self._sending: "set[asyncio.Task]" = set()
@@ -313,10 +328,23 @@ class _StepCoalescer:
         self._scheduled = False
         groups, self._pending = self._pending, {}
         for timeout, items in groups.items():
-            for at in range(0, len(items), self._limit):
-                task = asyncio.ensure_future(self._send(items[at:at + self._limit], timeout))
+            for batch in self._batches(items):
+                task = asyncio.ensure_future(self._send(batch, timeout))
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
+
+    def _batches(self, items: List[Tuple[Any, _core.Prepared, asyncio.Future]]) -> List[list]:
+        """items in order, cut where a batch would exceed the step or byte limit."""
+        batches: List[list] = []
+        size = 0
+        for item in items:
+            if (not batches or len(batches[-1]) >= self._limit or
+                    size + item[0].size > self._max_bytes):
+                batches.append([])
+                size = 0
+            batches[-1].append(item)
+            size += item[0].size
+        return batches
 
     async def _send(self, items: List[Tuple[Any, _core.Prepared, asyncio.Future]],
                     timeout: Optional[float]) -> None:
