@@ -226,9 +226,10 @@ def test_asyncio_steps_of_one_turn_travel_as_one_batch_step(server):
     asyncio.run(main())
 
 
-def test_asyncio_coalesced_prefills_stay_under_the_message_limit():
-    """Concurrent prefills whose steps together pass the message limit go in several BatchSteps
-    (or Steps), each answered right, instead of one call refused as too large."""
+def test_batches_of_prefills_stay_under_the_message_limit():
+    """Prefills whose steps together pass the message limit (asyncio steps of one turn, or one
+    batch_step call, sync or asyncio) go in several BatchSteps, each answered right, instead of
+    one call refused as too large."""
     limit = 4 << 20
     server = Server(f"--max_message_bytes={limit}")
     rng = np.random.default_rng(36)
@@ -237,28 +238,49 @@ def test_asyncio_coalesced_prefills_stay_under_the_message_limit():
     def calls(rpc):
         return metric(server.metrics(), "attn_requests_total", rpc=rpc, code="OK")
 
-    async def main():
+    def prefills():
+        work, refs = [], []
+        for _ in range(n):
+            q, q64 = make(rng, (t, heads, d), "fp16")
+            k, k64 = make(rng, (t, kv_heads, d), "fp16")
+            v, v64 = make(rng, (t, kv_heads, d), "fp16")
+            work.append((q, k, v))
+            refs.append(reference(q64, k64, v64, causal=True)[0])
+        return work, refs
+
+    def check(results, refs, before):
+        after = calls("BatchStep"), calls("Step")
+        for r, ref in zip(results, refs):
+            assert r.cached_tokens == t
+            assert relative_error(values(r.o, "fp16"), ref) <= TOLERANCE["fp16"]
+        # At most half the limit (2 MiB) a call: steps 3, 3 and 2 in three BatchSteps.
+        assert (after[0] - before[0], after[1] - before[1]) == (3, 0)
+
+    async def asyncio_part():
         async with attnd.aio.Client(server.target, max_message_bytes=limit) as c:
-            sessions = await asyncio.gather(*(c.create_session(1, kv_heads, d, "fp16")
-                                              for _ in range(n)))
-            steps, refs = [], []
-            for s in sessions:
-                q, q64 = make(rng, (t, heads, d), "fp16")
-                k, k64 = make(rng, (t, kv_heads, d), "fp16")
-                v, v64 = make(rng, (t, kv_heads, d), "fp16")
-                steps.append(s.step(0, q, k, v))
-                refs.append(reference(q64, k64, v64, causal=True)[0])
-            before = calls("BatchStep"), calls("Step")
-            results = await asyncio.gather(*steps)
-            after = calls("BatchStep"), calls("Step")
-            for r, ref in zip(results, refs):
-                assert r.cached_tokens == t
-                assert relative_error(values(r.o, "fp16"), ref) <= TOLERANCE["fp16"]
-            # At most half the limit (2 MiB) a call: steps 3, 3 and 2 in three BatchSteps.
-            assert (after[0] - before[0], after[1] - before[1]) == (3, 0)
-            await asyncio.gather(*(s.close() for s in sessions))
+            for one_call in (False, True):
+                sessions = await asyncio.gather(*(c.create_session(1, kv_heads, d, "fp16")
+                                                  for _ in range(n)))
+                work, refs = prefills()
+                before = calls("BatchStep"), calls("Step")
+                if one_call:
+                    results = await c.batch_step([attnd.StepItem(s, 0, *w)
+                                                  for s, w in zip(sessions, work)])
+                else:
+                    results = await asyncio.gather(*(s.step(0, *w)
+                                                     for s, w in zip(sessions, work)))
+                check(results, refs, before)
+                await asyncio.gather(*(s.close() for s in sessions))
 
     try:
-        asyncio.run(main())
+        asyncio.run(asyncio_part())
+        with attnd.Client(server.target, max_message_bytes=limit) as c:
+            sessions = [c.create_session(1, kv_heads, d, "fp16") for _ in range(n)]
+            work, refs = prefills()
+            before = calls("BatchStep"), calls("Step")
+            results = c.batch_step([attnd.StepItem(s, 0, *w) for s, w in zip(sessions, work)])
+            check(results, refs, before)
+            for s in sessions:
+                s.close()
     finally:
         server.stop()

@@ -315,16 +315,36 @@ def as_step_item(item: Any) -> StepItem:
 
 
 def prepare_batch_step(regions: RegionTable, items: Sequence[Any]) -> Tuple[bytes, List[Prepared]]:
-    messages, prepared = [], []
+    """items as one BatchStep message, and how to read each item's answer."""
+    (message, prepared), = prepare_batch_steps(regions, items, None)
+    return message, prepared
+
+
+def prepare_batch_steps(regions: RegionTable, items: Sequence[Any],
+                        max_bytes: Optional[int]) -> List[Tuple[bytes, List[Prepared]]]:
+    """items as BatchStep messages in order, each of at most max_bytes of steps where it can be
+    (an item larger than that goes alone; None: one message). An answer is never larger than its
+    request (o has q's shape, lse 4 bytes per query head and token), so it fits as well."""
+    parts: List[Tuple[List[Any], List[Prepared]]] = []
+    size = 0
     for raw in items:
         it = as_step_item(raw)
         m, maker, o_in, lse_in, sync = step_message(regions, it.session, it.layer, it.q, it.k_new,
                                                     it.v_new, it.scale, it.return_lse, it.window,
                                                     it.out, it.lse_out)
-        messages.append(m)
-        prepared.append(Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync))
-    m = _wire.batch_step_request(messages)
-    return _tensors.assemble(m.parts, m.size, m.cuda), prepared
+        if not parts or (max_bytes is not None and size + m.size > max_bytes):
+            parts.append(([], []))
+            size = 0
+        parts[-1][0].append(m)
+        parts[-1][1].append(Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync))
+        size += m.size
+    if not parts:
+        parts.append(([], []))
+    out = []
+    for messages, prepared in parts:
+        m = _wire.batch_step_request(messages)
+        out.append((_tensors.assemble(m.parts, m.size, m.cuda), prepared))
+    return out
 
 
 def prepare_echo(payload: Any, response_bytes: int) -> bytes:

@@ -226,11 +226,13 @@ class Client(_ChannelSet):
     async def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                          return_exceptions: bool = False) -> List[Any]:
         """See attnd.Client.batch_step."""
-        message, prepared = _core.prepare_batch_step(self.regions, items)
-        for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
-            _core.cuda_synchronize(device)
-        buf = await self._unary("BatchStep", message, self._timeout(timeout))
-        results = _core.read_batch_step(buf, prepared)
+        results: List[Any] = []
+        for message, prepared in _core.prepare_batch_steps(self.regions, items,
+                                                            self.options.max_message_bytes // 2):
+            for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
+                _core.cuda_synchronize(device)
+            buf = await self._unary("BatchStep", message, self._timeout(timeout))
+            results += _core.read_batch_step(buf, prepared)
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results

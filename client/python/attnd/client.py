@@ -311,13 +311,16 @@ class Client(_ChannelSet):
         items: StepItem(session, layer, q, k_new, v_new, ...) or tuples in that order. Returns a
         StepResult per item. Items succeed or fail on their own: a failed item raises
         BatchStepError (whose ``results`` hold every item's outcome) unless return_exceptions,
-        in which case its AttndError takes its place in the list.
+        in which case its AttndError takes its place in the list. Items whose tensors together
+        pass half of max_message_bytes go in several calls, one after the other, in order.
         """
-        message, prepared = _core.prepare_batch_step(self.regions, items)
-        for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
-            _core.cuda_synchronize(device)
-        buf = self._unary("BatchStep", message, self._timeout(timeout))
-        results = _core.read_batch_step(buf, prepared)
+        results: List[Any] = []
+        for message, prepared in _core.prepare_batch_steps(self.regions, items,
+                                                            self.options.max_message_bytes // 2):
+            for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
+                _core.cuda_synchronize(device)
+            buf = self._unary("BatchStep", message, self._timeout(timeout))
+            results += _core.read_batch_step(buf, prepared)
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
