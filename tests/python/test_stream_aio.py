@@ -284,3 +284,39 @@ def test_batches_of_prefills_stay_under_the_message_limit():
                 s.close()
     finally:
         server.stop()
+
+
+def test_batch_step_in_parts_fails_only_the_part_whose_call_fails():
+    """A batch_step cut into several calls: a call refused as a whole (larger than attnd's
+    message limit, which this client's larger limit let through) fails its own items only; the
+    items of the other calls are applied and answered."""
+    server = Server(f"--max_message_bytes={4 << 20}")
+    rng = np.random.default_rng(37)
+    heads, kv_heads, d = 2, 1, 128  # 1 KiB of tensors a token
+    try:
+        with attnd.Client(server.target, max_message_bytes=16 << 20) as c:  # parts of <= 8 MiB
+            sessions = [c.create_session(1, kv_heads, d, "fp16") for _ in range(3)]
+            work, refs = [], []
+            for t in (2560, 5120, 2560):  # calls: [2.5 + 5 MiB] (refused), [2.5 MiB]
+                q, q64 = make(rng, (t, heads, d), "fp16")
+                k, k64 = make(rng, (t, kv_heads, d), "fp16")
+                v, v64 = make(rng, (t, kv_heads, d), "fp16")
+                work.append((q, k, v))
+                refs.append((q64, k64, v64))
+            results = c.batch_step([attnd.StepItem(s, 0, *w) for s, w in zip(sessions, work)],
+                                   return_exceptions=True)
+            assert isinstance(results[0], attnd.ResourceExhausted), results[0]
+            assert isinstance(results[1], attnd.ResourceExhausted), results[1]
+            assert results[0] is not results[1]
+            ref = reference(*refs[2], causal=True)[0]
+            assert results[2].cached_tokens == 2560
+            assert relative_error(values(results[2].o, "fp16"), ref) <= TOLERANCE["fp16"]
+            with pytest.raises(attnd.BatchStepError):
+                c.batch_step([attnd.StepItem(s, 0, *w) for s, w in zip(sessions, work)])
+            one = [make(rng, (1, h, d), "fp16")[0] for h in (heads, kv_heads, kv_heads)]
+            # The refused part's sessions are still empty.
+            assert [s.step(0, *one).cached_tokens for s in sessions[:2]] == [1, 1]
+            for s in sessions:
+                s.close()
+    finally:
+        server.stop()

@@ -3,6 +3,7 @@ requests and the reading of answers. Neither does I/O here."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -312,6 +313,11 @@ def as_step_item(item: Any) -> StepItem:
     if isinstance(item, dict):
         return StepItem(**item)
     return StepItem(*item)
+
+
+def copies_of(error: Exception, n: int) -> List[Exception]:
+    """error for each of n items of a call that failed as a whole (each its own copy)."""
+    return [error] + [copy.copy(error) for _ in range(n - 1)]
 
 
 def prepare_batch_step(regions: RegionTable, items: Sequence[Any]) -> Tuple[bytes, List[Prepared]]:

@@ -19,7 +19,6 @@ rather than in one message too large to send or to answer.
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
@@ -226,12 +225,18 @@ class Client(_ChannelSet):
     async def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                          return_exceptions: bool = False) -> List[Any]:
         """See attnd.Client.batch_step."""
+        parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2)
         results: List[Any] = []
-        for message, prepared in _core.prepare_batch_steps(self.regions, items,
-                                                            self.options.max_message_bytes // 2):
+        for message, prepared in parts:
             for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
                 _core.cuda_synchronize(device)
-            buf = await self._unary("BatchStep", message, self._timeout(timeout))
+            try:
+                buf = await self._unary("BatchStep", message, self._timeout(timeout))
+            except AttndError as e:
+                if len(parts) == 1:
+                    raise
+                results += _core.copies_of(e, len(prepared))
+                continue
             results += _core.read_batch_step(buf, prepared)
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
@@ -367,7 +372,7 @@ class _StepCoalescer:
                     "BatchStep", _tensors.assemble(m.parts, m.size, m.cuda), timeout)
                 results = _core.read_batch_step(buf, [it[1] for it in items])
         except Exception as e:  # the call failed: so did each of its items (each its own copy)
-            results = [e] + [copy.copy(e) for _ in items[1:]]
+            results = _core.copies_of(e, len(items))
         for (_, _, future), r in zip(items, results):
             if future.done():
                 continue

@@ -312,14 +312,21 @@ class Client(_ChannelSet):
         StepResult per item. Items succeed or fail on their own: a failed item raises
         BatchStepError (whose ``results`` hold every item's outcome) unless return_exceptions,
         in which case its AttndError takes its place in the list. Items whose tensors together
-        pass half of max_message_bytes go in several calls, one after the other, in order.
+        pass half of max_message_bytes go in several calls, one after the other, in order; a
+        call of those that fails fails its own items only (each gets the call's error).
         """
+        parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2)
         results: List[Any] = []
-        for message, prepared in _core.prepare_batch_steps(self.regions, items,
-                                                            self.options.max_message_bytes // 2):
+        for message, prepared in parts:
             for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
                 _core.cuda_synchronize(device)
-            buf = self._unary("BatchStep", message, self._timeout(timeout))
+            try:
+                buf = self._unary("BatchStep", message, self._timeout(timeout))
+            except AttndError as e:
+                if len(parts) == 1:
+                    raise
+                results += _core.copies_of(e, len(prepared))
+                continue
             results += _core.read_batch_step(buf, prepared)
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
