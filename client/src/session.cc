@@ -48,9 +48,9 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> ParseBatch(
   return out;
 }
 
-// BatchStep of items[indices] (all of them when indices is null), through the wire coding when
-// the client has it on, else through protobuf messages and the generated stub.
-absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SendBatch(
+// One BatchStep call of items[indices] (all of them when indices is null), through the wire
+// coding when the client has it on, else through protobuf messages and the generated stub.
+absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SendOneBatch(
     Client& client, const std::vector<StepInput>& items, const std::vector<size_t>* indices,
     milliseconds timeout) {
   const size_t n = indices != nullptr ? indices->size() : items.size();
@@ -70,6 +70,53 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SendBatch(
   const grpc::Status st = client.stub()->BatchStep(&ctx, BuildBatch(items, indices), &response);
   if (!st.ok()) return FromGrpc(st);
   return ParseBatch(response, n);
+}
+
+// items[indices] (all when null) in order, cut where the tensors of a part would pass max_bytes
+// (an item larger than that is a part of its own). An answer is never larger than its request
+// (o has q's shape, lse 4 bytes per query head and token), so it fits as well.
+std::vector<std::vector<size_t>> PartsWithin(const std::vector<StepInput>& items,
+                                             const std::vector<size_t>* indices,
+                                             int64_t max_bytes) {
+  std::vector<std::vector<size_t>> parts;
+  int64_t bytes = 0;
+  const size_t n = indices != nullptr ? indices->size() : items.size();
+  for (size_t j = 0; j < n; ++j) {
+    const size_t i = indices != nullptr ? (*indices)[j] : j;
+    const StepInput& in = items[i];
+    const int64_t size =
+        static_cast<int64_t>(in.q.data.size() + in.k_new.data.size() + in.v_new.data.size());
+    if (parts.empty() || bytes + size > max_bytes) {
+      parts.emplace_back();
+      bytes = 0;
+    }
+    parts.back().push_back(i);
+    bytes += size;
+  }
+  return parts;
+}
+
+// BatchStep of items[indices] (all when null): one call, or several in order where the items'
+// tensors pass half the client's largest message. Then a call that fails fails its own items
+// (their status is the call's), and the others keep their answers.
+absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> SendBatch(
+    Client& client, const std::vector<StepInput>& items, const std::vector<size_t>* indices,
+    milliseconds timeout) {
+  const std::vector<std::vector<size_t>> parts =
+      PartsWithin(items, indices, client.max_message_bytes() / 2);
+  if (parts.size() <= 1) return SendOneBatch(client, items, indices, timeout);
+  std::vector<absl::StatusOr<StepResult>> results;
+  for (const std::vector<size_t>& part : parts) {
+    auto answer = SendOneBatch(client, items, &part, timeout);
+    for (size_t j = 0; j < part.size(); ++j) {
+      if (answer.ok()) {
+        results.push_back(std::move((*answer)[j]));
+      } else {
+        results.push_back(answer.status());
+      }
+    }
+  }
+  return results;
 }
 
 // GetServerInfo with its own deadline (Client::GetServerInfo has a fixed one).

@@ -742,5 +742,65 @@ TEST_F(StepWireServerTest, MalformedMessagesAreRefusedAndHarmNothing) {
   EXPECT_LE(e.o, testing::StepTolerance(spec_.dtype));
 }
 
+// A BatchStep whose tensors pass half the client's largest message goes in several calls, in
+// order, through either coding; a call that attnd refuses as a whole (over its own, smaller
+// limit) fails its own items only, and the other calls' items are applied and right.
+TEST(StepWireSplitTest, LargeBatchStepsGoInPartsAndARefusedPartFailsOnlyItsItems) {
+  const SessionSpec spec{3, 8, 2, 32, v1::DTYPE_BFLOAT16};  // 768 bytes of tensors a token
+  ServerOptions o;
+  o.kv_page_tokens = 4;
+  o.kv_cache_bytes = int64_t{16} << 20;
+  o.max_message_bytes = 40 << 10;
+  testing::LoopbackServer server = testing::StartLoopbackServer(o);
+  ASSERT_NE(server.server, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  for (bool wire : {true, false}) {
+    SCOPED_TRACE(wire ? "wire coding" : "protobuf coding");
+    for (int client_limit : {64 << 10, 128 << 10}) {  // parts of <= 32 KiB, <= 64 KiB
+      SCOPED_TRACE(::testing::Message() << "client limit " << client_limit);
+      client::ClientOptions co;
+      co.target = server.target;
+      co.wire_coding = wire;
+      co.max_message_bytes = client_limit;
+      auto c = client::Client::Create(co);
+      ASSERT_TRUE(c.ok()) << c.status();
+      client::SessionSpec cs;
+      cs.num_layers = spec.layers;
+      cs.num_kv_heads = spec.kv_heads;
+      cs.head_dim = spec.head_dim;
+      cs.dtype = client::DType::kBFloat16;
+      auto info = client::CreateSession(**c, cs);
+      ASSERT_TRUE(info.ok()) << info.status();
+      SessionShadow shadow(spec);
+      // 30 tokens a layer (~23 KiB, 69 KiB together: more than either client sends at once).
+      std::vector<v1::StepRequest> steps;
+      std::vector<client::StepInput> items;
+      for (int layer = 0; layer < spec.layers; ++layer) {
+        steps.push_back(testing::RandomStep(info->session_id, layer, 30, spec, rng));
+        items.push_back(InputOf(steps.back()));
+      }
+      auto results = client::BatchStep(**c, items);
+      ASSERT_TRUE(results.ok()) << results.status();
+      ASSERT_EQ(results->size(), items.size());
+      // 64 KiB: three calls of one step, all applied. 128 KiB: layers 0 and 1 in one call of
+      // ~46 KiB, which attnd refuses; layer 2 alone, applied.
+      const size_t refused = client_limit == (64 << 10) ? 0 : 2;
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (i < refused) {
+          EXPECT_EQ((*results)[i].status().code(), absl::StatusCode::kResourceExhausted)
+              << (*results)[i].status();
+          continue;
+        }
+        ASSERT_TRUE((*results)[i].ok()) << (*results)[i].status();
+        shadow.Append(steps[i]);
+        EXPECT_EQ((*results)[i]->cached_tokens, 30);
+        const auto e = shadow.Check(steps[i], ResponseOf(*(*results)[i]));
+        EXPECT_EQ(e.non_finite, 0);
+        EXPECT_LE(e.o, testing::StepTolerance(spec.dtype));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attn

@@ -79,7 +79,9 @@ class AsyncClient {
   std::future<absl::StatusOr<StepResult>> Step(
       StepInput&& in, std::chrono::milliseconds timeout = kDefaultSessionTimeout);
 
-  // The outer status is the RPC's; each item then has its own.
+  // The outer status is the RPC's; each item then has its own. One call, whatever its size
+  // (session.h's blocking BatchStep cuts one larger than half of max_message_bytes into several):
+  // a batch past the message limit fails as a whole with RESOURCE_EXHAUSTED.
   using BatchStepResults = std::vector<absl::StatusOr<StepResult>>;
   AsyncCall BatchStep(const std::vector<StepInput>& items, std::chrono::milliseconds timeout,
                       AsyncCallback<BatchStepResults> done);

@@ -165,6 +165,8 @@ class Client {
   void PrepareContext(grpc::ClientContext* ctx, std::chrono::milliseconds timeout) const;
   // ClientOptions::wire_coding: session.h's Step and BatchStep then go out as the raw calls below.
   bool wire_coding() const { return options_.wire_coding; }
+  // ClientOptions::max_message_bytes: the largest message this client sends or receives.
+  int64_t max_message_bytes() const { return options_.max_message_bytes; }
   // Step and BatchStep as blocking raw calls with bytes coded by the caller (wire_coding.h), on
   // the next connection.
   grpc::Status CallStep(grpc::ByteBuffer request, std::chrono::milliseconds timeout,

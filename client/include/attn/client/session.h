@@ -114,7 +114,9 @@ absl::StatusOr<SessionInfo> CreateSession(Client& client, const SessionSpec& spe
                                           std::chrono::milliseconds timeout = kDefaultSessionTimeout);
 absl::StatusOr<StepResult> Step(Client& client, const StepInput& in,
                                 std::chrono::milliseconds timeout = kDefaultSessionTimeout);
-// The outer status is the RPC's; each item then has its own.
+// The outer status is the RPC's; each item then has its own. Items whose tensors pass half of
+// the client's max_message_bytes go in several calls, in order; then a call that fails fails its
+// own items (each gets its status) and the outer status is OK.
 absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStep(
     Client& client, const std::vector<StepInput>& items,
     std::chrono::milliseconds timeout = kDefaultSessionTimeout);
