@@ -1399,19 +1399,34 @@ TEST_F(ImportBadInput, AForkFamilyInOneStreamSharesItsPage) {
 
 // A sender that goes away midway (its call cancelled after a page): the peer frees what it took.
 TEST_F(ImportBadInput, ASenderThatGoesAwayMidwayLeavesNothing) {
+  // The sender goes away once attnd holds the import's pages (its header was taken), and the
+  // check waits for attnd's count of the imports it answered (whatever their code) to move: free
+  // pages alone read as before both before the import takes its pages and after it gives them
+  // back.
+  const int port = SessionServer()->server->metrics_port();
+  auto answered = [port] {
+    return testing::MetricValue(testing::HttpGet(port, "/metrics"), "attn_requests_total",
+                                {"rpc=\"ImportSession\""});
+  };
+  const double answered_before = answered();
   grpc::ClientContext ctx;
   v1::ImportSessionResponse response;
   auto stream = stub_->ImportSession(&ctx, &response);
   ASSERT_TRUE(stream->Write(ImportHeader()));
   ASSERT_TRUE(stream->Write(ImportPage(0)));
-  ctx.TryCancel();
-  EXPECT_EQ(stream->Finish().error_code(), StatusCode::CANCELLED);
   v1::KvCacheInfo now;
   for (int waited = 0; waited < 10000; waited += 10) {
     ASSERT_TRUE(testing::GetKvCache(stub_, &now).ok());
-    if (now.free_pages() == before_.free_pages()) break;
+    if (now.free_pages() < before_.free_pages()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  ASSERT_LT(now.free_pages(), before_.free_pages()) << "the import never took its pages";
+  ctx.TryCancel();
+  EXPECT_EQ(stream->Finish().error_code(), StatusCode::CANCELLED);
+  for (int waited = 0; waited < 10000 && answered() == answered_before; waited += 10) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(answered(), answered_before + 1);
   ExpectNothingLeft("a cancelled import");
 }
 
