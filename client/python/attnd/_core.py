@@ -326,31 +326,55 @@ def prepare_batch_step(regions: RegionTable, items: Sequence[Any]) -> Tuple[byte
     return message, prepared
 
 
+def cut_by_size(items: Sequence[Any], size_of: Any, max_bytes: Optional[int],
+                max_items: Optional[int] = None) -> List[List[Any]]:
+    """items in order, cut where a part would pass max_bytes (summed size_of(item)) or max_items
+    (None: no such bound); an item larger than max_bytes is a part of its own. A BatchStep's
+    answer is never larger than its request (o has q's shape, lse 4 bytes per query head and
+    token), so cutting requests this way bounds the answers as well."""
+    parts: List[List[Any]] = []
+    size = 0
+    for item in items:
+        n = size_of(item)
+        if (not parts or (max_items is not None and len(parts[-1]) >= max_items) or
+                (max_bytes is not None and size + n > max_bytes)):
+            parts.append([])
+            size = 0
+        parts[-1].append(item)
+        size += n
+    return parts
+
+
 def prepare_batch_steps(regions: RegionTable, items: Sequence[Any],
                         max_bytes: Optional[int]) -> List[Tuple[bytes, List[Prepared]]]:
     """items as BatchStep messages in order, each of at most max_bytes of steps where it can be
-    (an item larger than that goes alone; None: one message). An answer is never larger than its
-    request (o has q's shape, lse 4 bytes per query head and token), so it fits as well."""
-    parts: List[Tuple[List[Any], List[Prepared]]] = []
-    size = 0
+    (cut_by_size; None: one message)."""
+    coded = []
     for raw in items:
         it = as_step_item(raw)
         m, maker, o_in, lse_in, sync = step_message(regions, it.session, it.layer, it.q, it.k_new,
                                                     it.v_new, it.scale, it.return_lse, it.window,
                                                     it.out, it.lse_out)
-        if not parts or (max_bytes is not None and size + m.size > max_bytes):
-            parts.append(([], []))
-            size = 0
-        parts[-1][0].append(m)
-        parts[-1][1].append(Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync))
-        size += m.size
-    if not parts:
-        parts.append(([], []))
+        coded.append((m, Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync)))
     out = []
-    for messages, prepared in parts:
-        m = _wire.batch_step_request(messages)
-        out.append((_tensors.assemble(m.parts, m.size, m.cuda), prepared))
+    for part in cut_by_size(coded, lambda c: c[0].size, max_bytes) or [[]]:
+        m = _wire.batch_step_request([c[0] for c in part])
+        out.append((_tensors.assemble(m.parts, m.size, m.cuda), [c[1] for c in part]))
     return out
+
+
+def synchronize_inputs(prepared: Sequence[Prepared]) -> None:
+    """cuda_synchronize for each device whose GPU regions hold some of these steps' inputs."""
+    for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
+        cuda_synchronize(device)
+
+
+def part_failed(error: Exception, parts: int, prepared: Sequence[Prepared]) -> List[Exception]:
+    """A BatchStep call of a batch cut in `parts` calls failed as a whole: its items' outcomes
+    (error for each). A batch sent in one call raises error instead, as a single call does."""
+    if parts == 1:
+        raise error
+    return copies_of(error, len(prepared))
 
 
 def prepare_echo(payload: Any, response_bytes: int) -> bytes:

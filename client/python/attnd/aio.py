@@ -228,14 +228,11 @@ class Client(_ChannelSet):
         parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2)
         results: List[Any] = []
         for message, prepared in parts:
-            for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
-                _core.cuda_synchronize(device)
+            _core.synchronize_inputs(prepared)
             try:
                 buf = await self._unary("BatchStep", message, self._timeout(timeout))
             except AttndError as e:
-                if len(parts) == 1:
-                    raise
-                results += _core.copies_of(e, len(prepared))
+                results += _core.part_failed(e, len(parts), prepared)
                 continue
             results += _core.read_batch_step(buf, prepared)
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
@@ -335,23 +332,11 @@ class _StepCoalescer:
         self._scheduled = False
         groups, self._pending = self._pending, {}
         for timeout, items in groups.items():
-            for batch in self._batches(items):
+            for batch in _core.cut_by_size(items, lambda it: it[0].size, self._max_bytes,
+                                           self._limit):
                 task = asyncio.ensure_future(self._send(batch, timeout))
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
-
-    def _batches(self, items: List[Tuple[Any, _core.Prepared, asyncio.Future]]) -> List[list]:
-        """items in order, cut where a batch would exceed the step or byte limit."""
-        batches: List[list] = []
-        size = 0
-        for item in items:
-            if (not batches or len(batches[-1]) >= self._limit or
-                    size + item[0].size > self._max_bytes):
-                batches.append([])
-                size = 0
-            batches[-1].append(item)
-            size += item[0].size
-        return batches
 
     async def _send(self, items: List[Tuple[Any, _core.Prepared, asyncio.Future]],
                     timeout: Optional[float]) -> None:
@@ -359,8 +344,7 @@ class _StepCoalescer:
         if not items:
             return
         try:
-            for device in {p.cuda_sync for _, p, _ in items if p.cuda_sync is not None}:
-                _core.cuda_synchronize(device)
+            _core.synchronize_inputs([it[1] for it in items])
             if len(items) == 1:
                 m, p, _ = items[0]
                 p.message = _tensors.assemble(m.parts, m.size, m.cuda)

@@ -318,14 +318,11 @@ class Client(_ChannelSet):
         parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2)
         results: List[Any] = []
         for message, prepared in parts:
-            for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
-                _core.cuda_synchronize(device)
+            _core.synchronize_inputs(prepared)
             try:
                 buf = self._unary("BatchStep", message, self._timeout(timeout))
             except AttndError as e:
-                if len(parts) == 1:
-                    raise
-                results += _core.copies_of(e, len(prepared))
+                results += _core.part_failed(e, len(parts), prepared)
                 continue
             results += _core.read_batch_step(buf, prepared)
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
