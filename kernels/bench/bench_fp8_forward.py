@@ -14,8 +14,10 @@ FP8 Attend: q, k and v in e4m3 (scales per (sequence, KV head)), MHA with 2048 /
 TFLOP/s with FLOPs 4 * H * D * (keys each query sees). err: relative L2 against a float32
   reference (torch SDPA) on the values each one computes with (bf16: the bf16 inputs; FP8: the
   dequantized codes), for sequence 0.
-This path computes in 16 bits (no FP8 tensor-core math), so FP8 / bf16 is expected a little under
-1.0: the table measures the conversion's cost.
+The conversion path computes in 16 bits (no FP8 tensor-core math), so its FP8 / bf16 is expected a
+little under 1.0. FP8 Attend also runs the FP8 tensor-core kernel (attn_run_fp8_attention: e4m3
+wgmma for both products, V transposed first, both timed) and torch SDPA's cuDNN backend, bf16 and,
+where this torch accepts float8_e4m3fn inputs, FP8.
 Times: CUDA events around N back-to-back launches (>= --min-ms), median of --reps.
 """
 import argparse
@@ -43,6 +45,9 @@ def load(path):
     lib.attn_run_gen.argtypes = run_args + [P, ctypes.c_size_t, I]
     lib.attn_run_fp8kv_gen.restype = I
     lib.attn_run_fp8kv_gen.argtypes = run_args + [P, P, P, ctypes.c_size_t, I]
+    lib.attn_run_fp8_attention.restype = I
+    lib.attn_run_fp8_attention.argtypes = ([I] + [P] * 7 + [I] * 8 + [ctypes.c_float, I, I, I] +
+                                           [P] * 4 + [ctypes.c_size_t])
     lib.attn_dequantize_fp8_q.restype = I
     lib.attn_dequantize_fp8_q.argtypes = [I, P, P, P, P, I, I, I, I, I, ctypes.c_size_t]
     return lib
@@ -86,6 +91,35 @@ def run_fp8(lib, s, q, k, v, o, ks, vs, stream, paged=None, gen=0):
                                 ptr(seqlens), ptr(ks), ptr(vs), None, stream, gen)
     if rc != 0:
         raise RuntimeError(f"attn_run_fp8kv_gen returned {rc}")
+
+
+def run_fp8_tc(lib, s, qc, kc, vc, o, qs, ks, vs, stream):
+    rc = lib.attn_run_fp8_attention(BF16, ptr(qc), ptr(kc), ptr(vc), ptr(o), None, ptr(s.cu_q),
+                                    ptr(s.cu_k), s.b, s.b * s.sq, s.b * s.sk, s.sq, s.sk, s.h, s.hkv,
+                                    s.d, 0.0, int(s.causal), -1, -1, ptr(qs), ptr(ks), ptr(vs), None,
+                                    stream)
+    if rc != 0:
+        raise RuntimeError(f"attn_run_fp8_attention returned {rc}")
+
+
+def sdpa_cudnn(q, k, v, s, fp8):
+    """torch SDPA on the cuDNN backend over the batch ([b, h, s, d] views), bf16 or, where this
+    torch takes them, float8_e4m3fn inputs; None when the backend refuses."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    def view(x):
+        return x.view(s.b, s.sq, s.h, s.d).transpose(1, 2)
+    qt, kt, vt = view(q), view(k), view(v)
+    if fp8:
+        qt, kt, vt = (x.to(torch.float8_e4m3fn) for x in (qt, kt, vt))
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=s.causal)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    def call():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=s.causal)
+    return call
 
 
 def dequantize_q(lib, s, q_codes, q_scale, q_out, stream):
@@ -206,14 +240,32 @@ def attend_point(lib, d, sl, args, dev):
     q16.fill_(float("nan"))
     fp8_call()
     torch.cuda.synchronize()
-    err_f8 = rel_err(o, reference(s, qd, kd, vd), s)
-    tf = lambda t: s.flops() / (t * 1e-3) / 1e12
-    row = dict(kind="attend", d=d, s=sl, b=b, h=h, bf=tf(t_bf), f8=tf(t_f8), bf_us=t_bf * 1e3,
-               f8_us=t_f8 * 1e3, err_bf=err_bf, err_f8=err_f8)
-    print(f"attend d={d} s={sl} ({b} x {h} heads): bf16 gen2 {row['bf']:.1f} TFLOP/s, fp8 "
-          f"{row['f8']:.1f} TFLOP/s (x{row['f8'] / row['bf']:.3f}), err {err_bf:.1e} / {err_f8:.1e}",
-          flush=True)
+    ref_f8 = reference(s, qd, kd, vd)
+    err_f8 = rel_err(o, ref_f8, s)
+    # The FP8 tensor-core kernel on the same codes (P rounded to e4m3 inside it).
+    t_tc = time_ms(lambda: run_fp8_tc(lib, s, qc, kc, vc, o, qs, ks, vs, stream), args.warmup,
+                   args.reps, args.min_ms)
+    o.fill_(float("nan"))
+    run_fp8_tc(lib, s, qc, kc, vc, o, qs, ks, vs, stream)
+    torch.cuda.synchronize()
+    err_tc = rel_err(o, ref_f8, s)
+    cudnn = {}
+    for name, fp8 in (("cudnn_bf", False), ("cudnn_f8", True)):
+        call = sdpa_cudnn(q, k, v, s, fp8)
+        cudnn[name] = time_ms(call, args.warmup, args.reps, args.min_ms) if call else None
+    tf = lambda t: s.flops() / (t * 1e-3) / 1e12 if t else None
+    row = dict(kind="attend", d=d, s=sl, b=b, h=h, bf=tf(t_bf), f8=tf(t_f8), tc=tf(t_tc),
+               cudnn_bf=tf(cudnn["cudnn_bf"]), cudnn_f8=tf(cudnn["cudnn_f8"]), bf_us=t_bf * 1e3,
+               f8_us=t_f8 * 1e3, tc_us=t_tc * 1e3, err_bf=err_bf, err_f8=err_f8, err_tc=err_tc)
+    print(f"attend d={d} s={sl} ({b} x {h} heads): bf16 gen2 {row['bf']:.1f} TFLOP/s, fp8 via "
+          f"conversion {row['f8']:.1f}, fp8 tensor cores {row['tc']:.1f} (x{row['tc'] / row['bf']:.3f} "
+          f"bf16), cuDNN bf16 {fmt(row['cudnn_bf'])}, cuDNN fp8 {fmt(row['cudnn_f8'])}; err "
+          f"{err_bf:.1e} / {err_f8:.1e} / {err_tc:.1e}", flush=True)
     return row
+
+
+def fmt(x):
+    return "n/a" if x is None else f"{x:.1f}"
 
 
 def write_table(rows, out, final):
@@ -234,13 +286,20 @@ def write_table(rows, out, final):
     if att:
         lines += ["## FP8 Attend (q, k, v e4m3; MHA, 16k tokens, non-causal) vs bf16 generation 2",
                   "",
-                  "| d | s | batch x heads | bf16 gen2 TFLOP/s | FP8 TFLOP/s | FP8/bf16 | bf16 us | "
-                  "FP8 us | err bf16 | err FP8 |",
-                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "conv: the conversion path (16-bit kernel); TC: the FP8 tensor-core kernel; cuDNN: "
+                  "torch SDPA's cuDNN backend on the bf16 values and, where this torch takes "
+                  "float8_e4m3fn inputs, on the codes (n/a otherwise). err: relative L2 vs float32 "
+                  "SDPA on the values each computes with.", "",
+                  "| d | s | batch x heads | bf16 gen2 TFLOP/s | conv TFLOP/s | TC TFLOP/s | TC/bf16 | "
+                  "cuDNN bf16 | cuDNN fp8 | TC/cuDNN fp8 | TC us | err bf16 | err conv | err TC |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in att:
+            ratio = f"{r['tc'] / r['cudnn_f8']:.3f}" if r["cudnn_f8"] else "n/a"
             lines.append(f"| {r['d']} | {r['s']} | {r['b']} x {r['h']} | {r['bf']:.1f} | "
-                         f"{r['f8']:.1f} | {r['f8'] / r['bf']:.3f} | {r['bf_us']:.1f} | "
-                         f"{r['f8_us']:.1f} | {r['err_bf']:.1e} | {r['err_f8']:.1e} |")
+                         f"{r['f8']:.1f} | {r['tc']:.1f} | {r['tc'] / r['bf']:.3f} | "
+                         f"{fmt(r['cudnn_bf'])} | {fmt(r['cudnn_f8'])} | {ratio} | "
+                         f"{r['tc_us']:.1f} | {r['err_bf']:.1e} | {r['err_f8']:.1e} | "
+                         f"{r['err_tc']:.1e} |")
         lines.append("")
     text = "\n".join(lines)
     with open(out, "w") as f:

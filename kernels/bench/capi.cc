@@ -187,6 +187,42 @@ int attn_run_fp8kv_gen(int dtype, const void* q, const void* k, const void* v, v
   return PlanAndRun(a, gen, workspace, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// All-FP8 attention on FP8 tensor cores (attn::kernels::cuda::RunFp8Attention): q, k and v e4m3
+// codes (contiguous K/V), q_scale / k_scale / v_scale [batch, num_kv_heads], o of dtype. The
+// library's workspace (V transposed) when `workspace` is null.
+int attn_run_fp8_attention(int dtype, const void* q, const void* k, const void* v, void* o,
+                           float* lse, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+                           int batch, int total_q, int total_k, int max_seqlen_q, int max_seqlen_k,
+                           int num_heads, int num_kv_heads, int head_dim, float softmax_scale,
+                           int causal, int window_left, int window_right, const float* q_scale,
+                           const float* k_scale, const float* v_scale, void* workspace,
+                           uintptr_t stream) {
+  attn::kernels::AttentionArgs a =
+      MakeArgs(dtype, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
+               max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, softmax_scale,
+               causal, window_left, window_right);
+  a.kv_dtype = attn::kernels::DType::kFloat8E4M3;
+  a.kv_scales = {k_scale, v_scale};
+  const attn::kernels::Status st = attn::kernels::cuda::CanImplementFp8Attention(a);
+  if (!st.ok()) return -static_cast<int>(st.code());
+  static void* own = nullptr;
+  static size_t own_size = 0;
+  const size_t need = attn::kernels::cuda::Fp8AttentionWorkspaceBytes(a);
+  if (workspace == nullptr) {
+    if (need > own_size) {
+      if (own != nullptr) cudaFree(own);
+      own = nullptr;
+      own_size = 0;
+      const cudaError_t err = cudaMalloc(&own, need);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      own_size = need;
+    }
+    workspace = own;
+  }
+  return static_cast<int>(attn::kernels::cuda::RunFp8Attention(a, q_scale, workspace,
+                                                               reinterpret_cast<cudaStream_t>(stream)));
+}
+
 // All-FP8 attention's q step (attn::kernels::cuda::DequantizeFp8Q): q_out [total_q, num_heads,
 // head_dim] of dtype = E4M3(q_codes) * q_scale[b, kv head]; cu_seqlens_q on the device.
 int attn_dequantize_fp8_q(int dtype, const void* q_codes, const float* q_scale, void* q_out,

@@ -1,5 +1,6 @@
-// GPU decode (split-KV), paged K/V and FP8 K/V (decode kernel, and the forward path that converts
-// FP8 to 16 bits first, also with FP8 q) vs the float64 reference and the CPU backend.
+// GPU decode (split-KV), paged K/V and FP8 K/V (decode kernel, the forward path that converts FP8
+// to 16 bits first, also with FP8 q, and the FP8 tensor-core kernel) vs the float64 reference and
+// the CPU backend.
 //
 // Every case draws fresh random inputs (the seed is printed with any failure). Paged cases scatter
 // each sequence's keys over a shuffled, non-contiguous page pool with spare pages; every pool row
@@ -70,6 +71,11 @@ struct Case {
   // With fp8_kv: q as FP8 codes too, with scales per (sequence, KV head), converted on the device
   // (DequantizeFp8Q) into q's 16-bit buffer (poisoned first) before the run.
   bool fp8_q = false;
+  // With fp8_q, contiguous K/V: the FP8 tensor-core kernel (RunFp8Attention) on the codes instead
+  // of the conversion path; skipped where CanImplementFp8Attention refuses for want of a Hopper GPU
+  // or of the head dim in this build. P is rounded to e4m3 in that kernel: O is held to
+  // kFp8NativeTol against the exact reference, LSE (from the fp32 scores) as tightly as elsewhere.
+  bool fp8_native = false;
   float q_scale = 1.0f;        // q's random values times this (exactly representable: a power of 2 or not, rounded to dtype)
   float softmax_scale = 0.0f;  // AttentionArgs::softmax_scale
   uint64_t seed = 1;
@@ -345,17 +351,31 @@ void RunAndCheck(Case c) {
     ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
     EXPECT_EQ(plan.decode_splits, std::min(c.decode_splits, 64));
   }
-  const size_t ws_bytes = c.decode_splits > 0 ? plan.workspace_bytes : attn::kernels::cuda::WorkspaceBytes(a);
+  if (c.fp8_native) {
+    ASSERT_TRUE(c.fp8_q && ps == 0) << "the FP8 tensor-core kernel takes FP8 q and contiguous K/V";
+    a.q = dq_codes.ptr;
+    const attn::kernels::Status sn = attn::kernels::cuda::CanImplementFp8Attention(a);
+    if (!sn.ok()) {
+      ASSERT_TRUE(!attn::testing::IsHopper() || sn.message().find("not compiled") != std::string::npos)
+          << sn.message();
+      GTEST_SKIP() << sn.message();
+    }
+  }
+  const size_t ws_bytes = c.fp8_native         ? attn::kernels::cuda::Fp8AttentionWorkspaceBytes(a)
+                          : c.decode_splits > 0 ? plan.workspace_bytes
+                                                : attn::kernels::cuda::WorkspaceBytes(a);
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
   ASSERT_EQ(cudaMemset(dws.ptr, 0xFF, ws_bytes == 0 ? 1 : ws_bytes), cudaSuccess);
   void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
-  if (c.fp8_q) {
+  if (c.fp8_q && !c.fp8_native) {
     const cudaError_t qerr = attn::kernels::cuda::DequantizeFp8Q(
         a, dq_codes.ptr, static_cast<const float*>(dq_scales.ptr), dq.ptr, nullptr);
     ASSERT_EQ(qerr, cudaSuccess) << cudaGetErrorString(qerr);
   }
-  const cudaError_t err = c.decode_splits > 0       ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
+  const cudaError_t err = c.fp8_native ? attn::kernels::cuda::RunFp8Attention(
+                                             a, static_cast<const float*>(dq_scales.ptr), ws, nullptr)
+                          : c.decode_splits > 0       ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
                           : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
                                                           : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
@@ -376,7 +396,8 @@ void RunAndCheck(Case c) {
       c.fp8_kv ? attn::testing::ReferenceAttention(shape, q_ref, kq.values, vq.values, cu_q, cu_k)
                : attn::testing::ReferenceAttention(shape, q.ToDouble(), k.ToDouble(), v.ToDouble(), cu_q, cu_k);
   const attn::testing::ErrorStats eo = attn::testing::CompareTo(ref.o, out);
-  const double tol = c.dtype == DType::kBFloat16 ? 1e-2 : 2e-3;
+  constexpr double kFp8NativeTol = 4e-2;
+  const double tol = c.fp8_native ? kFp8NativeTol : c.dtype == DType::kBFloat16 ? 1e-2 : 2e-3;
   EXPECT_EQ(eo.non_finite, 0) << "unwritten or non-finite O elements";
   EXPECT_LE(eo.rel_l2, tol) << "O rel L2 " << eo.rel_l2 << " max abs " << eo.max_abs;
   if (shape.total_k > 0) {
@@ -390,7 +411,8 @@ void RunAndCheck(Case c) {
     // kernel, so its LSE is that of the rounded values (bf16: up to ~0.05 off the exact one at
     // these scales; O is held to the exact reference above). The decode kernel folds the scales
     // and is held to the exact values.
-    const bool converted = c.fp8_kv && plan.kernel != attn::kernels::cuda::Plan::Kernel::kDecode;
+    const bool converted =
+        c.fp8_kv && !c.fp8_native && plan.kernel != attn::kernels::cuda::Plan::Kernel::kDecode;
     const attn::testing::ReferenceResult ref16 =
         converted ? attn::testing::ReferenceAttention(shape, Rounded16(c.dtype, q_ref),
                                                       Rounded16(c.dtype, kq.values),
@@ -674,6 +696,40 @@ TEST_P(GpuFp8Forward, ForcedGen1AndEmptyCaches) {
     c.len_k = {0, 333, 0};
     RunAndCheck(c);
   }
+}
+
+// The FP8 tensor-core kernel (q, k and v all e4m3, contiguous K/V; head dims 128 and 256): ragged
+// sequences around the 128-row and 128-key tiles, causal (with rows that see no key) and not, a
+// left window, decode-sized and one-key sequences, and a longer one whose P V spans many tiles.
+TEST_P(GpuFp8Forward, Fp8TensorCoreKernel) {
+  SKIP_WITHOUT_GPU();
+  if (GetParam().page != 0 || (GetParam().head_dim != 128 && GetParam().head_dim != 256)) {
+    GTEST_SKIP() << "the FP8 tensor-core kernel serves contiguous K/V at head dims 128 and 256";
+  }
+  auto base = [&] {
+    Case c = Base(true);
+    c.fp8_native = true;
+    return c;
+  };
+  Case c = base();
+  c.len_q = {129, 40, 1, 256};
+  c.len_k = {511, 65, 1, 128};
+  RunAndCheck(c);
+  c = base();
+  c.causal = true;
+  c.len_q = {17, 200, 64, 300};
+  c.len_k = {17, 900, 1000, 20};
+  RunAndCheck(c);
+  c = base();
+  c.causal = true;
+  c.window_left = 96;
+  c.len_q = {300};
+  c.len_k = {1300};
+  RunAndCheck(c);
+  c = base();
+  c.len_q = {1000, 3};
+  c.len_k = {4000, 2};
+  RunAndCheck(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuFp8Forward, ::testing::ValuesIn(AllFp8()), Fp8Name);

@@ -21,6 +21,7 @@
 
 #include "decode_params.h"
 #include "decode_plan.h"
+#include "flash_fwd_sm90_fp8_layout.h"
 #include "flash_params.h"
 #include "fp8_dequant.h"
 
@@ -700,6 +701,85 @@ cudaError_t DequantizeFp8Q(const AttentionArgs& args, const void* q_codes, const
   d.head_dim = args.head_dim;
   d.bf16 = args.dtype == DType::kBFloat16;
   return LaunchFp8Dequant(d, stream);
+}
+
+namespace {
+
+bool Fp8ForwardHeadDimCompiled(int d) {
+  switch (d) {
+#ifdef ATTN_SM90_FP8_FWD_HDIM_128
+    case 128: return true;
+#endif
+#ifdef ATTN_SM90_FP8_FWD_HDIM_256
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+template <typename T>
+cudaError_t RunFp8AttentionTyped(const FlashParams& p, int head_dim, int sms, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef ATTN_SM90_FP8_FWD_HDIM_128
+    case 128: return RunFlashFwdSm90Fp8<T, 128>(p, sms, stream);
+#endif
+#ifdef ATTN_SM90_FP8_FWD_HDIM_256
+    case 256: return RunFlashFwdSm90Fp8<T, 256>(p, sms, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+Status CanImplementFp8Attention(const AttentionArgs& args) {
+  Status s = CanImplement(args);
+  if (!s.ok()) return s;
+  if (!IsFp8Kv(args) || IsPaged(args)) {
+    return {StatusCode::kUnimplemented,
+            "CUDA FP8 attention kernel: k and v must be contiguous float8_e4m3"};
+  }
+  if (!Fp8ForwardHeadDimCompiled(args.head_dim)) {
+    return {StatusCode::kUnimplemented, "CUDA FP8 attention kernel: head_dim " +
+                                            std::to_string(args.head_dim) +
+                                            " is not compiled in this build (128, 256 for sm_90a)"};
+  }
+  if (Fp8VtColumns(args.total_k, args.batch) > INT32_MAX ||
+      (int64_t(args.max_seqlen_q) + 127) / 128 * args.num_heads * args.batch > INT32_MAX) {
+    return {StatusCode::kUnimplemented, "CUDA FP8 attention kernel: too many keys or query tiles"};
+  }
+  if (!Aligned16(args.q) || !Aligned16(args.k) || !Aligned16(args.v) ||
+      (reinterpret_cast<uintptr_t>(args.o) & 3) != 0) {
+    return {StatusCode::kUnimplemented,
+            "CUDA FP8 attention kernel: q, k and v must be 16-byte aligned (TMA), o 4-byte"};
+  }
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info) || info.major != 9 || info.minor != 0) {
+    return {StatusCode::kUnimplemented,
+            "CUDA FP8 attention kernel: the device is not compute capability 9.0"};
+  }
+  return Status::Ok();
+}
+
+size_t Fp8AttentionWorkspaceBytes(const AttentionArgs& args) {
+  if (!CanImplementFp8Attention(args).ok()) return 0;
+  return AlignTo256(size_t(Fp8VtBytes(args.total_k, args.batch, args.num_kv_heads, args.head_dim)));
+}
+
+cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, void* workspace,
+                            cudaStream_t stream) {
+  if (!CanImplementFp8Attention(args).ok() || q_scales == nullptr || workspace == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info)) return cudaErrorInvalidValue;
+  FlashParams p = MakeParams(args);
+  p.q_descale = q_scales;
+  p.k_descale = args.kv_scales.k;
+  p.v_descale = args.kv_scales.v;
+  p.vt = workspace;
+  return args.dtype == DType::kFloat16 ? RunFp8AttentionTyped<__half>(p, args.head_dim, info.sms, stream)
+                                       : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, info.sms, stream);
 }
 
 const int* CompiledHeadDims(int* n) {

@@ -56,6 +56,14 @@ struct FlashParams {
   // causal and right-windowed problems then deal tiles longest first to whichever CTA is free.
   // nullptr: the CTAs' tiles are fixed in advance.
   unsigned int* tile_counter = nullptr;
+
+  // FP8 forward (RunFlashFwdSm90Fp8): q, k and v hold e4m3 codes (row strides in codes), o is
+  // fp16/bf16; the descales are [batch, num_kv_heads] (query head h uses its KV head's). vt: the
+  // workspace V is transposed into (Fp8VtBytes, flash_fwd_sm90_fp8_layout.h).
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  void* vt = nullptr;
 };
 
 // Choices of a generation-2 plan that its rules would otherwise make: the gen2_* fields of
@@ -103,5 +111,11 @@ Sm90Launch PlanFlashFwdSm90Paged(const FlashParams& params, const Sm90Choices& c
 template <typename T, int D>
 cudaError_t RunFlashFwdSm90Paged(const FlashParams& params, const Sm90Launch& launch,
                                  cudaStream_t stream);
+
+// The FP8 forward kernel (instantiations/flash_fwd_sm90_fp8_*.cu; T is o's type), head dims 128
+// and 256, contiguous K/V, rows 16-byte aligned: V transposed into params.vt, then the kernel on a
+// persistent grid of `sms` CTAs.
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

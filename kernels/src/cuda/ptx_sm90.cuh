@@ -111,6 +111,12 @@ __device__ __forceinline__ void TmaLoad4d(void* dst, const void* tmap, int c0, i
   cp::cp_async_bulk_tensor(cp::space_cluster, cp::space_global, dst, tmap, coords, bar);
 }
 
+// 3-D tiled TMA load into shared memory, completing on `bar` (transaction bytes).
+__device__ __forceinline__ void TmaLoad3d(void* dst, const void* tmap, int c0, int c1, int c2, uint64_t* bar) {
+  const int32_t coords[3] = {c0, c1, c2};
+  cp::cp_async_bulk_tensor(cp::space_cluster, cp::space_global, dst, tmap, coords, bar);
+}
+
 // 4-D tiled TMA store from shared memory (bulk-group completion), then the group calls around it.
 __device__ __forceinline__ void TmaStore4d(const void* tmap, const void* src, int c0, int c1, int c2, int c3) {
   const int32_t coords[4] = {c0, c1, c2, c3};

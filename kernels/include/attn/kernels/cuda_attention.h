@@ -146,6 +146,19 @@ cudaError_t Run(const AttentionArgs& args, void* workspace, cudaStream_t stream,
 cudaError_t DequantizeFp8Q(const AttentionArgs& args, const void* q_codes, const float* q_scales,
                            void* q_out, cudaStream_t stream);
 
+// All-FP8 attention on FP8 tensor cores: both products in e4m3 on wgmma (sm_90a; head dims 128
+// and 256 compiled for 90a; contiguous K/V). args as for DequantizeFp8Q followed by Run, except
+// that args.q holds q's e4m3 codes; q_scales [batch, num_kv_heads] as there (device). P is rounded
+// to e4m3 for the P V product (after a scaling by 2^8 that the normalisation takes back), as FP8
+// attention kernels do: the result carries that rounding on top of the inputs' (docs/FP8.md).
+// V is first transposed into the workspace (Fp8AttentionWorkspaceBytes: about num_kv_heads *
+// head_dim * (total_k + 128 * (batch + 1)) bytes, 256-byte aligned), then the kernel runs; both
+// on stream, no allocation.
+Status CanImplementFp8Attention(const AttentionArgs& args);
+size_t Fp8AttentionWorkspaceBytes(const AttentionArgs& args);
+cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, void* workspace,
+                            cudaStream_t stream);
+
 // Head dims compiled into this build, ascending; count written to *n.
 const int* CompiledHeadDims(int* n);
 

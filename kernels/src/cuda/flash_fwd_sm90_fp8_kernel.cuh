@@ -1,0 +1,383 @@
+// FP8 forward attention for sm_90a (device code): q, k and v as e4m3 codes, both products on FP8
+// tensor cores (wgmma m64nNk32 e4m3), o in fp16/bf16.
+//
+// The structure is generation 2's (flash_fwd_sm90_kernel.cuh), whose tile, ring and barrier types
+// it uses: a persistent CTA of one producer warpgroup (one thread issuing every TMA load) and two
+// consumer warpgroups of 64 query rows each, K/V tiles of 128 keys in a ring of stages, tiles in
+// the fixed snake order (cost order for causal launches). What differs:
+//  - a Q or K row of D codes is D bytes: its tile lies in 128-code slabs of 128-byte swizzled rows,
+//    and a k32 step of S = Q K^T is +32 bytes inside the row, as a k16 step of 16-bit codes is;
+//  - V is read transposed (Vt, flash_fwd_sm90_fp8_layout.h; written by Fp8TransposeVKernel before
+//    the launch), since FP8 wgmma takes B K-major only: a Vt tile is D rows of 128 keys;
+//  - P goes to the P V product as e4m3 of p * 2^kFp8PBias, packed in the accumulator's order (the
+//    Vt columns are permuted to match, so no shuffle is needed);
+//  - the descales: q's and k's scale the scores (folded into the exp2 argument), v's the output.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "flash_fwd_sm90_fp8_layout.h"
+#include "flash_fwd_sm90_kernel.cuh"
+#include "flash_params.h"
+#include "ptx.cuh"
+#include "ptx_sm90.cuh"
+
+namespace attn::kernels::cuda {
+
+template <int D, typename TO>
+struct Sm90Fp8Traits {
+  using T = TO;  // o's type
+  static constexpr int kHeadDim = D;
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kBlockM = 64 * kConsumerWGs;
+  static constexpr int kBlockN = kFp8BlockN;
+  static constexpr int kStages = D <= 128 ? 4 : 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kSlabs = D / 128;  // 128-code slabs of a Q or K row
+  static constexpr int kPvN = 128;        // P V in products of 128 output columns
+  static constexpr int kPvChunks = D / kPvN;
+
+  static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D;
+  static constexpr uint32_t kKBytes = uint32_t(kBlockN) * D;
+  static constexpr uint32_t kVBytes = uint32_t(D) * kBlockN;  // D rows of 128 key codes
+  // Q full/empty per Q buffer, then per stage K full, V full, K empty, V empty (Sm90Bars).
+  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages);
+  static constexpr int kQBufs =
+      2 * kQBytes + kStages * (kKBytes + kVBytes) + kBarBytes + 1024 <= 227 * 1024 ? 2 : 1;
+  static constexpr uint32_t kQOff = 0;
+  static constexpr uint32_t kKOff = kQBufs * kQBytes;
+  static constexpr uint32_t kVOff = kKOff + kStages * kKBytes;
+  static constexpr uint32_t kBarOff = kVOff + kStages * kVBytes;
+  static constexpr uint32_t kSmemBytes = kBarOff + kBarBytes;
+  static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
+
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
+                "register split above the launch allocation");
+  static_assert(D == 128 || D == 256, "FP8 head dims: whole 128-code slabs, P V in 128-column products");
+  static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
+  static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
+                "tiles keep 1024-byte alignment");
+};
+
+// Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
+// D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.
+struct Sm90Fp8Params {
+  FlashParams p;
+  CUtensorMap tq;
+  CUtensorMap tk;
+  CUtensorMap tvt;
+};
+
+// Four floats -> one register of four e4m3 codes (a in the low byte), rounded to nearest and
+// saturated at +-448.
+__device__ __forceinline__ uint32_t PackE4m3x4(float a, float b, float c, float d) {
+  uint16_t lo, hi;
+  // cvt's first source lands in the upper byte.
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n" : "=h"(lo) : "f"(a), "f"(b));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n" : "=h"(hi) : "f"(c), "f"(d));
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
+// P (biased p of one 128-key tile, in the S accumulator) as the e4m3 A fragments of P V, 32 keys
+// per fragment (Fp8PackSource).
+template <int BN>
+__device__ __forceinline__ void Sm90Fp8PackP(uint32_t (&pa)[BN / 32][4], const float (&s)[BN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 32; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      pa[kk][r] = PackE4m3x4(s[Fp8PackSource(kk, r, 0)], s[Fp8PackSource(kk, r, 1)],
+                             s[Fp8PackSource(kk, r, 2)], s[Fp8PackSource(kk, r, 3)]);
+    }
+}
+
+// Online softmax of one score tile in code units (sl2 = softmax scale * q descale * k descale *
+// log2 e): as Sm90Softmax, but p is left biased by 2^kFp8PBias (so is the row sum; the factor
+// cancels in the epilogue).
+template <int BN>
+__device__ __forceinline__ void Sm90Fp8Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&corr)[2], float sl2) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float mx = row_max[hf];
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float ms = mx == -INFINITY ? 0.0f : mx * sl2;
+    corr[hf] = exp2f(row_max[hf] * sl2 - ms);
+    row_max[hf] = mx;
+    const float offset = float(kFp8PBias) - ms;
+    float sum = row_sum[hf] * corr[hf];
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(fmaf(s[4 * c + 2 * hf + e], sl2, offset));
+        s[4 * c + 2 * hf + e] = pe;
+        sum += pe;
+      }
+    row_sum[hf] = sum;
+  }
+}
+
+// Normalises O (times v's descale), writes LSE (natural units) and O rows r0 and r0 + 8 of this
+// thread (those inside the sequence).
+template <typename Tr>
+__device__ __forceinline__ void Sm90Fp8Epilogue(const FlashParams& p, const Sm90Tile& t, int h, int r0,
+                                                int lane, float (&o)[Tr::kPvChunks][Tr::kPvN / 2],
+                                                const float (&row_max)[2], float (&row_sum)[2],
+                                                float v_descale, float score_scale) {
+  using T = typename Tr::T;
+  T* go = reinterpret_cast<T*>(p.o) + int64_t(t.q_start) * p.o_row_stride + h * Tr::kHeadDim;
+  constexpr float kBiasLn = float(kFp8PBias) * 0.6931471805599453f;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float sum = row_sum[hf];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const bool any = sum > 0.0f;
+    const float inv = any ? v_descale / sum : 0.0f;
+    const int row = r0 + 8 * hf;
+    if (row >= t.s_q) continue;
+    if (p.lse != nullptr && (lane & 3) == 0) {
+      p.lse[int64_t(h) * p.total_q + t.q_start + row] =
+          any ? row_max[hf] * score_scale + __logf(sum) - kBiasLn : -INFINITY;
+    }
+    T* orow = go + int64_t(row) * p.o_row_stride + 2 * (lane & 3);
+#pragma unroll
+    for (int nc = 0; nc < Tr::kPvChunks; ++nc)
+#pragma unroll
+      for (int c = 0; c < Tr::kPvN / 8; ++c) {
+        *reinterpret_cast<uint32_t*>(orow + nc * Tr::kPvN + 8 * c) =
+            ptx::Pack2<T>(o[nc][4 * c + 2 * hf] * inv, o[nc][4 * c + 2 * hf + 1] * inv);
+      }
+  }
+}
+
+// Producer, one tile of sequence b: Q into buffer q (free: its "empty" phase waited for), then
+// each key tile's K rows and Vt columns into the stage ring.
+template <typename Tr>
+__device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
+                                               uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                               Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q) {
+  const int hk = h / P.p.heads_per_kv;
+  const int vt0 = int(Fp8VtSeqStart(t.k_start, b));
+  ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
+  ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
+                 bars.FullQ(q.buf));
+  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+    const int st = ring.st;
+    ptx::MbarWait(bars.EmptyK(st), ring.phase ^ 1);
+    ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKBytes);
+    ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKBytes, &P.tk, 0, t.k_start + nb * Tr::kBlockN, 0, hk,
+                   bars.FullK(st));
+    ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
+    ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kVBytes);
+    ptx::TmaLoad3d(smem + Tr::kVOff + st * Tr::kVBytes, &P.tvt, vt0 + nb * Tr::kBlockN, 0, hk,
+                   bars.FullV(st));
+    ring.Advance();
+  }
+}
+
+// Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the tile, one key tile at a
+// time (S, mask, softmax, P V, each product waited for at once: the two warpgroups' interleaving
+// keeps the tensor cores busy during each one's softmax).
+template <typename Tr>
+__device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
+                                               int cw, uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                               Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
+  constexpr int D = Tr::kHeadDim;
+  constexpr int BN = Tr::kBlockN;
+  const FlashParams& p = P.p;
+  const int tid = threadIdx.x % 128;
+  const int lane = tid % 32;
+  const int r0 = t.m0 + 64 * cw + 16 * (tid / 32) + lane / 4;  // this thread's first row
+  const Sm90QSlot q(q_loads, Tr::kQBufs);
+  const uint32_t sq = ptx::SmemAddr(smem + Tr::kQOff + q.buf * Tr::kQBytes) + cw * 64 * 128;
+  const uint32_t sk = ptx::SmemAddr(smem + Tr::kKOff);
+  const uint32_t sv = ptx::SmemAddr(smem + Tr::kVOff);
+  const int di = b * p.num_kv_heads + h / p.heads_per_kv;
+  const float qk_descale = __ldg(p.q_descale + di) * __ldg(p.k_descale + di);
+  const float sl2 = p.scale_log2 * qk_descale;
+  const int m_last = t.m_end - 1;
+
+  float o[Tr::kPvChunks][Tr::kPvN / 2];
+#pragma unroll
+  for (int nc = 0; nc < Tr::kPvChunks; ++nc)
+#pragma unroll
+    for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+  float corr[2];
+  float s[BN / 2];
+  uint32_t pa[BN / 32][4];
+
+  if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
+    ptx::MbarWait(bars.FullQ(q.buf), q.phase);
+    for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+      const int st = ring.st;
+      ptx::MbarWait(bars.FullK(st), ring.phase);
+      ptx::WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks) {
+        const uint32_t kofs = (ks % 4) * 32;  // 32 codes = 32 bytes inside the swizzled row
+        const uint64_t da = ptx::SmemDesc(sq + (ks / 4) * Tr::kBlockM * 128 + kofs, 16);
+        const uint64_t db = ptx::SmemDesc(sk + st * Tr::kKBytes + (ks / 4) * BN * 128 + kofs, 16);
+        ptx::WgmmaSSFp8<BN>(s, da, db, ks > 0);
+      }
+      ptx::WgmmaCommit();
+      ptx::WgmmaWait<0>();
+      ptx::RegFence(s);
+      if (lane == 0) {
+        ptx::MbarArrive(bars.EmptyK(st));
+        if (nb == t.nb_min) ptx::MbarArrive(bars.EmptyQ(q.buf));
+      }
+      const int n0 = nb * BN;
+      if ((n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
+          (p.has_left && n0 < m_last + t.off - p.left)) {
+        Sm90Mask<BN>(s, p, t, r0, n0, lane);
+      }
+      Sm90Fp8Softmax<BN>(s, row_max, row_sum, corr, sl2);
+#pragma unroll
+      for (int nc = 0; nc < Tr::kPvChunks; ++nc)
+#pragma unroll
+        for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] *= corr[(i >> 1) & 1];
+      Sm90Fp8PackP<BN>(pa, s);
+      ptx::MbarWait(bars.FullV(st), ring.phase);
+      ptx::WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 32; ++kk)
+#pragma unroll
+        for (int nc = 0; nc < Tr::kPvChunks; ++nc) {
+          // Rows nc * 128.. of the Vt tile (head-dim columns of O), keys 32 kk.. (+32 bytes).
+          const uint32_t addr = sv + st * Tr::kVBytes + nc * Tr::kPvN * 128 + kk * 32;
+          ptx::WgmmaRSFp8<Tr::kPvN>(o[nc], pa[kk], ptx::SmemDesc(addr, 16));
+        }
+      ptx::WgmmaCommit();
+      ptx::WgmmaWait<0>();
+#pragma unroll
+      for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+      if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
+      ring.Advance();
+    }
+  }
+  Sm90Fp8Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum, __ldg(p.v_descale + di),
+                      p.scale * qk_descale);
+}
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const __grid_constant__ Sm90Fp8Params P) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  constexpr int S = Tr::kStages;
+  const Sm90Bars<S> bars{reinterpret_cast<uint64_t*>(smem + Tr::kBarOff)};
+  constexpr uint32_t kConsumerWarps = Tr::kConsumerWGs * 4;  // each arrives once per release
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i) {
+      ptx::MbarInit(bars.FullQ(i), 1);
+      ptx::MbarInit(bars.EmptyQ(i), kConsumerWarps);
+    }
+    for (int i = 0; i < S; ++i) {
+      ptx::MbarInit(bars.FullK(i), 1);
+      ptx::MbarInit(bars.FullV(i), 1);
+      ptx::MbarInit(bars.EmptyK(i), kConsumerWarps);
+      ptx::MbarInit(bars.EmptyV(i), kConsumerWarps);
+    }
+    ptx::FenceMbarInit();
+  }
+  __syncthreads();
+
+  // One L2 group of all (sequence, head) pairs: the plain cost order (causal) or round-robin.
+  const Sm90Schedule sched{(P.p.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, P.p.num_heads,
+                           P.p.batch, P.p.has_right, P.p.num_heads * P.p.batch, false};
+  // Each role walks the CTA's tiles with rows; fn(tile, sequence, head, Q tiles loaded before).
+  auto for_each_tile = [&](auto&& fn) {
+    uint32_t q_loads = 0;
+    for (int r = 0; r * int(gridDim.x) < sched.Total(); ++r) {
+      const int j = sched.Tile(r, int(blockIdx.x), int(gridDim.x));
+      if (j >= sched.Total()) continue;
+      int m_block, h, b;
+      sched.Decode(j, &m_block, &h, &b);
+      Sm90Tile t;
+      if (!MakeSm90Tile<Tr::kBlockM, Tr::kBlockN>(P.p, m_block, b, kSm90CutPlain, &t)) continue;
+      fn(t, b, h, q_loads);
+      q_loads += t.nb_max > t.nb_min;
+    }
+  };
+  Sm90Ring<S> ring;
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
+  if (wg == 0) {
+    ptx::SetMaxNRegDec<Tr::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
+        if (t.nb_max == t.nb_min) return;
+        const Sm90QSlot q(q_loads, Tr::kQBufs);
+        ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);  // a fresh barrier passes parity 1 at once
+        Sm90Fp8Produce<Tr>(P, t, b, h, smem, bars, ring, q);
+      });
+    }
+  } else {
+    ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
+    for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
+      Sm90Fp8Consume<Tr>(P, t, b, h, wg - 1, smem, bars, ring, q_loads);
+    });
+  }
+#endif
+}
+
+// V [total_k, num_kv_heads, D] e4m3 codes -> Vt [num_kv_heads][D][vt_cols] (layout of
+// flash_fwd_sm90_fp8_layout.h). Block (chunk, KV head, sequence) writes 128 columns of the
+// sequence's Vt range [Fp8VtSeqStart(cu_k[b], b), the next sequence's start), zeros for the
+// columns past its keys: every column a key tile may read is written.
+template <int D>
+__global__ void __launch_bounds__(256) Fp8TransposeVKernel(const uint8_t* __restrict__ v, int64_t v_row_stride,
+                                                           const int32_t* __restrict__ cu_k, int batch,
+                                                           uint8_t* __restrict__ vt, int64_t vt_cols) {
+  constexpr int kCols = kFp8VtAlign;
+  constexpr int kPitch = D + 16;  // bytes per staged key row (16-byte aligned, banks spread)
+  __shared__ __align__(16) uint8_t tile[kCols * kPitch];
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int64_t k0 = cu_k[b];
+  const int s_k = cu_k[b + 1] - int(k0);
+  const int64_t start = Fp8VtSeqStart(k0, b);
+  const int64_t end = b + 1 < batch ? Fp8VtSeqStart(cu_k[b + 1], b + 1) : vt_cols;
+  const int c0 = int(blockIdx.x) * kCols;
+  if (start + c0 >= end) return;
+  constexpr int kPieces = D / 16;
+  for (int i = threadIdx.x; i < kCols * kPieces; i += blockDim.x) {
+    const int j = i / kPieces, piece = i % kPieces;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (c0 + j < s_k) {
+      val = *reinterpret_cast<const uint4*>(v + (k0 + c0 + j) * v_row_stride + int64_t(hk) * D + piece * 16);
+    }
+    *reinterpret_cast<uint4*>(tile + j * kPitch + piece * 16) = val;
+  }
+  __syncthreads();
+  uint8_t* out = vt + int64_t(hk) * D * vt_cols + start + c0;
+  const int64_t room = end - (start + c0);  // columns of this block inside the sequence's range
+  for (int i = threadIdx.x; i < D * (kCols / 4); i += blockDim.x) {
+    const int d = i / (kCols / 4), col = 4 * (i % (kCols / 4));
+    if (col >= room) continue;
+    uint32_t word = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = col + e;
+      const int key = (c & ~31) + Fp8VtKeyOfColumn(c & 31);
+      word |= uint32_t(tile[key * kPitch + d]) << (8 * e);
+    }
+    *reinterpret_cast<uint32_t*>(out + int64_t(d) * vt_cols + col) = word;
+  }
+}
+
+}  // namespace attn::kernels::cuda

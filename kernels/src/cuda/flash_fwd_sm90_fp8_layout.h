@@ -1,0 +1,68 @@
+// Layouts of the FP8 forward kernel (flash_fwd_sm90_fp8_kernel.cuh) that its host side, its device
+// code and the host tests share: plain C++ where no CUDA compiler is.
+//
+// FP8 wgmma reads both operands K-major. For O += P V the K of the product is the key, so V must
+// sit in shared memory with keys contiguous: the launch first writes V transposed ("Vt") into the
+// workspace, [num_kv_heads][head_dim][columns] bytes, each sequence's keys from a column that is a
+// multiple of the key tile (kFp8VtAlign), so that a key tile of one sequence never reads another's
+// columns (their codes may be NaN, and 0 * NaN is NaN even where P is 0).
+//
+// P reaches the P V product from the S accumulator without shuffles: thread t of a quad holds, of
+// each 32-key group, the scores of keys {2t, 2t+1, 8+2t, 9+2t} (and those + 16) in its row, while
+// the e4m3 A fragment wants the codes of columns {4t .. 4t+3} (and those + 16). The transposition
+// therefore stores key Fp8VtKeyOfColumn(c) in column c of each 32-column group, and P's codes are
+// packed in the accumulator's order (Fp8PackSource): column c of P then multiplies the V row of
+// the key whose score it holds.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ATTN_FP8_HD __host__ __device__ __forceinline__
+#else
+#define ATTN_FP8_HD inline
+#endif
+
+namespace attn::kernels::cuda {
+
+// Keys per tile of the FP8 kernel, and the column alignment of each sequence in Vt.
+constexpr int kFp8BlockN = 128;
+constexpr int kFp8VtAlign = kFp8BlockN;
+
+// P is packed as e4m3 of (p * 2^kFp8PBias), p in [0, 1]: the codes then span [2^-9, 448] x
+// 2^-kFp8PBias of p instead of e4m3's subnormal range, and the bias cancels in O / rowsum (both
+// are summed from the biased p).
+constexpr int kFp8PBias = 8;
+
+// The key (within its 32-key group) whose V row column c (0..31) of a Vt group holds.
+ATTN_FP8_HD constexpr int Fp8VtKeyOfColumn(int c) {
+  const int half = c & 16, quad = (c & 15) >> 2, byte = c & 3;
+  return half + 2 * quad + (byte & 1) + 8 * (byte >> 1);
+}
+
+// The S accumulator index (of a thread's BN / 2 scores: index i is row half (i >> 1) & 1, key
+// 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)) whose p goes into byte `byte` of A register `reg` of
+// the 32-key group kk (register reg: rows g (even) or g + 8 (odd), columns 4t.. (reg < 2) or
+// 16 + 4t.. (reg >= 2)).
+ATTN_FP8_HD constexpr int Fp8PackSource(int kk, int reg, int byte) {
+  return 16 * kk + 8 * (reg >> 1) + 4 * (byte >> 1) + 2 * (reg & 1) + (byte & 1);
+}
+
+// First Vt column of sequence b, whose keys start at packed row cu_k (cu_seqlens_k[b]): rounded up
+// to kFp8VtAlign, plus kFp8VtAlign per sequence before it, so that sequence b's columns
+// [start, start + round_up(s_k, kFp8VtAlign)) end at or before sequence b + 1's start.
+ATTN_FP8_HD constexpr int64_t Fp8VtSeqStart(int64_t cu_k, int b) {
+  return (cu_k + kFp8VtAlign - 1) / kFp8VtAlign * kFp8VtAlign + int64_t(kFp8VtAlign) * b;
+}
+
+// Columns of Vt for a batch of total_k keys: the start of a sequence past the last.
+ATTN_FP8_HD constexpr int64_t Fp8VtColumns(int64_t total_k, int batch) {
+  return Fp8VtSeqStart(total_k, batch);
+}
+
+// Workspace bytes of Vt.
+constexpr int64_t Fp8VtBytes(int64_t total_k, int batch, int num_kv_heads, int head_dim) {
+  return Fp8VtColumns(total_k, batch) * num_kv_heads * head_dim;
+}
+
+}  // namespace attn::kernels::cuda
