@@ -150,6 +150,10 @@ int Info(Client& client) {
                     ? absl::StrCat(" (at most ", info->fp8().session_fp8_max_step_tokens(),
                                    " new tokens per step)")
                     : std::string())
+            << (info->fp8().attend_tensor_core_head_dims_size() > 0
+                    ? absl::StrCat(", attend on FP8 tensor cores at head dims ",
+                                   absl::StrJoin(info->fp8().attend_tensor_core_head_dims(), ","))
+                    : std::string())
             << "\n"
             << "build:          " << info->build_info() << std::endl;
   return 0;

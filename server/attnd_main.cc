@@ -60,6 +60,10 @@ ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
           "Pinned host staging pool bound, bytes (CUDA backend)");
+ABSL_FLAG(std::string, fp8_attention, kDefaults.fp8_attention,
+          "CUDA backend, Attend with q, k and v all FP8: convert (widen to 16 bits, then the 16-bit "
+          "kernel) or tensor_cores (the FP8 wgmma kernel where it serves the launch: sm_90a, head "
+          "dims 128 and 256; P is rounded to e4m3)");
 ABSL_FLAG(double, drain_grace_s, kDefaults.drain_grace_s,
           "On SIGTERM/SIGINT, the longest time new calls are refused with UNAVAILABLE (so clients "
           "go elsewhere) before the listener closes; ends early once no call has arrived for "
@@ -180,6 +184,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
+  o.fp8_attention = absl::GetFlag(FLAGS_fp8_attention);
   o.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);
   o.drain_quiet_ms = absl::GetFlag(FLAGS_drain_quiet_ms);
   o.drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One bounded GPU run (Hopper) of the checks and measurements of the FP8 forward path (FP8 K/V and
 # all-FP8 q/k/v with more than 16 queries per sequence: e4m3 converted to 16 bits in the workspace,
-# then the 16-bit forward kernel), under 6 minutes:
+# then the 16-bit forward kernel; and all-FP8 on the FP8 tensor-core kernel), under 9 minutes:
+#  0. smoke: the FP8 tensor-core kernel's first case alone, from gpu_decode_test_trap when BIN has
+#     it (a build with ATTN_SM90_HANG_TRAP: a barrier protocol error traps instead of hanging),
+#     under a 60 s timeout, before anything else uses the GPU.
 #  1. tests: gpu_decode_test's FP8 suites (GpuFp8Forward: contiguous and shuffled pages of 16 and
 #     64, causal and not, windows, GQA, head dims 64/128/256, fp16 and bf16, ragged batches, FP8 q;
 #     GpuFp8Decode*: the decode kernel beside it) in 8 shards at once; cuda_session_test's FP8
@@ -12,14 +15,14 @@
 #  3. bench: bench_fp8_forward.py: FP8-KV paged prefill vs bf16 paged prefill (batch 1, GQA 32/8,
 #     d=128, 4k cached, chunks 512 and 2048, pages 16 and 64, causal) and FP8 Attend (q, k, v e4m3,
 #     d=128 and 256, s=4k and 8k, non-causal) vs bf16 generation 2, TFLOP/s and ratios.
-# Every step runs under `timeout`, within BUDGET_S seconds in all (default 330); a step that does
+# Every step runs under `timeout`, within BUDGET_S seconds in all (default 540); a step that does
 # not fit in what is left is skipped and said so. The last thing printed is the table of steps.
 #   kernels/bench/fp8_forward_h200.sh BIN OUT [BUDGET_S]
-# BIN: gpu_decode_test, cuda_session_test, (optional) cuda_server_test, libattn_kernels_capi.so,
+# BIN: gpu_decode_test, (optional) gpu_decode_test_trap, cuda_session_test, (optional) cuda_server_test, libattn_kernels_capi.so,
 #      bench_fp8_forward.py, bench_decode.py. OUT: where every log and table goes.
 set -u
 bin=$(cd "$1" && pwd)
-budget=${3:-330}
+budget=${3:-540}
 mkdir -p "$2"
 out=$(cd "$2" && pwd)
 t0=$(date +%s)
@@ -31,6 +34,12 @@ status="$out/status.tsv"
 
 timeout 20 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
   --format=csv >"$out/device.txt" 2>&1
+
+# 0. smoke
+smoke_bin="$bin/gpu_decode_test"
+[ -x "$bin/gpu_decode_test_trap" ] && smoke_bin="$bin/gpu_decode_test_trap"
+step "smoke FP8 tensor-core kernel" 60 "$out/tests_smoke.txt" "$smoke_bin" \
+  --gtest_filter='*Fp8TensorCoreKernel/bf16_d128_gqa4_contig'
 
 # 1. tests (the float64 reference is the slow part: 8 shards at once)
 shards() {
@@ -56,6 +65,11 @@ cat "$out"/tests_*.txt 2>/dev/null | grep -hE '^\[  FAILED  \] [A-Za-z]' | sort 
 small='*GpuFp8Forward.ForcedGen1AndEmptyCaches/bf16_d128_gqa4_page16:*GpuFp8Forward.ForcedGen1AndEmptyCaches/fp16_d64_mha_page64'
 step "compute-sanitizer memcheck" 60 "$out/sanitize_memcheck.txt" compute-sanitizer --tool memcheck \
   --error-exitcode 3 "$bin/gpu_decode_test" --gtest_filter="$small"
+tc='*GpuFp8Forward.Fp8TensorCoreKernel/fp16_d256_mha_contig'
+step "compute-sanitizer memcheck (tensor cores)" 60 "$out/sanitize_memcheck_tc.txt" compute-sanitizer \
+  --tool memcheck --error-exitcode 3 "$bin/gpu_decode_test" --gtest_filter="$tc"
+step "compute-sanitizer racecheck (tensor cores)" 60 "$out/sanitize_racecheck_tc.txt" compute-sanitizer \
+  --tool racecheck --error-exitcode 3 "$bin/gpu_decode_test" --gtest_filter="$tc"
 
 # 3. bench
 step "bench bench_fp8_forward.py" 150 "$out/bench.log" bash -c "cd '$bin' && exec python3 \

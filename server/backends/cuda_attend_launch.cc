@@ -429,12 +429,20 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
     args.kv_scales = {reinterpret_cast<const float*>(dev_in.get() + layout.k_scales),
                       reinterpret_cast<const float*>(dev_in.get() + layout.v_scales)};
   }
-  // All-FP8: q's codes are converted (with their descales) into o's type before the kernel.
+  // All-FP8: the FP8 tensor-core kernel on the codes where it is chosen and serves the launch;
+  // else q's codes are converted (with their descales) into o's type before the 16-bit kernel.
   const void* q_codes = args.q;
-  if (key.fp8_q) args.q = dev_in.get() + layout.q_wide;
+  // (Decode shapes keep the FP8 decode kernel: bound by the bytes of K/V, not by the products.)
+  const bool fp8_tensor_cores = key.fp8_q && options_.fp8_tensor_cores &&
+                                !kernels::cuda::UsesDecodeKernel(args) &&
+                                kernels::cuda::CanImplementFp8Attention(args).ok();
+  if (key.fp8_q && !fp8_tensor_cores) args.q = dev_in.get() + layout.q_wide;
   RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::CanImplement(args)));
   DeviceBuffer workspace(pool, lane.stream);
-  RETURN_IF_ERROR(workspace.Allocate(kernels::cuda::WorkspaceBytes(args)));
+  RETURN_IF_ERROR(workspace.Allocate(fp8_tensor_cores
+                                         ? kernels::cuda::Fp8AttentionWorkspaceBytes(args)
+                                         : kernels::cuda::WorkspaceBytes(args)));
+  const auto* q_descales = reinterpret_cast<const float*>(dev_in.get() + layout.q_scales);
 
   cudaStream_t s = lane.stream;
   SyncStreamUnlessDone sync_on_error(s);  // destroyed before the staging buffers go back
@@ -442,14 +450,17 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], s));
   RETURN_IF_ERROR(CopyInputs(jobs, layout, host_cu, dev_in.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], s));
-  if (key.fp8_q) {
-    RETURN_IF_CUDA_ERROR(
-        "FP8 q conversion",
-        kernels::cuda::DequantizeFp8Q(args, q_codes,
-                                      reinterpret_cast<const float*>(dev_in.get() + layout.q_scales),
-                                      const_cast<void*>(args.q), s));
+  if (fp8_tensor_cores) {
+    RETURN_IF_CUDA_ERROR("FP8 attention kernel",
+                         kernels::cuda::RunFp8Attention(args, q_descales, workspace.get(), s));
+  } else {
+    if (key.fp8_q) {
+      RETURN_IF_CUDA_ERROR("FP8 q conversion",
+                           kernels::cuda::DequantizeFp8Q(args, q_codes, q_descales,
+                                                         const_cast<void*>(args.q), s));
+    }
+    RETURN_IF_CUDA_ERROR("attention kernel", kernels::cuda::Run(args, workspace.get(), s));
   }
-  RETURN_IF_CUDA_ERROR("attention kernel", kernels::cuda::Run(args, workspace.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], s));
   RETURN_IF_ERROR(CopyOutputs(jobs, layout, dev_out.get(), s));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], s));

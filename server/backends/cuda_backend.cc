@@ -9,6 +9,29 @@
 #include "common/status_util.h"
 
 namespace attn {
+namespace {
+
+// An all-FP8 Attend of head dim d with more than 16 queries, for asking the kernels library
+// whether its FP8 tensor-core kernel serves that head dim on this device (the CanImplement
+// checks read no memory: the pointers only need their alignment).
+kernels::AttentionArgs Fp8AttendShape(int d) {
+  alignas(256) static const int32_t kAligned[64] = {};
+  const void* p = kAligned;
+  kernels::AttentionArgs a;
+  a.dtype = kernels::DType::kBFloat16;
+  a.kv_dtype = kernels::DType::kFloat8E4M3;
+  a.q = a.k = a.v = p;
+  a.o = const_cast<void*>(p);
+  a.cu_seqlens_q = a.cu_seqlens_k = static_cast<const int32_t*>(p);
+  a.kv_scales = {static_cast<const float*>(p), static_cast<const float*>(p)};
+  a.batch = 1;
+  a.total_q = a.total_k = a.max_seqlen_q = a.max_seqlen_k = 128;
+  a.num_heads = a.num_kv_heads = 8;
+  a.head_dim = d;
+  return a;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
   if (!kernels::cuda::Compiled()) return absl::UnavailableError("no CUDA kernels compiled in");
@@ -61,6 +84,13 @@ absl::Status CudaBackend::Init() {
   // converted with their descales first).
   info_.fp8.attend_kv = info_.fp8.session_cache;
   info_.fp8.attend_q = info_.fp8.session_cache;
+  if (options_.fp8_tensor_cores) {
+    for (int32_t d : info_.fp8.session_head_dims) {
+      if (kernels::cuda::CanImplementFp8Attention(Fp8AttendShape(d)).ok()) {
+        info_.fp8.attend_tensor_core_head_dims.push_back(d);
+      }
+    }
+  }
   int runtime = 0, driver = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);

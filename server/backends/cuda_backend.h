@@ -42,6 +42,9 @@ class CudaBackend : public Backend {
     int completion_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
     // Threads (the caller counted) that share a large request's host copies.
     int copy_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
+    // All-FP8 Attend launches run the FP8 tensor-core kernel where it can take them
+    // (kernels::cuda::CanImplementFp8Attention), else the conversion path.
+    bool fp8_tensor_cores = false;
   };
   // UNAVAILABLE when no usable GPU or no kernels are compiled in.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);

@@ -70,6 +70,8 @@ struct Fp8Features {
   int32_t session_max_step_tokens = 0;
   // Head dims FP8-cache sessions may have; empty: every head dim the backend serves.
   std::vector<int32_t> session_head_dims;
+  // Head dims whose all-FP8 Attend runs on FP8 tensor cores (P rounded to e4m3).
+  std::vector<int32_t> attend_tensor_core_head_dims;
 };
 
 enum class JobKind { kAttend, kStep };

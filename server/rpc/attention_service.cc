@@ -591,6 +591,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   fp8->set_attend_fp8_q(info.fp8.attend_q);
   fp8->set_session_fp8_cache(info.fp8.session_cache && sessions_ != nullptr);
   fp8->set_session_fp8_max_step_tokens(info.fp8.session_max_step_tokens);
+  for (int32_t d : info.fp8.attend_tensor_core_head_dims) fp8->add_attend_tensor_core_head_dims(d);
   *response->mutable_limits() = options_.advertised_limits;
   response->set_build_info(info.build_info);
   FillSessionInfo(response);

@@ -42,6 +42,21 @@ ReferenceResult ReferenceAttention(const kernels::AttentionArgs& shape_and_flags
                                    const std::vector<int32_t>& cu_seqlens_q,
                                    const std::vector<int32_t>& cu_seqlens_k);
 
+// Attention as the FP8 tensor-core kernel (kernels::cuda::RunFp8Attention) computes it, in
+// float64 on the values its codes stand for (q, k, v = code * descale): per query row, key tiles
+// of key_tile keys from the sequence's first key, visited from the last, with a running max m;
+// each key's p = exp(s - m) * 256 enters the row sum as it is and the P V product rounded to the
+// nearest e4m3 value; o = (P V) / sum, lse = m + log(sum / 256). The rounding is written here
+// apart from the kernels library's.
+ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& shape_and_flags,
+                                   const std::vector<double>& q, const std::vector<double>& k,
+                                   const std::vector<double>& v,
+                                   const std::vector<int32_t>& cu_seqlens_q,
+                                   const std::vector<int32_t>& cu_seqlens_k, int key_tile = 128);
+
+// x rounded to the nearest OCP E4M3FN value (ties to even), saturated at +-448.
+double RoundToE4m3(double x);
+
 // Relative L2 error ||got - ref|| / ||ref|| and the largest absolute error.
 struct ErrorStats {
   double rel_l2 = 0;

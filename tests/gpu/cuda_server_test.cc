@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <thread>
@@ -150,6 +151,52 @@ TEST_F(CudaServerTest, Fp8AttendMatchesTheReferenceOfItsDequantizedInputs) {
             auto again = s.client->Attend(a.q, a.k.codes, a.v.codes, a.options);
             ASSERT_TRUE(again.ok()) << again.status();
           }
+        }
+      }
+    }
+  }
+}
+
+// --fp8_attention=tensor_cores: all-FP8 Attend batches of more than 16 queries per sequence run
+// the FP8 tensor-core kernel (head dims 128 and 256), P rounded to e4m3 there: o within 4e-2 of
+// the float64 reference of the dequantized inputs. Decode-sized batches, and q of other types, keep
+// their kernels (the 16-bit tolerances hold for them).
+TEST_F(CudaServerTest, Fp8AttendOnTensorCoresMatchesTheReferenceOfItsDequantizedInputs) {
+  ServerOptions options;
+  options.fp8_attention = "tensor_cores";
+  auto s = StartCudaServer(options);
+  ASSERT_NE(s.server, nullptr);
+  auto info = s.client->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  if (!info->fp8().attend_fp8_q()) GTEST_SKIP() << "this GPU or build has no FP8 Attend";
+  struct Lengths {
+    std::vector<int32_t> q, k;
+  };
+  const Lengths cases[] = {{{5, 130, 40}, {40, 900, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
+  for (const Lengths& lengths : cases) {
+    for (int d : {128, 256}) {
+      if (std::find(info->head_dims().begin(), info->head_dims().end(), d) == info->head_dims().end()) {
+        continue;
+      }
+      for (bool causal : {false, true}) {
+        for (client::DType qt : {client::DType::kBFloat16, client::DType::kFloat8E4M3}) {
+          SCOPED_TRACE(::testing::Message() << "max_q " << lengths.q.size() << " d " << d
+                                            << " causal " << causal << " q " << int(qt));
+          testing::Fp8AttendCase c;
+          c.cu_q = testing::CuSeqlens(lengths.q);
+          c.cu_k = testing::CuSeqlens(lengths.k);
+          c.head_dim = d;
+          c.causal = causal;
+          c.per_head = causal;
+          c.q_type = qt;
+          const testing::Fp8Attend a = testing::MakeFp8Attend(c, rng_);
+          auto result = s.client->Attend(a.q, a.k.codes, a.v.codes, a.options);
+          ASSERT_TRUE(result.ok()) << result.status();
+          int max_q = 0;
+          for (int l : lengths.q) max_q = std::max(max_q, l);
+          const bool tensor_cores = qt == client::DType::kFloat8E4M3 && max_q > 16;
+          const double tol = tensor_cores ? 4e-2 : a.out_type == client::DType::kBFloat16 ? 1e-2 : 3e-3;
+          EXPECT_LE(testing::Fp8AttendError(a, result->o), tol);
         }
       }
     }

@@ -8,6 +8,8 @@
 //   fp8kv/tensor  q bf16; k, v E4M3 with one scale per tensor
 //   fp8 all       q, k, v E4M3, scales per (sequence, KV head); q's codes widened to bf16 and its
 //                 scale folded into k's, as attnd's CPU backend runs all-FP8 Attend
+//   fp8 TC        the same codes as the CUDA FP8 tensor-core kernel computes them (P rounded to
+//                 e4m3 for the P V product; testing::Fp8TensorCoreModel, float64)
 // Output o is bfloat16 in every mode. Usage: fp8_accuracy [seqlen] [seed]
 #include <algorithm>
 #include <cmath>
@@ -154,12 +156,14 @@ void Row(Distribution dist, const Shape& s, std::mt19937_64& rng,
   all.q = q_wide.data();
   all.kv_scales.k = qk_scales.data();
   const double rmse_all = RunCpu(all, ref, pool);
+  const std::vector<double> tc = testing::Fp8TensorCoreModel(a, q8.values, k8.values, v8.values, cu, cu).o;
+  const double rmse_tc = Rmse(ref, ToBf16(tc));
 
   double rms = 0;
   for (double x : ref) rms += x * x;
   rms = std::sqrt(rms / double(ref.size()));
-  std::printf("| %-16s | %3d | %8.2e | %8.2e | %8.2e | %8.2e | %8.2e |\n", Name(dist), s.d, rms,
-              rmse_bf16, rmse_kv_head, rmse_kv_tensor, rmse_all);
+  std::printf("| %-16s | %3d | %8.2e | %8.2e | %8.2e | %8.2e | %8.2e | %8.2e |\n", Name(dist), s.d,
+              rms, rmse_bf16, rmse_kv_head, rmse_kv_tensor, rmse_all, rmse_tc);
 }
 
 }  // namespace
@@ -177,8 +181,8 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(seed);
   std::printf("seqlen %d, %d query heads, %d KV heads, non-causal, one sequence, o bf16, seed %llu\n\n",
               shape.seqlen, shape.heads, shape.kv_heads, (unsigned long long)seed);
-  std::printf("| distribution     |   d | RMS of o | bf16     | fp8kv/head | fp8kv/tensor | fp8 all |\n");
-  std::printf("|------------------|----:|---------:|---------:|---------:|---------:|---------:|\n");
+  std::printf("| distribution     |   d | RMS of o | bf16     | fp8kv/head | fp8kv/tensor | fp8 all | fp8 TC |\n");
+  std::printf("|------------------|----:|---------:|---------:|---------:|---------:|---------:|---------:|\n");
   for (auto dist : {attn::Distribution::kNormal, attn::Distribution::kSparseOutliers,
                     attn::Distribution::kOutlierChannels}) {
     for (int d : {64, 128, 256}) {

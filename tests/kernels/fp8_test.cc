@@ -240,6 +240,66 @@ void RunFp8OnCpu(const Fp8Case& c, uint64_t seed) {
   EXPECT_LE(el.max_abs, 1e-4);
 }
 
+// The float64 e4m3 rounding of the FP8 tensor-core model (common/reference.h) against the codes:
+// every value is its own rounding, points between neighbours go to the nearer (ties to the even
+// code), and it agrees with the kernels library's float conversion on random values.
+TEST(E4m3, ModelRoundingMatchesTheCodes) {
+  for (int c = 0; c < 0x7E; ++c) {
+    const double v = testing::E4m3ToDouble(uint8_t(c)), next = testing::E4m3ToDouble(uint8_t(c + 1));
+    EXPECT_EQ(testing::RoundToE4m3(v), v) << c;
+    EXPECT_EQ(testing::RoundToE4m3(-v), -v) << c;
+    EXPECT_EQ(testing::RoundToE4m3(v + 0.25 * (next - v)), v) << c;
+    EXPECT_EQ(testing::RoundToE4m3(v + 0.75 * (next - v)), next) << c;
+    EXPECT_EQ(testing::RoundToE4m3(0.5 * (v + next)), c % 2 == 0 ? v : next) << c;
+  }
+  EXPECT_EQ(testing::RoundToE4m3(1e6), 448.0);
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> log2x(-12.0, 8.7);
+  for (int i = 0; i < 20000; ++i) {
+    const float x = float(std::exp2(log2x(rng)));
+    EXPECT_EQ(testing::RoundToE4m3(x), E4m3BitsToFloat(FloatToE4m3Bits(x))) << x;
+  }
+}
+
+// The model of the FP8 tensor-core kernel: exact where every p is an e4m3 value (equal scores:
+// p = 256 for each key), and close to, but not equal to, the exact attention on random scores
+// (the rounding of P is a few per cent per element; o's error averages out over the keys).
+TEST(Fp8TensorCoreModel, RoundsOnlyP) {
+  AttentionArgs a;
+  a.batch = 2;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  a.head_dim = 16;
+  a.causal = true;
+  const std::vector<int32_t> cu_q = testing::CuSeqlens({5, 40}), cu_k = testing::CuSeqlens({300, 40});
+  a.total_q = cu_q.back();
+  a.total_k = cu_k.back();
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> q(size_t(a.total_q) * 4 * 16, 0.0), k(size_t(a.total_k) * 2 * 16), v(k.size());
+  for (double& x : k) x = normal(rng);
+  for (double& x : v) x = normal(rng);
+  auto rel = [](const std::vector<double>& x, const std::vector<double>& y) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      num += (x[i] - y[i]) * (x[i] - y[i]);
+      den += y[i] * y[i];
+    }
+    return std::sqrt(num / den);
+  };
+  const auto ref0 = testing::ReferenceAttention(a, q, k, v, cu_q, cu_k);
+  const auto model0 = testing::Fp8TensorCoreModel(a, q, k, v, cu_q, cu_k);
+  EXPECT_LT(rel(model0.o, ref0.o), 1e-12);
+  for (double& x : q) x = 2.0 * normal(rng);
+  const auto ref = testing::ReferenceAttention(a, q, k, v, cu_q, cu_k);
+  const auto model = testing::Fp8TensorCoreModel(a, q, k, v, cu_q, cu_k);
+  EXPECT_GT(rel(model.o, ref.o), 1e-4);
+  EXPECT_LT(rel(model.o, ref.o), 5e-2);
+  double lse_err = 0;
+  for (size_t i = 0; i < ref.lse.size(); ++i) lse_err = std::max(lse_err, std::fabs(model.lse[i] - ref.lse[i]));
+  EXPECT_LT(lse_err, 1e-9);  // the row sum is of unrounded p
+}
+
 TEST(CpuFp8Kv, DecodeAndPrefillContiguousAndPaged) {
   uint64_t seed = 900;
   for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {

@@ -19,6 +19,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include "fp8_attend_check.h"
 #include "common/reference.h"
@@ -335,33 +336,55 @@ TEST(AttndEndToEnd, SecondSignalDuringDrainExitsAtOnceNonZero) {
   }
 }
 
-// `attnd --help` lists attnd's own flags (Abseil lists only those of the main file by default).
-TEST(AttndEndToEnd, HelpListsAttndFlags) {
-  // The attnd binary under test: the one AttndProcess runs.
-  std::string path;
-  {
-    auto attnd = AttndProcess::Start({});
-    ASSERT_NE(attnd, nullptr);
-    char buf[4096];
-    const ssize_t n = readlink(("/proc/" + std::to_string(attnd->pid()) + "/exe").c_str(), buf,
-                               sizeof(buf) - 1);
-    ASSERT_GT(n, 0);
-    path.assign(buf, n);
-  }
-  FILE* f = popen(("'" + path + "' --help 2>&1").c_str(), "r");
-  ASSERT_NE(f, nullptr);
+// The attnd binary under test: the one AttndProcess runs.
+std::string AttndBinaryPath() {
+  auto attnd = AttndProcess::Start({});
+  if (attnd == nullptr) return "";
+  char buf[4096];
+  const ssize_t n =
+      readlink(("/proc/" + std::to_string(attnd->pid()) + "/exe").c_str(), buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, n) : "";
+}
+
+// Runs `command` in a shell; its exit status and what it printed (stdout and stderr).
+std::pair<int, std::string> RunCommand(const std::string& command) {
+  FILE* f = popen((command + " 2>&1").c_str(), "r");
+  if (f == nullptr) return {-1, ""};
   std::string out;
   char chunk[4096];
   for (size_t n; (n = fread(chunk, 1, sizeof(chunk), f)) > 0;) out.append(chunk, n);
-  const int status = pclose(f);
+  return {pclose(f), out};
+}
+
+// `attnd --help` lists attnd's own flags (Abseil lists only those of the main file by default).
+TEST(AttndEndToEnd, HelpListsAttndFlags) {
+  const std::string path = AttndBinaryPath();
+  ASSERT_FALSE(path.empty());
+  const auto [status, out] = RunCommand("'" + path + "' --help");
   ASSERT_TRUE(WIFEXITED(status)) << out;  // Abseil's --help exits 1 after printing
   EXPECT_EQ(out.find("No flags matched"), std::string::npos) << out;
   for (const char* flag : {"--listen", "--metrics_listen", "--backend", "--max_message_bytes",
                            "--max_inflight_bytes", "--max_tensor_elements", "--drain_grace_s",
                            "--drain_quiet_ms", "--drain_timeout_s", "--auth_token_file",
-                           "--max_pending_per_client"}) {
+                           "--max_pending_per_client", "--fp8_attention"}) {
     EXPECT_NE(out.find(std::string(flag) + " ("), std::string::npos) << flag << " not in:\n" << out;
   }
+}
+
+// A value --fp8_attention does not know stops attnd at start-up with a message naming the flag
+// (the CPU backend too, which has no FP8 kernel choice to make); tensor_cores starts it.
+TEST(AttndEndToEnd, BadFp8AttentionFailsStartUpWithAMessage) {
+  const std::string path = AttndBinaryPath();
+  ASSERT_FALSE(path.empty());
+  const std::string base = "'" + path + "' --backend=cpu --listen=127.0.0.1:0 --metrics_listen= ";
+  const auto [status, out] = RunCommand("timeout 60 " + base + "--fp8_attention=fast");
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_NE(WEXITSTATUS(status), 0) << out;
+  EXPECT_NE(WEXITSTATUS(status), 124) << "attnd started with --fp8_attention=fast:\n" << out;
+  EXPECT_NE(out.find("--fp8_attention must be convert or tensor_cores"), std::string::npos) << out;
+  auto attnd = AttndProcess::Start({"--fp8_attention=tensor_cores"});
+  ASSERT_NE(attnd, nullptr);
+  EXPECT_TRUE(ClientFor(*attnd)->GetServerInfo().ok());
 }
 
 // gRPC server reflection (what grpcurl uses) lists attn.v1.Attention and grpc.health.v1.Health.
