@@ -272,7 +272,8 @@ size_t attn_workspace_bytes(int dtype, int batch, int total_q, int total_k, int 
 }
 
 // Sets one plan option of every later run (attn::kernels::cuda::PlanOptions) by name: decode_splits,
-// tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o; "reset" restores the defaults.
+// tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o, fp8_tensor_cores; "reset"
+// restores the defaults.
 // Returns 0, or -1 for an unknown name.
 int attn_set_plan_option(const char* name, int value) {
   const std::string n = name;
@@ -286,6 +287,7 @@ int attn_set_plan_option(const char* name, int value) {
   else if (n == "tile_counter") o.gen2_tile_counter = value != 0;
   else if (n == "dynamic") o.gen2_dynamic = value != 0;
   else if (n == "tma_o") o.gen2_tma_store_o = value != 0;
+  else if (n == "fp8_tensor_cores") o.fp8_tensor_cores = value != 0;
   else return -1;
   return 0;
 }

@@ -115,6 +115,7 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaBackend::CreateStepDevice(
     const CudaStepDevice::Options& options) {
   CudaStepDevice::Options o = options;
   o.reserve_bytes = options_.device_pool_bytes;
+  o.fp8_tensor_cores = options_.fp8_tensor_cores;
   return CudaStepDevice::Create(o, state_);
 }
 

@@ -218,6 +218,7 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
 }
 
 absl::Status CudaStepDevice::Init(const Options& options) {
+  plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
@@ -329,11 +330,11 @@ absl::Status CudaStepDevice::Launch(int lane_index, const StepLaunch& l) {
 absl::Status CudaStepDevice::PlanLaunch(const kernels::AttentionArgs& args, Lane& lane,
                                         kernels::cuda::Plan* plan, char** workspace) {
   DevicePool* pool = &state_->device_pool();
-  RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::MakePlan(args, {}, plan)));
+  RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::MakePlan(args, plan_options_, plan)));
   absl::StatusOr<char*> got = lane.workspace.Get(pool, lane.stream, plan->workspace_bytes);
   if (!got.ok() && absl::IsResourceExhausted(got.status()) &&
       plan->kernel == kernels::cuda::Plan::Kernel::kDecode && plan->decode_splits > 1) {
-    kernels::cuda::PlanOptions unsplit;
+    kernels::cuda::PlanOptions unsplit = plan_options_;
     unsplit.decode_splits = 1;
     RETURN_IF_ERROR(FromKernelStatus(kernels::cuda::MakePlan(args, unsplit, plan)));
     got = lane.workspace.Get(pool, lane.stream, plan->workspace_bytes);

@@ -29,6 +29,9 @@ class CudaStepDevice : public StepDevice {
     int64_t kv_cache_bytes = 0;
     int64_t kv_page_bytes = int64_t{32} << 10;
     int64_t reserve_bytes = 0;
+    // FP8-cache steps of more than 16 new tokens (chunked prefill): q quantized to e4m3 and the
+    // FP8 tensor-core kernel where it serves the launch (kernels::cuda::PlanOptions).
+    bool fp8_tensor_cores = false;
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
@@ -111,6 +114,7 @@ class CudaStepDevice : public StepDevice {
                           char** workspace);
 
   std::shared_ptr<CudaDeviceState> state_;
+  kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

@@ -26,9 +26,10 @@ struct ServerOptions {
   int64_t step_idle_poll_us = 200;  // a GPU step lane's look for the next launch before it sleeps
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
-  // CUDA backend, Attend with q, k and v all FP8: "convert" (widened to 16 bits, then the 16-bit
-  // kernel) or "tensor_cores" (the FP8 wgmma kernel, where it serves the launch: sm_90a, head
-  // dims 128 and 256; P rounded to e4m3, docs/FP8.md).
+  // CUDA backend, FP8 attention of more than 16 queries per sequence (all-FP8 Attend, and steps
+  // of FP8-cache sessions): "convert" (widened to 16 bits, then the 16-bit kernel) or
+  // "tensor_cores" (the FP8 wgmma kernel, where it serves the launch: sm_90a, head dims 128 and
+  // 256; P rounded to e4m3, and a session step's q quantized per (sequence, KV head); docs/FP8.md).
   std::string fp8_attention = "convert";
   // On SIGTERM: new calls get UNAVAILABLE until none has arrived or been answered for
   // drain_quiet_ms and nothing is queued or running, for at most drain_grace_s; then open

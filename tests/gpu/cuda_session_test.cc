@@ -173,6 +173,47 @@ TEST_F(CudaSessionTest, Fp8CachePrefillOf600TokensThenDecode) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
+// attnd --fp8_attention=tensor_cores: an FP8 cache's steps of more than 16 new tokens run on the FP8
+// tensor-core kernel (q quantized per (sequence, KV head) on the device, the cache's pages gathered,
+// P rounded to e4m3): within 5e-2 of the float64 reference over the dequantized cache (the
+// rounding of q and P on top of the cache's); decode steps keep the FP8 decode kernel's tolerance.
+// GetServerInfo lists the head dims served so.
+TEST_F(CudaSessionTest, Fp8CacheChunkedPrefillOnTensorCores) {
+  ServerOptions o;
+  o.backend = "cuda";
+  o.metrics_listen = "";
+  o.kv_cache_bytes = int64_t{2} << 30;
+  o.fp8_attention = "tensor_cores";
+  testing::LoopbackServer tc = testing::StartLoopbackServer(o);
+  ASSERT_NE(tc.server, nullptr);
+  v1::Attention::Stub* stub = tc.client->stub();
+  grpc::ClientContext ctx;
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(stub->GetServerInfo(&ctx, {}, &info).ok());
+  const auto& dims = info.fp8().attend_tensor_core_head_dims();
+  if (std::find(dims.begin(), dims.end(), 128) == dims.end()) {
+    GTEST_SKIP() << "no FP8 tensor-core kernel at head dim 128 on this device or build";
+  }
+  for (const bool codes : {false, true}) {
+    const SessionSpec spec = Fp8({1, 32, 8, 128, v1::DTYPE_BFLOAT16}, rng_, codes);
+    v1::CreateSessionResponse r;
+    ASSERT_TRUE(testing::CreateSession(stub, spec, &r).ok());
+    SessionShadow shadow(spec);
+    v1::StepResponse response;
+    int cached = 0;
+    for (int n : {600, 1, 17, 16, 300, 1}) {
+      const v1::StepRequest step = testing::RandomStep(r.session_id(), 0, n, spec, rng_);
+      const grpc::Status st = testing::Step(stub, step, &response);
+      ASSERT_TRUE(st.ok()) << n << " new tokens, codes " << codes << ": " << st.error_message();
+      shadow.Append(step);
+      EXPECT_LE(shadow.Check(step, response).o, n > 16 ? 5e-2 : GpuTolerances().o_tolerance_bf16)
+          << n << " new tokens over " << cached << " cached, codes " << codes;
+      cached += n;
+    }
+    ASSERT_TRUE(testing::CloseSession(stub, r.session_id()).ok());
+  }
+}
+
 // Device memory a paged launch of `sessions` steps of `tokens` new tokens each over `cached`
 // cached tokens needs from the pool (its staging copy, its outputs, the kernel's workspace),
 // about.

@@ -78,6 +78,10 @@ struct Case {
   // model of that rounding (Fp8TensorCoreModel), LSE (from the fp32 scores) as tightly as
   // elsewhere.
   bool fp8_native = false;
+  // With fp8_kv and 16-bit q (contiguous or paged): planned with PlanOptions::fp8_tensor_cores,
+  // which must take the FP8 tensor-core path (q quantized on the device per (sequence, KV head));
+  // skipped as fp8_native is. O is held as fp8_native's, the model seeing q's quantized values.
+  bool fp8_tc_plan = false;
   float q_scale = 1.0f;        // q's random values times this (exactly representable: a power of 2 or not, rounded to dtype)
   float softmax_scale = 0.0f;  // AttentionArgs::softmax_scale
   uint64_t seed = 1;
@@ -346,9 +350,19 @@ void RunAndCheck(Case c) {
   attn::kernels::cuda::PlanOptions options;
   options.generation = c.gen;
   options.decode_splits = c.decode_splits;
+  options.fp8_tensor_cores = c.fp8_tc_plan;
+  if (c.fp8_tc_plan) {
+    const attn::kernels::Status sn = attn::kernels::cuda::CanImplementFp8TensorCores(a);
+    if (!sn.ok()) {
+      ASSERT_TRUE(!attn::testing::IsHopper() || sn.message().find("not compiled") != std::string::npos)
+          << sn.message();
+      GTEST_SKIP() << sn.message();
+    }
+  }
   attn::kernels::cuda::Plan plan;
   const attn::kernels::Status ps_st = attn::kernels::cuda::MakePlan(a, options, &plan);
   ASSERT_TRUE(ps_st.ok()) << ps_st.message();
+  if (c.fp8_tc_plan) ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kFp8TensorCores);
   if (c.decode_splits > 0) {
     ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
     EXPECT_EQ(plan.decode_splits, std::min(c.decode_splits, 64));
@@ -364,7 +378,7 @@ void RunAndCheck(Case c) {
     }
   }
   const size_t ws_bytes = c.fp8_native         ? attn::kernels::cuda::Fp8AttentionWorkspaceBytes(a)
-                          : c.decode_splits > 0 ? plan.workspace_bytes
+                          : c.decode_splits > 0 || c.fp8_tc_plan ? plan.workspace_bytes
                                                 : attn::kernels::cuda::WorkspaceBytes(a);
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
@@ -377,7 +391,7 @@ void RunAndCheck(Case c) {
   }
   const cudaError_t err = c.fp8_native ? attn::kernels::cuda::RunFp8Attention(
                                              a, static_cast<const float*>(dq_scales.ptr), ws, nullptr)
-                          : c.decode_splits > 0       ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
+                          : c.decode_splits > 0 || c.fp8_tc_plan ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
                           : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
                                                           : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
@@ -399,14 +413,21 @@ void RunAndCheck(Case c) {
                : attn::testing::ReferenceAttention(shape, q.ToDouble(), k.ToDouble(), v.ToDouble(), cu_q, cu_k);
   const attn::testing::ErrorStats eo = attn::testing::CompareTo(ref.o, out);
   constexpr double kFp8NativeTol = 4e-2;
-  const double tol = c.fp8_native ? kFp8NativeTol : c.dtype == DType::kBFloat16 ? 1e-2 : 2e-3;
+  // q quantized on the device (fp8_tc_plan) adds q's e4m3 rounding on top.
+  const double tol = c.fp8_tc_plan  ? 5e-2
+                     : c.fp8_native ? kFp8NativeTol
+                     : c.dtype == DType::kBFloat16 ? 1e-2 : 2e-3;
   EXPECT_EQ(eo.non_finite, 0) << "unwritten or non-finite O elements";
   EXPECT_LE(eo.rel_l2, tol) << "O rel L2 " << eo.rel_l2 << " max abs " << eo.max_abs;
-  if (c.fp8_native) {
-    // Against the float64 model of the kernel's own arithmetic (P rounded to e4m3): what is left
-    // is o's rounding to 16 bits and the tensor cores' accumulation.
+  if (c.fp8_native || c.fp8_tc_plan) {
+    // Against the float64 model of the kernel's own arithmetic (P rounded to e4m3; q as the
+    // device quantizes it, per (sequence, KV head), for fp8_tc_plan): what is left is o's
+    // rounding to 16 bits and the tensor cores' accumulation.
+    const std::vector<double> q_model =
+        c.fp8_tc_plan ? attn::testing::QuantizeE4m3(q.ToDouble(), cu_q, Hkv, a.num_heads / Hkv * D).values
+                      : q_ref;
     const attn::testing::ReferenceResult model =
-        attn::testing::Fp8TensorCoreModel(shape, q_ref, kq.values, vq.values, cu_q, cu_k);
+        attn::testing::Fp8TensorCoreModel(shape, q_model, kq.values, vq.values, cu_q, cu_k);
     const attn::testing::ErrorStats em = attn::testing::CompareTo(model.o, out);
     EXPECT_LE(em.rel_l2, c.dtype == DType::kBFloat16 ? 1e-2 : 5e-3)
         << "O rel L2 vs the FP8 tensor-core model " << em.rel_l2 << " (vs exact " << eo.rel_l2 << ")";
@@ -422,8 +443,8 @@ void RunAndCheck(Case c) {
     // kernel, so its LSE is that of the rounded values (bf16: up to ~0.05 off the exact one at
     // these scales; O is held to the exact reference above). The decode kernel folds the scales
     // and is held to the exact values.
-    const bool converted =
-        c.fp8_kv && !c.fp8_native && plan.kernel != attn::kernels::cuda::Plan::Kernel::kDecode;
+    const bool converted = c.fp8_kv && !c.fp8_native && !c.fp8_tc_plan &&
+                           plan.kernel != attn::kernels::cuda::Plan::Kernel::kDecode;
     const attn::testing::ReferenceResult ref16 =
         converted ? attn::testing::ReferenceAttention(shape, Rounded16(c.dtype, q_ref),
                                                       Rounded16(c.dtype, kq.values),
@@ -740,6 +761,27 @@ TEST_P(GpuFp8Forward, Fp8TensorCoreKernel) {
   c = base();
   c.len_q = {1000, 3};
   c.len_k = {4000, 2};
+  RunAndCheck(c);
+}
+
+// FP8 K/V with 16-bit q planned with PlanOptions::fp8_tensor_cores: q quantized on the device,
+// paged K/V gathered, then the FP8 tensor-core kernel (head dims 128 and 256; contiguous and
+// shuffled pages of 16 and 64): chunks over caches as chunked prefill sends them, causal.
+TEST_P(GpuFp8Forward, Fp8TensorCorePlanOverCaches) {
+  SKIP_WITHOUT_GPU();
+  if (GetParam().head_dim != 128 && GetParam().head_dim != 256) {
+    GTEST_SKIP() << "the FP8 tensor-core kernel serves head dims 128 and 256";
+  }
+  Case c = Base(false);
+  c.fp8_tc_plan = true;
+  c.causal = true;
+  c.len_q = {512, 17, 200};
+  c.len_k = {1536, 17, 900};
+  RunAndCheck(c);
+  c = Base(false);
+  c.fp8_tc_plan = true;
+  c.len_q = {129, 40};
+  c.len_k = {511, 65};
   RunAndCheck(c);
 }
 

@@ -406,6 +406,54 @@ AttentionArgs Fp8InnerArgs(const AttentionArgs& a, char* workspace) {
   return in;
 }
 
+// Where Run puts what the FP8 tensor-core path (Plan::Kernel::kFp8TensorCores) writes, inside the
+// workspace (256-byte aligned parts): q's codes and its per-(sequence, KV head) amax and scales;
+// paged K/V: the sequences' row offsets and K's and V's codes gathered into rows; then Vt.
+struct Fp8TcWorkspace {
+  size_t q = 0, amax = 0, q_scales = 0, offsets = 0, k = 0, v = 0, vt = 0, bytes = 0;
+};
+
+Fp8TcWorkspace Fp8TcWorkspaceLayout(const AttentionArgs& a) {
+  Fp8TcWorkspace w;
+  const size_t per_seq_head = sizeof(float) * size_t(a.batch) * a.num_kv_heads;
+  const int64_t kv_rows = Fp8KvRows(a);
+  const size_t kv_bytes = IsPaged(a) ? size_t(kv_rows) * a.num_kv_heads * a.head_dim : 0;
+  w.q = 0;
+  w.amax = w.q + AlignTo256(size_t(a.total_q) * a.num_heads * a.head_dim);
+  w.q_scales = w.amax + AlignTo256(per_seq_head);
+  w.offsets = w.q_scales + AlignTo256(per_seq_head);
+  w.k = w.offsets + AlignTo256(IsPaged(a) ? sizeof(int32_t) * (size_t(a.batch) + 1) : 0);
+  w.v = w.k + AlignTo256(kv_bytes);
+  w.vt = w.v + AlignTo256(kv_bytes);
+  w.bytes = w.vt + AlignTo256(size_t(Fp8VtBytes(kv_rows, a.batch, a.num_kv_heads, a.head_dim)));
+  return w;
+}
+
+bool Fp8ForwardHeadDimCompiled(int d) {
+  switch (d) {
+#ifdef ATTN_SM90_FP8_FWD_HDIM_128
+    case 128: return true;
+#endif
+#ifdef ATTN_SM90_FP8_FWD_HDIM_256
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+template <typename T>
+cudaError_t RunFp8AttentionTyped(const FlashParams& p, int head_dim, int sms, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef ATTN_SM90_FP8_FWD_HDIM_128
+    case 128: return RunFlashFwdSm90Fp8<T, 128>(p, sms, stream);
+#endif
+#ifdef ATTN_SM90_FP8_FWD_HDIM_256
+    case 256: return RunFlashFwdSm90Fp8<T, 256>(p, sms, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
 bool Compiled() { return true; }
@@ -495,6 +543,13 @@ Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* pla
   p.paged = IsPaged(args);
   if (options.generation == FwdGeneration::kAuto && args.max_seqlen_q <= kDecodeMaxSeqlenQ) {
     PlanDecode(args, options.decode_splits, &p);
+    *plan = p;
+    return Status::Ok();
+  }
+  if (IsFp8Kv(args) && options.fp8_tensor_cores && CanImplementFp8TensorCores(args).ok()) {
+    p.kernel = Plan::Kernel::kFp8TensorCores;
+    p.fp8_kv_rows = Fp8KvRows(args);
+    p.workspace_bytes = Fp8TcWorkspaceLayout(args).bytes;
     *plan = p;
     return Status::Ok();
   }
@@ -599,12 +654,78 @@ cudaError_t RunFp8Forward(const AttentionArgs& args, const Plan& plan, void* wor
   return Run(inner, inner_plan, plan.fp8_inner_workspace_bytes > 0 ? workspace : nullptr, stream);
 }
 
+// FP8 K/V with 16-bit q on the FP8 tensor-core kernel: q quantized into the workspace, paged K/V
+// gathered into rows there, then the kernel (V transposed first), all on stream.
+cudaError_t RunFp8TensorCores(const AttentionArgs& args, const Plan& plan, void* workspace,
+                              cudaStream_t stream) {
+  if (workspace == nullptr || plan.fp8_kv_rows != Fp8KvRows(args) ||
+      !CanImplementFp8TensorCores(args).ok()) {
+    return cudaErrorInvalidValue;
+  }
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info)) return cudaErrorInvalidValue;
+  char* ws = static_cast<char*>(workspace);
+  const Fp8TcWorkspace w = Fp8TcWorkspaceLayout(args);
+  Fp8QuantizeParams qp;
+  qp.src = args.q;
+  qp.dst = reinterpret_cast<uint8_t*>(ws + w.q);
+  qp.scales = reinterpret_cast<float*>(ws + w.q_scales);
+  qp.amax_bits = reinterpret_cast<uint32_t*>(ws + w.amax);
+  qp.cu_seqlens = args.cu_seqlens_q;
+  qp.batch = args.batch;
+  qp.rows = args.total_q;
+  qp.heads = args.num_heads;
+  qp.scale_heads = args.num_kv_heads;
+  qp.head_dim = args.head_dim;
+  qp.bf16 = args.dtype == DType::kBFloat16;
+  cudaError_t err = LaunchFp8Quantize(qp, stream);
+  if (err != cudaSuccess) return err;
+  FlashParams p = MakeParams(args);
+  p.q = qp.dst;
+  p.q_descale = qp.scales;
+  p.k_descale = args.kv_scales.k;
+  p.v_descale = args.kv_scales.v;
+  p.vt = ws + w.vt;
+  if (IsPaged(args)) {
+    auto* offsets = reinterpret_cast<int32_t*>(ws + w.offsets);
+    err = LaunchSeqlensScan(args.paged.seqlens_k, args.batch, offsets, stream);
+    if (err != cudaSuccess) return err;
+    Fp8DequantParams g;
+    g.row_offsets = offsets;
+    g.page_indptr = args.paged.page_indptr;
+    g.page_indices = args.paged.page_indices;
+    g.page_size = args.paged.page_size;
+    g.batch = args.batch;
+    g.rows = plan.fp8_kv_rows;
+    g.heads = args.num_kv_heads;
+    g.head_dim = args.head_dim;
+    for (int part = 0; part < 2; ++part) {
+      g.src = static_cast<const uint8_t*>(part == 0 ? args.k : args.v);
+      g.dst = ws + (part == 0 ? w.k : w.v);
+      err = LaunchFp8Gather(g, stream);
+      if (err != cudaSuccess) return err;
+    }
+    p.k = ws + w.k;
+    p.v = ws + w.v;
+    p.cu_seqlens_k = offsets;
+    p.total_k = static_cast<int32_t>(plan.fp8_kv_rows);
+    p.page_indptr = p.page_indices = p.seqlens_k = nullptr;
+    p.page_size = 0;
+    p.page_shift = -1;
+  }
+  return args.dtype == DType::kFloat16 ? RunFp8AttentionTyped<__half>(p, args.head_dim, info.sms, stream)
+                                       : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, info.sms, stream);
+}
+
 }  // namespace
 
 cudaError_t Run(const AttentionArgs& args, const Plan& plan, void* workspace, cudaStream_t stream) {
   if (!CanImplement(args).ok()) return cudaErrorInvalidValue;
   const bool paged = IsPaged(args);
   if (paged != plan.paged) return cudaErrorInvalidValue;
+  if (plan.kernel == Plan::Kernel::kFp8TensorCores) {
+    return IsFp8Kv(args) ? RunFp8TensorCores(args, plan, workspace, stream) : cudaErrorInvalidValue;
+  }
   if (plan.fp8_dequant != (IsFp8Kv(args) && plan.kernel != Plan::Kernel::kDecode)) {
     return cudaErrorInvalidValue;  // a plan of other arguments
   }
@@ -705,46 +826,20 @@ cudaError_t DequantizeFp8Q(const AttentionArgs& args, const void* q_codes, const
 
 namespace {
 
-bool Fp8ForwardHeadDimCompiled(int d) {
-  switch (d) {
-#ifdef ATTN_SM90_FP8_FWD_HDIM_128
-    case 128: return true;
-#endif
-#ifdef ATTN_SM90_FP8_FWD_HDIM_256
-    case 256: return true;
-#endif
-    default: return false;
-  }
-}
-
-template <typename T>
-cudaError_t RunFp8AttentionTyped(const FlashParams& p, int head_dim, int sms, cudaStream_t stream) {
-  switch (head_dim) {
-#ifdef ATTN_SM90_FP8_FWD_HDIM_128
-    case 128: return RunFlashFwdSm90Fp8<T, 128>(p, sms, stream);
-#endif
-#ifdef ATTN_SM90_FP8_FWD_HDIM_256
-    case 256: return RunFlashFwdSm90Fp8<T, 256>(p, sms, stream);
-#endif
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-}  // namespace
-
-Status CanImplementFp8Attention(const AttentionArgs& args) {
+// What the FP8 tensor-core kernel needs of args beyond CanImplement (FP8 K/V; the K/V rows it
+// reads: total_k contiguous, or the bound Fp8KvRows when paged K/V are gathered first).
+Status Fp8TensorCoreLimits(const AttentionArgs& args) {
   Status s = CanImplement(args);
   if (!s.ok()) return s;
-  if (!IsFp8Kv(args) || IsPaged(args)) {
-    return {StatusCode::kUnimplemented,
-            "CUDA FP8 attention kernel: k and v must be contiguous float8_e4m3"};
+  if (!IsFp8Kv(args)) {
+    return {StatusCode::kUnimplemented, "CUDA FP8 attention kernel: k and v must be float8_e4m3"};
   }
   if (!Fp8ForwardHeadDimCompiled(args.head_dim)) {
     return {StatusCode::kUnimplemented, "CUDA FP8 attention kernel: head_dim " +
                                             std::to_string(args.head_dim) +
                                             " is not compiled in this build (128, 256 for sm_90a)"};
   }
-  if (Fp8VtColumns(args.total_k, args.batch) > INT32_MAX ||
+  if (Fp8VtColumns(Fp8KvRows(args), args.batch) > INT32_MAX ||
       (int64_t(args.max_seqlen_q) + 127) / 128 * args.num_heads * args.batch > INT32_MAX) {
     return {StatusCode::kUnimplemented, "CUDA FP8 attention kernel: too many keys or query tiles"};
   }
@@ -759,6 +854,24 @@ Status CanImplementFp8Attention(const AttentionArgs& args) {
             "CUDA FP8 attention kernel: the device is not compute capability 9.0"};
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status CanImplementFp8Attention(const AttentionArgs& args) {
+  if (IsPaged(args)) {
+    return {StatusCode::kUnimplemented,
+            "CUDA FP8 attention kernel: all-FP8 attention takes contiguous k and v"};
+  }
+  return Fp8TensorCoreLimits(args);
+}
+
+Status CanImplementFp8TensorCores(const AttentionArgs& args) {
+  if (args.max_seqlen_q <= kDecodeMaxSeqlenQ) {
+    return {StatusCode::kUnimplemented,
+            "CUDA FP8 attention kernel: decode shapes run the FP8 decode kernel"};
+  }
+  return Fp8TensorCoreLimits(args);
 }
 
 size_t Fp8AttentionWorkspaceBytes(const AttentionArgs& args) {

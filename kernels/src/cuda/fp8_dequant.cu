@@ -107,6 +107,137 @@ __global__ void __launch_bounds__(kThreads) Fp8DequantKernel(Fp8DequantParams p)
   }
 }
 
+// 16 codes per thread, copied; rows past the sequences zeroed.
+__global__ void __launch_bounds__(kThreads) Fp8GatherKernel(Fp8DequantParams p) {
+  const int32_t row_bytes = p.heads * p.head_dim;
+  const int32_t chunks_per_row = row_bytes / 16;
+  const int64_t total = p.rows * chunks_per_row;
+  for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * kThreads) {
+    const int64_t r = idx / chunks_per_row;
+    const int32_t c = static_cast<int32_t>(idx - r * chunks_per_row);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    const int32_t b = SequenceOf(p.row_offsets, p.batch, r);
+    if (b < p.batch) {
+      int64_t src_row = r;
+      if (p.page_size > 0) {
+        const int32_t i = static_cast<int32_t>(r - p.row_offsets[b]);
+        const int32_t page = p.page_indices[p.page_indptr[b] + i / p.page_size];
+        src_row = int64_t(page) * p.page_size + i % p.page_size;
+      }
+      v = *reinterpret_cast<const uint4*>(p.src + src_row * row_bytes + c * 16);
+    }
+    *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.dst) + r * row_bytes + c * 16) = v;
+  }
+}
+
+// Eight 16-bit values of a row as floats.
+template <bool kBf16>
+__device__ __forceinline__ void Load8(const void* src, int64_t at, float (&x)[8]) {
+  const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(src) + at);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (kBf16) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+      x[2 * j] = f.x;
+      x[2 * j + 1] = f.y;
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[j]));
+      x[2 * j] = f.x;
+      x[2 * j + 1] = f.y;
+    }
+  }
+}
+
+// The (sequence, KV head) of a chunk of 8 values: idx -> row r, chunk c of the row.
+struct QuantizeSlot {
+  int64_t r;
+  int32_t c;
+  int32_t key;  // b * scale_heads + KV head, or -1 for a row past the sequences
+};
+
+__device__ __forceinline__ QuantizeSlot SlotOf(const Fp8QuantizeParams& p, int64_t idx) {
+  const int32_t chunks_per_row = p.heads * p.head_dim / 8;
+  QuantizeSlot s;
+  s.r = idx / chunks_per_row;
+  s.c = static_cast<int32_t>(idx - s.r * chunks_per_row);
+  const int32_t b = SequenceOf(p.cu_seqlens, p.batch, s.r);
+  const int32_t group = p.heads / p.scale_heads;
+  s.key = b < p.batch ? b * p.scale_heads + (s.c * 8 / p.head_dim) / group : -1;
+  return s;
+}
+
+__device__ __forceinline__ float ScaleOfAmax(uint32_t bits) {
+  const float amax = __uint_as_float(bits);
+  return amax > 0.0f ? amax / 448.0f : 1.0f;
+}
+
+// Pass 1: amax of each (sequence, KV head), lanes of one key reduced together before one atomic.
+template <bool kBf16>
+__global__ void __launch_bounds__(kThreads) Fp8AmaxKernel(Fp8QuantizeParams p) {
+  const int64_t total = p.rows * (p.heads * p.head_dim / 8);
+  for (int64_t base = int64_t(blockIdx.x) * kThreads; base < total; base += int64_t(gridDim.x) * kThreads) {
+    const int64_t idx = base + threadIdx.x;
+    int32_t key = -1;
+    uint32_t bits = 0;
+    if (idx < total) {
+      const QuantizeSlot s = SlotOf(p, idx);
+      key = s.key;
+      if (key >= 0) {
+        float x[8];
+        Load8<kBf16>(p.src, s.r * p.heads * p.head_dim + s.c * 8, x);
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(x[j]));  // NaN is left out (and stays NaN)
+        bits = __float_as_uint(m);
+      }
+    }
+    // Non-negative floats (and NaN above them) order as their bits.
+    const unsigned same = __match_any_sync(0xffffffffu, key);
+    const uint32_t m = __reduce_max_sync(same, bits);
+    if (key >= 0 && (threadIdx.x & 31) == __ffs(same) - 1) atomicMax(p.amax_bits + key, m);
+  }
+}
+
+// Pass 2: the codes, and (block 0) the scales.
+template <bool kBf16>
+__global__ void __launch_bounds__(kThreads) Fp8QuantizeKernel(Fp8QuantizeParams p) {
+  if (blockIdx.x == 0) {
+    for (int32_t i = threadIdx.x; i < p.batch * p.scale_heads; i += kThreads) {
+      p.scales[i] = ScaleOfAmax(p.amax_bits[i]);
+    }
+  }
+  const int64_t total = p.rows * (p.heads * p.head_dim / 8);
+  for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * kThreads) {
+    const QuantizeSlot s = SlotOf(p, idx);
+    const int64_t at = s.r * p.heads * p.head_dim + s.c * 8;
+    uint2 codes = make_uint2(0, 0);
+    if (s.key >= 0) {
+      float x[8];
+      Load8<kBf16>(p.src, at, x);
+      const float inv = 1.0f / ScaleOfAmax(p.amax_bits[s.key]);
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint16_t pair = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+        // cvt's first source lands in the upper byte.
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n"
+            : "=h"(pair)
+            : "f"(x[2 * j] * inv), "f"(x[2 * j + 1] * inv));
+#else
+        __trap();  // FP8 tensor-core launches are planned on compute capability 9.0 only
+#endif
+        w[j] = pair;
+      }
+      codes = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+    }
+    *reinterpret_cast<uint2*>(p.dst + at) = codes;
+  }
+}
+
 // One block: each thread sums a run of sequences, the block scans the runs' sums, and each
 // thread writes its run's offsets.
 __global__ void __launch_bounds__(kScanThreads)
@@ -163,6 +294,44 @@ cudaError_t LaunchFp8Dequant(const Fp8DequantParams& p, cudaStream_t stream) {
     } else {
       Fp8DequantKernel<false, false><<<blocks, kThreads, 0, stream>>>(p);
     }
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFp8Gather(const Fp8DequantParams& p, cudaStream_t stream) {
+  const int64_t row_bytes = int64_t(p.heads) * p.head_dim;
+  if (p.rows < 0 || p.batch < 1 || p.heads < 1 || row_bytes % 16 != 0 || p.dst == nullptr ||
+      p.row_offsets == nullptr || (p.rows > 0 && p.src == nullptr) || !Aligned(p.src, 16) ||
+      !Aligned(p.dst, 16) || (p.page_size > 0 && (!p.page_indptr || !p.page_indices))) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t total = p.rows * (row_bytes / 16);
+  if (total == 0) return cudaSuccess;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, kMaxBlocks));
+  Fp8GatherKernel<<<blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFp8Quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
+  if (p.rows < 0 || p.batch < 1 || p.heads < 1 || p.scale_heads < 1 ||
+      p.heads % p.scale_heads != 0 || p.head_dim < 8 || p.head_dim % 8 != 0 || p.dst == nullptr ||
+      p.scales == nullptr || p.amax_bits == nullptr || p.cu_seqlens == nullptr ||
+      (p.rows > 0 && p.src == nullptr) || !Aligned(p.src, 16) || !Aligned(p.dst, 8)) {
+    return cudaErrorInvalidValue;
+  }
+  cudaError_t err =
+      cudaMemsetAsync(p.amax_bits, 0, sizeof(uint32_t) * size_t(p.batch) * p.scale_heads, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t total = p.rows * (int64_t(p.heads) * p.head_dim / 8);
+  const unsigned blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, kMaxBlocks)));
+  if (p.bf16) {
+    Fp8AmaxKernel<true><<<blocks, kThreads, 0, stream>>>(p);
+    Fp8QuantizeKernel<true><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    Fp8AmaxKernel<false><<<blocks, kThreads, 0, stream>>>(p);
+    Fp8QuantizeKernel<false><<<blocks, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -35,6 +35,31 @@ struct Fp8DequantParams {
 // Enqueues the conversion on stream; no allocation, no synchronisation.
 cudaError_t LaunchFp8Dequant(const Fp8DequantParams& p, cudaStream_t stream);
 
+// The codes of rows of [heads, head_dim] e4m3 gathered as they are (no conversion, no scale) into
+// contiguous rows of dst, rows past row_offsets[batch] zeroed: Fp8DequantParams's rows and pages,
+// with dst holding codes (scales and bf16 unused). heads * head_dim a multiple of 16, src and dst
+// 16-byte aligned.
+cudaError_t LaunchFp8Gather(const Fp8DequantParams& p, cudaStream_t stream);
+
+// 16-bit rows [rows, heads, head_dim] (sequences by cu_seqlens) quantized to e4m3 with one scale
+// per (sequence, KV head) over the group of heads that KV head serves: scale = amax / 448 (1 where
+// amax is 0 or NaN), code = E4M3(x / scale) rounded to nearest, saturating. amax_bits: batch *
+// scale_heads words of workspace, zeroed by the launch.
+struct Fp8QuantizeParams {
+  const void* src = nullptr;  // fp16 or bf16
+  uint8_t* dst = nullptr;
+  float* scales = nullptr;    // [batch, scale_heads]
+  uint32_t* amax_bits = nullptr;
+  const int32_t* cu_seqlens = nullptr;  // [batch + 1], device
+  int32_t batch = 0;
+  int64_t rows = 0;
+  int32_t heads = 0;
+  int32_t scale_heads = 0;
+  int32_t head_dim = 0;  // a multiple of 8
+  bool bf16 = false;
+};
+cudaError_t LaunchFp8Quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
+
 // Enqueues offsets[0] = 0, offsets[b + 1] = offsets[b] + seqlens[b] for b < batch (device
 // arrays): the contiguous row offsets of paged sequences.
 cudaError_t LaunchSeqlensScan(const int32_t* seqlens, int32_t batch, int32_t* offsets,

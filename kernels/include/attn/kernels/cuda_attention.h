@@ -64,12 +64,18 @@ struct PlanOptions {
   bool gen2_tile_counter = true;  // false: no tile counter (the fixed tile order; no workspace)
   bool gen2_dynamic = true;       // false: the fixed tile order even with the counter
   bool gen2_tma_store_o = true;   // false: O stored from registers
+  // FP8 K/V (contiguous or paged) with 16-bit q on a forward shape: q quantized to e4m3 on the
+  // device (one scale per (sequence, KV head), amax / 448) and the FP8 tensor-core kernel
+  // (RunFp8Attention's), where it serves the launch (CanImplementFp8TensorCores); false, or where
+  // it does not: the conversion to 16 bits. Adds q's and P's e4m3 rounding to the result.
+  bool fp8_tensor_cores = false;
 };
 
 // What Run launches for one batch shape (MakePlan). Plain values; valid for the device it was made
 // on.
 struct Plan {
-  enum class Kernel : uint8_t { kDecode, kGen1, kGen2 };
+  // kFp8TensorCores: FP8 K/V with 16-bit q, q quantized on the device (PlanOptions).
+  enum class Kernel : uint8_t { kDecode, kGen1, kGen2, kFp8TensorCores };
   Kernel kernel = Kernel::kGen1;
   bool paged = false;
   // Device scratch Run needs, in bytes: the decode kernel's split-KV partials (splits * total_q *
@@ -155,6 +161,10 @@ cudaError_t DequantizeFp8Q(const AttentionArgs& args, const void* q_codes, const
 // head_dim * (total_k + 128 * (batch + 1)) bytes, 256-byte aligned), then the kernel runs; both
 // on stream, no allocation.
 Status CanImplementFp8Attention(const AttentionArgs& args);
+// Whether a plan with PlanOptions::fp8_tensor_cores runs args (FP8 K/V, contiguous or paged, 16-bit
+// q, more than 16 queries per sequence) on the FP8 tensor-core kernel: head dims 128 and 256 on a
+// compute capability 9.0 device, q, k and v 16-byte aligned.
+Status CanImplementFp8TensorCores(const AttentionArgs& args);
 size_t Fp8AttentionWorkspaceBytes(const AttentionArgs& args);
 cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, void* workspace,
                             cudaStream_t stream);
