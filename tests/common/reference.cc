@@ -163,79 +163,29 @@ std::vector<double> HostTensor::ToDouble() const {
   return out;
 }
 
-ATTN_TEST_THREAD_PRIVATE
-ReferenceResult ReferenceAttention(const kernels::AttentionArgs& a, const std::vector<double>& q,
-                                   const std::vector<double>& k, const std::vector<double>& v,
-                                   const std::vector<int32_t>& cu_q,
-                                   const std::vector<int32_t>& cu_k) {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// Calls row(out_row, lse_at, k0, scores, hk) for every query row and head of the batch:
+// scores[j] is the scaled score of the sequence's key j (-inf where the mask hides it), out_row
+// the row's d outputs in o, lse_at its index in lse, k0 the sequence's first key row and hk the
+// KV head the query head reads.
+template <typename RowFn>
+ATTN_TEST_THREAD_PRIVATE ReferenceResult ForEachScoreRow(const kernels::AttentionArgs& a,
+                                                         const std::vector<double>& q,
+                                                         const std::vector<double>& k,
+                                                         const std::vector<int32_t>& cu_q,
+                                                         const std::vector<int32_t>& cu_k,
+                                                         RowFn&& row) {
   const int h_q = a.num_heads, h_kv = a.num_kv_heads, d = a.head_dim;
   const int group = h_q / h_kv;
   const double scale = a.softmax_scale != 0.0f ? a.softmax_scale : 1.0 / std::sqrt(double(d));
-  const int64_t total_q = cu_q.back();
-  ReferenceResult r;
-  r.o.assign(total_q * h_q * d, 0.0);
-  r.lse.assign(h_q * total_q, -std::numeric_limits<double>::infinity());
-  std::vector<double> s;
-  for (size_t b = 0; b + 1 < cu_q.size(); ++b) {
-    const int64_t q0 = cu_q[b], sq = cu_q[b + 1] - cu_q[b];
-    const int64_t k0 = cu_k[b], sk = cu_k[b + 1] - cu_k[b];
-    for (int h = 0; h < h_q; ++h) {
-      const int hk = h / group;
-      for (int64_t i = 0; i < sq; ++i) {
-        const int64_t p = i + sk - sq;
-        s.assign(sk, -std::numeric_limits<double>::infinity());
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < sk; ++j) {
-          if (a.causal && j > p) continue;
-          if (a.window_left >= 0 && j < p - a.window_left) continue;
-          if (a.window_right >= 0 && j > p + a.window_right) continue;
-          double dot = 0;
-          for (int c = 0; c < d; ++c)
-            dot += q[((q0 + i) * h_q + h) * d + c] * k[((k0 + j) * h_kv + hk) * d + c];
-          s[j] = dot * scale;
-          mx = std::max(mx, s[j]);
-        }
-        if (mx == -std::numeric_limits<double>::infinity()) continue;
-        double sum = 0;
-        for (int64_t j = 0; j < sk; ++j) sum += std::exp(s[j] - mx);
-        double* o = &r.o[((q0 + i) * h_q + h) * d];
-        for (int64_t j = 0; j < sk; ++j) {
-          const double p_j = std::exp(s[j] - mx) / sum;
-          if (p_j == 0) continue;
-          for (int c = 0; c < d; ++c) o[c] += p_j * v[((k0 + j) * h_kv + hk) * d + c];
-        }
-        r.lse[h * total_q + q0 + i] = mx + std::log(sum);
-      }
-    }
-  }
-  return r;
-}
-
-double RoundToE4m3(double x) {
-  if (std::isnan(x) || x == 0) return x;
-  const double a = std::min(std::fabs(x), 448.0);
-  int e = 0;
-  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1): the leading bit is 2^(e-1)
-  // Three mantissa bits below the leading one; subnormals (below 2^-6) in steps of 2^-9.
-  const double quantum = e - 1 < -6 ? std::ldexp(1.0, -9) : std::ldexp(1.0, e - 1 - 3);
-  const double r = std::min(std::nearbyint(a / quantum) * quantum, 448.0);
-  return x < 0 ? -r : r;
-}
-
-ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::vector<double>& q,
-                                   const std::vector<double>& k, const std::vector<double>& v,
-                                   const std::vector<int32_t>& cu_q,
-                                   const std::vector<int32_t>& cu_k, int key_tile) {
-  const int h_q = a.num_heads, h_kv = a.num_kv_heads, d = a.head_dim;
-  const int group = h_q / h_kv;
-  const double scale = a.softmax_scale != 0.0f ? a.softmax_scale : 1.0 / std::sqrt(double(d));
-  constexpr double kBias = 256.0;
-  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   const int64_t total_q = cu_q.back();
   ReferenceResult r;
   r.o.assign(total_q * h_q * d, 0.0);
   r.lse.assign(h_q * total_q, kNegInf);
-  std::vector<double> s, acc(d);
+  std::vector<double> s;
   for (size_t b = 0; b + 1 < cu_q.size(); ++b) {
     const int64_t q0 = cu_q[b], sq = cu_q[b + 1] - cu_q[b];
     const int64_t k0 = cu_k[b], sk = cu_k[b + 1] - cu_k[b];
@@ -253,33 +203,83 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::v
             dot += q[((q0 + i) * h_q + h) * d + c] * k[((k0 + j) * h_kv + hk) * d + c];
           s[j] = dot * scale;
         }
-        double m = kNegInf, sum = 0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t t = (sk + key_tile - 1) / key_tile - 1; t >= 0; --t) {
-          const int64_t j0 = t * key_tile, j1 = std::min(sk, j0 + key_tile);
-          double mt = m;
-          for (int64_t j = j0; j < j1; ++j) mt = std::max(mt, s[j]);
-          if (mt == kNegInf) continue;
-          const double corr = m == kNegInf ? 0.0 : std::exp(m - mt);
-          sum *= corr;
-          for (double& x : acc) x *= corr;
-          for (int64_t j = j0; j < j1; ++j) {
-            if (s[j] == kNegInf) continue;
-            const double pj = std::exp(s[j] - mt) * kBias;
-            sum += pj;
-            const double pr = RoundToE4m3(pj);
-            for (int c = 0; c < d; ++c) acc[c] += pr * v[((k0 + j) * h_kv + hk) * d + c];
-          }
-          m = mt;
-        }
-        if (m == kNegInf) continue;
-        double* o = &r.o[((q0 + i) * h_q + h) * d];
-        for (int c = 0; c < d; ++c) o[c] = acc[c] / sum;
-        r.lse[h * total_q + q0 + i] = m + std::log(sum / kBias);
+        row(&r.o[((q0 + i) * h_q + h) * d], &r.lse[h * total_q + q0 + i], k0, s, hk);
       }
     }
   }
   return r;
+}
+
+}  // namespace
+
+ATTN_TEST_THREAD_PRIVATE
+ReferenceResult ReferenceAttention(const kernels::AttentionArgs& a, const std::vector<double>& q,
+                                   const std::vector<double>& k, const std::vector<double>& v,
+                                   const std::vector<int32_t>& cu_q,
+                                   const std::vector<int32_t>& cu_k) {
+  const int h_kv = a.num_kv_heads, d = a.head_dim;
+  return ForEachScoreRow(a, q, k, cu_q, cu_k,
+                         [&](double* o, double* lse, int64_t k0, const std::vector<double>& s,
+                             int hk) ATTN_TEST_THREAD_PRIVATE {
+    double mx = kNegInf;
+    for (double x : s) mx = std::max(mx, x);
+    if (mx == kNegInf) return;
+    double sum = 0;
+    for (double x : s) sum += std::exp(x - mx);
+    for (size_t j = 0; j < s.size(); ++j) {
+      const double p_j = std::exp(s[j] - mx) / sum;
+      if (p_j == 0) continue;
+      for (int c = 0; c < d; ++c) o[c] += p_j * v[((k0 + int64_t(j)) * h_kv + hk) * d + c];
+    }
+    *lse = mx + std::log(sum);
+  });
+}
+
+double RoundToE4m3(double x) {
+  if (std::isnan(x) || x == 0) return x;
+  const double a = std::min(std::fabs(x), 448.0);
+  int e = 0;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1): the leading bit is 2^(e-1)
+  // Three mantissa bits below the leading one; subnormals (below 2^-6) in steps of 2^-9.
+  const double quantum = e - 1 < -6 ? std::ldexp(1.0, -9) : std::ldexp(1.0, e - 1 - 3);
+  const double r = std::min(std::nearbyint(a / quantum) * quantum, 448.0);
+  return x < 0 ? -r : r;
+}
+
+ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::vector<double>& q,
+                                   const std::vector<double>& k, const std::vector<double>& v,
+                                   const std::vector<int32_t>& cu_q,
+                                   const std::vector<int32_t>& cu_k, int key_tile) {
+  const int h_kv = a.num_kv_heads, d = a.head_dim;
+  constexpr double kBias = 256.0;
+  std::vector<double> acc(d);
+  return ForEachScoreRow(a, q, k, cu_q, cu_k,
+                         [&](double* o, double* lse, int64_t k0, const std::vector<double>& s,
+                             int hk) ATTN_TEST_THREAD_PRIVATE {
+    const int64_t sk = static_cast<int64_t>(s.size());
+    double m = kNegInf, sum = 0;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t t = (sk + key_tile - 1) / key_tile - 1; t >= 0; --t) {
+      const int64_t j0 = t * key_tile, j1 = std::min(sk, j0 + key_tile);
+      double mt = m;
+      for (int64_t j = j0; j < j1; ++j) mt = std::max(mt, s[j]);
+      if (mt == kNegInf) continue;
+      const double corr = m == kNegInf ? 0.0 : std::exp(m - mt);
+      sum *= corr;
+      for (double& x : acc) x *= corr;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (s[j] == kNegInf) continue;
+        const double pj = std::exp(s[j] - mt) * kBias;
+        sum += pj;
+        const double pr = RoundToE4m3(pj);
+        for (int c = 0; c < d; ++c) acc[c] += pr * v[((k0 + j) * h_kv + hk) * d + c];
+      }
+      m = mt;
+    }
+    if (m == kNegInf) return;
+    for (int c = 0; c < d; ++c) o[c] = acc[c] / sum;
+    *lse = m + std::log(sum / kBias);
+  });
 }
 
 ErrorStats CompareTo(const std::vector<double>& ref, const HostTensor& got) {

@@ -284,16 +284,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
   constexpr uint32_t kConsumerWarps = Tr::kConsumerWGs * 4;  // each arrives once per release
 
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 2; ++i) {
-      ptx::MbarInit(bars.FullQ(i), 1);
-      ptx::MbarInit(bars.EmptyQ(i), kConsumerWarps);
-    }
-    for (int i = 0; i < S; ++i) {
-      ptx::MbarInit(bars.FullK(i), 1);
-      ptx::MbarInit(bars.FullV(i), 1);
-      ptx::MbarInit(bars.EmptyK(i), kConsumerWarps);
-      ptx::MbarInit(bars.EmptyV(i), kConsumerWarps);
-    }
+    bars.Init(kConsumerWarps);
     ptx::FenceMbarInit();
   }
   __syncthreads();

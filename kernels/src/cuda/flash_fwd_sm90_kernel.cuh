@@ -180,6 +180,20 @@ struct Sm90Bars {
   __device__ __forceinline__ uint64_t* FullV(int st) const { return base + 4 + S + st; }
   __device__ __forceinline__ uint64_t* EmptyK(int st) const { return base + 4 + 2 * S + st; }
   __device__ __forceinline__ uint64_t* EmptyV(int st) const { return base + 4 + 3 * S + st; }
+  // One thread: "full" barriers take the producer's one arrival (plus transaction bytes),
+  // "empty" ones an arrival of each consumer warp.
+  __device__ __forceinline__ void Init(uint32_t consumer_warps) const {
+    for (int i = 0; i < 2; ++i) {
+      ptx::MbarInit(FullQ(i), 1);
+      ptx::MbarInit(EmptyQ(i), consumer_warps);
+    }
+    for (int i = 0; i < S; ++i) {
+      ptx::MbarInit(FullK(i), 1);
+      ptx::MbarInit(FullV(i), 1);
+      ptx::MbarInit(EmptyK(i), consumer_warps);
+      ptx::MbarInit(EmptyV(i), consumer_warps);
+    }
+  }
 };
 
 // The producer warp's own state under paged K/V (Tr::kPaged; unused otherwise): its lane, the
@@ -827,16 +841,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Kernel(const __gr
   constexpr uint32_t kConsumerWarps = Tr::kConsumerWGs * 4;  // each arrives once per release
 
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 2; ++i) {
-      ptx::MbarInit(bars.FullQ(i), 1);
-      ptx::MbarInit(bars.EmptyQ(i), kConsumerWarps);
-    }
-    for (int i = 0; i < S; ++i) {
-      ptx::MbarInit(bars.FullK(i), 1);
-      ptx::MbarInit(bars.FullV(i), 1);
-      ptx::MbarInit(bars.EmptyK(i), kConsumerWarps);
-      ptx::MbarInit(bars.EmptyV(i), kConsumerWarps);
-    }
+    bars.Init(kConsumerWarps);
     if constexpr (Tr::kPaged) ptx::MbarInit(reinterpret_cast<uint64_t*>(smem + Tr::kTailBarOff), 1);
     ptx::FenceMbarInit();
   }

@@ -51,6 +51,14 @@ __device__ __forceinline__ int32_t SequenceOf(const int32_t* offsets, int32_t ba
   return lo;
 }
 
+// The source row of output row r of sequence b: r itself, or its row in the page pools.
+__device__ __forceinline__ int64_t SourceRow(const Fp8DequantParams& p, int32_t b, int64_t r) {
+  if (p.page_size <= 0) return r;
+  const int32_t i = static_cast<int32_t>(r - p.row_offsets[b]);
+  const int32_t page = p.page_indices[p.page_indptr[b] + i / p.page_size];
+  return int64_t(page) * p.page_size + i % p.page_size;
+}
+
 // kVector: src rows are 8-byte and dst rows 16-byte aligned (one load and one store per thread).
 template <bool kBf16, bool kVector>
 __global__ void __launch_bounds__(kThreads) Fp8DequantKernel(Fp8DequantParams p) {
@@ -66,12 +74,7 @@ __global__ void __launch_bounds__(kThreads) Fp8DequantKernel(Fp8DequantParams p)
     uint32_t out[4] = {0, 0, 0, 0};
     const int32_t b = SequenceOf(p.row_offsets, p.batch, r);
     if (b < p.batch) {
-      int64_t src_row = r;
-      if (p.page_size > 0) {
-        const int32_t i = static_cast<int32_t>(r - p.row_offsets[b]);
-        const int32_t page = p.page_indices[p.page_indptr[b] + i / p.page_size];
-        src_row = int64_t(page) * p.page_size + i % p.page_size;
-      }
+      const int64_t src_row = SourceRow(p, b, r);
       const float scale = p.scales[int64_t(b) * p.scale_heads + h / group];
       const uint8_t* src = p.src + src_row * row_elems + c * 8;
       uint32_t lo, hi;
@@ -119,12 +122,7 @@ __global__ void __launch_bounds__(kThreads) Fp8GatherKernel(Fp8DequantParams p) 
     uint4 v = make_uint4(0, 0, 0, 0);
     const int32_t b = SequenceOf(p.row_offsets, p.batch, r);
     if (b < p.batch) {
-      int64_t src_row = r;
-      if (p.page_size > 0) {
-        const int32_t i = static_cast<int32_t>(r - p.row_offsets[b]);
-        const int32_t page = p.page_indices[p.page_indptr[b] + i / p.page_size];
-        src_row = int64_t(page) * p.page_size + i % p.page_size;
-      }
+      const int64_t src_row = SourceRow(p, b, r);
       v = *reinterpret_cast<const uint4*>(p.src + src_row * row_bytes + c * 16);
     }
     *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.dst) + r * row_bytes + c * 16) = v;
