@@ -53,18 +53,8 @@ cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t 
       params.v_descale == nullptr || params.batch < 1 || sms < 1) {
     return cudaErrorInvalidValue;
   }
+  if ((reinterpret_cast<uintptr_t>(params.vt) & 255) != 0) return cudaErrorInvalidValue;
   const int64_t vt_cols = Fp8VtColumns(params.total_k, params.batch);
-  // Every block of the transposition holds 128 columns; a sequence's range spans at most its keys
-  // rounded up plus two alignments (Fp8VtSeqStart).
-  const dim3 tgrid((params.max_seqlen_k + 2 * kFp8VtAlign - 1) / kFp8VtAlign + 1, params.num_kv_heads,
-                   params.batch);
-  Fp8TransposeVKernel<D><<<tgrid, 256, 0, stream>>>(static_cast<const uint8_t*>(params.v),
-                                                    params.v_row_stride, params.cu_seqlens_k,
-                                                    params.batch, static_cast<uint8_t*>(params.vt),
-                                                    vt_cols);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-
   Sm90Fp8Params P;
   P.p = params;
   if (!EncodeFp8RowsMap<D>(&P.tq, params.q, params.total_q, params.num_heads, Tr::kBlockM,
@@ -74,6 +64,17 @@ cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t 
       !EncodeFp8VtMap<D>(&P.tvt, params.vt, vt_cols, params.num_kv_heads)) {
     return cudaErrorInvalidValue;
   }
+  // V transposed first. Every block of the transposition holds 128 columns; a sequence's range
+  // spans at most its keys rounded up plus two alignments (Fp8VtSeqStart), its keys at most
+  // max_seqlen_k (the bound AttentionArgs promises).
+  const dim3 tgrid((params.max_seqlen_k + 2 * kFp8VtAlign - 1) / kFp8VtAlign + 1, params.num_kv_heads,
+                   params.batch);
+  Fp8TransposeVKernel<D><<<tgrid, 256, 0, stream>>>(static_cast<const uint8_t*>(params.v),
+                                                    params.v_row_stride, params.cu_seqlens_k,
+                                                    params.batch, static_cast<uint8_t*>(params.vt),
+                                                    vt_cols);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   auto kernel = &FlashFwdSm90Fp8Kernel<Tr>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;

@@ -58,8 +58,9 @@ struct FlashParams {
   unsigned int* tile_counter = nullptr;
 
   // FP8 forward (RunFlashFwdSm90Fp8): q, k and v hold e4m3 codes (row strides in codes), o is
-  // fp16/bf16; the descales are [batch, num_kv_heads] (query head h uses its KV head's). vt: the
-  // workspace V is transposed into (Fp8VtBytes, flash_fwd_sm90_fp8_layout.h).
+  // fp16/bf16; the descales are [batch, num_kv_heads] (query head h uses its KV head's), finite and
+  // > 0. vt: the workspace V is transposed into (Fp8VtBytes, flash_fwd_sm90_fp8_layout.h),
+  // 256-byte aligned.
   const float* q_descale = nullptr;
   const float* k_descale = nullptr;
   const float* v_descale = nullptr;

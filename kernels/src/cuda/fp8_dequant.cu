@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cfloat>
 
 namespace attn::kernels::cuda {
 namespace {
@@ -166,9 +167,11 @@ __device__ __forceinline__ QuantizeSlot SlotOf(const Fp8QuantizeParams& p, int64
   return s;
 }
 
+// amax / 448, kept a normal float (fast math flushes subnormals: 0 would make the codes 0 * inf);
+// 1 for an amax of 0 or infinity.
 __device__ __forceinline__ float ScaleOfAmax(uint32_t bits) {
   const float amax = __uint_as_float(bits);
-  return amax > 0.0f ? amax / 448.0f : 1.0f;
+  return amax > 0.0f && amax <= FLT_MAX ? fmaxf(amax / 448.0f, FLT_MIN) : 1.0f;
 }
 
 // Pass 1: amax of each (sequence, KV head), lanes of one key reduced together before one atomic.

@@ -42,8 +42,9 @@ cudaError_t LaunchFp8Dequant(const Fp8DequantParams& p, cudaStream_t stream);
 cudaError_t LaunchFp8Gather(const Fp8DequantParams& p, cudaStream_t stream);
 
 // 16-bit rows [rows, heads, head_dim] (sequences by cu_seqlens) quantized to e4m3 with one scale
-// per (sequence, KV head) over the group of heads that KV head serves: scale = amax / 448 (1 where
-// amax is 0 or NaN), code = E4M3(x / scale) rounded to nearest, saturating. amax_bits: batch *
+// per (sequence, KV head) over the group of heads that KV head serves: scale = amax / 448 (at least
+// FLT_MIN; 1 where amax is 0 or infinite; NaN values are left out of amax and stay NaN), code =
+// E4M3(x / scale) rounded to nearest, saturating. amax_bits: batch *
 // scale_heads words of workspace, zeroed by the launch.
 struct Fp8QuantizeParams {
   const void* src = nullptr;  // fp16 or bf16

@@ -154,7 +154,8 @@ cudaError_t DequantizeFp8Q(const AttentionArgs& args, const void* q_codes, const
 
 // All-FP8 attention on FP8 tensor cores: both products in e4m3 on wgmma (sm_90a; head dims 128
 // and 256 compiled for 90a; contiguous K/V). args as for DequantizeFp8Q followed by Run, except
-// that args.q holds q's e4m3 codes; q_scales [batch, num_kv_heads] as there (device). P is rounded
+// that args.q holds q's e4m3 codes; q_scales [batch, num_kv_heads] as there (device; finite and
+// > 0, as the kv_scales: the caller validates them, ValidateKvScales-style). P is rounded
 // to e4m3 for the P V product (after a scaling by 2^8 that the normalisation takes back), as FP8
 // attention kernels do: the result carries that rounding on top of the inputs' (docs/FP8.md).
 // V is first transposed into the workspace (Fp8AttentionWorkspaceBytes: about num_kv_heads *
