@@ -1,7 +1,8 @@
 // attn-bench: a load generator for attnd (in the spirit of Triton's perf_analyzer).
 //
 //   attn-bench --target HOST:PORT --concurrency 1,4,16,64 --duration_s 10 --warmup_s 2 \
-//              --seq 128 --heads 16 --head-dim 128 --dtype bf16 [--mode unary|stream|echo]
+//              --seq 128 --heads 16 --head-dim 128 --dtype bf16|fp16|fp32|fp8 [--kv_dtype fp8]
+//              [--mode unary|stream|echo]
 //              [--rate R] [--compare_echo] [--lb round_robin] [--csv out.csv] [--json out.json]
 //              [--client_coding wire|protobuf]
 //
@@ -126,10 +127,13 @@ ABSL_FLAG(int, batch, 1, "Sequences per request");
 ABSL_FLAG(int, heads, 16, "Query heads");
 ABSL_FLAG(int, kv_heads, 0, "KV heads (0: --heads)");
 ABSL_FLAG(int, head_dim, 128, "Head dimension");
-ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32");
+ABSL_FLAG(std::string, dtype, "bf16",
+          "bf16, fp16, fp32, or fp8 (Attend with q, k and v as E4M3 codes, descales 1/448 per "
+          "tensor, o in bf16)");
 ABSL_FLAG(std::string, kv_dtype, "",
           "decode: the sessions' KV cache dtype: fp8 (E4M3, the server quantizing each step's "
-          "k_new/v_new in --dtype) or empty (--dtype)");
+          "k_new/v_new in --dtype) or empty (--dtype); unary and stream: fp8 sends k and v as E4M3 "
+          "codes (q in --dtype)");
 ABSL_FLAG(bool, causal, false, "Causal mask");
 ABSL_FLAG(int, channels, 0, "Clients shared by the workers (0: one per worker)");
 ABSL_FLAG(int, connections, 1,
@@ -226,12 +230,18 @@ Payload BuildPayload() {
   const int h = absl::GetFlag(FLAGS_heads);
   const int h_kv = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : h;
   const int d = absl::GetFlag(FLAGS_head_dim);
+  // FP8 (--dtype=fp8: q, k and v; --kv_dtype=fp8: k and v): the E4M3 codes of values in [-1, 1)
+  // times 448, with one descale of 1/448 per tensor; o in bf16 when q is FP8.
+  const bool fp8_q = *dtype == attn::client::DType::kFloat8E4M3;
+  const bool fp8_kv = fp8_q || absl::GetFlag(FLAGS_kv_dtype) == "fp8";
+  constexpr float kFp8Descale = 1.0f / 448.0f;
   std::mt19937_64 rng(42);
   std::uniform_real_distribution<float> dist(-1, 1);
-  auto random = [&](int64_t tokens, int heads) {
+  auto random = [&](int64_t tokens, int heads, bool fp8) {
     std::vector<float> v(size_t(tokens) * heads * d);
-    for (float& x : v) x = dist(rng);
-    return attn::client::Tensor::FromFloats(*dtype, {tokens, heads, d}, v);
+    for (float& x : v) x = fp8 ? dist(rng) / kFp8Descale : dist(rng);
+    return attn::client::Tensor::FromFloats(fp8 ? attn::client::DType::kFloat8E4M3 : *dtype,
+                                            {tokens, heads, d}, v);
   };
   attn::client::AttendOptions o;
   for (int i = 0; i <= b; ++i) {
@@ -241,9 +251,14 @@ Payload BuildPayload() {
   o.causal = absl::GetFlag(FLAGS_causal);
   o.timeout = std::chrono::milliseconds(120000);
   Payload p;
-  p.q = random(int64_t(b) * s_q, h);
-  p.k = random(int64_t(b) * s_k, h_kv);
-  p.v = random(int64_t(b) * s_k, h_kv);
+  p.q = random(int64_t(b) * s_q, h, fp8_q);
+  p.k = random(int64_t(b) * s_k, h_kv, fp8_kv);
+  p.v = random(int64_t(b) * s_k, h_kv, fp8_kv);
+  if (fp8_q) {
+    o.q_descale = {kFp8Descale};
+    o.o_dtype = attn::client::DType::kBFloat16;
+  }
+  if (fp8_kv) o.k_descale = o.v_descale = {kFp8Descale};
   p.options = o;
   p.attend = Client::BuildAttendRequest(p.q, p.k, p.v, o);
   p.tokens = double(b) * s_q;
@@ -768,8 +783,10 @@ int Decode() {
   if (RejectFlagsOfOtherModes()) return 64;
   attn::client::DecodeBenchOptions o;
   auto dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_dtype));
-  if (!dtype.ok() || *dtype == attn::client::DType::kFloat32) {
-    std::cerr << "attn-bench: decode: --dtype must be bf16 or fp16 (a session's cache dtype)" << std::endl;
+  if (!dtype.ok() || *dtype == attn::client::DType::kFloat32 ||
+      *dtype == attn::client::DType::kFloat8E4M3) {
+    std::cerr << "attn-bench: decode: --dtype must be bf16 or fp16 (the steps' q; --kv_dtype=fp8 "
+                 "for an FP8 cache)" << std::endl;
     return 64;
   }
   o.dtype = *dtype;
@@ -857,9 +874,13 @@ int main(int argc, char** argv) {
     return 64;
   }
   if (mode == "decode") return Decode();
-  if (!absl::GetFlag(FLAGS_kv_dtype).empty()) {
-    std::cerr << "attn-bench: --kv_dtype applies to --mode=decode only (the sessions' cache)"
-              << std::endl;
+  const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  if (!kv_dtype.empty() && kv_dtype != "fp8") {
+    std::cerr << "attn-bench: --kv_dtype must be fp8 or empty, got '" << kv_dtype << "'" << std::endl;
+    return 64;
+  }
+  if ((!kv_dtype.empty() || absl::GetFlag(FLAGS_dtype) == "fp8") && transport != "grpc") {
+    std::cerr << "attn-bench: FP8 tensors travel in the request (--transport grpc)" << std::endl;
     return 64;
   }
   std::vector<int> levels;

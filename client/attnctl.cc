@@ -2,8 +2,8 @@
 //   attnctl [--target HOST:PORT] [--lb round_robin] info
 //   attnctl [--target HOST:PORT] health [--service NAME]
 //   attnctl [--target HOST:PORT] attend [--seq S] [--kv-seq SK] [--batch B] [--heads H]
-//           [--kv-heads HKV] [--head-dim D] [--dtype bf16|fp16|fp32] [--causal] [--lse]
-//           [--count N] [--check]
+//           [--kv-heads HKV] [--head-dim D] [--dtype bf16|fp16|fp32|fp8] [--kv_dtype fp8]
+//           [--o_dtype bf16|fp16] [--fp8_per_head] [--causal] [--lse] [--count N] [--check]
 //   attnctl [--target T] session demo [--layers L] [--kv-heads HKV] [--heads H] [--head-dim D]
 //           [--dtype bf16|fp16] [--prefill N] [--chunk C] [--decode N] [--truncate N] [--lse]
 //           [--check]
@@ -51,7 +51,12 @@ ABSL_FLAG(int, batch, 1, "attend: sequences per request");
 ABSL_FLAG(int, heads, 8, "attend, session: query heads");
 ABSL_FLAG(int, kv_heads, 0, "attend, session: KV heads (0: same as --heads)");
 ABSL_FLAG(int, head_dim, 64, "attend, session: head dimension");
-ABSL_FLAG(std::string, dtype, "bf16", "attend: bf16, fp16 or fp32; session: bf16 or fp16");
+ABSL_FLAG(std::string, dtype, "bf16",
+          "attend: bf16, fp16, fp32 or fp8 (q, k and v as E4M3 codes with descales, o in "
+          "--o_dtype); session: bf16 or fp16");
+ABSL_FLAG(std::string, o_dtype, "bf16", "attend --dtype=fp8: the output's type, bf16 or fp16");
+ABSL_FLAG(bool, fp8_per_head, false,
+          "attend with FP8 tensors: descales per (sequence, KV head) instead of one per tensor");
 ABSL_FLAG(bool, causal, false, "attend: causal mask");
 ABSL_FLAG(int, window_left, -1, "attend, session: sliding window, keys to the left (-1: none)");
 ABSL_FLAG(int, window_right, -1, "attend: sliding window, keys to the right (-1: none)");
@@ -63,7 +68,8 @@ ABSL_FLAG(bool, check, false,
           "reference over the cache, and check the contract (token counts, NOT_FOUND after close)");
 ABSL_FLAG(double, check_tolerance, 0,
           "attend --check: largest relative error that passes; 0: the dtype's (fp32 1e-4, fp16 "
-          "3e-3, bf16 1.5e-2)");
+          "3e-3, bf16 1.5e-2, of o's type with FP8 q; 4e-2 where the server runs all-FP8 attention "
+          "on FP8 tensor cores)");
 ABSL_FLAG(uint64_t, seed, 0, "attend, session: random seed (0: from the clock)");
 ABSL_FLAG(int, timeout_ms, 60000, "Deadline of each call, milliseconds");
 ABSL_FLAG(int, connections, 1,
@@ -71,6 +77,7 @@ ABSL_FLAG(int, connections, 1,
           "threads)); attnctl sends one call at a time, so one is enough");
 ABSL_FLAG(int, layers, 2, "session: layers of the session");
 ABSL_FLAG(std::string, kv_dtype, "",
+          "attend: fp8 sends k and v as E4M3 codes with descales (q in --dtype); "
           "session: the cache's dtype: fp8 (E4M3, scale 2/448 per KV head; the server quantizes "
           "k_new/v_new) or empty (--dtype)");
 ABSL_FLAG(int, prefill, 100, "session: prefill tokens per layer");
@@ -166,29 +173,55 @@ int Health(Client& client) {
   return *serving ? 0 : 1;
 }
 
-Tensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng) {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+// A random request tensor [batch * rows, heads, d] of values in [-1, 1): in `dtype`, or, for
+// kFloat8E4M3, the E4M3 codes of the values over their descale (amax / 448 of the values it
+// covers: the whole tensor, or with per_head each (sequence, KV head), a KV head covering
+// heads / kv_heads adjacent heads). `values` are what the request stands for (FP8: code value
+// times descale), as the check computes with them.
+struct RandomInput {
+  Tensor tensor;
+  std::vector<float> descale;
+  std::vector<float> values;
+};
+
+RandomInput MakeInput(DType dtype, int batch, int rows, int heads, int kv_heads, int d, bool per_head,
+                      std::mt19937_64& rng) {
+  const int64_t n = int64_t(batch) * rows * heads * d;
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> v(n);
   for (float& x : v) x = dist(rng);
-  return Tensor::FromFloats(dtype, std::move(shape), v);
-}
-
-attn::kernels::DType KernelDType(DType t) {
-  switch (t) {
-    case DType::kFloat32: return attn::kernels::DType::kFloat32;
-    case DType::kFloat16: return attn::kernels::DType::kFloat16;
-    case DType::kBFloat16: return attn::kernels::DType::kBFloat16;
-    case DType::kFloat8E4M3: return attn::kernels::DType::kFloat8E4M3;
+  const std::vector<int64_t> shape = {int64_t(batch) * rows, heads, d};
+  RandomInput in;
+  if (dtype != DType::kFloat8E4M3) {
+    in.tensor = Tensor::FromFloats(dtype, shape, v);
+    in.values = in.tensor.ToFloats();
+    return in;
   }
-  return attn::kernels::DType::kFloat32;
+  const int per_kv = heads / kv_heads * d;  // values of one KV head's group in a row
+  const int entries = per_head ? batch * kv_heads : 1;
+  auto entry_of = [&](int64_t i) {
+    const int64_t row = i / (int64_t(heads) * d);
+    return per_head ? int(row / rows) * kv_heads + int(i % (int64_t(heads) * d) / per_kv) : 0;
+  };
+  std::vector<float> amax(entries, 0.0f);
+  for (int64_t i = 0; i < n; ++i) amax[entry_of(i)] = std::max(amax[entry_of(i)], std::fabs(v[i]));
+  for (float a : amax) in.descale.push_back(a > 0 ? a / 448.0f : 1.0f);
+  std::vector<float> scaled(n);
+  for (int64_t i = 0; i < n; ++i) scaled[i] = v[i] / in.descale[entry_of(i)];
+  in.tensor = Tensor::FromFloats(dtype, shape, scaled);
+  in.values = in.tensor.ToFloats();
+  for (int64_t i = 0; i < n; ++i) in.values[i] *= in.descale[entry_of(i)];
+  return in;
 }
 
-// Relative L2 error of the server's O against the CPU backend computed here, in float32.
-absl::StatusOr<double> CheckAgainstCpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const attn::client::AttendOptions& o, const Tensor& got) {
-  const std::vector<float> qf = q.ToFloats(), kf = k.ToFloats(), vf = v.ToFloats();
+// Relative L2 error of the server's O against the CPU backend computed here, in float32, on the
+// values the request stands for.
+absl::StatusOr<double> CheckAgainstCpu(const RandomInput& q, const RandomInput& k,
+                                       const RandomInput& v, const attn::client::AttendOptions& o,
+                                       const Tensor& got) {
+  const std::vector<float>& qf = q.values;
+  const std::vector<float>& kf = k.values;
+  const std::vector<float>& vf = v.values;
   std::vector<float> want(qf.size());
   attn::kernels::AttentionArgs a;
   a.dtype = attn::kernels::DType::kFloat32;
@@ -199,13 +232,13 @@ absl::StatusOr<double> CheckAgainstCpu(const Tensor& q, const Tensor& k, const T
   a.cu_seqlens_q = o.cu_seqlens_q.data();
   a.cu_seqlens_k = o.cu_seqlens_k.data();
   a.batch = static_cast<int32_t>(o.cu_seqlens_q.size()) - 1;
-  a.total_q = static_cast<int32_t>(q.shape[0]);
-  a.total_k = static_cast<int32_t>(k.shape[0]);
+  a.total_q = static_cast<int32_t>(q.tensor.shape[0]);
+  a.total_k = static_cast<int32_t>(k.tensor.shape[0]);
   a.max_seqlen_q = a.total_q;
   a.max_seqlen_k = a.total_k;
-  a.num_heads = static_cast<int32_t>(q.shape[1]);
-  a.num_kv_heads = static_cast<int32_t>(k.shape[1]);
-  a.head_dim = static_cast<int32_t>(q.shape[2]);
+  a.num_heads = static_cast<int32_t>(q.tensor.shape[1]);
+  a.num_kv_heads = static_cast<int32_t>(k.tensor.shape[1]);
+  a.head_dim = static_cast<int32_t>(q.tensor.shape[2]);
   a.softmax_scale = o.softmax_scale;
   a.causal = o.causal;
   a.window_left = o.window_left;
@@ -228,6 +261,18 @@ absl::StatusOr<double> CheckAgainstCpu(const Tensor& q, const Tensor& k, const T
 int Attend(Client& client) {
   auto dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Fail(dtype.status());
+  const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  if (!kv_dtype.empty() && kv_dtype != "fp8") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--kv_dtype must be fp8 or empty, got '", kv_dtype, "'")));
+  }
+  const bool fp8_q = *dtype == DType::kFloat8E4M3;
+  const DType kv_type = fp8_q || kv_dtype == "fp8" ? DType::kFloat8E4M3 : *dtype;
+  auto o_dtype = attn::client::ParseDType(absl::GetFlag(FLAGS_o_dtype));
+  if (fp8_q && (!o_dtype.ok() || (*o_dtype != DType::kBFloat16 && *o_dtype != DType::kFloat16))) {
+    return Fail(absl::InvalidArgumentError("--o_dtype must be bf16 or fp16 with --dtype=fp8"));
+  }
+  const bool per_head = absl::GetFlag(FLAGS_fp8_per_head);
   const int s_q = absl::GetFlag(FLAGS_seq), batch = absl::GetFlag(FLAGS_batch);
   const int s_k = absl::GetFlag(FLAGS_kv_seq) > 0 ? absl::GetFlag(FLAGS_kv_seq) : s_q;
   const int h = absl::GetFlag(FLAGS_heads);
@@ -247,21 +292,41 @@ int Attend(Client& client) {
   options.window_right = absl::GetFlag(FLAGS_window_right);
   options.return_lse = absl::GetFlag(FLAGS_lse);
   options.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  if (fp8_q) options.o_dtype = *o_dtype;
+  // The server computes on exactly the values the codes and descales stand for: what is left is
+  // its 16-bit arithmetic (FP8 k and v with float32 q compute in fp16 on a GPU), or, where the
+  // server runs all-FP8 attention of this head dim on its FP8 tensor cores (GetServerInfo), their
+  // rounding of P.
+  bool tensor_cores = false;
+  if (fp8_q && s_q > 16 && absl::GetFlag(FLAGS_check)) {
+    auto info = client.GetServerInfo();
+    if (!info.ok()) return Fail(info.status());
+    const auto& dims = info->fp8().attend_tensor_core_head_dims();
+    tensor_cores = std::find(dims.begin(), dims.end(), d) != dims.end();
+  }
+  const DType computed = fp8_q ? *o_dtype
+                         : kv_type == DType::kFloat8E4M3 && *dtype == DType::kFloat32 ? DType::kFloat16
+                                                                                      : *dtype;
   const double tolerance =
-      absl::GetFlag(FLAGS_check_tolerance) > 0
-          ? absl::GetFlag(FLAGS_check_tolerance)
-          : (*dtype == DType::kFloat32 ? 1e-4 : (*dtype == DType::kFloat16 ? 3e-3 : 1.5e-2));
+      absl::GetFlag(FLAGS_check_tolerance) > 0 ? absl::GetFlag(FLAGS_check_tolerance)
+      : tensor_cores                           ? 4e-2
+      : computed == DType::kFloat32            ? 1e-4
+      : computed == DType::kFloat16            ? 3e-3
+                                               : 1.5e-2;
 
   const int count = absl::GetFlag(FLAGS_count);
   double worst = 0;  // largest relative error seen with --check
   std::printf("%-6s %12s %12s %12s %12s %12s %s\n", "req", "client_us", "total_us", "queue_us",
               "transfer_us", "compute_us", absl::GetFlag(FLAGS_check) ? "rel_err" : "");
   for (int i = 0; i < count; ++i) {
-    const Tensor q = RandomTensor(*dtype, {int64_t(batch) * s_q, h, d}, rng);
-    const Tensor k = RandomTensor(*dtype, {int64_t(batch) * s_k, h_kv, d}, rng);
-    const Tensor v = RandomTensor(*dtype, {int64_t(batch) * s_k, h_kv, d}, rng);
+    const RandomInput q = MakeInput(*dtype, batch, s_q, h, h_kv, d, per_head, rng);
+    const RandomInput k = MakeInput(kv_type, batch, s_k, h_kv, h_kv, d, per_head, rng);
+    const RandomInput v = MakeInput(kv_type, batch, s_k, h_kv, h_kv, d, per_head, rng);
+    options.q_descale = q.descale;
+    options.k_descale = k.descale;
+    options.v_descale = v.descale;
     const auto start = std::chrono::steady_clock::now();
-    auto result = client.Attend(q, k, v, options);
+    auto result = client.Attend(q.tensor, k.tensor, v.tensor, options);
     const double client_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
     if (!result.ok()) return Fail(result.status());

@@ -2,7 +2,7 @@
 # attn-bench against a real attnd (CPU backend, loopback): --rate holds the offered rate in
 # stream mode (and unary), --compare_echo adds an Echo row per level and the ratio columns
 # (table, CSV, JSON), --lb round_robin is accepted, --client_coding wire and protobuf both run
-# Attend and Echo without errors; --help of attn-bench and attnctl lists
+# Attend and Echo without errors, FP8 Attend too; --help of attn-bench and attnctl lists
 # their own flags. Sessions: `attnctl session demo --check` passes (and fails as it should on bad
 # input), `attn-bench --mode decode` through Step and BatchStep (rows, Echo twins, cache length
 # held by truncation, KV bandwidth).
@@ -118,6 +118,23 @@ done
 rc=0; "$bench" --target "127.0.0.1:$P" --client_coding json >"$work/bad.txt" 2>&1 || rc=$?
 [ "$rc" = 64 ] && grep -q -- '--client_coding must be' "$work/bad.txt" || fail "--client_coding json: rc $rc"
 echo "ok: --client_coding wire and protobuf"
+
+# FP8 Attend: all three tensors e4m3 (unary, both codings), and k and v only (stream); no errors.
+# FP8 tensors travel in the request: another transport is refused.
+for args in "--mode unary --dtype fp8 --client_coding wire" "--mode unary --dtype fp8 --client_coding protobuf" \
+            "--mode stream --dtype bf16 --kv_dtype fp8"; do
+  # shellcheck disable=SC2086
+  "$bench" --target "127.0.0.1:$P" $args --concurrency 2 --duration_s 1 --warmup_s 0.3 \
+    --seq 16 --heads 2 --head-dim 64 --json "$work/fp8.json"
+  python3 - "$work/fp8.json" "$args" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))[0]
+assert r["errors"] == 0 and r["requests"] > 5, (sys.argv[2], r)
+PY
+done
+rc=0; "$bench" --target "127.0.0.1:$P" --dtype fp8 --transport shm >"$work/bad.txt" 2>&1 || rc=$?
+[ "$rc" = 64 ] && grep -q -- 'FP8 tensors travel in the request' "$work/bad.txt" || fail "fp8 over shm: rc $rc"
+echo "ok: FP8 Attend (q, k, v and k, v only)"
 
 # --- sessions ----------------------------------------------------------------------------------
 # The demo with every step checked against the float64 reference: bf16 with the lse, then fp16

@@ -320,3 +320,65 @@ def test_batch_step_in_parts_fails_only_the_part_whose_call_fails():
                 s.close()
     finally:
         server.stop()
+
+
+def _fp8_items(rng, n, bad_at=()):
+    """All-FP8 items (e4m3 codes of q, k, v with per-tensor descales, o in fp16), the odd ones
+    with their descales per item and the even ones taking the stream's defaults (descales of
+    1/448 of values in [-1, 1)); bad items lack v's descale."""
+    from test_attend import _quantize
+    items, refs = [], []
+    for i in range(n):
+        s = 6 + 7 * i
+        qx, kx, vx = (rng.uniform(-1, 1, (rows, heads, 64)) for rows, heads in
+                      ((s, 4), (s + 5, 2), (s + 5, 2)))
+        if i % 2:
+            scales = [float(np.abs(x).max() / 448) for x in (qx, kx, vx)]
+        else:
+            scales = [1 / 448] * 3
+        (q8, q64), (k8, k64), (v8, v64) = (_quantize(x, sc) for x, sc in zip((qx, kx, vx), scales))
+        opts = {}
+        if i % 2:
+            opts = dict(q_descale=[scales[0]], k_descale=[scales[1]], v_descale=[scales[2]],
+                        o_dtype="float16")
+        if i in bad_at:
+            opts = dict(q_descale=[scales[0]], k_descale=[scales[1]], v_descale=[], o_dtype="float16")
+        items.append(attnd.AttendItem(q8, k8, v8, causal=True, **opts))
+        refs.append(reference(q64, k64, v64, causal=True))
+    return items, refs
+
+
+FP8_DEFAULTS = dict(q_descale=[1 / 448], k_descale=[1 / 448], v_descale=[1 / 448], o_dtype="float16")
+
+
+def test_fp8_attend_stream_and_asyncio(client, server):
+    """FP8 Attend through AttendStream (descales per item or from the stream's defaults; an item
+    without v's descale fails alone, naming the field) and through the asyncio client's attend
+    and attend_stream, each answer against the float64 reference of its dequantized inputs."""
+    if not client.info().fp8.attend_fp8_q:
+        pytest.skip("this server's backend has no FP8 Attend (GetServerInfo fp8)")
+    rng = np.random.default_rng(35)
+    items, refs = _fp8_items(rng, 8, bad_at={5})
+    results = list(client.attend_stream(items, depth=3, return_exceptions=True, **FP8_DEFAULTS))
+    for i, (r, ref) in enumerate(zip(results, refs)):
+        if i == 5:
+            assert isinstance(r, attnd.InvalidArgument) and "fp8.v_descale" in r.message, r
+        else:
+            assert r.o.dtype == np.float16
+            assert relative_error(r.o.astype(np.float64), ref[0]) <= TOLERANCE["fp16"], i
+
+    items, refs = _fp8_items(rng, 6)
+
+    async def main():
+        async with attnd.aio.Client(server.target) as c:
+            one = await c.attend(items[1].q, items[1].k, items[1].v, causal=True,
+                                 q_descale=items[1].q_descale, k_descale=items[1].k_descale,
+                                 v_descale=items[1].v_descale, o_dtype="float16")
+            streamed = [r async for r in c.attend_stream(items, depth=4, **FP8_DEFAULTS)]
+            return one, streamed
+
+    one, streamed = asyncio.run(main())
+    assert relative_error(one.o.astype(np.float64), refs[1][0]) <= TOLERANCE["fp16"]
+    assert len(streamed) == len(refs)
+    for r, ref in zip(streamed, refs):
+        assert relative_error(r.o.astype(np.float64), ref[0]) <= TOLERANCE["fp16"]

@@ -103,6 +103,10 @@ class AttendItem:
     scale: Optional[float] = None
     return_lse: Optional[bool] = None
     high_priority: Optional[bool] = None
+    q_descale: Any = None
+    k_descale: Any = None
+    v_descale: Any = None
+    o_dtype: Any = None
 
 
 def _read_pem(value: PathOrPem, what: str) -> Optional[bytes]:
@@ -522,12 +526,13 @@ def stream_request(item: Any, index: int, regions: RegionTable, defaults: Dict[s
         item = AttendItem(*item)
     opts = dict(defaults)
     for name in ("cu_seqlens_q", "cu_seqlens_k", "causal", "window", "scale", "return_lse",
-                 "high_priority"):
+                 "high_priority", *_FP8_OPTIONS):
         value = getattr(item, name)
         if value is not None:
             opts[name] = value
+    fp8 = fp8_field(*(opts.pop(name) for name in _FP8_OPTIONS))
     return prepare_attend(regions, item.q, item.k, item.v, out=None, lse_out=None,
-                          request_id=index + 1, **opts)
+                          request_id=index + 1, fp8=fp8, **opts)
 
 
 def read_stream_item(buf: bytes, prepared: Dict[int, Prepared]) -> Tuple[int, Any]:
@@ -565,11 +570,18 @@ def fp8_field(q_descale: Any, k_descale: Any, v_descale: Any, o_dtype: Any) -> O
     return m.SerializeToString()
 
 
+# The FP8 options of an Attend (Client.attend's keywords of the same names).
+_FP8_OPTIONS = ("q_descale", "k_descale", "v_descale", "o_dtype")
+
+
 def attend_defaults(cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, causal: bool = False,
                     window: Optional[Tuple[int, int]] = None, scale: float = 0.0,
-                    return_lse: bool = False, high_priority: bool = False) -> Dict[str, Any]:
+                    return_lse: bool = False, high_priority: bool = False, q_descale: Any = None,
+                    k_descale: Any = None, v_descale: Any = None,
+                    o_dtype: Any = None) -> Dict[str, Any]:
     return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
-                scale=scale, return_lse=return_lse, high_priority=high_priority)
+                scale=scale, return_lse=return_lse, high_priority=high_priority,
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, o_dtype=o_dtype)
 
 
 def cuda_synchronize(device: Optional[int]) -> None:

@@ -105,12 +105,15 @@ class Client(_ChannelSet):
                      cu_seqlens_k: Optional[Sequence[int]] = None, causal: bool = False,
                      window: Optional[Tuple[int, int]] = None, scale: float = 0.0,
                      return_lse: bool = False, high_priority: bool = False, out: Any = None,
-                     lse_out: Any = None, timeout: Optional[float] = None) -> AttendResult:
-        """See attnd.Client.attend."""
+                     lse_out: Any = None, timeout: Optional[float] = None, q_descale: Any = None,
+                     k_descale: Any = None, v_descale: Any = None,
+                     o_dtype: Any = None) -> AttendResult:
+        """See attnd.Client.attend (FP8 tensors with their descales included)."""
         p = _core.prepare_attend(self.regions, q, k, v, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
                                  scale=scale, return_lse=return_lse, high_priority=high_priority,
-                                 out=out, lse_out=lse_out)
+                                 out=out, lse_out=lse_out,
+                                 fp8=_core.fp8_field(q_descale, k_descale, v_descale, o_dtype))
         _core.cuda_synchronize(p.cuda_sync)
         buf = await self._unary("Attend", p.message, self._timeout(timeout))
         return _core.read_attend(buf, p)

@@ -198,7 +198,9 @@ class Client(_ChannelSet):
                 request_id is its item's index + 1).
             return_exceptions: yield a failed item's AttndError in its place instead of raising
                 it (a bad item does not end the stream on the server).
-            defaults: attend's options (causal=..., return_lse=...) for items that do not set them.
+            defaults: attend's options (causal=..., return_lse=..., and for FP8 tensors
+                q_descale=..., k_descale=..., v_descale=..., o_dtype=...) for items that do not
+                set them.
 
         Yields:
             AttendResult per item.
