@@ -245,6 +245,49 @@ def test_fp8_cache_session_matches_the_reference_of_its_quantized_cache(client):
                       ).cached_tokens == len(cached[0][0]) - 2
 
 
+def test_fp8_cache_steps_with_codes(client):
+    """k_new and v_new sent as E4M3 codes with the session's scales (Step and BatchStep) are
+    stored as they are: the answers match the reference over the dequantized codes, and a step
+    whose scales differ from the session's is refused naming the field, the cache unchanged."""
+    if not client.info().fp8.session_fp8_cache:
+        pytest.skip("this server's backend has no FP8 session caches (GetServerInfo fp8)")
+    from test_attend import _quantize
+    rng = np.random.default_rng(41)
+    heads, kv_heads, d, dtype = 4, 2, 64, "bf16"
+    k_scales = np.array([3.0 / 448, 2.0 / 448], dtype=np.float32)
+    v_scales = np.array([2.5 / 448, 3.5 / 448], dtype=np.float32)
+
+    def codes_of(x, scales):
+        codes = np.empty(x.shape, dtype=np.uint8)
+        deq = np.empty(x.shape)
+        for g in range(kv_heads):
+            codes[:, g], deq[:, g] = _quantize(x[:, g], float(scales[g]))
+        return codes, deq
+
+    with client.create_session(1, kv_heads, d, dtype, cache_dtype="fp8_e4m3",
+                               k_scales=k_scales, v_scales=v_scales) as s:
+        ks, vs = np.zeros((0, kv_heads, d)), np.zeros((0, kv_heads, d))
+        for n in (7, 1, 3):
+            q, q64 = make(rng, (n, heads, d), dtype)
+            k8, k64 = codes_of(rng.standard_normal((n, kv_heads, d)), k_scales)
+            v8, v64 = codes_of(rng.standard_normal((n, kv_heads, d)), v_scales)
+            if n == 3:
+                r, = client.batch_step([attnd.StepItem(s, 0, q, k8, v8, k_new_scales=k_scales,
+                                                       v_new_scales=v_scales)])
+            else:
+                r = s.step(0, q, k8, v8, k_new_scales=k_scales, v_new_scales=v_scales)
+            ks, vs = np.concatenate([ks, k64]), np.concatenate([vs, v64])
+            assert r.cached_tokens == len(ks)
+            o_ref, _ = reference(q64, ks, vs, causal=True)
+            assert relative_error(values(r.o, dtype), o_ref) <= TOLERANCE[dtype]
+        q, _ = make(rng, (1, heads, d), dtype)
+        k8, _ = codes_of(rng.standard_normal((1, kv_heads, d)), k_scales)
+        with pytest.raises(attnd.InvalidArgument, match="k_new_scales"):
+            s.step(0, q, k8, k8, k_new_scales=k_scales * 2, v_new_scales=v_scales)
+        assert s.step(0, q, k8, k8, k_new_scales=k_scales, v_new_scales=v_scales).cached_tokens == \
+            len(ks) + 1
+
+
 def test_fp8_cache_session_refuses_bad_scales(client):
     if not client.info().fp8.session_fp8_cache:
         pytest.skip("this server's backend has no FP8 session caches (GetServerInfo fp8)")

@@ -87,6 +87,8 @@ class StepItem:
     window: Optional[Tuple[int, int]] = None
     out: Any = None
     lse_out: Any = None
+    k_new_scales: Optional[Sequence[float]] = None
+    v_new_scales: Optional[Sequence[float]] = None
 
 
 @dataclass
@@ -292,22 +294,30 @@ def session_id_of(session: Any) -> str:
     return session if isinstance(session, str) else session.id
 
 
+def _new_scales(values: Any) -> Optional[List[float]]:
+    return None if values is None else [float(x) for x in np.asarray(values, dtype=np.float32).ravel()]
+
+
 def step_message(regions: RegionTable, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
                  scale: float, return_lse: bool, window: Optional[Tuple[int, int]], out: Any,
-                 lse_out: Any) -> Tuple[_wire.Message, _tensors.OutputMaker, bool, bool, Optional[int]]:
+                 lse_out: Any, k_new_scales: Any = None,
+                 v_new_scales: Any = None) -> Tuple[_wire.Message, _tensors.OutputMaker, bool, bool, Optional[int]]:
     maker = _tensors.OutputMaker(q)
     ps, placed, device = _inputs(regions, q, k_new, v_new, ("q", "k_new", "v_new"))
     outputs, o_in, lse_in = _outputs(regions, out, lse_out)
     m = _wire.step_request(session_id_of(session), int(layer), ps[0], ps[1], ps[2], placed,
-                           float(scale or 0.0), return_lse, _window(window), outputs)
+                           float(scale or 0.0), return_lse, _window(window), outputs,
+                           k_new_scales=_new_scales(k_new_scales),
+                           v_new_scales=_new_scales(v_new_scales))
     return m, maker, o_in, lse_in, device
 
 
 def prepare_step(regions: RegionTable, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
                  scale: float, return_lse: bool, window: Optional[Tuple[int, int]], out: Any,
-                 lse_out: Any) -> Prepared:
+                 lse_out: Any, k_new_scales: Any = None, v_new_scales: Any = None) -> Prepared:
     m, maker, o_in, lse_in, sync = step_message(regions, session, layer, q, k_new, v_new, scale,
-                                                return_lse, window, out, lse_out)
+                                                return_lse, window, out, lse_out, k_new_scales,
+                                                v_new_scales)
     return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in, sync)
 
 
@@ -358,7 +368,8 @@ def prepare_batch_steps(regions: RegionTable, items: Sequence[Any],
         it = as_step_item(raw)
         m, maker, o_in, lse_in, sync = step_message(regions, it.session, it.layer, it.q, it.k_new,
                                                     it.v_new, it.scale, it.return_lse, it.window,
-                                                    it.out, it.lse_out)
+                                                    it.out, it.lse_out, it.k_new_scales,
+                                                    it.v_new_scales)
         coded.append((m, Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync)))
     out = []
     for part in cut_by_size(coded, lambda c: c[0].size, max_bytes) or [[]]:

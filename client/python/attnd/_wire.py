@@ -29,6 +29,7 @@ ATTEND_O_REGION, ATTEND_LSE_REGION, ATTEND_FP8 = 12, 13, 20
 STEP_SESSION, STEP_LAYER, STEP_Q, STEP_K, STEP_V = 1, 2, 3, 4, 5
 STEP_SCALE, STEP_RETURN_LSE, STEP_WINDOW = 6, 7, 8
 STEP_O_REGION, STEP_LSE_REGION = 20, 21
+STEP_K_NEW_SCALES, STEP_V_NEW_SCALES = 22, 23
 BATCH_STEPS = 1
 # Tensor, RegionSlice, SlidingWindow
 TENSOR_DTYPE, TENSOR_SHAPE, TENSOR_DATA, TENSOR_REGION = 1, 2, 3, 4
@@ -92,6 +93,12 @@ def _packed(number: int, values: Sequence[int]) -> bytes:
     if not values:
         return b""
     return _len_field(number, b"".join(varint(int(v)) for v in values))
+
+
+def _packed_floats(number: int, values: Optional[Sequence[float]]) -> bytes:
+    if values is None or len(values) == 0:
+        return b""
+    return _len_field(number, struct.pack(f"<{len(values)}f", *(float(v) for v in values)))
 
 
 def _float_field(number: int, value: float) -> bytes:
@@ -224,9 +231,11 @@ def attend_request(q: Payload, k: Payload, v: Payload, regions: Sequence[Optiona
 def step_request(session_id: str, layer: int, q: Payload, k: Payload, v: Payload,
                  regions: Sequence[Optional[Tuple[str, int]]], scale: float, return_lse: bool,
                  window: Optional[Tuple[int, int]], outputs: Optional[Outputs],
-                 layer_width: int = 0) -> Message:
+                 layer_width: int = 0, k_new_scales: Optional[Sequence[float]] = None,
+                 v_new_scales: Optional[Sequence[float]] = None) -> Message:
     """A StepRequest. With layer_width, the layer is written even when 0, as a varint of that
-    many bytes right after the session id's field (layer_offset says where its value starts)."""
+    many bytes right after the session id's field (layer_offset says where its value starts).
+    k_new_scales, v_new_scales: the scales of k_new and v_new sent as FP8 codes."""
     m = Message()
     head = _len_field(STEP_SESSION, session_id.encode()) if session_id else b""
     if layer_width:
@@ -248,6 +257,8 @@ def step_request(session_id: str, layer: int, q: Payload, k: Payload, v: Payload
             tail += region_slice(STEP_O_REGION, *outputs.o_region)
         if outputs.lse_region is not None:
             tail += region_slice(STEP_LSE_REGION, *outputs.lse_region)
+    tail += _packed_floats(STEP_K_NEW_SCALES, k_new_scales)
+    tail += _packed_floats(STEP_V_NEW_SCALES, v_new_scales)
     m.add(tail)
     return m
 

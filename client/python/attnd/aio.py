@@ -210,17 +210,18 @@ class Client(_ChannelSet):
     async def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any, *,
                    scale: float = 0.0, return_lse: bool = False,
                    window: Optional[Tuple[int, int]] = None, out: Any = None, lse_out: Any = None,
-                   timeout: Optional[float] = None) -> StepResult:
+                   timeout: Optional[float] = None, k_new_scales: Any = None,
+                   v_new_scales: Any = None) -> StepResult:
         """See attnd.Client.step (steps of one turn of the event loop travel as one BatchStep
         unless the client was made with coalesce_steps=False)."""
         if self._steps is not None:
             m, maker, o_in, lse_in, device = _core.step_message(
                 self.regions, session, layer, q, k_new, v_new, scale, return_lse, window, out,
-                lse_out)
+                lse_out, k_new_scales, v_new_scales)
             prepared = _core.Prepared(b"", maker, out, lse_out, o_in, lse_in, device)
             return await self._steps.add(m, prepared, self._timeout(timeout))
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
-                               window, out, lse_out)
+                               window, out, lse_out, k_new_scales, v_new_scales)
         _core.cuda_synchronize(p.cuda_sync)
         buf = await self._unary("Step", p.message, self._timeout(timeout))
         return _core.read_step(buf, p)

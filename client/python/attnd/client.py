@@ -295,13 +295,17 @@ class Client(_ChannelSet):
 
     def step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any, *, scale: float = 0.0,
              return_lse: bool = False, window: Optional[Tuple[int, int]] = None, out: Any = None,
-             lse_out: Any = None, timeout: Optional[float] = None) -> StepResult:
+             lse_out: Any = None, timeout: Optional[float] = None, k_new_scales: Any = None,
+             v_new_scales: Any = None) -> StepResult:
         """One step of one layer (attn.v1 Step): appends k_new and v_new to the layer's cache and
         returns attention of q over all of it (causal inside the new tokens). session: a Session
         or its id. q [new_tokens, heads, d], k_new and v_new [new_tokens, kv_heads, d] in the
-        session's dtype. Not resent on UNAVAILABLE (a step changes the cache)."""
+        session's dtype; or, for an FP8 cache, k_new and v_new as E4M3 codes (numpy uint8 or
+        torch.float8_e4m3fn on the CPU) quantized with the session's scales, sent as
+        k_new_scales and v_new_scales (they must equal the session's). Not resent on
+        UNAVAILABLE (a step changes the cache)."""
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
-                               window, out, lse_out)
+                               window, out, lse_out, k_new_scales, v_new_scales)
         _core.cuda_synchronize(p.cuda_sync)
         buf = self._unary("Step", p.message, self._timeout(timeout))
         return _core.read_step(buf, p)
