@@ -99,36 +99,6 @@ __device__ __forceinline__ void Sm90Fp8PackP(uint32_t (&pa)[BN / 32][4], const f
     }
 }
 
-// Online softmax of one score tile in code units (sl2 = softmax scale * q descale * k descale *
-// log2 e): as Sm90Softmax, but p is left biased by 2^kFp8PBias (so is the row sum; the factor
-// cancels in the epilogue).
-template <int BN>
-__device__ __forceinline__ void Sm90Fp8Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
-                                               float (&corr)[2], float sl2) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float mx = row_max[hf];
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float ms = mx == -INFINITY ? 0.0f : mx * sl2;
-    corr[hf] = exp2f(row_max[hf] * sl2 - ms);
-    row_max[hf] = mx;
-    const float offset = float(kFp8PBias) - ms;
-    float sum = row_sum[hf] * corr[hf];
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pe = exp2f(fmaf(s[4 * c + 2 * hf + e], sl2, offset));
-        s[4 * c + 2 * hf + e] = pe;
-        sum += pe;
-      }
-    row_sum[hf] = sum;
-  }
-}
-
 // Normalises O (times v's descale), writes LSE (natural units) and O rows r0 and r0 + 8 of this
 // thread (those inside the sequence).
 template <typename Tr>
@@ -246,11 +216,9 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
           (p.has_left && n0 < m_last + t.off - p.left)) {
         Sm90Mask<BN>(s, p, t, r0, n0, lane);
       }
-      Sm90Fp8Softmax<BN>(s, row_max, row_sum, corr, sl2);
-#pragma unroll
-      for (int nc = 0; nc < Tr::kPvChunks; ++nc)
-#pragma unroll
-        for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] *= corr[(i >> 1) & 1];
+      // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
+      Sm90Softmax<BN, kFp8PBias>(s, row_max, row_sum, corr, sl2);
+      Sm90Rescale<Tr>(o, corr);
       Sm90Fp8PackP<BN>(pa, s);
       ptx::MbarWait(bars.FullV(st), ring.phase);
       ptx::WgmmaFence();

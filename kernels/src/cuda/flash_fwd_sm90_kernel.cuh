@@ -347,9 +347,10 @@ __device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& 
 }
 
 // Online softmax of one score tile (log2 domain, scale folded in): updates the row max and sum,
-// leaves P = exp2(s * scale - max) in s and the factor O must be rescaled by in corr (applied
-// separately, once no product writing O is in flight).
-template <int BN>
+// leaves P = exp2(s * scale - max + kBias) in s (and the row sum of those) and the factor O must be
+// rescaled by in corr (applied separately, once no product writing O is in flight). kBias (the
+// FP8 kernel's, which rounds P to e4m3) scales P by 2^kBias; the normalisation takes it back.
+template <int BN, int kBias = 0>
 __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
 #pragma unroll
@@ -367,7 +368,8 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
     for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float x = fmaf(s[4 * c + 2 * hf + e], sl2, -ms);
+        const float x = kBias == 0 ? fmaf(s[4 * c + 2 * hf + e], sl2, -ms)
+                                   : fmaf(s[4 * c + 2 * hf + e], sl2, float(kBias) - ms);
         const float pe = exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
         sum += pe;
