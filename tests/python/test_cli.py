@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -38,6 +39,34 @@ def test_attend_check_passes(server, dtype):
                   "--seq", "70", "--count", "2", "--head-dim", "64")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check: PASS" in r.stdout
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "fp8", "--o-dtype", "fp16"],
+                                   ["--dtype", "fp8"], ["--dtype", "bf16", "--kv-dtype", "fp8"],
+                                   ["--dtype", "fp32", "--kv-dtype", "fp8"]],
+                         ids=["all-fp8-o-fp16", "all-fp8-o-bf16", "fp8-kv-bf16-q", "fp8-kv-fp32-q"])
+def test_attend_check_passes_with_fp8(server, flags):
+    r = attnd_cli("--target", server.target, "attend", "--check", "--causal", *flags,
+                  "--seq", "40", "--count", "2", "--head-dim", "64")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check: PASS" in r.stdout
+    # The check is not vacuous: the same answers fail a tolerance below their rounding.
+    r = attnd_cli("--target", server.target, "attend", "--check", *flags, "--seq", "40",
+                  "--count", "1", "--head-dim", "64", "--check-tolerance", "1e-9")
+    assert r.returncode == 3 and "check: FAIL" in r.stdout, r.stdout + r.stderr
+
+
+def test_quantize_e4m3_rounds_to_the_nearest_code():
+    from attnd import _reference
+    table = _reference.e4m3_values()
+    codes = np.arange(127)  # every finite non-negative code
+    got, values = _reference.quantize_e4m3(table[codes], 1.0)
+    assert (got == codes).all() and np.array_equal(values, table[codes])
+    mid = (table[codes[:-1]] + table[codes[1:]]) / 2  # ties go to the even code
+    got, _ = _reference.quantize_e4m3(-mid, 1.0)
+    assert (got == np.where(codes[:-1] % 2 == 0, codes[:-1], codes[1:]) | 0x80).all()
+    got, values = _reference.quantize_e4m3(np.array([1e6, -1e6, 0.3]), 2.0)
+    assert list(got[:2]) == [0x7E, 0xFE] and values[2] == table[got[2]] * 2.0
 
 
 def test_attend_check_fails_with_exit_3_when_out_of_tolerance(server):
@@ -74,3 +103,8 @@ def test_pip_install_builds_the_descriptors(server, tmp_path):
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 0 and str(target) not in r.stdout
     assert not (target / "grpc").exists() and not (target / "attn").exists()
+
+
+def test_session_refuses_fp8_as_the_steps_dtype(server):
+    r = attnd_cli("--target", server.target, "session", "--dtype", "fp8")
+    assert r.returncode == 64 and "--dtype is the steps' q and o type" in r.stderr

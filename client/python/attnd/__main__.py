@@ -4,7 +4,8 @@ info     GetServerInfo (backend, device, limits, KV cache, replica id)
 health   exit 0 when attnd is SERVING (grpc.health.v1), 1 otherwise
 attend   random inputs of the given shape; prints each call's latency and server timing; with
          --check compares every answer with a float64 reference and ends with PASS (exit 0) or
-         FAIL (exit 3) and the tolerance
+         FAIL (exit 3) and the tolerance; --dtype fp8 (q, k, v) or --kv-dtype fp8 (k, v) send
+         E4M3 codes with their descales
 session  a KV-cache session through prefill, decode, truncate, fork and close; --check compares
          every step with the float64 reference over the cache it sent
 """
@@ -23,7 +24,9 @@ from .client import Client
 from .errors import AttndError
 
 # Largest error relative to the largest |reference| value that passes, per dtype (attnctl's).
-TOLERANCE = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 1.5e-2}
+# FP8: the server computes on exactly the values the codes and descales stand for, so o's type
+# decides, but for the FP8 tensor-core kernel, which rounds P to e4m3 too.
+TOLERANCE = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 1.5e-2, "fp8-tensor-cores": 4e-2}
 
 
 def _tolerance(args: argparse.Namespace, c: Client, dtype: str) -> float:
@@ -46,8 +49,16 @@ def _client(args: argparse.Namespace) -> Client:
 
 
 def _random(rng: np.random.Generator, shape: tuple, dtype: str) -> tuple:
-    """(array to send, its exact values as float64)."""
+    """(array to send, its exact values as float64, its descale: FP8 only)."""
     x = rng.standard_normal(shape, dtype=np.float32)
+    if dtype == "fp8":  # E4M3 codes with one descale per tensor
+        scale = float(np.abs(x).max()) / 448 or 1.0
+        codes, values = _reference.quantize_e4m3(x, scale)
+        return codes, values, scale
+    return _random_16(x, dtype) + (None,)
+
+
+def _random_16(x: np.ndarray, dtype: str) -> tuple:
     if dtype == "fp32":
         return x, x.astype(np.float64)
     if dtype == "fp16":
@@ -88,22 +99,33 @@ def cmd_attend(args: argparse.Namespace) -> int:
     total = args.batch * seq
     cu = [i * seq for i in range(args.batch + 1)] if args.batch > 1 else None
     worst = 0.0
+    fp8_q = args.dtype == "fp8"
+    kv_dtype = "fp8" if fp8_q or args.kv_dtype == "fp8" else args.dtype
+    o_dtype = args.o_dtype if fp8_q else args.dtype  # what o comes back in
     with _client(args) as c:
-        tol = _tolerance(args, c, args.dtype)
+        tol = _tolerance(args, c, o_dtype)
+        if fp8_q and args.check and not args.check_tolerance and seq > 16 and \
+                args.head_dim in c.info().fp8.attend_tensor_core_head_dims:
+            tol = TOLERANCE["fp8-tensor-cores"]
         for i in range(args.count):
-            q, q64 = _random(rng, (total, args.heads, args.head_dim), args.dtype)
-            k, k64 = _random(rng, (total, kv_heads, args.head_dim), args.dtype)
-            v, v64 = _random(rng, (total, kv_heads, args.head_dim), args.dtype)
+            q, q64, qs = _random(rng, (total, args.heads, args.head_dim), args.dtype)
+            k, k64, ks = _random(rng, (total, kv_heads, args.head_dim), kv_dtype)
+            v, v64, vs = _random(rng, (total, kv_heads, args.head_dim), kv_dtype)
+            fp8 = {}
+            if kv_dtype == "fp8":
+                fp8 = dict(k_descale=[ks], v_descale=[vs])
+            if fp8_q:
+                fp8.update(q_descale=[qs], o_dtype={"fp16": "float16", "bf16": "bfloat16"}[o_dtype])
             start = time.perf_counter()
             r = c.attend(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=args.causal,
-                         return_lse=args.check)
+                         return_lse=args.check, **fp8)
             ms = (time.perf_counter() - start) * 1e3
             t = r.timing
             line = (f"attend {i}: {ms:.2f} ms (server: total {t.total_us:.0f} us, queue "
                     f"{t.queue_us:.0f}, transfer {t.transfer_us:.0f}, compute {t.compute_us:.0f})")
             if args.check:
                 o_ref, lse_ref = _reference.attention(q64, k64, v64, cu, cu, args.causal)
-                err = max(_relative_error(_as_float(r.o, args.dtype), o_ref),
+                err = max(_relative_error(_as_float(r.o, o_dtype), o_ref),
                           _relative_error(np.asarray(r.lse, np.float64), lse_ref))
                 worst = max(worst, err)
                 line += f", relative error {err:.2e}"
@@ -119,6 +141,9 @@ def cmd_attend(args: argparse.Namespace) -> int:
 
 
 def cmd_session(args: argparse.Namespace) -> int:
+    if args.dtype == "fp8":
+        print("attnd session: --dtype is the steps' q and o type: fp32, fp16 or bf16", file=sys.stderr)
+        return 64
     rng = np.random.default_rng(args.seed)
     kv_heads = args.kv_heads or args.heads
     dtype = "bf16" if args.dtype == "fp32" else args.dtype
@@ -130,9 +155,9 @@ def cmd_session(args: argparse.Namespace) -> int:
     def step(session: Any, layer_cache: List[List[np.ndarray]], n: int) -> None:
         nonlocal worst
         for layer in range(args.layers):
-            q, q64 = _random(rng, (n, args.heads, args.head_dim), dtype)
-            k, k64 = _random(rng, (n, kv_heads, args.head_dim), dtype)
-            v, v64 = _random(rng, (n, kv_heads, args.head_dim), dtype)
+            q, q64, _ = _random(rng, (n, args.heads, args.head_dim), dtype)
+            k, k64, _ = _random(rng, (n, kv_heads, args.head_dim), dtype)
+            v, v64, _ = _random(rng, (n, kv_heads, args.head_dim), dtype)
             r = session.step(layer, q, k, v)
             keys = np.concatenate([layer_cache[layer][0], k64])
             values = np.concatenate([layer_cache[layer][1], v64])
@@ -194,7 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--heads", type=int, default=8)
         p.add_argument("--kv-heads", type=int, default=2)
         p.add_argument("--head-dim", type=int, default=128)
-        p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="bf16")
+        p.add_argument("--dtype", choices=("fp32", "fp16", "bf16", "fp8"), default="bf16",
+                       help="attend: fp8 sends q, k and v as E4M3 codes (o in --o-dtype)")
         p.add_argument("--check", action="store_true", help="compare with a float64 reference")
         p.add_argument("--check-tolerance", type=float, default=0.0)
         p.add_argument("--seed", type=int, default=1)
@@ -203,6 +229,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     attend.add_argument("--seq", type=int, default=256)
     attend.add_argument("--causal", action="store_true")
     attend.add_argument("--count", type=int, default=3)
+    attend.add_argument("--kv-dtype", choices=("fp8",), default=None,
+                        help="fp8: k and v as E4M3 codes with a descale each (q in --dtype)")
+    attend.add_argument("--o-dtype", choices=("fp16", "bf16"), default="bf16",
+                        help="the output's type with --dtype fp8")
     session = sub.choices["session"]
     session.add_argument("--layers", type=int, default=2)
     session.add_argument("--prefill", type=int, default=100)

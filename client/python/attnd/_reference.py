@@ -22,6 +22,32 @@ def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def e4m3_values() -> np.ndarray:
+    """The value of each OCP E4M3FN code 0..255 from its bit fields (NaN for 0x7F and 0xFF)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    e, m = (codes >> 3) & 0xF, codes & 0x7
+    table = sign * np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
+    table[(codes & 0x7F) == 0x7F] = np.nan
+    return table
+
+
+def quantize_e4m3(x: np.ndarray, scale: float) -> Tuple[np.ndarray, np.ndarray]:
+    """(E4M3 codes of x / scale as uint8, rounded to nearest with ties to the even code and
+    saturating at +-448; the float64 values the codes stand for, times scale)."""
+    table = e4m3_values()
+    positive = table[:127]  # codes 0..126: 0 up to 448, increasing
+    y = np.asarray(x, dtype=np.float64) / scale
+    mag = np.minimum(np.abs(y), 448.0)
+    hi = np.clip(np.searchsorted(positive, mag), 1, 126)
+    lo = hi - 1
+    d_lo, d_hi = mag - positive[lo], positive[hi] - mag
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    codes = np.where(pick_hi, hi, lo).astype(np.uint8)
+    codes = np.where(y < 0, codes | np.uint8(0x80), codes).astype(np.uint8)
+    return codes, table[codes] * scale
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
               cu_seqlens_q: Optional[Sequence[int]] = None,
               cu_seqlens_k: Optional[Sequence[int]] = None, causal: bool = False,
