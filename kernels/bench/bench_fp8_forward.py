@@ -174,6 +174,17 @@ def rel_err(o, ref, s):
     return ((got - ref).norm() / ref.norm()).item()
 
 
+def timed_and_checked(call, o, ref, s, args, poisoned=()):
+    """call's time (time_ms), then one more call on NaN-poisoned o (and `poisoned`) and the
+    relative error of o against ref."""
+    t = time_ms(call, args.warmup, args.reps, args.min_ms)
+    for x in (o, *poisoned):
+        x.fill_(float("nan"))
+    call()
+    torch.cuda.synchronize()
+    return t, rel_err(o, ref, s)
+
+
 def prefill_point(lib, C, Pc, ps, args, dev):
     stream = torch.cuda.current_stream().cuda_stream
     s = Shape(1, C, Pc + C, 32, 8, 128, True)
@@ -191,28 +202,15 @@ def prefill_point(lib, C, Pc, ps, args, dev):
     pkc, pvc = pool_of(kc, ps, perm, 0x7F), pool_of(vc, ps, perm, 0x7F)
     o = torch.full_like(q, float("nan"))
     warm_up_clocks(dev)
-    t_bf = time_ms(lambda: run_bf16(lib, s, q, pk, pv, o, stream, paged), args.warmup, args.reps,
-                   args.min_ms)
-    o.fill_(float("nan"))
-    run_bf16(lib, s, q, pk, pv, o, stream, paged)
-    torch.cuda.synchronize()
-    err_bf = rel_err(o, reference(s, q, k, v), s)
-    t_f8 = time_ms(lambda: run_fp8(lib, s, q, pkc, pvc, o, ks, vs, stream, paged), args.warmup,
-                   args.reps, args.min_ms)
-    o.fill_(float("nan"))
-    run_fp8(lib, s, q, pkc, pvc, o, ks, vs, stream, paged)
-    torch.cuda.synchronize()
+    t_bf, err_bf = timed_and_checked(lambda: run_bf16(lib, s, q, pk, pv, o, stream, paged), o,
+                                     reference(s, q, k, v), s, args)
     ref_f8 = reference(s, q, kd, vd)
-    err_f8 = rel_err(o, ref_f8, s)
+    fp8_call = lambda: run_fp8(lib, s, q, pkc, pvc, o, ks, vs, stream, paged)  # noqa: E731
+    t_f8, err_f8 = timed_and_checked(fp8_call, o, ref_f8, s, args)
     # The same call planned onto the FP8 tensor cores (q quantized on the device, pages gathered).
     lib.attn_set_plan_option(b"fp8_tensor_cores", 1)
     try:
-        t_tc = time_ms(lambda: run_fp8(lib, s, q, pkc, pvc, o, ks, vs, stream, paged), args.warmup,
-                       args.reps, args.min_ms)
-        o.fill_(float("nan"))
-        run_fp8(lib, s, q, pkc, pvc, o, ks, vs, stream, paged)
-        torch.cuda.synchronize()
-        err_tc = rel_err(o, ref_f8, s)
+        t_tc, err_tc = timed_and_checked(fp8_call, o, ref_f8, s, args)
     finally:
         lib.attn_set_plan_option(b"fp8_tensor_cores", 0)
     tf = lambda t: s.flops() / (t * 1e-3) / 1e12
@@ -240,31 +238,18 @@ def attend_point(lib, d, sl, args, dev):
     q16 = torch.empty_like(q)  # where the FP8 path widens q
     o = torch.full_like(q, float("nan"))
     warm_up_clocks(dev)
-    t_bf = time_ms(lambda: run_bf16(lib, s, q, k, v, o, stream, gen=2), args.warmup, args.reps,
-                   args.min_ms)
-    o.fill_(float("nan"))
-    run_bf16(lib, s, q, k, v, o, stream, gen=2)
-    torch.cuda.synchronize()
-    err_bf = rel_err(o, reference(s, q, k, v), s)
+    t_bf, err_bf = timed_and_checked(lambda: run_bf16(lib, s, q, k, v, o, stream, gen=2), o,
+                                     reference(s, q, k, v), s, args)
 
     def fp8_call():
         dequantize_q(lib, s, qc, qs, q16, stream)
         run_fp8(lib, s, q16, kc, vc, o, ks, vs, stream)
 
-    t_f8 = time_ms(fp8_call, args.warmup, args.reps, args.min_ms)
-    o.fill_(float("nan"))
-    q16.fill_(float("nan"))
-    fp8_call()
-    torch.cuda.synchronize()
     ref_f8 = reference(s, qd, kd, vd)
-    err_f8 = rel_err(o, ref_f8, s)
+    t_f8, err_f8 = timed_and_checked(fp8_call, o, ref_f8, s, args, poisoned=(q16,))
     # The FP8 tensor-core kernel on the same codes (P rounded to e4m3 inside it).
-    t_tc = time_ms(lambda: run_fp8_tc(lib, s, qc, kc, vc, o, qs, ks, vs, stream), args.warmup,
-                   args.reps, args.min_ms)
-    o.fill_(float("nan"))
-    run_fp8_tc(lib, s, qc, kc, vc, o, qs, ks, vs, stream)
-    torch.cuda.synchronize()
-    err_tc = rel_err(o, ref_f8, s)
+    t_tc, err_tc = timed_and_checked(lambda: run_fp8_tc(lib, s, qc, kc, vc, o, qs, ks, vs, stream),
+                                     o, ref_f8, s, args)
     cudnn = {}
     for name, fp8 in (("cudnn_bf", False), ("cudnn_f8", True)):
         call = sdpa_cudnn(q, k, v, s, fp8)

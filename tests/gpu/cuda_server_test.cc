@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <thread>
+#include <utility>
 
 #include "common/reference.h"
 #include "engine/backend.h"
@@ -98,6 +99,33 @@ TEST_F(CudaServerTest, AnswersMatchTheReferenceForEveryDtype) {
   }
 }
 
+struct Fp8Lengths {
+  std::vector<int32_t> q, k;
+};
+
+// One FP8 Attend of these lengths through c (descales per (sequence, KV head) when causal, per
+// tensor otherwise): the request, and o's error against the float64 reference of its dequantized
+// inputs (infinity, with a test failure, when the call fails).
+std::pair<testing::Fp8Attend, double> AttendFp8(client::Client& c, const Fp8Lengths& lengths, int d,
+                                                bool causal, client::DType q_type,
+                                                std::mt19937_64& rng) {
+  testing::Fp8AttendCase fc;
+  fc.cu_q = testing::CuSeqlens(lengths.q);
+  fc.cu_k = testing::CuSeqlens(lengths.k);
+  fc.head_dim = d;
+  fc.causal = causal;
+  fc.per_head = causal;  // both kinds over a loop
+  fc.q_type = q_type;
+  testing::Fp8Attend a = testing::MakeFp8Attend(fc, rng);
+  auto result = c.Attend(a.q, a.k.codes, a.v.codes, a.options);
+  if (!result.ok()) {
+    ADD_FAILURE() << result.status();
+    return {std::move(a), INFINITY};
+  }
+  const double err = testing::Fp8AttendError(a, result->o);
+  return {std::move(a), err};
+}
+
 // FP8 K/V (q of a 16- or 32-bit type) and all-FP8 q/k/v on the CUDA backend: batches of more
 // than 16 queries per sequence (the conversion and the 16-bit forward kernel) and of at most 16
 // (the FP8 decode kernel), descales per (sequence, KV head) and per tensor; o against the float64
@@ -113,31 +141,19 @@ TEST_F(CudaServerTest, Fp8AttendMatchesTheReferenceOfItsDequantizedInputs) {
                     "64/128/256 compiled for sm_90a)";
   }
   EXPECT_TRUE(info->fp8().attend_fp8_q());
-  struct Lengths {
-    std::vector<int32_t> q, k;
-  };
-  const Lengths cases[] = {{{5, 1, 40}, {40, 9, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
-  for (const Lengths& lengths : cases) {
+  const Fp8Lengths cases[] = {{{5, 1, 40}, {40, 9, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
+  for (const Fp8Lengths& lengths : cases) {
     for (int d : {64, 128}) {
       for (bool causal : {false, true}) {
         for (client::DType qt : {client::DType::kFloat32, client::DType::kBFloat16,
                                  client::DType::kFloat8E4M3}) {
           SCOPED_TRACE(::testing::Message() << "max_q " << lengths.q.size() << " d " << d
                                             << " causal " << causal << " q " << int(qt));
-          testing::Fp8AttendCase c;
-          c.cu_q = testing::CuSeqlens(lengths.q);
-          c.cu_k = testing::CuSeqlens(lengths.k);
-          c.head_dim = d;
-          c.causal = causal;
-          c.per_head = causal;  // both kinds over the loop
-          c.q_type = qt;
-          const testing::Fp8Attend a = testing::MakeFp8Attend(c, rng_);
-          auto result = s.client->Attend(a.q, a.k.codes, a.v.codes, a.options);
-          ASSERT_TRUE(result.ok()) << result.status();
+          const auto [a, err] = AttendFp8(*s.client, lengths, d, causal, qt, rng_);
           // fp32 q computes in fp16 on the GPU; K/V rounded once more to 16 bits after the
           // conversion: the 16-bit type's tolerance.
           const double tol = a.out_type == client::DType::kBFloat16 ? 1e-2 : 3e-3;
-          EXPECT_LE(testing::Fp8AttendError(a, result->o), tol);
+          EXPECT_LE(err, tol);
           if (qt == client::DType::kFloat8E4M3 && d == 64 && !causal) {
             client::AttendOptions bad = a.options;
             bad.k_descale.assign(bad.k_descale.size(), 0.0f);
@@ -169,11 +185,8 @@ TEST_F(CudaServerTest, Fp8AttendOnTensorCoresMatchesTheReferenceOfItsDequantized
   auto info = s.client->GetServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
   if (!info->fp8().attend_fp8_q()) GTEST_SKIP() << "this GPU or build has no FP8 Attend";
-  struct Lengths {
-    std::vector<int32_t> q, k;
-  };
-  const Lengths cases[] = {{{5, 130, 40}, {40, 900, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
-  for (const Lengths& lengths : cases) {
+  const Fp8Lengths cases[] = {{{5, 130, 40}, {40, 900, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
+  for (const Fp8Lengths& lengths : cases) {
     for (int d : {128, 256}) {
       if (std::find(info->head_dims().begin(), info->head_dims().end(), d) == info->head_dims().end()) {
         continue;
@@ -182,21 +195,11 @@ TEST_F(CudaServerTest, Fp8AttendOnTensorCoresMatchesTheReferenceOfItsDequantized
         for (client::DType qt : {client::DType::kBFloat16, client::DType::kFloat8E4M3}) {
           SCOPED_TRACE(::testing::Message() << "max_q " << lengths.q.size() << " d " << d
                                             << " causal " << causal << " q " << int(qt));
-          testing::Fp8AttendCase c;
-          c.cu_q = testing::CuSeqlens(lengths.q);
-          c.cu_k = testing::CuSeqlens(lengths.k);
-          c.head_dim = d;
-          c.causal = causal;
-          c.per_head = causal;
-          c.q_type = qt;
-          const testing::Fp8Attend a = testing::MakeFp8Attend(c, rng_);
-          auto result = s.client->Attend(a.q, a.k.codes, a.v.codes, a.options);
-          ASSERT_TRUE(result.ok()) << result.status();
-          int max_q = 0;
-          for (int l : lengths.q) max_q = std::max(max_q, l);
+          const auto [a, err] = AttendFp8(*s.client, lengths, d, causal, qt, rng_);
+          const int max_q = *std::max_element(lengths.q.begin(), lengths.q.end());
           const bool tensor_cores = qt == client::DType::kFloat8E4M3 && max_q > 16;
           const double tol = tensor_cores ? 4e-2 : a.out_type == client::DType::kBFloat16 ? 1e-2 : 3e-3;
-          EXPECT_LE(testing::Fp8AttendError(a, result->o), tol);
+          EXPECT_LE(err, tol);
         }
       }
     }
