@@ -235,6 +235,20 @@ ReferenceResult ReferenceAttention(const kernels::AttentionArgs& a, const std::v
   });
 }
 
+std::vector<double> ScoreMagnitudes(const kernels::AttentionArgs& a, const std::vector<double>& q,
+                                    const std::vector<double>& k, const std::vector<int32_t>& cu_q,
+                                    const std::vector<int32_t>& cu_k) {
+  std::vector<double> q_abs(q.size()), k_abs(k.size());
+  for (size_t i = 0; i < q.size(); ++i) q_abs[i] = std::fabs(q[i]);
+  for (size_t i = 0; i < k.size(); ++i) k_abs[i] = std::fabs(k[i]);
+  return ForEachScoreRow(a, q_abs, k_abs, cu_q, cu_k,
+                         [](double*, double* lse, int64_t, const std::vector<double>& s,
+                            int) ATTN_TEST_THREAD_PRIVATE {
+                           for (double x : s) *lse = std::max(*lse, x);
+                         })
+      .lse;
+}
+
 double RoundToE4m3(double x) {
   if (std::isnan(x) || x == 0) return x;
   const double a = std::min(std::fabs(x), 448.0);

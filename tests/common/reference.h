@@ -54,6 +54,14 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& shape_and_flags
                                    const std::vector<int32_t>& cu_seqlens_q,
                                    const std::vector<int32_t>& cu_seqlens_k, int key_tile = 128);
 
+// Per query row (indexed as ReferenceResult::lse), the largest over the keys the row sees of
+// scale * sum_c |q_c k_c|: the magnitude a tensor core's sum of the row's products is aligned to,
+// against which its accumulation error is bounded. -inf for rows that see no key.
+std::vector<double> ScoreMagnitudes(const kernels::AttentionArgs& shape_and_flags,
+                                    const std::vector<double>& q, const std::vector<double>& k,
+                                    const std::vector<int32_t>& cu_seqlens_q,
+                                    const std::vector<int32_t>& cu_seqlens_k);
+
 // x rounded to the nearest OCP E4M3FN value (ties to even), saturated at +-448.
 double RoundToE4m3(double x);
 

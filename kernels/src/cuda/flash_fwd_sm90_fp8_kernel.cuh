@@ -29,9 +29,24 @@
 
 namespace attn::kernels::cuda {
 
-template <int D, typename TO>
+// How a consumer warpgroup orders its products (Sm90Fp8Consume).
+enum class Fp8Loop {
+  // S, softmax, P V, each product waited for at once.
+  kPlain,
+  // P V of a key tile and S of the next issued together (one block of products), then waited for.
+  kBlocks,
+  // kBlocks, and the two consumer warpgroups take turns to issue their blocks (two named
+  // barriers), so that one's softmax runs while the other's products are on the tensor cores
+  // rather than both softmaxes at once.
+  kPingpong,
+};
+
+template <int D, typename TO, Fp8Loop kLoopV = Fp8Loop::kPlain, int kExpFmaEveryV = 0>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
+  static constexpr Fp8Loop kLoop = kLoopV;
+  static constexpr int kExpFmaEvery = kExpFmaEveryV;  // Sm90Softmax's kFmaEvery
+  static constexpr int kPingBar = 8;                  // named barriers kPingBar + cw (kPingpong)
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockM = 64 * kConsumerWGs;
@@ -66,6 +81,10 @@ struct Sm90Fp8Traits {
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "tiles keep 1024-byte alignment");
 };
+
+// The traits RunFlashFwdSm90Fp8 launches.
+template <int D, typename T>
+using Sm90Fp8Shipped = Sm90Fp8Traits<D, T, Fp8Loop::kPlain, 0>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
 // D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.
@@ -159,8 +178,7 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
 }
 
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the tile, one key tile at a
-// time (S, mask, softmax, P V, each product waited for at once: the two warpgroups' interleaving
-// keeps the tensor cores busy during each one's softmax).
+// time: S, mask, softmax, P V, in the order of Tr::kLoop.
 template <typename Tr>
 __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
                                                int cw, uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
@@ -191,51 +209,116 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   float s[BN / 2];
   uint32_t pa[BN / 32][4];
 
+  // S of key tile stage st into s; P V of stage st into o (not committed or waited for).
+  auto issue_s = [&](int st) {
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks) {
+      const uint32_t kofs = (ks % 4) * 32;  // 32 codes = 32 bytes inside the swizzled row
+      const uint64_t da = ptx::SmemDesc(sq + (ks / 4) * Tr::kBlockM * 128 + kofs, 16);
+      const uint64_t db = ptx::SmemDesc(sk + st * Tr::kKBytes + (ks / 4) * BN * 128 + kofs, 16);
+      ptx::WgmmaSSFp8<BN>(s, da, db, ks > 0);
+    }
+  };
+  auto issue_pv = [&](int st) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 32; ++kk)
+#pragma unroll
+      for (int nc = 0; nc < Tr::kPvChunks; ++nc) {
+        // Rows nc * 128.. of the Vt tile (head-dim columns of O), keys 32 kk.. (+32 bytes).
+        const uint32_t addr = sv + st * Tr::kVBytes + nc * Tr::kPvN * 128 + kk * 32;
+        ptx::WgmmaRSFp8<Tr::kPvN>(o[nc], pa[kk], ptx::SmemDesc(addr, 16));
+      }
+  };
+  auto fence_o = [&] {
+#pragma unroll
+    for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+  };
+  // Scores of tile nb (complete, in s) -> P in pa, O rescaled; K's stage (and Q, after the last
+  // S) released.
+  auto softmax = [&](int nb, int st) {
+    if (lane == 0) {
+      ptx::MbarArrive(bars.EmptyK(st));
+      if (nb == t.nb_min) ptx::MbarArrive(bars.EmptyQ(q.buf));
+    }
+    const int n0 = nb * BN;
+    if ((n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
+        (p.has_left && n0 < m_last + t.off - p.left)) {
+      Sm90Mask<BN>(s, p, t, r0, n0, lane);
+    }
+    // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
+    Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, sl2);
+    Sm90Rescale<Tr>(o, corr);
+    Sm90Fp8PackP<BN>(pa, s);
+  };
+  // kPingpong: this warpgroup's turn to issue a block of products, and the other's after it.
+  auto take_turn = [&] {
+    if constexpr (Tr::kLoop == Fp8Loop::kPingpong) ptx::NamedBarSync(Tr::kPingBar + cw, 256);
+  };
+  auto pass_turn = [&] {
+    if constexpr (Tr::kLoop == Fp8Loop::kPingpong) ptx::NamedBarArrive(Tr::kPingBar + (cw ^ 1), 256);
+  };
+
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
-    for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-      const int st = ring.st;
+    if constexpr (Tr::kLoop == Fp8Loop::kPlain) {
+      for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+        const int st = ring.st;
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        ptx::WgmmaFence();
+        issue_s(st);
+        ptx::WgmmaCommit();
+        ptx::WgmmaWait<0>();
+        ptx::RegFence(s);
+        softmax(nb, st);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
+        ptx::WgmmaFence();
+        issue_pv(st);
+        ptx::WgmmaCommit();
+        ptx::WgmmaWait<0>();
+        fence_o();
+        if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
+        ring.Advance();
+      }
+    } else {
+      // Blocks of products: S of the first tile; then P V of tile nb with S of tile nb - 1; then
+      // P V of the last. Both warpgroups of a CTA issue as many blocks per tile (kPingpong's turns
+      // stay paired).
+      int nb = t.nb_max - 1;
+      int st = ring.st;
+      int st_v = -1;  // the stage of the P V in flight
       ptx::MbarWait(bars.FullK(st), ring.phase);
+      take_turn();
       ptx::WgmmaFence();
-#pragma unroll
-      for (int ks = 0; ks < D / 32; ++ks) {
-        const uint32_t kofs = (ks % 4) * 32;  // 32 codes = 32 bytes inside the swizzled row
-        const uint64_t da = ptx::SmemDesc(sq + (ks / 4) * Tr::kBlockM * 128 + kofs, 16);
-        const uint64_t db = ptx::SmemDesc(sk + st * Tr::kKBytes + (ks / 4) * BN * 128 + kofs, 16);
-        ptx::WgmmaSSFp8<BN>(s, da, db, ks > 0);
-      }
+      issue_s(st);
       ptx::WgmmaCommit();
-      ptx::WgmmaWait<0>();
-      ptx::RegFence(s);
-      if (lane == 0) {
-        ptx::MbarArrive(bars.EmptyK(st));
-        if (nb == t.nb_min) ptx::MbarArrive(bars.EmptyQ(q.buf));
-      }
-      const int n0 = nb * BN;
-      if ((n0 + BN > t.s_k) || (p.has_right && n0 + BN - 1 > t.m0 + t.off + p.right) ||
-          (p.has_left && n0 < m_last + t.off - p.left)) {
-        Sm90Mask<BN>(s, p, t, r0, n0, lane);
-      }
-      // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
-      Sm90Softmax<BN, kFp8PBias>(s, row_max, row_sum, corr, sl2);
-      Sm90Rescale<Tr>(o, corr);
-      Sm90Fp8PackP<BN>(pa, s);
-      ptx::MbarWait(bars.FullV(st), ring.phase);
-      ptx::WgmmaFence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 32; ++kk)
-#pragma unroll
-        for (int nc = 0; nc < Tr::kPvChunks; ++nc) {
-          // Rows nc * 128.. of the Vt tile (head-dim columns of O), keys 32 kk.. (+32 bytes).
-          const uint32_t addr = sv + st * Tr::kVBytes + nc * Tr::kPvN * 128 + kk * 32;
-          ptx::WgmmaRSFp8<Tr::kPvN>(o[nc], pa[kk], ptx::SmemDesc(addr, 16));
+      pass_turn();
+      for (;;) {
+        ptx::WgmmaWait<0>();  // S of tile nb (and P V of tile nb + 1, issued before it)
+        ptx::RegFence(s);
+        fence_o();
+        if (st_v >= 0 && lane == 0) ptx::MbarArrive(bars.EmptyV(st_v));
+        softmax(nb, st);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
+        st_v = st;
+        ring.Advance();
+        st = ring.st;
+        const bool more = nb > t.nb_min;
+        if (more) ptx::MbarWait(bars.FullK(st), ring.phase);
+        take_turn();
+        ptx::WgmmaFence();
+        issue_pv(st_v);
+        ptx::WgmmaCommit();
+        if (more) {
+          issue_s(st);
+          ptx::WgmmaCommit();
         }
-      ptx::WgmmaCommit();
+        pass_turn();
+        if (!more) break;
+        --nb;
+      }
       ptx::WgmmaWait<0>();
-#pragma unroll
-      for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-      if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
-      ring.Advance();
+      fence_o();
+      if (lane == 0) ptx::MbarArrive(bars.EmptyV(st_v));
     }
   }
   Sm90Fp8Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum, __ldg(p.v_descale + di),
@@ -288,9 +371,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
     }
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
+    // kPingpong: warpgroup 0 takes the first turn (warpgroup 1 passes it one at the start) and,
+    // after its tiles, the turn warpgroup 1 passed after its last block.
+    if (Tr::kLoop == Fp8Loop::kPingpong && wg == 2) ptx::NamedBarArrive(Tr::kPingBar, 256);
     for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
       Sm90Fp8Consume<Tr>(P, t, b, h, wg - 1, smem, bars, ring, q_loads);
     });
+    if (Tr::kLoop == Fp8Loop::kPingpong && wg == 1) ptx::NamedBarSync(Tr::kPingBar, 256);
   }
 #endif
 }

@@ -46,9 +46,10 @@ bool EncodeFp8VtMap(CUtensorMap* map, const void* vt, int64_t cols, int kv_heads
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, int D>
-cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t stream) {
-  using Tr = Sm90Fp8Traits<D, T>;
+// The kernel of traits Tr (kernels/bench/fp8_variants times others against the shipped one).
+template <typename Tr>
+cudaError_t RunFlashFwdSm90Fp8With(const FlashParams& params, int sms, cudaStream_t stream) {
+  constexpr int D = Tr::kHeadDim;
   if (params.vt == nullptr || params.q_descale == nullptr || params.k_descale == nullptr ||
       params.v_descale == nullptr || params.batch < 1 || sms < 1) {
     return cudaErrorInvalidValue;
@@ -84,6 +85,11 @@ cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t 
   const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
   kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(P);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t stream) {
+  return RunFlashFwdSm90Fp8With<Sm90Fp8Shipped<D, T>>(params, sms, stream);
 }
 
 }  // namespace attn::kernels::cuda

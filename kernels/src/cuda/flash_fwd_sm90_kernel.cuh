@@ -346,11 +346,25 @@ __device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& 
   }
 }
 
+// 2^x on the FMA pipe (no MUFU): x rounded to an integer j by the 1.5 * 2^23 addition (j lands in
+// the sum's low mantissa bits), 2^(x - j) by a cubic on [-0.5, 0.5] (relative error 7.5e-5, fitted
+// for this kernel), j added to the exponent field. x below -125 gives 2^-125 (not 0); p of that size
+// vanishes beside a row's largest p, 2^kBias, and in e4m3.
+__device__ __forceinline__ float Exp2OnFma(float x) {
+  x = fmaxf(x, -125.0f);
+  const float t = __fadd_rn(x, 12582912.0f);
+  const float f = __fsub_rn(x, __fsub_rn(t, 12582912.0f));
+  const float m = fmaf(fmaf(fmaf(0.05517084f, f, 0.24260935f), f, 0.69326097f), f, 0.99992818f);
+  return __int_as_float(__float_as_int(m) + (__float_as_int(t) << 23));
+}
+
 // Online softmax of one score tile (log2 domain, scale folded in): updates the row max and sum,
 // leaves P = exp2(s * scale - max + kBias) in s (and the row sum of those) and the factor O must be
 // rescaled by in corr (applied separately, once no product writing O is in flight). kBias (the
 // FP8 kernel's, which rounds P to e4m3) scales P by 2^kBias; the normalisation takes it back.
-template <int BN, int kBias = 0>
+// kFmaEvery > 0: every kFmaEvery-th group of 8 keys takes its exp2 on the FMA pipe (Exp2OnFma),
+// which lightens the MUFU pipe the FP8 kernel's softmax is bound by.
+template <int BN, int kBias = 0, int kFmaEvery = 0>
 __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
 #pragma unroll
@@ -370,7 +384,7 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
       for (int e = 0; e < 2; ++e) {
         const float x = kBias == 0 ? fmaf(s[4 * c + 2 * hf + e], sl2, -ms)
                                    : fmaf(s[4 * c + 2 * hf + e], sl2, float(kBias) - ms);
-        const float pe = exp2f(x);
+        const float pe = kFmaEvery > 0 && c % kFmaEvery == kFmaEvery - 1 ? Exp2OnFma(x) : exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
         sum += pe;
       }

@@ -1,0 +1,8 @@
+// fp8_variants' builds of the FP8 forward kernel, head dim 128, o in bf16 (fp8_variant_kernels.h).
+#include "fp8_variant_launch.cuh"
+
+namespace attn::kernels::cuda {
+
+template cudaError_t LaunchFp8Variant<128>(const FlashParams&, Fp8Variant, int, cudaStream_t);
+
+}  // namespace attn::kernels::cuda

@@ -1,0 +1,277 @@
+// fp8_variants: variants of the FP8 forward kernel (fp8_variant_kernels.h) timed against the
+// shipped one on the standard sweep's shapes (B*S = 16k tokens, H*D = 2048, MHA, o in bf16):
+// single launches (V's transposition and the kernel, as RunFlashFwdSm90Fp8 runs them) in
+// alternating order on the same random e4m3 inputs, then the outputs compared. Prints one table;
+// exits 1 when a variant's output disagrees with the shipped kernel's.
+//
+//   fp8_variants [--d 128|256]... [--s N]... [--causal] [--reps 20] [--variant NAME]...
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flash_fwd_sm90_fp8_layout.h"
+#include "flash_params.h"
+#include "fp8_variant_kernels.h"
+
+namespace {
+
+using attn::kernels::cuda::Fp8Variant;
+using attn::kernels::cuda::FlashParams;
+
+#define CHECK_CUDA(x)                                                                    \
+  do {                                                                                   \
+    const cudaError_t err_ = (x);                                                        \
+    if (err_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+struct Options {
+  std::vector<int> dims;
+  std::vector<int> seqs;
+  bool causal = false;
+  int reps = 20;
+  std::vector<Fp8Variant> variants;
+};
+
+Options Parse(int argc, char** argv) {
+  Options o;
+  auto usage = [] {
+    std::fprintf(stderr, "usage: fp8_variants [--d 128|256]... [--s N]... [--causal] [--reps N] [--variant NAME]...\n"
+                         "variants:");
+    for (int v = 0; v < int(Fp8Variant::kCount); ++v)
+      std::fprintf(stderr, " %s", attn::kernels::cuda::Fp8VariantName(Fp8Variant(v)));
+    std::fprintf(stderr, "\n");
+    std::exit(2);
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (a == "--d" && has_value) o.dims.push_back(std::atoi(argv[++i]));
+    else if (a == "--s" && has_value) o.seqs.push_back(std::atoi(argv[++i]));
+    else if (a == "--reps" && has_value) o.reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--causal") o.causal = true;
+    else if (a == "--variant" && has_value) {
+      const std::string name = argv[++i];
+      int found = -1;
+      for (int v = 0; v < int(Fp8Variant::kCount); ++v)
+        if (name == attn::kernels::cuda::Fp8VariantName(Fp8Variant(v))) found = v;
+      if (found < 0) usage();
+      o.variants.push_back(Fp8Variant(found));
+    } else {
+      usage();
+    }
+  }
+  if (o.dims.empty()) o.dims = {128, 256};
+  if (o.seqs.empty()) o.seqs = {4096, 8192};
+  if (o.variants.empty())
+    for (int v = 0; v < int(Fp8Variant::kCount); ++v) o.variants.push_back(Fp8Variant(v));
+  for (int d : o.dims)
+    if (d != 128 && d != 256) usage();
+  for (int s : o.seqs)
+    if (s < 1 || s > 16384) usage();
+  return o;
+}
+
+// Random e4m3 codes of N(0, 1) * 32 values (descale 1/32).
+void* DeviceCodes(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 32.0f);
+  std::vector<uint8_t> h(n);
+  for (auto& c : h) c = __nv_cvt_float_to_fp8(dist(rng), __NV_SATFINITE, __NV_E4M3);
+  void* d = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, n));
+  CHECK_CUDA(cudaMemcpy(d, h.data(), n, cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <typename Fn>
+float OneLaunchMs(cudaEvent_t a, cudaEvent_t b, Fn&& fn) {
+  CHECK_CUDA(cudaEventRecord(a));
+  CHECK_CUDA(fn());
+  CHECK_CUDA(cudaEventRecord(b));
+  CHECK_CUDA(cudaEventSynchronize(b));
+  float t = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+  return t;
+}
+
+double Pct(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[std::min(v.size() - 1, size_t(q * v.size()))];
+}
+
+float FromBf16(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::vector<uint16_t> OutputOf(const FlashParams& p, size_t elems, cudaError_t (*launch)(const FlashParams&)) {
+  CHECK_CUDA(cudaMemset(p.o, 0xff, elems * 2));  // NaN poison
+  CHECK_CUDA(launch(p));
+  std::vector<uint16_t> h(elems);
+  CHECK_CUDA(cudaMemcpy(h.data(), p.o, elems * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+int g_sms = 0;
+int g_d = 0;
+Fp8Variant g_variant = Fp8Variant::kFma4;
+
+cudaError_t LaunchShipped(const FlashParams& p) {
+  return g_d == 128 ? attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(p, g_sms, nullptr)
+                    : attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 256>(p, g_sms, nullptr);
+}
+cudaError_t LaunchVariant(const FlashParams& p) {
+  return g_d == 128 ? attn::kernels::cuda::LaunchFp8Variant<128>(p, g_variant, g_sms, nullptr)
+                    : attn::kernels::cuda::LaunchFp8Variant<256>(p, g_variant, g_sms, nullptr);
+}
+
+// One shape: every variant against the shipped kernel. Returns the number of disagreeing variants.
+int RunShape(const Options& o, int d, int s) {
+  g_d = d;
+  const int heads = 2048 / d, batch = std::max(1, 16384 / s), total = batch * s;
+  const size_t elems = size_t(total) * heads * d;
+  std::mt19937 rng(1234 + d + s);
+  FlashParams p;
+  p.q = DeviceCodes(elems, rng);
+  p.k = DeviceCodes(elems, rng);
+  p.v = DeviceCodes(elems, rng);
+  CHECK_CUDA(cudaMalloc(&p.o, elems * 2));
+  std::vector<int32_t> cu(batch + 1);
+  for (int b = 0; b <= batch; ++b) cu[b] = b * s;
+  int32_t* dcu = nullptr;
+  CHECK_CUDA(cudaMalloc(&dcu, cu.size() * 4));
+  CHECK_CUDA(cudaMemcpy(dcu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<float> descales(size_t(batch) * heads, 1.0f / 32);
+  float* ddesc = nullptr;
+  CHECK_CUDA(cudaMalloc(&ddesc, descales.size() * 4));
+  CHECK_CUDA(cudaMemcpy(ddesc, descales.data(), descales.size() * 4, cudaMemcpyHostToDevice));
+  void* vt = nullptr;
+  CHECK_CUDA(cudaMalloc(&vt, size_t(attn::kernels::cuda::Fp8VtBytes(total, batch, heads, d))));
+  p.cu_seqlens_q = p.cu_seqlens_k = dcu;
+  p.batch = batch;
+  p.total_q = p.total_k = total;
+  p.max_seqlen_q = p.max_seqlen_k = s;
+  p.num_heads = p.num_kv_heads = heads;
+  p.head_dim = d;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = int64_t(heads) * d;
+  p.scale = 1.0f / std::sqrt(float(d));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.has_right = o.causal;
+  p.q_descale = p.k_descale = p.v_descale = ddesc;
+  p.vt = vt;
+  const double flop = 4.0 * batch * heads * double(s) * s * d * (o.causal ? 0.5 : 1.0);
+  const std::vector<uint16_t> want = OutputOf(p, elems, LaunchShipped);
+  int disagreeing = 0;
+  cudaEvent_t ea, eb;
+  CHECK_CUDA(cudaEventCreate(&ea));
+  CHECK_CUDA(cudaEventCreate(&eb));
+  for (Fp8Variant v : o.variants) {
+    g_variant = v;
+    auto shipped = [&] { return LaunchShipped(p); };
+    auto variant = [&] { return LaunchVariant(p); };
+    // The board's clock follows its power draw with a lag: both run alternately for a warm-up,
+    // then each round times one launch of each, the order alternating; the ratio is per round.
+    const auto warm_start = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - warm_start < std::chrono::milliseconds(600)) {
+      OneLaunchMs(ea, eb, shipped);
+      OneLaunchMs(ea, eb, variant);
+    }
+    std::vector<double> ms_s, ms_v, ratio;
+    for (int r = 0; r < 2 * o.reps; ++r) {
+      double ts, tv;
+      if (r % 2 == 0) {
+        ts = OneLaunchMs(ea, eb, shipped);
+        tv = OneLaunchMs(ea, eb, variant);
+      } else {
+        tv = OneLaunchMs(ea, eb, variant);
+        ts = OneLaunchMs(ea, eb, shipped);
+      }
+      ms_s.push_back(ts);
+      ms_v.push_back(tv);
+      ratio.push_back(ts / tv);
+    }
+    const std::vector<uint16_t> got = OutputOf(p, elems, LaunchVariant);
+    size_t identical = 0, non_finite = 0;
+    double num = 0, den = 0, max_abs = 0;
+    for (size_t i = 0; i < elems; ++i) {
+      identical += got[i] == want[i];
+      const double g = FromBf16(got[i]), w = FromBf16(want[i]);
+      if (!std::isfinite(g)) {
+        ++non_finite;
+        continue;
+      }
+      num += (g - w) * (g - w);
+      den += w * w;
+      max_abs = std::max(max_abs, std::fabs(g - w));
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    const bool agrees = non_finite == 0 && rel <= 1e-2;
+    disagreeing += !agrees;
+    const double ps = Pct(ms_s, 0.5), pv = Pct(ms_v, 0.5);
+    std::printf("| %d | %d | %s | %s | %.4f | %.4f | %.0f | %.0f | %.3f (%.3f - %.3f) | %.2e | %.1f%% | %s |\n", d,
+                s, o.causal ? "yes" : "no", attn::kernels::cuda::Fp8VariantName(v), ps, pv, flop / ps / 1e9,
+                flop / pv / 1e9, Pct(ratio, 0.5), Pct(ratio, 0.1), Pct(ratio, 0.9), rel,
+                100.0 * double(identical) / double(elems), agrees ? "agrees" : "DISAGREES");
+    std::fflush(stdout);
+  }
+  CHECK_CUDA(cudaEventDestroy(ea));
+  CHECK_CUDA(cudaEventDestroy(eb));
+  for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o), static_cast<const void*>(dcu),
+                          static_cast<const void*>(ddesc), static_cast<const void*>(vt)})
+    CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));
+  return disagreeing;
+}
+
+}  // namespace
+
+namespace attn::kernels::cuda {
+const char* Fp8VariantName(Fp8Variant v) {
+  switch (v) {
+    case Fp8Variant::kFma4: return "fma4";
+    case Fp8Variant::kFma2: return "fma2";
+    case Fp8Variant::kBlocks: return "blocks";
+    case Fp8Variant::kPingpong: return "pingpong";
+    case Fp8Variant::kPingpongFma4: return "pingpong_fma4";
+    case Fp8Variant::kPingpongFma3: return "pingpong_fma3";
+    case Fp8Variant::kPingpongFma2: return "pingpong_fma2";
+    default: return "?";
+  }
+}
+}  // namespace attn::kernels::cuda
+
+int main(int argc, char** argv) {
+  const Options o = Parse(argc, argv);
+  int dev = 0, major = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, dev));
+  if (major != 9) {
+    std::fprintf(stderr, "fp8_variants: needs an sm_90 GPU\n");
+    return 1;
+  }
+  std::printf("fp8_variants: MHA, B*S = 16k tokens, H*D = 2048, e4m3 q/k/v, o bf16; each time is V's "
+              "transposition and the kernel; %d rounds per variant\n\n",
+              2 * o.reps);
+  std::printf("| d | s | causal | variant | shipped ms | variant ms | shipped TFLOP/s | variant TFLOP/s | "
+              "shipped/variant per round: median (p10 - p90) | rel L2 vs shipped | identical | |\n"
+              "|---:|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|\n");
+  int disagreeing = 0;
+  for (int d : o.dims)
+    for (int s : o.seqs) disagreeing += RunShape(o, d, s);
+  return disagreeing == 0 ? 0 : 1;
+}
