@@ -62,10 +62,10 @@ ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
           "Pinned host staging pool bound, bytes (CUDA backend)");
 ABSL_FLAG(std::string, fp8_attention, kDefaults.fp8_attention,
           "CUDA backend, FP8 attention of more than 16 queries per sequence (all-FP8 Attend, and "
-          "steps of FP8-cache sessions): convert (widen to 16 bits, then the 16-bit kernel) or "
+          "steps of FP8-cache sessions): convert (widen to 16 bits, then the 16-bit kernel), "
           "tensor_cores (the FP8 wgmma kernel where it serves the launch: sm_90a, head dims 128 "
           "and 256; P is rounded to e4m3, and a session step's q is quantized per (sequence, KV "
-          "head))");
+          "head)) or auto (tensor cores for all-FP8 Attend, conversion for session steps)");
 ABSL_FLAG(double, drain_grace_s, kDefaults.drain_grace_s,
           "On SIGTERM/SIGINT, the longest time new calls are refused with UNAVAILABLE (so clients "
           "go elsewhere) before the listener closes; ends early once no call has arrived for "

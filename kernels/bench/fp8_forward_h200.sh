@@ -14,12 +14,15 @@
 #     contiguous with FP8 q).
 #  3. bench: bench_fp8_forward.py: FP8-KV paged prefill vs bf16 paged prefill (batch 1, GQA 32/8,
 #     d=128, 4k cached, chunks 512 and 2048, pages 16 and 64, causal) and FP8 Attend (q, k, v e4m3,
-#     d=128 and 256, s=4k and 8k, non-causal) vs bf16 generation 2, TFLOP/s and ratios.
+#     d=128 and 256, s=4k and 8k, non-causal) vs bf16 generation 2, TFLOP/s and ratios; and, where
+#     BIN has fp8_variants (-DATTN_SM90_VARIANTS=ON), the tensor-core kernel's variants against the
+#     shipped one (d 128 and 256, s 4k and 8k non-causal, 8k causal).
 # Every step runs under `timeout`, within BUDGET_S seconds in all (default 540); a step that does
-# not fit in what is left is skipped and said so. The last thing printed is the table of steps.
+# not fit in what is left is skipped and said so. The last thing printed is the table of steps;
+# OUT/logs.tgz holds every log (a device call brings back few files).
 #   kernels/bench/fp8_forward_h200.sh BIN OUT [BUDGET_S]
 # BIN: gpu_decode_test, (optional) gpu_decode_test_trap, cuda_session_test, (optional) cuda_server_test, libattn_kernels_capi.so,
-#      bench_fp8_forward.py, bench_decode.py. OUT: where every log and table goes.
+#      bench_fp8_forward.py, bench_decode.py, (optional) fp8_variants. OUT: where every log and table goes.
 set -u
 bin=$(cd "$1" && pwd)
 budget=${3:-540}
@@ -53,6 +56,7 @@ shards() {
 }
 step "tests gpu_decode_test *Fp8*" 150 "$out/tests_kernels.txt" bash -c "$(declare -f shards); \
   bin='$bin' out='$out' shards"
+rm -f "$out"/tests_shard[0-7].txt
 step "tests cuda_session_test *Fp8*" 120 "$out/tests_sessions.txt" "$bin/cuda_session_test" \
   --gtest_filter='*Fp8*'
 if [ -x "$bin/cuda_server_test" ]; then
@@ -72,15 +76,26 @@ step "compute-sanitizer racecheck (tensor cores)" 60 "$out/sanitize_racecheck_tc
   --tool racecheck --error-exitcode 3 "$bin/gpu_decode_test" --gtest_filter="$tc"
 
 # 3. bench
+if [ -x "$bin/fp8_variants" ]; then
+  step "fp8_variants non-causal" 90 "$out/variants.md" "$bin/fp8_variants" --d 128 --d 256 --s 4096 \
+    --s 8192 --reps 20
+  step "fp8_variants causal" 50 "$out/variants_causal.md" "$bin/fp8_variants" --d 128 --d 256 --s 8192 \
+    --causal --reps 20
+fi
 step "bench bench_fp8_forward.py" 150 "$out/bench.log" bash -c "cd '$bin' && exec python3 \
   bench_fp8_forward.py --lib ./libattn_kernels_capi.so --out '$out/bench.md'"
 
 {
   echo "== fp8_forward_h200.sh: $(($(date +%s) - t0)) s of $budget"
   [ -s "$out/tests_failed.txt" ] && { echo "-- failed tests:"; head -n 40 "$out/tests_failed.txt"; }
+  cat "$out"/tests_*.txt 2>/dev/null | grep -hE -A3 'Failure$' | head -n 40
+  echo "-- FP8 tensor cores' LSE error (largest, in bits of the score magnitude):"
+  cat "$out"/tests_*.txt 2>/dev/null | grep -hoE 'LSE error up to 2\^[-0-9.]+' | sort -t^ -k2 -g | tail -n 1
+  cat "$out/variants.md" "$out/variants_causal.md" 2>/dev/null
   [ -f "$out/bench.md" ] && { echo "-- bench_fp8_forward.py tables:"; sed -n '3,200p' "$out/bench.md"; }
   [ -f "$out/bench.md" ] || { echo "-- bench log (no table):"; tail -n 30 "$out/bench.log"; }
   echo "-- steps (rc 124/137: timed out; 99: skipped):"
   printf 'step\trc\ts\tresult\n'
   cat "$status"
 } | tee "$out/summary.txt"
+tar czf "$out/logs.tgz" -C "$out" --exclude=logs.tgz . 2>/dev/null

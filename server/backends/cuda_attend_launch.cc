@@ -433,7 +433,7 @@ absl::Status CudaBackend::Launch(Lane& lane, std::span<std::unique_ptr<AttendJob
   // else q's codes are converted (with their descales) into o's type before the 16-bit kernel.
   const void* q_codes = args.q;
   // (Decode shapes keep the FP8 decode kernel: bound by the bytes of K/V, not by the products.)
-  const bool fp8_tensor_cores = key.fp8_q && options_.fp8_tensor_cores &&
+  const bool fp8_tensor_cores = key.fp8_q && options_.fp8_attend_tensor_cores &&
                                 !kernels::cuda::UsesDecodeKernel(args) &&
                                 kernels::cuda::CanImplementFp8Attention(args).ok();
   if (key.fp8_q && !fp8_tensor_cores) args.q = dev_in.get() + layout.q_wide;

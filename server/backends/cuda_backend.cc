@@ -84,7 +84,7 @@ absl::Status CudaBackend::Init() {
   // converted with their descales first).
   info_.fp8.attend_kv = info_.fp8.session_cache;
   info_.fp8.attend_q = info_.fp8.session_cache;
-  if (options_.fp8_tensor_cores) {
+  if (options_.fp8_attend_tensor_cores) {
     for (int32_t d : info_.fp8.session_head_dims) {
       if (kernels::cuda::CanImplementFp8Attention(Fp8AttendShape(d)).ok()) {
         info_.fp8.attend_tensor_core_head_dims.push_back(d);
@@ -115,7 +115,7 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaBackend::CreateStepDevice(
     const CudaStepDevice::Options& options) {
   CudaStepDevice::Options o = options;
   o.reserve_bytes = options_.device_pool_bytes;
-  o.fp8_tensor_cores = options_.fp8_tensor_cores;
+  o.fp8_tensor_cores = options_.fp8_step_tensor_cores;
   return CudaStepDevice::Create(o, state_);
 }
 

@@ -42,11 +42,12 @@ class CudaBackend : public Backend {
     int completion_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
     // Threads (the caller counted) that share a large request's host copies.
     int copy_threads = std::clamp<int>(std::thread::hardware_concurrency() / 2, 2, 8);
-    // All-FP8 Attend launches, and FP8-cache session steps of more than 16 new tokens (through the
-    // step device), run the FP8 tensor-core kernel where it can take them
-    // (kernels::cuda::CanImplementFp8Attention / CanImplementFp8TensorCores), else the
-    // conversion path.
-    bool fp8_tensor_cores = false;
+    // All-FP8 Attend launches (fp8_attend_tensor_cores), and FP8-cache session steps of more
+    // than 16 new tokens (fp8_step_tensor_cores, through the step device), run the FP8
+    // tensor-core kernel where it can take them (kernels::cuda::CanImplementFp8Attention /
+    // CanImplementFp8TensorCores), else the conversion path.
+    bool fp8_attend_tensor_cores = false;
+    bool fp8_step_tensor_cores = false;
   };
   // UNAVAILABLE when no usable GPU or no kernels are compiled in.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);

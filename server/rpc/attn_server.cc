@@ -58,9 +58,10 @@ absl::StatusOr<Backends> CreateBackends(const ServerOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend must be auto, cpu or cuda, got '", want, "'"));
   }
-  if (options.fp8_attention != "convert" && options.fp8_attention != "tensor_cores") {
+  if (options.fp8_attention != "auto" && options.fp8_attention != "convert" &&
+      options.fp8_attention != "tensor_cores") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--fp8_attention must be convert or tensor_cores, got '", options.fp8_attention, "'"));
+        "--fp8_attention must be auto, convert or tensor_cores, got '", options.fp8_attention, "'"));
   }
   const int64_t page_bytes = options.kv_page_tokens * kReferenceKvRowBytes;
   if (want != "cpu") {
@@ -69,7 +70,8 @@ absl::StatusOr<Backends> CreateBackends(const ServerOptions& options) {
     cuda_options.streams = options.streams;
     cuda_options.device_pool_bytes = options.device_pool_bytes;
     cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
-    cuda_options.fp8_tensor_cores = options.fp8_attention == "tensor_cores";
+    cuda_options.fp8_attend_tensor_cores = options.fp8_attention != "convert";
+    cuda_options.fp8_step_tensor_cores = options.fp8_attention == "tensor_cores";
     auto cuda = CudaBackend::Create(cuda_options);
     if (cuda.ok()) {
       Backends b;

@@ -27,10 +27,12 @@ struct ServerOptions {
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
   // CUDA backend, FP8 attention of more than 16 queries per sequence (all-FP8 Attend, and steps
-  // of FP8-cache sessions): "convert" (widened to 16 bits, then the 16-bit kernel) or
+  // of FP8-cache sessions): "convert" (widened to 16 bits, then the 16-bit kernel),
   // "tensor_cores" (the FP8 wgmma kernel, where it serves the launch: sm_90a, head dims 128 and
-  // 256; P rounded to e4m3, and a session step's q quantized per (sequence, KV head); docs/FP8.md).
-  std::string fp8_attention = "convert";
+  // 256; P rounded to e4m3, and a session step's q quantized per (sequence, KV head); docs/FP8.md)
+  // or "auto": tensor cores for all-FP8 Attend (q already in e4m3), conversion for session steps
+  // (whose 16-bit q would be rounded to e4m3).
+  std::string fp8_attention = "auto";
   // On SIGTERM: new calls get UNAVAILABLE until none has arrived or been answered for
   // drain_quiet_ms and nothing is queued or running, for at most drain_grace_s; then open
   // AttendStreams end with UNAVAILABLE, the listener closes and open calls get drain_timeout_s

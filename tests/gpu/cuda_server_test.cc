@@ -131,8 +131,11 @@ std::pair<testing::Fp8Attend, double> AttendFp8(client::Client& c, const Fp8Leng
 // (the FP8 decode kernel), descales per (sequence, KV head) and per tensor; o against the float64
 // reference on exactly the values the codes and descales stand for. A zero descale is
 // INVALID_ARGUMENT naming the field, and a good request after it is answered right.
+// (--fp8_attention=convert: all-FP8 batches of more than 16 queries are converted too.)
 TEST_F(CudaServerTest, Fp8AttendMatchesTheReferenceOfItsDequantizedInputs) {
-  auto s = StartCudaServer();
+  ServerOptions options;
+  options.fp8_attention = "convert";
+  auto s = StartCudaServer(options);
   ASSERT_NE(s.server, nullptr);
   auto info = s.client->GetServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
@@ -173,33 +176,39 @@ TEST_F(CudaServerTest, Fp8AttendMatchesTheReferenceOfItsDequantizedInputs) {
   }
 }
 
-// --fp8_attention=tensor_cores: all-FP8 Attend batches of more than 16 queries per sequence run
-// the FP8 tensor-core kernel (head dims 128 and 256), P rounded to e4m3 there: o within 4e-2 of
-// the float64 reference of the dequantized inputs. Decode-sized batches, and q of other types, keep
-// their kernels (the 16-bit tolerances hold for them).
+// --fp8_attention=tensor_cores and auto (the default): all-FP8 Attend batches of more than 16
+// queries per sequence run the FP8 tensor-core kernel (head dims 128 and 256), P rounded to e4m3
+// there: o within 4e-2 of the float64 reference of the dequantized inputs, and GetServerInfo lists
+// the head dims. Decode-sized batches, and q of other types, keep their kernels (the 16-bit
+// tolerances hold for them).
 TEST_F(CudaServerTest, Fp8AttendOnTensorCoresMatchesTheReferenceOfItsDequantizedInputs) {
-  ServerOptions options;
-  options.fp8_attention = "tensor_cores";
-  auto s = StartCudaServer(options);
-  ASSERT_NE(s.server, nullptr);
-  auto info = s.client->GetServerInfo();
-  ASSERT_TRUE(info.ok()) << info.status();
-  if (!info->fp8().attend_fp8_q()) GTEST_SKIP() << "this GPU or build has no FP8 Attend";
-  const Fp8Lengths cases[] = {{{5, 130, 40}, {40, 900, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
-  for (const Fp8Lengths& lengths : cases) {
-    for (int d : {128, 256}) {
-      if (std::find(info->head_dims().begin(), info->head_dims().end(), d) == info->head_dims().end()) {
-        continue;
-      }
-      for (bool causal : {false, true}) {
-        for (client::DType qt : {client::DType::kBFloat16, client::DType::kFloat8E4M3}) {
-          SCOPED_TRACE(::testing::Message() << "max_q " << lengths.q.size() << " d " << d
-                                            << " causal " << causal << " q " << int(qt));
-          const auto [a, err] = AttendFp8(*s.client, lengths, d, causal, qt, rng_);
-          const int max_q = *std::max_element(lengths.q.begin(), lengths.q.end());
-          const bool tensor_cores = qt == client::DType::kFloat8E4M3 && max_q > 16;
-          const double tol = tensor_cores ? 4e-2 : a.out_type == client::DType::kBFloat16 ? 1e-2 : 3e-3;
-          EXPECT_LE(err, tol);
+  for (const char* mode : {"tensor_cores", "auto"}) {
+    SCOPED_TRACE(mode);
+    ServerOptions options;
+    options.fp8_attention = mode;
+    auto s = StartCudaServer(options);
+    ASSERT_NE(s.server, nullptr);
+    auto info = s.client->GetServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    if (!info->fp8().attend_fp8_q()) GTEST_SKIP() << "this GPU or build has no FP8 Attend";
+    const auto& tc_dims = info->fp8().attend_tensor_core_head_dims();
+    const Fp8Lengths cases[] = {{{5, 130, 40}, {40, 900, 200}}, {{300}, {700}}, {{3, 16, 1}, {50, 16, 9}}};
+    for (const Fp8Lengths& lengths : cases) {
+      for (int d : {128, 256}) {
+        if (std::find(info->head_dims().begin(), info->head_dims().end(), d) == info->head_dims().end()) {
+          continue;
+        }
+        EXPECT_NE(std::find(tc_dims.begin(), tc_dims.end(), d), tc_dims.end()) << "d " << d;
+        for (bool causal : {false, true}) {
+          for (client::DType qt : {client::DType::kBFloat16, client::DType::kFloat8E4M3}) {
+            SCOPED_TRACE(::testing::Message() << "max_q " << lengths.q.size() << " d " << d
+                                              << " causal " << causal << " q " << int(qt));
+            const auto [a, err] = AttendFp8(*s.client, lengths, d, causal, qt, rng_);
+            const int max_q = *std::max_element(lengths.q.begin(), lengths.q.end());
+            const bool tensor_cores = qt == client::DType::kFloat8E4M3 && max_q > 16;
+            const double tol = tensor_cores ? 4e-2 : a.out_type == client::DType::kBFloat16 ? 1e-2 : 3e-3;
+            EXPECT_LE(err, tol);
+          }
         }
       }
     }

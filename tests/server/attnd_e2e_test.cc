@@ -381,7 +381,7 @@ TEST(AttndEndToEnd, BadFp8AttentionFailsStartUpWithAMessage) {
   ASSERT_TRUE(WIFEXITED(status)) << out;
   EXPECT_NE(WEXITSTATUS(status), 0) << out;
   EXPECT_NE(WEXITSTATUS(status), 124) << "attnd started with --fp8_attention=fast:\n" << out;
-  EXPECT_NE(out.find("--fp8_attention must be convert or tensor_cores"), std::string::npos) << out;
+  EXPECT_NE(out.find("--fp8_attention must be auto, convert or tensor_cores"), std::string::npos) << out;
   auto attnd = AttndProcess::Start({"--fp8_attention=tensor_cores"});
   ASSERT_NE(attnd, nullptr);
   EXPECT_TRUE(ClientFor(*attnd)->GetServerInfo().ok());

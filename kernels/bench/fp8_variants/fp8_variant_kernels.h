@@ -1,6 +1,6 @@
 // The builds of the FP8 forward kernel that fp8_variants times against the shipped one (defined
-// in fp8_variant_launch.cuh, one translation unit per head dim: fp8_variant_kernels_d*.cu): loops
-// and softmax splits tried before any of them is shipped.
+// in fp8_variant_launch.cuh, one translation unit per head dim: fp8_variant_kernels_d*.cu): shares of
+// the softmax's exp2 on the FMA pipe other than the shipped one.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,13 +10,12 @@
 namespace attn::kernels::cuda {
 
 enum class Fp8Variant {
-  kFma4,            // the shipped loop, every 4th group of 8 keys' exp2 on the FMA pipe
-  kFma2,            // the shipped loop, every 2nd group on the FMA pipe
-  kBlocks,          // Fp8Loop::kBlocks
-  kPingpong,        // Fp8Loop::kPingpong
-  kPingpongFma4,    // kPingpong with kFma4's split
-  kPingpongFma3,    // kPingpong, every 3rd group on the FMA pipe
-  kPingpongFma2,    // kPingpong with kFma2's split
+  kMufu,  // every exp2 on the MUFU pipe
+  kFma2,  // every 2nd group of 8 keys' exp2 on the FMA pipe
+  kFma3,  // every 3rd
+  kFma5,  // every 5th
+  kFma6,  // every 6th
+  kFma8,  // every 8th
   kCount,
 };
 

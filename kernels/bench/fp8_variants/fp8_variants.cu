@@ -129,7 +129,7 @@ std::vector<uint16_t> OutputOf(const FlashParams& p, size_t elems, cudaError_t (
 
 int g_sms = 0;
 int g_d = 0;
-Fp8Variant g_variant = Fp8Variant::kFma4;
+Fp8Variant g_variant = Fp8Variant::kMufu;
 
 cudaError_t LaunchShipped(const FlashParams& p) {
   return g_d == 128 ? attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(p, g_sms, nullptr)
@@ -242,13 +242,12 @@ int RunShape(const Options& o, int d, int s) {
 namespace attn::kernels::cuda {
 const char* Fp8VariantName(Fp8Variant v) {
   switch (v) {
-    case Fp8Variant::kFma4: return "fma4";
+    case Fp8Variant::kMufu: return "mufu";
     case Fp8Variant::kFma2: return "fma2";
-    case Fp8Variant::kBlocks: return "blocks";
-    case Fp8Variant::kPingpong: return "pingpong";
-    case Fp8Variant::kPingpongFma4: return "pingpong_fma4";
-    case Fp8Variant::kPingpongFma3: return "pingpong_fma3";
-    case Fp8Variant::kPingpongFma2: return "pingpong_fma2";
+    case Fp8Variant::kFma3: return "fma3";
+    case Fp8Variant::kFma5: return "fma5";
+    case Fp8Variant::kFma6: return "fma6";
+    case Fp8Variant::kFma8: return "fma8";
     default: return "?";
   }
 }

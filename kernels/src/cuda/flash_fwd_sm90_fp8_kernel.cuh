@@ -29,24 +29,13 @@
 
 namespace attn::kernels::cuda {
 
-// How a consumer warpgroup orders its products (Sm90Fp8Consume).
-enum class Fp8Loop {
-  // S, softmax, P V, each product waited for at once.
-  kPlain,
-  // P V of a key tile and S of the next issued together (one block of products), then waited for.
-  kBlocks,
-  // kBlocks, and the two consumer warpgroups take turns to issue their blocks (two named
-  // barriers), so that one's softmax runs while the other's products are on the tensor cores
-  // rather than both softmaxes at once.
-  kPingpong,
-};
-
-template <int D, typename TO, Fp8Loop kLoopV = Fp8Loop::kPlain, int kExpFmaEveryV = 0>
+// kExpFmaEveryV: Sm90Softmax's kFmaEvery. The softmax, not the tensor cores, bounds this kernel:
+// each 128-key tile's 8192 exp2 per warpgroup (and the e4m3 packing) queue on the MUFU pipe, so a
+// share of them on the FMA pipe shortens it (docs/PERF.md: a quarter, 4-8% faster on the H200).
+template <int D, typename TO, int kExpFmaEveryV>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
-  static constexpr Fp8Loop kLoop = kLoopV;
-  static constexpr int kExpFmaEvery = kExpFmaEveryV;  // Sm90Softmax's kFmaEvery
-  static constexpr int kPingBar = 8;                  // named barriers kPingBar + cw (kPingpong)
+  static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kBlockM = 64 * kConsumerWGs;
@@ -84,7 +73,7 @@ struct Sm90Fp8Traits {
 
 // The traits RunFlashFwdSm90Fp8 launches.
 template <int D, typename T>
-using Sm90Fp8Shipped = Sm90Fp8Traits<D, T, Fp8Loop::kPlain, 0>;
+using Sm90Fp8Shipped = Sm90Fp8Traits<D, T, 4>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
 // D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.
@@ -178,7 +167,9 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
 }
 
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the tile, one key tile at a
-// time: S, mask, softmax, P V, in the order of Tr::kLoop.
+// time (S, mask, softmax, P V, each product waited for at once: the two warpgroups' interleaving
+// keeps the tensor cores busy during each one's softmax; turns imposed between them by named
+// barriers, or P V issued with the next S, measured slower: docs/PERF.md).
 template <typename Tr>
 __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
                                                int cw, uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
@@ -250,75 +241,25 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     Sm90Rescale<Tr>(o, corr);
     Sm90Fp8PackP<BN>(pa, s);
   };
-  // kPingpong: this warpgroup's turn to issue a block of products, and the other's after it.
-  auto take_turn = [&] {
-    if constexpr (Tr::kLoop == Fp8Loop::kPingpong) ptx::NamedBarSync(Tr::kPingBar + cw, 256);
-  };
-  auto pass_turn = [&] {
-    if constexpr (Tr::kLoop == Fp8Loop::kPingpong) ptx::NamedBarArrive(Tr::kPingBar + (cw ^ 1), 256);
-  };
-
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
-    if constexpr (Tr::kLoop == Fp8Loop::kPlain) {
-      for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-        const int st = ring.st;
-        ptx::MbarWait(bars.FullK(st), ring.phase);
-        ptx::WgmmaFence();
-        issue_s(st);
-        ptx::WgmmaCommit();
-        ptx::WgmmaWait<0>();
-        ptx::RegFence(s);
-        softmax(nb, st);
-        ptx::MbarWait(bars.FullV(st), ring.phase);
-        ptx::WgmmaFence();
-        issue_pv(st);
-        ptx::WgmmaCommit();
-        ptx::WgmmaWait<0>();
-        fence_o();
-        if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
-        ring.Advance();
-      }
-    } else {
-      // Blocks of products: S of the first tile; then P V of tile nb with S of tile nb - 1; then
-      // P V of the last. Both warpgroups of a CTA issue as many blocks per tile (kPingpong's turns
-      // stay paired).
-      int nb = t.nb_max - 1;
-      int st = ring.st;
-      int st_v = -1;  // the stage of the P V in flight
+    for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+      const int st = ring.st;
       ptx::MbarWait(bars.FullK(st), ring.phase);
-      take_turn();
       ptx::WgmmaFence();
       issue_s(st);
       ptx::WgmmaCommit();
-      pass_turn();
-      for (;;) {
-        ptx::WgmmaWait<0>();  // S of tile nb (and P V of tile nb + 1, issued before it)
-        ptx::RegFence(s);
-        fence_o();
-        if (st_v >= 0 && lane == 0) ptx::MbarArrive(bars.EmptyV(st_v));
-        softmax(nb, st);
-        ptx::MbarWait(bars.FullV(st), ring.phase);
-        st_v = st;
-        ring.Advance();
-        st = ring.st;
-        const bool more = nb > t.nb_min;
-        if (more) ptx::MbarWait(bars.FullK(st), ring.phase);
-        take_turn();
-        ptx::WgmmaFence();
-        issue_pv(st_v);
-        ptx::WgmmaCommit();
-        if (more) {
-          issue_s(st);
-          ptx::WgmmaCommit();
-        }
-        pass_turn();
-        if (!more) break;
-        --nb;
-      }
+      ptx::WgmmaWait<0>();
+      ptx::RegFence(s);
+      softmax(nb, st);
+      ptx::MbarWait(bars.FullV(st), ring.phase);
+      ptx::WgmmaFence();
+      issue_pv(st);
+      ptx::WgmmaCommit();
       ptx::WgmmaWait<0>();
       fence_o();
-      if (lane == 0) ptx::MbarArrive(bars.EmptyV(st_v));
+      if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
+      ring.Advance();
     }
   }
   Sm90Fp8Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum, __ldg(p.v_descale + di),
@@ -371,13 +312,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
     }
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
-    // kPingpong: warpgroup 0 takes the first turn (warpgroup 1 passes it one at the start) and,
-    // after its tiles, the turn warpgroup 1 passed after its last block.
-    if (Tr::kLoop == Fp8Loop::kPingpong && wg == 2) ptx::NamedBarArrive(Tr::kPingBar, 256);
     for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
       Sm90Fp8Consume<Tr>(P, t, b, h, wg - 1, smem, bars, ring, q_loads);
     });
-    if (Tr::kLoop == Fp8Loop::kPingpong && wg == 1) ptx::NamedBarSync(Tr::kPingBar, 256);
   }
 #endif
 }
