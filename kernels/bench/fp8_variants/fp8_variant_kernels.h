@@ -16,13 +16,14 @@ enum class Fp8Variant {
   kFma5,  // every 5th
   kFma6,  // every 6th
   kFma8,  // every 8th
+  kWg3,   // d=128: three consumer warpgroups (192-row tiles, 160 registers), the shipped split
   kCount,
 };
 
 const char* Fp8VariantName(Fp8Variant v);
 
 // Launches variant v of head dim D (o in bf16) as RunFlashFwdSm90Fp8 launches the shipped one
-// (V transposed into params.vt first).
+// (V transposed into params.vt first); cudaErrorNotSupported where v does not apply to D.
 template <int D>
 cudaError_t LaunchFp8Variant(const FlashParams& params, Fp8Variant v, int sms, cudaStream_t stream);
 

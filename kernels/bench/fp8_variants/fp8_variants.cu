@@ -182,6 +182,7 @@ int RunShape(const Options& o, int d, int s) {
   CHECK_CUDA(cudaEventCreate(&eb));
   for (Fp8Variant v : o.variants) {
     g_variant = v;
+    if (LaunchVariant(p) == cudaErrorNotSupported) continue;  // not built for this head dim
     auto shipped = [&] { return LaunchShipped(p); };
     auto variant = [&] { return LaunchVariant(p); };
     // The board's clock follows its power draw with a lag: both run alternately for a warm-up,
@@ -248,6 +249,7 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kFma5: return "fma5";
     case Fp8Variant::kFma6: return "fma6";
     case Fp8Variant::kFma8: return "fma8";
+    case Fp8Variant::kWg3: return "wg3";
     default: return "?";
   }
 }

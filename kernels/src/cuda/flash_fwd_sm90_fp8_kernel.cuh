@@ -32,12 +32,13 @@ namespace attn::kernels::cuda {
 // kExpFmaEveryV: Sm90Softmax's kFmaEvery. The softmax, not the tensor cores, bounds this kernel:
 // each 128-key tile's 8192 exp2 per warpgroup (and the e4m3 packing) queue on the MUFU pipe, so a
 // share of them on the FMA pipe shortens it (docs/PERF.md: a quarter, 4-8% faster on the H200).
-template <int D, typename TO, int kExpFmaEveryV>
+// kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
+template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr int kHeadDim = D;
-  static constexpr int kConsumerWGs = 2;
+  static constexpr int kConsumerWGs = kConsumerWGsV;
   static constexpr int kBlockM = 64 * kConsumerWGs;
   static constexpr int kBlockN = kFp8BlockN;
   static constexpr int kStages = D <= 128 ? 4 : 2;
@@ -61,7 +62,7 @@ struct Sm90Fp8Traits {
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
 
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
                 "register split above the launch allocation");
