@@ -23,20 +23,13 @@
 #include "flash_fwd_sm90_fp8_layout.h"
 #include "flash_params.h"
 #include "fp8_variant_kernels.h"
+#include "variant_timing.h"
 
 namespace {
 
 using attn::kernels::cuda::Fp8Variant;
+using attn::bench::FromBf16;
 using attn::kernels::cuda::FlashParams;
-
-#define CHECK_CUDA(x)                                                                    \
-  do {                                                                                   \
-    const cudaError_t err_ = (x);                                                        \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 struct Options {
   std::vector<int> dims;
@@ -94,29 +87,6 @@ void* DeviceCodes(size_t n, std::mt19937& rng) {
   CHECK_CUDA(cudaMalloc(&d, n));
   CHECK_CUDA(cudaMemcpy(d, h.data(), n, cudaMemcpyHostToDevice));
   return d;
-}
-
-template <typename Fn>
-float OneLaunchMs(cudaEvent_t a, cudaEvent_t b, Fn&& fn) {
-  CHECK_CUDA(cudaEventRecord(a));
-  CHECK_CUDA(fn());
-  CHECK_CUDA(cudaEventRecord(b));
-  CHECK_CUDA(cudaEventSynchronize(b));
-  float t = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-  return t;
-}
-
-double Pct(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[std::min(v.size() - 1, size_t(q * v.size()))];
-}
-
-float FromBf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 std::vector<uint16_t> OutputOf(const FlashParams& p, size_t elems, cudaError_t (*launch)(const FlashParams&)) {
@@ -177,35 +147,12 @@ int RunShape(const Options& o, int d, int s) {
   const double flop = 4.0 * batch * heads * double(s) * s * d * (o.causal ? 0.5 : 1.0);
   const std::vector<uint16_t> want = OutputOf(p, elems, LaunchShipped);
   int disagreeing = 0;
-  cudaEvent_t ea, eb;
-  CHECK_CUDA(cudaEventCreate(&ea));
-  CHECK_CUDA(cudaEventCreate(&eb));
   for (Fp8Variant v : o.variants) {
     g_variant = v;
     if (LaunchVariant(p) == cudaErrorNotSupported) continue;  // not built for this head dim
-    auto shipped = [&] { return LaunchShipped(p); };
-    auto variant = [&] { return LaunchVariant(p); };
-    // The board's clock follows its power draw with a lag: both run alternately for a warm-up,
-    // then each round times one launch of each, the order alternating; the ratio is per round.
-    const auto warm_start = std::chrono::steady_clock::now();
-    while (std::chrono::steady_clock::now() - warm_start < std::chrono::milliseconds(600)) {
-      OneLaunchMs(ea, eb, shipped);
-      OneLaunchMs(ea, eb, variant);
-    }
-    std::vector<double> ms_s, ms_v, ratio;
-    for (int r = 0; r < 2 * o.reps; ++r) {
-      double ts, tv;
-      if (r % 2 == 0) {
-        ts = OneLaunchMs(ea, eb, shipped);
-        tv = OneLaunchMs(ea, eb, variant);
-      } else {
-        tv = OneLaunchMs(ea, eb, variant);
-        ts = OneLaunchMs(ea, eb, shipped);
-      }
-      ms_s.push_back(ts);
-      ms_v.push_back(tv);
-      ratio.push_back(ts / tv);
-    }
+    attn::bench::AlternatingTimes t =
+        attn::bench::TimeAlternating([&] { return LaunchShipped(p); }, [&] { return LaunchVariant(p); },
+                                     o.reps, 600);
     const std::vector<uint16_t> got = OutputOf(p, elems, LaunchVariant);
     size_t identical = 0, non_finite = 0;
     double num = 0, den = 0, max_abs = 0;
@@ -223,15 +170,13 @@ int RunShape(const Options& o, int d, int s) {
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
     const bool agrees = non_finite == 0 && rel <= 1e-2;
     disagreeing += !agrees;
-    const double ps = Pct(ms_s, 0.5), pv = Pct(ms_v, 0.5);
+    const double ps = t.shipped.Pct(0.5), pv = t.variant.Pct(0.5);
     std::printf("| %d | %d | %s | %s | %.4f | %.4f | %.0f | %.0f | %.3f (%.3f - %.3f) | %.2e | %.1f%% | %s |\n", d,
                 s, o.causal ? "yes" : "no", attn::kernels::cuda::Fp8VariantName(v), ps, pv, flop / ps / 1e9,
-                flop / pv / 1e9, Pct(ratio, 0.5), Pct(ratio, 0.1), Pct(ratio, 0.9), rel,
+                flop / pv / 1e9, t.ratio.Pct(0.5), t.ratio.Pct(0.1), t.ratio.Pct(0.9), rel,
                 100.0 * double(identical) / double(elems), agrees ? "agrees" : "DISAGREES");
     std::fflush(stdout);
   }
-  CHECK_CUDA(cudaEventDestroy(ea));
-  CHECK_CUDA(cudaEventDestroy(eb));
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o), static_cast<const void*>(dcu),
                           static_cast<const void*>(ddesc), static_cast<const void*>(vt)})
     CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));

@@ -22,19 +22,14 @@
 
 #include "flash_params.h"
 #include "variant_kernels.h"
+#include "variant_timing.h"
 
 namespace {
 
 using attn::kernels::cuda::FlashParams;
 
-#define CHECK_CUDA(x)                                                                  \
-  do {                                                                                 \
-    const cudaError_t err_ = (x);                                                      \
-    if (err_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+using attn::bench::FromBf16;
+using attn::bench::OneLaunchMs;
 
 struct Options {
   int d = 128;
@@ -132,18 +127,6 @@ cudaError_t LaunchProduction(const Options& o, const FlashParams& p, bool narrow
   }
 }
 
-// Device time of one call of fn (ms).
-template <typename Fn>
-float OneLaunchMs(cudaEvent_t a, cudaEvent_t b, Fn&& fn) {
-  CHECK_CUDA(cudaEventRecord(a));
-  CHECK_CUDA(fn());
-  CHECK_CUDA(cudaEventRecord(b));
-  CHECK_CUDA(cudaEventSynchronize(b));
-  float t = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-  return t;
-}
-
 template <typename Fn>
 double MedianMs(int reps, Fn&& fn) {
   cudaEvent_t a, b;
@@ -160,34 +143,14 @@ double MedianMs(int reps, Fn&& fn) {
   return ms[ms.size() / 2];
 }
 
-struct Stat {
-  std::vector<double> v;
-  void Add(double x) { v.push_back(x); }
-  double Pct(double q) {
-    if (v.empty()) return 0;
-    std::sort(v.begin(), v.end());
-    return v[std::min(v.size() - 1, size_t(q * v.size()))];
-  }
-};
-
 std::vector<uint16_t> Download(const void* d, size_t elems) {
   std::vector<uint16_t> h(elems);
   CHECK_CUDA(cudaMemcpy(h.data(), d, elems * 2, cudaMemcpyDeviceToHost));
   return h;
 }
 
-float FromBf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Production and the variant on the same inputs, then their outputs side by side. The board's
-// clock follows its power draw with a lag of tenths of a second, so blocks of one kernel's
-// launches timed one after the other run at different clocks (a cool first block measured up to
-// 12% faster). Both kernels therefore first run alternately for a warm-up of 1.5 s, then each
-// round times one launch of each, the order alternating, and the ratio is taken per round.
+// Production and the variant on the same inputs, timed alternately (attn::bench::TimeAlternating,
+// after a warm-up of 1.5 s), then their outputs side by side.
 int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double flop) {
   using attn::kernels::cuda::Sm90Variant;
   Sm90Variant v;
@@ -210,30 +173,7 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   const bool prod_narrow = o.production.empty() ? o.narrow : o.production == "narrow";
   auto prod = [&] { return LaunchProduction(o, p, prod_narrow, sms); };
   auto var = [&] { return LaunchVariant(o, p, sms, v); };
-  cudaEvent_t ea, eb;
-  CHECK_CUDA(cudaEventCreate(&ea));
-  CHECK_CUDA(cudaEventCreate(&eb));
-  const auto warm_start = std::chrono::steady_clock::now();
-  while (std::chrono::steady_clock::now() - warm_start < std::chrono::milliseconds(1500)) {
-    OneLaunchMs(ea, eb, prod);
-    OneLaunchMs(ea, eb, var);
-  }
-  Stat prod_ms, var_ms, ratio;
-  for (int r = 0; r < 2 * o.reps; ++r) {
-    double tp, tv;
-    if (r % 2 == 0) {
-      tp = OneLaunchMs(ea, eb, prod);
-      tv = OneLaunchMs(ea, eb, var);
-    } else {
-      tv = OneLaunchMs(ea, eb, var);
-      tp = OneLaunchMs(ea, eb, prod);
-    }
-    prod_ms.Add(tp);
-    var_ms.Add(tv);
-    ratio.Add(tp / tv);
-  }
-  CHECK_CUDA(cudaEventDestroy(ea));
-  CHECK_CUDA(cudaEventDestroy(eb));
+  attn::bench::AlternatingTimes t = attn::bench::TimeAlternating(prod, var, o.reps, 1500);
   // Outputs: each kernel on a poisoned O.
   CHECK_CUDA(cudaMemset(p.o, 0xff, elems * 2));
   CHECK_CUDA(LaunchProduction(o, p, prod_narrow, sms));
@@ -248,15 +188,15 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
     if (!(d <= 2e-2)) ++bad;  // NaN (the poison) counts
     if (d > max_diff) max_diff = d;
   }
-  const double pm = prod_ms.Pct(0.5), vm = var_ms.Pct(0.5);
+  const double pm = t.shipped.Pct(0.5), vm = t.variant.Pct(0.5);
   std::printf("sm90_variants: d=%d bf16 s=%d causal=%d, variant %s on the %s tiling, production %s\n",
               o.d, o.s, int(o.causal), o.variant.c_str(), o.narrow ? "narrow" : "wide",
               prod_narrow ? "narrow" : "wide");
   std::printf("| kernel | ms (median of %zu rounds) | TFLOP/s | production / kernel per round: median "
-              "(p10 - p90) |\n| --- | --- | --- | --- |\n", ratio.v.size());
+              "(p10 - p90) |\n| --- | --- | --- | --- |\n", t.ratio.v.size());
   std::printf("| production | %.4f | %.0f | 1 |\n", pm, flop / pm / 1e9);
   std::printf("| %s | %.4f | %.0f | %.3f (%.3f - %.3f) |\n", o.variant.c_str(), vm, flop / vm / 1e9,
-              ratio.Pct(0.5), ratio.Pct(0.1), ratio.Pct(0.9));
+              t.ratio.Pct(0.5), t.ratio.Pct(0.1), t.ratio.Pct(0.9));
   std::printf("outputs: max |variant - production| = %.3g, %zu of %zu elements beyond 2e-2\n", max_diff,
               bad, elems);
   return bad == 0 ? 0 : 1;

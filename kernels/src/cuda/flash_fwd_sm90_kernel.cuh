@@ -358,6 +358,16 @@ __device__ __forceinline__ float Exp2OnFma(float x) {
   return __int_as_float(__float_as_int(m) + (__float_as_int(t) << 23));
 }
 
+// Whether group c of 8 keys takes its exp2 on the FMA pipe (Sm90Softmax's kFmaEvery).
+template <int kFmaEvery>
+__device__ __forceinline__ constexpr bool ExpOnFma(int c) {
+  if constexpr (kFmaEvery > 0) {
+    return c % kFmaEvery == kFmaEvery - 1;
+  } else {
+    return false;
+  }
+}
+
 // Online softmax of one score tile (log2 domain, scale folded in): updates the row max and sum,
 // leaves P = exp2(s * scale - max + kBias) in s (and the row sum of those) and the factor O must be
 // rescaled by in corr (applied separately, once no product writing O is in flight). kBias (the
@@ -384,7 +394,7 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
       for (int e = 0; e < 2; ++e) {
         const float x = kBias == 0 ? fmaf(s[4 * c + 2 * hf + e], sl2, -ms)
                                    : fmaf(s[4 * c + 2 * hf + e], sl2, float(kBias) - ms);
-        const float pe = kFmaEvery > 0 && c % kFmaEvery == kFmaEvery - 1 ? Exp2OnFma(x) : exp2f(x);
+        const float pe = ExpOnFma<kFmaEvery>(c) ? Exp2OnFma(x) : exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
         sum += pe;
       }
