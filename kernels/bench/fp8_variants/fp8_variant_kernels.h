@@ -17,6 +17,7 @@ enum class Fp8Variant {
   kFma6,  // every 6th
   kFma8,  // every 8th
   kWg3,   // d=128: three consumer warpgroups (192-row tiles, 160 registers), the shipped split
+  kOverlap,  // the softmax of each key tile under the previous tile's P V (Sm90Fp8Traits::kOverlap)
   kCount,
 };
 

@@ -23,6 +23,9 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
         return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, Sm90Fp8Shipped<D, T>::kExpFmaEvery, 3>>(p, sms, stream);
       }
       return cudaErrorNotSupported;
+    case Fp8Variant::kOverlap:
+      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, Sm90Fp8Shipped<D, T>::kExpFmaEvery, 2, true>>(
+          p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -195,6 +195,7 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kFma6: return "fma6";
     case Fp8Variant::kFma8: return "fma8";
     case Fp8Variant::kWg3: return "wg3";
+    case Fp8Variant::kOverlap: return "overlap";
     default: return "?";
   }
 }

@@ -33,10 +33,13 @@ namespace attn::kernels::cuda {
 // each 128-key tile's 8192 exp2 per warpgroup (and the e4m3 packing) queue on the MUFU pipe, so a
 // share of them on the FMA pipe shortens it (docs/PERF.md: a quarter, 4-8% faster on the H200).
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
-template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2>
+// kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
+// on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
+template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
+  static constexpr bool kOverlap = kOverlapV;
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = kConsumerWGsV;
   static constexpr int kBlockM = 64 * kConsumerWGs;
@@ -170,7 +173,8 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the tile, one key tile at a
 // time (S, mask, softmax, P V, each product waited for at once: the two warpgroups' interleaving
 // keeps the tensor cores busy during each one's softmax; turns imposed between them by named
-// barriers, or P V issued with the next S, measured slower: docs/PERF.md).
+// barriers, or P V issued with the next S and both waited for, measured slower: docs/PERF.md), or,
+// with Tr::kOverlap, the softmax of each tile under the previous tile's P V.
 template <typename Tr>
 __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
                                                int cw, uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
@@ -225,8 +229,9 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
 #pragma unroll
     for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
   };
-  // Scores of tile nb (complete, in s) -> P in pa, O rescaled; K's stage (and Q, after the last
-  // S) released.
+  // Scores of tile nb (complete, in s) -> the tile's p in s and O's factor in corr; K's stage
+  // (and Q, after the last S) released. Then (pack_p, once no P V is in flight) O rescaled and P
+  // packed into pa.
   auto softmax = [&](int nb, int st) {
     if (lane == 0) {
       ptx::MbarArrive(bars.EmptyK(st));
@@ -239,13 +244,19 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     }
     // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
     Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, sl2);
+  };
+  auto pack_p = [&] {
     Sm90Rescale<Tr>(o, corr);
     Sm90Fp8PackP<BN>(pa, s);
   };
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
-    for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-      const int st = ring.st;
+    if constexpr (Tr::kOverlap) {
+      // As generation 2's kOverlap loop: each tile's V is waited for right after its softmax,
+      // before the wait for the previous P V (an mbarrier poll ends a basic block; ptxas hoists a
+      // wgmma wait to the top of its block).
+      int st = ring.st;
+      int nb = t.nb_max - 1;
       ptx::MbarWait(bars.FullK(st), ring.phase);
       ptx::WgmmaFence();
       issue_s(st);
@@ -253,14 +264,56 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
       ptx::WgmmaWait<0>();
       ptx::RegFence(s);
       softmax(nb, st);
+      pack_p();
       ptx::MbarWait(bars.FullV(st), ring.phase);
-      ptx::WgmmaFence();
-      issue_pv(st);
-      ptx::WgmmaCommit();
-      ptx::WgmmaWait<0>();
-      fence_o();
-      if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
-      ring.Advance();
+      for (;;) {
+        const int st_prev = st;
+        ring.Advance();
+        if (--nb < t.nb_min) {
+          ptx::WgmmaFence();
+          issue_pv(st_prev);
+          ptx::WgmmaCommit();
+          ptx::WgmmaWait<0>();
+          fence_o();
+          if (lane == 0) ptx::MbarArrive(bars.EmptyV(st_prev));
+          break;
+        }
+        st = ring.st;
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        ptx::WgmmaFence();
+        issue_s(st);
+        ptx::WgmmaCommit();
+        issue_pv(st_prev);
+        ptx::WgmmaCommit();
+        ptx::WgmmaWait<1>();  // S complete; P V may still run
+        ptx::RegFence(s);
+        softmax(nb, st);
+        ptx::MbarWait(bars.FullV(st), ring.phase);
+        ptx::WgmmaWait<0>();
+        fence_o();
+        if (lane == 0) ptx::MbarArrive(bars.EmptyV(st_prev));
+        pack_p();
+      }
+    } else {
+      for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+        const int st = ring.st;
+        ptx::MbarWait(bars.FullK(st), ring.phase);
+        ptx::WgmmaFence();
+        issue_s(st);
+        ptx::WgmmaCommit();
+        ptx::WgmmaWait<0>();
+        ptx::RegFence(s);
+        softmax(nb, st);
+        pack_p();
+        ptx::MbarWait(bars.FullV(st), ring.phase);
+        ptx::WgmmaFence();
+        issue_pv(st);
+        ptx::WgmmaCommit();
+        ptx::WgmmaWait<0>();
+        fence_o();
+        if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
+        ring.Advance();
+      }
     }
   }
   Sm90Fp8Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum, __ldg(p.v_descale + di),
