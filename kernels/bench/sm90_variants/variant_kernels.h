@@ -28,6 +28,12 @@ struct Sm90TrimEdges : Tr {
   static constexpr bool kTrimEdgeTiles = true;
 };
 
+// Every 4th group of 8 keys' exp2 on the FMA pipe (Sm90TraitsBase::kExpFmaEvery).
+template <typename Tr>
+struct Sm90ExpFma4 : Tr {
+  static constexpr int kExpFmaEvery = 4;
+};
+
 enum class Sm90Variant {
   kKeys176,         // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
   kKeys80,          // d=256: two consumer warpgroups on 128 x 80 tiles
@@ -35,6 +41,7 @@ enum class Sm90Variant {
   kOverlapKeys64,   // d=128: three consumer warpgroups on 192 x 64 tiles (4 stages) with kOverlap
   kSplitMask,       // the production tiling (wide or narrow) with kSplitMaskLoop
   kTrimEdges,       // the production tiling (wide or narrow) with kTrimEdgeTiles (d=64/128)
+  kExpFma4,         // the production tiling (wide or narrow) with kExpFmaEvery = 4
 };
 
 // Launches variant v of head dim D (bf16) with the launch rules of its tiling (Sm90LaunchOf, the

@@ -348,14 +348,21 @@ __device__ __forceinline__ void Sm90Mask(float (&s)[BN / 2], const FlashParams& 
 
 // 2^x on the FMA pipe (no MUFU): x rounded to an integer j by the 1.5 * 2^23 addition (j lands in
 // the sum's low mantissa bits), 2^(x - j) by a cubic on [-0.5, 0.5] (relative error 7.5e-5, fitted
-// for this kernel), j added to the exponent field. x below -125 gives 2^-125 (not 0); p of that size
-// vanishes beside a row's largest p, 2^kBias, and in e4m3.
+// for this kernel), j added to the exponent field. x below -125 gives 2^-125, or with kExactZero
+// 0: a row that sees no key would normalise p of 2^-125 in bf16 into the mean of V, where e4m3
+// (the FP8 kernel's P) rounds it to 0 and the row's o stays 0.
+template <bool kExactZero>
 __device__ __forceinline__ float Exp2OnFma(float x) {
-  x = fmaxf(x, -125.0f);
-  const float t = __fadd_rn(x, 12582912.0f);
-  const float f = __fsub_rn(x, __fsub_rn(t, 12582912.0f));
+  const float xc = fmaxf(x, -125.0f);
+  const float t = __fadd_rn(xc, 12582912.0f);
+  const float f = __fsub_rn(xc, __fsub_rn(t, 12582912.0f));
   const float m = fmaf(fmaf(fmaf(0.05517084f, f, 0.24260935f), f, 0.69326097f), f, 0.99992818f);
-  return __int_as_float(__float_as_int(m) + (__float_as_int(t) << 23));
+  const float r = __int_as_float(__float_as_int(m) + (__float_as_int(t) << 23));
+  if constexpr (kExactZero) {
+    return x < -125.0f ? 0.0f : r;
+  } else {
+    return r;
+  }
 }
 
 // Whether group c of 8 keys takes its exp2 on the FMA pipe (Sm90Softmax's kFmaEvery).
@@ -394,7 +401,7 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
       for (int e = 0; e < 2; ++e) {
         const float x = kBias == 0 ? fmaf(s[4 * c + 2 * hf + e], sl2, -ms)
                                    : fmaf(s[4 * c + 2 * hf + e], sl2, float(kBias) - ms);
-        const float pe = ExpOnFma<kFmaEvery>(c) ? Exp2OnFma(x) : exp2f(x);
+        const float pe = ExpOnFma<kFmaEvery>(c) ? Exp2OnFma<kBias == 0>(x) : exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
         sum += pe;
       }
@@ -645,7 +652,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       auto softmax = [&](int nb) {
         if (nb == t.nb_min) release_q();
         mask(s, nb);
-        Sm90Softmax<BN>(s, row_max, row_sum, corr, p.scale_log2);
+        Sm90Softmax<BN, 0, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, p.scale_log2);
       };
       int st = ring.st;
       int nb = t.nb_max - 1;
@@ -725,7 +732,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         if constexpr (decltype(masked)::value) {
           mask(s, nb);
         }
-        Sm90Softmax<kKeys>(s, row_max, row_sum, corr, p.scale_log2);
+        Sm90Softmax<kKeys, 0, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, p.scale_log2);
         Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, kKeys>(pa, s);
         ptx::MbarWait(bars.FullV(st), ring.phase);

@@ -43,6 +43,9 @@ struct Sm90TraitsBase {
   // K and V read through the page table (FlashParams::page_*) instead of contiguous rows
   // (Sm90PagedTraits).
   static constexpr bool kPaged = false;
+  // Every kExpFmaEvery-th group of 8 keys takes its exp2 on the FMA pipe (Sm90Softmax); 0: all on
+  // MUFU. The FP8 kernel, which the MUFU pipe bounds, ships 4; here sm90_variants times it.
+  static constexpr int kExpFmaEvery = 0;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
