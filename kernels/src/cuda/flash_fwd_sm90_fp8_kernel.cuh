@@ -249,6 +249,18 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     Sm90Rescale<Tr>(o, corr);
     Sm90Fp8PackP<BN>(pa, s);
   };
+  // S of key tile nb (stage st) on its own, then its P; returns once the stage's V is loaded.
+  auto s_to_p = [&](int nb, int st) {
+    ptx::MbarWait(bars.FullK(st), ring.phase);
+    ptx::WgmmaFence();
+    issue_s(st);
+    ptx::WgmmaCommit();
+    ptx::WgmmaWait<0>();
+    ptx::RegFence(s);
+    softmax(nb, st);
+    pack_p();
+    ptx::MbarWait(bars.FullV(st), ring.phase);
+  };
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
     if constexpr (Tr::kOverlap) {
@@ -257,15 +269,7 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
       // wgmma wait to the top of its block).
       int st = ring.st;
       int nb = t.nb_max - 1;
-      ptx::MbarWait(bars.FullK(st), ring.phase);
-      ptx::WgmmaFence();
-      issue_s(st);
-      ptx::WgmmaCommit();
-      ptx::WgmmaWait<0>();
-      ptx::RegFence(s);
-      softmax(nb, st);
-      pack_p();
-      ptx::MbarWait(bars.FullV(st), ring.phase);
+      s_to_p(nb, st);
       for (;;) {
         const int st_prev = st;
         ring.Advance();
@@ -297,15 +301,7 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     } else {
       for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
         const int st = ring.st;
-        ptx::MbarWait(bars.FullK(st), ring.phase);
-        ptx::WgmmaFence();
-        issue_s(st);
-        ptx::WgmmaCommit();
-        ptx::WgmmaWait<0>();
-        ptx::RegFence(s);
-        softmax(nb, st);
-        pack_p();
-        ptx::MbarWait(bars.FullV(st), ring.phase);
+        s_to_p(nb, st);
         ptx::WgmmaFence();
         issue_pv(st);
         ptx::WgmmaCommit();
