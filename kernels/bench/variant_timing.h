@@ -82,6 +82,19 @@ AlternatingTimes TimeAlternating(Shipped&& shipped, Variant&& variant, int reps,
   return t;
 }
 
+// The current device's multiprocessors; exits (1) where it is not an sm_90 GPU.
+inline int Sm90MultiprocessorsOrExit(const char* tool) {
+  int dev = 0, major = 0, sms = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (major != 9) {
+    std::fprintf(stderr, "%s: needs an sm_90 GPU\n", tool);
+    std::exit(1);
+  }
+  return sms;
+}
+
 inline float FromBf16(uint16_t bits) {
   const uint32_t u = uint32_t(bits) << 16;
   float f;

@@ -23,6 +23,9 @@ enum class Fp8Variant {
 
 const char* Fp8VariantName(Fp8Variant v);
 
+// Whether variant v is built for head dim d (LaunchFp8Variant's cudaErrorNotSupported otherwise).
+inline bool Fp8VariantBuiltFor(Fp8Variant v, int d) { return v != Fp8Variant::kWg3 || d == 128; }
+
 // Launches variant v of head dim D (o in bf16) as RunFlashFwdSm90Fp8 launches the shipped one
 // (V transposed into params.vt first); cudaErrorNotSupported where v does not apply to D.
 template <int D>

@@ -18,7 +18,7 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kFma5: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 5>>(p, sms, stream);
     case Fp8Variant::kFma6: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 6>>(p, sms, stream);
     case Fp8Variant::kFma8: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 8>>(p, sms, stream);
-    case Fp8Variant::kWg3:
+    case Fp8Variant::kWg3:  // Fp8VariantBuiltFor
       if constexpr (D == 128) {
         return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, Sm90Fp8Shipped<D, T>::kExpFmaEvery, 3>>(p, sms, stream);
       }

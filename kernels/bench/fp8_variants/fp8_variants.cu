@@ -89,30 +89,18 @@ void* DeviceCodes(size_t n, std::mt19937& rng) {
   return d;
 }
 
-std::vector<uint16_t> OutputOf(const FlashParams& p, size_t elems, cudaError_t (*launch)(const FlashParams&)) {
+// o of one launch of launch (a callable returning cudaError_t) on NaN-poisoned o.
+template <typename Launch>
+std::vector<uint16_t> OutputOf(const FlashParams& p, size_t elems, Launch&& launch) {
   CHECK_CUDA(cudaMemset(p.o, 0xff, elems * 2));  // NaN poison
-  CHECK_CUDA(launch(p));
+  CHECK_CUDA(launch());
   std::vector<uint16_t> h(elems);
   CHECK_CUDA(cudaMemcpy(h.data(), p.o, elems * 2, cudaMemcpyDeviceToHost));
   return h;
 }
 
-int g_sms = 0;
-int g_d = 0;
-Fp8Variant g_variant = Fp8Variant::kMufu;
-
-cudaError_t LaunchShipped(const FlashParams& p) {
-  return g_d == 128 ? attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(p, g_sms, nullptr)
-                    : attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 256>(p, g_sms, nullptr);
-}
-cudaError_t LaunchVariant(const FlashParams& p) {
-  return g_d == 128 ? attn::kernels::cuda::LaunchFp8Variant<128>(p, g_variant, g_sms, nullptr)
-                    : attn::kernels::cuda::LaunchFp8Variant<256>(p, g_variant, g_sms, nullptr);
-}
-
 // One shape: every variant against the shipped kernel. Returns the number of disagreeing variants.
-int RunShape(const Options& o, int d, int s) {
-  g_d = d;
+int RunShape(const Options& o, int d, int s, int sms) {
   const int heads = 2048 / d, batch = std::max(1, 16384 / s), total = batch * s;
   const size_t elems = size_t(total) * heads * d;
   std::mt19937 rng(1234 + d + s);
@@ -145,15 +133,20 @@ int RunShape(const Options& o, int d, int s) {
   p.q_descale = p.k_descale = p.v_descale = ddesc;
   p.vt = vt;
   const double flop = 4.0 * batch * heads * double(s) * s * d * (o.causal ? 0.5 : 1.0);
-  const std::vector<uint16_t> want = OutputOf(p, elems, LaunchShipped);
+  auto shipped = [&] {
+    return d == 128 ? attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(p, sms, nullptr)
+                    : attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 256>(p, sms, nullptr);
+  };
+  const std::vector<uint16_t> want = OutputOf(p, elems, shipped);
   int disagreeing = 0;
   for (Fp8Variant v : o.variants) {
-    g_variant = v;
-    if (LaunchVariant(p) == cudaErrorNotSupported) continue;  // not built for this head dim
-    attn::bench::AlternatingTimes t =
-        attn::bench::TimeAlternating([&] { return LaunchShipped(p); }, [&] { return LaunchVariant(p); },
-                                     o.reps, 600);
-    const std::vector<uint16_t> got = OutputOf(p, elems, LaunchVariant);
+    if (!attn::kernels::cuda::Fp8VariantBuiltFor(v, d)) continue;
+    auto variant = [&] {
+      return d == 128 ? attn::kernels::cuda::LaunchFp8Variant<128>(p, v, sms, nullptr)
+                      : attn::kernels::cuda::LaunchFp8Variant<256>(p, v, sms, nullptr);
+    };
+    attn::bench::AlternatingTimes t = attn::bench::TimeAlternating(shipped, variant, o.reps, 600);
+    const std::vector<uint16_t> got = OutputOf(p, elems, variant);
     size_t identical = 0, non_finite = 0;
     double num = 0, den = 0, max_abs = 0;
     for (size_t i = 0; i < elems; ++i) {
@@ -203,14 +196,7 @@ const char* Fp8VariantName(Fp8Variant v) {
 
 int main(int argc, char** argv) {
   const Options o = Parse(argc, argv);
-  int dev = 0, major = 0;
-  CHECK_CUDA(cudaGetDevice(&dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, dev));
-  if (major != 9) {
-    std::fprintf(stderr, "fp8_variants: needs an sm_90 GPU\n");
-    return 1;
-  }
+  const int sms = attn::bench::Sm90MultiprocessorsOrExit("fp8_variants");
   std::printf("fp8_variants: MHA, B*S = 16k tokens, H*D = 2048, e4m3 q/k/v, o bf16; each time is V's "
               "transposition and the kernel; %d rounds per variant\n\n",
               2 * o.reps);
@@ -219,6 +205,6 @@ int main(int argc, char** argv) {
               "|---:|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|\n");
   int disagreeing = 0;
   for (int d : o.dims)
-    for (int s : o.seqs) disagreeing += RunShape(o, d, s);
+    for (int s : o.seqs) disagreeing += RunShape(o, d, s, sms);
   return disagreeing == 0 ? 0 : 1;
 }

@@ -207,14 +207,7 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
 
 int main(int argc, char** argv) {
   const Options o = Parse(argc, argv);
-  int dev = 0, sms = 0, major = 0;
-  CHECK_CUDA(cudaGetDevice(&dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (major != 9) {
-    std::fprintf(stderr, "sm90_variants: needs an sm_90 GPU\n");
-    return 1;
-  }
+  const int sms = attn::bench::Sm90MultiprocessorsOrExit("sm90_variants");
   const int heads = 2048 / o.d, batch = std::max(1, 16384 / o.s);
   const int total = batch * o.s;
   std::mt19937 rng(12345);

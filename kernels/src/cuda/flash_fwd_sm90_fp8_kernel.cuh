@@ -261,6 +261,15 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     pack_p();
     ptx::MbarWait(bars.FullV(st), ring.phase);
   };
+  // P V of stage st on its own, waited for; then the stage's V released.
+  auto pv_alone = [&](int st) {
+    ptx::WgmmaFence();
+    issue_pv(st);
+    ptx::WgmmaCommit();
+    ptx::WgmmaWait<0>();
+    fence_o();
+    if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
+  };
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
     if constexpr (Tr::kOverlap) {
@@ -274,12 +283,7 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
         const int st_prev = st;
         ring.Advance();
         if (--nb < t.nb_min) {
-          ptx::WgmmaFence();
-          issue_pv(st_prev);
-          ptx::WgmmaCommit();
-          ptx::WgmmaWait<0>();
-          fence_o();
-          if (lane == 0) ptx::MbarArrive(bars.EmptyV(st_prev));
+          pv_alone(st_prev);
           break;
         }
         st = ring.st;
@@ -302,12 +306,7 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
       for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
         const int st = ring.st;
         s_to_p(nb, st);
-        ptx::WgmmaFence();
-        issue_pv(st);
-        ptx::WgmmaCommit();
-        ptx::WgmmaWait<0>();
-        fence_o();
-        if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
+        pv_alone(st);
         ring.Advance();
       }
     }
