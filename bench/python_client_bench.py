@@ -10,6 +10,9 @@
            attn-bench --mode decode --sessions 64 (target: Python steps/s >= 0.90x C++); the
            asyncio client sends the steps of one turn of its event loop as one BatchStep
   aio1     the same with attnd.aio.Client(coalesce_steps=False): one Step call per step
+  attend/grpcio, step/grpcio
+           attend and step with the sync client on grpcio (transport="grpcio"), where attend and
+           step use --transport (default: auto, the native transport where its library loads)
 
 Each pair runs back to back, C++ first, --rounds times (alternating the order), and the table
 gives each round and the median ratios. attnd needs room for 64 sessions of 4k+64 tokens
@@ -215,7 +218,11 @@ def main() -> int:
     p.add_argument("--cache", type=int, default=4096, help="decode: cached tokens")
     p.add_argument("--aio-sessions", type=int, default=64)
     p.add_argument("--aio-connections", type=int, default=4)
-    p.add_argument("--only", default="attend,step,aio,aio1", help="comma-separated parts to run")
+    p.add_argument("--only", default="attend,step,step/grpcio,aio,aio1",
+                   help="comma-separated parts to run")
+    p.add_argument("--transport", default=None,
+                   help="the sync client's transport in attend and step: auto (default, or "
+                        "$ATTND_TRANSPORT), native or grpcio")
     p.add_argument("--json", default=None)
     p.add_argument("--dump-stacks-after", type=float, default=0,
                    help="print every thread's stack if still running after this many seconds "
@@ -224,28 +231,35 @@ def main() -> int:
     if args.dump_stacks_after > 0:
         faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     parts = args.only.split(",")
-    client = attnd.Client(args.target)
+    client = attnd.Client(args.target, transport=args.transport)
+    grpcio_client = attnd.Client(args.target, transport="grpcio")
     info = client.info()
     print(f"attnd {info.version} ({info.backend}, {info.device_name}) at {args.target}; "
           f"{args.duration:g} s per run, {args.rounds} rounds; Python "
           f"{sys.version.split()[0]}, grpcio {__import__('grpc').__version__}, protobuf "
-          f"{__import__('google.protobuf').protobuf.__version__}", flush=True)
+          f"{__import__('google.protobuf').protobuf.__version__}; sync client transport "
+          f"{client.transport}{' (' + client.transport_note + ')' if client.transport_note else ''}",
+          flush=True)
     runs: Dict[str, List[Dict[str, Any]]] = {}
     aio_sessions = AioSessions(args)
     plan = {
         "attend": (lambda: cpp_attend(args), lambda: py_attend(args, client)),
         "step": (lambda: cpp_decode(args, 1), lambda: py_step(args, client)),
+        "attend/grpcio": (lambda: cpp_attend(args), lambda: py_attend(args, grpcio_client)),
+        "step/grpcio": (lambda: cpp_decode(args, 1), lambda: py_step(args, grpcio_client)),
         "aio": (lambda: cpp_decode(args, args.aio_sessions),
                 lambda: py_aio(args, aio_sessions.get())),
         "aio1": (lambda: cpp_decode(args, args.aio_sessions),
                  lambda: py_aio(args, aio_sessions.get(), coalesce=False)),
     }
     targets = {"attend": ("p50", 1.10, "req/s", 0.90), "step": ("p50", 1.10, "req/s", 0.90),
+               "attend/grpcio": ("p50", 1.10, "req/s", 0.90),
+               "step/grpcio": ("p50", 1.10, "req/s", 0.90),
                "aio": (None, None, "steps/s", 0.90), "aio1": (None, None, "steps/s", 0.90)}
     summary: Dict[str, Any] = {}
     # Each row is printed as soon as its round is done, and each run's wall time with it, so that
     # a run cut off by a time limit still shows what it measured and where the time went.
-    print(f"\n{'part':7} {'round':>5} {'C++ p50 ms':>10} {'Py p50 ms':>10} {'p50 Py/C++':>10} "
+    print(f"\n{'part':13} {'round':>5} {'C++ p50 ms':>10} {'Py p50 ms':>10} {'p50 Py/C++':>10} "
           f"{'C++ /s':>9} {'Py /s':>9} {'/s Py/C++':>9}  wall s (C++, Py)", flush=True)
     for part in parts:
         runs[part] = []
@@ -264,7 +278,7 @@ def main() -> int:
             rate = r["py"][rate_key] / r["cpp"][rate_key]
             p50s.append(p50)
             rates.append(rate)
-            print(f"{part:7} {i:>5} {r['cpp']['p50_ms']:>10.3f} {r['py']['p50_ms']:>10.3f} "
+            print(f"{part:13} {i:>5} {r['cpp']['p50_ms']:>10.3f} {r['py']['p50_ms']:>10.3f} "
                   f"{p50:>10.3f} {r['cpp'][rate_key]:>9.1f} {r['py'][rate_key]:>9.1f} {rate:>9.3f}"
                   f"  {wall['cpp']:.1f}, {wall['py']:.1f}", flush=True)
         p50_max, rate_min = targets[part][1], targets[part][3]
@@ -273,11 +287,12 @@ def main() -> int:
         summary[part] = {"median_p50_ratio": med_p50, "median_rate_ratio": med_rate,
                          "target": (f"p50 <= {p50_max}x and " if p50_max else "") +
                                    f"{targets[part][2]} >= {rate_min}x", "met": met}
-        print(f"{part:7} {'median':>5} {'':>10} {'':>10} {med_p50:>10.3f} {'':>9} {'':>9} "
+        print(f"{part:13} {'median':>5} {'':>10} {'':>10} {med_p50:>10.3f} {'':>9} {'':>9} "
               f"{med_rate:>9.3f}  target {summary[part]['target']}: {'met' if met else 'NOT met'}",
               flush=True)
     aio_sessions.close()
     client.close()
+    grpcio_client.close()
     if args.json:
         Path(args.json).write_text(json.dumps({
             "attnd": {"version": info.version, "backend": info.backend, "device": info.device_name},

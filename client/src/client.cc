@@ -177,7 +177,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   }
   std::shared_ptr<grpc::ChannelCredentials> creds;
   // TLS when any TLS option is set; an empty CA means the system's roots.
-  if (!options.tls_ca_pem.empty() || !options.tls_cert_pem.empty()) {
+  if (options.tls || !options.tls_ca_pem.empty() || !options.tls_cert_pem.empty()) {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = options.tls_ca_pem;
     ssl.pem_cert_chain = options.tls_cert_pem;
@@ -296,6 +296,22 @@ grpc::Status Client::CallBatchStep(grpc::ByteBuffer request, std::chrono::millis
   return CallRaw(c, batch_step_methods_[c], std::move(request), timeout, response);
 }
 
+const grpc::internal::RpcMethod& Client::RawMethodOf(RawMethod method, size_t connection) const {
+  switch (method) {
+    case RawMethod::kAttend: return attend_methods_[connection];
+    case RawMethod::kEcho: return echo_methods_[connection];
+    case RawMethod::kStep: return step_methods_[connection];
+    case RawMethod::kBatchStep: break;
+  }
+  return batch_step_methods_[connection];
+}
+
+grpc::Status Client::CallUnary(RawMethod method, grpc::ByteBuffer request,
+                               std::chrono::milliseconds timeout, grpc::ByteBuffer* response) {
+  const size_t c = NextConnection();
+  return CallRaw(c, RawMethodOf(method, c), std::move(request), timeout, response);
+}
+
 std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>
 Client::OpenRawAttendStream(grpc::ClientContext* ctx) {
   const size_t c = NextConnection();
@@ -309,13 +325,7 @@ void Client::StartRawCall(RawMethod method, grpc::ClientContext* ctx,
                           const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
                           std::function<void(grpc::Status)> done) {
   const size_t c = NextConnection();
-  const grpc::internal::RpcMethod* m = nullptr;
-  switch (method) {
-    case RawMethod::kAttend: m = &attend_methods_[c]; break;
-    case RawMethod::kEcho: m = &echo_methods_[c]; break;
-    case RawMethod::kStep: m = &step_methods_[c]; break;
-    case RawMethod::kBatchStep: m = &batch_step_methods_[c]; break;
-  }
+  const grpc::internal::RpcMethod* m = &RawMethodOf(method, c);
 #if defined(__SANITIZE_THREAD__)
   // The call's context marks the hand-off to gRPC's thread that runs done (grpc_hand_off.h).
   done = [ctx, inner = std::move(done)](grpc::Status st) {

@@ -22,6 +22,9 @@ PathOrPem = Union[str, bytes, os.PathLike, None]
 
 # gRPC methods safe to send again after UNAVAILABLE (no state changes on the server).
 IDEMPOTENT = frozenset({"Attend", "Echo", "GetServerInfo", "Check", "ListRegions"})
+# How the blocking Client sends Attend, Echo, Step and BatchStep: "native" through the C++ client
+# library (attnd._native), "grpcio", or "auto" (native where the library loads).
+TRANSPORTS = ("auto", "native", "grpcio")
 
 
 class AttendResult(NamedTuple):
@@ -146,6 +149,7 @@ class ClientOptions:
     wait_for_ready: bool = False
     lb_policy: Optional[str] = None
     channel_options: Sequence[Tuple[str, Any]] = field(default_factory=tuple)
+    transport: Optional[str] = None
 
     def credentials(self) -> Optional[grpc.ChannelCredentials]:
         """TLS credentials when any TLS setting is given, else None (plaintext)."""
@@ -178,6 +182,10 @@ class ClientOptions:
         args.extend(self.channel_options)
         return args
 
+    def transport_asked(self) -> str:
+        """transport, else $ATTND_TRANSPORT, else "auto"."""
+        return self.transport or os.environ.get("ATTND_TRANSPORT") or "auto"
+
     def metadata(self) -> Optional[Tuple[Tuple[str, str], ...]]:
         if self.token:
             return (("authorization", "Bearer " + self.token),)
@@ -190,6 +198,9 @@ class ClientOptions:
             raise InvalidArgument(f"connections must be >= 1, got {self.connections}")
         if self.retries < 0:
             raise InvalidArgument(f"retries must be >= 0, got {self.retries}")
+        if self.transport_asked() not in TRANSPORTS:
+            raise InvalidArgument(f"transport {self.transport_asked()!r}: expected one of "
+                                  f"{', '.join(TRANSPORTS)}")
         self.credentials()  # checks the TLS pairs
 
 

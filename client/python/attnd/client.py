@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import grpc
 
-from . import _core, _proto, _wire
+from . import _core, _native, _proto, _wire
 from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
 from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
@@ -89,6 +89,13 @@ class Client(_ChannelSet):
             at once with UNAVAILABLE while attnd is unreachable.
         lb_policy: gRPC load-balancing policy, e.g. ``round_robin`` over every address of the target.
         channel_options: extra gRPC channel arguments, ``[(name, value), ...]``.
+        transport: how Attend, Echo, Step and BatchStep go out: ``"native"`` through the C++
+            client library (libattn_client_c.so; a blocking call then costs what the C++
+            client's does, where grpcio's can cost several times that), ``"grpcio"``, or
+            ``"auto"`` (native where the library loads and takes the settings: channel options
+            must be integers). Default: $ATTND_TRANSPORT, else auto. ``client.transport`` says
+            which one is in use, ``client.transport_note`` why not native. The other calls, and
+            attend_stream, always use grpcio; the asyncio client uses grpc.aio.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, tls: bool = False,
@@ -97,28 +104,56 @@ class Client(_ChannelSet):
                  timeout: Optional[float] = None, retries: int = 3, retry_backoff: float = 0.05,
                  connections: int = 1, max_message_bytes: int = 256 << 20,
                  wait_for_ready: bool = False, lb_policy: Optional[str] = None,
-                 channel_options: Sequence[Tuple[str, Any]] = ()):
+                 channel_options: Sequence[Tuple[str, Any]] = (),
+                 transport: Optional[str] = None):
         self.options = ClientOptions(
             target=target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
             tls_server_name=tls_server_name, token=token, timeout=timeout, retries=retries,
             retry_backoff=retry_backoff, connections=connections,
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
-            lb_policy=lb_policy, channel_options=tuple(channel_options))
+            lb_policy=lb_policy, channel_options=tuple(channel_options), transport=transport)
         self._open(grpc.secure_channel, grpc.insecure_channel)
+        self._native: Optional[_native.NativeChannel] = None
+        self.transport, self.transport_note = self._open_native()
         self._region_lock = threading.Lock()
+
+    def _open_native(self) -> Tuple[str, str]:
+        """The native transport where asked for and possible: ("native" or "grpcio", and why
+        not native when it is not)."""
+        asked = self.options.transport_asked()
+        if asked == "grpcio":
+            return "grpcio", "asked for"
+        lib, why = _native.load()
+        pairs = None
+        if lib is not None:
+            pairs, why = _native.settings(self.options)
+        if lib is None or pairs is None:
+            if asked == "native":
+                self.close()
+                raise InvalidArgument(f"transport='native': {why}")
+            return "grpcio", why
+        try:
+            self._native = _native.NativeChannel(lib, pairs)
+        except InvalidArgument:
+            self.close()
+            raise
+        return "native", ""
 
     # ---- plumbing -------------------------------------------------------------------------------
 
     def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
-        call = self._methods()[method]
+        native = self._native if method in _native.METHODS else None
+        call = None if native is not None else self._methods()[method]
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
+                if native is not None:
+                    return native.call(method, request, left)
                 return call(request, timeout=left, metadata=self._metadata,
                             wait_for_ready=self._wait)
-            except grpc.RpcError as e:
+            except (grpc.RpcError, _native.CallError) as e:
                 if (e.code() == grpc.StatusCode.UNAVAILABLE and method in _core.IDEMPOTENT and
                         attempt < self.options.retries):
                     attempt += 1
@@ -133,6 +168,9 @@ class Client(_ChannelSet):
         if self._region_socket is not None:
             self._region_socket.close()
             self._region_socket = None
+        native, self._native = getattr(self, "_native", None), None
+        if native is not None:
+            native.close()
         for ch in self._channels:
             ch.close()
 

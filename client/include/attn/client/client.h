@@ -73,6 +73,7 @@ struct ClientOptions {
   std::string target = "127.0.0.1:50051";
   int64_t max_message_bytes = 256ll << 20;
   std::string bearer_token;     // sent as "authorization: Bearer <token>" when set
+  bool tls = false;             // TLS; with no tls_ca_pem, against the system's root CAs
   std::string tls_ca_pem;       // TLS when set: the CA that signed the server's certificate
   std::string tls_cert_pem;     // client certificate, for mTLS
   std::string tls_key_pem;
@@ -181,6 +182,10 @@ class Client {
 
   // The unary methods the raw calls go to.
   enum class RawMethod { kAttend, kEcho, kStep, kBatchStep };
+  // A blocking raw unary call of method with bytes coded by the caller, on the next connection
+  // (timeout 0: none). For bindings that code messages themselves (attn/client/c_api.h).
+  grpc::Status CallUnary(RawMethod method, grpc::ByteBuffer request,
+                         std::chrono::milliseconds timeout, grpc::ByteBuffer* response);
   // Starts a raw unary call of method on the next connection without blocking (gRPC's callback
   // API); done runs once, on a gRPC thread. ctx (PrepareContext'ed), request and response must
   // stay valid until then.
@@ -201,6 +206,8 @@ class Client {
                           const AttendOptions& options, AttendResult* result);
   absl::Status AttendProto(const Tensor& q, const Tensor& k, const Tensor& v,
                            const AttendOptions& options, AttendResult* result);
+  // The raw calls' method of that kind on a connection.
+  const grpc::internal::RpcMethod& RawMethodOf(RawMethod method, size_t connection) const;
   // A blocking unary call of method (one of the *_methods_) with bytes coded here.
   grpc::Status CallRaw(size_t connection, const grpc::internal::RpcMethod& method,
                        grpc::ByteBuffer request, std::chrono::milliseconds timeout,

@@ -1,0 +1,186 @@
+"""The native transport of the blocking Client: Attend, Echo, Step and BatchStep sent by the C++
+client library (libattn_client_c.so, attn/client/c_api.h) instead of grpcio.
+
+The request is the same bytes the grpcio path sends, read in place by the library; the answer is
+copied once, from gRPC's slices into a fresh bytes object, as grpcio does. What it saves is
+grpcio's own cost per call, which on some hosts is several times the C++ client's (docs/PERF.md).
+ctypes releases the GIL for the length of a call, so other threads run meanwhile.
+
+The library is found at $ATTND_NATIVE_LIB, else next to this module (where the build tree's copy
+of the package and `ATTND_NATIVE_LIB=... pip install` put it). Without it, or with settings it
+cannot take (a channel option whose value is not an integer), ``transport="auto"`` uses grpcio.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import grpc
+
+from ._tensors import _pybytes_new
+from .errors import InvalidArgument, status_code
+
+LIBRARY = "libattn_client_c.so"
+ABI_VERSION = 1
+METHODS = frozenset(("Attend", "Echo", "Step", "BatchStep"))
+_MESSAGE_BYTES = 4096
+
+_lock = threading.Lock()
+_loaded: Optional[Tuple[Optional[ctypes.CDLL], str]] = None
+
+
+def library_path() -> Optional[Path]:
+    """Where the library would be loaded from (None: nowhere)."""
+    env = os.environ.get("ATTND_NATIVE_LIB")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent / LIBRARY
+    return here if here.is_file() else None
+
+
+def load() -> Tuple[Optional[ctypes.CDLL], str]:
+    """The library and "" when it loads, else None and why not (once per process)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+        return _loaded
+
+
+def _load() -> Tuple[Optional[ctypes.CDLL], str]:
+    path = library_path()
+    if path is None:
+        return None, f"{LIBRARY} not found (set ATTND_NATIVE_LIB)"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"{path}: {e}"
+    lib.attn_c_abi_version.restype = ctypes.c_int
+    lib.attn_c_abi_version.argtypes = ()
+    version = lib.attn_c_abi_version()
+    if version != ABI_VERSION:
+        return None, f"{path}: C interface version {version}, this package needs {ABI_VERSION}"
+    strings = ctypes.POINTER(ctypes.c_char_p)
+    lib.attn_c_client_create.restype = ctypes.c_void_p
+    lib.attn_c_client_create.argtypes = (strings, strings, ctypes.c_size_t, ctypes.c_char_p,
+                                         ctypes.c_size_t)
+    lib.attn_c_client_destroy.restype = None
+    lib.attn_c_client_destroy.argtypes = (ctypes.c_void_p,)
+    lib.attn_c_call.restype = ctypes.c_int
+    lib.attn_c_call.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
+                                ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
+                                ctypes.c_size_t)
+    lib.attn_c_response_size.restype = ctypes.c_size_t
+    lib.attn_c_response_size.argtypes = (ctypes.c_void_p,)
+    lib.attn_c_response_take.restype = None
+    lib.attn_c_response_take.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+    lib.attn_c_response_free.restype = None
+    lib.attn_c_response_free.argtypes = (ctypes.c_void_p,)
+    return lib, ""
+
+
+class CallError(Exception):
+    """A failed native call, shaped as grpc.RpcError is for errors.from_rpc_error."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self._code = status_code(code)
+        self._message = message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+
+def settings(options: Any) -> Tuple[Optional[List[Tuple[str, str]]], str]:
+    """options (a ClientOptions) as the library's settings, or None and why it cannot take them."""
+    from ._core import _read_pem  # the same PEM reading as the grpcio path
+
+    out = [("target", options.target), ("connections", str(options.connections)),
+           ("max_message_bytes", str(options.max_message_bytes)),
+           ("wait_for_ready", "1" if options.wait_for_ready else "0")]
+    if options.tls or options.tls_ca is not None or options.tls_cert is not None:
+        out.append(("tls", "1"))
+        for key, value, name in (("tls_ca_pem", options.tls_ca, "tls_ca"),
+                                 ("tls_cert_pem", options.tls_cert, "tls_cert"),
+                                 ("tls_key_pem", options.tls_key, "tls_key")):
+            pem = _read_pem(value, name)
+            if pem is not None:
+                out.append((key, pem.decode()))
+    if options.tls_server_name:
+        out.append(("tls_server_name", options.tls_server_name))
+    if options.token:
+        out.append(("token", options.token))
+    if options.lb_policy:
+        out.append(("lb_policy", options.lb_policy))
+    for name, value in options.channel_options:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None, f"channel option {name!r}: the native transport takes integer values only"
+        out.append((f"arg:{name}", str(value)))
+    return out, ""
+
+
+class NativeChannel:
+    """A C++ client (its connections) for the four raw calls of one Client."""
+
+    def __init__(self, lib: ctypes.CDLL, pairs: List[Tuple[str, str]]):
+        self._lib = lib
+        keys = (ctypes.c_char_p * len(pairs))(*[k.encode() for k, _ in pairs])
+        values = (ctypes.c_char_p * len(pairs))(*[v.encode() for _, v in pairs])
+        error = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        handle = lib.attn_c_client_create(keys, values, len(pairs), error, _MESSAGE_BYTES)
+        if not handle:
+            raise InvalidArgument(f"native transport: {error.value.decode(errors='replace')}")
+        self._handle: Optional[int] = handle
+        self._methods = {m: m.encode() for m in METHODS}
+
+    def call(self, method: str, request: Any, timeout: Optional[float]) -> bytes:
+        """One blocking call; the answer's bytes, or CallError."""
+        handle = self._handle
+        if handle is None:
+            raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
+        data, size = _address(request)
+        timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
+        response = ctypes.c_void_p()
+        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        code = self._lib.attn_c_call(handle, self._methods[method], data, size, timeout_ms,
+                                     ctypes.byref(response), message, _MESSAGE_BYTES)
+        if code != 0:
+            raise CallError(code, message.value.decode(errors="replace"))
+        n = self._lib.attn_c_response_size(response)
+        out = _pybytes_new(None, n)  # fresh: nobody else has seen it yet
+        self._lib.attn_c_response_take(response, out)  # a bytes argument passes its buffer
+        return out
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._lib.attn_c_client_destroy(handle)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutting down
+            pass
+
+
+def _address(request: Any) -> Tuple[Any, int]:
+    """The request's bytes as (pointer, size) without a copy: bytes in place, any other buffer
+    (bytearray, memoryview) through ctypes' view of it."""
+    if isinstance(request, bytes):
+        return request, len(request)
+    view = memoryview(request).cast("B")
+    n = view.nbytes
+    if n == 0:
+        return None, 0
+    if view.readonly:
+        import numpy as np  # a read-only buffer's address, through numpy's view of it
+
+        return ctypes.c_void_p(np.frombuffer(view, dtype=np.uint8).ctypes.data), n
+    return (ctypes.c_char * n).from_buffer(view), n

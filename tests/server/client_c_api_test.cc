@@ -1,0 +1,291 @@
+// attn/client/c_api.h (libattn_client_c.so) against an attnd on loopback: its settings, its raw
+// calls' answers against the C++ client's, and its errors (the call's status code and attnd's
+// message; the library's own for bad arguments).
+#include "attn/client/c_api.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+// The test links nothing but the library: a second copy of attnd's generated protobuf code in this
+// process would clash with the library's own (one registry per process). Messages are written by
+// hand, and attnd runs as a child process.
+
+namespace attn {
+namespace {
+
+// attnd on 127.0.0.1, ports of its choosing, as a child process.
+class Attnd {
+ public:
+  Attnd() {
+    char path[] = "/tmp/attnd-c-api-XXXXXX";
+    const int fd = mkstemp(path);
+    log_ = path;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      execl(ATTND_PATH, ATTND_PATH, "--listen=127.0.0.1:0", "--metrics_listen=",
+            "--backend=cpu", "--threads=2", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(fd);
+    const std::regex serving("serving attn\\.v1 on port (\\d+)");
+    for (int i = 0; i < 600 && port_ == 0; ++i) {
+      std::ifstream in(log_);
+      std::stringstream text;
+      text << in.rdbuf();
+      const std::string s = text.str();
+      std::smatch m;
+      if (std::regex_search(s, m, serving)) port_ = std::stoi(m[1]);
+      else std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ~Attnd() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      waitpid(pid_, nullptr, 0);
+    }
+    unlink(log_.c_str());
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string log_;
+};
+
+void PutVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+// attn.v1.EchoRequest{payload = 1, response_bytes = 2}, as protobuf serializes it.
+std::string EchoRequest(const std::string& payload, int64_t response_bytes = 0) {
+  std::string out;
+  if (!payload.empty()) {
+    out.push_back('\x0a');
+    PutVarint(payload.size(), &out);
+    out += payload;
+  }
+  if (response_bytes != 0) {
+    out.push_back('\x10');
+    PutVarint(static_cast<uint64_t>(response_bytes), &out);
+  }
+  return out;
+}
+
+// The payload field of an EchoResponse (field 1); "<malformed>" when it is not one.
+std::string EchoPayload(const std::string& response) {
+  if (response.empty()) return "";
+  if (response[0] != '\x0a') return "<malformed>";
+  uint64_t n = 0;
+  size_t at = 1;
+  for (int shift = 0; at < response.size(); shift += 7) {
+    const auto b = static_cast<uint8_t>(response[at++]);
+    n |= uint64_t(b & 0x7f) << shift;
+    if (!(b & 0x80)) break;
+  }
+  if (at + n > response.size()) return "<malformed>";
+  return response.substr(at, n);
+}
+
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+struct Created {
+  attn_c_client* client = nullptr;
+  std::string error;
+};
+
+Created Create(const Settings& settings) {
+  std::vector<const char*> keys, values;
+  for (const auto& [k, v] : settings) {
+    keys.push_back(k.c_str());
+    values.push_back(v.c_str());
+  }
+  char error[512];
+  error[0] = '\0';
+  Created out;
+  out.client = attn_c_client_create(keys.data(), values.data(), keys.size(), error, sizeof error);
+  out.error = error;
+  return out;
+}
+
+struct Answer {
+  int code = -1;
+  std::string message;
+  std::string bytes;
+};
+
+Answer Call(attn_c_client* c, const char* method, const std::string& request,
+            int64_t timeout_ms = 30000) {
+  attn_c_response* response = nullptr;
+  char message[512];
+  message[0] = '\0';
+  Answer a;
+  a.code = attn_c_call(c, method, request.data(), request.size(), timeout_ms, &response, message,
+                       sizeof message);
+  a.message = message;
+  if (a.code == 0) {
+    EXPECT_NE(response, nullptr);
+    a.bytes.resize(attn_c_response_size(response));
+    attn_c_response_take(response, a.bytes.data());
+  } else {
+    EXPECT_EQ(response, nullptr);
+  }
+  return a;
+}
+
+std::string RandomBytes(size_t n, std::mt19937_64& rng) {
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+class ClientCApiTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(attn_c_abi_version(), ATTN_C_ABI_VERSION);
+    ASSERT_GT(attnd_.port(), 0) << "attnd did not start";
+    Created c = Create({{"target", attnd_.target()}, {"connections", "2"},
+                        {"wait_for_ready", "1"}, {"arg:grpc.http2.lookahead_bytes", "65536"}});
+    ASSERT_NE(c.client, nullptr) << c.error;
+    client_ = c.client;
+  }
+  void TearDown() override { attn_c_client_destroy(client_); }
+
+  static void SetUpTestSuite() { attnd_ptr_ = new Attnd(); }
+  static void TearDownTestSuite() { delete attnd_ptr_; }
+
+  static Attnd* attnd_ptr_;
+  const Attnd& attnd_ = *attnd_ptr_;
+  attn_c_client* client_ = nullptr;
+};
+Attnd* ClientCApiTest::attnd_ptr_ = nullptr;
+
+TEST_F(ClientCApiTest, EchoReturnsTheSameBytes) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (size_t n : {size_t(0), size_t(1), size_t(8192), size_t(3) << 20}) {
+    const std::string payload = RandomBytes(n, rng);
+    Answer a = Call(client_, "Echo", EchoRequest(payload));
+    ASSERT_EQ(a.code, 0) << a.message;
+    EXPECT_EQ(EchoPayload(a.bytes), payload) << n << " bytes";
+  }
+  // response_bytes: the first bytes only.
+  const std::string payload = RandomBytes(1000, rng);
+  Answer a = Call(client_, "Echo", EchoRequest(payload, 10));
+  ASSERT_EQ(a.code, 0) << a.message;
+  EXPECT_EQ(EchoPayload(a.bytes), payload.substr(0, 10));
+}
+
+TEST_F(ClientCApiTest, CallsFromManyThreadsGetTheirOwnAnswers) {
+  std::vector<std::thread> threads;
+  std::vector<int> wrong(8, 0);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([this, t, &wrong] {
+      std::mt19937_64 rng(t);
+      for (int i = 0; i < 50; ++i) {
+        const std::string payload = RandomBytes(1 + rng() % 20000, rng);
+        Answer a = Call(client_, "Echo", EchoRequest(payload));
+        if (a.code != 0 || EchoPayload(a.bytes) != payload) ++wrong[t];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(wrong[t], 0) << "thread " << t;
+}
+
+TEST_F(ClientCApiTest, ABadRequestGetsAttndsStatusAndMessage) {
+  // An Attend with no tensors, a Step that names no session, and bytes that are no message.
+  Answer attend = Call(client_, "Attend", "");
+  EXPECT_EQ(attend.code, 3) << attend.message;  // INVALID_ARGUMENT
+  EXPECT_NE(attend.message.find("q"), std::string::npos) << attend.message;
+  Answer step = Call(client_, "Step", "");
+  EXPECT_NE(step.code, 0);
+  EXPECT_NE(step.message.find("session"), std::string::npos) << step.message;
+  Answer junk = Call(client_, "BatchStep", std::string("\xff\xff\xff", 3));
+  EXPECT_NE(junk.code, 0);
+  EXPECT_FALSE(junk.message.empty());
+  // The client still works afterwards.
+  EXPECT_EQ(EchoPayload(Call(client_, "Echo", EchoRequest("after")).bytes), "after");
+}
+
+TEST_F(ClientCApiTest, ADeadlineThatPassesIsDeadlineExceeded) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string payload = RandomBytes(size_t(64) << 20, rng);
+  Answer a = Call(client_, "Echo", EchoRequest(payload), /*timeout_ms=*/1);
+  EXPECT_EQ(a.code, 4) << a.message;  // DEADLINE_EXCEEDED
+}
+
+TEST_F(ClientCApiTest, BadArgumentsAreRefusedWithAMessage) {
+  attn_c_response* response = reinterpret_cast<attn_c_response*>(1);
+  char message[64];
+  EXPECT_EQ(attn_c_call(client_, "Fork", "", 0, 0, &response, message, sizeof message), 3);
+  EXPECT_EQ(response, nullptr);
+  EXPECT_NE(std::string(message).find("unknown method 'Fork'"), std::string::npos) << message;
+  EXPECT_EQ(attn_c_call(nullptr, "Echo", "", 0, 0, &response, message, sizeof message), 3);
+  EXPECT_EQ(attn_c_call(client_, "Echo", nullptr, 5, 0, &response, message, sizeof message), 3);
+  // A message longer than the buffer is cut, and still NUL-terminated.
+  char tiny[8];
+  EXPECT_EQ(attn_c_call(client_, "NoSuchMethodWithALongName", "", 0, 0, &response, tiny,
+                        sizeof tiny), 3);
+  EXPECT_EQ(std::string(tiny).size(), sizeof tiny - 1);
+}
+
+TEST(ClientCApiSettings, BadSettingsAreRefusedNamingThem) {
+  struct Case {
+    Settings settings;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {{}, "target is empty"},
+      {{{"target", "127.0.0.1:1"}, {"colour", "blue"}}, "unknown setting 'colour'"},
+      {{{"target", "127.0.0.1:1"}, {"connections", "many"}}, "connections: expected an integer"},
+      {{{"target", "127.0.0.1:1"}, {"connections", "0"}}, "connections: 0 is outside"},
+      {{{"target", "127.0.0.1:1"}, {"tls", "maybe"}}, "tls: expected 0 or 1"},
+      {{{"target", "127.0.0.1:1"}, {"retry_max_attempts", "9"}}, "retry_max_attempts"},
+      {{{"target", "127.0.0.1:1"}, {"arg:grpc.x", "1e3"}}, "arg:grpc.x: expected an integer"},
+      {{{"target", "127.0.0.1:1"}, {"lb_policy", "Round Robin"}}, "lb_policy"},
+      {{{"target", "127.0.0.1:1"}, {"tls_cert_pem", "x"}}, "given together"},
+  };
+  for (const Case& c : cases) {
+    Created got = Create(c.settings);
+    EXPECT_EQ(got.client, nullptr) << c.says;
+    EXPECT_NE(got.error.find(c.says), std::string::npos) << got.error << " / " << c.says;
+    attn_c_client_destroy(got.client);  // NULL is fine
+  }
+  const char* keys[] = {"target", nullptr};
+  const char* values[] = {"127.0.0.1:1", "x"};
+  char error[128];
+  EXPECT_EQ(attn_c_client_create(keys, values, 2, error, sizeof error), nullptr);
+  EXPECT_NE(std::string(error).find("NULL"), std::string::npos) << error;
+}
+
+TEST(ClientCApiSettings, AServerThatIsDownIsUnavailable) {
+  // A port nothing listens on.
+  Created c = Create({{"target", "127.0.0.1:1"}});
+  ASSERT_NE(c.client, nullptr) << c.error;
+  Answer a = Call(c.client, "Echo", EchoRequest("x"), 5000);
+  EXPECT_EQ(a.code, 14) << a.message;  // UNAVAILABLE
+  attn_c_client_destroy(c.client);
+}
+
+}  // namespace
+}  // namespace attn
