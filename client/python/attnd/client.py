@@ -168,8 +168,8 @@ class Client(_ChannelSet):
         if self._region_socket is not None:
             self._region_socket.close()
             self._region_socket = None
-        native, self._native = getattr(self, "_native", None), None
-        if native is not None:
+        native = getattr(self, "_native", None)
+        if native is not None:  # kept: its calls now fail with CANCELLED, "the client is closed"
             native.close()
         for ch in self._channels:
             ch.close()

@@ -1,0 +1,189 @@
+"""The blocking Client's native transport (attnd._native: the C++ client library through its C
+interface): chosen where its library loads, the same answers and the same errors as grpcio's,
+its settings, and a library that is missing or refuses the settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import attnd
+from attnd import _native
+from conftest import TOLERANCE, make, reference, relative_error, values
+
+NATIVE_REQUIRED = os.environ.get("ATTND_REQUIRE_NATIVE") == "1"
+
+
+@pytest.fixture(scope="module")
+def pair(server):
+    """A native client and a grpcio client of the same attnd."""
+    if os.environ.get("ATTND_TRANSPORT", "auto") == "grpcio":
+        pytest.skip("ATTND_TRANSPORT=grpcio: this run tests the grpcio transport only")
+    native = attnd.Client(server.target, timeout=120)
+    if native.transport != "native":
+        native.close()
+        if NATIVE_REQUIRED:
+            pytest.fail(f"the native transport did not load: {native.transport_note}")
+        pytest.skip(f"no native transport: {native.transport_note}")
+    grpcio = attnd.Client(server.target, timeout=120, transport="grpcio")
+    assert grpcio.transport == "grpcio" and grpcio.transport_note == "asked for"
+    yield native, grpcio
+    native.close()
+    grpcio.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_attend_answers_are_the_same_bytes(pair, dtype):
+    native, grpcio = pair
+    rng = np.random.default_rng()
+    q, q64 = make(rng, (37, 4, 64), dtype)
+    k, k64 = make(rng, (53, 2, 64), dtype)
+    v, v64 = make(rng, (53, 2, 64), dtype)
+    a = native.attend(q, k, v, causal=True, return_lse=True)
+    b = grpcio.attend(q, k, v, causal=True, return_lse=True)
+    assert a.o.dtype == b.o.dtype and a.o.shape == b.o.shape
+    assert a.o.tobytes() == b.o.tobytes() and a.lse.tobytes() == b.lse.tobytes()
+    o64, _ = reference(q64, k64, v64, causal=True)
+    assert relative_error(values(a.o, dtype), o64) <= TOLERANCE[dtype]
+    payload = rng.integers(0, 256, 70000, dtype=np.uint8).tobytes()
+    assert bytes(native.echo(payload)) == payload
+
+
+def test_steps_and_batch_steps_match_grpcio(pair):
+    native, grpcio = pair
+    rng = np.random.default_rng()
+    sessions = [c.create_session(2, 2, 64, "fp16") for c in (native, grpcio, native, grpcio)]
+    try:
+        for t in range(6):
+            n = 9 if t == 0 else 1
+            q, _ = make(rng, (n, 4, 64), "fp16")
+            k, _ = make(rng, (n, 2, 64), "fp16")
+            v, _ = make(rng, (n, 2, 64), "fp16")
+            for layer in range(2):
+                a = native.step(sessions[0], layer, q, k, v, return_lse=True)
+                b = grpcio.step(sessions[1], layer, q, k, v, return_lse=True)
+                assert a.o.tobytes() == b.o.tobytes() and a.lse.tobytes() == b.lse.tobytes()
+                assert a.cached_tokens == b.cached_tokens
+            items = [(sessions[2], 0, q, k, v), (sessions[2], 1, q, k, v)]
+            c = native.batch_step(items)
+            d = grpcio.batch_step([(sessions[3],) + it[1:] for it in items])
+            assert [r.o.tobytes() for r in c] == [r.o.tobytes() for r in d]
+            assert c[0].o.tobytes() == a.o.tobytes()  # the same cache, stepped either way
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_errors_are_the_same_as_grpcios(pair):
+    native, grpcio = pair
+    bad = np.zeros((4, 2, 48), np.float16)
+    errors = []
+    for c in pair:
+        with pytest.raises(attnd.InvalidArgument) as e:
+            c.attend(bad, bad, bad)
+        errors.append(e.value)
+        with pytest.raises(attnd.FailedPrecondition) as e:
+            c.step("r0.nosuchsession", 0, bad, bad, bad)
+        errors.append(e.value)
+    assert str(errors[0]) == str(errors[2]) and "head_dim 48" in str(errors[0])
+    assert str(errors[1]) == str(errors[3]) and "replica r0" in str(errors[1])
+    # Too large for the client's own limit: refused before it is sent, by either transport.
+    rng = np.random.default_rng()
+    q, _ = make(rng, (2048, 4, 64), "fp32")
+    for transport in ("native", "grpcio"):
+        with attnd.Client(native.options.target, max_message_bytes=1 << 20,
+                          transport=transport) as small:
+            with pytest.raises(attnd.ResourceExhausted):
+                small.attend(q, q, q)
+
+
+def test_concurrent_calls_keep_to_their_own_sessions(pair):
+    native, grpcio = pair
+    wrong = []
+
+    def run(seed):
+        rng = np.random.default_rng(seed)
+        a = native.create_session(1, 2, 64, "bf16")
+        b = grpcio.create_session(1, 2, 64, "bf16")
+        try:
+            for t in range(12):
+                n = 5 if t == 0 else 1
+                q, _ = make(rng, (n, 4, 64), "bf16")
+                k, _ = make(rng, (n, 2, 64), "bf16")
+                v, _ = make(rng, (n, 2, 64), "bf16")
+                if native.step(a, 0, q, k, v).o.tobytes() != grpcio.step(b, 0, q, k, v).o.tobytes():
+                    wrong.append((seed, t))
+        finally:
+            a.close()
+            b.close()
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
+def test_a_closed_client_refuses_calls(server, pair):
+    c = attnd.Client(server.target, transport="native")
+    c.close()
+    with pytest.raises(attnd.AttndError, match="closed"):
+        c.echo(b"x")
+
+
+def test_settings_that_the_native_transport_cannot_take(server, pair, monkeypatch):
+    with pytest.raises(attnd.InvalidArgument, match="transport 'carrier pigeon'"):
+        attnd.Client(server.target, transport="carrier pigeon")
+    options = [("grpc.primary_user_agent", "test")]
+    with attnd.Client(server.target, channel_options=options) as c:
+        assert c.transport == "grpcio" and "integer values only" in c.transport_note
+        assert bytes(c.echo(b"still works")) == b"still works"
+    with pytest.raises(attnd.InvalidArgument, match="integer values only"):
+        attnd.Client(server.target, channel_options=options, transport="native")
+    with pytest.raises(attnd.InvalidArgument, match="connections"):
+        attnd.Client(server.target, connections=0, transport="native")
+    monkeypatch.setenv("ATTND_TRANSPORT", "grpcio")
+    with attnd.Client(server.target) as c:
+        assert c.transport == "grpcio"
+    with attnd.Client(server.target, transport="native", connections=3, wait_for_ready=True,
+                      channel_options=[("grpc.http2.lookahead_bytes", 1 << 16)]) as c:
+        assert c.transport == "native"
+        assert bytes(c.echo(b"x" * 100)) == b"x" * 100
+
+
+def _run(code: str, **env: str) -> str:
+    e = dict(os.environ)
+    e.update(env)
+    e.pop("ATTND_TRANSPORT", None)
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_missing_library_falls_back_or_is_refused(server, pair, tmp_path):
+    missing = str(tmp_path / "libattn_client_c.so")
+    got = _run("import attnd; c = attnd.Client(%r); print(c.transport, '|', c.transport_note); "
+               "print(bytes(c.echo(b'ok')).decode())" % server.target, ATTND_NATIVE_LIB=missing)
+    assert got.splitlines()[0].startswith("grpcio |") and missing in got and got.endswith("ok")
+    got = _run("import attnd\ntry:\n  attnd.Client(%r, transport='native')\n"
+               "except attnd.InvalidArgument as e: print('refused:', e)" % server.target,
+               ATTND_NATIVE_LIB=missing)
+    assert got.startswith("refused:") and missing in got
+    not_a_library = tmp_path / "libnot.so"
+    not_a_library.write_bytes(b"not an ELF file")
+    got = _run("import attnd; c = attnd.Client(%r); print(c.transport, c.transport_note)"
+               % server.target, ATTND_NATIVE_LIB=str(not_a_library))
+    assert got.startswith("grpcio ") and str(not_a_library) in got
+
+
+def test_the_library_is_found_next_to_the_package(pair):
+    path = _native.library_path()
+    assert path is not None and Path(path).is_file()
