@@ -22,6 +22,10 @@
 # (100), BENCH_EXAMPLE_TIMEOUT (280), REGIONS_ARGS (more arguments of the regions benchmark),
 # BENCH_EXAMPLE_ARGS (the example's transports and more; default --transport cuda-ipc,grpc).
 #
+# The blocking client's native transport loads $ATTND_NATIVE_LIB (default: the bundle's
+# libattn_client_c.so, in $ATTND_BIN_DIR when gpu-bundle was given build/client/
+# libattn_client_c.so with the executables); without it the client runs on grpcio and says so.
+#
 # The package is imported from client/python. Its protocol descriptors
 # (client/python/attnd/_proto/_descriptor_set.py, git-ignored) are generated from proto/ with
 # protoc or grpc_tools when either is here; a host with neither needs the file made elsewhere
@@ -35,6 +39,9 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONPATH=$root/client/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONDONTWRITEBYTECODE=1
+if [ -z "${ATTND_NATIVE_LIB:-}" ] && [ -f "$bin/libattn_client_c.so" ]; then
+  export ATTND_NATIVE_LIB=$(cd "$bin" && pwd)/libattn_client_c.so
+fi
 
 note() { echo "== gpu_check: $*"; }
 

@@ -24,6 +24,9 @@ def test_info_and_health(server):
     assert r.returncode == 0, r.stderr
     assert 'backend: "cpu"' in r.stdout or 'backend: "cuda"' in r.stdout
     assert "replica_id" in r.stdout
+    assert "# client transport: native" in r.stdout or "# client transport: grpcio" in r.stdout
+    r = attnd_cli("--target", server.target, "--transport", "grpcio", "info")
+    assert r.returncode == 0 and "# client transport: grpcio (asked for)" in r.stdout
     r = attnd_cli("--target", server.target, "health")
     assert r.returncode == 0 and r.stdout.strip() == "SERVING"
 

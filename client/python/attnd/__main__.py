@@ -45,7 +45,8 @@ def _client(args: argparse.Namespace) -> Client:
         with open(args.token_file) as f:
             token = f.read().strip()
     return Client(args.target, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                  tls_server_name=args.tls_server_name, token=token, timeout=args.timeout)
+                  tls_server_name=args.tls_server_name, token=token, timeout=args.timeout,
+                  transport=args.transport)
 
 
 def _random(rng: np.random.Generator, shape: tuple, dtype: str) -> tuple:
@@ -82,6 +83,8 @@ def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
 def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as c:
         print(c.info(), end="")
+        note = f" ({c.transport_note})" if c.transport_note else ""
+        print(f"# client transport: {c.transport}{note}")
     return 0
 
 
@@ -210,6 +213,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tls-server-name", default=None)
     parser.add_argument("--token-file", default=None, help="file holding a bearer token")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline per call, seconds")
+    parser.add_argument("--transport", choices=("auto", "native", "grpcio"), default=None,
+                        help="how calls go out (default: $ATTND_TRANSPORT, else auto: native "
+                             "where libattn_client_c.so loads)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="GetServerInfo")
     health = sub.add_parser("health", help="exit 0 when SERVING")
