@@ -39,7 +39,8 @@ enum : uint32_t {
   kWindowLeft = 1, kWindowRight = 2,
   kEchoPayload = 1, kEchoResponseBytes = 2,
   kStepSessionId = 1, kStepLayer = 2, kStepQ = 3, kStepKNew = 4, kStepVNew = 5,
-  kStepSoftmaxScale = 6, kStepReturnLse = 7, kStepWindow = 8,
+  kStepSoftmaxScale = 6, kStepReturnLse = 7, kStepWindow = 8, kStepKNewScales = 22,
+  kStepVNewScales = 23,
   kBatchSteps = 1,
   kResultResponse = 3,
 };
@@ -52,7 +53,7 @@ void AppendVarintField(uint32_t number, uint64_t value, std::string* out) {
 // A packed repeated integer field (int32 and int64 alike: a negative value is sign-extended to
 // ten bytes); nothing when empty, as protobuf writes it.
 template <typename Int>
-void AppendPacked(uint32_t number, const std::vector<Int>& values, std::string* out) {
+void AppendPacked(uint32_t number, std::span<const Int> values, std::string* out) {
   if (values.empty()) return;
   size_t bytes = 0;
   for (Int v : values) bytes += VarintSize(static_cast<uint64_t>(int64_t{v}));
@@ -63,12 +64,12 @@ void AppendPacked(uint32_t number, const std::vector<Int>& values, std::string* 
 
 // Tensor t as field `number`, up to and including its data field's tag and length (the data
 // itself follows in a slice of its own); fields at their default are left out, as protobuf does.
-void AppendTensorHead(uint32_t number, const Tensor& t, std::string* out) {
+void AppendTensorHead(uint32_t number, const TensorRef& t, std::string* out) {
   std::string fields;
   if (const v1::DType dtype = ToWireDType(t.dtype); dtype != v1::DTYPE_UNSPECIFIED) {
     AppendVarintField(kTensorDtype, static_cast<uint64_t>(dtype), &fields);
   }
-  AppendPacked(kTensorShape, t.shape, &fields);
+  AppendPacked<int64_t>(kTensorShape, t.shape, &fields);
   const uint32_t data_tag = MakeTag(kTensorData, wire::kLengthDelimited);
   size_t body = fields.size();
   if (!t.data.empty()) body += VarintSize(data_tag) + VarintSize(t.data.size()) + t.data.size();
@@ -110,7 +111,7 @@ struct SplicedMessage {
   std::vector<std::string_view> data;
 
   // Tensor t as field `number`, its data (if any) to be spliced in.
-  void AppendTensor(uint32_t number, const Tensor& t) {
+  void AppendTensor(uint32_t number, const TensorRef& t) {
     AppendTensorHead(number, t, &head);
     if (t.data.empty()) return;
     cuts.push_back(head.size());
@@ -129,8 +130,20 @@ struct SplicedMessage {
   }
 };
 
+// A packed repeated float field; nothing when empty.
+void AppendPackedFloats(uint32_t number, std::span<const float> values, std::string* out) {
+  if (values.empty()) return;
+  AppendVarint(MakeTag(number, wire::kLengthDelimited), out);
+  AppendVarint(values.size() * sizeof(float), out);
+  for (float v : values) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(bits >> (8 * i)));
+  }
+}
+
 // The fields of BuildStepRequest(in), in field order.
-SplicedMessage StepMessage(const StepInput& in) {
+SplicedMessage StepMessage(const StepInputRef& in) {
   SplicedMessage m;
   if (!in.session_id.empty()) {
     AppendVarint(MakeTag(kStepSessionId, wire::kLengthDelimited), &m.head);
@@ -147,14 +160,16 @@ SplicedMessage StepMessage(const StepInput& in) {
   AppendFloatField(kStepSoftmaxScale, o.softmax_scale, &m.head);
   if (o.return_lse) AppendVarintField(kStepReturnLse, 1, &m.head);
   AppendWindow(kStepWindow, o.window_left, o.window_right, &m.head);
+  AppendPackedFloats(kStepKNewScales, in.k_new_scales, &m.head);
+  AppendPackedFloats(kStepVNewScales, in.v_new_scales, &m.head);
   return m;
 }
 
 // Every field of AttendRequest after v, in field order.
 void AppendAttendOptions(const Tensor& k, const AttendOptions& o, uint64_t request_id,
                          std::string* out) {
-  AppendPacked(kReqCuSeqlensQ, o.cu_seqlens_q, out);
-  AppendPacked(kReqCuSeqlensK, o.cu_seqlens_k, out);
+  AppendPacked<int32_t>(kReqCuSeqlensQ, o.cu_seqlens_q, out);
+  AppendPacked<int32_t>(kReqCuSeqlensK, o.cu_seqlens_k, out);
   if (o.causal) AppendVarintField(kReqCausal, 1, out);
   AppendFloatField(kReqSoftmaxScale, o.softmax_scale, out);
   AppendWindow(kReqWindow, o.window_left, o.window_right, out);
@@ -462,9 +477,9 @@ grpc::ByteBuffer EncodeAttendRequest(const Tensor& q, const Tensor& k, const Ten
                                      const AttendOptions& options, BorrowedSlices* borrowed,
                                      uint64_t request_id) {
   SplicedMessage m;
-  m.AppendTensor(kReqQ, q);
-  m.AppendTensor(kReqK, k);
-  m.AppendTensor(kReqV, v);
+  m.AppendTensor(kReqQ, RefOf(q));
+  m.AppendTensor(kReqK, RefOf(k));
+  m.AppendTensor(kReqV, RefOf(v));
   AppendAttendOptions(k, options, request_id, &m.head);
   return Assemble(m, borrowed);
 }
@@ -484,7 +499,18 @@ grpc::ByteBuffer EncodeEchoRequest(std::string_view payload, int64_t response_by
   return Assemble(m, borrowed);
 }
 
+TensorRef RefOf(const Tensor& t) { return TensorRef{t.dtype, t.shape, t.data}; }
+
+StepInputRef RefOf(const StepInput& in) {
+  return StepInputRef{in.session_id, in.layer, RefOf(in.q), RefOf(in.k_new), RefOf(in.v_new),
+                      in.options, in.k_new_scales, in.v_new_scales};
+}
+
 grpc::ByteBuffer EncodeStepRequest(const StepInput& in, BorrowedSlices* borrowed) {
+  return Assemble(StepMessage(RefOf(in)), borrowed);
+}
+
+grpc::ByteBuffer EncodeStepRequest(const StepInputRef& in, BorrowedSlices* borrowed) {
   return Assemble(StepMessage(in), borrowed);
 }
 
@@ -494,7 +520,8 @@ grpc::ByteBuffer EncodeBatchStepRequest(const std::vector<StepInput>& items,
   SplicedMessage m;
   const size_t n = indices != nullptr ? indices->size() : items.size();
   for (size_t i = 0; i < n; ++i) {
-    m.AppendMessage(kBatchSteps, StepMessage(items[indices != nullptr ? (*indices)[i] : i]));
+    m.AppendMessage(kBatchSteps,
+                    StepMessage(RefOf(items[indices != nullptr ? (*indices)[i] : i])));
   }
   return Assemble(m, borrowed);
 }

@@ -84,6 +84,8 @@ client::StepInput InputOf(const v1::StepRequest& r) {
     in.options.window_left = r.window().left();
     in.options.window_right = r.window().right();
   }
+  in.k_new_scales.assign(r.k_new_scales().begin(), r.k_new_scales().end());
+  in.v_new_scales.assign(r.v_new_scales().begin(), r.v_new_scales().end());
   return in;
 }
 
@@ -183,6 +185,12 @@ TEST_F(StepWireCodecTest, ClientEncodesRequestsAsProtobufDoes) {
     if (i % 11 == 0) {
       r.mutable_window()->set_left(-1);
       r.mutable_window()->set_right(-1);
+    }
+    if (i % 3 == 0) {  // FP8 codes' scales (-0.0 written: packed floats keep every value)
+      for (int h = 0; h < spec_.kv_heads; ++h) {
+        r.add_k_new_scales(static_cast<float>(rng_() % 1000) / 448);
+        r.add_v_new_scales(rng_() % 5 == 0 ? -0.0f : static_cast<float>(rng_() % 1000) / 448);
+      }
     }
     client::BorrowedSlices borrowed;
     const client::StepInput in = InputOf(r);

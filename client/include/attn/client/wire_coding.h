@@ -79,9 +79,29 @@ grpc::ByteBuffer EncodeAttendRequest(const Tensor& q, const Tensor& k, const Ten
 grpc::ByteBuffer EncodeEchoRequest(std::string_view payload, int64_t response_bytes,
                                    BorrowedSlices* borrowed);
 
+// A tensor's dtype, shape and bytes, owned by someone else: what the encoders read, so that a
+// caller whose tensors are not Tensors (a binding's arrays) sends them without a copy.
+struct TensorRef {
+  DType dtype = DType::kBFloat16;
+  std::span<const int64_t> shape;
+  std::string_view data;
+};
+TensorRef RefOf(const Tensor& t);
+
+// A StepInput whose strings, tensors and scales are references.
+struct StepInputRef {
+  std::string_view session_id;
+  int32_t layer = 0;
+  TensorRef q, k_new, v_new;
+  StepOptions options;
+  std::span<const float> k_new_scales, v_new_scales;
+};
+StepInputRef RefOf(const StepInput& in);
+
 // The bytes of BuildStepRequest(in) as protobuf serializes them, q's, k_new's and v_new's data
 // borrowed.
 grpc::ByteBuffer EncodeStepRequest(const StepInput& in, BorrowedSlices* borrowed);
+grpc::ByteBuffer EncodeStepRequest(const StepInputRef& in, BorrowedSlices* borrowed);
 
 // A BatchStepRequest of items[indices] (all of them when indices is null), in order, as protobuf
 // serializes it, every tensor's data borrowed.
