@@ -5,6 +5,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
+
 #include "absl/strings/string_view.h"
 
 #include <grpcpp/support/byte_buffer.h>
@@ -185,6 +187,134 @@ ATTN_C_EXPORT int attn_c_call(attn_c_client* client, const char* method, const v
   }
   out->size = out->buffer.Length();
   *response = out.release();
+  return 0;
+}
+
+namespace {
+
+bool DTypeOf(int32_t code, attn::client::DType* out) {
+  switch (code) {
+    case attn::v1::DTYPE_FLOAT32: *out = attn::client::DType::kFloat32; return true;
+    case attn::v1::DTYPE_FLOAT16: *out = attn::client::DType::kFloat16; return true;
+    case attn::v1::DTYPE_BFLOAT16: *out = attn::client::DType::kBFloat16; return true;
+    case attn::v1::DTYPE_FLOAT8_E4M3: *out = attn::client::DType::kFloat8E4M3; return true;
+    default: return false;
+  }
+}
+
+// Copies the pieces of a decoded output to dst, which must hold exactly their bytes.
+absl::Status CopyOutput(const char* what, const std::vector<std::string_view>& pieces,
+                        uint64_t size, void* dst, size_t dst_size) {
+  if (size != dst_size) {
+    return absl::InternalError(absl::StrCat("the server's StepResponse has ", size, " bytes of ",
+                                            what, " where ", dst_size, " were expected"));
+  }
+  char* at = static_cast<char*>(dst);
+  for (std::string_view p : pieces) {
+    std::memcpy(at, p.data(), p.size());
+    at += p.size();
+  }
+  return absl::OkStatus();
+}
+
+// A received StepResponse into the caller's outputs.
+absl::Status ReadStepInto(grpc::ByteBuffer* response, attn::v1::DType o_dtype, void* o,
+                          size_t o_size, void* lse, size_t lse_size, int64_t* cached_tokens,
+                          void* timing, size_t timing_capacity, size_t* timing_size) {
+  attn::client::ReceivedBytes received;
+  if (absl::Status st = received.Take(response); !st.ok()) return st;
+  attn::client::DecodedStepResponse decoded;
+  if (absl::Status st = attn::client::DecodeStepResponse(received.pieces, &decoded); !st.ok()) {
+    return st;
+  }
+  const attn::v1::StepResponse& h = decoded.header;
+  if (!h.has_o() || h.o().dtype() != o_dtype) {
+    return absl::InternalError(absl::StrCat("the server's StepResponse has o of dtype ",
+                                            h.o().dtype(), " where ", o_dtype, " was expected"));
+  }
+  if (absl::Status st = CopyOutput("o", decoded.o_data, decoded.o_size, o, o_size); !st.ok()) {
+    return st;
+  }
+  if (lse != nullptr) {
+    if (!h.has_lse() || h.lse().dtype() != attn::v1::DTYPE_FLOAT32) {
+      return absl::InternalError("the server's StepResponse has no float32 lse");
+    }
+    if (absl::Status st = CopyOutput("lse", decoded.lse_data, decoded.lse_size, lse, lse_size);
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (cached_tokens != nullptr) *cached_tokens = h.cached_tokens();
+  if (timing_size != nullptr) {
+    const std::string t = h.timing().SerializeAsString();
+    *timing_size = t.size() <= timing_capacity ? t.size() : 0;
+    if (*timing_size > 0) std::memcpy(timing, t.data(), t.size());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+ATTN_C_EXPORT int attn_c_step(attn_c_client* client, const char* session_id, int32_t layer,
+                              int32_t q_dtype, int64_t q0, int64_t q1, int64_t q2, const void* q,
+                              size_t q_size, int32_t k_dtype, int64_t k0, int64_t k1, int64_t k2,
+                              const void* k_new, size_t k_size, int32_t v_dtype, int64_t v0,
+                              int64_t v1, int64_t v2, const void* v_new, size_t v_size,
+                              float softmax_scale, int32_t return_lse, int32_t window_left,
+                              int32_t window_right, int64_t timeout_ms, void* o, size_t o_size,
+                              void* lse, size_t lse_size, int64_t* cached_tokens, void* timing,
+                              size_t timing_capacity, size_t* timing_size, char* message,
+                              size_t message_size) {
+  using attn::client::StepInputRef;
+  using attn::client::TensorRef;
+  StepInputRef in;
+  const int64_t shapes[3][3] = {{q0, q1, q2}, {k0, k1, k2}, {v0, v1, v2}};
+  const int32_t dtypes[3] = {q_dtype, k_dtype, v_dtype};
+  const void* data[3] = {q, k_new, v_new};
+  const size_t sizes[3] = {q_size, k_size, v_size};
+  TensorRef* refs[3] = {&in.q, &in.k_new, &in.v_new};
+  const char* names[3] = {"q", "k_new", "v_new"};
+  for (int i = 0; i < 3; ++i) {
+    if (!DTypeOf(dtypes[i], &refs[i]->dtype) || (data[i] == nullptr && sizes[i] > 0)) {
+      WriteMessage(absl::StrCat("attn_c_step: ", names[i], ": unknown dtype ", dtypes[i],
+                                " or NULL data"), message, message_size);
+      return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
+    }
+    refs[i]->shape = shapes[i];
+    refs[i]->data = std::string_view(static_cast<const char*>(data[i]), sizes[i]);
+  }
+  if (client == nullptr || session_id == nullptr || o == nullptr ||
+      (return_lse != 0) != (lse != nullptr)) {
+    WriteMessage("attn_c_step: no client, session id or o, or lse and return_lse disagree",
+                 message, message_size);
+    return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  in.session_id = session_id;
+  in.layer = layer;
+  in.options.softmax_scale = softmax_scale;
+  in.options.return_lse = return_lse != 0;
+  in.options.window_left = window_left;
+  in.options.window_right = window_right;
+  grpc::ByteBuffer response;
+  grpc::Status st;
+  {
+    attn::client::BorrowedSlices borrowed;  // q, k_new and v_new go out in place
+    st = client->client->CallUnary(Client::RawMethod::kStep,
+                                   attn::client::EncodeStepRequest(in, &borrowed),
+                                   std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
+                                   &response);
+  }
+  if (!st.ok()) {
+    WriteMessage(st.error_message(), message, message_size);
+    return static_cast<int>(st.error_code());
+  }
+  const absl::Status read =
+      ReadStepInto(&response, static_cast<attn::v1::DType>(q_dtype), o, o_size, lse, lse_size,
+                   cached_tokens, timing, timing_capacity, timing_size);
+  if (!read.ok()) {
+    WriteMessage(read.message(), message, message_size);
+    return static_cast<int>(read.code());
+  }
   return 0;
 }
 

@@ -21,13 +21,16 @@ from typing import Any, List, Optional, Tuple
 
 import grpc
 
+from . import _tensors
 from ._tensors import _pybytes_new
+from ._wire import ServerTiming
 from .errors import InvalidArgument, status_code
 
 LIBRARY = "libattn_client_c.so"
 ABI_VERSION = 1
 METHODS = frozenset(("Attend", "Echo", "Step", "BatchStep"))
 _MESSAGE_BYTES = 4096
+_TIMING_BYTES = 512
 
 _lock = threading.Lock()
 _loaded: Optional[Tuple[Optional[ctypes.CDLL], str]] = None
@@ -74,6 +77,14 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
     lib.attn_c_call.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
                                 ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
                                 ctypes.c_size_t)
+    tensor = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+              ctypes.c_size_t]
+    lib.attn_c_step.restype = ctypes.c_int
+    lib.attn_c_step.argtypes = tuple(
+        [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32] + tensor * 3 +
+        [ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
+         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t])
     lib.attn_c_response_size.restype = ctypes.c_size_t
     lib.attn_c_response_size.argtypes = (ctypes.c_void_p,)
     lib.attn_c_response_take.restype = None
@@ -139,6 +150,13 @@ class NativeChannel:
             raise InvalidArgument(f"native transport: {error.value.decode(errors='replace')}")
         self._handle: Optional[int] = handle
         self._methods = {m: m.encode() for m in METHODS}
+        self._local = threading.local()  # each thread's out-parameters (_Scratch)
+
+    def _scratch(self) -> "_Scratch":
+        s = getattr(self._local, "scratch", None)
+        if s is None:
+            s = self._local.scratch = _Scratch()
+        return s
 
     def call(self, method: str, request: Any, timeout: Optional[float]) -> bytes:
         """One blocking call; the answer's bytes, or CallError."""
@@ -147,16 +165,53 @@ class NativeChannel:
             raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
         data, size = _address(request)
         timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
-        response = ctypes.c_void_p()
-        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        s = self._scratch()
+        response = s.response
         code = self._lib.attn_c_call(handle, self._methods[method], data, size, timeout_ms,
-                                     ctypes.byref(response), message, _MESSAGE_BYTES)
+                                     s.response_ref, s.message, _MESSAGE_BYTES)
         if code != 0:
-            raise CallError(code, message.value.decode(errors="replace"))
+            raise CallError(code, s.message.value.decode(errors="replace"))
         n = self._lib.attn_c_response_size(response)
         out = _pybytes_new(None, n)  # fresh: nobody else has seen it yet
         self._lib.attn_c_response_take(response, out)  # a bytes argument passes its buffer
         return out
+
+    def step(self, session_id: str, layer: int, q: Any, k_new: Any, v_new: Any, scale: float,
+             return_lse: bool, window: Optional[Tuple[int, int]], timeout: Optional[float]) -> Any:
+        """A Step coded and read by the library, q, k_new and v_new read in place and o written
+        straight into the answer's array: (o, lse, cached_tokens, timing), or None when the step
+        is not one it takes (a tensor on a GPU, or not of 3 dimensions): the caller then codes
+        it itself. Raises CallError."""
+        handle = self._handle
+        ps = (_tensors.payload(q, "q"), _tensors.payload(k_new, "k_new"),
+              _tensors.payload(v_new, "v_new"))
+        args: List[Any] = []
+        for p in ps:
+            if p.cuda >= 0 or len(p.shape) != 3:
+                return None
+            args += (p.dtype, p.shape[0], p.shape[1], p.shape[2], _tensors.array_ptr(p), p.nbytes)
+        if handle is None:
+            raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
+        qp = ps[0]
+        s = self._scratch()
+        o = _pybytes_new(None, qp.nbytes)  # fresh: nobody else has seen them yet
+        lse_bytes = 4 * qp.shape[0] * qp.shape[1] if return_lse else 0
+        lse = _pybytes_new(None, lse_bytes) if return_lse else None
+        left, right = window if window is not None else (-1, -1)
+        timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
+        code = self._lib.attn_c_step(
+            handle, session_id.encode(), layer, *args, scale, 1 if return_lse else 0, left, right,
+            timeout_ms, o, qp.nbytes, lse, lse_bytes, s.cached_ref, s.timing, _TIMING_BYTES,
+            s.timing_size_ref, s.message, _MESSAGE_BYTES)
+        if code != 0:
+            raise CallError(code, s.message.value.decode(errors="replace"))
+        n = s.timing_size.value
+        timing = ServerTiming(s.timing.raw[:n], (0, n))
+        maker = _tensors.OutputMaker(q)
+        o_t = maker.tensor(qp.dtype, qp.shape, o, 0)
+        lse_t = maker.tensor(_tensors.FLOAT32, (qp.shape[1], qp.shape[0]), lse, 0) \
+            if return_lse else None
+        return o_t, lse_t, s.cached.value, timing
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
@@ -168,6 +223,20 @@ class NativeChannel:
             self.close()
         except Exception:  # interpreter shutting down
             pass
+
+
+class _Scratch:
+    """One thread's out-parameters of the library's calls (reused call after call)."""
+
+    def __init__(self) -> None:
+        self.message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        self.response = ctypes.c_void_p()
+        self.response_ref = ctypes.byref(self.response)
+        self.cached = ctypes.c_int64()
+        self.cached_ref = ctypes.byref(self.cached)
+        self.timing = ctypes.create_string_buffer(_TIMING_BYTES)
+        self.timing_size = ctypes.c_size_t()
+        self.timing_size_ref = ctypes.byref(self.timing_size)
 
 
 def _address(request: Any) -> Tuple[Any, int]:

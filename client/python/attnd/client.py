@@ -342,6 +342,17 @@ class Client(_ChannelSet):
         torch.float8_e4m3fn on the CPU) quantized with the session's scales, sent as
         k_new_scales and v_new_scales (they must equal the session's). Not resent on
         UNAVAILABLE (a step changes the cache)."""
+        native = self._native
+        if (native is not None and out is None and lse_out is None and k_new_scales is None and
+                v_new_scales is None and not self.regions.entries):
+            try:
+                done = native.step(_core.session_id_of(session), int(layer), q, k_new, v_new,
+                                   float(scale or 0.0), return_lse, _core._window(window),
+                                   self._timeout(timeout))
+            except _native.CallError as e:
+                raise from_rpc_error(e) from None
+            if done is not None:
+                return StepResult(*done)
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
                                window, out, lse_out, k_new_scales, v_new_scales)
         _core.cuda_synchronize(p.cuda_sync)

@@ -52,6 +52,22 @@ int attn_c_call(attn_c_client* client, const char* method, const void* request,
                 size_t request_size, int64_t timeout_ms, attn_c_response** response,
                 char* message, size_t message_size);
 
+/* One Step written and read here: q [q0, q1, q2], k_new and v_new [k0, k1, k2] (dtype: attn.v1
+ * DType numbers, data read in place) with the options of attn.v1 StepRequest (window -1/-1:
+ * none). o (o_size bytes: q's dtype and shape) and, with return_lse, lse (lse_size bytes: float32
+ * [q1, q0]) are written where the caller says; *cached_tokens gets the layer's tokens after the
+ * step, and timing (timing_capacity bytes) the serialized attn.v1 ServerTiming, its size in
+ * *timing_size (0 when it does not fit). A StepResponse whose o or lse has another dtype or size
+ * is INTERNAL (13), the outputs then unspecified. Returns the status code as attn_c_call. */
+int attn_c_step(attn_c_client* client, const char* session_id, int32_t layer, int32_t q_dtype,
+                int64_t q0, int64_t q1, int64_t q2, const void* q, size_t q_size,
+                int32_t k_dtype, int64_t k0, int64_t k1, int64_t k2, const void* k_new,
+                size_t k_size, int32_t v_dtype, int64_t v0, int64_t v1, int64_t v2,
+                const void* v_new, size_t v_size, float softmax_scale, int32_t return_lse,
+                int32_t window_left, int32_t window_right, int64_t timeout_ms, void* o,
+                size_t o_size, void* lse, size_t lse_size, int64_t* cached_tokens, void* timing,
+                size_t timing_capacity, size_t* timing_size, char* message, size_t message_size);
+
 /* The response's size in bytes. */
 size_t attn_c_response_size(const attn_c_response* response);
 /* Copies the response's bytes to dst (attn_c_response_size of them) and frees it. */
