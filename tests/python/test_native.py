@@ -80,6 +80,57 @@ def test_steps_and_batch_steps_match_grpcio(pair):
             s.close()
 
 
+def test_steps_take_the_librarys_path_where_they_can(pair, monkeypatch):
+    """Client.step of host tensors is coded and read by the library (attn_c_step); its options,
+    lse, timing and errors are grpcio's; other steps fall back to the Python coding."""
+    native, grpcio = pair
+    taken = []
+    real = _native.NativeChannel.step
+
+    def counted(self, *args):
+        r = real(self, *args)
+        taken.append(r is not None)
+        return r
+
+    monkeypatch.setattr(_native.NativeChannel, "step", counted)
+    rng = np.random.default_rng()
+    a, b = native.create_session(1, 2, 128, "bf16"), grpcio.create_session(1, 2, 128, "bf16")
+    try:
+        for t, opts in enumerate([{}, {"return_lse": True}, {"window": (5, 0), "scale": 0.3},
+                                  {"return_lse": True, "window": (-1, 0)}]):
+            n = 17 if t == 0 else 2
+            q, _ = make(rng, (n, 4, 128), "bf16")
+            k, _ = make(rng, (n, 2, 128), "bf16")
+            v, _ = make(rng, (n, 2, 128), "bf16")
+            x = native.step(a, 0, q, k, v, **opts)
+            y = grpcio.step(b, 0, q, k, v, **opts)
+            assert x.o.tobytes() == y.o.tobytes() and x.cached_tokens == y.cached_tokens
+            assert (x.lse is None) == (y.lse is None)
+            if x.lse is not None:
+                assert x.lse.shape == y.lse.shape and x.lse.tobytes() == y.lse.tobytes()
+            assert x.timing.total_us > 0 and x.timing.batch_requests >= 1
+        assert taken == [True] * 4
+        out = np.empty((1, 4, 128), np.uint16)  # an out array: the Python coding
+        q, _ = make(rng, (1, 4, 128), "bf16")
+        k, _ = make(rng, (1, 2, 128), "bf16")
+        x = native.step(a, 0, q, k, k, out=out)
+        assert x.o is out and out.tobytes() == grpcio.step(b, 0, q, k, k).o.tobytes()
+        assert taken == [True] * 4
+        bad = [(q[0], k, k), (q, k.astype(np.float32), k), (q, k, k[:, :1])]
+        for args in bad:  # each refused by attnd with grpcio's message; the cache unchanged
+            with pytest.raises(attnd.AttndError) as e1:
+                native.step(a, 0, *args)
+            with pytest.raises(attnd.AttndError) as e2:
+                grpcio.step(b, 0, *args)
+            assert str(e1.value) == str(e2.value)
+        with pytest.raises(attnd.InvalidArgument, match="layer"):
+            native.step(a, 7, q, k, k)
+        assert native.step(a, 0, q, k, k).cached_tokens == grpcio.step(b, 0, q, k, k).cached_tokens
+    finally:
+        a.close()
+        b.close()
+
+
 def test_errors_are_the_same_as_grpcios(pair):
     native, grpcio = pair
     bad = np.zeros((4, 2, 48), np.float16)
