@@ -21,8 +21,9 @@ from typing import Any, List, Optional, Tuple
 
 import grpc
 
-from . import _tensors
-from ._tensors import _pybytes_new
+import numpy as np
+
+from ._tensors import _NP_CODES, _pybytes_new
 from ._wire import ServerTiming
 from .errors import InvalidArgument, status_code
 
@@ -180,38 +181,40 @@ class NativeChannel:
              return_lse: bool, window: Optional[Tuple[int, int]], timeout: Optional[float]) -> Any:
         """A Step coded and read by the library, q, k_new and v_new read in place and o written
         straight into the answer's array: (o, lse, cached_tokens, timing), or None when the step
-        is not one it takes (a tensor on a GPU, or not of 3 dimensions): the caller then codes
-        it itself. Raises CallError."""
-        handle = self._handle
-        ps = (_tensors.payload(q, "q"), _tensors.payload(k_new, "k_new"),
-              _tensors.payload(v_new, "v_new"))
+        is not one it takes (tensors other than C-contiguous numpy arrays of 3 dimensions): the
+        caller then codes it itself. Kept short: a decode step's client time is mostly this
+        function's. Raises CallError."""
         args: List[Any] = []
-        for p in ps:
-            if p.cuda >= 0 or len(p.shape) != 3:
+        for x in (q, k_new, v_new):
+            if type(x) is not np.ndarray or x.ndim != 3 or not x.flags.c_contiguous:
                 return None
-            args += (p.dtype, p.shape[0], p.shape[1], p.shape[2], _tensors.array_ptr(p), p.nbytes)
+            code = _NP_CODES.get(x.dtype)
+            if code is None:
+                return None
+            shape = x.shape
+            args += (code, shape[0], shape[1], shape[2], x.ctypes.data, x.nbytes)
+        handle = self._handle
         if handle is None:
             raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
-        qp = ps[0]
         s = self._scratch()
-        o = _pybytes_new(None, qp.nbytes)  # fresh: nobody else has seen them yet
-        lse_bytes = 4 * qp.shape[0] * qp.shape[1] if return_lse else 0
+        o_bytes = q.nbytes
+        o = _pybytes_new(None, o_bytes)  # fresh: nobody else has seen them yet
+        lse_bytes = 4 * q.shape[0] * q.shape[1] if return_lse else 0
         lse = _pybytes_new(None, lse_bytes) if return_lse else None
         left, right = window if window is not None else (-1, -1)
         timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
         code = self._lib.attn_c_step(
             handle, session_id.encode(), layer, *args, scale, 1 if return_lse else 0, left, right,
-            timeout_ms, o, qp.nbytes, lse, lse_bytes, s.cached_ref, s.timing, _TIMING_BYTES,
+            timeout_ms, o, o_bytes, lse, lse_bytes, s.cached_ref, s.timing, _TIMING_BYTES,
             s.timing_size_ref, s.message, _MESSAGE_BYTES)
         if code != 0:
             raise CallError(code, s.message.value.decode(errors="replace"))
         n = s.timing_size.value
-        timing = ServerTiming(s.timing.raw[:n], (0, n))
-        maker = _tensors.OutputMaker(q)
-        o_t = maker.tensor(qp.dtype, qp.shape, o, 0)
-        lse_t = maker.tensor(_tensors.FLOAT32, (qp.shape[1], qp.shape[0]), lse, 0) \
+        o_array = np.frombuffer(o, dtype=q.dtype).reshape(q.shape)
+        lse_array = np.frombuffer(lse, dtype=np.float32).reshape(q.shape[1], q.shape[0]) \
             if return_lse else None
-        return o_t, lse_t, s.cached.value, timing
+        return o_array, lse_array, s.cached.value, ServerTiming(ctypes.string_at(s.timing, n),
+                                                                  (0, n))
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
@@ -248,8 +251,6 @@ def _address(request: Any) -> Tuple[Any, int]:
     n = view.nbytes
     if n == 0:
         return None, 0
-    if view.readonly:
-        import numpy as np  # a read-only buffer's address, through numpy's view of it
-
+    if view.readonly:  # a read-only buffer's address, through numpy's view of it
         return ctypes.c_void_p(np.frombuffer(view, dtype=np.uint8).ctypes.data), n
     return (ctypes.c_char * n).from_buffer(view), n
