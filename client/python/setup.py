@@ -3,10 +3,13 @@
 `pip install client/python` (Debian: `python3 -m pip install --no-deps --no-build-isolation
 client/python`) runs this in the source tree: the build step writes
 attnd/_proto/_descriptor_set.py from ../../proto with the protoc of the installing machine (or
-grpc_tools.protoc). ATTND_PROTO_DIR names another proto/ directory.
+grpc_tools.protoc). ATTND_PROTO_DIR names another proto/ directory. ATTND_NATIVE_LIB names a
+libattn_client_c.so (build/client/) to copy into the package, for its native transport.
 """
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -26,6 +29,11 @@ def _load_build_module():
 class BuildWithDescriptors(build_py):
     def run(self):
         super().run()
+        native = os.environ.get("ATTND_NATIVE_LIB")
+        if native:
+            if not Path(native).is_file():
+                raise SystemExit(f"attnd: ATTND_NATIVE_LIB={native} is not a file")
+            shutil.copy(native, Path(self.build_lib) / "attnd" / "libattn_client_c.so")
         build = _load_build_module()
         out = Path(self.build_lib) / "attnd" / "_proto" / build.MODULE_NAME
         proto_dir = build.default_proto_dir()

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+import attnd
 
 from conftest import ROOT
 
@@ -87,20 +90,30 @@ def test_session_check_passes(server):
 
 def test_pip_install_builds_the_descriptors(server, tmp_path):
     target = tmp_path / "site"
+    # With the native transport's library when this run has one (the build tree's package).
+    native = Path(attnd.__file__).parent / "libattn_client_c.so"
+    pip_env = dict(os.environ)
+    pip_env.pop("ATTND_NATIVE_LIB", None)
+    if native.is_file():
+        pip_env["ATTND_NATIVE_LIB"] = str(native)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                         "--no-build-isolation", "--no-cache-dir", "--target", str(target),
                         str(ROOT / "client" / "python")], capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, env=pip_env)
     if r.returncode != 0 and "No module named pip" in r.stderr:
         pytest.skip("pip is not installed (Debian: python3-pip)")
     assert r.returncode == 0, r.stderr
     assert (target / "attnd" / "_proto" / "_descriptor_set.py").is_file()
     env = dict(os.environ, PYTHONPATH=str(target), ATTND_PROTO_DIR="/nonexistent")
+    env.pop("ATTND_NATIVE_LIB", None)
+    env.pop("ATTND_TRANSPORT", None)
     r = subprocess.run([sys.executable, "-c", "import attnd, sys; c = attnd.Client(sys.argv[1]); "
-                        "print(attnd.__file__, c.health())", server.target],
+                        "print(attnd.__file__, c.transport, bytes(c.echo(b'e')), c.health())",
+                        server.target],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 0, r.stderr
     assert str(target) in r.stdout and r.stdout.strip().endswith("True")
+    assert (" native " in r.stdout) == native.is_file(), r.stdout
     # No module of the package shadows grpc: the real grpc is still the one imported.
     r = subprocess.run([sys.executable, "-c", "import attnd, grpc; print(grpc.__file__)"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
