@@ -39,7 +39,8 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
+if not any(Path(p, "attnd", "__init__.py").is_file() for p in sys.path if p):  # else $PYTHONPATH's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 import attnd  # noqa: E402
 import attnd.aio  # noqa: E402
 

@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
+if not any(Path(p, "attnd", "__init__.py").is_file() for p in sys.path if p):  # else $PYTHONPATH's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 import attnd  # noqa: E402
 import attnd.torch as at  # noqa: E402
 
