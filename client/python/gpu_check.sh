@@ -8,7 +8,8 @@
 #            and batch 32, over gRPC and over a CUDA IPC region ("example 1" or "example 32"
 #            runs one batch size)
 #   bench    in one command (about 9 minutes at most): bench/python_client_bench.py (the Python
-#            sync and asyncio clients against attn-bench), bench/python_batch_regions_bench.py
+#            sync and asyncio clients against attn-bench), bench/python_step_overhead.py (a
+#            decode step's Python, library and grpcio parts), bench/python_batch_regions_bench.py
 #            (where a batch-32 decode BatchStep's client time goes, GPU regions and host regions,
 #            prepared against coded per call), and the example at --size 8b --batch 32 over
 #            CUDA IPC and gRPC (attnd's added us per layer)
@@ -18,8 +19,8 @@
 # Environment: ATTND_BIN_DIR (default .gpu/bin: attnd, attn-bench), OUT (results; default
 # gpu-python-results), PYTHON (default python3), BENCH_ARGS (more arguments of the benchmark),
 # EXAMPLE_ARGS (more arguments of the example), TESTS_TIMEOUT, EXAMPLE_TIMEOUT (seconds per
-# part; defaults 580, 570); the bench part's three runs: BENCH_TIMEOUT (180), REGIONS_TIMEOUT
-# (100), BENCH_EXAMPLE_TIMEOUT (280), REGIONS_ARGS (more arguments of the regions benchmark),
+# part; defaults 580, 570); the bench part's runs: BENCH_TIMEOUT (180), OVERHEAD_TIMEOUT (45),
+# REGIONS_TIMEOUT (100), BENCH_EXAMPLE_TIMEOUT (250), REGIONS_ARGS (more arguments of the regions benchmark),
 # BENCH_EXAMPLE_ARGS (the example's transports and more; default --transport cuda-ipc,grpc).
 #
 # The blocking client's native transport loads $ATTND_NATIVE_LIB (default: the bundle's
@@ -121,6 +122,11 @@ run_bench() {
     --dump-stacks-after "$(( ${BENCH_TIMEOUT:-180} - 10 ))" ${BENCH_ARGS:-} 2>&1 |
     tee "$out/python_client_bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  note "bench/python_step_overhead.py against $TARGET"
+  timeout "${OVERHEAD_TIMEOUT:-45}" "$py" bench/python_step_overhead.py --target "$TARGET" \
+    --attn-bench "$bin/attn-bench" --cache 4096 --calls 2000 --rounds 2 --duration 2 2>&1 |
+    tee "$out/python_step_overhead.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   stop_attnd
 
   start_attnd "$out/attnd-regions.log" --allow_shared_memory --kv_cache_bytes=8589934592 ||
@@ -137,7 +143,7 @@ run_bench() {
   stop_attnd
 
   # shellcheck disable=SC2086  # BENCH_EXAMPLE_ARGS is a list of arguments
-  run_example 32 "${BENCH_EXAMPLE_TIMEOUT:-280}" bench_remote_decoder_8b_batch32 \
+  run_example 32 "${BENCH_EXAMPLE_TIMEOUT:-250}" bench_remote_decoder_8b_batch32 \
     ${BENCH_EXAMPLE_ARGS:---transport cuda-ipc,grpc}
 }
 
