@@ -5,7 +5,8 @@ GQA 32/8, d=128, bf16, the cache kept between --cache and --cache + 64 tokens):
   library, coded once   the native transport's library called with a Step's bytes coded once
                         (no Python per call but the ctypes call): the transport's own cost
   Client.step native    the blocking client on the native transport, split into the Python
-                        before the library call, the call, and the Python after it
+                        before its compiled part (attnd._fast where it loads, else the
+                        library's attn_c_step through ctypes), that part, and the Python after
   Client.step grpcio    the same client on grpcio
   attn-bench            the C++ client's Step and its Echo of the same bytes
 
@@ -102,16 +103,24 @@ def main() -> int:
         assert code == 0, message.value
         lib.attn_c_response_free(response)
 
-    # The native Client.step, its library call timed apart (the Python before and after it).
+    # The native Client.step, its call into compiled code (attnd._fast.step where that module
+    # loads, else the library's attn_c_step) timed apart from the Python before and after it.
     marks: Dict[str, float] = {}
-    real = lib.attn_c_step
+    fast = _native._fast
+    real = fast.step if fast is not None else lib.attn_c_step
 
-    class Timed:
-        def __call__(self, *a):
-            marks["in"] = time.perf_counter()
-            r = real(*a)
-            marks["out"] = time.perf_counter()
-            return r
+    def timed(*a):
+        marks["in"] = time.perf_counter()
+        r = real(*a)
+        marks["out"] = time.perf_counter()
+        return r
+
+    def time_calls(on: bool) -> None:
+        if fast is not None:
+            _native._fast = type("Fast", (), {"step": staticmethod(timed)}) if on else fast
+        else:
+            native._native._lib = type("Lib", (), {"attn_c_step": staticmethod(timed)}) if on \
+                else lib
 
     splits: Dict[str, List[float]] = {"before": [], "after": []}
 
@@ -124,17 +133,19 @@ def main() -> int:
 
     grpcio_session = grpcio.session(session.id)
     print(f"attnd at {args.target}; Python {sys.version.split()[0]}, grpcio "
-          f"{__import__('grpc').__version__}; cache {args.cache}; p50 us per call", flush=True)
+          f"{__import__('grpc').__version__}; cache {args.cache}; p50 us per call; the native "
+          f"step's compiled part: {'attnd._fast' if fast is not None else 'attn_c_step (ctypes)'}",
+          flush=True)
     print(f"{'round':>5} {'library, coded once':>20} {'Client.step native':>19} "
           f"{'(Python before':>14} {'after)':>7} {'Client.step grpcio':>19} "
           f"{'attn-bench Step':>16} {'attn-bench Echo':>16}", flush=True)
     for r in range(args.rounds):
         row = {"library": p50(library, session, args.calls)}
-        native._native._lib = type("Lib", (), {"attn_c_step": Timed()})()
+        time_calls(True)
         splits["before"].clear()
         splits["after"].clear()
         row["native"] = p50(native_step, session, args.calls)
-        native._native._lib = lib
+        time_calls(False)
         row["before"] = statistics.median(splits["before"]) * 1e6
         row["after"] = statistics.median(splits["after"]) * 1e6
         row["grpcio"] = p50(lambda: grpcio_session.step(0, q, k, v), session, args.calls)

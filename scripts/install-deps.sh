@@ -10,9 +10,10 @@ build_pkgs=(
   libabsl-dev prometheus-cpp-dev libssl-dev zlib1g-dev libcurl4-openssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
-# The Python client (client/python, built into build/python): what it imports. Small, and
-# installed with the build packages so that scripts/run.sh can show it.
-client_pkgs=(python3 python3-grpcio python3-protobuf python3-numpy)
+# The Python client (client/python, built into build/python): what it imports, and the
+# interpreter's headers for its compiled decode step (attnd._fast). Small, and installed with the
+# build packages so that scripts/run.sh can show it.
+client_pkgs=(python3 python3-grpcio python3-protobuf python3-numpy python3-dev)
 # Tools the tests use: promtool and a real Prometheus, openssl for TLS certificates, yamllint,
 # clang for the fuzzer and sanitizer builds, curl for scraping, python3 for the TSan triage, and
 # for the Python client's suites (tests/python) pytest, pip (its install test) and torch (1.13,

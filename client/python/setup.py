@@ -4,7 +4,9 @@
 client/python`) runs this in the source tree: the build step writes
 attnd/_proto/_descriptor_set.py from ../../proto with the protoc of the installing machine (or
 grpc_tools.protoc). ATTND_PROTO_DIR names another proto/ directory. ATTND_NATIVE_LIB names a
-libattn_client_c.so (build/client/) to copy into the package, for its native transport.
+libattn_client_c.so (build/client/) to copy into the package, for its native transport; with it,
+attnd._fast (the native decode step in C, CPython >= 3.11's stable ABI) is compiled too where
+the interpreter's headers are (optional: without them the package does that work in Python).
 """
 
 import importlib.util
@@ -12,7 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+import sys
+
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -47,4 +51,9 @@ class BuildWithDescriptors(build_py):
         build.write_module(proto_dir, out)
 
 
-setup(cmdclass={"build_py": BuildWithDescriptors})
+extensions = []
+if os.environ.get("ATTND_NATIVE_LIB") and sys.version_info >= (3, 11):
+    extensions.append(Extension("attnd._fast", ["attnd/_fast.c"], py_limited_api=True,
+                                optional=True))
+
+setup(cmdclass={"build_py": BuildWithDescriptors}, ext_modules=extensions)

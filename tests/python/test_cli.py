@@ -114,6 +114,9 @@ def test_pip_install_builds_the_descriptors(server, tmp_path):
     assert r.returncode == 0, r.stderr
     assert str(target) in r.stdout and r.stdout.strip().endswith("True")
     assert (" native " in r.stdout) == native.is_file(), r.stdout
+    # With the library, the compiled decode step is built too where this build made one.
+    fast = (Path(attnd.__file__).parent / "_fast.abi3.so").is_file()
+    assert (target / "attnd" / "_fast.abi3.so").is_file() == (fast and native.is_file())
     # No module of the package shadows grpc: the real grpc is still the one imported.
     r = subprocess.run([sys.executable, "-c", "import attnd, grpc; print(grpc.__file__)"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)

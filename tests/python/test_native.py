@@ -80,10 +80,25 @@ def test_steps_and_batch_steps_match_grpcio(pair):
             s.close()
 
 
-def test_steps_take_the_librarys_path_where_they_can(pair, monkeypatch):
-    """Client.step of host tensors is coded and read by the library (attn_c_step); its options,
-    lse, timing and errors are grpcio's; other steps fall back to the Python coding."""
+def test_the_compiled_step_is_there_where_it_was_built(pair):
+    built = (Path(attnd.__file__).parent / "_fast.abi3.so").is_file()
+    if os.environ.get("ATTND_REQUIRE_FAST") == "1":
+        assert built, "the build made attnd._fast, but the package has none"
+    if not built:
+        pytest.skip("no attnd._fast in this package (Python < 3.11 or no Python.h)")
+    assert _native._fast is not None, "attnd._fast is in the package but did not load"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["attnd._fast", "ctypes"])
+def test_steps_take_the_librarys_path_where_they_can(pair, monkeypatch, compiled):
+    """Client.step of numpy arrays is coded and read by the library (attn_c_step, called by
+    attnd._fast or through ctypes); its options, lse, timing and errors are grpcio's; other steps
+    fall back to the Python coding."""
     native, grpcio = pair
+    if compiled and _native._fast is None:
+        pytest.skip("attnd._fast is not loaded")
+    if not compiled:
+        monkeypatch.setattr(_native, "_fast", None)
     taken = []
     real = _native.NativeChannel.step
 
@@ -116,7 +131,8 @@ def test_steps_take_the_librarys_path_where_they_can(pair, monkeypatch):
         x = native.step(a, 0, q, k, k, out=out)
         assert x.o is out and out.tobytes() == grpcio.step(b, 0, q, k, k).o.tobytes()
         assert taken == [True] * 4
-        bad = [(q[0], k, k), (q, k.astype(np.float32), k), (q, k, k[:, :1])]
+        bad = [(q[0], k, k), (q, k.astype(np.float32), k), (q, k, k[:, :1]),
+               (q.astype(np.float64), k, k), (q, k, k.astype(np.int16))]
         for args in bad:  # each refused by attnd with grpcio's message; the cache unchanged
             with pytest.raises(attnd.AttndError) as e1:
                 native.step(a, 0, *args)
@@ -125,6 +141,10 @@ def test_steps_take_the_librarys_path_where_they_can(pair, monkeypatch):
             assert str(e1.value) == str(e2.value)
         with pytest.raises(attnd.InvalidArgument, match="layer"):
             native.step(a, 7, q, k, k)
+        # A strided q (not C-contiguous) takes the Python path, which makes it contiguous.
+        wide, _ = make(rng, (1, 8, 128), "bf16")
+        x = native.step(a, 0, wide[:, ::2], k, k)
+        assert x.o.tobytes() == grpcio.step(b, 0, np.ascontiguousarray(wide[:, ::2]), k, k).o.tobytes()
         assert native.step(a, 0, q, k, k).cached_tokens == grpcio.step(b, 0, q, k, k).cached_tokens
     finally:
         a.close()

@@ -92,7 +92,40 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
     lib.attn_c_response_take.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
     lib.attn_c_response_free.restype = None
     lib.attn_c_response_free.argtypes = (ctypes.c_void_p,)
+    global _fast
+    _fast = _load_fast(path)
+    if _fast is not None:
+        _fast.bind(ctypes.cast(lib.attn_c_step, ctypes.c_void_p).value)
     return lib, ""
+
+
+_fast: Any = None  # attnd._fast (the decode step in C) once bound to the library, else None
+
+
+def _load_fast(library: Path) -> Any:
+    """attnd._fast from the package, else from beside the library (a bundle that carries both);
+    None where neither loads (no binary for this interpreter: the step's work stays in Python)."""
+    try:
+        from . import _fast as fast  # type: ignore[attr-defined]
+
+        return fast
+    except ImportError:
+        pass
+    beside = library.parent / "_fast.abi3.so"
+    if not beside.is_file():
+        return None
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(__package__ + "._fast", str(beside))
+        spec = importlib.util.spec_from_file_location(__package__ + "._fast", str(beside),
+                                                      loader=loader)
+        fast = importlib.util.module_from_spec(spec)
+        loader.exec_module(fast)
+        return fast
+    except ImportError:
+        return None
 
 
 class CallError(Exception):
@@ -184,6 +217,23 @@ class NativeChannel:
         is not one it takes (tensors other than C-contiguous numpy arrays of 3 dimensions): the
         caller then codes it itself. Kept short: a decode step's client time is mostly this
         function's. Raises CallError."""
+        if _fast is not None:
+            if type(q) is not np.ndarray or type(k_new) is not np.ndarray or \
+                    type(v_new) is not np.ndarray:
+                return None
+            handle = self._handle
+            if handle is None:
+                raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
+            left, right = window if window is not None else (-1, -1)
+            r = _fast.step(handle, session_id.encode(), layer, q, k_new, v_new, scale, return_lse,
+                           left, right,
+                           -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999)))
+            if r is None or r[0] == 0:
+                return r and (np.frombuffer(r[1], dtype=q.dtype).reshape(q.shape),
+                              None if r[2] is None else np.frombuffer(r[2], dtype=np.float32)
+                              .reshape(q.shape[1], q.shape[0]), r[3],
+                              ServerTiming(r[4], (0, len(r[4]))))
+            raise CallError(r[0], r[1])
         args: List[Any] = []
         for x in (q, k_new, v_new):
             if type(x) is not np.ndarray or x.ndim != 3 or not x.flags.c_contiguous:
