@@ -153,9 +153,10 @@ ATTN_C_EXPORT attn_c_client* attn_c_client_create(const char* const* keys,
 
 ATTN_C_EXPORT void attn_c_client_destroy(attn_c_client* client) { delete client; }
 
-ATTN_C_EXPORT int attn_c_call(attn_c_client* client, const char* method, const void* request,
-                              size_t request_size, int64_t timeout_ms, attn_c_response** response,
-                              char* message, size_t message_size) {
+ATTN_C_EXPORT int attn_c_call_parts(attn_c_client* client, const char* method,
+                                    const void* const* parts, const size_t* sizes, size_t n,
+                                    int64_t timeout_ms, attn_c_response** response, char* message,
+                                    size_t message_size) {
   if (response != nullptr) *response = nullptr;
   Client::RawMethod raw{};
   if (client == nullptr || response == nullptr || method == nullptr || !MethodOf(method, &raw)) {
@@ -165,17 +166,23 @@ ATTN_C_EXPORT int attn_c_call(attn_c_client* client, const char* method, const v
                  message, message_size);
     return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
   }
-  if (request == nullptr && request_size > 0) {
-    WriteMessage("attn_c_call: request is NULL", message, message_size);
-    return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
+  for (size_t i = 0; i < n; ++i) {
+    if (parts == nullptr || sizes == nullptr || (parts[i] == nullptr && sizes[i] > 0)) {
+      WriteMessage("attn_c_call: a part of the request is NULL", message, message_size);
+      return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
+    }
   }
   auto out = std::make_unique<attn_c_response>();
   grpc::Status st;
   {
     attn::client::BorrowedSlices borrowed;  // the caller's bytes go out in place
-    grpc::Slice slice = borrowed.Borrow(request, request_size);
-    grpc::ByteBuffer buffer(&slice, 1);
-    slice = grpc::Slice();
+    std::vector<grpc::Slice> slices;
+    slices.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (sizes[i] > 0) slices.push_back(borrowed.Borrow(parts[i], sizes[i]));
+    }
+    grpc::ByteBuffer buffer(slices.data(), slices.size());
+    slices.clear();
     st = client->client->CallUnary(raw, std::move(buffer),
                                    std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
                                    &out->buffer);
@@ -188,6 +195,13 @@ ATTN_C_EXPORT int attn_c_call(attn_c_client* client, const char* method, const v
   out->size = out->buffer.Length();
   *response = out.release();
   return 0;
+}
+
+ATTN_C_EXPORT int attn_c_call(attn_c_client* client, const char* method, const void* request,
+                              size_t request_size, int64_t timeout_ms, attn_c_response** response,
+                              char* message, size_t message_size) {
+  return attn_c_call_parts(client, method, &request, &request_size, 1, timeout_ms, response,
+                           message, message_size);
 }
 
 namespace {

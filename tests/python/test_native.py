@@ -55,6 +55,32 @@ def test_attend_answers_are_the_same_bytes(pair, dtype):
     assert bytes(native.echo(payload)) == payload
 
 
+def test_attend_sends_the_callers_arrays_as_they_lie(pair, monkeypatch):
+    """On the native transport an Attend's message goes out in its parts (the caller's arrays, not
+    joined): read-only arrays (a previous answer), strided ones (made contiguous first) and torch
+    CPU tensors give grpcio's bytes."""
+    native, grpcio = pair
+    parts_calls = []
+    real = _native.NativeChannel.call_parts
+    monkeypatch.setattr(_native.NativeChannel, "call_parts",
+                        lambda self, *a: parts_calls.append(len(a[1])) or real(self, *a))
+    rng = np.random.default_rng()
+    q, _ = make(rng, (33, 4, 64), "fp16")
+    k, _ = make(rng, (41, 2, 64), "fp16")
+    first = native.attend(q, k, k)
+    assert not first.o.flags.writeable  # a view of the answer
+    wide, _ = make(rng, (41, 4, 64), "fp16")
+    for args in [(first.o, k, k), (q, wide[:, ::2], k)]:
+        assert native.attend(*args).o.tobytes() == grpcio.attend(*args).o.tobytes()
+    assert parts_calls and all(n >= 4 for n in parts_calls)
+    try:
+        import torch
+    except ImportError:
+        return
+    t = [torch.from_numpy(np.ascontiguousarray(x)) for x in (q, k, k)]
+    assert native.attend(*t).o.numpy().tobytes() == grpcio.attend(q, k, k).o.tobytes()
+
+
 def test_steps_and_batch_steps_match_grpcio(pair):
     native, grpcio = pair
     rng = np.random.default_rng()

@@ -188,6 +188,24 @@ TEST_F(ClientCApiTest, EchoReturnsTheSameBytes) {
     ASSERT_EQ(a.code, 0) << a.message;
     EXPECT_EQ(EchoPayload(a.bytes), payload) << n << " bytes";
   }
+  // The same request in parts (tag and length, then the payload in three pieces).
+  const std::string payload3 = RandomBytes(30000, rng);
+  const std::string request = EchoRequest(payload3);
+  const size_t head = request.size() - payload3.size();
+  const void* parts[] = {request.data(), request.data() + head, request.data() + head + 7,
+                         request.data() + head + 20000};
+  const size_t sizes[] = {head, 7, 19993, 10000};
+  attn_c_response* response = nullptr;
+  char message[256];
+  ASSERT_EQ(attn_c_call_parts(client_, "Echo", parts, sizes, 4, 30000, &response, message,
+                              sizeof message), 0) << message;
+  std::string got(attn_c_response_size(response), '\0');
+  attn_c_response_take(response, got.data());
+  EXPECT_EQ(EchoPayload(got), payload3);
+  const void* null_part[] = {nullptr};
+  const size_t one[] = {1};
+  EXPECT_EQ(attn_c_call_parts(client_, "Echo", null_part, one, 1, 0, &response, message,
+                              sizeof message), 3);
   // response_bytes: the first bytes only.
   const std::string payload = RandomBytes(1000, rng);
   Answer a = Call(client_, "Echo", EchoRequest(payload, 10));

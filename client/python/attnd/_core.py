@@ -222,7 +222,8 @@ def _window(window: Optional[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
 
 
 class Prepared:
-    """A request ready to send: its bytes and what reading its answer needs."""
+    """A request ready to send: its bytes (or its _wire.Message in parts) and what reading its
+    answer needs."""
 
     __slots__ = ("message", "maker", "out", "lse_out", "o_in_region", "lse_in_region", "cuda_sync")
 
@@ -282,15 +283,21 @@ def prepare_attend(regions: RegionTable, q: Any, k: Any, v: Any, *,
                    cu_seqlens_q: Optional[Sequence[int]], cu_seqlens_k: Optional[Sequence[int]],
                    causal: bool, window: Optional[Tuple[int, int]], scale: float,
                    return_lse: bool, high_priority: bool, out: Any, lse_out: Any,
-                   request_id: int = 0, fp8: Optional[bytes] = None) -> Prepared:
+                   request_id: int = 0, fp8: Optional[bytes] = None,
+                   joined: bool = True) -> Prepared:
     maker = _tensors.OutputMaker(q)
     ps, placed, device = _inputs(regions, q, k, v, ("q", "k", "v"))
     outputs, o_in, lse_in = _outputs(regions, out, lse_out)
     m = _wire.attend_request(ps[0], ps[1], ps[2], placed, _seqlens(cu_seqlens_q),
                              _seqlens(cu_seqlens_k), causal, float(scale or 0.0), _window(window),
                              return_lse, high_priority, request_id, outputs, fp8)
-    return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in,
-                    device)
+    return Prepared(_message(m, joined), maker, out, lse_out, o_in, lse_in, device)
+
+
+def _message(m: _wire.Message, joined: bool) -> Any:
+    """m's bytes, or (joined=False: for a transport that sends parts as they lie) m itself unless
+    a part is on a GPU."""
+    return m if not joined and not m.cuda else _tensors.assemble(m.parts, m.size, m.cuda)
 
 
 def _seqlens(values: Optional[Sequence[int]]) -> Optional[Sequence[int]]:
@@ -325,11 +332,12 @@ def step_message(regions: RegionTable, session: Any, layer: int, q: Any, k_new: 
 
 def prepare_step(regions: RegionTable, session: Any, layer: int, q: Any, k_new: Any, v_new: Any,
                  scale: float, return_lse: bool, window: Optional[Tuple[int, int]], out: Any,
-                 lse_out: Any, k_new_scales: Any = None, v_new_scales: Any = None) -> Prepared:
+                 lse_out: Any, k_new_scales: Any = None, v_new_scales: Any = None,
+                 joined: bool = True) -> Prepared:
     m, maker, o_in, lse_in, sync = step_message(regions, session, layer, q, k_new, v_new, scale,
                                                 return_lse, window, out, lse_out, k_new_scales,
                                                 v_new_scales)
-    return Prepared(_tensors.assemble(m.parts, m.size, m.cuda), maker, out, lse_out, o_in, lse_in, sync)
+    return Prepared(_message(m, joined), maker, out, lse_out, o_in, lse_in, sync)
 
 
 def as_step_item(item: Any) -> StepItem:

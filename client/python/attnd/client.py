@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import grpc
 
-from . import _core, _native, _proto, _wire
+from . import _core, _native, _proto, _tensors, _wire
 from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
 from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
@@ -142,7 +142,12 @@ class Client(_ChannelSet):
     # ---- plumbing -------------------------------------------------------------------------------
 
     def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
+        """A unary call with retries of UNAVAILABLE for the calls that change nothing. request:
+        a message's bytes, a protobuf message, or a _wire.Message in parts (Attend and Step: sent
+        part by part on the native transport, joined for grpcio)."""
         native = self._native if method in _native.METHODS else None
+        if type(request) is _wire.Message and (native is None or request.cuda):
+            request = _tensors.assemble(request.parts, request.size, request.cuda)
         call = None if native is not None else self._methods()[method]
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
@@ -150,6 +155,8 @@ class Client(_ChannelSet):
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
                 if native is not None:
+                    if type(request) is _wire.Message:
+                        return native.call_parts(method, request.parts, left)
                     return native.call(method, request, left)
                 return call(request, timeout=left, metadata=self._metadata,
                             wait_for_ready=self._wait)
@@ -219,7 +226,8 @@ class Client(_ChannelSet):
                                  cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
                                  scale=scale, return_lse=return_lse, high_priority=high_priority,
                                  out=out, lse_out=lse_out,
-                                 fp8=_core.fp8_field(q_descale, k_descale, v_descale, o_dtype))
+                                 fp8=_core.fp8_field(q_descale, k_descale, v_descale, o_dtype),
+                                 joined=self._native is None)
         _core.cuda_synchronize(p.cuda_sync)
         buf = self._unary("Attend", p.message, self._timeout(timeout))
         return _core.read_attend(buf, p)
@@ -354,7 +362,8 @@ class Client(_ChannelSet):
             if done is not None:
                 return StepResult(*done)
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
-                               window, out, lse_out, k_new_scales, v_new_scales)
+                               window, out, lse_out, k_new_scales, v_new_scales,
+                               joined=native is None)
         _core.cuda_synchronize(p.cuda_sync)
         buf = self._unary("Step", p.message, self._timeout(timeout))
         return _core.read_step(buf, p)

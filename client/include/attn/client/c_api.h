@@ -52,6 +52,12 @@ int attn_c_call(attn_c_client* client, const char* method, const void* request,
                 size_t request_size, int64_t timeout_ms, attn_c_response** response,
                 char* message, size_t message_size);
 
+/* The same with the request's bytes in n parts, sent in order as they lie (none copied): a
+ * message whose tensors stay in the caller's arrays. */
+int attn_c_call_parts(attn_c_client* client, const char* method, const void* const* parts,
+                      const size_t* sizes, size_t n, int64_t timeout_ms,
+                      attn_c_response** response, char* message, size_t message_size);
+
 /* One Step written and read here: q [q0, q1, q2], k_new and v_new [k0, k1, k2] (dtype: attn.v1
  * DType numbers, data read in place) with the options of attn.v1 StepRequest (window -1/-1:
  * none). o (o_size bytes: q's dtype and shape) and, with return_lse, lse (lse_size bytes: float32
