@@ -5,8 +5,9 @@ GQA 32/8, d=128, bf16, the cache kept between --cache and --cache + 64 tokens):
   library, coded once   the native transport's library called with a Step's bytes coded once
                         (no Python per call but the ctypes call): the transport's own cost
   Client.step native    the blocking client on the native transport, split into the Python
-                        before its compiled part (attnd._fast where it loads, else the
-                        library's attn_c_step through ctypes), that part, and the Python after
+                        before its compiled part (attnd._fast.step where it loads, else the
+                        library call of the message the package coded), that part, and the
+                        Python after it
   Client.step grpcio    the same client on grpcio
   attn-bench            the C++ client's Step and its Echo of the same bytes
 
@@ -80,11 +81,15 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--duration", type=float, default=3)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--without-fast", action="store_true",
+                   help="leave attnd._fast out, as on an interpreter it does not load in")
     args = p.parse_args()
     native = attnd.Client(args.target, transport="native")
     grpcio = attnd.Client(args.target, transport="grpcio")
     lib, why = _native.load()
     assert lib is not None, why
+    if args.without_fast:
+        _native._fast = None
     rng = np.random.default_rng(1)
     session = native.create_session(1, KV_HEADS, D, "bf16")
     for at in range(0, args.cache, 1024):
@@ -104,10 +109,11 @@ def main() -> int:
         lib.attn_c_response_free(response)
 
     # The native Client.step, its call into compiled code (attnd._fast.step where that module
-    # loads, else the library's attn_c_step) timed apart from the Python before and after it.
+    # loads, else the library call of the message the package coded) timed apart from the Python
+    # before and after it.
     marks: Dict[str, float] = {}
     fast = _native._fast
-    real = fast.step if fast is not None else lib.attn_c_step
+    real = fast.step if fast is not None else native._native.call_parts
 
     def timed(*a):
         marks["in"] = time.perf_counter()
@@ -118,9 +124,10 @@ def main() -> int:
     def time_calls(on: bool) -> None:
         if fast is not None:
             _native._fast = type("Fast", (), {"step": staticmethod(timed)}) if on else fast
+        elif on:
+            native._native.call_parts = timed
         else:
-            native._native._lib = type("Lib", (), {"attn_c_step": staticmethod(timed)}) if on \
-                else lib
+            del native._native.call_parts
 
     splits: Dict[str, List[float]] = {"before": [], "after": []}
 
@@ -134,7 +141,8 @@ def main() -> int:
     grpcio_session = grpcio.session(session.id)
     print(f"attnd at {args.target}; Python {sys.version.split()[0]}, grpcio "
           f"{__import__('grpc').__version__}; cache {args.cache}; p50 us per call; the native "
-          f"step's compiled part: {'attnd._fast' if fast is not None else 'attn_c_step (ctypes)'}",
+          f"step's compiled part: "
+          f"{'attnd._fast.step' if fast is not None else 'attn_c_call_parts (ctypes)'}",
           flush=True)
     print(f"{'round':>5} {'library, coded once':>20} {'Client.step native':>19} "
           f"{'(Python before':>14} {'after)':>7} {'Client.step grpcio':>19} "

@@ -1,10 +1,12 @@
 """The native transport of the blocking Client: Attend, Echo, Step and BatchStep sent by the C++
 client library (libattn_client_c.so, attn/client/c_api.h) instead of grpcio.
 
-The request is the same bytes the grpcio path sends, read in place by the library; the answer is
-copied once, from gRPC's slices into a fresh bytes object, as grpcio does. What it saves is
-grpcio's own cost per call, which on some hosts is several times the C++ client's (docs/PERF.md).
-ctypes releases the GIL for the length of a call, so other threads run meanwhile.
+The request is the same bytes the grpcio path sends, in its parts (the small fields and the
+caller's arrays where they lie: none joined or copied); the answer is copied once, from gRPC's
+slices into a fresh bytes object, as grpcio does. A Step of numpy arrays is coded and read by the
+library itself, called from attnd._fast (attnd/_fast.c) where that module loads. What this saves
+is grpcio's own cost per call, which on some hosts is several times the C++ client's, and the
+Python work of coding (docs/PERF.md). The GIL is released for the length of a call.
 
 The library is found at $ATTND_NATIVE_LIB, else next to this module (where the build tree's copy
 of the package and `ATTND_NATIVE_LIB=... pip install` put it). Without it, or with settings it
@@ -23,7 +25,7 @@ import grpc
 
 import numpy as np
 
-from ._tensors import _NP_CODES, _pybytes_new
+from ._tensors import _pybytes_new
 from ._wire import ServerTiming
 from .errors import InvalidArgument, status_code
 
@@ -31,7 +33,6 @@ LIBRARY = "libattn_client_c.so"
 ABI_VERSION = 1
 METHODS = frozenset(("Attend", "Echo", "Step", "BatchStep"))
 _MESSAGE_BYTES = 4096
-_TIMING_BYTES = 512
 
 _lock = threading.Lock()
 _loaded: Optional[Tuple[Optional[ctypes.CDLL], str]] = None
@@ -79,18 +80,6 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
                                       ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64,
                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
                                       ctypes.c_size_t)
-    lib.attn_c_call.restype = ctypes.c_int
-    lib.attn_c_call.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
-                                ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
-                                ctypes.c_size_t)
-    tensor = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-              ctypes.c_size_t]
-    lib.attn_c_step.restype = ctypes.c_int
-    lib.attn_c_step.argtypes = tuple(
-        [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32] + tensor * 3 +
-        [ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
-         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t])
     lib.attn_c_response_size.restype = ctypes.c_size_t
     lib.attn_c_response_size.argtypes = (ctypes.c_void_p,)
     lib.attn_c_response_take.restype = None
@@ -198,19 +187,9 @@ class NativeChannel:
         return s
 
     def call(self, method: str, request: Any, timeout: Optional[float]) -> bytes:
-        """One blocking call; the answer's bytes, or CallError."""
-        handle = self._handle
-        if handle is None:
-            raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
-        data, size = _address(request)
-        timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
-        s = self._scratch()
-        response = s.response
-        code = self._lib.attn_c_call(handle, self._methods[method], data, size, timeout_ms,
-                                     s.response_ref, s.message, _MESSAGE_BYTES)
-        if code != 0:
-            raise CallError(code, s.message.value.decode(errors="replace"))
-        return self._take(response)
+        """One blocking call of a message's bytes (any buffer, read in place); the answer's
+        bytes, or CallError."""
+        return self.call_parts(method, [request], timeout)
 
     def call_parts(self, method: str, parts: List[Any], timeout: Optional[float]) -> bytes:
         """call() of a message still in its parts (bytes and the caller's CPU buffers, in
@@ -223,75 +202,42 @@ class NativeChannel:
         sizes = (ctypes.c_size_t * n)()
         for i, part in enumerate(parts):
             addresses[i], sizes[i] = _part_address(part)
-        timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
         s = self._scratch()
         code = self._lib.attn_c_call_parts(handle, self._methods[method], addresses, sizes, n,
-                                           timeout_ms, s.response_ref, s.message, _MESSAGE_BYTES)
+                                           _timeout_ms(timeout), s.response_ref, s.message,
+                                           _MESSAGE_BYTES)
         if code != 0:
             raise CallError(code, s.message.value.decode(errors="replace"))
-        return self._take(s.response)
-
-    def _take(self, response: Any) -> bytes:
-        n = self._lib.attn_c_response_size(response)
+        n = self._lib.attn_c_response_size(s.response)
         out = _pybytes_new(None, n)  # fresh: nobody else has seen it yet
-        self._lib.attn_c_response_take(response, out)  # a bytes argument passes its buffer
+        self._lib.attn_c_response_take(s.response, out)  # a bytes argument passes its buffer
         return out
 
     def step(self, session_id: str, layer: int, q: Any, k_new: Any, v_new: Any, scale: float,
              return_lse: bool, window: Optional[Tuple[int, int]], timeout: Optional[float]) -> Any:
-        """A Step coded and read by the library, q, k_new and v_new read in place and o written
-        straight into the answer's array: (o, lse, cached_tokens, timing), or None when the step
-        is not one it takes (tensors other than C-contiguous numpy arrays of 3 dimensions): the
-        caller then codes it itself. Kept short: a decode step's client time is mostly this
-        function's. Raises CallError."""
-        if _fast is not None:
-            if type(q) is not np.ndarray or type(k_new) is not np.ndarray or \
-                    type(v_new) is not np.ndarray:
-                return None
-            handle = self._handle
-            if handle is None:
-                raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
-            left, right = window if window is not None else (-1, -1)
-            r = _fast.step(handle, session_id.encode(), layer, q, k_new, v_new, scale, return_lse,
-                           left, right,
-                           -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999)))
-            if r is None or r[0] == 0:
-                return r and (np.frombuffer(r[1], dtype=q.dtype).reshape(q.shape),
-                              None if r[2] is None else np.frombuffer(r[2], dtype=np.float32)
-                              .reshape(q.shape[1], q.shape[0]), r[3],
-                              ServerTiming(r[4], (0, len(r[4]))))
-            raise CallError(r[0], r[1])
-        args: List[Any] = []
-        for x in (q, k_new, v_new):
-            if type(x) is not np.ndarray or x.ndim != 3 or not x.flags.c_contiguous:
-                return None
-            code = _NP_CODES.get(x.dtype)
-            if code is None:
-                return None
-            shape = x.shape
-            args += (code, shape[0], shape[1], shape[2], x.ctypes.data, x.nbytes)
+        """A Step coded and read by the library (attn_c_step, called by attnd._fast): q, k_new
+        and v_new read in place, o written straight into the answer's array. (o, lse,
+        cached_tokens, timing), or None when it does not take the step (no attnd._fast, or
+        tensors other than C-contiguous numpy arrays of 3 dimensions and a wire dtype): the
+        caller then codes it itself. Raises CallError."""
+        if _fast is None or type(q) is not np.ndarray or type(k_new) is not np.ndarray or \
+                type(v_new) is not np.ndarray:
+            return None
         handle = self._handle
         if handle is None:
             raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
-        s = self._scratch()
-        o_bytes = q.nbytes
-        o = _pybytes_new(None, o_bytes)  # fresh: nobody else has seen them yet
-        lse_bytes = 4 * q.shape[0] * q.shape[1] if return_lse else 0
-        lse = _pybytes_new(None, lse_bytes) if return_lse else None
         left, right = window if window is not None else (-1, -1)
-        timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
-        code = self._lib.attn_c_step(
-            handle, session_id.encode(), layer, *args, scale, 1 if return_lse else 0, left, right,
-            timeout_ms, o, o_bytes, lse, lse_bytes, s.cached_ref, s.timing, _TIMING_BYTES,
-            s.timing_size_ref, s.message, _MESSAGE_BYTES)
-        if code != 0:
-            raise CallError(code, s.message.value.decode(errors="replace"))
-        n = s.timing_size.value
-        o_array = np.frombuffer(o, dtype=q.dtype).reshape(q.shape)
-        lse_array = np.frombuffer(lse, dtype=np.float32).reshape(q.shape[1], q.shape[0]) \
-            if return_lse else None
-        return o_array, lse_array, s.cached.value, ServerTiming(ctypes.string_at(s.timing, n),
-                                                                  (0, n))
+        r = _fast.step(handle, session_id.encode(), layer, q, k_new, v_new, scale, return_lse,
+                       left, right, _timeout_ms(timeout))
+        if r is None:
+            return None
+        if r[0] != 0:
+            raise CallError(r[0], r[1])
+        _, o, lse, cached, timing = r
+        return (np.frombuffer(o, dtype=q.dtype).reshape(q.shape),
+                None if lse is None else
+                np.frombuffer(lse, dtype=np.float32).reshape(q.shape[1], q.shape[0]),
+                cached, ServerTiming(timing, (0, len(timing))))
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
@@ -303,6 +249,10 @@ class NativeChannel:
             self.close()
         except Exception:  # interpreter shutting down
             pass
+
+
+def _timeout_ms(timeout: Optional[float]) -> int:
+    return -1 if timeout is None else max(1, int(timeout * 1000.0 + 0.999))
 
 
 def _part_address(part: Any) -> Tuple[int, int]:
@@ -321,22 +271,3 @@ class _Scratch:
         self.message = ctypes.create_string_buffer(_MESSAGE_BYTES)
         self.response = ctypes.c_void_p()
         self.response_ref = ctypes.byref(self.response)
-        self.cached = ctypes.c_int64()
-        self.cached_ref = ctypes.byref(self.cached)
-        self.timing = ctypes.create_string_buffer(_TIMING_BYTES)
-        self.timing_size = ctypes.c_size_t()
-        self.timing_size_ref = ctypes.byref(self.timing_size)
-
-
-def _address(request: Any) -> Tuple[Any, int]:
-    """The request's bytes as (pointer, size) without a copy: bytes in place, any other buffer
-    (bytearray, memoryview) through ctypes' view of it."""
-    if isinstance(request, bytes):
-        return request, len(request)
-    view = memoryview(request).cast("B")
-    n = view.nbytes
-    if n == 0:
-        return None, 0
-    if view.readonly:  # a read-only buffer's address, through numpy's view of it
-        return ctypes.c_void_p(np.frombuffer(view, dtype=np.uint8).ctypes.data), n
-    return (ctypes.c_char * n).from_buffer(view), n
