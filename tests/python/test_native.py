@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import attnd
-from attnd import _native
+from attnd import _core, _native
 from conftest import TOLERANCE, make, reference, relative_error, values
 
 NATIVE_REQUIRED = os.environ.get("ATTND_REQUIRE_NATIVE") == "1"
@@ -56,29 +56,35 @@ def test_attend_answers_are_the_same_bytes(pair, dtype):
 
 
 def test_attend_sends_the_callers_arrays_as_they_lie(pair, monkeypatch):
-    """On the native transport an Attend's message goes out in its parts (the caller's arrays, not
-    joined): read-only arrays (a previous answer), strided ones (made contiguous first) and torch
-    CPU tensors give grpcio's bytes."""
+    """On the native transport a large Attend's message goes out in its parts (the caller's
+    arrays, not joined; a small one is joined, which costs less): read-only arrays (a previous
+    answer), strided ones (made contiguous first) and torch CPU tensors give grpcio's bytes."""
     native, grpcio = pair
     parts_calls = []
     real = _native.NativeChannel.call_parts
     monkeypatch.setattr(_native.NativeChannel, "call_parts",
                         lambda self, *a: parts_calls.append(len(a[1])) or real(self, *a))
     rng = np.random.default_rng()
-    q, _ = make(rng, (33, 4, 64), "fp16")
-    k, _ = make(rng, (41, 2, 64), "fp16")
+    q, _ = make(rng, (1100, 2, 64), "fp16")  # 275 KiB: above PARTS_MIN_BYTES with k and v
+    k, _ = make(rng, (300, 1, 64), "fp16")
+    assert q.nbytes + 2 * k.nbytes > _core.PARTS_MIN_BYTES
     first = native.attend(q, k, k)
     assert not first.o.flags.writeable  # a view of the answer
-    wide, _ = make(rng, (41, 4, 64), "fp16")
+    wide, _ = make(rng, (300, 2, 64), "fp16")
     for args in [(first.o, k, k), (q, wide[:, ::2], k)]:
         assert native.attend(*args).o.tobytes() == grpcio.attend(*args).o.tobytes()
-    assert parts_calls and all(n >= 4 for n in parts_calls)
+    assert len(parts_calls) == 3 and all(n >= 4 for n in parts_calls)
+    small, _ = make(rng, (8, 2, 64), "fp16")
+    assert native.attend(small, small, small).o.tobytes() == \
+        grpcio.attend(small, small, small).o.tobytes()
+    assert parts_calls[-1] == 1  # joined
     try:
         import torch
     except ImportError:
         return
     t = [torch.from_numpy(np.ascontiguousarray(x)) for x in (q, k, k)]
     assert native.attend(*t).o.numpy().tobytes() == grpcio.attend(q, k, k).o.tobytes()
+    assert parts_calls[-1] >= 4
 
 
 def test_steps_and_batch_steps_match_grpcio(pair):

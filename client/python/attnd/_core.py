@@ -294,10 +294,17 @@ def prepare_attend(regions: RegionTable, q: Any, k: Any, v: Any, *,
     return Prepared(_message(m, joined), maker, out, lse_out, o_in, lse_in, device)
 
 
+# Below this a message is joined even for a transport that sends parts as they lie: the copy is
+# cheaper than handing over each part's address (bench/python_step_overhead.py --without-fast).
+PARTS_MIN_BYTES = 256 << 10
+
+
 def _message(m: _wire.Message, joined: bool) -> Any:
-    """m's bytes, or (joined=False: for a transport that sends parts as they lie) m itself unless
-    a part is on a GPU."""
-    return m if not joined and not m.cuda else _tensors.assemble(m.parts, m.size, m.cuda)
+    """m's bytes, or (joined=False: for a transport that sends parts as they lie) m itself when it
+    is large and no part is on a GPU."""
+    if joined or m.cuda or m.size < PARTS_MIN_BYTES:
+        return _tensors.assemble(m.parts, m.size, m.cuda)
+    return m
 
 
 def _seqlens(values: Optional[Sequence[int]]) -> Optional[Sequence[int]]:
