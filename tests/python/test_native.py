@@ -20,6 +20,12 @@ from conftest import TOLERANCE, make, reference, relative_error, values
 NATIVE_REQUIRED = os.environ.get("ATTND_REQUIRE_NATIVE") == "1"
 
 
+def step_inputs(rng, tokens: int, dtype: str, d: int = 64):
+    """Fresh q [tokens, 4, d], k_new and v_new [tokens, 2, d] in dtype."""
+    return (make(rng, (tokens, 4, d), dtype)[0], make(rng, (tokens, 2, d), dtype)[0],
+            make(rng, (tokens, 2, d), dtype)[0])
+
+
 @pytest.fixture(scope="module")
 def pair(server):
     """A native client and a grpcio client of the same attnd."""
@@ -93,10 +99,7 @@ def test_steps_and_batch_steps_match_grpcio(pair):
     sessions = [c.create_session(2, 2, 64, "fp16") for c in (native, grpcio, native, grpcio)]
     try:
         for t in range(6):
-            n = 9 if t == 0 else 1
-            q, _ = make(rng, (n, 4, 64), "fp16")
-            k, _ = make(rng, (n, 2, 64), "fp16")
-            v, _ = make(rng, (n, 2, 64), "fp16")
+            q, k, v = step_inputs(rng, 9 if t == 0 else 1, "fp16")
             for layer in range(2):
                 a = native.step(sessions[0], layer, q, k, v, return_lse=True)
                 b = grpcio.step(sessions[1], layer, q, k, v, return_lse=True)
@@ -145,10 +148,7 @@ def test_steps_take_the_librarys_path_where_they_can(pair, monkeypatch, compiled
     try:
         for t, opts in enumerate([{}, {"return_lse": True}, {"window": (5, 0), "scale": 0.3},
                                   {"return_lse": True, "window": (-1, 0)}]):
-            n = 17 if t == 0 else 2
-            q, _ = make(rng, (n, 4, 128), "bf16")
-            k, _ = make(rng, (n, 2, 128), "bf16")
-            v, _ = make(rng, (n, 2, 128), "bf16")
+            q, k, v = step_inputs(rng, 17 if t == 0 else 2, "bf16", d=128)
             x = native.step(a, 0, q, k, v, **opts)
             y = grpcio.step(b, 0, q, k, v, **opts)
             assert x.o.tobytes() == y.o.tobytes() and x.cached_tokens == y.cached_tokens
@@ -216,10 +216,7 @@ def test_concurrent_calls_keep_to_their_own_sessions(pair):
         b = grpcio.create_session(1, 2, 64, "bf16")
         try:
             for t in range(12):
-                n = 5 if t == 0 else 1
-                q, _ = make(rng, (n, 4, 64), "bf16")
-                k, _ = make(rng, (n, 2, 64), "bf16")
-                v, _ = make(rng, (n, 2, 64), "bf16")
+                q, k, v = step_inputs(rng, 5 if t == 0 else 1, "bf16")
                 if native.step(a, 0, q, k, v).o.tobytes() != grpcio.step(b, 0, q, k, v).o.tobytes():
                     wrong.append((seed, t))
         finally:
