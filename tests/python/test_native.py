@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +237,37 @@ def test_a_closed_client_refuses_calls(server, pair):
     c.close()
     with pytest.raises(attnd.AttndError, match="closed"):
         c.echo(b"x")
+
+
+def test_closing_while_calls_are_in_flight(server, pair):
+    """close() from one thread while others call: their calls finish or fail with CANCELLED
+    ("closed"), and nothing crashes (the library's client is freed after the last call)."""
+    c = attnd.Client(server.target, transport="native")
+    rng = np.random.default_rng()
+    sessions = [c.create_session(1, 2, 64, "fp16") for _ in range(4)]
+    outcomes, started = [], threading.Barrier(5)
+
+    def run(session):
+        started.wait()
+        while True:  # until the client is closed under it
+            q, k, v = step_inputs(rng, 1, "fp16")
+            try:
+                session.step(0, q, k, v)
+                c.echo(b"x" * 5000)
+                outcomes.append("ok")
+            except attnd.AttndError as e:
+                outcomes.append("closed" if "closed" in str(e) else repr(e))
+                return
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.05)
+    c.close()
+    for t in threads:
+        t.join()
+    assert set(outcomes) <= {"ok", "closed"} and outcomes.count("closed") == 4, outcomes[-8:]
 
 
 def test_settings_that_the_native_transport_cannot_take(server, pair, monkeypatch):

@@ -178,6 +178,11 @@ class NativeChannel:
             raise InvalidArgument(f"native transport: {error.value.decode(errors='replace')}")
         self._handle: Optional[int] = handle
         self._methods = {m: m.encode() for m in METHODS}
+        # Calls in flight, so that close() during them frees the library's client only after the
+        # last one returns (it would otherwise be freed under them).
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._closing = False
         self._local = threading.local()  # each thread's out-parameters (_Scratch)
 
     def _scratch(self) -> "_Scratch":
@@ -194,18 +199,19 @@ class NativeChannel:
     def call_parts(self, method: str, parts: List[Any], timeout: Optional[float]) -> bytes:
         """call() of a message still in its parts (bytes and the caller's CPU buffers, in
         order): each goes out where it lies, none is joined or copied."""
-        handle = self._handle
-        if handle is None:
-            raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
         n = len(parts)
         addresses = (ctypes.c_void_p * n)()
         sizes = (ctypes.c_size_t * n)()
         for i, part in enumerate(parts):
             addresses[i], sizes[i] = _part_address(part)
         s = self._scratch()
-        code = self._lib.attn_c_call_parts(handle, self._methods[method], addresses, sizes, n,
-                                           _timeout_ms(timeout), s.response_ref, s.message,
-                                           _MESSAGE_BYTES)
+        handle = self._enter()
+        try:
+            code = self._lib.attn_c_call_parts(handle, self._methods[method], addresses, sizes, n,
+                                               _timeout_ms(timeout), s.response_ref, s.message,
+                                               _MESSAGE_BYTES)
+        finally:
+            self._leave()
         if code != 0:
             raise CallError(code, s.message.value.decode(errors="replace"))
         n = self._lib.attn_c_response_size(s.response)
@@ -223,12 +229,13 @@ class NativeChannel:
         if _fast is None or type(q) is not np.ndarray or type(k_new) is not np.ndarray or \
                 type(v_new) is not np.ndarray:
             return None
-        handle = self._handle
-        if handle is None:
-            raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
         left, right = window if window is not None else (-1, -1)
-        r = _fast.step(handle, session_id.encode(), layer, q, k_new, v_new, scale, return_lse,
-                       left, right, _timeout_ms(timeout))
+        handle = self._enter()
+        try:
+            r = _fast.step(handle, session_id.encode(), layer, q, k_new, v_new, scale, return_lse,
+                           left, right, _timeout_ms(timeout))
+        finally:
+            self._leave()
         if r is None:
             return None
         if r[0] != 0:
@@ -239,7 +246,32 @@ class NativeChannel:
                 np.frombuffer(lse, dtype=np.float32).reshape(q.shape[1], q.shape[0]),
                 cached, ServerTiming(timing, (0, len(timing))))
 
+    def _enter(self) -> int:
+        with self._lock:
+            if self._closing:
+                raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
+            self._in_flight += 1
+            return self._handle
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            last = self._closing and self._in_flight == 0
+        if last:
+            self._destroy()
+
     def close(self) -> None:
+        """Frees the library's client now, or once the calls in flight have returned; calls made
+        after close() fail with CANCELLED."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            now = self._in_flight == 0
+        if now:
+            self._destroy()
+
+    def _destroy(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
             self._lib.attn_c_client_destroy(handle)
