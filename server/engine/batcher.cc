@@ -65,7 +65,7 @@ absl::Status Batcher::Submit(std::unique_ptr<Job>& job) {
   }
   if (st.ok()) {
     DispatchReadyNow();
-    cv_.notify_all();
+    WakeDispatcherIfQueued();
   }
   return st;
 }
@@ -78,8 +78,15 @@ std::vector<absl::Status> Batcher::SubmitAll(std::span<std::unique_ptr<Job>> job
     for (auto& job : jobs) status.push_back(SubmitLocked(job));
   }
   DispatchReadyNow();
-  cv_.notify_all();
+  WakeDispatcherIfQueued();
   return status;
+}
+
+void Batcher::WakeDispatcherIfQueued() {
+  // The dispatcher has work only for jobs still queued (its delay timer, their deadlines): a job
+  // dispatched at once from the caller's thread would wake it for nothing, once per call.
+  std::lock_guard<std::mutex> lock(mu_);
+  if (queued_ > 0) cv_.notify_all();
 }
 
 void Batcher::DispatchReadyNow() {
@@ -309,9 +316,10 @@ void Batcher::FinishBatch(Queue& q, const BatchReport& report) {
   DispatchReadyNow();
   std::lock_guard<std::mutex> lock(mu_);
   --finishing_;
+  // Drain waits for the batches to finish, and the dispatcher for jobs still queued; nobody else.
   // Notified under the lock: once Drain sees the last batch finish, ~Batcher may destroy cv_,
   // which must not happen while this thread is still inside notify_all (found by TSan).
-  cv_.notify_all();
+  if (draining_ || queued_ > 0) cv_.notify_all();
 }
 
 }  // namespace attn

@@ -94,6 +94,8 @@ class Batcher {
   // Sends every batch that is ready now from the calling thread (a submitter, or a runner that
   // just finished a batch), without waking the dispatcher: a lone job's latency.
   void DispatchReadyNow();
+  // Wakes the dispatcher when jobs are left queued (after DispatchReadyNow).
+  void WakeDispatcherIfQueued();
   // Hands batch to q's runner and records its queueing time (mu_ not held).
   void Dispatch(Queue& q, JobBatch batch, Clock::time_point now);
   void DispatchLoop();
