@@ -6,13 +6,13 @@
 #include <memory>
 #include <string>
 #include <string_view>
-
-#include "absl/strings/string_view.h"
+#include <vector>
 
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "attn/client/client.h"
 #include "attn/client/wire_coding.h"
 
@@ -123,6 +123,28 @@ bool MethodOf(absl::string_view name, Client::RawMethod* out) {
   return true;
 }
 
+// A blocking call of the request make builds over borrowed slices (the caller's bytes go out in
+// place); returns once gRPC has let go of them.
+template <typename Make>
+grpc::Status CallBorrowing(attn_c_client* client, Client::RawMethod method, int64_t timeout_ms,
+                           Make make, grpc::ByteBuffer* response) {
+  attn::client::BorrowedSlices borrowed;
+  return client->client->CallUnary(method, make(&borrowed),
+                                   std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
+                                   response);
+}
+
+// A failed call's status code, its message written out.
+int Failed(const absl::Status& st, char* message, size_t message_size) {
+  WriteMessage(st.message(), message, message_size);
+  return static_cast<int>(st.code());
+}
+
+int Failed(const grpc::Status& st, char* message, size_t message_size) {
+  WriteMessage(st.error_message(), message, message_size);
+  return static_cast<int>(st.error_code());
+}
+
 }  // namespace
 
 ATTN_C_EXPORT int attn_c_abi_version(void) { return ATTN_C_ABI_VERSION; }
@@ -139,13 +161,13 @@ ATTN_C_EXPORT attn_c_client* attn_c_client_create(const char* const* keys,
       return nullptr;
     }
     if (absl::Status st = Apply(keys[i], values[i], &options); !st.ok()) {
-      WriteMessage(st.message(), error, error_size);
+      Failed(st, error, error_size);
       return nullptr;
     }
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
   if (!client.ok()) {
-    WriteMessage(client.status().message(), error, error_size);
+    Failed(client.status(), error, error_size);
     return nullptr;
   }
   return new attn_c_client{std::move(*client)};
@@ -173,25 +195,18 @@ ATTN_C_EXPORT int attn_c_call_parts(attn_c_client* client, const char* method,
     }
   }
   auto out = std::make_unique<attn_c_response>();
-  grpc::Status st;
-  {
-    attn::client::BorrowedSlices borrowed;  // the caller's bytes go out in place
-    std::vector<grpc::Slice> slices;
-    slices.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (sizes[i] > 0) slices.push_back(borrowed.Borrow(parts[i], sizes[i]));
-    }
-    grpc::ByteBuffer buffer(slices.data(), slices.size());
-    slices.clear();
-    st = client->client->CallUnary(raw, std::move(buffer),
-                                   std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
-                                   &out->buffer);
-    // ~BorrowedSlices: returns once gRPC has let go of the request's bytes.
-  }
-  if (!st.ok()) {
-    WriteMessage(st.error_message(), message, message_size);
-    return static_cast<int>(st.error_code());
-  }
+  const grpc::Status st = CallBorrowing(
+      client, raw, timeout_ms,
+      [&](attn::client::BorrowedSlices* borrowed) {
+        std::vector<grpc::Slice> slices;
+        slices.reserve(n);
+        for (size_t i = 0; i < n; ++i) {
+          if (sizes[i] > 0) slices.push_back(borrowed->Borrow(parts[i], sizes[i]));
+        }
+        return grpc::ByteBuffer(slices.data(), slices.size());
+      },
+      &out->buffer);
+  if (!st.ok()) return Failed(st, message, message_size);
   out->size = out->buffer.Length();
   *response = out.release();
   return 0;
@@ -205,16 +220,6 @@ ATTN_C_EXPORT int attn_c_call(attn_c_client* client, const char* method, const v
 }
 
 namespace {
-
-bool DTypeOf(int32_t code, attn::client::DType* out) {
-  switch (code) {
-    case attn::v1::DTYPE_FLOAT32: *out = attn::client::DType::kFloat32; return true;
-    case attn::v1::DTYPE_FLOAT16: *out = attn::client::DType::kFloat16; return true;
-    case attn::v1::DTYPE_BFLOAT16: *out = attn::client::DType::kBFloat16; return true;
-    case attn::v1::DTYPE_FLOAT8_E4M3: *out = attn::client::DType::kFloat8E4M3; return true;
-    default: return false;
-  }
-}
 
 // Copies the pieces of a decoded output to dst, which must hold exactly their bytes.
 absl::Status CopyOutput(const char* what, const std::vector<std::string_view>& pieces,
@@ -289,11 +294,13 @@ ATTN_C_EXPORT int attn_c_step(attn_c_client* client, const char* session_id, int
   TensorRef* refs[3] = {&in.q, &in.k_new, &in.v_new};
   const char* names[3] = {"q", "k_new", "v_new"};
   for (int i = 0; i < 3; ++i) {
-    if (!DTypeOf(dtypes[i], &refs[i]->dtype) || (data[i] == nullptr && sizes[i] > 0)) {
+    const auto dtype = attn::client::FromWireDType(static_cast<attn::v1::DType>(dtypes[i]));
+    if (!dtype.ok() || (data[i] == nullptr && sizes[i] > 0)) {
       WriteMessage(absl::StrCat("attn_c_step: ", names[i], ": unknown dtype ", dtypes[i],
                                 " or NULL data"), message, message_size);
       return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
     }
+    refs[i]->dtype = *dtype;
     refs[i]->shape = shapes[i];
     refs[i]->data = std::string_view(static_cast<const char*>(data[i]), sizes[i]);
   }
@@ -310,26 +317,17 @@ ATTN_C_EXPORT int attn_c_step(attn_c_client* client, const char* session_id, int
   in.options.window_left = window_left;
   in.options.window_right = window_right;
   grpc::ByteBuffer response;
-  grpc::Status st;
-  {
-    attn::client::BorrowedSlices borrowed;  // q, k_new and v_new go out in place
-    st = client->client->CallUnary(Client::RawMethod::kStep,
-                                   attn::client::EncodeStepRequest(in, &borrowed),
-                                   std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)),
-                                   &response);
-  }
-  if (!st.ok()) {
-    WriteMessage(st.error_message(), message, message_size);
-    return static_cast<int>(st.error_code());
-  }
+  const grpc::Status st = CallBorrowing(
+      client, Client::RawMethod::kStep, timeout_ms,
+      [&](attn::client::BorrowedSlices* borrowed) {
+        return attn::client::EncodeStepRequest(in, borrowed);
+      },
+      &response);
+  if (!st.ok()) return Failed(st, message, message_size);
   const absl::Status read =
       ReadStepInto(&response, static_cast<attn::v1::DType>(q_dtype), o, o_size, lse, lse_size,
                    cached_tokens, timing, timing_capacity, timing_size);
-  if (!read.ok()) {
-    WriteMessage(read.message(), message, message_size);
-    return static_cast<int>(read.code());
-  }
-  return 0;
+  return read.ok() ? 0 : Failed(read, message, message_size);
 }
 
 ATTN_C_EXPORT size_t attn_c_response_size(const attn_c_response* response) {

@@ -19,9 +19,7 @@
 #include "tensor_bytes.h"
 
 namespace attn::client {
-namespace {
-
-absl::StatusOr<DType> FromWire(v1::DType t) {
+absl::StatusOr<DType> FromWireDType(v1::DType t) {
   switch (t) {
     case v1::DTYPE_FLOAT32: return DType::kFloat32;
     case v1::DTYPE_FLOAT16: return DType::kFloat16;
@@ -30,6 +28,8 @@ absl::StatusOr<DType> FromWire(v1::DType t) {
     default: return absl::InternalError(absl::StrCat("server sent unknown dtype ", t));
   }
 }
+
+namespace {
 
 // Seconds as a google.protobuf.Duration in JSON ("0.050s").
 std::string JsonDuration(std::chrono::milliseconds d) {
@@ -80,7 +80,7 @@ void ToWireTensor(const Tensor& t, v1::Tensor* out) {
 
 absl::StatusOr<Tensor> FromWireTensor(const v1::Tensor& t) {
   Tensor out;
-  auto dtype = FromWire(t.dtype());
+  auto dtype = FromWireDType(t.dtype());
   if (!dtype.ok()) return dtype.status();
   out.dtype = *dtype;
   auto bytes = WireTensorBytes("tensor", t, out.dtype);

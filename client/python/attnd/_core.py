@@ -156,12 +156,16 @@ class ClientOptions:
         if self.tls_cert is None and self.tls_key is not None or \
                 self.tls_cert is not None and self.tls_key is None:
             raise InvalidArgument("tls_cert and tls_key must be given together")
-        if not (self.tls or self.tls_ca is not None or self.tls_cert is not None):
+        if not self.uses_tls():
             return None
         return grpc.ssl_channel_credentials(
             root_certificates=_read_pem(self.tls_ca, "tls_ca"),
             private_key=_read_pem(self.tls_key, "tls_key"),
             certificate_chain=_read_pem(self.tls_cert, "tls_cert"))
+
+    def uses_tls(self) -> bool:
+        """TLS is on: asked for, or implied by a CA or a client certificate."""
+        return self.tls or self.tls_ca is not None or self.tls_cert is not None
 
     def channel_args(self, connection: int) -> List[Tuple[str, Any]]:
         args: List[Tuple[str, Any]] = [

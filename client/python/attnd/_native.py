@@ -144,7 +144,7 @@ def settings(options: Any) -> Tuple[Optional[List[Tuple[str, str]]], str]:
     out = [("target", options.target), ("connections", str(options.connections)),
            ("max_message_bytes", str(options.max_message_bytes)),
            ("wait_for_ready", "1" if options.wait_for_ready else "0")]
-    if options.tls or options.tls_ca is not None or options.tls_cert is not None:
+    if options.uses_tls():
         out.append(("tls", "1"))
         for key, value, name in (("tls_ca_pem", options.tls_ca, "tls_ca"),
                                  ("tls_cert_pem", options.tls_cert, "tls_cert"),

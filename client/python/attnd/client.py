@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import grpc
 
-from . import _core, _native, _proto, _tensors, _wire
+from . import _core, _native, _proto, _wire
 from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
 from .errors import AttndError, BatchStepError, InvalidArgument, NotFound, from_rpc_error
@@ -143,11 +143,9 @@ class Client(_ChannelSet):
 
     def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
         """A unary call with retries of UNAVAILABLE for the calls that change nothing. request:
-        a message's bytes, a protobuf message, or a _wire.Message in parts (Attend and Step: sent
-        part by part on the native transport, joined for grpcio)."""
+        a message's bytes, a protobuf message, or (Attend and Step on the native transport, as
+        _core.prepare_* leave large ones) a _wire.Message sent part by part."""
         native = self._native if method in _native.METHODS else None
-        if type(request) is _wire.Message and (native is None or request.cuda):
-            request = _tensors.assemble(request.parts, request.size, request.cuda)
         call = None if native is not None else self._methods()[method]
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
@@ -175,9 +173,8 @@ class Client(_ChannelSet):
         if self._region_socket is not None:
             self._region_socket.close()
             self._region_socket = None
-        native = getattr(self, "_native", None)
-        if native is not None:  # kept: its calls now fail with CANCELLED, "the client is closed"
-            native.close()
+        if self._native is not None:  # kept: its calls now fail with CANCELLED, "closed"
+            self._native.close()
         for ch in self._channels:
             ch.close()
 

@@ -233,5 +233,7 @@ absl::Status FromGrpc(const grpc::Status& status);
 void ToWireTensor(const Tensor& t, v1::Tensor* out);
 absl::StatusOr<Tensor> FromWireTensor(const v1::Tensor& t);
 v1::DType ToWireDType(DType t);
+// INTERNAL for a number that is no DType.
+absl::StatusOr<DType> FromWireDType(v1::DType t);
 
 }  // namespace attn::client
