@@ -86,6 +86,9 @@ for t in "${targets[@]}"; do
       printf "%.0f", runs / ($2 + $3) }' "$dir/fuzz/logs/$t-$j.cpu")
     result=ok
     if [ "$rc" -ne 0 ]; then
+      # The finding itself, which the tail above may have cut: the broken invariant or the
+      # sanitizer's report with its stack.
+      grep -E -A 24 'invariant violated|^==[0-9]+==ERROR|runtime error:' "$log" | head -40 >&2
       result="FAILED (exit $rc)"
       failed=1
     fi

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string_view>
 #include <vector>
 
@@ -157,8 +158,16 @@ Outcome RunAttendInput(const uint8_t* data, size_t size) {
   const double mq = MaxAbs(job.q_bytes, dtype), mk = MaxAbs(job.k_bytes, dtype),
                mv = MaxAbs(job.v_bytes, dtype);
   const double bound_scores = mq * mk * job.key.head_dim * std::fabs(job.key.softmax_scale);
+  // Every backend accumulates o's rows in float32 with weights exp(s - running max) <= 1 and
+  // divides by their sum at the end, so a row's accumulator reaches (its keys) * max |v| before
+  // that division: beyond float32's range o overflows although its exact value is finite.
+  int32_t max_keys = 0;
+  for (size_t b = 0; b + 1 < job.cu_seqlens_k.size(); ++b) {
+    max_keys = std::max(max_keys, job.cu_seqlens_k[b + 1] - job.cu_seqlens_k[b]);
+  }
   const bool tame = std::isfinite(mq) && std::isfinite(mk) && std::isfinite(mv) &&
-                    bound_scores < 1e30;
+                    bound_scores < 1e30 &&
+                    mv * max_keys < 0.5 * double(std::numeric_limits<float>::max());
   const int64_t row = int64_t{job.key.num_heads} * job.key.head_dim;
   std::vector<bool> keyless_row(job.total_q, false);
   for (size_t b = 0; b + 1 < job.cu_seqlens_q.size(); ++b) {
