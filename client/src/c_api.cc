@@ -1,13 +1,23 @@
 // attn/client/c_api.h over attn::client::Client's raw calls.
 #include "attn/client/c_api.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
+#include <grpcpp/client_context.h>
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/strings/numbers.h"
@@ -236,16 +246,11 @@ absl::Status CopyOutput(const char* what, const std::vector<std::string_view>& p
   return absl::OkStatus();
 }
 
-// A received StepResponse into the caller's outputs.
-absl::Status ReadStepInto(grpc::ByteBuffer* response, attn::v1::DType o_dtype, void* o,
-                          size_t o_size, void* lse, size_t lse_size, int64_t* cached_tokens,
-                          void* timing, size_t timing_capacity, size_t* timing_size) {
-  attn::client::ReceivedBytes received;
-  if (absl::Status st = received.Take(response); !st.ok()) return st;
-  attn::client::DecodedStepResponse decoded;
-  if (absl::Status st = attn::client::DecodeStepResponse(received.pieces, &decoded); !st.ok()) {
-    return st;
-  }
+// A decoded StepResponse into the caller's outputs.
+absl::Status WriteStepOutputs(const attn::client::DecodedStepResponse& decoded,
+                              attn::v1::DType o_dtype, void* o, size_t o_size, void* lse,
+                              size_t lse_size, int64_t* cached_tokens, void* timing,
+                              size_t timing_capacity, size_t* timing_size) {
   const attn::v1::StepResponse& h = decoded.header;
   if (!h.has_o() || h.o().dtype() != o_dtype) {
     return absl::InternalError(absl::StrCat("the server's StepResponse has o of dtype ",
@@ -272,6 +277,40 @@ absl::Status ReadStepInto(grpc::ByteBuffer* response, attn::v1::DType o_dtype, v
   return absl::OkStatus();
 }
 
+// A received StepResponse into the caller's outputs.
+absl::Status ReadStepInto(grpc::ByteBuffer* response, attn::v1::DType o_dtype, void* o,
+                          size_t o_size, void* lse, size_t lse_size, int64_t* cached_tokens,
+                          void* timing, size_t timing_capacity, size_t* timing_size) {
+  attn::client::ReceivedBytes received;
+  if (absl::Status st = received.Take(response); !st.ok()) return st;
+  attn::client::DecodedStepResponse decoded;
+  if (absl::Status st = attn::client::DecodeStepResponse(received.pieces, &decoded); !st.ok()) {
+    return st;
+  }
+  return WriteStepOutputs(decoded, o_dtype, o, o_size, lse, lse_size, cached_tokens, timing,
+                          timing_capacity, timing_size);
+}
+
+// The references a step's arguments make (dtypes checked, data non-NULL where it has bytes);
+// INVALID_ARGUMENT naming the tensor otherwise. who prefixes the message.
+absl::Status StepRefOf(absl::string_view who, const int32_t dtypes[3],
+                       const int64_t* const shapes[3], const void* const data[3],
+                       const size_t sizes[3], attn::client::StepInputRef* in) {
+  attn::client::TensorRef* refs[3] = {&in->q, &in->k_new, &in->v_new};
+  const char* names[3] = {"q", "k_new", "v_new"};
+  for (int i = 0; i < 3; ++i) {
+    const auto dtype = attn::client::FromWireDType(static_cast<attn::v1::DType>(dtypes[i]));
+    if (!dtype.ok() || (data[i] == nullptr && sizes[i] > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(who, names[i], ": unknown dtype ", dtypes[i],
+                                                     " or NULL data"));
+    }
+    refs[i]->dtype = *dtype;
+    refs[i]->shape = std::span<const int64_t>(shapes[i], 3);
+    refs[i]->data = std::string_view(static_cast<const char*>(data[i]), sizes[i]);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 ATTN_C_EXPORT int attn_c_step(attn_c_client* client, const char* session_id, int32_t layer,
@@ -284,25 +323,14 @@ ATTN_C_EXPORT int attn_c_step(attn_c_client* client, const char* session_id, int
                               void* lse, size_t lse_size, int64_t* cached_tokens, void* timing,
                               size_t timing_capacity, size_t* timing_size, char* message,
                               size_t message_size) {
-  using attn::client::StepInputRef;
-  using attn::client::TensorRef;
-  StepInputRef in;
+  attn::client::StepInputRef in;
   const int64_t shapes[3][3] = {{q0, q1, q2}, {k0, k1, k2}, {v0, v1, v2}};
+  const int64_t* const shape_of[3] = {shapes[0], shapes[1], shapes[2]};
   const int32_t dtypes[3] = {q_dtype, k_dtype, v_dtype};
-  const void* data[3] = {q, k_new, v_new};
+  const void* const data[3] = {q, k_new, v_new};
   const size_t sizes[3] = {q_size, k_size, v_size};
-  TensorRef* refs[3] = {&in.q, &in.k_new, &in.v_new};
-  const char* names[3] = {"q", "k_new", "v_new"};
-  for (int i = 0; i < 3; ++i) {
-    const auto dtype = attn::client::FromWireDType(static_cast<attn::v1::DType>(dtypes[i]));
-    if (!dtype.ok() || (data[i] == nullptr && sizes[i] > 0)) {
-      WriteMessage(absl::StrCat("attn_c_step: ", names[i], ": unknown dtype ", dtypes[i],
-                                " or NULL data"), message, message_size);
-      return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
-    }
-    refs[i]->dtype = *dtype;
-    refs[i]->shape = shapes[i];
-    refs[i]->data = std::string_view(static_cast<const char*>(data[i]), sizes[i]);
+  if (absl::Status st = StepRefOf("attn_c_step: ", dtypes, shape_of, data, sizes, &in); !st.ok()) {
+    return Failed(st, message, message_size);
   }
   if (client == nullptr || session_id == nullptr || o == nullptr ||
       (return_lse != 0) != (lse != nullptr)) {
@@ -328,6 +356,282 @@ ATTN_C_EXPORT int attn_c_step(attn_c_client* client, const char* session_id, int
       ReadStepInto(&response, static_cast<attn::v1::DType>(q_dtype), o, o_size, lse, lse_size,
                    cached_tokens, timing, timing_capacity, timing_size);
   return read.ok() ? 0 : Failed(read, message, message_size);
+}
+
+// ---- Calls that do not block -------------------------------------------------------------------
+
+struct attn_c_queue {
+  struct Completion {
+    uint64_t tag;
+    int32_t code;
+    attn_c_response* response;
+  };
+
+  int fd = -1;
+  mutable std::mutex mu;
+  std::condition_variable none_running;
+  std::deque<Completion> done;                                  // guarded by mu
+  // Calls started and not yet completed, with their context until gRPC is done with them.
+  std::unordered_map<uint64_t, grpc::ClientContext*> running;  // guarded by mu
+
+  // Queues a finished call's completion (the call is no longer running) and signals the fd.
+  // Under mu throughout: once running is empty, attn_c_queue_destroy may free this.
+  void Complete(uint64_t tag, int32_t code, attn_c_response* response) {
+    std::lock_guard<std::mutex> lock(mu);
+    running.erase(tag);
+    done.push_back({tag, code, response});
+    const uint64_t one = 1;
+    while (write(fd, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+    if (running.empty()) none_running.notify_all();
+  }
+};
+
+namespace {
+
+// One call started on a queue: what gRPC reads and writes until it finishes. Owned by gRPC's
+// callback from the start, then by the release of the borrowed bytes; it frees itself once its
+// completion is queued.
+struct AsyncCall {
+  attn_c_queue* queue = nullptr;
+  uint64_t tag = 0;
+  std::unique_ptr<grpc::ClientContext> ctx = std::make_unique<grpc::ClientContext>();
+  attn::client::BorrowedSlices borrowed;
+  grpc::ByteBuffer request;
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  // Reads an answered call's response; returns the completion's code and leaves its response
+  // (the answer's bytes for raw calls, nothing for a BatchStep read into its items).
+  std::function<int32_t(AsyncCall*, attn_c_response*)> read;
+
+  // gRPC's done: the context (which holds gRPC's call, and through it the bytes it was sending)
+  // and the request go first, so that the borrowed bytes are let go of; the completion once they
+  // are.
+  void Done(grpc::Status st) {
+    status = std::move(st);
+    {
+      std::lock_guard<std::mutex> lock(queue->mu);
+      queue->running[tag] = nullptr;  // nothing left to cancel
+    }
+    ctx.reset();
+    request.Clear();
+    borrowed.NotifyWhenReleased([this] { Finish(); });
+  }
+
+  void Finish() {
+    auto out = std::make_unique<attn_c_response>();
+    int32_t code = 0;
+    if (!status.ok()) {
+      code = static_cast<int32_t>(status.error_code());
+      out->buffer = MessageBuffer(status.error_message());
+    } else {
+      code = read(this, out.get());
+    }
+    out->size = out->buffer.Length();
+    // What is freed after the completion touches neither the queue nor the caller's bytes.
+    queue->Complete(tag, code, out.release());
+    delete this;
+  }
+
+  static grpc::ByteBuffer MessageBuffer(std::string_view text) {
+    grpc::Slice slice(text.data(), text.size());
+    return grpc::ByteBuffer(&slice, 1);
+  }
+};
+
+// Registers call under its tag and starts it; INVALID_ARGUMENT when the tag is running already.
+int StartOn(attn_c_client* client, attn_c_queue* queue, Client::RawMethod method,
+            int64_t timeout_ms, std::unique_ptr<AsyncCall> call, char* message,
+            size_t message_size) {
+  client->client->PrepareContext(call->ctx.get(),
+                                 std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)));
+  {
+    std::lock_guard<std::mutex> lock(queue->mu);
+    if (!queue->running.emplace(call->tag, call->ctx.get()).second) {
+      WriteMessage(absl::StrCat("tag ", call->tag, " is in use by a running call"), message,
+                   message_size);
+      return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
+    }
+  }
+  AsyncCall* c = call.release();  // gRPC's until Done
+  client->client->StartRawCall(method, c->ctx.get(), &c->request, &c->response,
+                               [c](grpc::Status st) { c->Done(std::move(st)); });
+  return 0;
+}
+
+int BadArgument(absl::string_view text, char* message, size_t message_size) {
+  WriteMessage(text, message, message_size);
+  return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+}  // namespace
+
+ATTN_C_EXPORT attn_c_queue* attn_c_queue_create(char* error, size_t error_size) {
+  auto queue = std::make_unique<attn_c_queue>();
+  queue->fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (queue->fd < 0) {
+    WriteMessage(absl::StrCat("eventfd: ", std::strerror(errno)), error, error_size);
+    return nullptr;
+  }
+  return queue.release();
+}
+
+ATTN_C_EXPORT int attn_c_queue_fd(const attn_c_queue* queue) {
+  return queue == nullptr ? -1 : queue->fd;
+}
+
+ATTN_C_EXPORT size_t attn_c_queue_pending(const attn_c_queue* queue) {
+  if (queue == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(queue->mu);
+  return queue->running.size() + queue->done.size();
+}
+
+ATTN_C_EXPORT void attn_c_queue_cancel(attn_c_queue* queue, uint64_t tag) {
+  if (queue == nullptr) return;
+  std::lock_guard<std::mutex> lock(queue->mu);
+  if (auto it = queue->running.find(tag); it != queue->running.end() && it->second != nullptr) {
+    it->second->TryCancel();
+  }
+}
+
+ATTN_C_EXPORT size_t attn_c_queue_poll(attn_c_queue* queue, uint64_t* tags, int32_t* codes,
+                                       attn_c_response** responses, size_t max) {
+  if (queue == nullptr || tags == nullptr || codes == nullptr || responses == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(queue->mu);
+  size_t n = 0;
+  for (; n < max && !queue->done.empty(); ++n) {
+    const attn_c_queue::Completion& c = queue->done.front();
+    tags[n] = c.tag;
+    codes[n] = c.code;
+    responses[n] = c.response;
+    queue->done.pop_front();
+  }
+  return n;
+}
+
+ATTN_C_EXPORT void attn_c_queue_destroy(attn_c_queue* queue) {
+  if (queue == nullptr) return;
+  {
+    std::unique_lock<std::mutex> lock(queue->mu);
+    for (auto& [tag, ctx] : queue->running) {
+      if (ctx != nullptr) ctx->TryCancel();
+    }
+    queue->none_running.wait(lock, [queue] { return queue->running.empty(); });
+    for (const attn_c_queue::Completion& c : queue->done) delete c.response;
+    queue->done.clear();
+  }
+  close(queue->fd);
+  delete queue;
+}
+
+ATTN_C_EXPORT int attn_c_call_start(attn_c_client* client, attn_c_queue* queue,
+                                    const char* method, const void* const* parts,
+                                    const size_t* sizes, size_t n, int64_t timeout_ms,
+                                    uint64_t tag, char* message, size_t message_size) {
+  Client::RawMethod raw{};
+  if (client == nullptr || queue == nullptr || method == nullptr || !MethodOf(method, &raw)) {
+    return BadArgument(absl::StrCat("attn_c_call_start: ", client == nullptr ? "no client" :
+                                    queue == nullptr ? "no queue" :
+                                    absl::StrCat("unknown method '", method ? method : "(null)",
+                                                 "'")),
+                       message, message_size);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (parts == nullptr || sizes == nullptr || (parts[i] == nullptr && sizes[i] > 0)) {
+      return BadArgument("attn_c_call_start: a part of the request is NULL", message,
+                         message_size);
+    }
+  }
+  auto call = std::make_unique<AsyncCall>();
+  call->queue = queue;
+  call->tag = tag;
+  {
+    std::vector<grpc::Slice> slices;  // released here: the call's buffer holds its own
+    slices.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (sizes[i] > 0) slices.push_back(call->borrowed.Borrow(parts[i], sizes[i]));
+    }
+    call->request = grpc::ByteBuffer(slices.data(), slices.size());
+  }
+  call->read = [](AsyncCall* c, attn_c_response* out) {
+    out->buffer = std::move(c->response);
+    return 0;
+  };
+  return StartOn(client, queue, raw, timeout_ms, std::move(call), message, message_size);
+}
+
+namespace {
+
+// An answered BatchStep's results into its items; the call's code (0, or INTERNAL with the
+// message in out when the answer cannot be read).
+int32_t ReadBatchStepInto(grpc::ByteBuffer* response, attn_c_step_item* items, size_t n,
+                          attn_c_response* out) {
+  attn::client::ReceivedBytes received;
+  std::vector<attn::client::DecodedStepResult> decoded;
+  absl::Status st = received.Take(response);
+  if (st.ok()) st = attn::client::DecodeBatchStepResponse(received.pieces, n, &decoded);
+  if (!st.ok()) {
+    const absl::string_view text = st.message();
+    out->buffer = AsyncCall::MessageBuffer(std::string_view(text.data(), text.size()));
+    return static_cast<int32_t>(st.code());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    attn_c_step_item& item = items[i];
+    const attn::v1::StepResult& status = decoded[i].status;
+    absl::Status item_st =
+        status.status_code() != 0
+            ? absl::Status(static_cast<absl::StatusCode>(status.status_code()),
+                           status.status_message())
+            : WriteStepOutputs(decoded[i].response, static_cast<attn::v1::DType>(item.q_dtype),
+                               item.o, item.o_size, item.lse, item.lse_size, &item.cached_tokens,
+                               item.timing, item.timing_capacity, &item.timing_size);
+    item.code = static_cast<int32_t>(item_st.code());
+    if (!item_st.ok()) WriteMessage(item_st.message(), item.message, item.message_size);
+  }
+  return 0;
+}
+
+}  // namespace
+
+ATTN_C_EXPORT int attn_c_batch_step_start(attn_c_client* client, attn_c_queue* queue,
+                                          attn_c_step_item* items, size_t n, int64_t timeout_ms,
+                                          uint64_t tag, char* message, size_t message_size) {
+  if (client == nullptr || queue == nullptr || (items == nullptr && n > 0)) {
+    return BadArgument("attn_c_batch_step_start: no client, queue or items", message,
+                       message_size);
+  }
+  std::vector<attn::client::StepInputRef> refs(n);
+  for (size_t i = 0; i < n; ++i) {
+    const attn_c_step_item& item = items[i];
+    const std::string who = absl::StrCat("attn_c_batch_step_start: items[", i, "].");
+    const int32_t dtypes[3] = {item.q_dtype, item.k_dtype, item.v_dtype};
+    const int64_t* const shapes[3] = {item.q_shape, item.k_shape, item.v_shape};
+    const void* const data[3] = {item.q, item.k_new, item.v_new};
+    const size_t sizes[3] = {item.q_size, item.k_size, item.v_size};
+    if (absl::Status st = StepRefOf(who, dtypes, shapes, data, sizes, &refs[i]); !st.ok()) {
+      return Failed(st, message, message_size);
+    }
+    if (item.session_id == nullptr || item.o == nullptr ||
+        (item.return_lse != 0) != (item.lse != nullptr)) {
+      return BadArgument(absl::StrCat(who, " no session id or o, or lse and return_lse disagree"),
+                         message, message_size);
+    }
+    refs[i].session_id = item.session_id;
+    refs[i].layer = item.layer;
+    refs[i].options.softmax_scale = item.softmax_scale;
+    refs[i].options.return_lse = item.return_lse != 0;
+    refs[i].options.window_left = item.window_left;
+    refs[i].options.window_right = item.window_right;
+  }
+  auto call = std::make_unique<AsyncCall>();
+  call->queue = queue;
+  call->tag = tag;
+  call->request = attn::client::EncodeBatchStepRequest(refs, &call->borrowed);
+  call->read = [items, n](AsyncCall* c, attn_c_response* out) {
+    return ReadBatchStepInto(&c->response, items, n, out);
+  };
+  return StartOn(client, queue, Client::RawMethod::kBatchStep, timeout_ms, std::move(call),
+                 message, message_size);
 }
 
 ATTN_C_EXPORT size_t attn_c_response_size(const attn_c_response* response) {

@@ -526,6 +526,13 @@ grpc::ByteBuffer EncodeBatchStepRequest(const std::vector<StepInput>& items,
   return Assemble(m, borrowed);
 }
 
+grpc::ByteBuffer EncodeBatchStepRequest(std::span<const StepInputRef> items,
+                                        BorrowedSlices* borrowed) {
+  SplicedMessage m;
+  for (const StepInputRef& item : items) m.AppendMessage(kBatchSteps, StepMessage(item));
+  return Assemble(m, borrowed);
+}
+
 // ---- Decoding ---------------------------------------------------------------------------------
 
 absl::Status ReceivedBytes::Take(grpc::ByteBuffer* buffer) {
@@ -591,19 +598,13 @@ absl::StatusOr<StepResult> StepResultFromWire(grpc::ByteBuffer* response) {
   return result;
 }
 
-absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire(
-    grpc::ByteBuffer* response, size_t items) {
+absl::Status DecodeBatchStepResponse(std::span<const std::string_view> pieces, size_t items,
+                                     std::vector<DecodedStepResult>* out) {
   constexpr char kBatchStepResponse[] = "BatchStepResponse";
-  ReceivedBytes received;
-  RETURN_IF_ERROR(received.Take(response));
-  // Each result's status fields, and its response with o's and lse's data left in the input.
-  struct Item {
-    v1::StepResult status;
-    DecodedStepResponse response;
-  };
-  std::vector<Item> decoded;
+  std::vector<DecodedStepResult>& decoded = *out;
+  decoded.clear();
   decoded.reserve(items);  // as many as asked for, unless the server sent others
-  WireReader r(received.pieces);
+  WireReader r(pieces);
   while (!r.AtLimit()) {
     uint64_t at = r.position();
     wire::Tag tag;
@@ -621,7 +622,7 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire
     uint64_t n, outer = 0;
     RETURN_IF_ERROR(ReadLength(r, kBatchStepResponse, name, at, &n));
     r.PushLimit(n, &outer);
-    Item& item = decoded.emplace_back();
+    DecodedStepResult& item = decoded.emplace_back();
     while (!r.AtLimit()) {
       at = r.position();
       RETURN_IF_ERROR(ReadTag(r, kBatchStepResponse, name, &tag));
@@ -646,9 +647,18 @@ absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire
     return absl::InternalError(absl::StrCat("BatchStep: the server sent ", decoded.size(),
                                             " results for ", items, " items"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<StepResult>>> BatchStepResultsFromWire(
+    grpc::ByteBuffer* response, size_t items) {
+  ReceivedBytes received;
+  RETURN_IF_ERROR(received.Take(response));
+  std::vector<DecodedStepResult> decoded;
+  RETURN_IF_ERROR(DecodeBatchStepResponse(received.pieces, items, &decoded));
   std::vector<absl::StatusOr<StepResult>> out;
   out.reserve(items);
-  for (const Item& item : decoded) {
+  for (const DecodedStepResult& item : decoded) {
     if (item.status.status_code() != 0) {
       out.push_back(absl::Status(static_cast<absl::StatusCode>(item.status.status_code()),
                                  item.status.status_message()));

@@ -1,9 +1,12 @@
 // attn/client/c_api.h (libattn_client_c.so) against an attnd on loopback: its settings, its raw
 // calls' answers against the C++ client's, and its errors (the call's status code and attnd's
-// message; the library's own for bad arguments).
+// message; the library's own for bad arguments); calls through a completion queue: many in flight,
+// its file descriptor, cancellation, deadlines, a queue destroyed under running calls, and
+// BatchSteps coded by the library with each item's outcome.
 #include "attn/client/c_api.h"
 
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -265,6 +269,202 @@ TEST_F(ClientCApiTest, BadArgumentsAreRefusedWithAMessage) {
   EXPECT_EQ(attn_c_call(client_, "NoSuchMethodWithALongName", "", 0, 0, &response, tiny,
                         sizeof tiny), 3);
   EXPECT_EQ(std::string(tiny).size(), sizeof tiny - 1);
+}
+
+// ---- Calls through a completion queue ---------------------------------------------------------
+
+struct Completion {
+  int code = -1;
+  std::string bytes;  // the answer, or the status message
+};
+
+// Waits on the queue's fd (at most timeout_ms) and takes what completed, by tag.
+std::map<uint64_t, Completion> WaitAndPoll(attn_c_queue* q, int timeout_ms = 30000) {
+  std::map<uint64_t, Completion> out;
+  pollfd p{attn_c_queue_fd(q), POLLIN, 0};
+  if (poll(&p, 1, timeout_ms) <= 0) return out;
+  uint64_t counter = 0;
+  EXPECT_EQ(read(p.fd, &counter, sizeof counter), ssize_t(sizeof counter));
+  uint64_t tags[16];
+  int32_t codes[16];
+  attn_c_response* responses[16];
+  size_t n;
+  while ((n = attn_c_queue_poll(q, tags, codes, responses, 16)) > 0) {
+    for (size_t i = 0; i < n; ++i) {
+      Completion& c = out[tags[i]];
+      c.code = codes[i];
+      c.bytes.resize(attn_c_response_size(responses[i]));
+      attn_c_response_take(responses[i], c.bytes.data());
+    }
+  }
+  return out;
+}
+
+// Collects the completions of `count` calls (or what came within the time).
+std::map<uint64_t, Completion> Collect(attn_c_queue* q, size_t count) {
+  std::map<uint64_t, Completion> all;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (all.size() < count && std::chrono::steady_clock::now() < until) {
+    for (auto& [tag, c] : WaitAndPoll(q, 1000)) {
+      EXPECT_TRUE(all.emplace(tag, std::move(c)).second) << "tag " << tag << " completed twice";
+    }
+  }
+  return all;
+}
+
+class ClientCApiQueueTest : public ClientCApiTest {
+ protected:
+  void SetUp() override {
+    ClientCApiTest::SetUp();
+    char error[128];
+    queue_ = attn_c_queue_create(error, sizeof error);
+    ASSERT_NE(queue_, nullptr) << error;
+    ASSERT_GE(attn_c_queue_fd(queue_), 0);
+  }
+  void TearDown() override {
+    attn_c_queue_destroy(queue_);  // before the client: its calls use the client's connections
+    ClientCApiTest::TearDown();
+  }
+
+  int StartEcho(const std::string& request, uint64_t tag, int64_t timeout_ms = 30000) {
+    const void* parts[] = {request.data()};
+    const size_t sizes[] = {request.size()};
+    char message[256];
+    return attn_c_call_start(client_, queue_, "Echo", parts, sizes, 1, timeout_ms, tag, message,
+                             sizeof message);
+  }
+
+  attn_c_queue* queue_ = nullptr;
+};
+
+TEST_F(ClientCApiQueueTest, ManyCallsInFlightEachGetTheirOwnAnswer) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<std::string> requests, payloads;
+  for (int i = 0; i < 64; ++i) {
+    payloads.push_back(RandomBytes(1 + rng() % 40000, rng));
+    requests.push_back(EchoRequest(payloads.back()));
+  }
+  for (uint64_t i = 0; i < 64; ++i) ASSERT_EQ(StartEcho(requests[i], 1000 + i), 0);
+  EXPECT_LE(attn_c_queue_pending(queue_), 64u);
+  const auto got = Collect(queue_, 64);
+  ASSERT_EQ(got.size(), 64u);
+  for (uint64_t i = 0; i < 64; ++i) {
+    const Completion& c = got.at(1000 + i);
+    ASSERT_EQ(c.code, 0) << c.bytes;
+    EXPECT_EQ(EchoPayload(c.bytes), payloads[i]) << "call " << i;
+  }
+  EXPECT_EQ(attn_c_queue_pending(queue_), 0u);
+  // Nothing left: the fd is not readable.
+  pollfd p{attn_c_queue_fd(queue_), POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 50), 0);
+}
+
+TEST_F(ClientCApiQueueTest, CancelDeadlineAndTagInUse) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string big = EchoRequest(RandomBytes(size_t(64) << 20, rng));
+  ASSERT_EQ(StartEcho(big, 1), 0);
+  char message[128];
+  const void* parts[] = {big.data()};
+  const size_t sizes[] = {big.size()};
+  EXPECT_EQ(attn_c_call_start(client_, queue_, "Echo", parts, sizes, 1, 0, 1, message,
+                              sizeof message), 3);
+  EXPECT_NE(std::string(message).find("tag 1 is in use"), std::string::npos) << message;
+  attn_c_queue_cancel(queue_, 1);
+  attn_c_queue_cancel(queue_, 999);  // no such call: nothing happens
+  ASSERT_EQ(StartEcho(big, 2, /*timeout_ms=*/1), 0);
+  const auto got = Collect(queue_, 2);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got.at(1).code, 1) << got.at(1).bytes;  // CANCELLED
+  EXPECT_EQ(got.at(2).code, 4) << got.at(2).bytes;  // DEADLINE_EXCEEDED
+  EXPECT_FALSE(got.at(2).bytes.empty());
+  // The tag is free again, and the queue still works.
+  ASSERT_EQ(StartEcho(EchoRequest("again"), 1), 0);
+  const auto again = Collect(queue_, 1);
+  ASSERT_EQ(again.count(1), 1u);
+  EXPECT_EQ(EchoPayload(again.at(1).bytes), "again");
+}
+
+TEST_F(ClientCApiQueueTest, AQueueDestroyedUnderRunningCallsCancelsAndWaitsForThem) {
+  std::mt19937_64 rng(std::random_device{}());
+  char error[64];
+  attn_c_queue* q = attn_c_queue_create(error, sizeof error);
+  ASSERT_NE(q, nullptr);
+  auto request = std::make_unique<std::string>(EchoRequest(RandomBytes(size_t(32) << 20, rng)));
+  const void* parts[] = {request->data()};
+  const size_t sizes[] = {request->size()};
+  for (uint64_t t = 0; t < 4; ++t) {
+    ASSERT_EQ(attn_c_call_start(client_, q, "Echo", parts, sizes, 1, 0, t, error, sizeof error),
+              0);
+  }
+  attn_c_queue_destroy(q);
+  // gRPC has let go of the request: freeing it now is safe (ASan would say otherwise).
+  request.reset();
+  EXPECT_EQ(EchoPayload(Call(client_, "Echo", EchoRequest("still")).bytes), "still");
+}
+
+// A BatchStep item of a decode step: q [1, 4, 8] and k_new, v_new [1, 2, 8], bfloat16 (DType 3).
+struct StepBuffers {
+  std::vector<uint16_t> q = std::vector<uint16_t>(32, 0x3f80);
+  std::vector<uint16_t> k = std::vector<uint16_t>(16, 0x3f80);
+  std::vector<uint16_t> v = std::vector<uint16_t>(16, 0x3f80);
+  std::vector<uint16_t> o = std::vector<uint16_t>(32, 0xffff);
+  char message[256] = {};
+
+  attn_c_step_item Item(const char* session) {
+    attn_c_step_item it{};
+    it.session_id = session;
+    it.q_dtype = it.k_dtype = it.v_dtype = 3;
+    const int64_t qs[3] = {1, 4, 8}, ks[3] = {1, 2, 8};
+    std::copy(qs, qs + 3, it.q_shape);
+    std::copy(ks, ks + 3, it.k_shape);
+    std::copy(ks, ks + 3, it.v_shape);
+    it.q = q.data();
+    it.k_new = k.data();
+    it.v_new = v.data();
+    it.q_size = 2 * q.size();
+    it.k_size = 2 * k.size();
+    it.v_size = 2 * v.size();
+    it.window_left = it.window_right = -1;
+    it.o = o.data();
+    it.o_size = 2 * o.size();
+    it.message = message;
+    it.message_size = sizeof message;
+    it.code = -1;
+    return it;
+  }
+};
+
+TEST_F(ClientCApiQueueTest, BatchStepItemsGetTheirOwnOutcome) {
+  // Sessions this attnd never made: the call is answered, each item with NOT_FOUND naming its id.
+  StepBuffers a, b;
+  attn_c_step_item items[2] = {a.Item("no-such-session-a"), b.Item("no-such-session-b")};
+  char message[256];
+  ASSERT_EQ(attn_c_batch_step_start(client_, queue_, items, 2, 30000, 7, message, sizeof message),
+            0) << message;
+  const auto got = Collect(queue_, 1);
+  ASSERT_EQ(got.count(7), 1u);
+  EXPECT_EQ(got.at(7).code, 0) << got.at(7).bytes;
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(items[i].code, 5) << items[i].message;  // NOT_FOUND
+    const char* id = i == 0 ? "no-such-session-a" : "no-such-session-b";
+    EXPECT_NE(std::string(items[i].message).find(id), std::string::npos) << items[i].message;
+  }
+  // Refused before anything is sent: an unknown dtype (naming the item and tensor), a NULL o, lse
+  // asked for without a buffer; nothing is queued.
+  attn_c_step_item bad[2] = {a.Item("x"), b.Item("y")};
+  bad[1].k_dtype = 77;
+  EXPECT_EQ(attn_c_batch_step_start(client_, queue_, bad, 2, 0, 8, message, sizeof message), 3);
+  EXPECT_NE(std::string(message).find("items[1].k_new: unknown dtype 77"), std::string::npos)
+      << message;
+  bad[1] = b.Item("y");
+  bad[0].o = nullptr;
+  EXPECT_EQ(attn_c_batch_step_start(client_, queue_, bad, 2, 0, 8, message, sizeof message), 3);
+  bad[0] = a.Item("x");
+  bad[0].return_lse = 1;
+  EXPECT_EQ(attn_c_batch_step_start(client_, queue_, bad, 2, 0, 8, message, sizeof message), 3);
+  EXPECT_NE(std::string(message).find("items[0]"), std::string::npos) << message;
+  EXPECT_EQ(attn_c_batch_step_start(nullptr, queue_, bad, 2, 0, 8, message, sizeof message), 3);
+  EXPECT_EQ(attn_c_queue_pending(queue_), 0u);
 }
 
 TEST(ClientCApiSettings, BadSettingsAreRefusedNamingThem) {

@@ -1,8 +1,9 @@
-/* The attnd client library's C interface (libattn_client_c.so): a connection to attnd and
- * blocking raw calls of Attend, Echo, Step and BatchStep whose bytes the caller codes and reads
- * itself (the attn.v1 messages as protobuf serializes them). For bindings of other languages: the
- * Python package's native transport loads it with ctypes, so that its blocking calls cost what the
- * C++ client's cost.
+/* The attnd client library's C interface (libattn_client_c.so): a connection to attnd and raw
+ * calls of Attend, Echo, Step and BatchStep whose bytes the caller codes and reads itself (the
+ * attn.v1 messages as protobuf serializes them), blocking or through a completion queue that an
+ * event loop watches, and Steps and BatchSteps of arrays coded and read here. For bindings of
+ * other languages: the Python package's native transport loads it with ctypes, so that its calls
+ * cost what the C++ client's cost.
  *
  * Thread-safe: one client may serve many threads at once. Only the attn_c_ symbols are exported;
  * the library carries its own copy of the C++ client and links the system's gRPC. */
@@ -17,10 +18,11 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature below changes; bindings check it before their first call. */
-#define ATTN_C_ABI_VERSION 1
+#define ATTN_C_ABI_VERSION 2
 
 typedef struct attn_c_client attn_c_client;
 typedef struct attn_c_response attn_c_response;
+typedef struct attn_c_queue attn_c_queue;
 
 int attn_c_abi_version(void);
 
@@ -73,6 +75,76 @@ int attn_c_step(attn_c_client* client, const char* session_id, int32_t layer, in
                 int32_t window_left, int32_t window_right, int64_t timeout_ms, void* o,
                 size_t o_size, void* lse, size_t lse_size, int64_t* cached_tokens, void* timing,
                 size_t timing_capacity, size_t* timing_size, char* message, size_t message_size);
+
+/* ---- Calls that do not block ----------------------------------------------------------------
+ * A call started on a queue runs on gRPC's threads; when it has finished, and gRPC has let go of
+ * the caller's bytes, its completion (the caller's tag, its status code and its response) waits
+ * in the queue until attn_c_queue_poll takes it. The queue's file descriptor is readable while
+ * completions wait: an event loop watches it, reads its 8 bytes (an eventfd counter), then polls.
+ * A queue is used by one thread at a time; calls may be started on it from any client. */
+
+/* A queue, or NULL with the reason in error. */
+attn_c_queue* attn_c_queue_create(char* error, size_t error_size);
+/* The file descriptor to watch (owned by the queue). */
+int attn_c_queue_fd(const attn_c_queue* queue);
+/* Calls started and not yet polled. */
+size_t attn_c_queue_pending(const attn_c_queue* queue);
+/* Cancels the call started with tag, if it is still running (its completion then comes with
+ * CANCELLED, 1, unless it finished first). */
+void attn_c_queue_cancel(attn_c_queue* queue, uint64_t tag);
+/* Takes up to max completions: tags[i], codes[i] and responses[i]. A completion's response is
+ * the answer's bytes when its code is 0, else the status message's bytes (UTF-8; read either with
+ * attn_c_response_size/take). Returns how many it took. */
+size_t attn_c_queue_poll(attn_c_queue* queue, uint64_t* tags, int32_t* codes,
+                         attn_c_response** responses, size_t max);
+/* Cancels the calls still running, waits for them to finish, and frees the queue with the
+ * completions nobody took. The clients of its calls must outlive this. */
+void attn_c_queue_destroy(attn_c_queue* queue);
+
+/* attn_c_call_parts without blocking: returns 0 once started (its completion, with tag, comes
+ * through queue; the parts must stay unchanged until then), else its status code with the
+ * message, and nothing is queued. */
+int attn_c_call_start(attn_c_client* client, attn_c_queue* queue, const char* method,
+                      const void* const* parts, const size_t* sizes, size_t n,
+                      int64_t timeout_ms, uint64_t tag, char* message, size_t message_size);
+
+/* One step of a BatchStep coded and read here: attn_c_step's inputs and outputs, and its own
+ * outcome, written when the call completes. */
+typedef struct attn_c_step_item {
+  /* In. */
+  const char* session_id;
+  int32_t layer;
+  int32_t q_dtype, k_dtype, v_dtype;
+  int64_t q_shape[3], k_shape[3], v_shape[3];
+  const void* q;
+  const void* k_new;
+  const void* v_new;
+  size_t q_size, k_size, v_size;
+  float softmax_scale;
+  int32_t return_lse;
+  int32_t window_left, window_right; /* -1/-1: no window */
+  void* o;                           /* o_size bytes: q's dtype and shape */
+  size_t o_size;
+  void* lse;                         /* with return_lse: float32 [q_shape[1], q_shape[0]] */
+  size_t lse_size;
+  char* message;                     /* the item's status message (message_size bytes at most) */
+  size_t message_size;
+  void* timing;                      /* the serialized attn.v1 ServerTiming */
+  size_t timing_capacity;
+  /* Out, once its call completes with code 0 (the call's own failure leaves them unset). */
+  int32_t code;                      /* the item's status code; 0: o and lse written */
+  int64_t cached_tokens;
+  size_t timing_size;                /* 0 when it does not fit */
+} attn_c_step_item;
+
+/* A BatchStep of items[0..n) coded here, started on queue: the items (and their tensors) must
+ * stay valid until its completion is polled; each item's outcome is then in it. The completion's
+ * code is the call's own: 0 when the BatchStep was answered (each item then has its code), else
+ * the call's failure (the items' outcomes unset). Returns 0 once started, else the status code
+ * with the message (an item's bad dtype or NULL data: INVALID_ARGUMENT naming it). */
+int attn_c_batch_step_start(attn_c_client* client, attn_c_queue* queue, attn_c_step_item* items,
+                            size_t n, int64_t timeout_ms, uint64_t tag, char* message,
+                            size_t message_size);
 
 /* The response's size in bytes. */
 size_t attn_c_response_size(const attn_c_response* response);

@@ -108,6 +108,8 @@ grpc::ByteBuffer EncodeStepRequest(const StepInputRef& in, BorrowedSlices* borro
 grpc::ByteBuffer EncodeBatchStepRequest(const std::vector<StepInput>& items,
                                         const std::vector<size_t>* indices,
                                         BorrowedSlices* borrowed);
+grpc::ByteBuffer EncodeBatchStepRequest(std::span<const StepInputRef> items,
+                                        BorrowedSlices* borrowed);
 
 // A received message's bytes as pieces of its slices (which it holds).
 struct ReceivedBytes {
@@ -149,6 +151,17 @@ absl::Status DecodeStepResponse(std::span<const std::string_view> pieces,
                                 DecodedStepResponse* out);
 absl::Status ReadStepResult(const DecodedStepResponse& decoded, StepResult* result);
 absl::StatusOr<StepResult> StepResultFromWire(grpc::ByteBuffer* response);
+
+// One result of a BatchStepResponse: its status fields, and its response with o's and lse's data
+// left in the input.
+struct DecodedStepResult {
+  v1::StepResult status;  // status_code and status_message only
+  DecodedStepResponse response;
+};
+// Reads a BatchStepResponse from pieces; INTERNAL when it is malformed or has another number of
+// results than `items`.
+absl::Status DecodeBatchStepResponse(std::span<const std::string_view> pieces, size_t items,
+                                     std::vector<DecodedStepResult>* out);
 
 // The items of a received BatchStepResponse (left empty), each its own status or its result; the
 // whole fails (INTERNAL) when it is malformed or has another number of results than `items`.
