@@ -1,5 +1,5 @@
-"""The native transport of the blocking Client: Attend, Echo, Step and BatchStep sent by the C++
-client library (libattn_client_c.so, attn/client/c_api.h) instead of grpcio.
+"""The native transport of the blocking and the asyncio Client: Attend, Echo, Step and BatchStep
+sent by the C++ client library (libattn_client_c.so, attn/client/c_api.h) instead of grpcio.
 
 The request is the same bytes the grpcio path sends, in its parts (the small fields and the
 caller's arrays where they lie: none joined or copied); the answer is copied once, from gRPC's
@@ -11,15 +11,21 @@ Python work of coding (docs/PERF.md). The GIL is released for the length of a ca
 The library is found at $ATTND_NATIVE_LIB, else next to this module (where the build tree's copy
 of the package and `ATTND_NATIVE_LIB=... pip install` put it). Without it, or with settings it
 cannot take (a channel option whose value is not an integer), ``transport="auto"`` uses grpcio.
+
+The asyncio client's calls (AsyncNativeChannel) start on the library's completion queue and
+return at once; the event loop watches the queue's file descriptor and resolves each call's future
+when it completes. Its BatchSteps of numpy arrays are coded and read by the library too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import itertools
 import os
 import threading
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import grpc
 
@@ -30,7 +36,7 @@ from ._wire import ServerTiming
 from .errors import InvalidArgument, status_code
 
 LIBRARY = "libattn_client_c.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 METHODS = frozenset(("Attend", "Echo", "Step", "BatchStep"))
 _MESSAGE_BYTES = 4096
 
@@ -86,10 +92,27 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
     lib.attn_c_response_take.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
     lib.attn_c_response_free.restype = None
     lib.attn_c_response_free.argtypes = (ctypes.c_void_p,)
+    lib.attn_c_queue_create.restype = ctypes.c_void_p
+    lib.attn_c_queue_create.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
+    lib.attn_c_queue_fd.restype = ctypes.c_int
+    lib.attn_c_queue_fd.argtypes = (ctypes.c_void_p,)
+    lib.attn_c_queue_cancel.restype = None
+    lib.attn_c_queue_cancel.argtypes = (ctypes.c_void_p, ctypes.c_uint64)
+    lib.attn_c_queue_poll.restype = ctypes.c_size_t
+    lib.attn_c_queue_poll.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_size_t)
+    lib.attn_c_queue_destroy.restype = None
+    lib.attn_c_queue_destroy.argtypes = (ctypes.c_void_p,)
+    lib.attn_c_call_start.restype = ctypes.c_int
+    lib.attn_c_call_start.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                      ctypes.c_int64, ctypes.c_uint64, ctypes.c_char_p,
+                                      ctypes.c_size_t)
     global _fast
     _fast = _load_fast(path)
     if _fast is not None:
-        _fast.bind(ctypes.cast(lib.attn_c_step, ctypes.c_void_p).value)
+        _fast.bind(ctypes.cast(lib.attn_c_step, ctypes.c_void_p).value,
+                   ctypes.cast(lib.attn_c_batch_step_start, ctypes.c_void_p).value)
     return lib, ""
 
 
@@ -165,18 +188,50 @@ def settings(options: Any) -> Tuple[Optional[List[Tuple[str, str]]], str]:
     return out, ""
 
 
+def decide(options: Any) -> Tuple[Optional[ctypes.CDLL], List[Tuple[str, str]], str]:
+    """Whether a client of these options (a ClientOptions) goes native: the library and its
+    settings, or None and why not ("asked for" when options ask for grpcio). Raises
+    InvalidArgument, with the reason, when native was asked for and cannot be had."""
+    asked = options.transport_asked()
+    if asked == "grpcio":
+        return None, [], "asked for"
+    lib, why = load()
+    pairs = None
+    if lib is not None:
+        pairs, why = settings(options)
+    if lib is None or pairs is None:
+        if asked == "native":
+            raise InvalidArgument(f"transport='native': {why}")
+        return None, [], why
+    return lib, pairs, ""
+
+
+def _create_client(lib: ctypes.CDLL, pairs: List[Tuple[str, str]]) -> int:
+    """The library's client of these settings; InvalidArgument with its reason otherwise."""
+    keys = (ctypes.c_char_p * len(pairs))(*[k.encode() for k, _ in pairs])
+    values = (ctypes.c_char_p * len(pairs))(*[v.encode() for _, v in pairs])
+    error = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    handle = lib.attn_c_client_create(keys, values, len(pairs), error, _MESSAGE_BYTES)
+    if not handle:
+        raise InvalidArgument(f"native transport: {error.value.decode(errors='replace')}")
+    return handle
+
+
+def _parts_arrays(parts: List[Any]) -> Tuple[Any, Any]:
+    n = len(parts)
+    addresses = (ctypes.c_void_p * n)()
+    sizes = (ctypes.c_size_t * n)()
+    for i, part in enumerate(parts):
+        addresses[i], sizes[i] = _part_address(part)
+    return addresses, sizes
+
+
 class NativeChannel:
     """A C++ client (its connections) for the four raw calls of one Client."""
 
     def __init__(self, lib: ctypes.CDLL, pairs: List[Tuple[str, str]]):
         self._lib = lib
-        keys = (ctypes.c_char_p * len(pairs))(*[k.encode() for k, _ in pairs])
-        values = (ctypes.c_char_p * len(pairs))(*[v.encode() for _, v in pairs])
-        error = ctypes.create_string_buffer(_MESSAGE_BYTES)
-        handle = lib.attn_c_client_create(keys, values, len(pairs), error, _MESSAGE_BYTES)
-        if not handle:
-            raise InvalidArgument(f"native transport: {error.value.decode(errors='replace')}")
-        self._handle: Optional[int] = handle
+        self._handle: Optional[int] = _create_client(lib, pairs)
         self._methods = {m: m.encode() for m in METHODS}
         # Calls in flight, so that close() during them frees the library's client only after the
         # last one returns (it would otherwise be freed under them).
@@ -200,10 +255,7 @@ class NativeChannel:
         """call() of a message still in its parts (bytes and the caller's CPU buffers, in
         order): each goes out where it lies, none is joined or copied."""
         n = len(parts)
-        addresses = (ctypes.c_void_p * n)()
-        sizes = (ctypes.c_size_t * n)()
-        for i, part in enumerate(parts):
-            addresses[i], sizes[i] = _part_address(part)
+        addresses, sizes = _parts_arrays(parts)
         s = self._scratch()
         handle = self._enter()
         try:
@@ -240,11 +292,7 @@ class NativeChannel:
             return None
         if r[0] != 0:
             raise CallError(r[0], r[1])
-        _, o, lse, cached, timing = r
-        return (np.frombuffer(o, dtype=q.dtype).reshape(q.shape),
-                None if lse is None else
-                np.frombuffer(lse, dtype=np.float32).reshape(q.shape[1], q.shape[0]),
-                cached, ServerTiming(timing, (0, len(timing))))
+        return _step_result(r, q)
 
     def _enter(self) -> int:
         with self._lock:
@@ -281,6 +329,147 @@ class NativeChannel:
             self.close()
         except Exception:  # interpreter shutting down
             pass
+
+
+def _step_result(r: Tuple[Any, ...], q: Any) -> Any:
+    """(o, lse, cached_tokens, timing) of a step the library read: r = (0, o bytes, lse bytes or
+    None, cached_tokens, timing bytes)."""
+    _, o, lse, cached, timing = r
+    return (np.frombuffer(o, dtype=q.dtype).reshape(q.shape),
+            None if lse is None else
+            np.frombuffer(lse, dtype=np.float32).reshape(q.shape[1], q.shape[0]),
+            cached, ServerTiming(timing, (0, len(timing))))
+
+
+class AsyncNativeChannel:
+    """The native transport of one attnd.aio.Client: its calls start on the library's completion
+    queue without blocking, and the event loop that made it reads their completions when the
+    queue's file descriptor turns readable. Use it from that loop only."""
+
+    _POLL = 64  # completions taken per attn_c_queue_poll
+
+    def __init__(self, lib: ctypes.CDLL, pairs: List[Tuple[str, str]],
+                 loop: asyncio.AbstractEventLoop):
+        self._lib = lib
+        self._loop = loop
+        self._handle: Optional[int] = _create_client(lib, pairs)
+        error = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        self._queue: Optional[int] = lib.attn_c_queue_create(error, _MESSAGE_BYTES)
+        if not self._queue:
+            lib.attn_c_client_destroy(self._handle)
+            raise InvalidArgument(f"native transport: {error.value.decode(errors='replace')}")
+        self._fd = lib.attn_c_queue_fd(self._queue)
+        loop.add_reader(self._fd, self._on_completions)
+        self._methods = {m: m.encode() for m in METHODS}
+        # tag -> (future, what the call borrows, how its completion is read): kept until the
+        # completion, even when the caller stopped waiting, since the library reads the bytes.
+        self._calls: Dict[int, Tuple[asyncio.Future, Any, Callable[[int, bytes], Any]]] = {}
+        self._tags = itertools.count(1)
+        self._message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        self._done_tags = (ctypes.c_uint64 * self._POLL)()
+        self._done_codes = (ctypes.c_int32 * self._POLL)()
+        self._done_responses = (ctypes.c_void_p * self._POLL)()
+        self._idle: Optional[asyncio.Future] = None  # close() waits on it for the last call
+
+    @property
+    def batch_steps_native(self) -> bool:
+        """Whether BatchSteps of numpy arrays are coded here by the library (attnd._fast)."""
+        return _fast is not None
+
+    async def call_parts(self, method: str, parts: List[Any], timeout: Optional[float]) -> bytes:
+        """One call of a message in its parts (bytes and CPU buffers, sent where they lie); the
+        answer's bytes, or CallError."""
+        addresses, sizes = _parts_arrays(parts)
+        tag = next(self._tags)
+        code = self._lib.attn_c_call_start(self._live(), self._queue, self._methods[method],
+                                           addresses, sizes, len(parts), _timeout_ms(timeout),
+                                           tag, self._message, _MESSAGE_BYTES)
+        if code != 0:
+            raise CallError(code, self._message.value.decode(errors="replace"))
+        return await self._wait(tag, (parts, addresses, sizes), lambda code, answer: answer)
+
+    async def batch_step(self, specs: List[Tuple[Any, ...]], queries: List[Any],
+                         timeout: Optional[float]) -> Optional[List[Any]]:
+        """A BatchStep coded and read by the library: specs as attnd._fast.batch_step_start takes
+        them, queries each item's q (its dtype and shape give o's). Per item, (o, lse,
+        cached_tokens, timing) or a CallError; None when the library does not take these tensors
+        (the caller codes the call itself). Raises CallError when the call fails as a whole."""
+        if _fast is None:
+            return None
+        tag = next(self._tags)
+        r = _fast.batch_step_start(self._live(), self._queue, tag, specs, _timeout_ms(timeout))
+        if r is None:
+            return None
+        if r[0] != 0:
+            raise CallError(r[0], r[1])
+        batch = r[1]
+
+        def read(code: int, answer: bytes) -> List[Any]:
+            return [CallError(item[0], item[1]) if item[0] != 0 else _step_result(item, q)
+                    for item, q in zip(_fast.batch_step_read(batch), queries)]
+        return await self._wait(tag, (specs, batch), read)
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise CallError(grpc.StatusCode.CANCELLED.value[0], "the client is closed")
+        return self._handle
+
+    async def _wait(self, tag: int, keep: Any, read: Callable[[int, bytes], Any]) -> Any:
+        future = self._loop.create_future()
+        self._calls[tag] = (future, keep, read)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._lib.attn_c_queue_cancel(self._queue, tag)  # its completion still comes
+            raise
+
+    def _on_completions(self) -> None:
+        try:
+            os.read(self._fd, 8)
+        except BlockingIOError:
+            pass
+        lib = self._lib
+        while True:
+            n = lib.attn_c_queue_poll(self._queue, self._done_tags, self._done_codes,
+                                      self._done_responses, self._POLL)
+            for i in range(n):
+                response = self._done_responses[i]
+                size = lib.attn_c_response_size(response)
+                answer = _pybytes_new(None, size)
+                lib.attn_c_response_take(response, answer)
+                self._complete(self._done_tags[i], self._done_codes[i], answer)
+            if n < self._POLL:
+                break
+        if not self._calls and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def _complete(self, tag: int, code: int, answer: bytes) -> None:
+        future, _, read = self._calls.pop(tag)
+        if future.done():  # the caller stopped waiting
+            return
+        if code != 0:
+            future.set_exception(CallError(code, answer.decode(errors="replace")))
+            return
+        try:
+            future.set_result(read(code, answer))
+        except Exception as e:  # reading the answer failed: that call's error
+            future.set_exception(e)
+
+    async def close(self) -> None:
+        """Cancels the calls still running, waits for their completions, then frees the queue
+        and the library's client; later calls fail with CANCELLED."""
+        if self._queue is None:
+            return
+        for tag in list(self._calls):
+            self._lib.attn_c_queue_cancel(self._queue, tag)
+        if self._calls:
+            self._idle = self._loop.create_future()
+            await self._idle
+        self._loop.remove_reader(self._fd)
+        queue, self._queue = self._queue, None
+        handle, self._handle = self._handle, None
+        self._lib.attn_c_queue_destroy(queue)
+        self._lib.attn_c_client_destroy(handle)
 
 
 def _timeout_ms(timeout: Optional[float]) -> int:

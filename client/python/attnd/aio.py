@@ -8,6 +8,11 @@
 
 One Client belongs to one event loop (grpc.aio's rule); any number of calls may be in flight.
 
+Attend, Echo, Step and BatchStep go through the C++ client library where it loads (the native
+transport, as for attnd.Client; ``transport=`` chooses): each call starts on the library's
+completion queue and the loop reads its answer when it completes, without grpc.aio's cost per call,
+and coalesced steps of numpy arrays are coded and read by the library.
+
 Steps issued in the same turn of the event loop (64 sessions' coroutines each awaiting
 ``client.step``, say) go to attnd together as one BatchStep, where each keeps its own result or
 error: one call and one launch instead of 64 (``coalesce_steps=False`` sends each as a Step).
@@ -25,7 +30,9 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 import grpc
 import grpc.aio
 
-from . import _core, _proto, _tensors, _wire
+import numpy as np
+
+from . import _core, _native, _proto, _tensors, _wire
 from ._core import (AttendResult, ClientOptions, PathOrPem, SessionInfo, StepResult,
                     TruncateResult)
 from .client import _ChannelSet, _deliver
@@ -40,6 +47,7 @@ class Client(_ChannelSet):
     """asyncio twin of attnd.Client (same arguments and methods, as coroutines), and:
 
     Args:
+        transport: as attnd.Client's (``"native"``, ``"grpcio"`` for grpc.aio, or ``"auto"``).
         coalesce_steps: steps asked for in one turn of the event loop travel as one BatchStep
             (False: one Step call each).
         max_coalesced_steps, max_coalesced_bytes: the most steps, and request bytes, one such
@@ -53,28 +61,46 @@ class Client(_ChannelSet):
                  connections: int = 1, max_message_bytes: int = 256 << 20,
                  wait_for_ready: bool = False, lb_policy: Optional[str] = None,
                  channel_options: Sequence[Tuple[str, Any]] = (), coalesce_steps: bool = True,
-                 max_coalesced_steps: int = 128, max_coalesced_bytes: int = 32 << 20):
+                 max_coalesced_steps: int = 128, max_coalesced_bytes: int = 32 << 20,
+                 transport: Optional[str] = None):
         self.options = ClientOptions(
             target=target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
             tls_server_name=tls_server_name, token=token, timeout=timeout, retries=retries,
             retry_backoff=retry_backoff, connections=connections,
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
-            lb_policy=lb_policy, channel_options=tuple(channel_options))
+            lb_policy=lb_policy, channel_options=tuple(channel_options), transport=transport)
         self._open(grpc.aio.secure_channel, grpc.aio.insecure_channel)
+        # The native transport's library and settings; its channel is opened by the first call,
+        # on the loop that runs it.
+        self._native_lib, self._native_pairs, self.transport_note = _native.decide(self.options)
+        self.transport = "native" if self._native_lib is not None else "grpcio"
+        self._native: Optional[_native.AsyncNativeChannel] = None
         self._steps = (_StepCoalescer(self, max_coalesced_steps,
                                       min(max_coalesced_bytes, max_message_bytes // 2))
                        if coalesce_steps else None)
 
+    def _native_channel(self) -> Optional[_native.AsyncNativeChannel]:
+        if self._native is None and self._native_lib is not None:
+            self._native = _native.AsyncNativeChannel(self._native_lib, self._native_pairs,
+                                                      asyncio.get_running_loop())
+        return self._native
+
     async def _unary(self, method: str, request: Any, timeout: Optional[float]) -> Any:
-        call = self._methods()[method]
+        """A unary call with retries of UNAVAILABLE for the calls that change nothing; request as
+        for attnd.Client._unary."""
+        native = self._native_channel() if method in _native.METHODS else None
+        call = None if native is not None else self._methods()[method]
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
+                if native is not None:
+                    parts = request.parts if type(request) is _wire.Message else [request]
+                    return await native.call_parts(method, parts, left)
                 return await call(request, timeout=left, metadata=self._metadata,
                                   wait_for_ready=self._wait)
-            except grpc.RpcError as e:
+            except (grpc.RpcError, _native.CallError) as e:
                 if (e.code() == grpc.StatusCode.UNAVAILABLE and method in _core.IDEMPOTENT and
                         attempt < self.options.retries):
                     attempt += 1
@@ -87,6 +113,9 @@ class Client(_ChannelSet):
     async def close(self) -> None:
         if self._steps is not None:
             await self._steps.drain()
+        if self._native is not None:
+            await self._native.close()
+        self._native_lib = None  # later calls go to the closed channels and fail
         if self._region_socket is not None:
             self._region_socket.close()
             self._region_socket = None
@@ -113,7 +142,8 @@ class Client(_ChannelSet):
                                  cu_seqlens_k=cu_seqlens_k, causal=causal, window=window,
                                  scale=scale, return_lse=return_lse, high_priority=high_priority,
                                  out=out, lse_out=lse_out,
-                                 fp8=_core.fp8_field(q_descale, k_descale, v_descale, o_dtype))
+                                 fp8=_core.fp8_field(q_descale, k_descale, v_descale, o_dtype),
+                                 joined=self.transport != "native")
         _core.cuda_synchronize(p.cuda_sync)
         buf = await self._unary("Attend", p.message, self._timeout(timeout))
         return _core.read_attend(buf, p)
@@ -215,16 +245,36 @@ class Client(_ChannelSet):
         """See attnd.Client.step (steps of one turn of the event loop travel as one BatchStep
         unless the client was made with coalesce_steps=False)."""
         if self._steps is not None:
-            m, maker, o_in, lse_in, device = _core.step_message(
-                self.regions, session, layer, q, k_new, v_new, scale, return_lse, window, out,
-                lse_out, k_new_scales, v_new_scales)
-            prepared = _core.Prepared(b"", maker, out, lse_out, o_in, lse_in, device)
-            return await self._steps.add(m, prepared, self._timeout(timeout))
+            if (self.transport == "native" and out is None and lse_out is None and
+                    k_new_scales is None and v_new_scales is None and not self.regions.entries and
+                    _native_arrays(q, k_new, v_new)):
+                left, right = _core._window(window) or (-1, -1)
+                spec = (_core.session_id_of(session).encode(), int(layer), q, k_new, v_new,
+                        float(scale or 0.0), bool(return_lse), left, right)
+                coded = lambda: self._coded_step(session, layer, q, k_new, v_new, scale,  # noqa
+                                                 return_lse, window)
+                return await self._steps.add(_Pending(q.nbytes + k_new.nbytes + v_new.nbytes,
+                                                      coded, spec, q), self._timeout(timeout))
+            return await self._steps.add(
+                _Pending.of(*self._coded_step(session, layer, q, k_new, v_new, scale, return_lse,
+                                              window, out, lse_out, k_new_scales, v_new_scales)),
+                self._timeout(timeout))
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
-                               window, out, lse_out, k_new_scales, v_new_scales)
+                               window, out, lse_out, k_new_scales, v_new_scales,
+                               joined=self.transport != "native")
         _core.cuda_synchronize(p.cuda_sync)
         buf = await self._unary("Step", p.message, self._timeout(timeout))
         return _core.read_step(buf, p)
+
+    def _coded_step(self, session: Any, layer: int, q: Any, k_new: Any, v_new: Any, scale: float,
+                    return_lse: bool, window: Optional[Tuple[int, int]], out: Any = None,
+                    lse_out: Any = None, k_new_scales: Any = None,
+                    v_new_scales: Any = None) -> Tuple[Any, _core.Prepared]:
+        """A step's StepRequest message coded here (its parts) and how to read its answer."""
+        m, maker, o_in, lse_in, device = _core.step_message(
+                self.regions, session, layer, q, k_new, v_new, scale, return_lse, window, out,
+            lse_out, k_new_scales, v_new_scales)
+        return m, _core.Prepared(b"", maker, out, lse_out, o_in, lse_in, device)
 
     async def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                          return_exceptions: bool = False) -> List[Any]:
@@ -302,31 +352,64 @@ class Client(_ChannelSet):
                               self._timeout(timeout, _INFO_TIMEOUT))
 
 
+def _native_arrays(*arrays: Any) -> bool:
+    """Whether the library can code and read steps of these tensors as they are (numpy arrays of
+    3 dimensions, C-contiguous; their dtype is checked there)."""
+    return all(type(a) is np.ndarray and a.ndim == 3 and a.flags.c_contiguous for a in arrays)
+
+
+class _Pending:
+    """A step waiting in the coalescer: its request's size, how to code it here (-> message,
+    Prepared), and, for the library's coding, its spec (attnd._fast.batch_step_start's) and q."""
+
+    __slots__ = ("size", "coded", "spec", "q", "future", "_message")
+
+    def __init__(self, size: int, coded: Any, spec: Any = None, q: Any = None):
+        self.size = size
+        self.coded = coded
+        self.spec = spec
+        self.q = q
+        self.future: Optional[asyncio.Future] = None
+        self._message: Any = None
+
+    @classmethod
+    def of(cls, message: Any, prepared: _core.Prepared) -> "_Pending":
+        """A step coded already."""
+        p = cls(message.size, None)
+        p._message = (message, prepared)
+        return p
+
+    def message(self) -> Tuple[Any, _core.Prepared]:
+        if self._message is None:
+            self._message = self.coded()
+        return self._message
+
+
 class _StepCoalescer:
     """Collects the steps a Client is asked for during one turn of its event loop and sends them
     when the turn ends: one Step where there is one, else BatchSteps of at most `limit` items and
     `max_bytes` of request (one group per deadline; an answer is never larger than its request: o
     has q's shape, lse is 4 bytes per query head and token). A step larger than max_bytes goes
     alone. Each caller's future gets its own item's result or error; a failed call fails every
-    item it carried. Items whose caller was cancelled before sending are left out."""
+    item it carried. Items whose caller was cancelled before sending are left out. On the native
+    transport, a BatchStep whose steps are all numpy arrays is coded and read by the library."""
 
     def __init__(self, client: Client, limit: int, max_bytes: int):
         self._client = client
         self._limit = max(1, int(limit))
         self._max_bytes = max(1, int(max_bytes))
-        self._pending: Dict[Optional[float], List[Tuple[Any, _core.Prepared, asyncio.Future]]] = {}
+        self._pending: Dict[Optional[float], List[_Pending]] = {}
         self._scheduled = False
         self._sending: "set[asyncio.Task]" = set()
 
-    async def add(self, message: Any, prepared: _core.Prepared,
-                  timeout: Optional[float]) -> StepResult:
+    async def add(self, item: _Pending, timeout: Optional[float]) -> StepResult:
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._pending.setdefault(timeout, []).append((message, prepared, future))
+        item.future = loop.create_future()
+        self._pending.setdefault(timeout, []).append(item)
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
-        return await future
+        return await item.future
 
     async def drain(self) -> None:
         if self._sending:
@@ -336,38 +419,56 @@ class _StepCoalescer:
         self._scheduled = False
         groups, self._pending = self._pending, {}
         for timeout, items in groups.items():
-            for batch in _core.cut_by_size(items, lambda it: it[0].size, self._max_bytes,
+            for batch in _core.cut_by_size(items, lambda it: it.size, self._max_bytes,
                                            self._limit):
                 task = asyncio.ensure_future(self._send(batch, timeout))
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
 
-    async def _send(self, items: List[Tuple[Any, _core.Prepared, asyncio.Future]],
-                    timeout: Optional[float]) -> None:
-        items = [it for it in items if not it[2].done()]
+    async def _send(self, items: List[_Pending], timeout: Optional[float]) -> None:
+        items = [it for it in items if not it.future.done()]
         if not items:
             return
         try:
-            _core.synchronize_inputs([it[1] for it in items])
-            if len(items) == 1:
-                m, p, _ = items[0]
-                p.message = _tensors.assemble(m.parts, m.size, m.cuda)
-                buf = await self._client._unary("Step", p.message, timeout)
-                results: List[Any] = [_core.read_step(buf, p)]
-            else:
-                m = _wire.batch_step_request([it[0] for it in items])
-                buf = await self._client._unary(
-                    "BatchStep", _tensors.assemble(m.parts, m.size, m.cuda), timeout)
-                results = _core.read_batch_step(buf, [it[1] for it in items])
-        except Exception as e:  # the call failed: so did each of its items (each its own copy)
+            results = None
+            native = self._client._native_channel() if len(items) > 1 else None
+            if native is not None and all(it.spec is not None for it in items):
+                results = await native.batch_step([it.spec for it in items],
+                                                  [it.q for it in items], timeout)
+                if results is not None:
+                    results = [from_rpc_error(r) if isinstance(r, _native.CallError) else
+                               StepResult(*r) for r in results]
+            if results is None:
+                results = await self._send_coded([it.message() for it in items], timeout)
+        except _native.CallError as e:  # the call failed: so did each of its items
+            results = _core.copies_of(from_rpc_error(e), len(items))
+        except Exception as e:
             results = _core.copies_of(e, len(items))
-        for (_, _, future), r in zip(items, results):
-            if future.done():
+        for it, r in zip(items, results):
+            if it.future.done():
                 continue
             if isinstance(r, Exception):
-                future.set_exception(r)
+                it.future.set_exception(r)
             else:
-                future.set_result(r)
+                it.future.set_result(r)
+
+    async def _send_coded(self, coded: List[Tuple[Any, _core.Prepared]],
+                          timeout: Optional[float]) -> List[Any]:
+        _core.synchronize_inputs([p for _, p in coded])
+        if len(coded) == 1:
+            m, p = coded[0]
+            p.message = self._outgoing(m)
+            return [_core.read_step(await self._client._unary("Step", p.message, timeout), p)]
+        m = _wire.batch_step_request([c[0] for c in coded])
+        buf = await self._client._unary("BatchStep", self._outgoing(m), timeout)
+        return _core.read_batch_step(buf, [p for _, p in coded])
+
+    def _outgoing(self, m: Any) -> Any:
+        """m as it goes out: in its parts on the native transport (when large and all on the CPU),
+        else joined."""
+        if self._client.transport == "native" and not m.cuda and m.size >= _core.PARTS_MIN_BYTES:
+            return m
+        return _tensors.assemble(m.parts, m.size, m.cuda)
 
 
 async def _aiter(items: Any) -> AsyncIterator[Any]:

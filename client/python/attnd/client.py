@@ -95,7 +95,7 @@ class Client(_ChannelSet):
             ``"auto"`` (native where the library loads and takes the settings: channel options
             must be integers). Default: $ATTND_TRANSPORT, else auto. ``client.transport`` says
             which one is in use, ``client.transport_note`` why not native. The other calls, and
-            attend_stream, always use grpcio; the asyncio client uses grpc.aio.
+            attend_stream, always use grpcio (grpc.aio in the asyncio client).
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, tls: bool = False,
@@ -120,19 +120,10 @@ class Client(_ChannelSet):
     def _open_native(self) -> Tuple[str, str]:
         """The native transport where asked for and possible: ("native" or "grpcio", and why
         not native when it is not)."""
-        asked = self.options.transport_asked()
-        if asked == "grpcio":
-            return "grpcio", "asked for"
-        lib, why = _native.load()
-        pairs = None
-        if lib is not None:
-            pairs, why = _native.settings(self.options)
-        if lib is None or pairs is None:
-            if asked == "native":
-                self.close()
-                raise InvalidArgument(f"transport='native': {why}")
-            return "grpcio", why
         try:
+            lib, pairs, why = _native.decide(self.options)
+            if lib is None:
+                return "grpcio", why
             self._native = _native.NativeChannel(lib, pairs)
         except InvalidArgument:
             self.close()
