@@ -10,6 +10,10 @@
            attn-bench --mode decode --sessions 64 (target: Python steps/s >= 0.90x C++); the
            asyncio client sends the steps of one turn of its event loop as one BatchStep
   aio1     the same with attnd.aio.Client(coalesce_steps=False): one Step call per step
+  aio/grpcio
+           aio with the asyncio client on grpc.aio (transport="grpcio"); aio and aio1 use
+           --transport. The asyncio rows add the Python process's CPU time per step (its
+           threads, gRPC's among them): what one Python thread could sustain.
   attend/grpcio, step/grpcio
            attend and step with the sync client on grpcio (transport="grpcio"), where attend and
            step use --transport (default: auto, the native transport where its library loads)
@@ -35,7 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -169,13 +173,16 @@ def py_step(args: argparse.Namespace, client: attnd.Client) -> Dict[str, float]:
         return closed_loop(lambda: s.step(0, q, k, v), args.duration, args.warmup, between)
 
 
-def py_aio(args: argparse.Namespace, ids: List[str], coalesce: bool = True) -> Dict[str, float]:
+def py_aio(args: argparse.Namespace, ids: List[str], coalesce: bool = True,
+           transport: Optional[str] = None) -> Dict[str, float]:
     rng = np.random.default_rng(3)
     q, k, v = bf16(rng, (1, HEADS, D)), bf16(rng, (1, KV_HEADS, D)), bf16(rng, (1, KV_HEADS, D))
 
     async def main() -> Dict[str, float]:
         async with attnd.aio.Client(args.target, connections=args.aio_connections,
-                                    coalesce_steps=coalesce) as c:
+                                    coalesce_steps=coalesce,
+                                    max_coalesced_steps=args.aio_max_batch,
+                                    transport=transport or args.transport) as c:
             latencies: List[float] = []
             state = {"measure": False, "stop": False}
 
@@ -195,13 +202,16 @@ def py_aio(args: argparse.Namespace, ids: List[str], coalesce: bool = True) -> D
             tasks = [asyncio.ensure_future(worker(sid)) for sid in ids]
             await asyncio.sleep(args.warmup)
             state["measure"] = True
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             await asyncio.sleep(args.duration)
             state["measure"] = False
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             state["stop"] = True
             await asyncio.gather(*tasks)
-            return summarize(latencies, elapsed)
+            out = summarize(latencies, elapsed)
+            out["cpu_us_per_step"] = 1e6 * cpu / max(len(latencies), 1)
+            out["transport"] = c.transport
+            return out
     return asyncio.run(main())
 
 
@@ -219,7 +229,9 @@ def main() -> int:
     p.add_argument("--cache", type=int, default=4096, help="decode: cached tokens")
     p.add_argument("--aio-sessions", type=int, default=64)
     p.add_argument("--aio-connections", type=int, default=4)
-    p.add_argument("--only", default="attend,step,step/grpcio,aio,aio1",
+    p.add_argument("--aio-max-batch", type=int, default=128,
+                   help="the asyncio client's max_coalesced_steps")
+    p.add_argument("--only", default="attend,step,step/grpcio,aio,aio/grpcio,aio1",
                    help="comma-separated parts to run")
     p.add_argument("--transport", default=None,
                    help="the sync client's transport in attend and step: auto (default, or "
@@ -252,11 +264,14 @@ def main() -> int:
                 lambda: py_aio(args, aio_sessions.get())),
         "aio1": (lambda: cpp_decode(args, args.aio_sessions),
                  lambda: py_aio(args, aio_sessions.get(), coalesce=False)),
+        "aio/grpcio": (lambda: cpp_decode(args, args.aio_sessions),
+                       lambda: py_aio(args, aio_sessions.get(), transport="grpcio")),
     }
     targets = {"attend": ("p50", 1.10, "req/s", 0.90), "step": ("p50", 1.10, "req/s", 0.90),
                "attend/grpcio": ("p50", 1.10, "req/s", 0.90),
                "step/grpcio": ("p50", 1.10, "req/s", 0.90),
-               "aio": (None, None, "steps/s", 0.90), "aio1": (None, None, "steps/s", 0.90)}
+               "aio": (None, None, "steps/s", 0.90), "aio1": (None, None, "steps/s", 0.90),
+               "aio/grpcio": (None, None, "steps/s", 0.90)}
     summary: Dict[str, Any] = {}
     # Each row is printed as soon as its round is done, and each run's wall time with it, so that
     # a run cut off by a time limit still shows what it measured and where the time went.
@@ -281,7 +296,9 @@ def main() -> int:
             rates.append(rate)
             print(f"{part:13} {i:>5} {r['cpp']['p50_ms']:>10.3f} {r['py']['p50_ms']:>10.3f} "
                   f"{p50:>10.3f} {r['cpp'][rate_key]:>9.1f} {r['py'][rate_key]:>9.1f} {rate:>9.3f}"
-                  f"  {wall['cpp']:.1f}, {wall['py']:.1f}", flush=True)
+                  f"  {wall['cpp']:.1f}, {wall['py']:.1f}"
+                  + (f"  Py cpu {r['py']['cpu_us_per_step']:.1f} us/step ({r['py']['transport']})"
+                     if "cpu_us_per_step" in r["py"] else ""), flush=True)
         p50_max, rate_min = targets[part][1], targets[part][3]
         med_p50, med_rate = statistics.median(p50s), statistics.median(rates)
         met = med_rate >= rate_min and (p50_max is None or med_p50 <= p50_max)
