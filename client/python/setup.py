@@ -53,7 +53,8 @@ class BuildWithDescriptors(build_py):
 
 extensions = []
 if os.environ.get("ATTND_NATIVE_LIB") and sys.version_info >= (3, 11):
+    # attn/client/c_api.h: the library's types (nothing of it is linked).
     extensions.append(Extension("attnd._fast", ["attnd/_fast.c"], py_limited_api=True,
-                                optional=True))
+                                include_dirs=[str(HERE.parent / "include")], optional=True))
 
 setup(cmdclass={"build_py": BuildWithDescriptors}, ext_modules=extensions)

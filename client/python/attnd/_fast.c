@@ -14,43 +14,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* attn/client/c_api.h's attn_c_step. */
-typedef int (*StepFn)(void*, const char*, int32_t, int32_t, int64_t, int64_t, int64_t, const void*,
-                      size_t, int32_t, int64_t, int64_t, int64_t, const void*, size_t, int32_t,
-                      int64_t, int64_t, int64_t, const void*, size_t, float, int32_t, int32_t,
-                      int32_t, int64_t, void*, size_t, void*, size_t, int64_t*, void*, size_t,
-                      size_t*, char*, size_t);
+#include "attn/client/c_api.h"
+
+/* The library's functions are called through the pointers bind() is given: the header gives their
+ * types and attn_c_step_item's layout, and nothing is linked. */
+typedef __typeof__(attn_c_step)* StepFn;
+typedef __typeof__(attn_c_batch_step_start)* BatchStartFn;
+typedef attn_c_step_item StepItem;
 
 static StepFn step_fn = NULL;
-
-/* attn/client/c_api.h's attn_c_step_item and attn_c_batch_step_start (ABI 2). */
-typedef struct {
-  const char* session_id;
-  int32_t layer;
-  int32_t q_dtype, k_dtype, v_dtype;
-  int64_t q_shape[3], k_shape[3], v_shape[3];
-  const void* q;
-  const void* k_new;
-  const void* v_new;
-  size_t q_size, k_size, v_size;
-  float softmax_scale;
-  int32_t return_lse;
-  int32_t window_left, window_right;
-  void* o;
-  size_t o_size;
-  void* lse;
-  size_t lse_size;
-  char* message;
-  size_t message_size;
-  void* timing;
-  size_t timing_capacity;
-  int32_t code;
-  int64_t cached_tokens;
-  size_t timing_size;
-} StepItem;
-
-typedef int (*BatchStartFn)(void*, void*, StepItem*, size_t, int64_t, uint64_t, char*, size_t);
-
 static BatchStartFn batch_start_fn = NULL;
 
 enum { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3, kFloat8 = 4 };
