@@ -131,6 +131,14 @@ def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, 
             assert ours[5].id in str(got[5])
             assert all(not isinstance(r, Exception) for i, r in enumerate(got) if i != 5)
             assert got[6].cached_tokens == 8
+            # A step the client refuses (float64 q) among good ones fails alone, before sending.
+            inputs = [step_inputs(rng, 1) for _ in range(4)]
+            qs = [q[0] for q, _, _ in inputs]
+            qs[2] = qs[2].astype(np.float64)
+            got = await asyncio.gather(*(ours[i].step(0, qs[i], k[0], v[0]) for i, (_, k, v)
+                                         in enumerate(inputs)), return_exceptions=True)
+            assert isinstance(got[2], attnd.InvalidArgument), got[2]
+            assert [r.cached_tokens for i, r in enumerate(got) if i != 2] == [9, 9, 9]
         finally:
             for s in ours[:5] + ours[6:] + theirs:
                 await s.close()

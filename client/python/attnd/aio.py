@@ -24,6 +24,7 @@ rather than in one message too large to send or to answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
@@ -251,8 +252,8 @@ class Client(_ChannelSet):
                 left, right = _core._window(window) or (-1, -1)
                 spec = (_core.session_id_of(session).encode(), int(layer), q, k_new, v_new,
                         float(scale or 0.0), bool(return_lse), left, right)
-                coded = lambda: self._coded_step(session, layer, q, k_new, v_new, scale,  # noqa
-                                                 return_lse, window)
+                coded = functools.partial(self._coded_step, session, layer, q, k_new, v_new,
+                                          scale, return_lse, window)
                 return await self._steps.add(_Pending(q.nbytes + k_new.nbytes + v_new.nbytes,
                                                       coded, spec, q), self._timeout(timeout))
             return await self._steps.add(
@@ -272,7 +273,7 @@ class Client(_ChannelSet):
                     v_new_scales: Any = None) -> Tuple[Any, _core.Prepared]:
         """A step's StepRequest message coded here (its parts) and how to read its answer."""
         m, maker, o_in, lse_in, device = _core.step_message(
-                self.regions, session, layer, q, k_new, v_new, scale, return_lse, window, out,
+            self.regions, session, layer, q, k_new, v_new, scale, return_lse, window, out,
             lse_out, k_new_scales, v_new_scales)
         return m, _core.Prepared(b"", maker, out, lse_out, o_in, lse_in, device)
 
@@ -353,9 +354,11 @@ class Client(_ChannelSet):
 
 
 def _native_arrays(*arrays: Any) -> bool:
-    """Whether the library can code and read steps of these tensors as they are (numpy arrays of
-    3 dimensions, C-contiguous; their dtype is checked there)."""
-    return all(type(a) is np.ndarray and a.ndim == 3 and a.flags.c_contiguous for a in arrays)
+    """Whether the library can code and read steps of these tensors as they are: numpy arrays of
+    3 dimensions, C-contiguous, of a wire dtype (float32, float16, bfloat16 bits as uint16, FP8
+    codes as uint8; attnd._fast checks the same)."""
+    return all(type(a) is np.ndarray and a.ndim == 3 and a.flags.c_contiguous and
+               a.dtype.char in "feHB" for a in arrays)
 
 
 class _Pending:
@@ -430,27 +433,38 @@ class _StepCoalescer:
         if not items:
             return
         try:
-            results = None
-            native = self._client._native_channel() if len(items) > 1 else None
-            if native is not None and all(it.spec is not None for it in items):
-                results = await native.batch_step([it.spec for it in items],
-                                                  [it.q for it in items], timeout)
-                if results is not None:
-                    results = [from_rpc_error(r) if isinstance(r, _native.CallError) else
-                               StepResult(*r) for r in results]
-            if results is None:
-                results = await self._send_coded([it.message() for it in items], timeout)
+            results = await self._send_native(items, timeout)
+            if results is None:  # coded here; a step that cannot be coded fails alone
+                coded = []
+                for it in items:
+                    try:
+                        coded.append((it, it.message()))
+                    except Exception as e:
+                        _settle(it, e)
+                items = [it for it, _ in coded]
+                if not items:
+                    return
+                results = await self._send_coded([c for _, c in coded], timeout)
         except _native.CallError as e:  # the call failed: so did each of its items
             results = _core.copies_of(from_rpc_error(e), len(items))
         except Exception as e:
             results = _core.copies_of(e, len(items))
         for it, r in zip(items, results):
-            if it.future.done():
-                continue
-            if isinstance(r, Exception):
-                it.future.set_exception(r)
-            else:
-                it.future.set_result(r)
+            _settle(it, r)
+
+    async def _send_native(self, items: List[_Pending],
+                           timeout: Optional[float]) -> Optional[List[Any]]:
+        """A BatchStep of items coded and read by the library; None where it cannot take them
+        (no native channel, a step coded already, one step alone, tensors it does not take)."""
+        native = self._client._native_channel() if len(items) > 1 else None
+        if native is None or any(it.spec is None for it in items):
+            return None
+        results = await native.batch_step([it.spec for it in items], [it.q for it in items],
+                                          timeout)
+        if results is None:
+            return None
+        return [from_rpc_error(r) if isinstance(r, _native.CallError) else StepResult(*r)
+                for r in results]
 
     async def _send_coded(self, coded: List[Tuple[Any, _core.Prepared]],
                           timeout: Optional[float]) -> List[Any]:
@@ -469,6 +483,17 @@ class _StepCoalescer:
         if self._client.transport == "native" and not m.cuda and m.size >= _core.PARTS_MIN_BYTES:
             return m
         return _tensors.assemble(m.parts, m.size, m.cuda)
+
+
+def _settle(item: _Pending, result: Any) -> None:
+    """item's future gets result (an exception or a StepResult), unless its caller stopped
+    waiting."""
+    if item.future.done():
+        return
+    if isinstance(result, Exception):
+        item.future.set_exception(result)
+    else:
+        item.future.set_result(result)
 
 
 async def _aiter(items: Any) -> AsyncIterator[Any]:
