@@ -377,8 +377,9 @@ TEST_F(ClientCApiQueueTest, CancelDeadlineAndTagInUse) {
   EXPECT_EQ(got.at(1).code, 1) << got.at(1).bytes;  // CANCELLED
   EXPECT_EQ(got.at(2).code, 4) << got.at(2).bytes;  // DEADLINE_EXCEEDED
   EXPECT_FALSE(got.at(2).bytes.empty());
-  // The tag is free again, and the queue still works.
-  ASSERT_EQ(StartEcho(EchoRequest("again"), 1), 0);
+  // The tag is free again, and the queue still works. (The request must outlive its call.)
+  const std::string again_request = EchoRequest("again");
+  ASSERT_EQ(StartEcho(again_request, 1), 0);
   const auto again = Collect(queue_, 1);
   ASSERT_EQ(again.count(1), 1u);
   EXPECT_EQ(EchoPayload(again.at(1).bytes), "again");
