@@ -80,7 +80,9 @@ int attn_c_step(attn_c_client* client, const char* session_id, int32_t layer, in
  * A call started on a queue runs on gRPC's threads; when it has finished, and gRPC has let go of
  * the caller's bytes, its completion (the caller's tag, its status code and its response) waits
  * in the queue until attn_c_queue_poll takes it. The queue's file descriptor is readable while
- * completions wait: an event loop watches it, reads its 8 bytes (an eventfd counter), then polls.
+ * completions wait: an event loop watches it, reads its 8 bytes (an eventfd counter), then polls
+ * until none is left. It may turn readable with none waiting (one queued between that read and
+ * the poll was taken by the poll); a poll then returns 0.
  * A queue is used by one thread at a time; calls may be started on it from any client. */
 
 /* A queue, or NULL with the reason in error. */
