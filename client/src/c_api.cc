@@ -185,6 +185,33 @@ ATTN_C_EXPORT attn_c_client* attn_c_client_create(const char* const* keys,
 
 ATTN_C_EXPORT void attn_c_client_destroy(attn_c_client* client) { delete client; }
 
+namespace {
+
+// Whether every part with bytes has data; else INVALID_ARGUMENT, who naming the function.
+bool PartsValid(const char* who, const void* const* parts, const size_t* sizes, size_t n,
+                char* message, size_t message_size) {
+  for (size_t i = 0; i < n; ++i) {
+    if (parts == nullptr || sizes == nullptr || (parts[i] == nullptr && sizes[i] > 0)) {
+      WriteMessage(absl::StrCat(who, ": a part of the request is NULL"), message, message_size);
+      return false;
+    }
+  }
+  return true;
+}
+
+// The request of n parts, each borrowed (sent where it lies) through borrowed.
+grpc::ByteBuffer BorrowParts(attn::client::BorrowedSlices* borrowed, const void* const* parts,
+                             const size_t* sizes, size_t n) {
+  std::vector<grpc::Slice> slices;  // released on return: the buffer holds its own references
+  slices.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (sizes[i] > 0) slices.push_back(borrowed->Borrow(parts[i], sizes[i]));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+}  // namespace
+
 ATTN_C_EXPORT int attn_c_call_parts(attn_c_client* client, const char* method,
                                     const void* const* parts, const size_t* sizes, size_t n,
                                     int64_t timeout_ms, attn_c_response** response, char* message,
@@ -198,22 +225,14 @@ ATTN_C_EXPORT int attn_c_call_parts(attn_c_client* client, const char* method,
                  message, message_size);
     return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (parts == nullptr || sizes == nullptr || (parts[i] == nullptr && sizes[i] > 0)) {
-      WriteMessage("attn_c_call: a part of the request is NULL", message, message_size);
-      return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
-    }
+  if (!PartsValid("attn_c_call", parts, sizes, n, message, message_size)) {
+    return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
   }
   auto out = std::make_unique<attn_c_response>();
   const grpc::Status st = CallBorrowing(
       client, raw, timeout_ms,
       [&](attn::client::BorrowedSlices* borrowed) {
-        std::vector<grpc::Slice> slices;
-        slices.reserve(n);
-        for (size_t i = 0; i < n; ++i) {
-          if (sizes[i] > 0) slices.push_back(borrowed->Borrow(parts[i], sizes[i]));
-        }
-        return grpc::ByteBuffer(slices.data(), slices.size());
+        return BorrowParts(borrowed, parts, sizes, n);
       },
       &out->buffer);
   if (!st.ok()) return Failed(st, message, message_size);
@@ -536,23 +555,13 @@ ATTN_C_EXPORT int attn_c_call_start(attn_c_client* client, attn_c_queue* queue,
                                                  "'")),
                        message, message_size);
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (parts == nullptr || sizes == nullptr || (parts[i] == nullptr && sizes[i] > 0)) {
-      return BadArgument("attn_c_call_start: a part of the request is NULL", message,
-                         message_size);
-    }
+  if (!PartsValid("attn_c_call_start", parts, sizes, n, message, message_size)) {
+    return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
   }
   auto call = std::make_unique<AsyncCall>();
   call->queue = queue;
   call->tag = tag;
-  {
-    std::vector<grpc::Slice> slices;  // released here: the call's buffer holds its own
-    slices.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (sizes[i] > 0) slices.push_back(call->borrowed.Borrow(parts[i], sizes[i]));
-    }
-    call->request = grpc::ByteBuffer(slices.data(), slices.size());
-  }
+  call->request = BorrowParts(&call->borrowed, parts, sizes, n);
   call->read = [](AsyncCall* c, attn_c_response* out) {
     out->buffer = std::move(c->response);
     return 0;
