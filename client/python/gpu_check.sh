@@ -20,7 +20,8 @@
 # gpu-python-results), PYTHON (default python3), BENCH_ARGS (more arguments of the benchmark),
 # EXAMPLE_ARGS (more arguments of the example), TESTS_TIMEOUT, EXAMPLE_TIMEOUT (seconds per
 # part; defaults 580, 570); the bench part's runs: BENCH_TIMEOUT (180), OVERHEAD_TIMEOUT (45),
-# REGIONS_TIMEOUT (100), BENCH_EXAMPLE_TIMEOUT (250), REGIONS_ARGS (more arguments of the regions benchmark),
+# REGIONS_TIMEOUT (100), BENCH_EXAMPLE_TIMEOUT (250), EXAMPLE_KV_CACHE_BYTES (attnd's cache for
+# the example), REGIONS_ARGS (more arguments of the regions benchmark),
 # BENCH_EXAMPLE_ARGS (the example's transports and more; default --transport cuda-ipc,grpc).
 #
 # The blocking client's native transport loads $ATTND_NATIVE_LIB (default: the bundle's
@@ -102,11 +103,15 @@ run_tests() {
 }
 
 # run_example BATCHES SECONDS NAME ARGS...: the example at --size 8b on an attnd of its own.
+# Its KV cache (EXAMPLE_KV_CACHE_BYTES, default 16 GiB) holds batch 32's three sessions per layer
+# (the run, its fork and the speculative fork: ~10 GB) with room to spare; the Python process
+# beside it needs ~47 GB at batch 32 (weights, three local caches, prefill logits), so a larger
+# attnd cache leaves an 80 GB GPU short.
 run_example() {
   local batches=$1 seconds=$2 name=$3
   shift 3
   start_attnd "$out/attnd-$name.log" --allow_shared_memory \
-    --kv_cache_bytes=34359738368 --max_session_tokens=8192 || { rc=1; return; }
+    --kv_cache_bytes="${EXAMPLE_KV_CACHE_BYTES:-17179869184}" --max_session_tokens=8192 || { rc=1; return; }
   note "examples/remote_decoder.py --size 8b --batch $batches $* against $TARGET"
   timeout "$seconds" "$py" examples/remote_decoder.py --target "$TARGET" --size 8b --batch "$batches" \
     "$@" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"

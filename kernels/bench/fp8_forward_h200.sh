@@ -16,7 +16,8 @@
 #     d=128, 4k cached, chunks 512 and 2048, pages 16 and 64, causal) and FP8 Attend (q, k, v e4m3,
 #     d=128 and 256, s=4k and 8k, non-causal) vs bf16 generation 2, TFLOP/s and ratios; and, where
 #     BIN has fp8_variants (-DATTN_SM90_VARIANTS=ON), the tensor-core kernel's variants against the
-#     shipped one (d 128 and 256, s 4k and 8k non-causal, 8k causal).
+#     shipped one (d 128 and 256, s 4k and 8k non-causal, 8k causal; d=128's two warpgroups at
+#     s 512-2k, and causal at 1k-4k).
 # Every step runs under `timeout`, within BUDGET_S seconds in all (default 540); a step that does
 # not fit in what is left is skipped and said so. The last thing printed is the table of steps;
 # OUT/logs.tgz holds every log (a device call brings back few files).
@@ -81,6 +82,11 @@ if [ -x "$bin/fp8_variants" ]; then
     --s 8192 --reps 20
   step "fp8_variants causal" 50 "$out/variants_causal.md" "$bin/fp8_variants" --d 128 --d 256 --s 8192 \
     --causal --reps 20
+  # d=128's 192-row tiles where a sequence's last tile wastes most: short and causal sequences.
+  step "fp8_variants d=128 short" 40 "$out/variants_short.md" "$bin/fp8_variants" --d 128 \
+    --s 512 --s 1024 --s 2048 --variant wg2 --reps 20
+  step "fp8_variants d=128 short causal" 40 "$out/variants_short_causal.md" "$bin/fp8_variants" \
+    --d 128 --s 1024 --s 2048 --s 4096 --causal --variant wg2 --reps 20
 fi
 step "bench bench_fp8_forward.py" 150 "$out/bench.log" bash -c "cd '$bin' && exec python3 \
   bench_fp8_forward.py --lib ./libattn_kernels_capi.so --out '$out/bench.md'"
@@ -91,7 +97,8 @@ step "bench bench_fp8_forward.py" 150 "$out/bench.log" bash -c "cd '$bin' && exe
   cat "$out"/tests_*.txt 2>/dev/null | grep -hE -A3 'Failure$' | head -n 40
   echo "-- FP8 tensor cores' LSE error (largest, in bits of the score magnitude):"
   cat "$out"/tests_*.txt 2>/dev/null | grep -hoE 'LSE error up to 2\^[-0-9.]+' | sort -t^ -k2 -g | tail -n 1
-  cat "$out/variants.md" "$out/variants_causal.md" 2>/dev/null
+  cat "$out/variants.md" "$out/variants_causal.md" "$out/variants_short.md" \
+    "$out/variants_short_causal.md" 2>/dev/null
   [ -f "$out/bench.md" ] && { echo "-- bench_fp8_forward.py tables:"; sed -n '3,200p' "$out/bench.md"; }
   [ -f "$out/bench.md" ] || { echo "-- bench log (no table):"; tail -n 30 "$out/bench.log"; }
   echo "-- steps (rc 124/137: timed out; 99: skipped):"

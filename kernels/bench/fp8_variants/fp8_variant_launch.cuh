@@ -11,21 +11,21 @@ namespace attn::kernels::cuda {
 template <int D>
 cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaStream_t stream) {
   using T = __nv_bfloat16;
+  constexpr int kWGs = kSm90Fp8ShippedWGs<D>;
+  constexpr int kExp = kSm90Fp8ShippedExpFmaEvery<D>;
   switch (v) {
-    case Fp8Variant::kMufu: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 0>>(p, sms, stream);
-    case Fp8Variant::kFma2: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 2>>(p, sms, stream);
-    case Fp8Variant::kFma3: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 3>>(p, sms, stream);
-    case Fp8Variant::kFma5: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 5>>(p, sms, stream);
-    case Fp8Variant::kFma6: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 6>>(p, sms, stream);
-    case Fp8Variant::kFma8: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 8>>(p, sms, stream);
-    case Fp8Variant::kWg3:  // Fp8VariantBuiltFor
-      if constexpr (D == 128) {
-        return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, Sm90Fp8Shipped<D, T>::kExpFmaEvery, 3>>(p, sms, stream);
-      }
+    case Fp8Variant::kMufu: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 0, kWGs>>(p, sms, stream);
+    case Fp8Variant::kFma2: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 2, kWGs>>(p, sms, stream);
+    case Fp8Variant::kFma3: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 3, kWGs>>(p, sms, stream);
+    case Fp8Variant::kFma4: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 4, kWGs>>(p, sms, stream);
+    case Fp8Variant::kFma5: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 5, kWGs>>(p, sms, stream);
+    case Fp8Variant::kFma6: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 6, kWGs>>(p, sms, stream);
+    case Fp8Variant::kFma8: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 8, kWGs>>(p, sms, stream);
+    case Fp8Variant::kWg2:  // Fp8VariantBuiltFor
+      if constexpr (D == 128) return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2>>(p, sms, stream);
       return cudaErrorNotSupported;
     case Fp8Variant::kOverlap:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, Sm90Fp8Shipped<D, T>::kExpFmaEvery, 2, true>>(
-          p, sms, stream);
+      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2, true>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -184,10 +184,11 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kMufu: return "mufu";
     case Fp8Variant::kFma2: return "fma2";
     case Fp8Variant::kFma3: return "fma3";
+    case Fp8Variant::kFma4: return "fma4";
     case Fp8Variant::kFma5: return "fma5";
     case Fp8Variant::kFma6: return "fma6";
     case Fp8Variant::kFma8: return "fma8";
-    case Fp8Variant::kWg3: return "wg3";
+    case Fp8Variant::kWg2: return "wg2";
     case Fp8Variant::kOverlap: return "overlap";
     default: return "?";
   }

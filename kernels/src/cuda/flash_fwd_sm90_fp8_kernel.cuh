@@ -75,9 +75,17 @@ struct Sm90Fp8Traits {
                 "tiles keep 1024-byte alignment");
 };
 
-// The traits RunFlashFwdSm90Fp8 launches.
+// The traits RunFlashFwdSm90Fp8 launches (kernels/bench/fp8_variants times the others). d=128:
+// three consumer warpgroups (192-row tiles) with every 4th exp2 group on the FMA pipe, 1.13-1.14x
+// two warpgroups at s=4k/8k although ptxas spills 84 bytes under the 160-register split; d=256:
+// two warpgroups (their registers do not fit three), every 8th group on FMA, 1.05x every 4th.
+template <int D>
+inline constexpr int kSm90Fp8ShippedWGs = D == 128 ? 3 : 2;
+template <int D>
+inline constexpr int kSm90Fp8ShippedExpFmaEvery = D == 128 ? 4 : 8;
 template <int D, typename T>
-using Sm90Fp8Shipped = Sm90Fp8Traits<D, T, 4>;
+using Sm90Fp8Shipped =
+    Sm90Fp8Traits<D, T, kSm90Fp8ShippedExpFmaEvery<D>, kSm90Fp8ShippedWGs<D>>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
 // D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.
