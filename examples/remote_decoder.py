@@ -330,7 +330,8 @@ class HFRunner:
         return cache.fork() if self.backend == "remote" else copy.deepcopy(cache)
 
     def truncate(self, cache: Any, n: int) -> None:
-        cache.crop(cache.get_seq_length() - n)
+        if n > 0:  # a negative length drops that many tokens (transformers 5.18 takes no other)
+            cache.crop(-n)
 
     def close(self, cache: Any) -> None:
         if self.backend == "remote":

@@ -16,8 +16,8 @@ cudaError_t RunDecodeFp8(const DecodeParams& p, bool paged, cudaStream_t stream)
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
   if (p.k_scale == nullptr || p.v_scale == nullptr) return cudaErrorInvalidValue;
   const cudaError_t err =
-      paged ? decode::LaunchSplit<Tr>(&decode::DecodeFp8Kernel<Tr, true>, p, stream)
-            : decode::LaunchSplit<Tr>(&decode::DecodeFp8Kernel<Tr, false>, p, stream);
+      paged ? decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, true>>(p, stream)
+            : decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, false>>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return decode::LaunchCombine<T, D>(p, stream);
 }

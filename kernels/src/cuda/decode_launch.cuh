@@ -7,27 +7,21 @@
 
 #include "decode_kernel.cuh"
 #include "decode_params.h"
+#include "func_attributes.cuh"
 
 namespace attn::kernels::cuda {
 
 namespace decode {
-// The split kernel `kernel` of traits Tr: grid (row blocks x splits, KV heads, sequences).
-template <typename Tr, typename Kernel>
-cudaError_t LaunchSplit(Kernel kernel, const DecodeParams& p, cudaStream_t stream) {
+// The split kernel kKernel of traits Tr: grid (row blocks x splits, KV heads, sequences).
+template <typename Tr, auto kKernel>
+cudaError_t LaunchSplit(const DecodeParams& p, cudaStream_t stream) {
   constexpr int kSmem = Tr::kSmemBytes;
-  if constexpr (kSmem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-  }
   // Loads go through cp.async.cg (L1 bypassed): all of the carveout to shared memory.
-  {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    if (err != cudaSuccess) return err;
+  if (const cudaError_t err = SetSharedMemoryOnce<kKernel>(kSmem, true); err != cudaSuccess) {
+    return err;
   }
   const dim3 grid(p.m_blocks * p.num_splits, p.num_kv_heads, p.batch);
-  kernel<<<grid, Tr::kThreads, kSmem, stream>>>(p);
+  kKernel<<<grid, Tr::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -56,8 +50,8 @@ template <typename T, int D>
 cudaError_t RunDecode(const DecodeParams& p, bool paged, cudaStream_t stream) {
   using Tr = decode::DecodeTraits<D, T>;
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  const cudaError_t err = paged ? decode::LaunchSplit<Tr>(&decode::DecodeKernel<Tr, true>, p, stream)
-                                : decode::LaunchSplit<Tr>(&decode::DecodeKernel<Tr, false>, p, stream);
+  const cudaError_t err = paged ? decode::LaunchSplit<Tr, &decode::DecodeKernel<Tr, true>>(p, stream)
+                                : decode::LaunchSplit<Tr, &decode::DecodeKernel<Tr, false>>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return decode::LaunchCombine<T, D>(p, stream);
 }

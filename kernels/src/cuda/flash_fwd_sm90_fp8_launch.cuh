@@ -76,8 +76,8 @@ cudaError_t RunFlashFwdSm90Fp8With(const FlashParams& params, int sms, cudaStrea
                                                     vt_cols);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  auto kernel = &FlashFwdSm90Fp8Kernel<Tr>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
+  constexpr auto kernel = &FlashFwdSm90Fp8Kernel<Tr>;
+  err = SetSharedMemoryOnce<kernel>(Tr::kSmemAlloc, false);
   if (err != cudaSuccess) return err;
   const int64_t m_blocks = (params.max_seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   const int64_t tiles = m_blocks * params.num_heads * params.batch;

@@ -14,6 +14,7 @@
 
 #include "flash_fwd_sm90_kernel.cuh"
 #include "flash_fwd_sm90_traits.cuh"
+#include "func_attributes.cuh"
 #include "flash_params.h"
 
 namespace attn::kernels::cuda {
@@ -137,10 +138,10 @@ cudaError_t LaunchFlashFwdSm90(const FlashParams& params, const Sm90Launch& L, c
                            kKvBoxSlabs)) {
     return cudaErrorInvalidValue;
   }
-  auto kernel = &FlashFwdSm90Kernel<Tr>;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
-  if (err != cudaSuccess) return err;
+  constexpr auto kernel = &FlashFwdSm90Kernel<Tr>;
+  if (const cudaError_t err = SetSharedMemoryOnce<kernel>(Tr::kSmemAlloc, false); err != cudaSuccess) {
+    return err;
+  }
   // Persistent: one CTA per SM (or per tile when there are fewer), each looping over tiles.
   const int64_t tiles = int64_t(m_blocks) * params.num_heads * params.batch;
   if (tiles == 0) return cudaSuccess;
