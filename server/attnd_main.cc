@@ -56,10 +56,6 @@ ABSL_FLAG(int64_t, batch_step_chunk, kDefaults.batch_step_chunk,
 ABSL_FLAG(int64_t, step_idle_poll_us, kDefaults.step_idle_poll_us,
           "CUDA backend: how long a step lane that finished a launch looks for the next one, "
           "yielding its core, before it sleeps (microseconds; 0: sleeps at once)");
-ABSL_FLAG(bool, step_cuda_graphs, kDefaults.step_cuda_graphs,
-          "CUDA backend: a decode launch of at most 4 steps (its copies and kernels) is captured "
-          "as a CUDA graph and replayed through the lane's graph, updated in place, instead of "
-          "being enqueued call by call");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
@@ -187,7 +183,6 @@ attn::ServerOptions OptionsFromFlags() {
   o.streams = absl::GetFlag(FLAGS_streams);
   o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
-  o.step_cuda_graphs = absl::GetFlag(FLAGS_step_cuda_graphs);
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);

@@ -219,7 +219,6 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
 
 absl::Status CudaStepDevice::Init(const Options& options) {
   plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
-  graph_launches_ = options.graph_launches;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
@@ -271,7 +270,6 @@ CudaStepDevice::~CudaStepDevice() {
     lane->in.Release();
     lane->out.Release();
     lane->workspace.Release();
-    if (lane->graph) cudaGraphExecDestroy(lane->graph);
     for (cudaEvent_t e : lane->events) {
       if (e) cudaEventDestroy(e);
     }
@@ -395,127 +393,54 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
 
   SyncStreamUnlessDone sync_on_error(stream);  // before pages or staging go back on an error
   cudaEvent_t* ev = lane.events;
-  // The launch's stream work, enqueued or (captured) recorded into a graph, whose timing events
-  // are then its event-record nodes.
-  auto record = [&](bool captured) -> absl::Status {
-    auto mark = [&](int i) {
-      return captured ? cudaEventRecordWithFlags(ev[i], stream, cudaEventRecordExternal)
-                      : cudaEventRecord(ev[i], stream);
-    };
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(0));
-    if (l.in_place) {  // the page table and row lists only
-      RETURN_IF_CUDA_ERROR("H2D copy",
-                           cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
-                                           cudaMemcpyHostToDevice, stream));
-    } else {
-      if (segments > 0) {
-        RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
-                                                         cudaMemcpyHostToDevice, stream));
-      }
-      RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
-    }
-    // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
-    RETURN_IF_CUDA_ERROR(
-        "KV copy-on-write",
-        LaunchKvCopyRows(kv_.k, kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_src), kv_.k,
-                         kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_dst), l.copy_rows,
-                         l.row_bytes, stream));
-    const auto* append = reinterpret_cast<const int64_t*>(in + s.append);
-    auto* saturated = reinterpret_cast<unsigned long long*>(in + s.saturations);
-    if (l.Fp8Quantizes()) {  // 16-bit new rows quantized into the FP8 cache as they are written
-      RETURN_IF_CUDA_ERROR("cudaMemsetAsync",
-                           cudaMemsetAsync(saturated, 0, sizeof(int64_t), stream));
-      RETURN_IF_CUDA_ERROR(
-          "KV append (FP8)",
-          LaunchKvQuantizeRows(key.wire_dtype == kernels::DType::kBFloat16, new_k, new_v,
-                               args.cu_seqlens_q, args.batch, args.kv_scales.k, args.kv_scales.v,
-                               kv_.k, kv_.v, append, l.total_q, key.num_kv_heads, key.head_dim,
-                               saturated, stream));
-    } else {
-      RETURN_IF_CUDA_ERROR("KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v,
-                                                         append, l.total_q, l.row_bytes, stream));
-    }
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(1));
-    RETURN_IF_CUDA_ERROR("attention kernel",
-                         kernels::cuda::Run(args, plan, workspace, stream));
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(2));
-    if (!l.in_place) {
-      RETURN_IF_ERROR(CopyOutputs(l, dev_out, dev_table + input_segments, segments - input_segments,
-                                  stream));
-    }
-    if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait
-      RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(l.in + s.saturations, saturated,
-                                                       sizeof(int64_t), cudaMemcpyDeviceToHost,
-                                                       stream));
-    }
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(3));
-    return absl::OkStatus();
-  };
-  if (Graphable(lane, l, plan, segments)) {
-    RETURN_IF_ERROR(RecordAsGraph(lane, record));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], stream));
+  if (l.in_place) {  // the page table and row lists only
+    RETURN_IF_CUDA_ERROR("H2D copy",
+                         cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
+                                         cudaMemcpyHostToDevice, stream));
   } else {
-    RETURN_IF_ERROR(record(false));
+    if (segments > 0) {
+      RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
+                                                       cudaMemcpyHostToDevice, stream));
+    }
+    RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
   }
+  // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
+  RETURN_IF_CUDA_ERROR(
+      "KV copy-on-write",
+      LaunchKvCopyRows(kv_.k, kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_src), kv_.k,
+                       kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_dst), l.copy_rows,
+                       l.row_bytes, stream));
+  const auto* append = reinterpret_cast<const int64_t*>(in + s.append);
+  auto* saturated = reinterpret_cast<unsigned long long*>(in + s.saturations);
+  if (l.Fp8Quantizes()) {  // 16-bit new rows quantized into the FP8 cache as they are written
+    RETURN_IF_CUDA_ERROR("cudaMemsetAsync", cudaMemsetAsync(saturated, 0, sizeof(int64_t), stream));
+    RETURN_IF_CUDA_ERROR(
+        "KV append (FP8)",
+        LaunchKvQuantizeRows(key.wire_dtype == kernels::DType::kBFloat16, new_k, new_v,
+                             args.cu_seqlens_q, args.batch, args.kv_scales.k, args.kv_scales.v,
+                             kv_.k, kv_.v, append, l.total_q, key.num_kv_heads, key.head_dim,
+                             saturated, stream));
+  } else {
+    RETURN_IF_CUDA_ERROR("KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v, append,
+                                                       l.total_q, l.row_bytes, stream));
+  }
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
+  RETURN_IF_CUDA_ERROR("attention kernel",
+                       kernels::cuda::Run(args, plan, workspace, stream));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
+  if (!l.in_place) {
+    RETURN_IF_ERROR(CopyOutputs(l, dev_out, dev_table + input_segments, segments - input_segments,
+                                stream));
+  }
+  if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(l.in + s.saturations, saturated,
+                                                     sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                                     stream));
+  }
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], stream));
   sync_on_error.Done();
   lane.expected_bytes = l.kv_bytes_read + double(s.in_bytes + dev_out_bytes);
-  return absl::OkStatus();
-}
-
-bool CudaStepDevice::Graphable(const Lane& lane, const StepLaunch& l,
-                               const kernels::cuda::Plan& plan, int32_t segments) const {
-  if (!graph_launches_ || lane.graphs_failed || l.members.size() > kGraphSteps) return false;
-  if (plan.kernel != kernels::cuda::Plan::Kernel::kDecode || l.Fp8Quantizes()) return false;
-  if (l.in_place) return true;
-  if (segments > 0) return false;
-  // Direct copies from or into host regions are left to the eager path: their pointers may be
-  // pageable memory, which a graph's memcpy node does not take.
-  for (size_t m = 0; m < l.members.size(); ++m) {
-    const StepRoute& r = l.routes[m];
-    if (r.q || r.k || r.v || r.o || (r.lse && l.members[m]->return_lse)) return false;
-  }
-  return true;
-}
-
-absl::Status CudaStepDevice::RecordAsGraph(
-    Lane& lane, const std::function<absl::Status(bool captured)>& record) {
-  cudaStream_t stream = lane.stream;
-  auto refused = [&](const char* what, cudaError_t e) {
-    // Not a device fault: the lane goes on without graphs, and this launch runs eagerly.
-    cudaGetLastError();
-    std::fprintf(stderr, "attnd: step lane graphs off after %s: %s\n", what, cudaGetErrorString(e));
-    lane.graphs_failed = true;
-    if (lane.graph) cudaGraphExecDestroy(lane.graph);
-    lane.graph = nullptr;
-    return record(false);
-  };
-  if (cudaError_t e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-      e != cudaSuccess) {
-    return refused("cudaStreamBeginCapture", e);
-  }
-  const absl::Status recorded = record(true);
-  cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
-  if (!recorded.ok() || ended != cudaSuccess) {
-    if (graph) cudaGraphDestroy(graph);
-    if (!recorded.ok()) return recorded;
-    return refused("cudaStreamEndCapture", ended);
-  }
-  if (lane.graph != nullptr) {
-    cudaGraphExecUpdateResultInfo info;
-    if (cudaGraphExecUpdate(lane.graph, graph, &info) != cudaSuccess) {
-      cudaGetLastError();  // a shape the graph cannot take: a new one below
-      cudaGraphExecDestroy(lane.graph);
-      lane.graph = nullptr;
-    }
-  }
-  cudaError_t e = cudaSuccess;
-  if (lane.graph == nullptr) e = cudaGraphInstantiate(&lane.graph, graph, 0);
-  cudaGraphDestroy(graph);
-  if (e != cudaSuccess) {
-    lane.graph = nullptr;
-    return refused("cudaGraphInstantiate", e);
-  }
-  RETURN_IF_CUDA_ERROR("cudaGraphLaunch", cudaGraphLaunch(lane.graph, stream));
   return absl::OkStatus();
 }
 

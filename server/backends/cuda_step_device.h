@@ -8,7 +8,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <functional>
 #include <memory>
 #include <vector>
 
@@ -33,12 +32,7 @@ class CudaStepDevice : public StepDevice {
     // FP8-cache steps of more than 16 new tokens (chunked prefill): q quantized to e4m3 and the
     // FP8 tensor-core kernel where it serves the launch (kernels::cuda::PlanOptions).
     bool fp8_tensor_cores = false;
-    // Decode launches of at most kGraphSteps steps whose tensors all go through the staging (or
-    // all lie in GPU regions, in place) are captured and replayed as the lane's CUDA graph,
-    // updated in place while its shape holds: one launch call instead of about a dozen.
-    bool graph_launches = false;
   };
-  static constexpr size_t kGraphSteps = 4;
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
       const Options& options, std::shared_ptr<CudaDeviceState> state);
@@ -98,22 +92,12 @@ class CudaStepDevice : public StepDevice {
     // least how long the next one will take.
     double device_us_per_byte = 0;
     double expected_bytes = 0;  // of the launch in flight
-    // The lane's executable graph of its last graph launch (RecordAsGraph); owned by the lane.
-    cudaGraphExec_t graph = nullptr;
-    bool graphs_failed = false;  // the driver refused a capture: this lane enqueues call by call
   };
 
   CudaStepDevice(std::shared_ptr<CudaDeviceState> state) : state_(std::move(state)) {}
   absl::Status Init(const Options& options);
   absl::Status AllocateKvRegion(const Options& options);
   absl::Status Enqueue(Lane& lane, const StepLaunch& launch);
-  // Whether launch l (of plan's kernel, with `segments` GPU-region copies) is replayed as a graph.
-  bool Graphable(const Lane& lane, const StepLaunch& l, const kernels::cuda::Plan& plan,
-                 int32_t segments) const;
-  // Runs record (the launch's stream work) under stream capture and launches the result through
-  // lane.graph (updated, or instantiated anew where its shape changed). A capture the driver
-  // refuses marks the lane and runs record on the stream instead.
-  absl::Status RecordAsGraph(Lane& lane, const std::function<absl::Status(bool captured)>& record);
   // Copies of the tensors in GPU regions (StepRoute::device), done by one segment-copy kernel for
   // the inputs and one for the outputs. FillSegments writes the table, inputs first, and returns
   // how many are inputs.
@@ -131,7 +115,6 @@ class CudaStepDevice : public StepDevice {
 
   std::shared_ptr<CudaDeviceState> state_;
   kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
-  bool graph_launches_ = false;               // Options::graph_launches
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };
