@@ -203,13 +203,16 @@ def py_aio(args: argparse.Namespace, ids: List[str], coalesce: bool = True,
             await asyncio.sleep(args.warmup)
             state["measure"] = True
             start, cpu = time.perf_counter(), time.process_time()
+            loop_cpu = time.thread_time()  # the event loop's thread: the bound of one loop
             await asyncio.sleep(args.duration)
             state["measure"] = False
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            loop_cpu = time.thread_time() - loop_cpu
             state["stop"] = True
             await asyncio.gather(*tasks)
             out = summarize(latencies, elapsed)
             out["cpu_us_per_step"] = 1e6 * cpu / max(len(latencies), 1)
+            out["loop_cpu_us_per_step"] = 1e6 * loop_cpu / max(len(latencies), 1)
             out["transport"] = c.transport
             return out
     return asyncio.run(main())
@@ -297,7 +300,8 @@ def main() -> int:
             print(f"{part:13} {i:>5} {r['cpp']['p50_ms']:>10.3f} {r['py']['p50_ms']:>10.3f} "
                   f"{p50:>10.3f} {r['cpp'][rate_key]:>9.1f} {r['py'][rate_key]:>9.1f} {rate:>9.3f}"
                   f"  {wall['cpp']:.1f}, {wall['py']:.1f}"
-                  + (f"  Py cpu {r['py']['cpu_us_per_step']:.1f} us/step ({r['py']['transport']})"
+                  + (f"  Py cpu {r['py']['cpu_us_per_step']:.1f} us/step, loop thread "
+                     f"{r['py']['loop_cpu_us_per_step']:.1f} ({r['py']['transport']})"
                      if "cpu_us_per_step" in r["py"] else ""), flush=True)
         p50_max, rate_min = targets[part][1], targets[part][3]
         med_p50, med_rate = statistics.median(p50s), statistics.median(rates)

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -392,6 +393,34 @@ struct attn_c_queue {
   std::deque<Completion> done;                                  // guarded by mu
   // Calls started and not yet completed, with their context until gRPC is done with them.
   std::unordered_map<uint64_t, grpc::ClientContext*> running;  // guarded by mu
+  // Starts of large requests, made on the queue's own thread (StartLater).
+  std::deque<std::function<void()>> starts;  // guarded by mu
+  std::condition_variable start_ready;
+  std::thread starter;    // made with the first large start; joined by attn_c_queue_destroy
+  bool stopping = false;  // guarded by mu
+
+  // Runs start on the queue's thread. gRPC writes a call's first bytes on the thread that starts
+  // it: for a request of hundreds of KB (a coalesced BatchStep) that write is most of the start,
+  // and the caller (an event loop) goes on with its own work meanwhile.
+  void StartLater(std::function<void()> start) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!starter.joinable()) starter = std::thread([this] { RunStarts(); });
+    starts.push_back(std::move(start));
+    start_ready.notify_one();
+  }
+
+  void RunStarts() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      start_ready.wait(lock, [this] { return stopping || !starts.empty(); });
+      if (starts.empty()) return;  // stopping, every call started
+      std::function<void()> start = std::move(starts.front());
+      starts.pop_front();
+      lock.unlock();
+      start();
+      lock.lock();
+    }
+  }
 
   // Queues a finished call's completion (the call is no longer running) and signals the fd.
   // Under mu throughout: once running is empty, attn_c_queue_destroy may free this.
@@ -458,6 +487,10 @@ struct AsyncCall {
   }
 };
 
+// A request from this size on is started on the queue's thread (attn_c_queue::StartLater); a
+// smaller one on the caller's, where its write costs less than the hop to another thread.
+constexpr size_t kStartElsewhereBytes = size_t{256} << 10;
+
 // Registers call under its tag and starts it; INVALID_ARGUMENT when the tag is running already.
 int StartOn(attn_c_client* client, attn_c_queue* queue, Client::RawMethod method,
             int64_t timeout_ms, std::unique_ptr<AsyncCall> call, char* message,
@@ -472,9 +505,16 @@ int StartOn(attn_c_client* client, attn_c_queue* queue, Client::RawMethod method
       return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
     }
   }
-  AsyncCall* c = call.release();  // gRPC's until Done
-  client->client->StartRawCall(method, c->ctx.get(), &c->request, &c->response,
-                               [c](grpc::Status st) { c->Done(std::move(st)); });
+  AsyncCall* c = call.release();  // gRPC's until Done (the queue's start until it is started)
+  auto start = [client, method, c] {
+    client->client->StartRawCall(method, c->ctx.get(), &c->request, &c->response,
+                                 [c](grpc::Status st) { c->Done(std::move(st)); });
+  };
+  if (c->request.Length() >= kStartElsewhereBytes) {
+    queue->StartLater(std::move(start));  // a cancel before the start cancels it as it starts
+  } else {
+    start();
+  }
   return 0;
 }
 
@@ -538,7 +578,10 @@ ATTN_C_EXPORT void attn_c_queue_destroy(attn_c_queue* queue) {
     queue->none_running.wait(lock, [queue] { return queue->running.empty(); });
     for (const attn_c_queue::Completion& c : queue->done) delete c.response;
     queue->done.clear();
+    queue->stopping = true;  // every start has run: its call has completed
   }
+  queue->start_ready.notify_all();
+  if (queue->starter.joinable()) queue->starter.join();
   close(queue->fd);
   delete queue;
 }

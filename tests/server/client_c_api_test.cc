@@ -368,6 +368,35 @@ TEST_F(ClientCApiQueueTest, ManyCallsInFlightEachGetTheirOwnAnswer) {
   EXPECT_EQ(poll(&p, 1, 50), 0);
 }
 
+// Requests of 256 KiB and more start on the queue's thread, smaller ones on the caller's: mixed
+// in flight, each call still gets its own answer; one cancelled right after its start (most
+// likely before the queue's thread started it) completes CANCELLED, unless it finished first.
+TEST_F(ClientCApiQueueTest, LargeRequestsStartedOnTheQueuesThreadGetTheirOwnAnswers) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<std::string> requests, payloads;
+  for (int i = 0; i < 24; ++i) {
+    const size_t bytes = i % 2 == 0 ? (size_t{256} << 10) + rng() % (size_t{1} << 20)
+                                    : 1 + rng() % 100000;
+    payloads.push_back(RandomBytes(bytes, rng));
+    requests.push_back(EchoRequest(payloads.back()));
+  }
+  for (uint64_t i = 0; i < 24; ++i) ASSERT_EQ(StartEcho(requests[i], 500 + i), 0);
+  const std::string cancelled = EchoRequest(RandomBytes(size_t{8} << 20, rng));
+  ASSERT_EQ(StartEcho(cancelled, 99), 0);
+  attn_c_queue_cancel(queue_, 99);
+  const auto got = Collect(queue_, 25);
+  ASSERT_EQ(got.size(), 25u);
+  for (uint64_t i = 0; i < 24; ++i) {
+    const Completion& c = got.at(500 + i);
+    ASSERT_EQ(c.code, 0) << c.bytes;
+    EXPECT_EQ(EchoPayload(c.bytes), payloads[i]) << "call " << i;
+  }
+  const Completion& c = got.at(99);
+  EXPECT_TRUE(c.code == 1 || (c.code == 0 && EchoPayload(c.bytes).size() == (size_t{8} << 20)))
+      << c.code << ": " << c.bytes.substr(0, 200);
+  EXPECT_EQ(attn_c_queue_pending(queue_), 0u);
+}
+
 TEST_F(ClientCApiQueueTest, CancelDeadlineAndTagInUse) {
   std::mt19937_64 rng(std::random_device{}());
   const std::string big = EchoRequest(RandomBytes(size_t(64) << 20, rng));
