@@ -487,9 +487,13 @@ struct AsyncCall {
   }
 };
 
-// A request from this size on is started on the queue's thread (attn_c_queue::StartLater); a
-// smaller one on the caller's, where its write costs less than the hop to another thread.
+// A call is started on the queue's thread (attn_c_queue::StartLater) when its request is this
+// large, or when more than kStartHereRunning calls of the queue run (its own included): a caller
+// with many calls in flight is bound by its own thread, which gRPC's start of a call (tens of us
+// on the calling thread, the write of the request's first bytes among them) would take from it.
+// A lone small call starts on the caller's thread, with no hop to another.
 constexpr size_t kStartElsewhereBytes = size_t{256} << 10;
+constexpr size_t kStartHereRunning = 2;
 
 // Registers call under its tag and starts it; INVALID_ARGUMENT when the tag is running already.
 int StartOn(attn_c_client* client, attn_c_queue* queue, Client::RawMethod method,
@@ -497,6 +501,7 @@ int StartOn(attn_c_client* client, attn_c_queue* queue, Client::RawMethod method
             size_t message_size) {
   client->client->PrepareContext(call->ctx.get(),
                                  std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)));
+  bool busy = false;
   {
     std::lock_guard<std::mutex> lock(queue->mu);
     if (!queue->running.emplace(call->tag, call->ctx.get()).second) {
@@ -504,13 +509,14 @@ int StartOn(attn_c_client* client, attn_c_queue* queue, Client::RawMethod method
                    message_size);
       return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
     }
+    busy = queue->running.size() > kStartHereRunning;
   }
   AsyncCall* c = call.release();  // gRPC's until Done (the queue's start until it is started)
   auto start = [client, method, c] {
     client->client->StartRawCall(method, c->ctx.get(), &c->request, &c->response,
                                  [c](grpc::Status st) { c->Done(std::move(st)); });
   };
-  if (c->request.Length() >= kStartElsewhereBytes) {
+  if (busy || c->request.Length() >= kStartElsewhereBytes) {
     queue->StartLater(std::move(start));  // a cancel before the start cancels it as it starts
   } else {
     start();

@@ -105,10 +105,11 @@ void attn_c_queue_destroy(attn_c_queue* queue);
 
 /* attn_c_call_parts without blocking: returns 0 once started (its completion, with tag, comes
  * through queue; the parts must stay unchanged until then), else its status code with the
- * message, and nothing is queued. A request of 256 KiB or more (here and in
- * attn_c_batch_step_start) is sent from the queue's own thread, made with the first such call:
- * gRPC writes a call's first bytes on the thread that starts it, and the caller goes on
- * meanwhile. */
+ * message, and nothing is queued. A request of 256 KiB or more, and any call started while
+ * more than two of the queue's calls run (here and in attn_c_batch_step_start), is started from
+ * the queue's own thread, made with the first such call: gRPC's start of a call takes tens of
+ * microseconds of the thread that makes it (the write of its first bytes among them), and the
+ * caller goes on meanwhile. A lone small call starts on the caller's thread. */
 int attn_c_call_start(attn_c_client* client, attn_c_queue* queue, const char* method,
                       const void* const* parts, const size_t* sizes, size_t n,
                       int64_t timeout_ms, uint64_t tag, char* message, size_t message_size);
