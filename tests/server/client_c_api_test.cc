@@ -312,6 +312,16 @@ std::map<uint64_t, Completion> Collect(attn_c_queue* q, size_t count) {
   return all;
 }
 
+// Echo calls tagged first, first + 1, ... answered OK, each with its own payload.
+void ExpectEchoes(const std::map<uint64_t, Completion>& got, uint64_t first,
+                  const std::vector<std::string>& payloads) {
+  for (uint64_t i = 0; i < payloads.size(); ++i) {
+    const Completion& c = got.at(first + i);
+    ASSERT_EQ(c.code, 0) << c.bytes;
+    EXPECT_EQ(EchoPayload(c.bytes), payloads[i]) << "call " << i;
+  }
+}
+
 class ClientCApiQueueTest : public ClientCApiTest {
  protected:
   void SetUp() override {
@@ -348,11 +358,7 @@ TEST_F(ClientCApiQueueTest, ManyCallsInFlightEachGetTheirOwnAnswer) {
   EXPECT_LE(attn_c_queue_pending(queue_), 64u);
   const auto got = Collect(queue_, 64);
   ASSERT_EQ(got.size(), 64u);
-  for (uint64_t i = 0; i < 64; ++i) {
-    const Completion& c = got.at(1000 + i);
-    ASSERT_EQ(c.code, 0) << c.bytes;
-    EXPECT_EQ(EchoPayload(c.bytes), payloads[i]) << "call " << i;
-  }
+  ExpectEchoes(got, 1000, payloads);
   EXPECT_EQ(attn_c_queue_pending(queue_), 0u);
   // Nothing left. The fd may still be readable once (a completion queued between WaitAndPoll's
   // read of the fd and its poll was taken by that poll): then a poll finds none, and the fd is
@@ -368,9 +374,10 @@ TEST_F(ClientCApiQueueTest, ManyCallsInFlightEachGetTheirOwnAnswer) {
   EXPECT_EQ(poll(&p, 1, 50), 0);
 }
 
-// Requests of 256 KiB and more start on the queue's thread, smaller ones on the caller's: mixed
-// in flight, each call still gets its own answer; one cancelled right after its start (most
-// likely before the queue's thread started it) completes CANCELLED, unless it finished first.
+// Calls start on the queue's thread when their request is 256 KiB or more or when more than two
+// of the queue's calls run (the first two small ones here start on the caller's): mixed in
+// flight, each call still gets its own answer; one cancelled right after its start (most likely
+// before the queue's thread started it) completes CANCELLED, unless it finished first.
 TEST_F(ClientCApiQueueTest, LargeRequestsStartedOnTheQueuesThreadGetTheirOwnAnswers) {
   std::mt19937_64 rng(std::random_device{}());
   std::vector<std::string> requests, payloads;
@@ -386,11 +393,7 @@ TEST_F(ClientCApiQueueTest, LargeRequestsStartedOnTheQueuesThreadGetTheirOwnAnsw
   attn_c_queue_cancel(queue_, 99);
   const auto got = Collect(queue_, 25);
   ASSERT_EQ(got.size(), 25u);
-  for (uint64_t i = 0; i < 24; ++i) {
-    const Completion& c = got.at(500 + i);
-    ASSERT_EQ(c.code, 0) << c.bytes;
-    EXPECT_EQ(EchoPayload(c.bytes), payloads[i]) << "call " << i;
-  }
+  ExpectEchoes(got, 500, payloads);
   const Completion& c = got.at(99);
   EXPECT_TRUE(c.code == 1 || (c.code == 0 && EchoPayload(c.bytes).size() == (size_t{8} << 20)))
       << c.code << ": " << c.bytes.substr(0, 200);
