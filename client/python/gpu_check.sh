@@ -111,7 +111,8 @@ run_example() {
   local batches=$1 seconds=$2 name=$3
   shift 3
   start_attnd "$out/attnd-$name.log" --allow_shared_memory \
-    --kv_cache_bytes="${EXAMPLE_KV_CACHE_BYTES:-17179869184}" --max_session_tokens=8192 || { rc=1; return; }
+    --kv_cache_bytes="${EXAMPLE_KV_CACHE_BYTES:-17179869184}" --max_session_tokens=8192 ||
+    { rc=1; return; }
   note "examples/remote_decoder.py --size 8b --batch $batches $* against $TARGET"
   timeout "$seconds" "$py" examples/remote_decoder.py --target "$TARGET" --size 8b --batch "$batches" \
     "$@" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"

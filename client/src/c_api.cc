@@ -393,15 +393,13 @@ struct attn_c_queue {
   std::deque<Completion> done;                                  // guarded by mu
   // Calls started and not yet completed, with their context until gRPC is done with them.
   std::unordered_map<uint64_t, grpc::ClientContext*> running;  // guarded by mu
-  // Starts of large requests, made on the queue's own thread (StartLater).
+  // Starts of calls made on the queue's own thread (StartLater; StartOn says which).
   std::deque<std::function<void()>> starts;  // guarded by mu
   std::condition_variable start_ready;
-  std::thread starter;    // made with the first large start; joined by attn_c_queue_destroy
+  std::thread starter;    // made with the first such start; joined by attn_c_queue_destroy
   bool stopping = false;  // guarded by mu
 
-  // Runs start on the queue's thread. gRPC writes a call's first bytes on the thread that starts
-  // it: for a request of hundreds of KB (a coalesced BatchStep) that write is most of the start,
-  // and the caller (an event loop) goes on with its own work meanwhile.
+  // Runs start on the queue's thread, while the caller (an event loop) goes on with its own work.
   void StartLater(std::function<void()> start) {
     std::lock_guard<std::mutex> lock(mu);
     if (!starter.joinable()) starter = std::thread([this] { RunStarts(); });

@@ -22,7 +22,9 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kFma6: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 6, kWGs>>(p, sms, stream);
     case Fp8Variant::kFma8: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 8, kWGs>>(p, sms, stream);
     case Fp8Variant::kWg2:  // Fp8VariantBuiltFor
-      if constexpr (D == 128) return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2>>(p, sms, stream);
+      if constexpr (D == 128) {
+        return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2>>(p, sms, stream);
+      }
       return cudaErrorNotSupported;
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2, true>>(p, sms, stream);

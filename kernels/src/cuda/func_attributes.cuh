@@ -12,7 +12,8 @@ namespace attn::kernels::cuda {
 // max_carveout, its preferred carveout to all shared memory, once per device. The attributes stay
 // with the function in the device's context, and each cudaFuncSetAttribute is a driver call on the
 // launch path: two of the dozen calls of a lone decode step's launch. Devices past the 64th are
-// set every time.
+// set every time. A device reset (cudaDeviceReset) clears the attributes but not this record:
+// a process that resets a device must not launch on it after.
 template <auto kKernel>
 cudaError_t SetSharedMemoryOnce(int dynamic_smem, bool max_carveout) {
   static std::atomic<uint64_t> done{0};
