@@ -649,6 +649,32 @@ int32_t ReadBatchStepInto(grpc::ByteBuffer* response, attn_c_step_item* items, s
 
 }  // namespace
 
+namespace {
+
+// items[i] as the StepInputRef the wire coding takes; INVALID_ARGUMENT naming what is wrong.
+absl::Status StepRefOfItem(const std::string& who, const attn_c_step_item& item,
+                           attn::client::StepInputRef* ref) {
+  const int32_t dtypes[3] = {item.q_dtype, item.k_dtype, item.v_dtype};
+  const int64_t* const shapes[3] = {item.q_shape, item.k_shape, item.v_shape};
+  const void* const data[3] = {item.q, item.k_new, item.v_new};
+  const size_t sizes[3] = {item.q_size, item.k_size, item.v_size};
+  if (absl::Status st = StepRefOf(who, dtypes, shapes, data, sizes, ref); !st.ok()) return st;
+  if (item.session_id == nullptr || item.o == nullptr ||
+      (item.return_lse != 0) != (item.lse != nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, " no session id or o, or lse and return_lse disagree"));
+  }
+  ref->session_id = item.session_id;
+  ref->layer = item.layer;
+  ref->options.softmax_scale = item.softmax_scale;
+  ref->options.return_lse = item.return_lse != 0;
+  ref->options.window_left = item.window_left;
+  ref->options.window_right = item.window_right;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 ATTN_C_EXPORT int attn_c_batch_step_start(attn_c_client* client, attn_c_queue* queue,
                                           attn_c_step_item* items, size_t n, int64_t timeout_ms,
                                           uint64_t tag, char* message, size_t message_size) {
@@ -658,26 +684,10 @@ ATTN_C_EXPORT int attn_c_batch_step_start(attn_c_client* client, attn_c_queue* q
   }
   std::vector<attn::client::StepInputRef> refs(n);
   for (size_t i = 0; i < n; ++i) {
-    const attn_c_step_item& item = items[i];
     const std::string who = absl::StrCat("attn_c_batch_step_start: items[", i, "].");
-    const int32_t dtypes[3] = {item.q_dtype, item.k_dtype, item.v_dtype};
-    const int64_t* const shapes[3] = {item.q_shape, item.k_shape, item.v_shape};
-    const void* const data[3] = {item.q, item.k_new, item.v_new};
-    const size_t sizes[3] = {item.q_size, item.k_size, item.v_size};
-    if (absl::Status st = StepRefOf(who, dtypes, shapes, data, sizes, &refs[i]); !st.ok()) {
+    if (absl::Status st = StepRefOfItem(who, items[i], &refs[i]); !st.ok()) {
       return Failed(st, message, message_size);
     }
-    if (item.session_id == nullptr || item.o == nullptr ||
-        (item.return_lse != 0) != (item.lse != nullptr)) {
-      return BadArgument(absl::StrCat(who, " no session id or o, or lse and return_lse disagree"),
-                         message, message_size);
-    }
-    refs[i].session_id = item.session_id;
-    refs[i].layer = item.layer;
-    refs[i].options.softmax_scale = item.softmax_scale;
-    refs[i].options.return_lse = item.return_lse != 0;
-    refs[i].options.window_left = item.window_left;
-    refs[i].options.window_right = item.window_right;
   }
   auto call = std::make_unique<AsyncCall>();
   call->queue = queue;
@@ -688,6 +698,37 @@ ATTN_C_EXPORT int attn_c_batch_step_start(attn_c_client* client, attn_c_queue* q
   };
   return StartOn(client, queue, Client::RawMethod::kBatchStep, timeout_ms, std::move(call),
                  message, message_size);
+}
+
+ATTN_C_EXPORT int attn_c_step_start(attn_c_client* client, attn_c_queue* queue,
+                                    attn_c_step_item* item, int64_t timeout_ms, uint64_t tag,
+                                    char* message, size_t message_size) {
+  if (client == nullptr || queue == nullptr || item == nullptr) {
+    return BadArgument("attn_c_step_start: no client, queue or item", message, message_size);
+  }
+  attn::client::StepInputRef ref;
+  if (absl::Status st = StepRefOfItem("attn_c_step_start: item.", *item, &ref); !st.ok()) {
+    return Failed(st, message, message_size);
+  }
+  auto call = std::make_unique<AsyncCall>();
+  call->queue = queue;
+  call->tag = tag;
+  call->request = attn::client::EncodeStepRequest(ref, &call->borrowed);
+  call->read = [item](AsyncCall* c, attn_c_response* out) -> int32_t {
+    const absl::Status st = ReadStepInto(
+        &c->response, static_cast<attn::v1::DType>(item->q_dtype), item->o, item->o_size,
+        item->lse, item->lse_size, &item->cached_tokens, item->timing, item->timing_capacity,
+        &item->timing_size);
+    if (!st.ok()) {
+      const absl::string_view text = st.message();
+      out->buffer = AsyncCall::MessageBuffer(std::string_view(text.data(), text.size()));
+      return static_cast<int32_t>(st.code());
+    }
+    item->code = 0;
+    return 0;
+  };
+  return StartOn(client, queue, Client::RawMethod::kStep, timeout_ms, std::move(call), message,
+                 message_size);
 }
 
 ATTN_C_EXPORT size_t attn_c_response_size(const attn_c_response* response) {

@@ -81,9 +81,9 @@ def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, 
     batches = []
     real = _native.AsyncNativeChannel.batch_step
 
-    async def counted(self, specs, queries, timeout):
+    async def counted(self, specs, queries, timeout, single=False):
         batches.append(len(specs))
-        return await real(self, specs, queries, timeout)
+        return await real(self, specs, queries, timeout, single)
 
     monkeypatch.setattr(_native.AsyncNativeChannel, "batch_step", counted)
 
@@ -141,6 +141,58 @@ def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, 
             assert [r.cached_tokens for i, r in enumerate(got) if i != 2] == [9, 9, 9]
         finally:
             for s in ours[:5] + ours[6:] + theirs:
+                await s.close()
+            await native.close()
+            await grpcio.close()
+    run(main())
+
+
+def test_steps_one_call_each_are_coded_by_the_library(server, monkeypatch):
+    """Without coalescing, a step of numpy arrays is one Step call coded and read by the library
+    (attn_c_step_start): its outputs equal grpc.aio's and the float64 reference, with and without
+    lse and windows; a step of a closed session fails with attnd's NOT_FOUND naming it."""
+    if not _native._fast_single:
+        pytest.skip("attnd._fast does not start single steps: they are coded in Python")
+    singles = []
+    real = _native.AsyncNativeChannel.batch_step
+
+    async def counted(self, specs, queries, timeout, single=False):
+        singles.append(single and len(specs) == 1)
+        return await real(self, specs, queries, timeout, single)
+
+    monkeypatch.setattr(_native.AsyncNativeChannel, "batch_step", counted)
+
+    async def main():
+        native, grpcio = clients(server, coalesce_steps=False)
+        rng = np.random.default_rng()
+        ours = [await native.create_session(1, 2, 64, "bf16") for _ in range(3)]
+        theirs = [await grpcio.create_session(1, 2, 64, "bf16") for _ in range(3)]
+        keys = [[] for _ in ours]
+        try:
+            for t in range(4):
+                for i, (a_s, b_s) in enumerate(zip(ours, theirs)):
+                    (q, q64), (k, k64), (v, v64) = step_inputs(rng, 6 if t == 0 else 1)
+                    keys[i].append((k64, v64))
+                    o = {"return_lse": (i + t) % 2 == 0, "window": (2, 0) if i == 1 else None}
+                    a, b = await asyncio.gather(a_s.step(0, q, k, v, **o),
+                                                b_s.step(0, q, k, v, **o))
+                    assert a.o.tobytes() == b.o.tobytes(), (t, i)
+                    assert a.cached_tokens == b.cached_tokens == 6 + t
+                    assert (a.lse is None) == (b.lse is None) == (not o["return_lse"])
+                    if a.lse is not None:
+                        assert a.lse.tobytes() == b.lse.tobytes()
+                    ks = np.concatenate([kv[0] for kv in keys[i]])
+                    vs = np.concatenate([kv[1] for kv in keys[i]])
+                    o64, _ = reference(q64, ks, vs, causal=True, window=o["window"])
+                    assert relative_error(values(a.o, "bf16"), o64) <= TOLERANCE["bf16"]
+            assert singles and all(singles)
+            await ours[1].close()
+            (q, _), (k, _), (v, _) = step_inputs(rng, 1)
+            with pytest.raises(attnd.NotFound) as e:
+                await ours[1].step(0, q, k, v)
+            assert ours[1].id in str(e.value)
+        finally:
+            for s in [ours[0], ours[2]] + theirs:
                 await s.close()
             await native.close()
             await grpcio.close()

@@ -509,6 +509,34 @@ TEST_F(ClientCApiQueueTest, BatchStepItemsGetTheirOwnOutcome) {
   EXPECT_EQ(attn_c_queue_pending(queue_), 0u);
 }
 
+TEST_F(ClientCApiQueueTest, AStartedStepFailsWithItsStatusOrIsRefusedBeforeSending) {
+  // A session this attnd never made: the Step call itself fails NOT_FOUND, naming the session in
+  // the completion's message, and the item's outcome is left as it was.
+  StepBuffers a;
+  attn_c_step_item item = a.Item("no-such-session-c");
+  char message[256];
+  ASSERT_EQ(attn_c_step_start(client_, queue_, &item, 30000, 9, message, sizeof message), 0)
+      << message;
+  const auto got = Collect(queue_, 1);
+  ASSERT_EQ(got.count(9), 1u);
+  EXPECT_EQ(got.at(9).code, 5) << got.at(9).bytes;  // NOT_FOUND
+  EXPECT_NE(got.at(9).bytes.find("no-such-session-c"), std::string::npos) << got.at(9).bytes;
+  EXPECT_EQ(item.code, -1);
+  EXPECT_EQ(a.o[0], 0xffff);  // o untouched
+  // Refused before anything is sent: nothing is queued.
+  attn_c_step_item bad = a.Item("x");
+  bad.v_dtype = 0;
+  EXPECT_EQ(attn_c_step_start(client_, queue_, &bad, 0, 10, message, sizeof message), 3);
+  EXPECT_NE(std::string(message).find("item.v_new: unknown dtype 0"), std::string::npos)
+      << message;
+  bad = a.Item("x");
+  bad.o = nullptr;
+  EXPECT_EQ(attn_c_step_start(client_, queue_, &bad, 0, 10, message, sizeof message), 3);
+  EXPECT_EQ(attn_c_step_start(client_, queue_, nullptr, 0, 10, message, sizeof message), 3);
+  EXPECT_EQ(attn_c_step_start(client_, nullptr, &bad, 0, 10, message, sizeof message), 3);
+  EXPECT_EQ(attn_c_queue_pending(queue_), 0u);
+}
+
 TEST(ClientCApiSettings, BadSettingsAreRefusedNamingThem) {
   struct Case {
     Settings settings;

@@ -3,7 +3,8 @@
  * attnd/_native.py spends on its arguments and answers; and the asyncio client's BatchSteps of
  * numpy arrays, started on the library's completion queue and read back in one call each.
  *
- * It calls attn_c_step and attn_c_batch_step_start of libattn_client_c.so through the pointers
+ * It calls attn_c_step, attn_c_batch_step_start and attn_c_step_start of libattn_client_c.so
+ * through the pointers
  * _native.py hands it (bind), so it links nothing but the interpreter. Built against the stable ABI of Python 3.11 (the buffer
  * protocol joined it then): one binary for every CPython from 3.11 on; where it is missing or
  * does not load, _native.py does the same work in Python. */
@@ -20,10 +21,12 @@
  * types and attn_c_step_item's layout, and nothing is linked. */
 typedef __typeof__(attn_c_step)* StepFn;
 typedef __typeof__(attn_c_batch_step_start)* BatchStartFn;
+typedef __typeof__(attn_c_step_start)* StepStartFn;
 typedef attn_c_step_item StepItem;
 
 static StepFn step_fn = NULL;
 static BatchStartFn batch_start_fn = NULL;
+static StepStartFn step_start_fn = NULL;
 
 enum { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3, kFloat8 = 4 };
 
@@ -44,10 +47,11 @@ static int32_t DTypeOfFormat(const char* f) {
 
 static PyObject* Bind(PyObject* self, PyObject* args) {
   (void)self;
-  unsigned long long step = 0, batch_start = 0;
-  if (!PyArg_ParseTuple(args, "K|K", &step, &batch_start)) return NULL;
+  unsigned long long step = 0, batch_start = 0, step_start = 0;
+  if (!PyArg_ParseTuple(args, "K|KK", &step, &batch_start, &step_start)) return NULL;
   step_fn = (StepFn)(uintptr_t)step;
   batch_start_fn = (BatchStartFn)(uintptr_t)batch_start;
+  step_start_fn = (StepStartFn)(uintptr_t)step_start;
   Py_RETURN_NONE;
 }
 
@@ -224,26 +228,32 @@ static int FillItem(Batch* b, size_t i, PyObject* spec) {
   return 1;
 }
 
-/* batch_step_start(handle, queue, tag, specs, timeout_ms), specs a list of
+/* batch_step_start(handle, queue, tag, specs, timeout_ms[, single]), specs a list of
  * (session_id bytes, layer, q, k_new, v_new, scale, return_lse, window_left, window_right)
  * -> (0, batch capsule) once started (keep the capsule, and specs, until the completion;
  *    then batch_step_read(capsule)),
  *    (code, message) when the library refused it,
- *    None when a tensor is not a C-contiguous buffer of 3 dimensions and a known dtype. */
+ *    None when a tensor is not a C-contiguous buffer of 3 dimensions and a known dtype.
+ * single (specs of one step): a Step call (attn_c_step_start) instead of a BatchStep. */
 static PyObject* BatchStepStart(PyObject* self, PyObject* args) {
   (void)self;
   unsigned long long handle = 0, queue = 0, tag = 0;
   PyObject* specs = NULL;
   long long timeout_ms = -1;
-  if (!PyArg_ParseTuple(args, "KKKO!L", &handle, &queue, &tag, &PyList_Type, &specs,
-                        &timeout_ms)) {
+  int single = 0;
+  if (!PyArg_ParseTuple(args, "KKKO!L|p", &handle, &queue, &tag, &PyList_Type, &specs,
+                        &timeout_ms, &single)) {
     return NULL;
   }
-  if (batch_start_fn == NULL) {
-    PyErr_SetString(PyExc_RuntimeError, "attnd._fast: bind() was given no batch_step_start");
+  if ((single ? (void*)step_start_fn : (void*)batch_start_fn) == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "attnd._fast: bind() was given no start of this call");
     return NULL;
   }
   const Py_ssize_t n = PyList_Size(specs);
+  if (single && n != 1) {
+    PyErr_SetString(PyExc_ValueError, "attnd._fast: a single Step takes one spec");
+    return NULL;
+  }
   Batch* b = PyMem_Calloc(1, sizeof(Batch));
   if (b == NULL) return PyErr_NoMemory();
   b->n = (size_t)n;
@@ -263,8 +273,12 @@ static PyObject* BatchStepStart(PyObject* self, PyObject* args) {
     }
   }
   char message[kMessageBytes];
-  const int code = batch_start_fn((void*)(uintptr_t)handle, (void*)(uintptr_t)queue, b->items,
-                                  b->n, timeout_ms, (uint64_t)tag, message, sizeof message);
+  void* client = (void*)(uintptr_t)handle;
+  void* q = (void*)(uintptr_t)queue;
+  const int code = single ? step_start_fn(client, q, b->items, timeout_ms, (uint64_t)tag, message,
+                                          sizeof message)
+                          : batch_start_fn(client, q, b->items, b->n, timeout_ms, (uint64_t)tag,
+                                           message, sizeof message);
   if (code != 0) {
     FreeBatch(b);
     return Py_BuildValue("(is)", code, message);
@@ -307,10 +321,10 @@ static PyObject* BatchStepRead(PyObject* self, PyObject* capsule) {
 
 static PyMethodDef kMethods[] = {
     {"bind", Bind, METH_VARARGS,
-     "bind(address of attn_c_step[, address of attn_c_batch_step_start])"},
+     "bind(address of attn_c_step[, of attn_c_batch_step_start[, of attn_c_step_start]])"},
     {"step", Step, METH_VARARGS, "One Step of numpy arrays through attn_c_step."},
     {"batch_step_start", BatchStepStart, METH_VARARGS,
-     "A BatchStep of numpy arrays started on a completion queue (attn_c_batch_step_start)."},
+     "A BatchStep (or with single, a Step) of numpy arrays started on a completion queue."},
     {"batch_step_read", BatchStepRead, METH_O, "The items of a completed batch_step_start."},
     {NULL, NULL, 0, NULL},
 };

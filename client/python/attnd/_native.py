@@ -36,7 +36,7 @@ from ._wire import ServerTiming
 from .errors import InvalidArgument, status_code
 
 LIBRARY = "libattn_client_c.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 METHODS = frozenset(("Attend", "Echo", "Step", "BatchStep"))
 _MESSAGE_BYTES = 4096
 
@@ -108,15 +108,22 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                       ctypes.c_int64, ctypes.c_uint64, ctypes.c_char_p,
                                       ctypes.c_size_t)
-    global _fast
+    global _fast, _fast_single
     _fast = _load_fast(path)
     if _fast is not None:
-        _fast.bind(ctypes.cast(lib.attn_c_step, ctypes.c_void_p).value,
-                   ctypes.cast(lib.attn_c_batch_step_start, ctypes.c_void_p).value)
+        addresses = [ctypes.cast(f, ctypes.c_void_p).value
+                     for f in (lib.attn_c_step, lib.attn_c_batch_step_start, lib.attn_c_step_start)]
+        try:
+            _fast.bind(*addresses)
+            _fast_single = True
+        except TypeError:  # a module older than the library: BatchSteps only
+            _fast.bind(*addresses[:2])
+            _fast_single = False
     return lib, ""
 
 
 _fast: Any = None  # attnd._fast (the decode step in C) once bound to the library, else None
+_fast_single = False  # whether _fast starts single Step calls on a queue too
 
 
 def _load_fast(library: Path) -> Any:
@@ -389,15 +396,17 @@ class AsyncNativeChannel:
         return await self._wait(tag, (parts, addresses, sizes), lambda code, answer: answer)
 
     async def batch_step(self, specs: List[Tuple[Any, ...]], queries: List[Any],
-                         timeout: Optional[float]) -> Optional[List[Any]]:
+                         timeout: Optional[float], single: bool = False) -> Optional[List[Any]]:
         """A BatchStep coded and read by the library: specs as attnd._fast.batch_step_start takes
         them, queries each item's q (its dtype and shape give o's). Per item, (o, lse,
         cached_tokens, timing) or a CallError; None when the library does not take these tensors
-        (the caller codes the call itself). Raises CallError when the call fails as a whole."""
-        if _fast is None:
+        (the caller codes the call itself). Raises CallError when the call fails as a whole.
+        single: the one step of specs as a Step call (its failure is the call's)."""
+        if _fast is None or (single and not _fast_single):
             return None
         tag = next(self._tags)
-        r = _fast.batch_step_start(self._live(), self._queue, tag, specs, _timeout_ms(timeout))
+        r = _fast.batch_step_start(self._live(), self._queue, tag, specs, _timeout_ms(timeout),
+                                   single)
         if r is None:
             return None
         if r[0] != 0:

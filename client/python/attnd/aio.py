@@ -245,13 +245,16 @@ class Client(_ChannelSet):
                    v_new_scales: Any = None) -> StepResult:
         """See attnd.Client.step (steps of one turn of the event loop travel as one BatchStep
         unless the client was made with coalesce_steps=False)."""
+        # Plain numpy steps on the native transport are coded and read by the library.
+        spec = None
+        if (self.transport == "native" and out is None and lse_out is None and
+                k_new_scales is None and v_new_scales is None and not self.regions.entries and
+                _native_arrays(q, k_new, v_new)):
+            left, right = _core._window(window) or (-1, -1)
+            spec = (_core.session_id_of(session).encode(), int(layer), q, k_new, v_new,
+                    float(scale or 0.0), bool(return_lse), left, right)
         if self._steps is not None:
-            if (self.transport == "native" and out is None and lse_out is None and
-                    k_new_scales is None and v_new_scales is None and not self.regions.entries and
-                    _native_arrays(q, k_new, v_new)):
-                left, right = _core._window(window) or (-1, -1)
-                spec = (_core.session_id_of(session).encode(), int(layer), q, k_new, v_new,
-                        float(scale or 0.0), bool(return_lse), left, right)
+            if spec is not None:
                 coded = functools.partial(self._coded_step, session, layer, q, k_new, v_new,
                                           scale, return_lse, window)
                 return await self._steps.add(_Pending(q.nbytes + k_new.nbytes + v_new.nbytes,
@@ -260,6 +263,17 @@ class Client(_ChannelSet):
                 _Pending.of(*self._coded_step(session, layer, q, k_new, v_new, scale, return_lse,
                                               window, out, lse_out, k_new_scales, v_new_scales)),
                 self._timeout(timeout))
+        if spec is not None:
+            native = self._native_channel()
+            try:
+                results = await native.batch_step([spec], [q], self._timeout(timeout), single=True)
+            except _native.CallError as e:
+                raise from_rpc_error(e) from None
+            if results is not None:
+                r = results[0]
+                if isinstance(r, _native.CallError):
+                    raise from_rpc_error(r)
+                return StepResult(*r)
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
                                window, out, lse_out, k_new_scales, v_new_scales,
                                joined=self.transport != "native")
@@ -454,13 +468,14 @@ class _StepCoalescer:
 
     async def _send_native(self, items: List[_Pending],
                            timeout: Optional[float]) -> Optional[List[Any]]:
-        """A BatchStep of items coded and read by the library; None where it cannot take them
-        (no native channel, a step coded already, one step alone, tensors it does not take)."""
-        native = self._client._native_channel() if len(items) > 1 else None
+        """A BatchStep (a Step, for one step alone) of items coded and read by the library; None
+        where it cannot take them (no native channel, a step coded already, tensors it does not
+        take)."""
+        native = self._client._native_channel()
         if native is None or any(it.spec is None for it in items):
             return None
         results = await native.batch_step([it.spec for it in items], [it.q for it in items],
-                                          timeout)
+                                          timeout, single=len(items) == 1)
         if results is None:
             return None
         return [from_rpc_error(r) if isinstance(r, _native.CallError) else StepResult(*r)

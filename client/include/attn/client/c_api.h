@@ -18,7 +18,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature below changes; bindings check it before their first call. */
-#define ATTN_C_ABI_VERSION 2
+#define ATTN_C_ABI_VERSION 3
 
 typedef struct attn_c_client attn_c_client;
 typedef struct attn_c_response attn_c_response;
@@ -151,6 +151,13 @@ typedef struct attn_c_step_item {
 int attn_c_batch_step_start(attn_c_client* client, attn_c_queue* queue, attn_c_step_item* items,
                             size_t n, int64_t timeout_ms, uint64_t tag, char* message,
                             size_t message_size);
+
+/* One Step of item (attn_c_step's call) coded here, started on queue; item (and its tensors)
+ * must stay valid until its completion is polled. The completion's code is the Step's: 0 with
+ * item's outcome written (code 0, o, lse, cached_tokens, timing), else its failure (the message
+ * in the completion's response; item's outcome unset). Returns as attn_c_batch_step_start. */
+int attn_c_step_start(attn_c_client* client, attn_c_queue* queue, attn_c_step_item* item,
+                      int64_t timeout_ms, uint64_t tag, char* message, size_t message_size);
 
 /* The response's size in bytes. */
 size_t attn_c_response_size(const attn_c_response* response);
