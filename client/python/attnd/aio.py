@@ -263,8 +263,8 @@ class Client(_ChannelSet):
                 _Pending.of(*self._coded_step(session, layer, q, k_new, v_new, scale, return_lse,
                                               window, out, lse_out, k_new_scales, v_new_scales)),
                 self._timeout(timeout))
-        if spec is not None:
-            native = self._native_channel()
+        native = self._native_channel() if spec is not None else None
+        if native is not None:
             try:
                 results = await native.batch_step([spec], [q], self._timeout(timeout), single=True)
             except _native.CallError as e:
