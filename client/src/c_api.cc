@@ -647,11 +647,8 @@ int32_t ReadBatchStepInto(grpc::ByteBuffer* response, attn_c_step_item* items, s
   return 0;
 }
 
-}  // namespace
-
-namespace {
-
-// items[i] as the StepInputRef the wire coding takes; INVALID_ARGUMENT naming what is wrong.
+// item as the StepInputRef the wire coding takes; INVALID_ARGUMENT naming what is wrong (who
+// prefixes the message).
 absl::Status StepRefOfItem(const std::string& who, const attn_c_step_item& item,
                            attn::client::StepInputRef* ref) {
   const int32_t dtypes[3] = {item.q_dtype, item.k_dtype, item.v_dtype};
