@@ -618,6 +618,13 @@ ATTN_C_EXPORT int attn_c_call_start(attn_c_client* client, attn_c_queue* queue,
 
 namespace {
 
+// A completion's code and message for an answer that cannot be read.
+int32_t FailedRead(const absl::Status& st, attn_c_response* out) {
+  const absl::string_view text = st.message();
+  out->buffer = AsyncCall::MessageBuffer(std::string_view(text.data(), text.size()));
+  return static_cast<int32_t>(st.code());
+}
+
 // An answered BatchStep's results into its items; the call's code (0, or INTERNAL with the
 // message in out when the answer cannot be read).
 int32_t ReadBatchStepInto(grpc::ByteBuffer* response, attn_c_step_item* items, size_t n,
@@ -626,11 +633,7 @@ int32_t ReadBatchStepInto(grpc::ByteBuffer* response, attn_c_step_item* items, s
   std::vector<attn::client::DecodedStepResult> decoded;
   absl::Status st = received.Take(response);
   if (st.ok()) st = attn::client::DecodeBatchStepResponse(received.pieces, n, &decoded);
-  if (!st.ok()) {
-    const absl::string_view text = st.message();
-    out->buffer = AsyncCall::MessageBuffer(std::string_view(text.data(), text.size()));
-    return static_cast<int32_t>(st.code());
-  }
+  if (!st.ok()) return FailedRead(st, out);
   for (size_t i = 0; i < n; ++i) {
     attn_c_step_item& item = items[i];
     const attn::v1::StepResult& status = decoded[i].status;
@@ -716,11 +719,7 @@ ATTN_C_EXPORT int attn_c_step_start(attn_c_client* client, attn_c_queue* queue,
         &c->response, static_cast<attn::v1::DType>(item->q_dtype), item->o, item->o_size,
         item->lse, item->lse_size, &item->cached_tokens, item->timing, item->timing_capacity,
         &item->timing_size);
-    if (!st.ok()) {
-      const absl::string_view text = st.message();
-      out->buffer = AsyncCall::MessageBuffer(std::string_view(text.data(), text.size()));
-      return static_cast<int32_t>(st.code());
-    }
+    if (!st.ok()) return FailedRead(st, out);
     item->code = 0;
     return 0;
   };

@@ -44,6 +44,19 @@ def native_or_skip(server):
         pytest.skip(f"no native transport: {note}")
 
 
+def record_library_steps(monkeypatch):
+    """A list that gets (steps, single) for each call of steps the library codes."""
+    calls = []
+    real = _native.AsyncNativeChannel.batch_step
+
+    async def counted(self, specs, queries, timeout, single=False):
+        calls.append((len(specs), single))
+        return await real(self, specs, queries, timeout, single)
+
+    monkeypatch.setattr(_native.AsyncNativeChannel, "batch_step", counted)
+    return calls
+
+
 def step_inputs(rng, tokens, d=64, dtype="bf16"):
     return (make(rng, (tokens, 4, d), dtype), make(rng, (tokens, 2, d), dtype),
             make(rng, (tokens, 2, d), dtype))
@@ -78,14 +91,7 @@ def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, 
     alone with attnd's NOT_FOUND while the others succeed."""
     if _native._fast is None:
         pytest.skip("attnd._fast is not loaded: coalesced steps are coded in Python")
-    batches = []
-    real = _native.AsyncNativeChannel.batch_step
-
-    async def counted(self, specs, queries, timeout, single=False):
-        batches.append(len(specs))
-        return await real(self, specs, queries, timeout, single)
-
-    monkeypatch.setattr(_native.AsyncNativeChannel, "batch_step", counted)
+    calls = record_library_steps(monkeypatch)
 
     async def main():
         native, grpcio = clients(server)
@@ -121,7 +127,7 @@ def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, 
                         o64, _ = reference(q64, ks, vs, causal=True,
                                            window=(3, 0) if i % 3 == 0 else None)
                         assert relative_error(values(a[i].o, "bf16"), o64) <= TOLERANCE["bf16"]
-            assert batches and batches[-1] == n
+            assert calls and calls[-1][0] == n
             # One step of a closed session among good ones.
             await ours[5].close()
             inputs = [step_inputs(rng, 1) for _ in range(n)]
@@ -153,14 +159,7 @@ def test_steps_one_call_each_are_coded_by_the_library(server, monkeypatch):
     lse and windows; a step of a closed session fails with attnd's NOT_FOUND naming it."""
     if not _native._fast_single:
         pytest.skip("attnd._fast does not start single steps: they are coded in Python")
-    singles = []
-    real = _native.AsyncNativeChannel.batch_step
-
-    async def counted(self, specs, queries, timeout, single=False):
-        singles.append(single and len(specs) == 1)
-        return await real(self, specs, queries, timeout, single)
-
-    monkeypatch.setattr(_native.AsyncNativeChannel, "batch_step", counted)
+    calls = record_library_steps(monkeypatch)
 
     async def main():
         native, grpcio = clients(server, coalesce_steps=False)
@@ -185,7 +184,7 @@ def test_steps_one_call_each_are_coded_by_the_library(server, monkeypatch):
                     vs = np.concatenate([kv[1] for kv in keys[i]])
                     o64, _ = reference(q64, ks, vs, causal=True, window=o["window"])
                     assert relative_error(values(a.o, "bf16"), o64) <= TOLERANCE["bf16"]
-            assert singles and all(singles)
+            assert calls and all(c == (1, True) for c in calls)
             await ours[1].close()
             (q, _), (k, _), (v, _) = step_inputs(rng, 1)
             with pytest.raises(attnd.NotFound) as e:

@@ -266,14 +266,13 @@ class Client(_ChannelSet):
         native = self._native_channel() if spec is not None else None
         if native is not None:
             try:
-                results = await native.batch_step([spec], [q], self._timeout(timeout), single=True)
+                results = await _library_steps(native, [spec], [q], self._timeout(timeout))
             except _native.CallError as e:
                 raise from_rpc_error(e) from None
             if results is not None:
-                r = results[0]
-                if isinstance(r, _native.CallError):
-                    raise from_rpc_error(r)
-                return StepResult(*r)
+                if isinstance(results[0], Exception):
+                    raise results[0]
+                return results[0]
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
                                window, out, lse_out, k_new_scales, v_new_scales,
                                joined=self.transport != "native")
@@ -474,12 +473,8 @@ class _StepCoalescer:
         native = self._client._native_channel()
         if native is None or any(it.spec is None for it in items):
             return None
-        results = await native.batch_step([it.spec for it in items], [it.q for it in items],
-                                          timeout, single=len(items) == 1)
-        if results is None:
-            return None
-        return [from_rpc_error(r) if isinstance(r, _native.CallError) else StepResult(*r)
-                for r in results]
+        return await _library_steps(native, [it.spec for it in items], [it.q for it in items],
+                                    timeout)
 
     async def _send_coded(self, coded: List[Tuple[Any, _core.Prepared]],
                           timeout: Optional[float]) -> List[Any]:
@@ -498,6 +493,18 @@ class _StepCoalescer:
         if self._client.transport == "native" and not m.cuda and m.size >= _core.PARTS_MIN_BYTES:
             return m
         return _tensors.assemble(m.parts, m.size, m.cuda)
+
+
+async def _library_steps(native: _native.AsyncNativeChannel, specs: List[Tuple[Any, ...]],
+                         queries: List[Any], timeout: Optional[float]) -> Optional[List[Any]]:
+    """Steps coded and read by the library: one Step call for a single spec, else a BatchStep.
+    Per step its StepResult or its error; None where the library does not take these tensors.
+    Raises _native.CallError when the call fails as a whole."""
+    results = await native.batch_step(specs, queries, timeout, single=len(specs) == 1)
+    if results is None:
+        return None
+    return [from_rpc_error(r) if isinstance(r, _native.CallError) else StepResult(*r)
+            for r in results]
 
 
 def _settle(item: _Pending, result: Any) -> None:
