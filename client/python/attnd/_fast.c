@@ -4,10 +4,10 @@
  * numpy arrays, started on the library's completion queue and read back in one call each.
  *
  * It calls attn_c_step, attn_c_batch_step_start and attn_c_step_start of libattn_client_c.so
- * through the pointers
- * _native.py hands it (bind), so it links nothing but the interpreter. Built against the stable ABI of Python 3.11 (the buffer
- * protocol joined it then): one binary for every CPython from 3.11 on; where it is missing or
- * does not load, _native.py does the same work in Python. */
+ * through the pointers _native.py hands it (bind), so it links nothing but the interpreter. Built
+ * against the stable ABI of Python 3.11 (the buffer protocol joined it then): one binary for every
+ * CPython from 3.11 on; where it is missing or does not load, _native.py does the same work in
+ * Python. */
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
