@@ -15,6 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/synchronization/mutex.h"
 #include "attn/util/flag_names.h"
 #include "attn/util/usage.h"
 #include "rpc/attn_server.h"
@@ -223,6 +224,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> args = attn::util::NormalizeFlagNames(argc, argv);
   std::vector<char*> argp = attn::util::ArgvOf(args);
   absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+  // The distribution's abseil is built with its debug checks: every absl::Mutex lock (gRPC's
+  // included) would consult a process-wide deadlock graph under a global lock.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   // Signals are taken by one thread with sigtimedwait, so that no handler runs inside gRPC.
   // A non-interactive shell starts background jobs with SIGINT ignored; attnd wants it anyway (a

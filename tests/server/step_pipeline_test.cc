@@ -7,14 +7,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <deque>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "backends/cpu_backend.h"
+#include "common/status_util.h"
 #include "backends/cpu_step_device.h"
 #include "sessions/fp8_quantize.h"
 #include "sessions/session_manager.h"
@@ -27,14 +31,19 @@ constexpr int64_t kPageBytes = 2048;
 constexpr int64_t kPages = 256;
 
 // The CPU device, refusing launches of more than max_members steps and, when told to, failing
-// the next launch in Wait (a device error after the work was enqueued).
+// the next launch in Wait (a device error after the work was enqueued). With lanes > 0 (set
+// before the pipeline is made) it has that many lanes, each with its staging, their launches
+// run one at a time on the CPU device.
 class BoundedDevice : public StepDevice {
  public:
   explicit BoundedDevice(StepDevice* inner) : inner_(inner) {}
-  int Lanes() const override { return inner_->Lanes(); }
+  int Lanes() const override { return lanes > 0 ? lanes : inner_->Lanes(); }
   KvRegion kv_region() const override { return inner_->kv_region(); }
   absl::StatusOr<char*> InputStaging(int lane, size_t bytes) override {
-    return inner_->InputStaging(lane, bytes);
+    if (lanes == 0) return inner_->InputStaging(lane, bytes);
+    std::vector<char>& staging = staging_[lane];
+    if (staging.size() < bytes) staging.resize(bytes);
+    return staging.data();
   }
   absl::StatusOr<OutputBytes> OutputStaging(size_t bytes) override {
     return inner_->OutputStaging(bytes);
@@ -44,18 +53,27 @@ class BoundedDevice : public StepDevice {
       return absl::ResourceExhaustedError("device pool exhausted (test)");
     }
     launches.fetch_add(1);
-    return inner_->Launch(lane, launch);
+    if (lanes == 0) return inner_->Launch(lane, launch);
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(inner_->Launch(lane, launch));
+    ASSIGN_OR_RETURN(times_[lane], inner_->Wait(lane, launch));
+    return absl::OkStatus();
   }
   absl::StatusOr<StepLaunchTimes> Wait(int lane, const StepLaunch& launch) override {
     if (fail_next.exchange(false)) return absl::InternalError("the launch failed (test)");
+    if (lanes > 0) return times_[lane];
     return inner_->Wait(lane, launch);
   }
+  int lanes = 0;
   std::atomic<int> max_members{1 << 20};
   std::atomic<bool> fail_next{false};
   std::atomic<int> launches{0};
 
  private:
   StepDevice* const inner_;
+  std::mutex mu_;  // the CPU device runs one launch at a time
+  std::vector<char> staging_[8];
+  StepLaunchTimes times_[8];
 };
 
 class StepPipelineTest : public ::testing::Test {
@@ -206,6 +224,62 @@ TEST_F(StepPipelineTest, AStepThatFitsNoLaunchFailsAloneAndChangesNothing) {
   next.push_back(Step(s, 1, 7));
   for (const auto& [st, o] : Run(std::move(next))) EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(s->CachedTokens(0), 8);
+}
+
+// Lanes that poll for work while idle (as GPU lanes do), one of them at a time: launches queued
+// from one caller after pauses longer than the poll (every lane asleep), then from several
+// callers at once, right after one another or after pauses, all run; none waits for a wake-up
+// that never comes.
+TEST_F(StepPipelineTest, IdleLanesThatPollTakeEveryLaunch) {
+  device_->lanes = 3;
+  StepPipeline::Options options;
+  options.idle_poll = std::chrono::microseconds(200);
+  pipeline_ = *StepPipeline::Create(options, device_.get());
+  constexpr int kSteps = 60;
+  for (const int callers : {1, 4}) {
+    std::vector<std::shared_ptr<Session>> sessions;
+    std::vector<std::vector<std::unique_ptr<StepJob>>> jobs(callers);
+    for (int c = 0; c < callers; ++c) {
+      sessions.push_back(NewSession());
+      for (int i = 0; i < kSteps; ++i) jobs[c].push_back(Step(sessions[c], 1, 1000 * c + i));
+    }
+    std::atomic<int> failed{0}, late{0};
+    std::vector<std::thread> threads;
+    for (int c = 0; c < callers; ++c) {
+      threads.emplace_back([&, c] {
+        std::mt19937 rng(c);
+        Session* session = sessions[c].get();
+        for (int i = 0; i < kSteps; ++i) {
+          // Shared with the job: a launch never run still finds it when the pipeline stops.
+          auto done = std::make_shared<std::promise<absl::Status>>();
+          std::unique_ptr<StepJob> job = std::move(jobs[c][i]);
+          job->done = [done, session](absl::Status st) {
+            session->ReleaseLayer(0);
+            done->set_value(std::move(st));
+          };
+          if (!session->AcquireLayer(0, [] {})) {
+            failed.fetch_add(1);
+            return;
+          }
+          JobBatch batch;
+          batch.push_back(std::move(job));
+          pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
+          std::future<absl::Status> f = done->get_future();
+          if (f.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+            late.fetch_add(1);
+            return;
+          }
+          if (!f.get().ok()) failed.fetch_add(1);
+          const int pause = callers == 1 ? 400 : std::array<int, 3>{0, 50, 400}[rng() % 3];
+          std::this_thread::sleep_for(std::chrono::microseconds(pause));
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(late.load(), 0) << callers << " callers: a launch stayed queued, every lane asleep";
+    EXPECT_EQ(failed.load(), 0);
+    for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), kSteps);
+  }
 }
 
 // The FP8 cache's quantization of 16-bit k_new/v_new: for every bf16 and every fp16 bit pattern
