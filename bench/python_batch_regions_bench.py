@@ -137,8 +137,7 @@ class Bench:
         t1 = time.perf_counter()
         message, prepared = _core.prepare_batch_step(self.client.regions, items)
         t2 = time.perf_counter()
-        for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
-            _core.cuda_synchronize(device)
+        _core.synchronize_inputs(prepared)
         t3 = time.perf_counter()
         buf = self.client._unary("BatchStep", message, 120)
         t4 = time.perf_counter()

@@ -18,6 +18,20 @@ from .errors import AttndError, InvalidArgument, error_for, status_code
 from .regions import RegionTable
 from ._wire import ServerTiming
 
+
+def _load_fast() -> Any:
+    """attnd._fast where it loads and codes BatchSteps (attnd/_fast.c), else None: the items
+    are then coded and the answers read here, in Python."""
+    try:
+        from . import _fast  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _fast if hasattr(_fast, "code_batch_step") else None
+
+
+# attnd._fast, or None. attnd._native sets it too when it finds the module beside its library.
+FAST: Any = _load_fast()
+
 PathOrPem = Union[str, bytes, os.PathLike, None]
 
 # gRPC methods safe to send again after UNAVAILABLE (no state changes on the server).
@@ -389,10 +403,64 @@ def cut_by_size(items: Sequence[Any], size_of: Any, max_bytes: Optional[int],
     return parts
 
 
+class CodedBatch:
+    """The Prepared of a BatchStep's items that attnd._fast coded, as a sequence: made when first
+    looked at (read_batch_step reads their answers from the plan, unless it must read it here).
+    plan: per item (q, out, lse_out, o in a region, lse in a region, CUDA device or None);
+    devices: the CUDA devices whose current stream is synchronized before the call."""
+
+    __slots__ = ("plan", "devices", "_prepared")
+
+    def __init__(self, plan: List[Tuple[Any, ...]], devices: Tuple[int, ...]):
+        self.plan = plan
+        self.devices = devices
+        self._prepared: Optional[List[Prepared]] = None
+
+    def prepared(self) -> List[Prepared]:
+        if self._prepared is None:
+            self._prepared = [Prepared(b"", _tensors.OutputMaker(q), out, lse_out, o_in, lse_in, dev)
+                              for q, out, lse_out, o_in, lse_in, dev in self.plan]
+        return self._prepared
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Any:
+        return iter(self.prepared())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.prepared()[i]
+
+
+# (torch module or None, what attnd._fast.code_batch_step is told of the types it meets)
+_fast_types: List[Any] = [False, None]
+
+
+def _coded_fast(regions: RegionTable, items: Sequence[Any],
+                max_bytes: Optional[int]) -> Optional[Tuple[bytes, CodedBatch]]:
+    """items as one BatchStep message coded by attnd._fast, or None where it leaves them to the
+    Python coding (see attnd/_fast.c)."""
+    torch = _tensors._torch
+    if _fast_types[0] is not torch:
+        _fast_types[1] = (StepItem, np.ndarray, torch.Tensor if torch is not None else None,
+                          _tensors._TORCH_CODES, as_step_item)
+        _fast_types[0] = torch
+    r = FAST.code_batch_step(items if type(items) is list else list(items), regions.specs(),
+                             _fast_types[1], -1 if max_bytes is None else max_bytes)
+    if r is None:
+        return None
+    return r[0], CodedBatch(r[1], r[2])
+
+
 def prepare_batch_steps(regions: RegionTable, items: Sequence[Any],
-                        max_bytes: Optional[int]) -> List[Tuple[bytes, List[Prepared]]]:
+                        max_bytes: Optional[int]) -> List[Tuple[bytes, Any]]:
     """items as BatchStep messages in order, each of at most max_bytes of steps where it can be
-    (cut_by_size; None: one message)."""
+    (cut_by_size; None: one message), with how to read each one's answer (a sequence of
+    Prepared)."""
+    if FAST is not None and len(items) > 0:
+        coded = _coded_fast(regions, items, max_bytes)
+        if coded is not None:
+            return [coded]
     coded = []
     for raw in items:
         it = as_step_item(raw)
@@ -410,6 +478,10 @@ def prepare_batch_steps(regions: RegionTable, items: Sequence[Any],
 
 def synchronize_inputs(prepared: Sequence[Prepared]) -> None:
     """cuda_synchronize for each device whose GPU regions hold some of these steps' inputs."""
+    if type(prepared) is CodedBatch:
+        for device in prepared.devices:
+            cuda_synchronize(device)
+        return
     for device in {p.cuda_sync for p in prepared if p.cuda_sync is not None}:
         cuda_synchronize(device)
 
@@ -497,6 +569,18 @@ def read_step(buf: bytes, p: Prepared) -> StepResult:
 
 def read_batch_step(buf: bytes, prepared: Sequence[Prepared]) -> List[Any]:
     """One StepResult or AttndError per item, in order."""
+    if type(prepared) is CodedBatch:
+        if FAST is not None and type(buf) is bytes:
+            done = FAST.read_batch_step(buf, prepared.plan, StepResult, ServerTiming,
+                                        _wire._EMPTY_TIMING)
+            if done is not None:  # every output in its region
+                results, failed = done
+                if failed:
+                    for i, r in enumerate(results):
+                        if type(r) is tuple:
+                            results[i] = error_for(status_code(r[0]), r[1])
+                return results
+        prepared = prepared.prepared()
     try:
         results = _wire.read_batch_step_response(buf)
         if len(results) != len(prepared):

@@ -12,6 +12,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -319,6 +320,874 @@ static PyObject* BatchStepRead(PyObject* self, PyObject* capsule) {
   return out;
 }
 
+/* ---- the ordinary BatchStep: coded and read here ------------------------------------------ */
+
+/* Client.batch_step's items (attnd._core.StepItem) as one BatchStep message, in the bytes
+ * attnd/_wire.py writes for them, and the reading of its answer where every output lies in a
+ * region. Each tensor is a C-contiguous numpy array of a wire dtype or a contiguous torch tensor
+ * on the CPU (or on a CUDA device, when it lies in a registered region): those in a region go as
+ * region slices, the others' bytes are copied into the message. Anything else (FP8 scales, a
+ * CUDA tensor to copy, a tensor to make contiguous, a dtype or an answer this code does not
+ * know) is left to attnd/_core.py: the functions then return None, having changed nothing. */
+
+enum { kMaxDims = 16, kMaxRegions = 256 };
+
+typedef struct {
+  uint64_t start, end;
+  long long device;
+  const char* name;
+  Py_ssize_t name_len;
+} Region;
+
+typedef struct {
+  int32_t dtype;
+  int ndim;
+  uint64_t shape[kMaxDims];
+  uint64_t nbytes;
+  uintptr_t ptr;
+  long long device; /* -1: host memory */
+  int region;       /* index into the regions, or -1: the bytes go in the message */
+  uint64_t offset;
+} Tensor;
+
+typedef struct {
+  PyObject* sid; /* owned: the session id (str) */
+  const char* sid_p;
+  Py_ssize_t sid_n;
+  long long layer;
+  Tensor t[3];
+  uint32_t scale_bits;
+  int return_lse;
+  int has_window;
+  long long left, right;
+  int o_region, lse_region; /* region index or -1 */
+  uint64_t o_offset, o_bytes, lse_offset, lse_bytes;
+  size_t body;
+} CodedStep;
+
+/* What coding needs from Python: the types and names it looks for. */
+typedef struct {
+  PyObject* step_item_type;
+  PyObject* ndarray_type;
+  PyObject* tensor_type;  /* torch.Tensor, or None before torch has been seen */
+  PyObject* torch_codes;  /* {torch dtype: wire dtype} */
+  PyObject* as_step_item; /* an item given otherwise (a tuple, a dict) as a StepItem */
+} Types;
+
+static PyObject* s_session;
+static PyObject* s_id;
+static PyObject* s_layer;
+static PyObject* s_q;
+static PyObject* s_k_new;
+static PyObject* s_v_new;
+static PyObject* s_scale;
+static PyObject* s_return_lse;
+static PyObject* s_window;
+static PyObject* s_out;
+static PyObject* s_lse_out;
+static PyObject* s_k_new_scales;
+static PyObject* s_v_new_scales;
+static PyObject* s_dtype;
+static PyObject* s_shape;
+static PyObject* s_is_contiguous;
+static PyObject* s_data_ptr;
+static PyObject* s_is_cpu;
+static PyObject* s_is_cuda;
+static PyObject* s_get_device;
+static PyObject* s_buf;
+static PyObject* s_start;
+static PyObject* s_end;
+static PyObject* s_values;
+
+static int InternNames(void) {
+  struct { PyObject** slot; const char* text; } names[] = {
+      {&s_session, "session"}, {&s_id, "id"}, {&s_layer, "layer"}, {&s_q, "q"},
+      {&s_k_new, "k_new"}, {&s_v_new, "v_new"}, {&s_scale, "scale"},
+      {&s_return_lse, "return_lse"}, {&s_window, "window"}, {&s_out, "out"},
+      {&s_lse_out, "lse_out"}, {&s_k_new_scales, "k_new_scales"},
+      {&s_v_new_scales, "v_new_scales"}, {&s_dtype, "dtype"}, {&s_shape, "shape"},
+      {&s_is_contiguous, "is_contiguous"}, {&s_data_ptr, "data_ptr"}, {&s_is_cpu, "is_cpu"},
+      {&s_is_cuda, "is_cuda"}, {&s_get_device, "get_device"}, {&s_buf, "_buf"},
+      {&s_start, "_start"}, {&s_end, "_end"}, {&s_values, "_values"},
+  };
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i) {
+    *names[i].slot = PyUnicode_InternFromString(names[i].text);
+    if (*names[i].slot == NULL) return -1;
+  }
+  return 0;
+}
+
+static int ElementBytes(int32_t dtype) {
+  switch (dtype) {
+    case kFloat32: return 4;
+    case kFloat16: case kBFloat16: return 2;
+    case kFloat8: return 1;
+    default: return 0;
+  }
+}
+
+/* ---- writing: count (p NULL) or write ---- */
+
+typedef struct {
+  uint8_t* p;
+  size_t n;
+} Writer;
+
+static inline void PutByte(Writer* w, uint8_t b) {
+  if (w->p != NULL) w->p[w->n] = b;
+  ++w->n;
+}
+
+static inline void PutVarint(Writer* w, uint64_t v) {
+  while (v >= 0x80) {
+    PutByte(w, (uint8_t)(v | 0x80));
+    v >>= 7;
+  }
+  PutByte(w, (uint8_t)v);
+}
+
+static inline void PutBytes(Writer* w, const void* s, size_t n) {
+  if (w->p != NULL && n != 0) memcpy(w->p + w->n, s, n);
+  w->n += n;
+}
+
+static inline size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+static inline void PutLenTag(Writer* w, unsigned number, size_t len) {
+  PutVarint(w, ((uint64_t)number << 3) | 2);
+  PutVarint(w, len);
+}
+
+/* Tensor's dtype and shape fields. */
+static void PutTensorHead(Writer* w, const Tensor* t) {
+  PutByte(w, 0x08);
+  PutVarint(w, (uint64_t)t->dtype);
+  if (t->ndim > 0) {
+    size_t len = 0;
+    for (int i = 0; i < t->ndim; ++i) len += VarintSize(t->shape[i]);
+    PutLenTag(w, 2, len);
+    for (int i = 0; i < t->ndim; ++i) PutVarint(w, t->shape[i]);
+  }
+}
+
+/* A RegionSlice's fields. */
+static void PutSlice(Writer* w, const Region* r, uint64_t offset, uint64_t nbytes) {
+  PutLenTag(w, 1, (size_t)r->name_len);
+  PutBytes(w, r->name, (size_t)r->name_len);
+  if (offset != 0) {
+    PutByte(w, 0x10);
+    PutVarint(w, offset);
+  }
+  if (nbytes != 0) {
+    PutByte(w, 0x18);
+    PutVarint(w, nbytes);
+  }
+}
+
+static size_t SliceSize(const Region* r, uint64_t offset, uint64_t nbytes) {
+  Writer c = {NULL, 0};
+  PutSlice(&c, r, offset, nbytes);
+  return c.n;
+}
+
+static void PutTensor(Writer* w, unsigned number, const Tensor* t, const Region* regions) {
+  Writer c = {NULL, 0};
+  PutTensorHead(&c, t);
+  if (t->region >= 0) {
+    const Region* r = &regions[t->region];
+    const size_t slice = SliceSize(r, t->offset, t->nbytes);
+    PutLenTag(w, number, c.n + 1 + VarintSize(slice) + slice);
+    PutTensorHead(w, t);
+    PutLenTag(w, 4, slice);
+    PutSlice(w, r, t->offset, t->nbytes);
+    return;
+  }
+  const size_t data = t->nbytes != 0 ? 1 + VarintSize(t->nbytes) + t->nbytes : 0;
+  PutLenTag(w, number, c.n + data);
+  PutTensorHead(w, t);
+  if (t->nbytes != 0) {
+    PutLenTag(w, 3, t->nbytes);
+    PutBytes(w, (const void*)t->ptr, t->nbytes);
+  }
+}
+
+/* A StepRequest's fields, as attnd/_wire.py step_request writes them. */
+static void PutStep(Writer* w, const CodedStep* s, const Region* regions) {
+  if (s->sid_n > 0) {
+    PutLenTag(w, 1, (size_t)s->sid_n);
+    PutBytes(w, s->sid_p, (size_t)s->sid_n);
+  }
+  if (s->layer != 0) {
+    PutByte(w, 0x10);
+    PutVarint(w, (uint64_t)s->layer);
+  }
+  for (int i = 0; i < 3; ++i) PutTensor(w, 3 + (unsigned)i, &s->t[i], regions);
+  if (s->scale_bits != 0) {
+    PutByte(w, 0x35);
+    for (int i = 0; i < 4; ++i) PutByte(w, (uint8_t)(s->scale_bits >> (8 * i)));
+  }
+  if (s->return_lse) {
+    PutByte(w, 0x38);
+    PutByte(w, 1);
+  }
+  if (s->has_window && !(s->left < 0 && s->right < 0)) {
+    size_t len = (s->left != 0 ? 1 + VarintSize((uint64_t)s->left) : 0) +
+                 (s->right != 0 ? 1 + VarintSize((uint64_t)s->right) : 0);
+    PutLenTag(w, 8, len);
+    if (s->left != 0) {
+      PutByte(w, 0x08);
+      PutVarint(w, (uint64_t)s->left);
+    }
+    if (s->right != 0) {
+      PutByte(w, 0x10);
+      PutVarint(w, (uint64_t)s->right);
+    }
+  }
+  if (s->o_region >= 0) {
+    const Region* r = &regions[s->o_region];
+    PutLenTag(w, 20, SliceSize(r, s->o_offset, s->o_bytes));
+    PutSlice(w, r, s->o_offset, s->o_bytes);
+  }
+  if (s->lse_region >= 0) {
+    const Region* r = &regions[s->lse_region];
+    PutLenTag(w, 21, SliceSize(r, s->lse_offset, s->lse_bytes));
+    PutSlice(w, r, s->lse_offset, s->lse_bytes);
+  }
+}
+
+/* ---- the items' tensors ---- */
+
+/* A call's Python objects, released at its end. */
+typedef struct {
+  Py_buffer* views;
+  size_t views_held;
+  CodedStep* steps;
+  size_t steps_held;
+} Held;
+
+static void ReleaseHeld(Held* h) {
+  for (size_t i = 0; i < h->views_held; ++i) PyBuffer_Release(&h->views[i]);
+  for (size_t i = 0; i < h->steps_held; ++i) Py_XDECREF(h->steps[i].sid);
+  PyMem_Free(h->views);
+  PyMem_Free(h->steps);
+}
+
+static int FindRegion(const Region* regions, int count, const Tensor* t, uint64_t* offset) {
+  if (t->nbytes == 0) return -1;
+  for (int i = 0; i < count; ++i) {
+    const Region* r = &regions[i];
+    if (r->device == t->device && r->start <= t->ptr && t->ptr + t->nbytes <= r->end) {
+      *offset = t->ptr - r->start;
+      return i;
+    }
+  }
+  return -1;
+}
+
+/* A method's result, or NULL with a Python error. */
+static PyObject* CallNoArgs(PyObject* x, PyObject* name) {
+  return PyObject_CallMethodObjArgs(x, name, NULL);
+}
+
+/* Tensor x's facts. 1: taken; 0: not a tensor this code takes (none held); -1: a Python error. */
+static int ReadTensor(const Types* ty, Held* h, PyObject* x, Tensor* t) {
+  if ((PyObject*)Py_TYPE(x) == ty->ndarray_type) {
+    Py_buffer* v = &h->views[h->views_held];
+    if (PyObject_GetBuffer(x, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+      PyErr_Clear();
+      return 0;
+    }
+    ++h->views_held;
+    t->dtype = DTypeOfFormat(v->format);
+    if (t->dtype == 0 || v->ndim > kMaxDims || v->ndim < 0) return 0;
+    t->ndim = v->ndim;
+    for (int i = 0; i < v->ndim; ++i) t->shape[i] = (uint64_t)v->shape[i];
+    t->nbytes = (uint64_t)v->len;
+    t->ptr = (uintptr_t)v->buf;
+    t->device = -1;
+    return 1;
+  }
+  if (ty->tensor_type == Py_None || !PyObject_TypeCheck(x, (PyTypeObject*)ty->tensor_type)) {
+    return 0;
+  }
+  int taken = -1;
+  PyObject* dtype = NULL;
+  PyObject* shape = NULL;
+  PyObject* r = NULL;
+  dtype = PyObject_GetAttr(x, s_dtype);
+  if (dtype == NULL) goto done;
+  PyObject* code = PyDict_GetItemWithError(ty->torch_codes, dtype); /* borrowed */
+  if (code == NULL) {
+    taken = PyErr_Occurred() ? -1 : 0;
+    goto done;
+  }
+  t->dtype = (int32_t)PyLong_AsLong(code);
+  const int element = ElementBytes(t->dtype);
+  if (element == 0) {
+    taken = PyErr_Occurred() ? -1 : 0;
+    goto done;
+  }
+  shape = PyObject_GetAttr(x, s_shape);
+  if (shape == NULL) goto done;
+  if (!PyTuple_Check(shape) || PyTuple_Size(shape) > kMaxDims) {
+    taken = 0;
+    goto done;
+  }
+  t->ndim = (int)PyTuple_Size(shape);
+  uint64_t count = 1;
+  for (int i = 0; i < t->ndim; ++i) {
+    const long long d = PyLong_AsLongLong(PyTuple_GetItem(shape, i));
+    if (d < 0) {
+      taken = PyErr_Occurred() ? -1 : 0;
+      goto done;
+    }
+    t->shape[i] = (uint64_t)d;
+    count *= (uint64_t)d;
+  }
+  t->nbytes = count * (uint64_t)element;
+  r = CallNoArgs(x, s_is_contiguous);
+  if (r == NULL) goto done;
+  if (r != Py_True) {
+    taken = 0;
+    goto done;
+  }
+  Py_DECREF(r);
+  r = PyObject_GetAttr(x, s_is_cpu);
+  if (r == NULL) {
+    PyErr_Clear();
+    taken = 0;
+    goto done;
+  }
+  if (r == Py_True) {
+    t->device = -1;
+  } else {
+    Py_DECREF(r);
+    r = PyObject_GetAttr(x, s_is_cuda);
+    if (r == NULL) goto done;
+    if (r != Py_True) { /* another device: attnd/_core.py says what it makes of it */
+      taken = 0;
+      goto done;
+    }
+    Py_DECREF(r);
+    r = CallNoArgs(x, s_get_device);
+    if (r == NULL) goto done;
+    t->device = PyLong_AsLongLong(r);
+    if (t->device < 0) {
+      taken = PyErr_Occurred() ? -1 : 0;
+      goto done;
+    }
+  }
+  Py_DECREF(r);
+  r = CallNoArgs(x, s_data_ptr);
+  if (r == NULL) goto done;
+  t->ptr = (uintptr_t)PyLong_AsUnsignedLongLong(r);
+  if (PyErr_Occurred()) goto done;
+  taken = 1;
+done:
+  Py_XDECREF(r);
+  Py_XDECREF(shape);
+  Py_XDECREF(dtype);
+  return taken;
+}
+
+/* An attribute of a StepItem (new reference) or NULL with a Python error. */
+static PyObject* Field(PyObject* item, PyObject* name) { return PyObject_GetAttr(item, name); }
+
+/* A Python int as long long: 1, or 0 when it is not one that fits (no error left), -1 error. */
+static int AsLongLong(PyObject* x, long long* out) {
+  PyObject* n = PyNumber_Long(x);
+  if (n == NULL) {
+    PyErr_Clear(); /* attnd/_core.py raises what int() does */
+    return 0;
+  }
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(n, &overflow);
+  Py_DECREF(n);
+  if (overflow != 0) return 0;
+  if (*out == -1 && PyErr_Occurred()) return -1;
+  return 1;
+}
+
+/* Item `item` as step s. 1: taken; 0: left to Python; -1: a Python error. */
+static int ReadItem(const Types* ty, Held* h, const Region* regions, int nregions, PyObject* item,
+                    CodedStep* s, long long* sync_device) {
+  int taken = -1;
+  PyObject* f = NULL;
+  if (!PyObject_TypeCheck(item, (PyTypeObject*)ty->step_item_type)) return 0;
+  /* the FP8 scales: left to Python */
+  for (int i = 0; i < 2; ++i) {
+    f = Field(item, i == 0 ? s_k_new_scales : s_v_new_scales);
+    if (f == NULL) return -1;
+    if (f != Py_None) {
+      Py_DECREF(f);
+      return 0;
+    }
+    Py_DECREF(f);
+  }
+  /* session id: a str, or the session's id */
+  f = Field(item, s_session);
+  if (f == NULL) return -1;
+  if (PyUnicode_Check(f)) {
+    s->sid = f;
+  } else {
+    s->sid = PyObject_GetAttr(f, s_id);
+    Py_DECREF(f);
+    if (s->sid == NULL) {
+      PyErr_Clear();
+      return 0;
+    }
+    if (!PyUnicode_Check(s->sid)) return 0;
+  }
+  f = NULL;
+  s->sid_p = PyUnicode_AsUTF8AndSize(s->sid, &s->sid_n);
+  if (s->sid_p == NULL) {
+    PyErr_Clear();
+    return 0;
+  }
+  /* layer */
+  f = Field(item, s_layer);
+  if (f == NULL) return -1;
+  taken = AsLongLong(f, &s->layer);
+  Py_CLEAR(f);
+  if (taken <= 0) return taken;
+  taken = -1;
+  /* q, k_new, v_new */
+  PyObject* const names[3] = {s_q, s_k_new, s_v_new};
+  for (int i = 0; i < 3; ++i) {
+    f = Field(item, names[i]);
+    if (f == NULL) return -1;
+    const int got = ReadTensor(ty, h, f, &s->t[i]);
+    Py_CLEAR(f);
+    if (got <= 0) return got;
+    Tensor* t = &s->t[i];
+    t->region = nregions > 0 ? FindRegion(regions, nregions, t, &t->offset) : -1;
+    if (t->region < 0 && t->device >= 0) return 0; /* a CUDA tensor's bytes: Python copies them */
+    if (t->region >= 0 && t->device >= 0 && *sync_device == -2) *sync_device = t->device;
+  }
+  /* scale: as float(scale or 0.0), written when nonzero (struct.pack's overflow left to it) */
+  f = Field(item, s_scale);
+  if (f == NULL) return -1;
+  {
+    const int truth = PyObject_IsTrue(f);
+    if (truth < 0) goto error;
+    double x = 0.0;
+    if (truth) {
+      x = PyFloat_AsDouble(f);
+      if (x == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_DECREF(f);
+        return 0;
+      }
+    }
+    Py_CLEAR(f);
+    s->scale_bits = 0;
+    if (x != 0.0) { /* NaN too, as Python's `if scale:` */
+      const float y = (float)x;
+      if (isinf(y) && !isinf(x)) return 0; /* struct.pack's OverflowError, raised by Python */
+      memcpy(&s->scale_bits, &y, 4);
+    }
+  }
+  f = Field(item, s_return_lse);
+  if (f == NULL) return -1;
+  s->return_lse = PyObject_IsTrue(f);
+  Py_CLEAR(f);
+  if (s->return_lse < 0) return -1;
+  /* window: None or a pair */
+  f = Field(item, s_window);
+  if (f == NULL) return -1;
+  s->has_window = f != Py_None;
+  if (s->has_window) {
+    if (!(PyTuple_Check(f) && PyTuple_Size(f) == 2)) {
+      Py_DECREF(f);
+      return 0;
+    }
+    int got = AsLongLong(PyTuple_GetItem(f, 0), &s->left);
+    if (got > 0) got = AsLongLong(PyTuple_GetItem(f, 1), &s->right);
+    Py_CLEAR(f);
+    if (got <= 0) return got;
+  }
+  Py_CLEAR(f);
+  /* out and lse_out: region slices where they lie in one */
+  s->o_region = s->lse_region = -1;
+  for (int i = 0; i < 2; ++i) {
+    f = Field(item, i == 0 ? s_out : s_lse_out);
+    if (f == NULL) return -1;
+    if (f != Py_None) {
+      Tensor t;
+      const int got = ReadTensor(ty, h, f, &t);
+      Py_CLEAR(f);
+      if (got <= 0) return got;
+      uint64_t offset = 0;
+      const int at = nregions > 0 ? FindRegion(regions, nregions, &t, &offset) : -1;
+      if (at < 0 && t.device >= 0) return 0; /* Python copies into a CUDA out */
+      if (i == 0) {
+        s->o_region = at;
+        s->o_offset = offset;
+        s->o_bytes = t.nbytes;
+      } else {
+        s->lse_region = at;
+        s->lse_offset = offset;
+        s->lse_bytes = t.nbytes;
+      }
+    }
+    Py_CLEAR(f);
+  }
+  {
+    Writer c = {NULL, 0};
+    PutStep(&c, s, regions);
+    s->body = c.n;
+  }
+  return 1;
+error:
+  Py_XDECREF(f);
+  return -1;
+}
+
+/* code_batch_step(items, regions, types, max_bytes)
+ * items: a list of StepItem (others go through as_step_item); regions: a tuple of (start, end,
+ * cuda device, name bytes), those of the client's RegionTable in order; types: (StepItem,
+ * numpy.ndarray, torch.Tensor or None, {torch dtype: wire dtype}, as_step_item); max_bytes: the most bytes of steps one message may carry (-1: no
+ * bound).
+ * -> (message bytes, plan, devices): plan a list with, per item, (q, out, lse_out, o in a region,
+ *    lse in a region, CUDA device of its GPU-region inputs or None); devices a tuple of those
+ *    devices, each once;
+ *    None where attnd/_core.py codes these items (see above), or they pass max_bytes. */
+static PyObject* CodeBatchStep(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject* items = NULL;
+  PyObject* region_specs = NULL;
+  Types ty = {0};
+  long long max_bytes = -1;
+  if (!PyArg_ParseTuple(args, "O!O!(OOOO!O)L", &PyList_Type, &items, &PyTuple_Type,
+                        &region_specs, &ty.step_item_type, &ty.ndarray_type, &ty.tensor_type,
+                        &PyDict_Type, &ty.torch_codes, &ty.as_step_item, &max_bytes)) {
+    return NULL;
+  }
+  const Py_ssize_t n = PyList_Size(items);
+  const Py_ssize_t nregions = PyTuple_Size(region_specs);
+  if (n <= 0 || nregions > kMaxRegions) Py_RETURN_NONE;
+  Region regions[kMaxRegions];
+  for (Py_ssize_t i = 0; i < nregions; ++i) {
+    PyObject* spec = PyTuple_GetItem(region_specs, i);
+    unsigned long long start = 0, end = 0;
+    long long device = 0;
+    const char* name = NULL;
+    Py_ssize_t name_len = 0;
+    if (!PyArg_ParseTuple(spec, "KKLy#", &start, &end, &device, &name, &name_len)) return NULL;
+    regions[i] = (Region){start, end, device, name, name_len};
+  }
+  Held h = {0};
+  h.views = PyMem_Calloc(5 * (size_t)n, sizeof(Py_buffer));
+  h.steps = PyMem_Calloc((size_t)n, sizeof(CodedStep));
+  if (h.views == NULL || h.steps == NULL) {
+    ReleaseHeld(&h);
+    return PyErr_NoMemory();
+  }
+  PyObject* result = NULL;
+  PyObject* plan = NULL;
+  PyObject* devices = NULL;
+  PyObject* message = NULL;
+  long long seen_devices[8];
+  int nseen = 0;
+  size_t steps_bytes = 0, total = 0;
+  plan = PyList_New(n);
+  if (plan == NULL) goto done;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GetItem(items, i);
+    if (PyObject_TypeCheck(item, (PyTypeObject*)ty.step_item_type)) {
+      Py_INCREF(item);
+    } else {
+      item = PyObject_CallFunctionObjArgs(ty.as_step_item, item, NULL);
+      if (item == NULL) goto done;
+    }
+    CodedStep* s = &h.steps[i];
+    ++h.steps_held;
+    long long sync = -2;
+    const int got = ReadItem(&ty, &h, regions, (int)nregions, item, s, &sync);
+    if (got <= 0) {
+      Py_DECREF(item);
+      if (got == 0) result = Py_NewRef(Py_None);
+      goto done;
+    }
+    steps_bytes += s->body;
+    total += 1 + VarintSize(s->body) + s->body;
+    PyObject* q = PyObject_GetAttr(item, s_q);
+    PyObject* out = q == NULL ? NULL : PyObject_GetAttr(item, s_out);
+    PyObject* lse_out = out == NULL ? NULL : PyObject_GetAttr(item, s_lse_out);
+    Py_DECREF(item); /* the tensors it holds: held by the plan, or by the caller's item */
+    if (lse_out == NULL) {
+      Py_XDECREF(q);
+      Py_XDECREF(out);
+      goto done;
+    }
+    PyObject* entry = Py_BuildValue("(NNNOON)", q, out, lse_out,
+                                    s->o_region >= 0 ? Py_True : Py_False,
+                                    s->lse_region >= 0 ? Py_True : Py_False,
+                                    sync >= 0 ? PyLong_FromLongLong(sync) : Py_NewRef(Py_None));
+    if (entry == NULL) goto done;
+    PyList_SetItem(plan, i, entry);
+    if (sync >= 0) {
+      int known = 0;
+      for (int j = 0; j < nseen; ++j) known |= seen_devices[j] == sync;
+      if (!known) {
+        if (nseen == (int)(sizeof seen_devices / sizeof seen_devices[0])) {
+          result = Py_NewRef(Py_None);
+          goto done;
+        }
+        seen_devices[nseen++] = sync;
+      }
+    }
+  }
+  if (max_bytes >= 0 && n > 1 && steps_bytes > (unsigned long long)max_bytes) {
+    result = Py_NewRef(Py_None); /* cut in several calls by attnd/_core.py */
+    goto done;
+  }
+  message = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+  if (message == NULL) goto done;
+  {
+    Writer w = {(uint8_t*)PyBytes_AsString(message), 0};
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PutLenTag(&w, 1, h.steps[i].body);
+      PutStep(&w, &h.steps[i], regions);
+    }
+    if (w.n != total) {
+      PyErr_Format(PyExc_AssertionError, "attnd._fast: BatchStep coded to %zu bytes, not %zu",
+                   w.n, total);
+      goto done;
+    }
+  }
+  devices = PyTuple_New(nseen);
+  if (devices == NULL) goto done;
+  for (int j = 0; j < nseen; ++j) {
+    PyObject* d = PyLong_FromLongLong(seen_devices[j]);
+    if (d == NULL) goto done;
+    PyTuple_SetItem(devices, j, d);
+  }
+  result = Py_BuildValue("(OOO)", message, plan, devices);
+done:
+  Py_XDECREF(message);
+  Py_XDECREF(plan);
+  Py_XDECREF(devices);
+  ReleaseHeld(&h);
+  return result;
+}
+
+/* ---- reading: a BatchStepResponse whose outputs went to regions ---- */
+
+/* A varint at b[*at]: 1, or 0 when truncated or past 64 bits. */
+static int GetVarint(const uint8_t* b, size_t* at, size_t end, uint64_t* v) {
+  uint64_t r = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (*at >= end) return 0;
+    const uint8_t c = b[(*at)++];
+    if (shift == 63 && c > 1) return 0;
+    r |= (uint64_t)(c & 0x7F) << shift;
+    if (c < 0x80) {
+      *v = r;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* Past a field's value (its key read already): 1, or 0 for an unknown wire type or a value past
+ * the end. LEN values' spans in *start, *stop. */
+static int SkipValue(const uint8_t* b, size_t* at, size_t end, int wt, uint64_t* varint,
+                     size_t* start, size_t* stop) {
+  uint64_t n = 0;
+  switch (wt) {
+    case 0: return GetVarint(b, at, end, varint);
+    case 1: n = 8; break;
+    case 5: n = 4; break;
+    case 2:
+      if (!GetVarint(b, at, end, &n)) return 0;
+      if (n > end - *at) return 0;
+      *start = *at;
+      *stop = *at + n;
+      break;
+    default: return 0;
+  }
+  if (n > end - *at) return 0;
+  *at += n;
+  return 1;
+}
+
+/* A Tensor of an answer that should lie in a region: 1 when it is well formed and names a
+ * region (all of whose bytes are ASCII), else 0. */
+static int TensorInRegion(const uint8_t* b, size_t at, size_t end) {
+  uint64_t dtype = 0;
+  int named = 0;
+  while (at < end) {
+    uint64_t key = 0, v = 0;
+    size_t s = 0, e = 0;
+    if (!GetVarint(b, &at, end, &key)) return 0;
+    const uint64_t number = key >> 3;
+    const int wt = (int)(key & 7);
+    if (!SkipValue(b, &at, end, wt, &v, &s, &e)) return 0;
+    if (wt == 0) {
+      if (number == 1) dtype = v;
+      else if (number == 2 && v >= (1ull << 63)) return 0; /* a negative dimension */
+    } else if (wt == 2 && number == 2) {
+      while (s < e) {
+        if (!GetVarint(b, &s, e, &v) || v >= (1ull << 63)) return 0;
+      }
+    } else if (wt == 2 && number == 4) {
+      named = 0;
+      while (s < e) {
+        uint64_t k2 = 0, v2 = 0;
+        size_t s2 = 0, e2 = 0;
+        if (!GetVarint(b, &s, e, &k2)) return 0;
+        if (!SkipValue(b, &s, e, (int)(k2 & 7), &v2, &s2, &e2)) return 0;
+        if ((k2 >> 3) == 1 && (k2 & 7) == 2) {
+          for (size_t i = s2; i < e2; ++i) {
+            if (b[i] >= 0x80) return 0;
+          }
+          named = 1;
+        }
+      }
+    }
+  }
+  return named && dtype >= kFloat32 && dtype <= kFloat8;
+}
+
+static PyObject* NewTiming(PyObject* timing_type, PyObject* buf, size_t start, size_t end) {
+  PyObject* t = PyType_GenericNew((PyTypeObject*)timing_type, NULL, NULL);
+  if (t == NULL) return NULL;
+  PyObject* a = PyLong_FromSize_t(start);
+  PyObject* z = PyLong_FromSize_t(end);
+  if (a == NULL || z == NULL || PyObject_SetAttr(t, s_buf, buf) != 0 ||
+      PyObject_SetAttr(t, s_start, a) != 0 || PyObject_SetAttr(t, s_end, z) != 0 ||
+      PyObject_SetAttr(t, s_values, Py_None) != 0) {
+    Py_XDECREF(a);
+    Py_XDECREF(z);
+    Py_DECREF(t);
+    return NULL;
+  }
+  Py_DECREF(a);
+  Py_DECREF(z);
+  return t;
+}
+
+/* read_batch_step(buf, plan, StepResult, ServerTiming, empty timing)
+ * -> (results, failed): per item a StepResult (o and lse the item's out and lse_out, written in
+ *    their regions) or (code, message) of a failed item, and whether any failed;
+ *    None where attnd/_core.py reads the answer: an output in the message, or an answer laid out
+ *    otherwise than this code expects (a malformed one among them: Python says what is wrong). */
+static PyObject* ReadBatchStep(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject* buf_obj = NULL;
+  PyObject* plan = NULL;
+  PyObject* result_type = NULL;
+  PyObject* timing_type = NULL;
+  PyObject* empty_timing = NULL;
+  if (!PyArg_ParseTuple(args, "SO!OOO", &buf_obj, &PyList_Type, &plan, &result_type,
+                        &timing_type, &empty_timing)) {
+    return NULL;
+  }
+  static newfunc tuple_new = NULL;
+  if (tuple_new == NULL) tuple_new = (newfunc)PyType_GetSlot(&PyTuple_Type, Py_tp_new);
+  const uint8_t* b = (const uint8_t*)PyBytes_AsString(buf_obj);
+  const size_t end = (size_t)PyBytes_Size(buf_obj);
+  const Py_ssize_t n = PyList_Size(plan);
+  PyObject* out = PyList_New(n);
+  if (out == NULL) return NULL;
+  Py_ssize_t seen = 0;
+  int failed = 0;
+  size_t at = 0;
+  while (at < end) {
+    uint64_t key = 0, v = 0;
+    size_t s = 0, e = 0;
+    if (!GetVarint(b, &at, end, &key)) goto fallback;
+    const int wt = (int)(key & 7);
+    if (!SkipValue(b, &at, end, wt, &v, &s, &e)) goto fallback;
+    if (key != ((1u << 3) | 2)) continue;
+    if (seen >= n) goto fallback;
+    /* a BatchStepResult */
+    int64_t code = 0;
+    size_t msg_s = 0, msg_e = 0, resp_s = 0, resp_e = 0;
+    int has_response = 0;
+    while (s < e) {
+      uint64_t k2 = 0, v2 = 0;
+      size_t s2 = 0, e2 = 0;
+      if (!GetVarint(b, &s, e, &k2)) goto fallback;
+      if (!SkipValue(b, &s, e, (int)(k2 & 7), &v2, &s2, &e2)) goto fallback;
+      if (k2 == ((1u << 3) | 0)) code = (int64_t)v2;
+      else if (k2 == ((2u << 3) | 2)) { msg_s = s2; msg_e = e2; }
+      else if (k2 == ((3u << 3) | 2)) { resp_s = s2; resp_e = e2; has_response = 1; }
+    }
+    PyObject* r = NULL;
+    if (code != 0) {
+      if (has_response) goto fallback;
+      PyObject* text = PyUnicode_DecodeUTF8((const char*)b + msg_s, (Py_ssize_t)(msg_e - msg_s),
+                                            "replace");
+      if (text == NULL) goto error;
+      r = Py_BuildValue("(LN)", (long long)code, text);
+      failed = 1;
+    } else {
+      if (!has_response) goto fallback;
+      PyObject* entry = PyList_GetItem(plan, seen); /* (q, out, lse_out, o_in, lse_in, device) */
+      if (entry == NULL || !PyTuple_Check(entry) || PyTuple_Size(entry) != 6) goto fallback;
+      const int o_in = PyTuple_GetItem(entry, 3) == Py_True;
+      const int lse_in = PyTuple_GetItem(entry, 4) == Py_True;
+      int has_o = 0, has_lse = 0, has_timing = 0;
+      int64_t cached = 0;
+      size_t t_s = 0, t_e = 0;
+      size_t ra = resp_s;
+      while (ra < resp_e) {
+        uint64_t k3 = 0, v3 = 0;
+        size_t s3 = 0, e3 = 0;
+        if (!GetVarint(b, &ra, resp_e, &k3)) goto fallback;
+        const int wt3 = (int)(k3 & 7);
+        if (!SkipValue(b, &ra, resp_e, wt3, &v3, &s3, &e3)) goto fallback;
+        const uint64_t num = k3 >> 3;
+        if (wt3 == 2 && num == 1) {
+          if (!o_in || !TensorInRegion(b, s3, e3)) goto fallback;
+          has_o = 1;
+        } else if (wt3 == 2 && num == 2) {
+          if (!lse_in || !TensorInRegion(b, s3, e3)) goto fallback;
+          has_lse = 1;
+        } else if (wt3 == 2 && num == 4) {
+          t_s = s3;
+          t_e = e3;
+          has_timing = 1;
+        } else if (wt3 == 0 && num == 3) {
+          cached = (int64_t)v3;
+        }
+      }
+      if (!has_o) goto fallback;
+      PyObject* timing = has_timing ? NewTiming(timing_type, buf_obj, t_s, t_e)
+                                    : Py_NewRef(empty_timing);
+      if (timing == NULL) goto error;
+      PyObject* fields = Py_BuildValue("(OONN)", PyTuple_GetItem(entry, 1),
+                                       has_lse ? PyTuple_GetItem(entry, 2) : Py_None,
+                                       PyLong_FromLongLong(cached), timing);
+      if (fields == NULL) goto error;
+      PyObject* targs = PyTuple_Pack(1, fields);
+      Py_DECREF(fields);
+      if (targs == NULL) goto error;
+      r = tuple_new((PyTypeObject*)result_type, targs, NULL);
+      Py_DECREF(targs);
+    }
+    if (r == NULL) goto error;
+    PyList_SetItem(out, seen++, r);
+  }
+  if (seen != n) goto fallback;
+  return Py_BuildValue("(NO)", out, failed ? Py_True : Py_False);
+fallback:
+  Py_DECREF(out);
+  Py_RETURN_NONE;
+error:
+  Py_DECREF(out);
+  return NULL;
+}
+
 static PyMethodDef kMethods[] = {
     {"bind", Bind, METH_VARARGS,
      "bind(address of attn_c_step[, of attn_c_batch_step_start[, of attn_c_step_start]])"},
@@ -326,6 +1195,10 @@ static PyMethodDef kMethods[] = {
     {"batch_step_start", BatchStepStart, METH_VARARGS,
      "A BatchStep (or with single, a Step) of numpy arrays started on a completion queue."},
     {"batch_step_read", BatchStepRead, METH_O, "The items of a completed batch_step_start."},
+    {"code_batch_step", CodeBatchStep, METH_VARARGS,
+     "Client.batch_step's items as one BatchStep message (or None: coded in Python)."},
+    {"read_batch_step", ReadBatchStep, METH_VARARGS,
+     "The results of a BatchStep answer whose outputs lie in regions (or None: read in Python)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -333,4 +1206,7 @@ static struct PyModuleDef kModule = {
     PyModuleDef_HEAD_INIT, "_fast", NULL, -1, kMethods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__fast(void) { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__fast(void) {
+  if (InternNames() != 0) return NULL;
+  return PyModule_Create(&kModule);
+}

@@ -110,6 +110,10 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
                                       ctypes.c_size_t)
     global _fast, _fast_single
     _fast = _load_fast(path)
+    from . import _core
+
+    if _core.FAST is None and hasattr(_fast, "code_batch_step"):  # found beside the library
+        _core.FAST = _fast
     if _fast is not None:
         addresses = [ctypes.cast(f, ctypes.c_void_p).value
                      for f in (lib.attn_c_step, lib.attn_c_batch_step_start, lib.attn_c_step_start)]

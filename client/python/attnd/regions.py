@@ -320,6 +320,18 @@ class RegionTable:
     def __init__(self) -> None:
         self.entries: List[Registered] = []
         self._lock = threading.Lock()
+        self._specs: Tuple[List[Registered], Tuple[Tuple[int, int, int, bytes], ...]] = ([], ())
+
+    def specs(self) -> Tuple[Tuple[int, int, int, bytes], ...]:
+        """The entries as (start, end, CUDA device, name) tuples, for attnd._fast's coding (made
+        again only when the entries change)."""
+        entries = self.entries
+        cached = self._specs
+        if cached[0] is not entries:
+            cached = (entries, tuple((e.start, e.end, e.cuda_device, e.name.encode())
+                                     for e in entries))
+            self._specs = cached
+        return cached[1]
 
     def add(self, r: Registered) -> None:
         with self._lock:
