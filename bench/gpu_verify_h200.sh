@@ -79,7 +79,7 @@ steps() {
                 --kv_heads 8 --head_dim 128 --dtype bf16 --duration_s "${LEVEL_S:-3}" --warmup_s 0.5)
   local scrape=("$py" "$self_dir/step_phases.py" scrape "http://127.0.0.1:$mport/metrics")
   local header=--header
-  for lanes in ${STEP_LANES:-2}; do
+  for lanes in ${STEP_LANES:-4}; do
     local log=$out/steps/attnd-lanes$lanes.log
     "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen=127.0.0.1:$mport --backend=cuda \
       --kv_cache_bytes=17179869184 --allow_shared_memory --step_lanes="$lanes" ${ATTND_EXTRA:-} >"$log" 2>&1 &
