@@ -232,7 +232,7 @@ def main() -> int:
     p.add_argument("--cache", type=int, default=4096, help="decode: cached tokens")
     p.add_argument("--aio-sessions", type=int, default=64)
     p.add_argument("--aio-connections", type=int, default=4)
-    p.add_argument("--aio-max-batch", type=int, default=128,
+    p.add_argument("--aio-max-batch", type=int, default=16,
                    help="the asyncio client's max_coalesced_steps")
     p.add_argument("--only", default="attend,step,step/grpcio,aio,aio/grpcio,aio1",
                    help="comma-separated parts to run")

@@ -86,7 +86,8 @@ def test_attend_and_echo_are_grpc_aios_bytes(server):
 
 
 def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, monkeypatch):
-    """64 sessions' steps of one loop turn go as one BatchStep coded and read by the library;
+    """64 sessions' steps of one loop turn go as BatchSteps of 16 (the default
+    max_coalesced_steps) coded and read by the library;
     their outputs equal grpc.aio's and the float64 reference; a step of a closed session fails
     alone with attnd's NOT_FOUND while the others succeed."""
     if _native._fast is None:
@@ -127,7 +128,7 @@ def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, 
                         o64, _ = reference(q64, ks, vs, causal=True,
                                            window=(3, 0) if i % 3 == 0 else None)
                         assert relative_error(values(a[i].o, "bf16"), o64) <= TOLERANCE["bf16"]
-            assert calls and calls[-1][0] == n
+            assert [c for c, _ in calls[-(n // 16):]] == [16] * (n // 16), calls[-8:]
             # One step of a closed session among good ones.
             await ours[5].close()
             inputs = [step_inputs(rng, 1) for _ in range(n)]
@@ -145,6 +146,17 @@ def test_coalesced_steps_are_coded_by_the_library_each_with_its_outcome(server, 
                                          in enumerate(inputs)), return_exceptions=True)
             assert isinstance(got[2], attnd.InvalidArgument), got[2]
             assert [r.cached_tokens for i, r in enumerate(got) if i != 2] == [9, 9, 9]
+            # A client with a wider cap carries a whole turn's steps in one call.
+            wide = attnd.aio.Client(server.target, timeout=120, max_coalesced_steps=n)
+            try:
+                live = ours[:5] + ours[6:]
+                inputs = [step_inputs(rng, 1) for _ in live]
+                got = await asyncio.gather(*(wide.step(s.id, 0, q[0], k[0], v[0]) for s, (q, k, v)
+                                             in zip(live, inputs)))
+                assert calls[-1][0] == len(live), calls[-4:]
+                assert [r.cached_tokens for r in got[:5]] == [10, 10, 9, 10, 9]
+            finally:
+                await wide.close()
         finally:
             for s in ours[:5] + ours[6:] + theirs:
                 await s.close()

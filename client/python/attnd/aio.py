@@ -14,11 +14,13 @@ completion queue and the loop reads its answer when it completes, without grpc.a
 and coalesced steps of numpy arrays are coded and read by the library.
 
 Steps issued in the same turn of the event loop (64 sessions' coroutines each awaiting
-``client.step``, say) go to attnd together as one BatchStep, where each keeps its own result or
-error: one call and one launch instead of 64 (``coalesce_steps=False`` sends each as a Step).
-A BatchStep carries at most ``max_coalesced_steps`` steps and ``max_coalesced_bytes`` of tensors
-(and never more than half of ``max_message_bytes``): concurrent prefills go in several calls
-rather than in one message too large to send or to answer.
+``client.step``, say) go to attnd together in BatchSteps, where each keeps its own result or
+error: 4 calls of 16 steps instead of 64 Step calls (``coalesce_steps=False`` sends each as a
+Step). A BatchStep carries at most ``max_coalesced_steps`` steps (16 by default: several calls in
+flight let the loop work on the answers of one while attnd computes the others; one call of all
+64 made each turn wait for its whole round trip, 0.55x the steps/s of 16 on an H100 host) and
+``max_coalesced_bytes`` of tensors (and never more than half of ``max_message_bytes``):
+concurrent prefills go in several calls rather than in one message too large to send or answer.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class Client(_ChannelSet):
 
     Args:
         transport: as attnd.Client's (``"native"``, ``"grpcio"`` for grpc.aio, or ``"auto"``).
-        coalesce_steps: steps asked for in one turn of the event loop travel as one BatchStep
-            (False: one Step call each).
+        coalesce_steps: steps asked for in one turn of the event loop travel together in
+            BatchSteps (False: one Step call each).
         max_coalesced_steps, max_coalesced_bytes: the most steps, and request bytes, one such
             BatchStep carries (bytes: at most half of max_message_bytes either way).
     """
@@ -62,7 +64,7 @@ class Client(_ChannelSet):
                  connections: int = 1, max_message_bytes: int = 256 << 20,
                  wait_for_ready: bool = False, lb_policy: Optional[str] = None,
                  channel_options: Sequence[Tuple[str, Any]] = (), coalesce_steps: bool = True,
-                 max_coalesced_steps: int = 128, max_coalesced_bytes: int = 32 << 20,
+                 max_coalesced_steps: int = 16, max_coalesced_bytes: int = 32 << 20,
                  transport: Optional[str] = None):
         self.options = ClientOptions(
             target=target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
