@@ -57,10 +57,6 @@ ABSL_FLAG(int64_t, batch_step_chunk, kDefaults.batch_step_chunk,
 ABSL_FLAG(int64_t, step_idle_poll_us, kDefaults.step_idle_poll_us,
           "CUDA backend: how long a step lane that finished a launch looks for the next one, "
           "yielding its core, before it sleeps (microseconds; 0: sleeps at once)");
-ABSL_FLAG(bool, step_graphs, kDefaults.step_graphs,
-          "CUDA backend: decode launches of at most 4 steps, all through the staging, are "
-          "captured once per shape as a CUDA graph and replayed (one launch call instead of about "
-          "ten)");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
@@ -188,7 +184,6 @@ attn::ServerOptions OptionsFromFlags() {
   o.streams = absl::GetFlag(FLAGS_streams);
   o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
-  o.step_graphs = absl::GetFlag(FLAGS_step_graphs);
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <tuple>
 #include <utility>
 
@@ -157,7 +156,7 @@ absl::Status CudaStepDevice::CopyInputs(const StepLaunch& l, char* dev,
 // The launch's outputs off the device (async, on stream): the staged ones into the output
 // staging in as few copies as they allow; a registered host region's straight into it; those of
 // GPU regions scattered by one kernel over the segment table.
-absl::Status CudaStepDevice::CopyOutputs(const StepLaunch& l, const char* dev, char* host_out,
+absl::Status CudaStepDevice::CopyOutputs(const StepLaunch& l, const char* dev,
                                          const CopySegment* segments, int32_t n,
                                          cudaStream_t stream) {
   const StepLayout& s = l.layout;
@@ -187,7 +186,7 @@ absl::Status CudaStepDevice::CopyOutputs(const StepLaunch& l, const char* dev, c
     }
   }
   if (staged_lse) staged.Add(s.lse, s.out_bytes - s.lse);  // the whole lse: small next to o
-  if (l.staged_out) RETURN_IF_ERROR(staged.Copy(host_out, dev, cudaMemcpyDeviceToHost, stream));
+  if (l.staged_out) RETURN_IF_ERROR(staged.Copy(l.out.data, dev, cudaMemcpyDeviceToHost, stream));
   RETURN_IF_CUDA_ERROR("segment copies", LaunchSegmentCopies(segments, n, stream));
   return absl::OkStatus();
 }
@@ -220,7 +219,6 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
 
 absl::Status CudaStepDevice::Init(const Options& options) {
   plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
-  graph_launches_ = options.graph_launches;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
@@ -272,7 +270,6 @@ CudaStepDevice::~CudaStepDevice() {
     lane->in.Release();
     lane->out.Release();
     lane->workspace.Release();
-    for (LaneGraph& g : lane->graphs) cudaGraphExecDestroy(g.exec);
     for (cudaEvent_t e : lane->events) {
       if (e) cudaEventDestroy(e);
     }
@@ -395,170 +392,55 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   const char* new_v = l.in_place ? first.v_bytes.data() : in + s.v;
 
   SyncStreamUnlessDone sync_on_error(stream);  // before pages or staging go back on an error
-  const std::optional<GraphKey> graph_key =
-      GraphKeyOf(lane, l, args, plan, in, dev_out, workspace);
-  char* host_out = l.out.data;
-  if (graph_key && l.staged_out) {
-    if (lane.graph_out.capacity() < s.out_bytes) {
-      lane.graph_out = PinnedBuffer();
-      ASSIGN_OR_RETURN(lane.graph_out, state_->pinned_pool().Acquire(s.out_bytes));
-      for (LaneGraph& g : lane.graphs) cudaGraphExecDestroy(g.exec);  // their D2H target moved
-      lane.graphs.clear();
-    }
-    host_out = static_cast<char*>(lane.graph_out.data());
-  }
-  // The launch's stream work, enqueued call by call or (captured) recorded into a graph, whose
-  // timing events are then its event-record nodes.
-  auto record = [&](bool captured) -> absl::Status {
-    cudaEvent_t* ev = lane.events;
-    auto mark = [&](int i) {
-      return captured ? cudaEventRecordWithFlags(ev[i], stream, cudaEventRecordExternal)
-                      : cudaEventRecord(ev[i], stream);
-    };
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(0));
-    if (l.in_place) {  // the page table and row lists only
-      RETURN_IF_CUDA_ERROR("H2D copy",
-                           cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
-                                           cudaMemcpyHostToDevice, stream));
-    } else {
-      if (segments > 0) {
-        RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
-                                                         cudaMemcpyHostToDevice, stream));
-      }
-      RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
-    }
-    // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
-    RETURN_IF_CUDA_ERROR(
-        "KV copy-on-write",
-        LaunchKvCopyRows(kv_.k, kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_src), kv_.k,
-                         kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_dst), l.copy_rows,
-                         l.row_bytes, stream));
-    const auto* append = reinterpret_cast<const int64_t*>(in + s.append);
-    auto* saturated = reinterpret_cast<unsigned long long*>(in + s.saturations);
-    if (l.Fp8Quantizes()) {  // 16-bit new rows quantized into the FP8 cache as they are written
-      RETURN_IF_CUDA_ERROR("cudaMemsetAsync",
-                           cudaMemsetAsync(saturated, 0, sizeof(int64_t), stream));
-      RETURN_IF_CUDA_ERROR(
-          "KV append (FP8)",
-          LaunchKvQuantizeRows(key.wire_dtype == kernels::DType::kBFloat16, new_k, new_v,
-                               args.cu_seqlens_q, args.batch, args.kv_scales.k, args.kv_scales.v,
-                               kv_.k, kv_.v, append, l.total_q, key.num_kv_heads, key.head_dim,
-                               saturated, stream));
-    } else {
-      RETURN_IF_CUDA_ERROR("KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v,
-                                                         append, l.total_q, l.row_bytes, stream));
-    }
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(1));
-    RETURN_IF_CUDA_ERROR("attention kernel",
-                         kernels::cuda::Run(args, plan, workspace, stream));
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(2));
-    if (!l.in_place) {
-      RETURN_IF_ERROR(CopyOutputs(l, dev_out, host_out, dev_table + input_segments,
-                                  segments - input_segments, stream));
-    }
-    if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait
-      RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(l.in + s.saturations, saturated,
-                                                       sizeof(int64_t), cudaMemcpyDeviceToHost,
-                                                       stream));
-    }
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", mark(3));
-    return absl::OkStatus();
-  };
-  lane.replayed = graph_key.has_value();
-  if (graph_key) {
-    RETURN_IF_ERROR(LaunchAsGraph(lane, *graph_key, record));
+  cudaEvent_t* ev = lane.events;
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], stream));
+  if (l.in_place) {  // the page table and row lists only
+    RETURN_IF_CUDA_ERROR("H2D copy",
+                         cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
+                                         cudaMemcpyHostToDevice, stream));
   } else {
-    RETURN_IF_ERROR(record(false));
+    if (segments > 0) {
+      RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
+                                                       cudaMemcpyHostToDevice, stream));
+    }
+    RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
   }
+  // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
+  RETURN_IF_CUDA_ERROR(
+      "KV copy-on-write",
+      LaunchKvCopyRows(kv_.k, kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_src), kv_.k,
+                       kv_.v, reinterpret_cast<const int64_t*>(in + s.copy_dst), l.copy_rows,
+                       l.row_bytes, stream));
+  const auto* append = reinterpret_cast<const int64_t*>(in + s.append);
+  auto* saturated = reinterpret_cast<unsigned long long*>(in + s.saturations);
+  if (l.Fp8Quantizes()) {  // 16-bit new rows quantized into the FP8 cache as they are written
+    RETURN_IF_CUDA_ERROR("cudaMemsetAsync", cudaMemsetAsync(saturated, 0, sizeof(int64_t), stream));
+    RETURN_IF_CUDA_ERROR(
+        "KV append (FP8)",
+        LaunchKvQuantizeRows(key.wire_dtype == kernels::DType::kBFloat16, new_k, new_v,
+                             args.cu_seqlens_q, args.batch, args.kv_scales.k, args.kv_scales.v,
+                             kv_.k, kv_.v, append, l.total_q, key.num_kv_heads, key.head_dim,
+                             saturated, stream));
+  } else {
+    RETURN_IF_CUDA_ERROR("KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v, append,
+                                                       l.total_q, l.row_bytes, stream));
+  }
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
+  RETURN_IF_CUDA_ERROR("attention kernel",
+                       kernels::cuda::Run(args, plan, workspace, stream));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
+  if (!l.in_place) {
+    RETURN_IF_ERROR(CopyOutputs(l, dev_out, dev_table + input_segments, segments - input_segments,
+                                stream));
+  }
+  if (l.Fp8Quantizes()) {  // the count back into the staging's slot, for Wait
+    RETURN_IF_CUDA_ERROR("D2H copy", cudaMemcpyAsync(l.in + s.saturations, saturated,
+                                                     sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                                     stream));
+  }
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[3], stream));
   sync_on_error.Done();
   lane.expected_bytes = l.kv_bytes_read + double(s.in_bytes + dev_out_bytes);
-  return absl::OkStatus();
-}
-
-std::optional<CudaStepDevice::GraphKey> CudaStepDevice::GraphKeyOf(
-    const Lane& lane, const StepLaunch& l, const kernels::AttentionArgs& args,
-    const kernels::cuda::Plan& plan, const char* dev_in, const char* dev_out,
-    const char* workspace) const {
-  if (!graph_launches_ || lane.graphs_failed || l.in_place || l.members.size() > kGraphSteps) {
-    return std::nullopt;
-  }
-  // A window's cut depends on the cache's length, copy-on-write rows on forks, FP8 appends count
-  // saturations: each makes launches of one shape differ in more than their bytes.
-  if (plan.kernel != kernels::cuda::Plan::Kernel::kDecode || l.key.fp8_cache ||
-      l.copy_rows != 0 || args.window_left >= 0 || args.window_right >= 0 || !l.staged_out) {
-    return std::nullopt;
-  }
-  for (const StepRoute& r : l.routes) {
-    if (r.q || r.k || r.v || r.o || r.lse || r.device) return std::nullopt;
-  }
-  GraphKey k;
-  k.dev_in = dev_in;
-  k.dev_out = dev_out;
-  k.workspace = workspace;
-  k.host_in = l.in;
-  k.layout = l.layout;
-  k.members = static_cast<int32_t>(l.members.size());
-  k.total_q = l.total_q;
-  k.max_q = l.max_q;
-  k.heads = args.num_heads;
-  k.kv_heads = args.num_kv_heads;
-  k.head_dim = args.head_dim;
-  k.page_size = args.paged.page_size;
-  k.num_pages = args.paged.num_pages;
-  k.row_bytes = l.row_bytes;
-  k.dtype = args.dtype;
-  k.softmax_scale = args.softmax_scale;
-  k.causal = args.causal;
-  k.lse = args.lse != nullptr;
-  k.decode_m_blocks = plan.decode_m_blocks;
-  k.decode_splits = plan.decode_splits;
-  k.decode_pdl = plan.decode_pdl;
-  return k;
-}
-
-absl::Status CudaStepDevice::LaunchAsGraph(
-    Lane& lane, const GraphKey& key, const std::function<absl::Status(bool captured)>& record) {
-  constexpr size_t kLaneGraphs = 4;  // shapes a lane alternates between (a cache at a page edge)
-  cudaStream_t stream = lane.stream;
-  for (size_t i = 0; i < lane.graphs.size(); ++i) {
-    if (lane.graphs[i].key == key) {
-      std::rotate(lane.graphs.begin() + i, lane.graphs.begin() + i + 1, lane.graphs.end());
-      RETURN_IF_CUDA_ERROR("cudaGraphLaunch", cudaGraphLaunch(lane.graphs.back().exec, stream));
-      return absl::OkStatus();
-    }
-  }
-  auto refused = [&](const char* what, cudaError_t e) {
-    // Not a device fault: the lane goes on without graphs, and this launch runs call by call.
-    cudaGetLastError();
-    std::fprintf(stderr, "attnd: step lane graphs off after %s: %s\n", what, cudaGetErrorString(e));
-    lane.graphs_failed = true;
-    lane.replayed = false;
-    for (LaneGraph& g : lane.graphs) cudaGraphExecDestroy(g.exec);
-    lane.graphs.clear();
-    return record(false);
-  };
-  if (cudaError_t e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-      e != cudaSuccess) {
-    return refused("cudaStreamBeginCapture", e);
-  }
-  const absl::Status recorded = record(true);
-  cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
-  if (!recorded.ok() || ended != cudaSuccess) {
-    if (graph) cudaGraphDestroy(graph);
-    if (!recorded.ok()) return recorded;
-    return refused("cudaStreamEndCapture", ended);
-  }
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
-  if (made != cudaSuccess) return refused("cudaGraphInstantiate", made);
-  if (lane.graphs.size() == kLaneGraphs) {
-    cudaGraphExecDestroy(lane.graphs.front().exec);
-    lane.graphs.erase(lane.graphs.begin());
-  }
-  lane.graphs.push_back({key, exec});
-  RETURN_IF_CUDA_ERROR("cudaGraphLaunch", cudaGraphLaunch(exec, stream));
   return absl::OkStatus();
 }
 
@@ -572,9 +454,6 @@ absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepL
   if (e != cudaSuccess) {
     state_->NoteIfDeviceLost(lane.stream);
     return CudaError("step launch", e);
-  }
-  if (lane.replayed) {  // the graph's D2H went to the lane's buffer: on to the launch's own
-    std::memcpy(l.out.data, lane.graph_out.data(), l.layout.out_bytes);
   }
   StepLaunchTimes t;
   t.in_us = ElapsedMs(ev[0], ev[1]) * 1e3;

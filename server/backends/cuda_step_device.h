@@ -8,9 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include <functional>
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -34,13 +32,7 @@ class CudaStepDevice : public StepDevice {
     // FP8-cache steps of more than 16 new tokens (chunked prefill): q quantized to e4m3 and the
     // FP8 tensor-core kernel where it serves the launch (kernels::cuda::PlanOptions).
     bool fp8_tensor_cores = false;
-    // Decode launches of at most kGraphSteps steps whose tensors all go through the staging are
-    // captured once per shape (GraphKey) as a CUDA graph and replayed with one launch call
-    // instead of about ten; the per-step values (page table, lengths, rows) are read from the
-    // staging's device copy, which lies where the graph was captured.
-    bool graph_launches = false;
   };
-  static constexpr size_t kGraphSteps = 4;
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
       const Options& options, std::shared_ptr<CudaDeviceState> state);
@@ -80,28 +72,6 @@ class CudaStepDevice : public StepDevice {
     std::unique_ptr<DeviceBuffer> buffer_;
     size_t capacity_ = 0;
   };
-  // Everything a captured launch baked into its graph's nodes: a launch with an equal key does the
-  // same copies and kernels with the same parameters, only over other bytes in the same places.
-  struct GraphKey {
-    const char* dev_in = nullptr;
-    const char* dev_out = nullptr;
-    const char* workspace = nullptr;
-    const char* host_in = nullptr;
-    StepLayout layout;
-    int32_t members = 0, total_q = 0, max_q = 0;
-    int32_t heads = 0, kv_heads = 0, head_dim = 0, page_size = 0, num_pages = 0;
-    int64_t row_bytes = 0;
-    kernels::DType dtype = kernels::DType::kFloat16;
-    float softmax_scale = 0;
-    bool causal = false, lse = false;
-    int decode_m_blocks = 0, decode_splits = 0;
-    bool decode_pdl = false;
-    bool operator==(const GraphKey&) const = default;
-  };
-  struct LaneGraph {
-    GraphKey key;
-    cudaGraphExec_t exec = nullptr;
-  };
   struct Lane {
     cudaStream_t stream = nullptr;
     cudaEvent_t events[4] = {};  // start, inputs and rows in, kernel done, outputs out
@@ -122,30 +92,12 @@ class CudaStepDevice : public StepDevice {
     // least how long the next one will take.
     double device_us_per_byte = 0;
     double expected_bytes = 0;  // of the launch in flight
-    // The lane's captured launches (owned; the most recent last), their outputs' pinned
-    // destination (a graph's D2H copy cannot follow each launch's output staging: Wait copies
-    // from here), and whether the launch in flight is a replay.
-    std::vector<LaneGraph> graphs;
-    PinnedBuffer graph_out;
-    bool graphs_failed = false;  // the driver refused a capture: launches go call by call
-    bool replayed = false;
   };
 
   CudaStepDevice(std::shared_ptr<CudaDeviceState> state) : state_(std::move(state)) {}
   absl::Status Init(const Options& options);
   absl::Status AllocateKvRegion(const Options& options);
   absl::Status Enqueue(Lane& lane, const StepLaunch& launch);
-  // The key of launch l as a graph, or none where it is not replayed that way (FP8 appends,
-  // copy-on-write rows, windows, tensors outside the staging, launches larger than kGraphSteps).
-  std::optional<GraphKey> GraphKeyOf(const Lane& lane, const StepLaunch& l,
-                                     const kernels::AttentionArgs& args,
-                                     const kernels::cuda::Plan& plan, const char* dev_in,
-                                     const char* dev_out, const char* workspace) const;
-  // Replays the lane's graph of key, or captures record (the launch's stream work) into a new
-  // one first. A capture the driver refuses turns the lane's graphs off and runs record on the
-  // stream instead.
-  absl::Status LaunchAsGraph(Lane& lane, const GraphKey& key,
-                             const std::function<absl::Status(bool captured)>& record);
   // Copies of the tensors in GPU regions (StepRoute::device), done by one segment-copy kernel for
   // the inputs and one for the outputs. FillSegments writes the table, inputs first, and returns
   // how many are inputs.
@@ -153,8 +105,7 @@ class CudaStepDevice : public StepDevice {
   static int32_t FillSegments(const StepLaunch& l, char* dev_in, char* dev_out, CopySegment* table);
   static absl::Status CopyInputs(const StepLaunch& l, char* dev, const CopySegment* segments,
                                  int32_t n, cudaStream_t stream);
-  // host_out: where the staged outputs go (the launch's output staging, or the lane's graph_out).
-  static absl::Status CopyOutputs(const StepLaunch& l, const char* dev, char* host_out,
+  static absl::Status CopyOutputs(const StepLaunch& l, const char* dev,
                                   const CopySegment* segments, int32_t n, cudaStream_t stream);
   // The kernel's plan for args and its workspace from the lane's memory. A decode plan whose
   // split-KV partials do not fit the device pool runs unsplit instead (no workspace): slower for
@@ -164,7 +115,6 @@ class CudaStepDevice : public StepDevice {
 
   std::shared_ptr<CudaDeviceState> state_;
   kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
-  bool graph_launches_ = false;
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

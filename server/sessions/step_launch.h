@@ -38,7 +38,6 @@ struct StepLayout {
   size_t saturations = 0;             // FP8 cache: an int64 the device may count into
   size_t in_bytes = 0;
   size_t o = 0, lse = 0, out_bytes = 0;
-  bool operator==(const StepLayout&) const = default;
 };
 
 struct StepLaunch {

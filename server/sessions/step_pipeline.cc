@@ -56,6 +56,7 @@ StepLayout PlanLayout(const StepLaunch& l) {
   s.tables = at;
   s.cu_q = take(sizeof(int32_t) * (m + 1));
   s.indptr = take(sizeof(int32_t) * (m + 1));
+  s.indices = take(sizeof(int32_t) * std::max<int64_t>(l.page_entries, 1));
   s.seqlens = take(sizeof(int32_t) * m);
   s.copy_src = take(sizeof(int64_t) * l.copy_rows);
   s.copy_dst = take(sizeof(int64_t) * l.copy_rows);
@@ -64,9 +65,6 @@ StepLayout PlanLayout(const StepLaunch& l) {
   s.k_scales = take(scales);
   s.v_scales = take(scales);
   s.saturations = take(key.fp8_cache ? sizeof(int64_t) : 0);
-  // The page table last: the offsets above depend on the launch's shape only, not on how many
-  // pages its caches hold (a replayed CUDA graph's kernels read them where they were captured).
-  s.indices = take(sizeof(int32_t) * std::max<int64_t>(l.page_entries, 1));
   s.in_bytes = at;
   s.o = 0;
   s.lse = AlignUp(q_bytes);
