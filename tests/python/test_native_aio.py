@@ -47,13 +47,13 @@ def native_or_skip(server):
 def record_library_steps(monkeypatch):
     """A list that gets (steps, single) for each call of steps the library codes."""
     calls = []
-    real = _native.AsyncNativeChannel.batch_step
+    real = _native.AsyncNativeChannel.start_steps
 
-    async def counted(self, specs, queries, timeout, single=False):
+    def counted(self, specs, timeout, single, done):
         calls.append((len(specs), single))
-        return await real(self, specs, queries, timeout, single)
+        return real(self, specs, timeout, single, done)
 
-    monkeypatch.setattr(_native.AsyncNativeChannel, "batch_step", counted)
+    monkeypatch.setattr(_native.AsyncNativeChannel, "start_steps", counted)
     return calls
 
 
@@ -235,6 +235,67 @@ def test_steps_the_library_does_not_take_are_coded_here(server, monkeypatch):
                 await s.close()
             await native.close()
             await grpcio.close()
+    run(main())
+
+
+def test_coalesced_steps_cancelled_failed_as_a_call_and_drained_by_close(server, monkeypatch):
+    """Coalesced steps whose call the library codes (settled by its completion, no task): a
+    step cancelled before its turn ends is left out of the call; one cancelled while the call
+    runs ends cancelled while the others get their results; a call that fails as a whole (its
+    deadline) fails each of its steps with its own error; close() waits for the calls in flight,
+    whose steps complete."""
+    if _native._fast is None:
+        pytest.skip("attnd._fast is not loaded: coalesced steps are coded in Python")
+    calls = record_library_steps(monkeypatch)
+
+    async def main():
+        native = attnd.aio.Client(server.target, timeout=120)
+        rng = np.random.default_rng()
+        sessions = [await native.create_session(1, 2, 64, "bf16") for _ in range(4)]
+        try:
+            inputs = [step_inputs(rng, 1) for _ in sessions]
+            tasks = [asyncio.ensure_future(s.step(0, q[0], k[0], v[0]))
+                     for s, (q, k, v) in zip(sessions, inputs)]
+            await asyncio.sleep(0)  # each task waits on its step's future; the turn is not over
+            tasks[1].cancel()
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            assert isinstance(got[1], asyncio.CancelledError), got[1]
+            assert [r.cached_tokens for i, r in enumerate(got) if i != 1] == [1, 1, 1]
+            assert calls[-1] == (3, False), calls[-4:]
+            # Cancelled while the call runs: the others' results come all the same.
+            tasks = [asyncio.ensure_future(s.step(0, q[0], k[0], v[0]))
+                     for s, (q, k, v) in zip(sessions, inputs)]
+            for _ in range(3):  # the turn ends and the call starts
+                await asyncio.sleep(0)
+            assert calls[-1] == (4, False), calls[-4:]
+            tasks[2].cancel()
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            assert isinstance(got[2], asyncio.CancelledError), got[2]
+            assert [r.cached_tokens for i, r in enumerate(got) if i != 2] == [2, 1, 2]
+            # A call that fails as a whole: each step gets its own DeadlineExceeded.
+            big = [step_inputs(rng, 20000, d=64) for _ in range(2)]
+            got = await asyncio.gather(*(s.step(0, q[0], k[0], v[0], timeout=0.001)
+                                         for s, (q, k, v) in zip(sessions[:2], big)),
+                                       return_exceptions=True)
+            assert all(isinstance(r, attnd.DeadlineExceeded) for r in got), got
+            assert got[0] is not got[1]
+            # close() under steps in flight: it waits for their call, and they complete.
+            fresh = [await native.create_session(1, 2, 64, "bf16") for _ in range(4)]
+            sessions += fresh
+            running = [asyncio.ensure_future(s.step(0, q[0], k[0], v[0]))
+                       for s, (q, k, v) in zip(fresh, inputs)]
+            for _ in range(3):
+                await asyncio.sleep(0)
+            closing = asyncio.ensure_future(native.close())
+            got = await asyncio.gather(*running)
+            await closing
+            assert [r.cached_tokens for r in got] == [1, 1, 1, 1]
+            assert native._native._calls == {}
+        finally:
+            other = attnd.aio.Client(server.target, timeout=120)
+            for s in sessions:
+                await other.close_session(s.id)
+            await other.close()
     run(main())
 
 

@@ -398,6 +398,9 @@ static PyObject* s_buf;
 static PyObject* s_start;
 static PyObject* s_end;
 static PyObject* s_values;
+static PyObject* s_done;
+static PyObject* s_set_result;
+static PyObject* s_set_exception;
 
 static int InternNames(void) {
   struct { PyObject** slot; const char* text; } names[] = {
@@ -409,6 +412,7 @@ static int InternNames(void) {
       {&s_is_contiguous, "is_contiguous"}, {&s_data_ptr, "data_ptr"}, {&s_is_cpu, "is_cpu"},
       {&s_is_cuda, "is_cuda"}, {&s_get_device, "get_device"}, {&s_buf, "_buf"},
       {&s_start, "_start"}, {&s_end, "_end"}, {&s_values, "_values"},
+      {&s_done, "done"}, {&s_set_result, "set_result"}, {&s_set_exception, "set_exception"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i) {
     *names[i].slot = PyUnicode_InternFromString(names[i].text);
@@ -1188,6 +1192,110 @@ error:
   return NULL;
 }
 
+/* Sets fut's result (method set_result) or exception (set_exception) to value, unless fut is
+ * done already (its caller stopped waiting). 0, or -1 with a Python error. */
+static int SettleFuture(PyObject* fut, PyObject* method, PyObject* value) {
+  PyObject* done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
+  if (done == NULL) return -1;
+  const int is_done = PyObject_IsTrue(done);
+  Py_DECREF(done);
+  if (is_done != 0) return is_done < 0 ? -1 : 0;
+  PyObject* r = PyObject_CallMethodObjArgs(fut, method, value, NULL);
+  if (r == NULL) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+/* batch_step_settle(capsule, futures, queries, StepResult, ServerTiming, ndarray, float32,
+ *                   error_of)
+ * The items of a completed batch_step_start (its completion came with code 0) straight into
+ * their callers' futures: item i's StepResult (o an ndarray of queries[i]'s shape and dtype over
+ * the answer's bytes, lse float32 [heads, tokens] or None, cached tokens, timing) as futures[i]'s
+ * result, or error_of(code, message) as its exception. A future that is done already (its caller
+ * stopped waiting) is left as it is. */
+static PyObject* BatchStepSettle(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *capsule, *futures, *queries, *result_type, *timing_type, *ndarray_type, *float32,
+      *error_of;
+  if (!PyArg_ParseTuple(args, "OO!O!OOOOO", &capsule, &PyList_Type, &futures, &PyList_Type,
+                        &queries, &result_type, &timing_type, &ndarray_type, &float32,
+                        &error_of)) {
+    return NULL;
+  }
+  Batch* b = PyCapsule_GetPointer(capsule, "attnd._fast.Batch");
+  if (b == NULL) return NULL;
+  if ((size_t)PyList_Size(futures) != b->n || (size_t)PyList_Size(queries) != b->n) {
+    PyErr_SetString(PyExc_ValueError, "attnd._fast: one future and one query per item");
+    return NULL;
+  }
+  static newfunc tuple_new = NULL;
+  if (tuple_new == NULL) tuple_new = (newfunc)PyType_GetSlot(&PyTuple_Type, Py_tp_new);
+  for (size_t i = 0; i < b->n; ++i) {
+    const StepItem* it = &b->items[i];
+    PyObject* fut = PyList_GetItem(futures, (Py_ssize_t)i);
+    PyObject* value = NULL;
+    PyObject* method = s_set_result;
+    if (it->code != 0) {
+      value = PyObject_CallFunction(error_of, "is", (int)it->code, it->message);
+      method = s_set_exception;
+    } else {
+      PyObject* q = PyList_GetItem(queries, (Py_ssize_t)i);
+      PyObject* shape = PyObject_GetAttr(q, s_shape);
+      PyObject* dtype = PyObject_GetAttr(q, s_dtype);
+      PyObject* o = NULL;
+      PyObject* lse = NULL;
+      if (shape != NULL && dtype != NULL) {
+        o = PyObject_CallFunctionObjArgs(ndarray_type, shape, dtype, b->outputs[2 * i], NULL);
+      }
+      if (o != NULL) {
+        PyObject* lse_bytes = b->outputs[2 * i + 1];
+        if (lse_bytes == Py_None) {
+          lse = Py_NewRef(Py_None);
+        } else if (PyTuple_Check(shape) && PyTuple_Size(shape) == 3) {
+          PyObject* lse_shape = PyTuple_Pack(2, PyTuple_GetItem(shape, 1),
+                                             PyTuple_GetItem(shape, 0));
+          if (lse_shape != NULL) {
+            lse = PyObject_CallFunctionObjArgs(ndarray_type, lse_shape, float32, lse_bytes, NULL);
+            Py_DECREF(lse_shape);
+          }
+        } else {
+          PyErr_SetString(PyExc_ValueError, "attnd._fast: a query of 3 dimensions");
+        }
+      }
+      Py_XDECREF(shape);
+      Py_XDECREF(dtype);
+      PyObject* timing = NULL;
+      if (lse != NULL) {
+        PyObject* buf = PyBytes_FromStringAndSize((const char*)it->timing,
+                                                  (Py_ssize_t)it->timing_size);
+        if (buf != NULL) {
+          timing = NewTiming(timing_type, buf, 0, it->timing_size);
+          Py_DECREF(buf);
+        }
+      }
+      if (timing != NULL) {
+        PyObject* fields = Py_BuildValue("(NNLN)", o, lse, (long long)it->cached_tokens, timing);
+        o = lse = timing = NULL; /* stolen, even on failure */
+        if (fields != NULL) {
+          PyObject* targs = PyTuple_Pack(1, fields);
+          Py_DECREF(fields);
+          if (targs != NULL) {
+            value = tuple_new((PyTypeObject*)result_type, targs, NULL);
+            Py_DECREF(targs);
+          }
+        }
+      }
+      Py_XDECREF(o);
+      Py_XDECREF(lse);
+    }
+    if (value == NULL) return NULL;
+    const int settled = SettleFuture(fut, method, value);
+    Py_DECREF(value);
+    if (settled != 0) return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef kMethods[] = {
     {"bind", Bind, METH_VARARGS,
      "bind(address of attn_c_step[, of attn_c_batch_step_start[, of attn_c_step_start]])"},
@@ -1195,6 +1303,8 @@ static PyMethodDef kMethods[] = {
     {"batch_step_start", BatchStepStart, METH_VARARGS,
      "A BatchStep (or with single, a Step) of numpy arrays started on a completion queue."},
     {"batch_step_read", BatchStepRead, METH_O, "The items of a completed batch_step_start."},
+    {"batch_step_settle", BatchStepSettle, METH_VARARGS,
+     "The items of a completed batch_step_start as their callers' futures' outcomes."},
     {"code_batch_step", CodeBatchStep, METH_VARARGS,
      "Client.batch_step's items as one BatchStep message (or None: coded in Python)."},
     {"read_batch_step", ReadBatchStep, METH_VARARGS,

@@ -372,9 +372,9 @@ class AsyncNativeChannel:
         self._fd = lib.attn_c_queue_fd(self._queue)
         loop.add_reader(self._fd, self._on_completions)
         self._methods = {m: m.encode() for m in METHODS}
-        # tag -> (future, what the call borrows, how its completion is read): kept until the
-        # completion, even when the caller stopped waiting, since the library reads the bytes.
-        self._calls: Dict[int, Tuple[asyncio.Future, Any, Callable[[int, bytes], Any]]] = {}
+        # tag -> (what the call borrows, done(code, answer) run at its completion): kept until
+        # the completion, even when the caller stopped waiting, since the library reads the bytes.
+        self._calls: Dict[int, Tuple[Any, Callable[[int, bytes], None]]] = {}
         self._tags = itertools.count(1)
         self._message = ctypes.create_string_buffer(_MESSAGE_BYTES)
         self._done_tags = (ctypes.c_uint64 * self._POLL)()
@@ -399,13 +399,15 @@ class AsyncNativeChannel:
             raise CallError(code, self._message.value.decode(errors="replace"))
         return await self._wait(tag, (parts, addresses, sizes), lambda code, answer: answer)
 
-    async def batch_step(self, specs: List[Tuple[Any, ...]], queries: List[Any],
-                         timeout: Optional[float], single: bool = False) -> Optional[List[Any]]:
-        """A BatchStep coded and read by the library: specs as attnd._fast.batch_step_start takes
-        them, queries each item's q (its dtype and shape give o's). Per item, (o, lse,
-        cached_tokens, timing) or a CallError; None when the library does not take these tensors
-        (the caller codes the call itself). Raises CallError when the call fails as a whole.
-        single: the one step of specs as a Step call (its failure is the call's)."""
+    def start_steps(self, specs: List[Tuple[Any, ...]], timeout: Optional[float], single: bool,
+                    done: Callable[[int, bytes, Any], None]) -> Optional[int]:
+        """Starts a BatchStep (single: the one step of specs as a Step call) coded and read by the
+        library: specs as attnd._fast.batch_step_start takes them. Returns the call's tag (for
+        cancel), or None when the library does not take these tensors (nothing started: the
+        caller codes the call itself); raises CallError when the library refuses it. When it
+        completes, the loop calls done(code, answer, batch): code 0 (then batch is read by
+        attnd._fast.batch_step_settle or batch_step_read), or the call's failure with its
+        message in answer."""
         if _fast is None or (single and not _fast_single):
             return None
         tag = next(self._tags)
@@ -416,11 +418,42 @@ class AsyncNativeChannel:
         if r[0] != 0:
             raise CallError(r[0], r[1])
         batch = r[1]
+        self._calls[tag] = ((specs, batch), lambda code, answer: done(code, answer, batch))
+        return tag
 
-        def read(code: int, answer: bytes) -> List[Any]:
-            return [CallError(item[0], item[1]) if item[0] != 0 else _step_result(item, q)
-                    for item, q in zip(_fast.batch_step_read(batch), queries)]
-        return await self._wait(tag, (specs, batch), read)
+    def cancel(self, tag: int) -> None:
+        """Cancels a call still running (its completion still comes)."""
+        if self._queue is not None:
+            self._lib.attn_c_queue_cancel(self._queue, tag)
+
+    async def batch_step(self, specs: List[Tuple[Any, ...]], queries: List[Any],
+                         timeout: Optional[float], single: bool = False) -> Optional[List[Any]]:
+        """start_steps awaited: per item, (o, lse, cached_tokens, timing) or a CallError; None
+        when the library does not take these tensors (the caller codes the call itself). Raises
+        CallError when the call fails as a whole."""
+        future = self._loop.create_future()
+
+        def done(code: int, answer: bytes, batch: Any) -> None:
+            if future.done():  # the caller stopped waiting
+                return
+            if code != 0:
+                future.set_exception(CallError(code, answer.decode(errors="replace")))
+                return
+            try:
+                future.set_result(
+                    [CallError(item[0], item[1]) if item[0] != 0 else _step_result(item, q)
+                     for item, q in zip(_fast.batch_step_read(batch), queries)])
+            except Exception as e:  # reading the answer failed: that call's error
+                future.set_exception(e)
+
+        tag = self.start_steps(specs, timeout, single, done)
+        if tag is None:
+            return None
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.cancel(tag)  # its completion still comes
+            raise
 
     def _live(self) -> int:
         if self._handle is None:
@@ -429,11 +462,23 @@ class AsyncNativeChannel:
 
     async def _wait(self, tag: int, keep: Any, read: Callable[[int, bytes], Any]) -> Any:
         future = self._loop.create_future()
-        self._calls[tag] = (future, keep, read)
+
+        def done(code: int, answer: bytes) -> None:
+            if future.done():  # the caller stopped waiting
+                return
+            if code != 0:
+                future.set_exception(CallError(code, answer.decode(errors="replace")))
+                return
+            try:
+                future.set_result(read(code, answer))
+            except Exception as e:  # reading the answer failed: that call's error
+                future.set_exception(e)
+
+        self._calls[tag] = (keep, done)
         try:
             return await future
         except asyncio.CancelledError:
-            self._lib.attn_c_queue_cancel(self._queue, tag)  # its completion still comes
+            self.cancel(tag)  # its completion still comes
             raise
 
     def _on_completions(self) -> None:
@@ -448,8 +493,12 @@ class AsyncNativeChannel:
             for i in range(n):
                 response = self._done_responses[i]
                 size = lib.attn_c_response_size(response)
-                answer = _pybytes_new(None, size)
-                lib.attn_c_response_take(response, answer)
+                if size:
+                    answer = _pybytes_new(None, size)
+                    lib.attn_c_response_take(response, answer)
+                else:  # a BatchStep read into its items, or an empty answer
+                    answer = b""
+                    lib.attn_c_response_free(response)
                 self._complete(self._done_tags[i], self._done_codes[i], answer)
             if n < self._POLL:
                 break
@@ -457,16 +506,14 @@ class AsyncNativeChannel:
             self._idle.set_result(None)
 
     def _complete(self, tag: int, code: int, answer: bytes) -> None:
-        future, _, read = self._calls.pop(tag)
-        if future.done():  # the caller stopped waiting
-            return
-        if code != 0:
-            future.set_exception(CallError(code, answer.decode(errors="replace")))
+        call = self._calls.pop(tag, None)
+        if call is None:  # a call whose start failed after the library had started it
             return
         try:
-            future.set_result(read(code, answer))
-        except Exception as e:  # reading the answer failed: that call's error
-            future.set_exception(e)
+            call[1](code, answer)
+        except Exception as e:  # a completion's reader failed: the loop goes on with the others
+            self._loop.call_exception_handler({
+                "message": "attnd: reading a native call's completion failed", "exception": e})
 
     async def close(self) -> None:
         """Cancels the calls still running, waits for their completions, then frees the queue

@@ -259,12 +259,12 @@ class Client(_ChannelSet):
             if spec is not None:
                 coded = functools.partial(self._coded_step, session, layer, q, k_new, v_new,
                                           scale, return_lse, window)
-                return await self._steps.add(_Pending(q.nbytes + k_new.nbytes + v_new.nbytes,
-                                                      coded, spec, q), self._timeout(timeout))
-            return await self._steps.add(
-                _Pending.of(*self._coded_step(session, layer, q, k_new, v_new, scale, return_lse,
-                                              window, out, lse_out, k_new_scales, v_new_scales)),
-                self._timeout(timeout))
+                item = _Pending(q.nbytes + k_new.nbytes + v_new.nbytes, coded, spec, q)
+            else:
+                item = _Pending.of(*self._coded_step(session, layer, q, k_new, v_new, scale,
+                                                     return_lse, window, out, lse_out,
+                                                     k_new_scales, v_new_scales))
+            return await self._steps.add(item, self._timeout(timeout))
         native = self._native_channel() if spec is not None else None
         if native is not None:
             try:
@@ -368,12 +368,18 @@ class Client(_ChannelSet):
                               self._timeout(timeout, _INFO_TIMEOUT))
 
 
-def _native_arrays(*arrays: Any) -> bool:
+def _native_arrays(q: Any, k: Any, v: Any) -> bool:
     """Whether the library can code and read steps of these tensors as they are: numpy arrays of
     3 dimensions, C-contiguous, of a wire dtype (float32, float16, bfloat16 bits as uint16, FP8
     codes as uint8; attnd._fast checks the same)."""
-    return all(type(a) is np.ndarray and a.ndim == 3 and a.flags.c_contiguous and
-               a.dtype.char in "feHB" for a in arrays)
+    return (type(q) is _ndarray and type(k) is _ndarray and type(v) is _ndarray and
+            q.ndim == 3 and k.ndim == 3 and v.ndim == 3 and q.flags.c_contiguous and
+            k.flags.c_contiguous and v.flags.c_contiguous and q.dtype.char in "feHB" and
+            k.dtype.char in "feHB" and v.dtype.char in "feHB")
+
+
+_ndarray = np.ndarray
+_FLOAT32 = np.dtype(np.float32)
 
 
 class _Pending:
@@ -410,7 +416,9 @@ class _StepCoalescer:
     has q's shape, lse is 4 bytes per query head and token). A step larger than max_bytes goes
     alone. Each caller's future gets its own item's result or error; a failed call fails every
     item it carried. Items whose caller was cancelled before sending are left out. On the native
-    transport, a BatchStep whose steps are all numpy arrays is coded and read by the library."""
+    transport, a BatchStep whose steps are all numpy arrays is coded and read by the library: it
+    starts as the turn ends, and its completion settles its callers' futures (attnd._fast), with
+    no task of its own; other BatchSteps are coded here, each by a task."""
 
     def __init__(self, client: Client, limit: int, max_bytes: int):
         self._client = client
@@ -419,64 +427,106 @@ class _StepCoalescer:
         self._pending: Dict[Optional[float], List[_Pending]] = {}
         self._scheduled = False
         self._sending: "set[asyncio.Task]" = set()
+        self._in_flight = 0  # calls of the library's coding not yet completed
+        self._idle: Optional[asyncio.Future] = None  # drain() waits on it for them
 
-    async def add(self, item: _Pending, timeout: Optional[float]) -> StepResult:
+    def add(self, item: _Pending, timeout: Optional[float]) -> asyncio.Future:
+        """item queued for the end of this turn; the future its caller awaits."""
         loop = asyncio.get_running_loop()
-        item.future = loop.create_future()
-        self._pending.setdefault(timeout, []).append(item)
+        item.future = future = loop.create_future()
+        pending = self._pending.get(timeout)
+        if pending is None:
+            self._pending[timeout] = [item]
+        else:
+            pending.append(item)
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
-        return await item.future
+        return future
 
     async def drain(self) -> None:
-        if self._sending:
-            await asyncio.gather(*self._sending, return_exceptions=True)
+        while self._sending or self._in_flight:
+            if self._sending:
+                await asyncio.gather(*self._sending, return_exceptions=True)
+            if self._in_flight:
+                self._idle = asyncio.get_running_loop().create_future()
+                await self._idle
 
     def _flush(self) -> None:
         self._scheduled = False
         groups, self._pending = self._pending, {}
         for timeout, items in groups.items():
+            if len(items) <= self._limit and sum(it.size for it in items) <= self._max_bytes:
+                self._send_now(items, timeout)
+                continue
             for batch in _core.cut_by_size(items, lambda it: it.size, self._max_bytes,
                                            self._limit):
-                task = asyncio.ensure_future(self._send(batch, timeout))
-                self._sending.add(task)
-                task.add_done_callback(self._sending.discard)
+                self._send_now(batch, timeout)
+
+    def _send_now(self, items: List[_Pending], timeout: Optional[float]) -> None:
+        """items' call started: by the library where it codes them all, else by a task."""
+        items = [it for it in items if not it.future.done()]
+        if not items:
+            return
+        native = self._client._native_channel()
+        specs = [it.spec for it in items]
+        if native is not None and None not in specs:
+            try:
+                tag = native.start_steps(specs, timeout, len(specs) == 1,
+                                         functools.partial(self._completed, items))
+            except _native.CallError as e:  # refused: each item fails with it
+                _fail(items, from_rpc_error(e))
+                return
+            except Exception as e:
+                _fail(items, e)
+                return
+            if tag is not None:
+                self._in_flight += 1
+                return
+        task = asyncio.ensure_future(self._send(items, timeout))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    def _completed(self, items: List[_Pending], code: int, answer: bytes, batch: Any) -> None:
+        """The completion of a call the library coded: each item's outcome to its future."""
+        self._in_flight -= 1
+        try:
+            if code != 0:  # the call failed: so did each of its items
+                _fail(items, from_rpc_error(
+                    _native.CallError(code, answer.decode(errors="replace"))))
+            else:
+                _native._fast.batch_step_settle(batch, [it.future for it in items],
+                                                [it.q for it in items], StepResult,
+                                                _wire.ServerTiming, _ndarray, _FLOAT32,
+                                                _item_error)
+        except Exception as e:  # reading the answer failed: the items not settled fail with it
+            _fail(items, e)
+        finally:
+            if not self._in_flight and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
 
     async def _send(self, items: List[_Pending], timeout: Optional[float]) -> None:
+        """items coded here, sent, and each one's outcome to its future."""
         items = [it for it in items if not it.future.done()]
         if not items:
             return
         try:
-            results = await self._send_native(items, timeout)
-            if results is None:  # coded here; a step that cannot be coded fails alone
-                coded = []
-                for it in items:
-                    try:
-                        coded.append((it, it.message()))
-                    except Exception as e:
-                        _settle(it, e)
-                items = [it for it, _ in coded]
-                if not items:
-                    return
-                results = await self._send_coded([c for _, c in coded], timeout)
+            coded = []  # a step that cannot be coded fails alone
+            for it in items:
+                try:
+                    coded.append((it, it.message()))
+                except Exception as e:
+                    _settle(it, e)
+            items = [it for it, _ in coded]
+            if not items:
+                return
+            results = await self._send_coded([c for _, c in coded], timeout)
         except _native.CallError as e:  # the call failed: so did each of its items
             results = _core.copies_of(from_rpc_error(e), len(items))
         except Exception as e:
             results = _core.copies_of(e, len(items))
         for it, r in zip(items, results):
             _settle(it, r)
-
-    async def _send_native(self, items: List[_Pending],
-                           timeout: Optional[float]) -> Optional[List[Any]]:
-        """A BatchStep (a Step, for one step alone) of items coded and read by the library; None
-        where it cannot take them (no native channel, a step coded already, tensors it does not
-        take)."""
-        native = self._client._native_channel()
-        if native is None or any(it.spec is None for it in items):
-            return None
-        return await _library_steps(native, [it.spec for it in items], [it.q for it in items],
-                                    timeout)
 
     async def _send_coded(self, coded: List[Tuple[Any, _core.Prepared]],
                           timeout: Optional[float]) -> List[Any]:
@@ -495,6 +545,18 @@ class _StepCoalescer:
         if self._client.transport == "native" and not m.cuda and m.size >= _core.PARTS_MIN_BYTES:
             return m
         return _tensors.assemble(m.parts, m.size, m.cuda)
+
+
+def _item_error(code: int, message: str) -> AttndError:
+    """A coalesced step's own failure (its code and message in the BatchStep's answer)."""
+    return from_rpc_error(_native.CallError(code, message))
+
+
+def _fail(items: List[_Pending], error: Exception) -> None:
+    """Each item not settled yet fails with its own copy of error."""
+    live = [it for it in items if not it.future.done()]
+    for it, e in zip(live, _core.copies_of(error, len(live))):
+        it.future.set_exception(e)
 
 
 async def _library_steps(native: _native.AsyncNativeChannel, specs: List[Tuple[Any, ...]],
