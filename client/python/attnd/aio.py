@@ -252,9 +252,10 @@ class Client(_ChannelSet):
         if (self.transport == "native" and out is None and lse_out is None and
                 k_new_scales is None and v_new_scales is None and not self.regions.entries and
                 _native_arrays(q, k_new, v_new)):
-            left, right = _core._window(window) or (-1, -1)
-            spec = (_core.session_id_of(session).encode(), int(layer), q, k_new, v_new,
-                    float(scale or 0.0), bool(return_lse), left, right)
+            left, right = (-1, -1) if window is None else _core._window(window)
+            sid = session if isinstance(session, str) else session.id
+            spec = (sid.encode(), int(layer), q, k_new, v_new, float(scale or 0.0),
+                    bool(return_lse), left, right)
         if self._steps is not None:
             if spec is not None:
                 coded = functools.partial(self._coded_step, session, layer, q, k_new, v_new,
@@ -264,7 +265,8 @@ class Client(_ChannelSet):
                 item = _Pending.of(*self._coded_step(session, layer, q, k_new, v_new, scale,
                                                      return_lse, window, out, lse_out,
                                                      k_new_scales, v_new_scales))
-            return await self._steps.add(item, self._timeout(timeout))
+            return await self._steps.add(item, self.options.timeout if timeout is None else
+                                         timeout)
         native = self._native_channel() if spec is not None else None
         if native is not None:
             try:
