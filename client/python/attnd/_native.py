@@ -434,17 +434,9 @@ class AsyncNativeChannel:
         future = self._loop.create_future()
 
         def done(code: int, answer: bytes, batch: Any) -> None:
-            if future.done():  # the caller stopped waiting
-                return
-            if code != 0:
-                future.set_exception(CallError(code, answer.decode(errors="replace")))
-                return
-            try:
-                future.set_result(
-                    [CallError(item[0], item[1]) if item[0] != 0 else _step_result(item, q)
-                     for item, q in zip(_fast.batch_step_read(batch), queries)])
-            except Exception as e:  # reading the answer failed: that call's error
-                future.set_exception(e)
+            _settle(future, code, answer, lambda _: [
+                CallError(item[0], item[1]) if item[0] != 0 else _step_result(item, q)
+                for item, q in zip(_fast.batch_step_read(batch), queries)])
 
         tag = self.start_steps(specs, timeout, single, done)
         if tag is None:
@@ -462,19 +454,8 @@ class AsyncNativeChannel:
 
     async def _wait(self, tag: int, keep: Any, read: Callable[[int, bytes], Any]) -> Any:
         future = self._loop.create_future()
-
-        def done(code: int, answer: bytes) -> None:
-            if future.done():  # the caller stopped waiting
-                return
-            if code != 0:
-                future.set_exception(CallError(code, answer.decode(errors="replace")))
-                return
-            try:
-                future.set_result(read(code, answer))
-            except Exception as e:  # reading the answer failed: that call's error
-                future.set_exception(e)
-
-        self._calls[tag] = (keep, done)
+        self._calls[tag] = (keep, lambda code, answer: _settle(
+            future, code, answer, lambda a: read(code, a)))
         try:
             return await future
         except asyncio.CancelledError:
@@ -530,6 +511,21 @@ class AsyncNativeChannel:
         handle, self._handle = self._handle, None
         self._lib.attn_c_queue_destroy(queue)
         self._lib.attn_c_client_destroy(handle)
+
+
+def _settle(future: asyncio.Future, code: int, answer: bytes,
+            read: Callable[[bytes], Any]) -> None:
+    """A completed call's outcome into future: read(answer), or the call's CallError; nothing
+    where the caller stopped waiting."""
+    if future.done():
+        return
+    if code != 0:
+        future.set_exception(CallError(code, answer.decode(errors="replace")))
+        return
+    try:
+        future.set_result(read(answer))
+    except Exception as e:  # reading the answer failed: that call's error
+        future.set_exception(e)
 
 
 def _timeout_ms(timeout: Optional[float]) -> int:
