@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import Any, AsyncIterator, Awaitable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
@@ -251,10 +251,7 @@ class Client(_ChannelSet):
         spec = None
         if (self.transport == "native" and out is None and lse_out is None and
                 k_new_scales is None and v_new_scales is None and not self.regions.entries and
-                type(q) is _ndarray and type(k_new) is _ndarray and type(v_new) is _ndarray):
-            # numpy arrays: the library takes those of 3 dimensions, C-contiguous, of a wire dtype
-            # (float32, float16, bfloat16 bits as uint16, FP8 codes as uint8); attnd._fast checks
-            # them as it starts the call, and the call of any others is coded here.
+                _native_arrays(q, k_new, v_new)):
             left, right = (-1, -1) if window is None else _core._window(window)
             sid = session if isinstance(session, str) else session.id
             spec = (sid.encode(), int(layer), q, k_new, v_new, float(scale or 0.0),
@@ -371,6 +368,16 @@ class Client(_ChannelSet):
             self.regions.remove(name)
             await self._unary("UnregisterRegion", _proto.UnregisterRegionRequest(name=name),
                               self._timeout(timeout, _INFO_TIMEOUT))
+
+
+def _native_arrays(q: Any, k: Any, v: Any) -> bool:
+    """Whether the library can code and read steps of these tensors as they are: numpy arrays of
+    3 dimensions, C-contiguous, of a wire dtype (float32, float16, bfloat16 bits as uint16, FP8
+    codes as uint8; attnd._fast checks the same)."""
+    return (type(q) is _ndarray and type(k) is _ndarray and type(v) is _ndarray and
+            q.ndim == 3 and k.ndim == 3 and v.ndim == 3 and q.flags.c_contiguous and
+            k.flags.c_contiguous and v.flags.c_contiguous and q.dtype.char in "feHB" and
+            k.dtype.char in "feHB" and v.dtype.char in "feHB")
 
 
 _ndarray = np.ndarray
@@ -601,10 +608,8 @@ class Session:
     def __repr__(self) -> str:
         return f"aio.Session({self.id!r})"
 
-    def step(self, layer: int, q: Any, k_new: Any, v_new: Any,
-             **options: Any) -> Awaitable[StepResult]:
-        """client.step of this session: its coroutine, awaited by the caller."""
-        return self.client.step(self, layer, q, k_new, v_new, **options)
+    async def step(self, layer: int, q: Any, k_new: Any, v_new: Any, **options: Any) -> StepResult:
+        return await self.client.step(self, layer, q, k_new, v_new, **options)
 
     async def truncate(self, tokens: int, timeout: Optional[float] = None) -> TruncateResult:
         return await self.client.truncate_session(self.id, tokens, timeout)
