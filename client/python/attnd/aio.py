@@ -270,13 +270,13 @@ class Client(_ChannelSet):
         native = self._native_channel() if spec is not None else None
         if native is not None:
             try:
-                results = await _library_steps(native, [spec], [q], self._timeout(timeout))
+                results = await native.batch_step([spec], [q], self._timeout(timeout), single=True)
             except _native.CallError as e:
                 raise from_rpc_error(e) from None
-            if results is not None:
-                if isinstance(results[0], Exception):
-                    raise results[0]
-                return results[0]
+            if results is not None:  # None: the library does not take these tensors
+                if isinstance(results[0], _native.CallError):
+                    raise from_rpc_error(results[0])
+                return StepResult(*results[0])
         p = _core.prepare_step(self.regions, session, layer, q, k_new, v_new, scale, return_lse,
                                window, out, lse_out, k_new_scales, v_new_scales,
                                joined=self.transport != "native")
@@ -458,9 +458,6 @@ class _StepCoalescer:
         self._scheduled = False
         groups, self._pending = self._pending, {}
         for timeout, items in groups.items():
-            if len(items) <= self._limit and sum(it.size for it in items) <= self._max_bytes:
-                self._send_now(items, timeout)
-                continue
             for batch in _core.cut_by_size(items, lambda it: it.size, self._max_bytes,
                                            self._limit):
                 self._send_now(batch, timeout)
@@ -559,18 +556,6 @@ def _fail(items: List[_Pending], error: Exception) -> None:
     live = [it for it in items if not it.future.done()]
     for it, e in zip(live, _core.copies_of(error, len(live))):
         it.future.set_exception(e)
-
-
-async def _library_steps(native: _native.AsyncNativeChannel, specs: List[Tuple[Any, ...]],
-                         queries: List[Any], timeout: Optional[float]) -> Optional[List[Any]]:
-    """Steps coded and read by the library: one Step call for a single spec, else a BatchStep.
-    Per step its StepResult or its error; None where the library does not take these tensors.
-    Raises _native.CallError when the call fails as a whole."""
-    results = await native.batch_step(specs, queries, timeout, single=len(specs) == 1)
-    if results is None:
-        return None
-    return [from_rpc_error(r) if isinstance(r, _native.CallError) else StepResult(*r)
-            for r in results]
 
 
 def _settle(item: _Pending, result: Any) -> None:
