@@ -71,24 +71,34 @@ suites() {
   done
 }
 
-# One attnd per value of STEP_LANES (--step_lanes; ATTND_EXTRA: more flags); per level, the means of
+# One attnd per value of STEP_LANES (--step_lanes; ATTND_EXTRA: more flags) and per set of flags in
+# STEP_VARIANTS (space-separated sets, each of comma-separated attnd flags; "-" for none), the
+# whole list STEP_ROUNDS times over, so that variants alternate; per level, the means of
 # attn_step_phase_duration_seconds (bench/step_phases.py) into steps/phases.md.
 steps() {
-  local port=50051 mport=9464 lanes
+  local port=50051 mport=9464 lanes variant round
   local common=(--target 127.0.0.1:$port --mode decode --layers 1 --cache_tokens 4096 --heads 32
                 --kv_heads 8 --head_dim 128 --dtype bf16 --duration_s "${LEVEL_S:-3}" --warmup_s 0.5)
   local scrape=("$py" "$self_dir/step_phases.py" scrape "http://127.0.0.1:$mport/metrics")
   local header=--header
+  for round in $(seq "${STEP_ROUNDS:-1}"); do
+  for variant in ${STEP_VARIANTS:--}; do
   for lanes in ${STEP_LANES:-4}; do
-    local log=$out/steps/attnd-lanes$lanes.log
+    local flags=() tag="lanes$lanes"
+    if [ "$variant" != - ]; then
+      IFS=, read -r -a flags <<<"$variant"
+      tag="$tag${variant//[^a-z0-9=]/_}"
+    fi
+    [ "${STEP_ROUNDS:-1}" -gt 1 ] && tag="$tag-r$round"
+    local log=$out/steps/attnd-$tag.log
     "$bin/attnd" --listen=127.0.0.1:$port --metrics_listen=127.0.0.1:$mport --backend=cuda \
-      --kv_cache_bytes=17179869184 --allow_shared_memory --step_lanes="$lanes" ${ATTND_EXTRA:-} >"$log" 2>&1 &
+      --kv_cache_bytes=17179869184 --allow_shared_memory --step_lanes="$lanes" "${flags[@]}" ${ATTND_EXTRA:-} >"$log" 2>&1 &
     attnd_pid=$!
     trap 'kill -TERM $attnd_pid 2>/dev/null' EXIT
     for _ in $(seq 300); do grep -q 'serving attn.v1' "$log" && break; sleep 0.2; done
     "${scrape[@]}" "$out/steps/m0"
     "$bin/attn-bench" "${common[@]}" --sessions 1 --step_coding "${LONE_CODINGS:-stub,wire,gpu}" \
-      --csv "$out/steps/decode.csv" --label "lone-lanes$lanes"
+      --csv "$out/steps/decode.csv" --label "lone-$tag"
     "${scrape[@]}" "$out/steps/m1"
     # The same set-up twice (256 sessions prefilled to 4k), once with a tiny measured part: the
     # difference is the decode level's alone.
@@ -96,14 +106,16 @@ steps() {
       --duration_s 0.05 --warmup_s 0 --label "setup-only" >"$out/steps/setup-lanes$lanes.txt"
     "${scrape[@]}" "$out/steps/m2"
     "$bin/attn-bench" "${common[@]}" --sessions 256 --batch_step 64 --step_coding "${BATCH_CODINGS:-wire}" \
-      --csv "$out/steps/decode.csv" --label "batch64x4-lanes$lanes"
+      --csv "$out/steps/decode.csv" --label "batch64x4-$tag"
     "${scrape[@]}" "$out/steps/m3"
-    "$py" "$self_dir/step_phases.py" diff "$out/steps/m0" "$out/steps/m1" "lone, $lanes lanes (all codings)" $header >>"$out/steps/phases.md"
+    "$py" "$self_dir/step_phases.py" diff "$out/steps/m0" "$out/steps/m1" "lone, $tag (all codings)" $header >>"$out/steps/phases.md"
     header=
-    "$py" "$self_dir/step_phases.py" diff "$out/steps/m2" "$out/steps/m3" "BatchStep 64 x 4, $lanes lanes" \
+    "$py" "$self_dir/step_phases.py" diff "$out/steps/m2" "$out/steps/m3" "BatchStep 64 x 4, $tag" \
       --less "$out/steps/m1" "$out/steps/m2" >>"$out/steps/phases.md"
     kill -TERM $attnd_pid
     wait $attnd_pid
+  done
+  done
   done
   cat "$out/steps/phases.md"
 }

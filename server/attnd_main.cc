@@ -57,6 +57,9 @@ ABSL_FLAG(int64_t, batch_step_chunk, kDefaults.batch_step_chunk,
 ABSL_FLAG(int64_t, step_idle_poll_us, kDefaults.step_idle_poll_us,
           "CUDA backend: how long a step lane that finished a launch looks for the next one, "
           "yielding its core, before it sleeps (microseconds; 0: sleeps at once)");
+ABSL_FLAG(bool, step_append_in_kernel, kDefaults.step_append_in_kernel,
+          "CUDA backend: a 16-bit decode step's new keys and values are written into their pages "
+          "by the decode kernel itself (false: by a copy kernel launched before it)");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
@@ -183,6 +186,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   o.streams = absl::GetFlag(FLAGS_streams);
   o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
+  o.step_append_in_kernel = absl::GetFlag(FLAGS_step_append_in_kernel);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);

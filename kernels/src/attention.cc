@@ -43,7 +43,9 @@ Status CheckAlignment(const AttentionArgs& a) {
                           {a.cu_seqlens_k, sizeof(int32_t), "cu_seqlens_k"},
                           {a.paged.page_indptr, sizeof(int32_t), "paged.page_indptr"},
                           {a.paged.page_indices, sizeof(int32_t), "paged.page_indices"},
-                          {a.paged.seqlens_k, sizeof(int32_t), "paged.seqlens_k"}};
+                          {a.paged.seqlens_k, sizeof(int32_t), "paged.seqlens_k"},
+                          {a.paged.append_k, elem, "paged.append_k"},
+                          {a.paged.append_v, elem, "paged.append_v"}};
   for (const Array& x : arrays) {
     if (reinterpret_cast<uintptr_t>(x.p) % x.align != 0) {
       return Invalid(std::string(x.name) + " is not aligned to " + std::to_string(x.align) +
@@ -94,6 +96,12 @@ Status ValidateCommon(const AttentionArgs& a) {
                 !a.paged.seqlens_k)) {
     return Invalid("paged: num_pages must be >= 1 and page_indptr, page_indices, seqlens_k set");
   }
+  if (Appends(a.paged)) {
+    if (!paged || !a.paged.append_k || !a.paged.append_v) {
+      return Invalid("paged.append_k and paged.append_v must be set together, on paged k and v");
+    }
+    if (IsFp8Kv(a)) return Invalid("paged.append_k and append_v need 16-bit k and v, not float8_e4m3");
+  }
   return CheckAlignment(a);
 }
 
@@ -105,6 +113,10 @@ Status ValidatePageTable(const AttentionArgs& a) {
     if (len < 0 || len > a.max_seqlen_k) {
       return Invalid("paged.seqlens_k[" + std::to_string(b) + "] = " + std::to_string(len) +
                      " is outside [0, max_seqlen_k = " + std::to_string(a.max_seqlen_k) + "]");
+    }
+    if (Appends(p) && len < a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b]) {
+      return Invalid("paged: sequence " + std::to_string(b) + " appends more rows than its " +
+                     std::to_string(len) + " keys");
     }
     const int64_t pages = static_cast<int64_t>(p.page_indptr[b + 1]) - p.page_indptr[b];
     if (pages != (len + p.page_size - 1) / p.page_size) {

@@ -219,6 +219,7 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
 
 absl::Status CudaStepDevice::Init(const Options& options) {
   plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
+  append_in_kernel_ = options.append_in_kernel;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
@@ -421,6 +422,11 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
                              args.cu_seqlens_q, args.batch, args.kv_scales.k, args.kv_scales.v,
                              kv_.k, kv_.v, append, l.total_q, key.num_kv_heads, key.head_dim,
                              saturated, stream));
+  } else if (append_in_kernel_ && !key.fp8_cache &&
+             plan.kernel == kernels::cuda::Plan::Kernel::kDecode) {
+    // The decode kernel reads the new rows where they lie and writes them into their pages.
+    args.paged.append_k = new_k;
+    args.paged.append_v = new_v;
   } else {
     RETURN_IF_CUDA_ERROR("KV append", LaunchKvCopyRows(new_k, new_v, nullptr, kv_.k, kv_.v, append,
                                                        l.total_q, l.row_bytes, stream));

@@ -32,6 +32,9 @@ class CudaStepDevice : public StepDevice {
     // FP8-cache steps of more than 16 new tokens (chunked prefill): q quantized to e4m3 and the
     // FP8 tensor-core kernel where it serves the launch (kernels::cuda::PlanOptions).
     bool fp8_tensor_cores = false;
+    // 16-bit decode launches: the new rows written into their pages by the decode kernel
+    // (kernels::PagedKv::append_k), not by a copy kernel before it.
+    bool append_in_kernel = true;
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
@@ -115,6 +118,7 @@ class CudaStepDevice : public StepDevice {
 
   std::shared_ptr<CudaDeviceState> state_;
   kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
+  bool append_in_kernel_ = true;              // Options::append_in_kernel
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

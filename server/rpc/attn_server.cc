@@ -79,6 +79,7 @@ absl::StatusOr<Backends> CreateBackends(const ServerOptions& options) {
       so.lanes = options.step_lanes > 0 ? options.step_lanes : options.streams;
       so.kv_cache_bytes = options.kv_cache_bytes;
       so.kv_page_bytes = page_bytes;
+      so.append_in_kernel = options.step_append_in_kernel;
       auto steps = (*cuda)->CreateStepDevice(so);
       if (steps.ok()) {
         b.steps = std::move(*steps);

@@ -24,6 +24,9 @@ struct ServerOptions {
   int step_lanes = 4;  // CUDA streams (and staging) of session steps; 0: as many as streams
   int64_t batch_step_chunk = 32;  // a BatchStep's steps submitted in chunks of this many; 0: at once
   int64_t step_idle_poll_us = 200;  // a GPU step lane's look for the next launch before it sleeps
+  // A 16-bit decode step's new rows written into their pages by the decode kernel itself (one
+  // device operation fewer per launch); false: by a copy kernel before it.
+  bool step_append_in_kernel = true;
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
   // CUDA backend, FP8 attention of more than 16 queries per sequence (all-FP8 Attend, and steps

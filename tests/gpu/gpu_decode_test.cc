@@ -83,6 +83,10 @@ struct Case {
   // skipped as fp8_native is. O is held to 1e-1 against the exact reference (q's rounding) and
   // as fp8_native's against the model, which sees q's quantized values.
   bool fp8_tc_plan = false;
+  // Paged, 16-bit: the last len_q keys of each sequence come through paged.append_k / append_v;
+  // their pool rows are NaN before the run and must hold them after it, every other pool byte
+  // unchanged.
+  bool append = false;
   float q_scale = 1.0f;        // q's random values times this (exactly representable: a power of 2 or not, rounded to dtype)
   float softmax_scale = 0.0f;  // AttentionArgs::softmax_scale
   uint64_t seed = 1;
@@ -95,7 +99,7 @@ std::string Describe(const Case& c) {
                   std::to_string(c.window_right) + ") page=" + std::to_string(c.page_size) +
                   (c.share_prefix ? " shared-prefix" : "") +
                   (c.gen == FwdGeneration::kGen2 ? " gen2" : "") + (c.fp8_kv ? " fp8-kv" : "") + (c.fp8_q ? " fp8-q" : "") +
-                  (c.no_workspace ? " no-workspace" : "") + " seed=" + std::to_string(c.seed) +
+                  (c.no_workspace ? " no-workspace" : "") + (c.append ? " append" : "") + " seed=" + std::to_string(c.seed) +
                   " lq=[";
   for (int l : c.len_q) s += std::to_string(l) + ",";
   s += "] lk=[";
@@ -268,6 +272,7 @@ void RunAndCheck(Case c) {
   const int ps = c.page_size;
   std::vector<int32_t> indptr{0}, indices;
   std::vector<uint8_t> kpool, vpool;  // bytes of the page pools
+  std::vector<uint8_t> kpool_after, vpool_after, kappend, vappend;  // c.append
   int num_pages = 0;
   if (ps > 0) {
     for (int b = 0; b < batch; ++b) indptr.push_back(indptr.back() + (c.len_k[b] + ps - 1) / ps);
@@ -298,6 +303,25 @@ void RunAndCheck(Case c) {
         const int64_t src = int64_t(cu_k[b]) + j;
         std::memcpy(kpool.data() + prow * row_bytes, k_src + src * row_bytes, row_bytes);
         std::memcpy(vpool.data() + prow * row_bytes, v_src + src * row_bytes, row_bytes);
+      }
+    }
+    kpool_after = kpool;
+    vpool_after = vpool;
+    if (c.append) {
+      ASSERT_FALSE(c.fp8_kv || c.share_prefix) << "appended rows: 16-bit pools of unshared pages";
+      kappend.assign(size_t(a.total_q) * row_bytes, 0);
+      vappend = kappend;
+      for (int b = 0; b < batch; ++b) {
+        ASSERT_GE(c.len_k[b], c.len_q[b]) << "a sequence appends at most its keys";
+        for (int i = 0; i < c.len_q[b]; ++i) {
+          const int j = c.len_k[b] - c.len_q[b] + i;
+          const size_t at = (size_t(indices[indptr[b] + j / ps]) * ps + j % ps) * row_bytes;
+          const size_t to = size_t(cu_q[b] + i) * row_bytes;
+          std::memcpy(kappend.data() + to, kpool.data() + at, row_bytes);
+          std::memcpy(vappend.data() + to, vpool.data() + at, row_bytes);
+          std::memset(kpool.data() + at, 0xFF, row_bytes);
+          std::memset(vpool.data() + at, 0xFF, row_bytes);
+        }
       }
     }
     a.paged.page_size = ps;
@@ -348,6 +372,7 @@ void RunAndCheck(Case c) {
     ASSERT_EQ(cudaMemset(dq.ptr, 0xFF, nq * es), cudaSuccess);  // the conversion must write all of q
   }
 
+  DeviceBuffer dappend_k(std::max<size_t>(1, kappend.size())), dappend_v(std::max<size_t>(1, vappend.size()));
   a.q = dq.ptr;
   a.k = dk.ptr;
   a.v = dv.ptr;
@@ -360,6 +385,13 @@ void RunAndCheck(Case c) {
     a.paged.page_indptr = static_cast<const int32_t*>(dindptr.ptr);
     a.paged.page_indices = static_cast<const int32_t*>(dindices.ptr);
     a.paged.seqlens_k = static_cast<const int32_t*>(dseq.ptr);
+    if (c.append) {
+      ASSERT_TRUE(dappend_k.ptr && dappend_v.ptr);
+      ASSERT_EQ(cudaMemcpy(dappend_k.ptr, kappend.data(), kappend.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dappend_v.ptr, vappend.data(), vappend.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      a.paged.append_k = dappend_k.ptr;
+      a.paged.append_v = dappend_v.ptr;
+    }
   } else {
     a.cu_seqlens_k = static_cast<const int32_t*>(dck.ptr);
   }
@@ -439,6 +471,13 @@ void RunAndCheck(Case c) {
   ASSERT_EQ(cudaMemcpy(out.data(), dout.ptr, nq * es, cudaMemcpyDeviceToHost), cudaSuccess);
   std::vector<float> lse(size_t(a.num_heads) * a.total_q);
   ASSERT_EQ(cudaMemcpy(lse.data(), dlse.ptr, lse_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  if (c.append) {
+    std::vector<uint8_t> pool(kpool.size());
+    ASSERT_EQ(cudaMemcpy(pool.data(), dk.ptr, pool.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(pool == kpool_after) << "the K pool after the run";
+    ASSERT_EQ(cudaMemcpy(pool.data(), dv.ptr, pool.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(pool == vpool_after) << "the V pool after the run";
+  }
 
   // Reference and CPU backend on the contiguous keys (cu_k); the reference needs >= 1 key row
   // in its buffers only through cu_k, so empty caches are fine.
@@ -994,6 +1033,76 @@ TEST(GpuPagedDecode, NoLse) {
     c.seed = NextSeed();
     RunAndCheck(c);
   }
+}
+
+// A step's new rows handed to the decode kernel (paged.append_k / append_v): read from there and
+// written into their page rows, at every compiled head dim, over one or many splits, GQA and MHA,
+// page sizes that are and are not powers of two, and new rows that straddle a page boundary.
+TEST(GpuPagedDecode, AppendedRowsReadAndWritten) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+    for (int d : {32, 64, 96, 128, 256}) {
+      if (!HeadDimCompiled(d)) continue;
+      for (int page : {16, 24, 64, 256}) {
+        for (int splits : {0, 1, 7}) {
+          Case c;
+          c.dtype = t;
+          c.head_dim = d;
+          c.num_heads = d == 128 ? 32 : 8;
+          c.num_kv_heads = d == 128 ? 8 : (page == 24 ? 8 : 2);
+          c.page_size = page;
+          c.causal = true;
+          c.append = true;
+          c.decode_splits = splits;
+          c.len_q = {1, 4, 16, 1, 3};
+          c.len_k = {1, page + 2, 4000, 2 * page, 17};
+          c.expect_decode = 1;
+          c.seed = NextSeed();
+          RunAndCheck(c);
+        }
+      }
+    }
+  }
+}
+
+// Appended rows are the decode kernel's: a forward plan or too many queries are refused.
+TEST(GpuPagedDecode, AppendRefusedOffTheDecodeKernel) {
+  SKIP_WITHOUT_GPU();
+  if (!HeadDimCompiled(128)) GTEST_SKIP() << "head dim 128 is not compiled into this build";
+  DeviceBuffer buf(1 << 20), tables(4096);
+  ASSERT_TRUE(buf.ptr && tables.ptr);
+  // cu_q and page_indptr {0, 2} (the same two ints), page_indices {0, 1}, seqlens_k {20}.
+  const std::vector<int32_t> host = {0, 2, 0, 1, 20};
+  ASSERT_EQ(cudaMemcpy(tables.ptr, host.data(), 4 * host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  const auto* t = static_cast<const int32_t*>(tables.ptr);
+  AttentionArgs a;
+  a.dtype = DType::kBFloat16;
+  a.q = a.k = a.v = buf.ptr;
+  a.o = static_cast<char*>(buf.ptr) + (512 << 10);
+  a.cu_seqlens_q = t;
+  a.total_q = a.max_seqlen_q = 2;
+  a.max_seqlen_k = 20;
+  a.num_heads = 8;
+  a.num_kv_heads = 2;
+  a.head_dim = 128;
+  a.paged = {16, 4, t, t + 2, t + 4};
+  a.paged.append_k = a.paged.append_v = buf.ptr;
+  EXPECT_TRUE(attn::kernels::cuda::CanImplement(a).ok()) << attn::kernels::cuda::CanImplement(a).message();
+  a.paged.append_v = static_cast<char*>(buf.ptr) + 8;
+  EXPECT_EQ(attn::kernels::cuda::CanImplement(a).code(), attn::kernels::StatusCode::kInvalidArgument);
+  a.paged.append_v = buf.ptr;
+  a.max_seqlen_q = 17;
+  EXPECT_EQ(attn::kernels::cuda::CanImplement(a).code(), attn::kernels::StatusCode::kUnimplemented);
+  a.max_seqlen_q = 2;
+  attn::kernels::cuda::PlanOptions options;
+  options.generation = FwdGeneration::kGen1;
+  attn::kernels::cuda::Plan plan;
+  a.paged.append_k = a.paged.append_v = nullptr;  // a forward plan of the same shape...
+  ASSERT_TRUE(attn::kernels::cuda::MakePlan(a, options, &plan).ok());
+  ASSERT_NE(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
+  a.paged.append_k = a.paged.append_v = buf.ptr;  // ...does not write appended rows
+  DeviceBuffer ws(std::max<size_t>(1, plan.workspace_bytes));
+  EXPECT_EQ(attn::kernels::cuda::Run(a, plan, ws.ptr, nullptr), cudaErrorInvalidValue);
 }
 
 // ---- Routing: stateless decode-shaped args go to the decode kernel on their own --------------

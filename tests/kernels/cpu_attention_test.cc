@@ -365,6 +365,9 @@ struct PagedProblem {
   int window_right = -1;
   int extra_pages = 7;          // unused pages in the pool, NaN-filled
   bool share_first_page = false;  // sequence 1 shares sequence 0's first (full) page
+  // The last len_q keys of each sequence come through paged.append_k / append_v: their pool rows
+  // are NaN before the run and must hold them after it, with every other pool byte unchanged.
+  bool append = false;
 };
 
 Outcome RunPagedAndCompare(const PagedProblem& p, uint64_t seed,
@@ -411,6 +414,22 @@ Outcome RunPagedAndCompare(const PagedProblem& p, uint64_t seed,
     indptr.push_back(static_cast<int32_t>(indices.size()));
   }
   if (indices.empty()) indices.push_back(0);  // keep the pointer non-null
+  const HostTensor k_pool_after = k_pool, v_pool_after = v_pool;
+  HostTensor k_new = HostTensor::Filled(p.dtype, int64_t(cu_q.back()) * row, 0.0f), v_new = k_new;
+  if (p.append) {
+    for (int32_t b = 0; b < batch; ++b) {
+      for (int32_t i = 0; i < p.len_q[b]; ++i) {
+        const int32_t j = p.len_k[b] - p.len_q[b] + i;
+        const size_t at = (size_t(indices[indptr[b] + j / p.page_size]) * p.page_size +
+                           j % p.page_size) * row_bytes;
+        const size_t to = size_t(cu_q[b] + i) * row_bytes;
+        std::memcpy(k_new.bytes.data() + to, k_pool.bytes.data() + at, row_bytes);
+        std::memcpy(v_new.bytes.data() + to, v_pool.bytes.data() + at, row_bytes);
+        std::memset(k_pool.bytes.data() + at, 0xFF, row_bytes);  // NaN in every dtype
+        std::memset(v_pool.bytes.data() + at, 0xFF, row_bytes);
+      }
+    }
+  }
 
   HostTensor o = HostTensor::Filled(p.dtype, q.elements, std::numeric_limits<float>::quiet_NaN());
   std::vector<float> lse(size_t(p.heads) * cu_q.back(), std::numeric_limits<float>::quiet_NaN());
@@ -437,11 +456,17 @@ Outcome RunPagedAndCompare(const PagedProblem& p, uint64_t seed,
   a.paged.page_indptr = indptr.data();
   a.paged.page_indices = indices.data();
   a.paged.seqlens_k = seqlens.data();
+  if (p.append) {
+    a.paged.append_k = k_new.data();
+    a.paged.append_v = v_new.data();
+  }
 
   std::vector<char> ws(kernels::cpu::WorkspaceBytes(a, pool ? pool->NumWorkers() : 1) + 64);
   void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) & ~63ull);
   kernels::Status st = kernels::cpu::Run(a, aligned, pool);
   EXPECT_TRUE(st.ok()) << st.message();
+  EXPECT_TRUE(k_pool.bytes == k_pool_after.bytes) << "the K pool after the run";
+  EXPECT_TRUE(v_pool.bytes == v_pool_after.bytes) << "the V pool after the run";
 
   AttentionArgs contiguous = a;
   contiguous.paged = {};
@@ -528,6 +553,68 @@ TEST_F(CpuAttentionTest, PagedLongCacheManyThreads) {
   p.len_q = std::vector<int32_t>(16, 1);
   p.len_k = {4000, 1, 2, 31, 32, 33, 1000, 17, 64, 65, 500, 2048, 3, 127, 128, 129};
   ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+}
+
+// Rows appended by the call itself: read from append_k / append_v, written into their pages.
+TEST_F(CpuAttentionTest, PagedAppendedRowsAreReadAndWritten) {
+  PagedProblem p;
+  p.append = true;
+  for (DType t : {DType::kFloat32, DType::kBFloat16}) {
+    for (int page : {1, 16, 24}) {
+      p.dtype = t;
+      p.page_size = page;
+      p.len_q = {1, 4, 1, 16, 3};
+      p.len_k = {1, 37, 2 * page, 300, 3};
+      ExpectPagedClose(p, RunPagedAndCompare(p, Seed(), pool_.get()));
+    }
+  }
+}
+
+TEST_F(CpuAttentionTest, PagedAppendRefusals) {
+  std::vector<uint16_t> buf(4 * 16 * 2 * 64);
+  const std::vector<int32_t> cu_q = {0, 2};
+  std::vector<int32_t> indptr = {0, 2}, indices = {1, 0}, seqlens = {20};
+  AttentionArgs a;
+  a.q = a.k = a.v = buf.data();
+  a.o = buf.data();
+  a.cu_seqlens_q = cu_q.data();
+  a.total_q = a.max_seqlen_q = 2;
+  a.max_seqlen_k = 20;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  a.head_dim = 64;
+  a.paged = {16, 4, indptr.data(), indices.data(), seqlens.data()};
+  a.paged.append_k = a.paged.append_v = buf.data();
+  EXPECT_TRUE(kernels::cpu::CanImplement(a).ok()) << kernels::cpu::CanImplement(a).message();
+  auto refused = [&](const char* words) {
+    const kernels::Status st = kernels::cpu::CanImplement(a);
+    EXPECT_EQ(st.code(), kernels::StatusCode::kInvalidArgument) << words;
+    EXPECT_NE(st.message().find(words), std::string::npos) << st.message();
+  };
+  a.paged.append_v = nullptr;
+  refused("set together");
+  a.paged.append_v = buf.data();
+  a.kv_dtype = DType::kFloat8E4M3;
+  const float scales[2] = {1, 1};
+  a.kv_scales = {scales, scales};
+  refused("16-bit k and v");
+  a.kv_dtype.reset();
+  seqlens = {1};  // two rows appended to a cache of one key
+  indptr = {0, 1};
+  refused("appends more rows");
+  seqlens = {20};
+  indptr = {0, 2};
+  a.paged.append_k = reinterpret_cast<const char*>(buf.data()) + 1;
+  refused("paged.append_k is not aligned");
+  a.paged.append_k = buf.data();
+  AttentionArgs contiguous = a;
+  contiguous.paged = {};
+  contiguous.paged.append_k = contiguous.paged.append_v = buf.data();
+  const std::vector<int32_t> cu_k = {0, 20};
+  contiguous.cu_seqlens_k = cu_k.data();
+  contiguous.total_k = 20;
+  a = contiguous;
+  refused("on paged k and v");
 }
 
 TEST_F(CpuAttentionTest, PagedRejectsBadPageTables) {

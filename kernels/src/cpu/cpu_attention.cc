@@ -285,6 +285,27 @@ class Runner {
   char* scratch_base_;
 };
 
+// The rows args appends (PagedKv::append_k / append_v) into their page rows, before the
+// attention reads them there.
+void WriteAppendedRows(const AttentionArgs& a) {
+  const PagedKv& p = a.paged;
+  const size_t row_bytes = DTypeSize(a.dtype) * size_t(a.num_kv_heads) * a.head_dim;
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int64_t s_q = a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b];
+    const int64_t off = p.seqlens_k[b] - s_q;
+    for (int64_t i = 0; i < s_q; ++i) {
+      const int64_t j = off + i;
+      const int64_t row =
+          int64_t(p.page_indices[p.page_indptr[b] + j / p.page_size]) * p.page_size + j % p.page_size;
+      const size_t src = size_t(a.cu_seqlens_q[b] + i) * row_bytes;
+      std::memcpy(static_cast<char*>(const_cast<void*>(a.k)) + row * row_bytes,
+                  static_cast<const char*>(p.append_k) + src, row_bytes);
+      std::memcpy(static_cast<char*>(const_cast<void*>(a.v)) + row * row_bytes,
+                  static_cast<const char*>(p.append_v) + src, row_bytes);
+    }
+  }
+}
+
 }  // namespace
 
 Status CanImplement(const AttentionArgs& args) {
@@ -314,6 +335,7 @@ Status Run(const AttentionArgs& args, void* workspace, CpuThreadPool* pool) {
   Status st = CanImplement(args);
   if (!st.ok()) return st;
   if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
+  if (Appends(args.paged)) WriteAppendedRows(args);
   Runner runner(args, static_cast<char*>(workspace));
   const int64_t items = runner.NumItems();
   if (pool) {

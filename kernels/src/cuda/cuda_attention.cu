@@ -194,6 +194,8 @@ DecodeParams MakeDecodeParams(const AttentionArgs& a, const Plan& plan, void* wo
   p.seqlens_k = f.seqlens_k;
   p.page_size = f.page_size;
   p.page_shift = f.page_shift;
+  p.append_k = a.paged.append_k;
+  p.append_v = a.paged.append_v;
   p.batch = a.batch;
   p.total_q = a.total_q;
   p.num_heads = a.num_heads;
@@ -476,6 +478,18 @@ Status CanImplement(const AttentionArgs& args) {
   if (args.batch > 65535 || args.num_heads > 65535 || args.num_kv_heads > 65535) {
     return {StatusCode::kInvalidArgument, "CUDA backend: batch and num_heads must be <= 65535 (grid limit)"};
   }
+  if (Appends(args.paged)) {
+    if (args.max_seqlen_q > kDecodeMaxSeqlenQ) {
+      return {StatusCode::kUnimplemented,
+              "CUDA backend: paged.append_k and append_v are written by the decode kernel, for at "
+              "most " + std::to_string(kDecodeMaxSeqlenQ) + " queries per sequence"};
+    }
+    if (reinterpret_cast<uintptr_t>(args.paged.append_k) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(args.paged.append_v) % 16 != 0) {
+      return {StatusCode::kInvalidArgument,
+              "CUDA backend: paged.append_k and append_v must be 16-byte aligned"};
+    }
+  }
   if (IsFp8Kv(args) && args.max_seqlen_q > kDecodeMaxSeqlenQ) {
     // The forward path: K/V converted to 16 bits into [batch * max_seqlen_k] rows (paged) or
     // [total_k] rows, then a forward kernel of this head dim.
@@ -730,6 +744,7 @@ cudaError_t Run(const AttentionArgs& args, const Plan& plan, void* workspace, cu
     return cudaErrorInvalidValue;  // a plan of other arguments
   }
   if (plan.fp8_dequant) return RunFp8Forward(args, plan, workspace, stream);
+  if (Appends(args.paged) && plan.kernel != Plan::Kernel::kDecode) return cudaErrorInvalidValue;
   cudaError_t err;
   switch (plan.kernel) {
     case Plan::Kernel::kDecode: {

@@ -15,6 +15,9 @@
 //    tile (contiguous: k_start + j; paged: page * page_size + j % page_size), shuffled to the
 //    lanes that copy that row. For paged K/V the page number of the next tile is loaded one
 //    iteration ahead, so the page-table read latency stays off the load path.
+//  - A session's step may hand its new rows over (p.append_k): they are read from there, and one
+//    CTA per (sequence, KV head) writes them into their pages, which saves a copy kernel (and its
+//    place in the step's chain of device operations).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -79,6 +82,30 @@ __device__ __forceinline__ int PageOf(const int32_t* pages, int j, int page_size
 }
 __device__ __forceinline__ int InPage(int j, int page_size, int shift) {
   return shift >= 0 ? (j & (page_size - 1)) : (j % page_size);
+}
+
+// The rows sequence (q_start, s_q) appends, KV head hk: row i of ak / av (16-byte chunks) into the
+// page row of key off + i, by the CTA's threads.
+template <typename Tr>
+__device__ __forceinline__ void AppendRows(const DecodeParams& p, const typename Tr::T* ak,
+                                           const typename Tr::T* av, const int32_t* pages,
+                                           int q_start, int s_q, int off, int hk) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim;
+  constexpr int CPR = Tr::kCPR;
+  T* k = reinterpret_cast<T*>(const_cast<void*>(p.k));
+  T* v = reinterpret_cast<T*>(const_cast<void*>(p.v));
+  for (int idx = threadIdx.x; idx < s_q * CPR; idx += Tr::kThreads) {
+    const int i = idx / CPR;
+    const int c = idx % CPR;
+    const int j = off + i;
+    const int64_t row = int64_t(PageOf(pages, j, p.page_size, p.page_shift)) * p.page_size +
+                        InPage(j, p.page_size, p.page_shift);
+    const int64_t dst = row * p.kv_row_stride + int64_t(hk) * D + c * 8;
+    const int64_t src = int64_t(q_start + i) * p.kv_row_stride + int64_t(hk) * D + c * 8;
+    *reinterpret_cast<uint4*>(k + dst) = *reinterpret_cast<const uint4*>(ak + src);
+    *reinterpret_cast<uint4*>(v + dst) = *reinterpret_cast<const uint4*>(av + src);
+  }
 }
 
 template <typename Tr, bool kPaged>
@@ -148,6 +175,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     }
   }
 
+  // Rows this call appends (p.append_k): keys j >= off come from them, and the first CTA of the
+  // (sequence, KV head) writes them into their page rows. No CTA of this grid reads those page
+  // rows, so the writes need no ordering against the loads.
+  const T* ak = reinterpret_cast<const T*>(p.append_k);
+  const T* av = reinterpret_cast<const T*>(p.append_v);
+  if constexpr (kPaged) {
+    if (ak != nullptr && split == 0 && mb == 0) AppendRows<Tr>(p, ak, av, pages, q_start, s_q, off, hk);
+  }
+
   // Q: 16 packed rows (zero-filled past the block's valid rows), one cp.async group.
   const T* gq = reinterpret_cast<const T*>(p.q);
   for (int idx = tid; idx < Tr::kRows * CPR; idx += Tr::kThreads) {
@@ -168,15 +204,19 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const T* gk = reinterpret_cast<const T*>(p.k) + int64_t(hk) * D;
   const T* gv = reinterpret_cast<const T*>(p.v) + int64_t(hk) * D;
   const int64_t kv_stride = p.kv_row_stride;
+  const T* ak_head = ak + int64_t(hk) * D;  // used only where ak is set
+  const T* av_head = av + int64_t(hk) * D;
 
   auto tile_start = [&](int k) { return tile0 + (warp + k * NW) * W; };
   // Lane r's key of tile k, if it is in [c_lo, c_hi).
   auto key_ok = [&](int j) { return j >= c_lo && j < c_hi; };
-  // Row index of lane's key of tile k (-1: not loaded, zero-filled).
+  // Row index of lane's key of tile k (-1: not loaded, zero-filled; -2 - t: row t of the
+  // appended rows).
   auto row_index = [&](int k, int page) -> int {
     const int j = tile_start(k) + lane;
     if (lane >= W || !key_ok(j)) return -1;
     if constexpr (kPaged) {
+      if (ak != nullptr && j >= off) return -2 - (q_start + j - off);
       return page * p.page_size + InPage(j, p.page_size, p.page_shift);
     } else {
       return k_start + j;
@@ -198,10 +238,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
       const int r = idx / CPR;
       const int c = idx % CPR;
       const int rr = __shfl_sync(0xffffffffu, ri, r);
-      const bool ok = rr >= 0;
-      const int64_t goff = int64_t(ok ? rr : 0) * kv_stride + c * 8;
-      ptx::CpAsync16(stage_addr + Tr::Offset(r, c), gk + goff, ok);
-      ptx::CpAsync16(stage_addr + Tr::kTileBytes + Tr::Offset(r, c), gv + goff, ok);
+      const bool ok = rr != -1;
+      const bool appended = kPaged && rr < -1;
+      const int64_t goff = int64_t(appended ? -2 - rr : (ok ? rr : 0)) * kv_stride + c * 8;
+      ptx::CpAsync16(stage_addr + Tr::Offset(r, c), (appended ? ak_head : gk) + goff, ok);
+      ptx::CpAsync16(stage_addr + Tr::kTileBytes + Tr::Offset(r, c), (appended ? av_head : gv) + goff,
+                     ok);
     }
   };
 

@@ -68,6 +68,12 @@ struct DecodeParams {
   const int32_t* seqlens_k = nullptr;
   int32_t page_size = 0;
   int32_t page_shift = -1;  // log2(page_size) when it is a power of two, else -1
+  // Rows the call appends (PagedKv::append_k / append_v; 16-bit paged K/V only): key j >= s_k - s_q
+  // of sequence b is read from row cu_seqlens_q[b] + j - (s_k - s_q) of these ([total_q,
+  // num_kv_heads, head_dim], row stride kv_row_stride), and CTA (0, KV head, b) writes those rows
+  // into their page rows.
+  const void* append_k = nullptr;
+  const void* append_v = nullptr;
 
   int32_t batch = 0;
   int32_t total_q = 0;

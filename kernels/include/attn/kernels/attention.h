@@ -61,7 +61,19 @@ struct PagedKv {
   const int32_t* page_indptr = nullptr;  // [batch + 1], page_indptr[0] == 0
   const int32_t* page_indices = nullptr; // [page_indptr[batch]], each in [0, num_pages)
   const int32_t* seqlens_k = nullptr;    // [batch], keys of each sequence
+  // Rows appended by this call (a session's step), both set or neither: the keys and values of
+  // the last s_q positions of each sequence, [total_q, num_kv_heads, head_dim] with row t for
+  // query token t. They are read from here, not from the pages, and written into their page rows
+  // (through the page table) by the same call, so that a step needs no copy of its own before
+  // its attention. The pools k and v are then written: the caller owns those rows, and nothing
+  // else reads or writes them until the call has completed. 16-bit K/V only; on the CUDA backend
+  // the decode kernel's (max_seqlen_q <= kDecodeMaxSeqlenQ), 16-byte aligned.
+  const void* append_k = nullptr;
+  const void* append_v = nullptr;
 };
+
+// True when args appends rows to its pages (PagedKv::append_k and append_v).
+inline bool Appends(const PagedKv& p) { return p.append_k != nullptr || p.append_v != nullptr; }
 
 // Scales of FP8 K/V (AttentionArgs::kv_dtype == DType::kFloat8E4M3): the value of e4m3 code c of k
 // in sequence b, KV head g is E4M3(c) * k[b * num_kv_heads + g], and of v likewise with v. One
