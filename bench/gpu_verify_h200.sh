@@ -87,7 +87,7 @@ steps() {
     local flags=() tag="lanes$lanes"
     if [ "$variant" != - ]; then
       IFS=, read -r -a flags <<<"$variant"
-      tag="$tag${variant//[^a-z0-9=]/_}"
+      tag="$tag${variant//[^a-z0-9]/_}"
     fi
     [ "${STEP_ROUNDS:-1}" -gt 1 ] && tag="$tag-r$round"
     local log=$out/steps/attnd-$tag.log

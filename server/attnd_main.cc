@@ -60,6 +60,10 @@ ABSL_FLAG(int64_t, step_idle_poll_us, kDefaults.step_idle_poll_us,
 ABSL_FLAG(bool, step_append_in_kernel, kDefaults.step_append_in_kernel,
           "CUDA backend: a 16-bit decode step's new keys and values are written into their pages "
           "by the decode kernel itself (false: by a copy kernel launched before it)");
+ABSL_FLAG(bool, step_output_to_host, kDefaults.step_output_to_host,
+          "CUDA backend: a small decode step launch's o and lse (up to 64 KiB) are written by the "
+          "decode kernel straight into the pinned host memory they are answered from (false: "
+          "copied there after it)");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
@@ -187,6 +191,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.streams = absl::GetFlag(FLAGS_streams);
   o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
   o.step_append_in_kernel = absl::GetFlag(FLAGS_step_append_in_kernel);
+  o.step_output_to_host = absl::GetFlag(FLAGS_step_output_to_host);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);

@@ -24,7 +24,7 @@ absl::StatusOr<std::shared_ptr<CudaDeviceState>> CudaDeviceState::Create(
   PinnedPool::Allocator host_alloc{
       [](size_t bytes) -> void* {
         void* p = nullptr;
-        return cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess ? p : nullptr;
+        return cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped) == cudaSuccess ? p : nullptr;
       },
       [](void* p) { cudaFreeHost(p); }};
   ASSIGN_OR_RETURN(std::unique_ptr<PinnedPool> pinned,

@@ -19,6 +19,12 @@ namespace {
 // D2H) copy costs less than a copy call of its own.
 constexpr size_t kDirectStepBytes = size_t{64} << 10;
 
+// The decode kernel writes a launch's outputs straight into the pinned output staging up to
+// this size: a copy call and its place in the launch's chain cost more than the kernel's stores
+// over the bus. Beyond it (a BatchStep of 64 steps: 512 KiB of o) the stores slow the kernel by
+// about what the copy would take (H100: +58 us of kernel, -53 us of copy), so the copy stays.
+constexpr size_t kHostOutputBytes = size_t{64} << 10;
+
 // Launches of at most this many steps are latency-bound: polled from the start.
 constexpr size_t kPolledLaunchSteps = 4;
 
@@ -83,6 +89,17 @@ void ForEachInput(const StepLaunch& l, Fn&& fn) {
     k_at += job.KvBytes();
     v_at += job.KvBytes();
   }
+}
+
+// Whether every output of the launch comes back through its output staging (no region takes
+// one straight from the device).
+bool AllOutputsStaged(const StepLaunch& l) {
+  if (l.in_place || !l.staged_out) return false;
+  for (size_t m = 0; m < l.members.size(); ++m) {
+    const StepRoute& r = l.routes[m];
+    if (r.o || (l.members[m]->return_lse && r.lse)) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -220,6 +237,7 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
 absl::Status CudaStepDevice::Init(const Options& options) {
   plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
   append_in_kernel_ = options.append_in_kernel;
+  output_to_host_ = options.output_to_host;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
@@ -350,11 +368,17 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   const BatchKey& key = l.key;
   cudaStream_t stream = lane.stream;
   DevicePool* pool = &state_->device_pool();
-  // The device's output: o and lse of the whole launch (a launch in place writes its member's
-  // regions instead).
+  kernels::AttentionArgs args = l.HostArgs();
+  // The decode kernel writes o and lse straight into the pinned output staging (mapped into the
+  // device's address space), which saves the copy back and its place in the launch's chain.
+  const bool host_out = output_to_host_ && s.out_bytes <= kHostOutputBytes && AllOutputsStaged(l) &&
+                        kernels::cuda::UsesDecodeKernel(args);
+  // The device's output otherwise: o and lse of the whole launch (a launch in place writes its
+  // member's regions instead).
   const size_t tokens = l.in_place ? 0 : size_t(l.total_q);
-  const size_t dev_out_bytes =
-      l.in_place ? 0 : s.lse + (l.any_lse ? sizeof(float) * key.num_heads * tokens : 0);
+  const size_t dev_out_bytes = l.in_place || host_out
+                                   ? 0
+                                   : s.lse + (l.any_lse ? sizeof(float) * key.num_heads * tokens : 0);
   // The segment table of the tensors in GPU regions rides behind the staging's device copy.
   const int32_t segments = l.in_place ? 0 : CountSegments(l);
   const size_t table_at = (s.in_bytes + 15) / 16 * 16;
@@ -370,12 +394,12 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   const int32_t input_segments = segments > 0 ? FillSegments(l, in, dev_out, host_table) : 0;
   const StepJob& first = *l.members.front();
 
-  kernels::AttentionArgs args = l.HostArgs();
   args.q = l.in_place ? first.q_bytes.data() : in + s.q;
   args.k = kv_.k;
   args.v = kv_.v;
-  args.o = l.in_place ? first.o_out : dev_out + s.o;
-  float* dev_lse = l.in_place ? nullptr : reinterpret_cast<float*>(dev_out + s.lse);
+  char* out_base = host_out ? l.out.data : dev_out;
+  args.o = l.in_place ? first.o_out : out_base + s.o;
+  float* dev_lse = l.in_place ? nullptr : reinterpret_cast<float*>(out_base + s.lse);
   args.lse = !l.any_lse ? nullptr : l.in_place ? reinterpret_cast<float*>(first.lse_out) : dev_lse;
   args.cu_seqlens_q = reinterpret_cast<const int32_t*>(in + s.cu_q);
   args.paged.page_indptr = reinterpret_cast<const int32_t*>(in + s.indptr);
@@ -389,6 +413,9 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   kernels::cuda::Plan plan;
   char* workspace = nullptr;
   RETURN_IF_ERROR(PlanLaunch(args, lane, &plan, &workspace));
+  if (host_out && plan.kernel != kernels::cuda::Plan::Kernel::kDecode) {
+    return absl::InternalError("a decode-shaped step launch was planned off the decode kernel");
+  }
   const char* new_k = l.in_place ? first.k_bytes.data() : in + s.k;
   const char* new_v = l.in_place ? first.v_bytes.data() : in + s.v;
 
@@ -435,7 +462,7 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   RETURN_IF_CUDA_ERROR("attention kernel",
                        kernels::cuda::Run(args, plan, workspace, stream));
   RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[2], stream));
-  if (!l.in_place) {
+  if (!l.in_place && !host_out) {
     RETURN_IF_ERROR(CopyOutputs(l, dev_out, dev_table + input_segments, segments - input_segments,
                                 stream));
   }

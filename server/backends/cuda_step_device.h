@@ -35,6 +35,10 @@ class CudaStepDevice : public StepDevice {
     // 16-bit decode launches: the new rows written into their pages by the decode kernel
     // (kernels::PagedKv::append_k), not by a copy kernel before it.
     bool append_in_kernel = true;
+    // Small decode launches whose outputs all come back through the output staging: o and lse
+    // written by the decode kernel straight into that (pinned, mapped) staging, with no copy
+    // after it.
+    bool output_to_host = true;
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
@@ -119,6 +123,7 @@ class CudaStepDevice : public StepDevice {
   std::shared_ptr<CudaDeviceState> state_;
   kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
   bool append_in_kernel_ = true;              // Options::append_in_kernel
+  bool output_to_host_ = true;                // Options::output_to_host
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

@@ -27,6 +27,9 @@ struct ServerOptions {
   // A 16-bit decode step's new rows written into their pages by the decode kernel itself (one
   // device operation fewer per launch); false: by a copy kernel before it.
   bool step_append_in_kernel = true;
+  // A small decode step launch's o and lse (up to 64 KiB) written by the decode kernel straight
+  // into the pinned host memory they are answered from; false: copied there after the kernel.
+  bool step_output_to_host = true;
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
   // CUDA backend, FP8 attention of more than 16 queries per sequence (all-FP8 Attend, and steps

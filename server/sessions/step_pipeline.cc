@@ -118,6 +118,7 @@ void StepPipeline::RunBatch(JobBatch batch, std::function<void(const BatchReport
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back({JobsAs<StepJob>(std::move(batch)), std::move(on_finished)});
+    queued_.store(queue_.size(), std::memory_order_relaxed);
   }
   cv_.notify_one();
 }
@@ -139,6 +140,7 @@ void StepPipeline::LaneLoop(int lane) {
       if (queue_.empty()) return;  // stopping with nothing left
       work = std::move(queue_.front());
       queue_.pop_front();
+      queued_.store(queue_.size(), std::memory_order_relaxed);
     }
     RunOnLane(lane, std::move(work));
   }
@@ -356,15 +358,16 @@ void StepPipeline::EndLaunch(const StepLaunch& l, const absl::Status& st) {
 void StepPipeline::Finish(std::vector<std::unique_ptr<StepJob>> batch,
                           std::vector<absl::Status> status) {
   const size_t n = batch.size();
-  if (n <= kFinishOnLaneSteps || FromAtMostCalls(batch, kFinishOnLaneCalls)) {
+  const bool others_wait = queued_.load(std::memory_order_relaxed) > 0;
+  if (!others_wait && (n <= kFinishOnLaneSteps || FromAtMostCalls(batch, kFinishOnLaneCalls))) {
     for (size_t i = 0; i < n; ++i) {
       batch[i]->done(std::move(status[i]));
       batch[i].reset();
     }
     return;
   }
-  // Many steps: their callers are told over the completion pool, in parallel, while this lane
-  // takes its next launch. Each task owns its range of jobs; a job is destroyed (its pending
+  // Many steps, or a batch waiting for this lane: the callers are told over the completion pool,
+  // in parallel, while this lane takes its next launch. Each task owns its range of jobs; a job is destroyed (its pending
   // count released) right after its caller is told.
   struct Shared {
     std::vector<std::unique_ptr<StepJob>> batch;

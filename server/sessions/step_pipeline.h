@@ -17,6 +17,7 @@
 // device is borrowed and must outlive it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -76,7 +77,8 @@ class StepPipeline : public BatchRunner {
   // Commits (ok) or aborts every member's append and, on success, hands each its outputs.
   void EndLaunch(const StepLaunch& launch, const absl::Status& st);
   // Tells each job's caller: on this lane for a small launch or one of a call or two (a
-  // BatchStep), else over the completion pool.
+  // BatchStep) while no other batch waits for a lane, else over the completion pool (so that
+  // the lane goes on to the waiting batch at once).
   void Finish(std::vector<std::unique_ptr<StepJob>> batch, std::vector<absl::Status> status);
 
   StepDevice* const device_;
@@ -86,6 +88,7 @@ class StepPipeline : public BatchRunner {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Work> queue_;
+  std::atomic<size_t> queued_{0};  // queue_.size(), read without the lock
   bool stop_ = false;
   std::vector<std::thread> lanes_;
 };

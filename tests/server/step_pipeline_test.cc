@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <condition_variable>
 #include <atomic>
 #include <cmath>
 #include <deque>
@@ -15,6 +16,7 @@
 #include <future>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "backends/cpu_backend.h"
@@ -52,6 +54,11 @@ class BoundedDevice : public StepDevice {
     if (static_cast<int>(launch.members.size()) > max_members.load()) {
       return absl::ResourceExhaustedError("device pool exhausted (test)");
     }
+    {
+      std::unique_lock<std::mutex> lock(gate_mu_);
+      lane_threads.insert(std::this_thread::get_id());
+      gate_cv_.wait(lock, [&] { return open; });
+    }
     launches.fetch_add(1);
     if (lanes == 0) return inner_->Launch(lane, launch);
     std::lock_guard<std::mutex> lock(mu_);
@@ -64,6 +71,19 @@ class BoundedDevice : public StepDevice {
     if (lanes > 0) return times_[lane];
     return inner_->Wait(lane, launch);
   }
+  // Launches wait until open (set under gate_mu_, then Open()); the threads they ran on.
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(gate_mu_);
+      open = true;
+    }
+    gate_cv_.notify_all();
+  }
+  bool open = true;
+  std::set<std::thread::id> lane_threads;  // under gate_mu_
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+
   int lanes = 0;
   std::atomic<int> max_members{1 << 20};
   std::atomic<bool> fail_next{false};
@@ -280,6 +300,44 @@ TEST_F(StepPipelineTest, IdleLanesThatPollTakeEveryLaunch) {
     EXPECT_EQ(failed.load(), 0);
     for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), kSteps);
   }
+}
+
+// A lone launch tells its caller on the lane; one that ends while another batch waits for the
+// lane hands its callers to the completion pool, and the lane takes the waiting batch at once.
+TEST_F(StepPipelineTest, ALaunchWithBatchesWaitingTellsItsCallersOffTheLane) {
+  device_->lanes = 1;
+  pipeline_ = *StepPipeline::Create({}, device_.get());
+  std::vector<std::shared_ptr<Session>> sessions;
+  for (int i = 0; i < 3; ++i) sessions.push_back(NewSession());
+  std::vector<std::promise<std::thread::id>> told(3);
+  auto submit = [&](int i) {
+    std::unique_ptr<StepJob> job = Step(sessions[i], 1, 50 + i);
+    Session* session = sessions[i].get();
+    job->done = [&told, i, session](absl::Status st) {
+      EXPECT_TRUE(st.ok()) << st;
+      session->ReleaseLayer(0);
+      told[i].set_value(std::this_thread::get_id());
+    };
+    ASSERT_TRUE(session->AcquireLayer(0, [] {}));
+    JobBatch batch;
+    batch.push_back(std::move(job));
+    pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
+  };
+  {
+    std::lock_guard<std::mutex> lock(device_->gate_mu_);
+    device_->open = false;  // the first launch waits until the other two are queued
+  }
+  for (int i = 0; i < 3; ++i) submit(i);
+  device_->Open();
+  std::vector<std::thread::id> threads;
+  for (auto& t : told) threads.push_back(t.get_future().get());
+  std::lock_guard<std::mutex> lock(device_->gate_mu_);
+  ASSERT_EQ(device_->lane_threads.size(), 1u);
+  const std::thread::id lane = *device_->lane_threads.begin();
+  EXPECT_NE(threads[0], lane) << "the first launch ended with two batches waiting";
+  EXPECT_NE(threads[1], lane) << "the second launch ended with one batch waiting";
+  EXPECT_EQ(threads[2], lane) << "the last launch ended with none waiting";
+  for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), 1);
 }
 
 // The FP8 cache's quantization of 16-bit k_new/v_new: for every bf16 and every fp16 bit pattern
