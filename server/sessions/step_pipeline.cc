@@ -14,13 +14,6 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// Launches of at most this many steps are latency-bound: their callers are told on the lane,
-// with no hop to another thread.
-constexpr size_t kFinishOnLaneSteps = 4;
-// The same for launches whose steps come from at most this many calls (BatchSteps: telling a
-// step is cheap but for the last of its call, which answers it).
-constexpr size_t kFinishOnLaneCalls = 2;
-
 // Whether the batch's steps come from at most `most` calls (the messages they hold); a step that
 // holds none counts as a call of its own.
 bool FromAtMostCalls(std::span<const std::unique_ptr<StepJob>> batch, size_t most) {
@@ -358,16 +351,19 @@ void StepPipeline::EndLaunch(const StepLaunch& l, const absl::Status& st) {
 void StepPipeline::Finish(std::vector<std::unique_ptr<StepJob>> batch,
                           std::vector<absl::Status> status) {
   const size_t n = batch.size();
+  // One call's steps (a lone Step, or a BatchStep's) are told on the lane, with no hop to another
+  // thread: telling a step is cheap but for the last of its call, which answers it (encodes
+  // and sends ~8 KiB and more, 15-40 us). Several calls' answers go out in parallel on the pool.
   const bool others_wait = queued_.load(std::memory_order_relaxed) > 0;
-  if (!others_wait && (n <= kFinishOnLaneSteps || FromAtMostCalls(batch, kFinishOnLaneCalls))) {
+  if (!others_wait && FromAtMostCalls(batch, 1)) {
     for (size_t i = 0; i < n; ++i) {
       batch[i]->done(std::move(status[i]));
       batch[i].reset();
     }
     return;
   }
-  // Many steps, or a batch waiting for this lane: the callers are told over the completion pool,
-  // in parallel, while this lane takes its next launch. Each task owns its range of jobs; a job is destroyed (its pending
+  // Several calls, or a batch waiting for this lane: the callers are told over the completion
+  // pool, in parallel, while this lane takes its next launch. Each task owns its range of jobs; a job is destroyed (its pending
   // count released) right after its caller is told.
   struct Shared {
     std::vector<std::unique_ptr<StepJob>> batch;

@@ -41,8 +41,8 @@ namespace attn {
 class StepPipeline : public BatchRunner {
  public:
   struct Options {
-    // Threads that finish the steps of large launches (copy the lse, tell the callers) in
-    // parallel while the lane goes on to its next launch.
+    // Threads that tell the callers of launches of several calls (each answer encoded and sent)
+    // in parallel while the lane goes on to its next launch.
     int completion_threads = 2;
     // How long a lane that has just finished a launch looks for the next batch (yielding the
     // core) before it sleeps: a lone caller's next step, coming one network round trip later,
@@ -76,9 +76,9 @@ class StepPipeline : public BatchRunner {
   absl::Status PlanAndStage(int lane, std::span<StepJob* const> members, StepLaunch* launch);
   // Commits (ok) or aborts every member's append and, on success, hands each its outputs.
   void EndLaunch(const StepLaunch& launch, const absl::Status& st);
-  // Tells each job's caller: on this lane for a small launch or one of a call or two (a
-  // BatchStep) while no other batch waits for a lane, else over the completion pool (so that
-  // the lane goes on to the waiting batch at once).
+  // Tells each job's caller: on this lane when its steps are one call's (a lone Step, or a
+  // BatchStep's) and no other batch waits for a lane, else over the completion pool (several
+  // answers sent in parallel, and the lane free for the waiting batch at once).
   void Finish(std::vector<std::unique_ptr<StepJob>> batch, std::vector<absl::Status> status);
 
   StepDevice* const device_;

@@ -340,6 +340,45 @@ TEST_F(StepPipelineTest, ALaunchWithBatchesWaitingTellsItsCallersOffTheLane) {
   for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), 1);
 }
 
+// With no batch waiting, one call's steps are told on the lane, several calls' off it (their
+// answers sent in parallel).
+TEST_F(StepPipelineTest, SeveralCallsOfOneLaunchAreToldOffTheLane) {
+  device_->lanes = 1;
+  pipeline_ = *StepPipeline::Create({}, device_.get());
+  for (const bool one_call : {true, false}) {
+    std::vector<std::shared_ptr<Session>> sessions;
+    for (int i = 0; i < 3; ++i) sessions.push_back(NewSession());
+    std::vector<std::promise<std::thread::id>> told(3);
+    auto call = std::make_shared<int>(0);  // what a BatchStep's steps hold in common
+    JobBatch batch;
+    for (int i = 0; i < 3; ++i) {
+      std::unique_ptr<StepJob> job = Step(sessions[i], 1, 70 + i);
+      if (one_call) job->input_hold = call;
+      Session* session = sessions[i].get();
+      job->done = [&told, i, session](absl::Status st) {
+        EXPECT_TRUE(st.ok()) << st;
+        session->ReleaseLayer(0);
+        told[i].set_value(std::this_thread::get_id());
+      };
+      ASSERT_TRUE(session->AcquireLayer(0, [] {}));
+      batch.push_back(std::move(job));
+    }
+    pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
+    std::vector<std::thread::id> threads;
+    for (auto& t : told) threads.push_back(t.get_future().get());
+    std::lock_guard<std::mutex> lock(device_->gate_mu_);
+    ASSERT_EQ(device_->lane_threads.size(), 1u);
+    const std::thread::id lane = *device_->lane_threads.begin();
+    for (const std::thread::id& t : threads) {
+      if (one_call) {
+        EXPECT_EQ(t, lane) << "one call's steps";
+      } else {
+        EXPECT_NE(t, lane) << "three calls' steps";
+      }
+    }
+  }
+}
+
 // The FP8 cache's quantization of 16-bit k_new/v_new: for every bf16 and every fp16 bit pattern
 // over several scales (subnormal, normal, saturating and NaN results), the same codes as the
 // kernels library's FloatToE4m3Bits of the float32 quotient, and the saturations counted.
