@@ -99,6 +99,7 @@ class CudaStepDevice : public StepDevice {
     // least how long the next one will take.
     double device_us_per_byte = 0;
     double expected_bytes = 0;  // of the launch in flight
+    bool copies_out = true;     // the launch in flight copies outputs after its kernel
   };
 
   CudaStepDevice(std::shared_ptr<CudaDeviceState> state) : state_(std::move(state)) {}
