@@ -570,20 +570,29 @@ TEST_F(CpuAttentionTest, PagedAppendedRowsAreReadAndWritten) {
   }
 }
 
-TEST_F(CpuAttentionTest, PagedAppendRefusals) {
-  std::vector<uint16_t> buf(4 * 16 * 2 * 64);
-  const std::vector<int32_t> cu_q = {0, 2};
-  std::vector<int32_t> indptr = {0, 2}, indices = {1, 0}, seqlens = {20};
+// One bf16 sequence of cu_q.back() queries (4 heads, 2 KV heads, d = 64) over a 4-page pool of
+// 16-token pages, every tensor in buf: arguments for the CanImplement checks.
+AttentionArgs SmallPagedArgs(std::vector<uint16_t>& buf, const std::vector<int32_t>& cu_q,
+                             std::vector<int32_t>& indptr, std::vector<int32_t>& indices,
+                             std::vector<int32_t>& seqlens) {
   AttentionArgs a;
   a.q = a.k = a.v = buf.data();
   a.o = buf.data();
   a.cu_seqlens_q = cu_q.data();
-  a.total_q = a.max_seqlen_q = 2;
+  a.total_q = a.max_seqlen_q = cu_q.back();
   a.max_seqlen_k = 20;
   a.num_heads = 4;
   a.num_kv_heads = 2;
   a.head_dim = 64;
   a.paged = {16, 4, indptr.data(), indices.data(), seqlens.data()};
+  return a;
+}
+
+TEST_F(CpuAttentionTest, PagedAppendRefusals) {
+  std::vector<uint16_t> buf(4 * 16 * 2 * 64);
+  const std::vector<int32_t> cu_q = {0, 2};
+  std::vector<int32_t> indptr = {0, 2}, indices = {1, 0}, seqlens = {20};
+  AttentionArgs a = SmallPagedArgs(buf, cu_q, indptr, indices, seqlens);
   a.paged.append_k = a.paged.append_v = buf.data();
   EXPECT_TRUE(kernels::cpu::CanImplement(a).ok()) << kernels::cpu::CanImplement(a).message();
   auto refused = [&](const char* words) {
@@ -621,16 +630,7 @@ TEST_F(CpuAttentionTest, PagedRejectsBadPageTables) {
   std::vector<uint16_t> buf(4 * 16 * 2 * 64);
   const std::vector<int32_t> cu_q = {0, 1};
   std::vector<int32_t> indptr = {0, 2}, indices = {1, 0}, seqlens = {20};
-  AttentionArgs a;
-  a.q = a.k = a.v = buf.data();
-  a.o = buf.data();
-  a.cu_seqlens_q = cu_q.data();
-  a.total_q = a.max_seqlen_q = 1;
-  a.max_seqlen_k = 20;
-  a.num_heads = 4;
-  a.num_kv_heads = 2;
-  a.head_dim = 64;
-  a.paged = {16, 4, indptr.data(), indices.data(), seqlens.data()};
+  AttentionArgs a = SmallPagedArgs(buf, cu_q, indptr, indices, seqlens);
   EXPECT_TRUE(kernels::cpu::CanImplement(a).ok()) << kernels::cpu::CanImplement(a).message();
   indices = {1, 4};  // page out of the pool
   EXPECT_EQ(kernels::cpu::CanImplement(a).code(), kernels::StatusCode::kInvalidArgument);

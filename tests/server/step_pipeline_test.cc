@@ -145,6 +145,27 @@ class StepPipelineTest : public ::testing::Test {
     return job;
   }
 
+  // A one-token step of s holding its layer, whose done() says on which thread it ran.
+  std::unique_ptr<StepJob> ToldStep(std::shared_ptr<Session> s, uint64_t seed,
+                                    std::promise<std::thread::id>* told) {
+    Session* session = s.get();
+    std::unique_ptr<StepJob> job = Step(std::move(s), 1, seed);
+    job->done = [told, session](absl::Status st) {
+      EXPECT_TRUE(st.ok()) << st;
+      session->ReleaseLayer(0);
+      told->set_value(std::this_thread::get_id());
+    };
+    EXPECT_TRUE(session->AcquireLayer(0, [] {}));
+    return job;
+  }
+
+  // The one thread the device's launches ran on (a pipeline of one lane).
+  std::thread::id LaneThread() {
+    std::lock_guard<std::mutex> lock(device_->gate_mu_);
+    EXPECT_EQ(device_->lane_threads.size(), 1u);
+    return device_->lane_threads.empty() ? std::thread::id() : *device_->lane_threads.begin();
+  }
+
   // Runs jobs as one batch (each holds its layer for it); returns each step's status and o.
   std::vector<std::pair<absl::Status, std::string>> Run(std::vector<std::unique_ptr<StepJob>> jobs) {
     std::vector<std::pair<absl::Status, std::string>> out(jobs.size());
@@ -311,16 +332,8 @@ TEST_F(StepPipelineTest, ALaunchWithBatchesWaitingTellsItsCallersOffTheLane) {
   for (int i = 0; i < 3; ++i) sessions.push_back(NewSession());
   std::vector<std::promise<std::thread::id>> told(3);
   auto submit = [&](int i) {
-    std::unique_ptr<StepJob> job = Step(sessions[i], 1, 50 + i);
-    Session* session = sessions[i].get();
-    job->done = [&told, i, session](absl::Status st) {
-      EXPECT_TRUE(st.ok()) << st;
-      session->ReleaseLayer(0);
-      told[i].set_value(std::this_thread::get_id());
-    };
-    ASSERT_TRUE(session->AcquireLayer(0, [] {}));
     JobBatch batch;
-    batch.push_back(std::move(job));
+    batch.push_back(ToldStep(sessions[i], 50 + i, &told[i]));
     pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
   };
   {
@@ -331,9 +344,7 @@ TEST_F(StepPipelineTest, ALaunchWithBatchesWaitingTellsItsCallersOffTheLane) {
   device_->Open();
   std::vector<std::thread::id> threads;
   for (auto& t : told) threads.push_back(t.get_future().get());
-  std::lock_guard<std::mutex> lock(device_->gate_mu_);
-  ASSERT_EQ(device_->lane_threads.size(), 1u);
-  const std::thread::id lane = *device_->lane_threads.begin();
+  const std::thread::id lane = LaneThread();
   EXPECT_NE(threads[0], lane) << "the first launch ended with two batches waiting";
   EXPECT_NE(threads[1], lane) << "the second launch ended with one batch waiting";
   EXPECT_EQ(threads[2], lane) << "the last launch ended with none waiting";
@@ -352,23 +363,14 @@ TEST_F(StepPipelineTest, SeveralCallsOfOneLaunchAreToldOffTheLane) {
     auto call = std::make_shared<int>(0);  // what a BatchStep's steps hold in common
     JobBatch batch;
     for (int i = 0; i < 3; ++i) {
-      std::unique_ptr<StepJob> job = Step(sessions[i], 1, 70 + i);
+      std::unique_ptr<StepJob> job = ToldStep(sessions[i], 70 + i, &told[i]);
       if (one_call) job->input_hold = call;
-      Session* session = sessions[i].get();
-      job->done = [&told, i, session](absl::Status st) {
-        EXPECT_TRUE(st.ok()) << st;
-        session->ReleaseLayer(0);
-        told[i].set_value(std::this_thread::get_id());
-      };
-      ASSERT_TRUE(session->AcquireLayer(0, [] {}));
       batch.push_back(std::move(job));
     }
     pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
     std::vector<std::thread::id> threads;
     for (auto& t : told) threads.push_back(t.get_future().get());
-    std::lock_guard<std::mutex> lock(device_->gate_mu_);
-    ASSERT_EQ(device_->lane_threads.size(), 1u);
-    const std::thread::id lane = *device_->lane_threads.begin();
+    const std::thread::id lane = LaneThread();
     for (const std::thread::id& t : threads) {
       if (one_call) {
         EXPECT_EQ(t, lane) << "one call's steps";
