@@ -81,7 +81,8 @@ class CudaStepDevice : public StepDevice {
   };
   struct Lane {
     cudaStream_t stream = nullptr;
-    cudaEvent_t events[4] = {};  // start, inputs and rows in, kernel done, outputs out
+    // start, inputs in, kernel done (recorded only when outputs are copied after it), end
+    cudaEvent_t events[4] = {};
     PinnedBuffer staging;        // input staging, grown on demand, reused launch after launch
     PinnedBuffer segments;       // the segment table's host side (CopySegment), likewise
     // The device copy of the input staging, the launch's outputs, the kernel's workspace.

@@ -99,6 +99,7 @@ __device__ __forceinline__ void AppendRows(const DecodeParams& p, const typename
     const int i = idx / CPR;
     const int c = idx % CPR;
     const int j = off + i;
+    if (j < 0) continue;  // more new rows than keys (ValidatePageTable refuses it on the host)
     const int64_t row = int64_t(PageOf(pages, j, p.page_size, p.page_shift)) * p.page_size +
                         InPage(j, p.page_size, p.page_shift);
     const int64_t dst = row * p.kv_row_stride + int64_t(hk) * D + c * 8;
