@@ -14,18 +14,14 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// Whether the batch's steps come from at most `most` calls (the messages they hold); a step that
-// holds none counts as a call of its own.
-bool FromAtMostCalls(std::span<const std::unique_ptr<StepJob>> batch, size_t most) {
-  std::vector<const void*> calls;
-  size_t count = 0;
-  for (const auto& job : batch) {
-    const void* call = job->input_hold.get();
-    if (call != nullptr && std::find(calls.begin(), calls.end(), call) != calls.end()) continue;
-    if (++count > most) return false;
-    calls.push_back(call);
-  }
-  return true;
+// Whether the batch's steps are one call's (they hold the same message); a step that holds none
+// is a call of its own.
+bool FromOneCall(std::span<const std::unique_ptr<StepJob>> batch) {
+  if (batch.size() <= 1) return true;
+  const void* call = batch.front()->input_hold.get();
+  return call != nullptr && std::all_of(batch.begin(), batch.end(), [call](const auto& job) {
+           return job->input_hold.get() == call;
+         });
 }
 
 StepLayout PlanLayout(const StepLaunch& l) {
@@ -355,7 +351,7 @@ void StepPipeline::Finish(std::vector<std::unique_ptr<StepJob>> batch,
   // thread: telling a step is cheap but for the last of its call, which answers it (encodes
   // and sends ~8 KiB and more, 15-40 us). Several calls' answers go out in parallel on the pool.
   const bool others_wait = queued_.load(std::memory_order_relaxed) > 0;
-  if (!others_wait && FromAtMostCalls(batch, 1)) {
+  if (!others_wait && FromOneCall(batch)) {
     for (size_t i = 0; i < n; ++i) {
       batch[i]->done(std::move(status[i]));
       batch[i].reset();
@@ -363,8 +359,8 @@ void StepPipeline::Finish(std::vector<std::unique_ptr<StepJob>> batch,
     return;
   }
   // Several calls, or a batch waiting for this lane: the callers are told over the completion
-  // pool, in parallel, while this lane takes its next launch. Each task owns its range of jobs; a job is destroyed (its pending
-  // count released) right after its caller is told.
+  // pool, in parallel, while this lane takes its next launch. Each task owns its range of jobs;
+  // a job is destroyed (its pending count released) right after its caller is told.
   struct Shared {
     std::vector<std::unique_ptr<StepJob>> batch;
     std::vector<absl::Status> status;

@@ -126,6 +126,12 @@ struct WorkItem {
   int64_t row0;  // first packed row of the tile: token * group + head within the group
 };
 
+// Row index (in [page rows, num_kv_heads, head_dim] units) of key j of sequence seq in the pages.
+int64_t PageRow(const PagedKv& p, int32_t seq, int64_t j) {
+  const int32_t page = p.page_indices[p.page_indptr[seq] + j / p.page_size];
+  return int64_t(page) * p.page_size + j % p.page_size;
+}
+
 class Runner {
  public:
   Runner(const AttentionArgs& a, char* workspace)
@@ -171,9 +177,7 @@ class Runner {
   // Row index (in [tokens or page rows, num_kv_heads, head_dim] units) of key j of sequence seq.
   int64_t KeyRow(int32_t seq, int64_t j) const {
     if (!IsPaged(a_)) return a_.cu_seqlens_k[seq] + j;
-    const PagedKv& p = a_.paged;
-    const int32_t page = p.page_indices[p.page_indptr[seq] + j / p.page_size];
-    return int64_t(page) * p.page_size + j % p.page_size;
+    return PageRow(a_.paged, seq, j);
   }
 
   void ComputeTile(const WorkItem& w, const Scratch& s) const {
@@ -294,9 +298,7 @@ void WriteAppendedRows(const AttentionArgs& a) {
     const int64_t s_q = a.cu_seqlens_q[b + 1] - a.cu_seqlens_q[b];
     const int64_t off = p.seqlens_k[b] - s_q;
     for (int64_t i = 0; i < s_q; ++i) {
-      const int64_t j = off + i;
-      const int64_t row =
-          int64_t(p.page_indices[p.page_indptr[b] + j / p.page_size]) * p.page_size + j % p.page_size;
+      const int64_t row = PageRow(p, b, off + i);
       const size_t src = size_t(a.cu_seqlens_q[b] + i) * row_bytes;
       std::memcpy(static_cast<char*>(const_cast<void*>(a.k)) + row * row_bytes,
                   static_cast<const char*>(p.append_k) + src, row_bytes);
