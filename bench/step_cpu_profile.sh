@@ -2,10 +2,13 @@
 # Where a GPU host's CPU goes while 64 sessions each call Step, and while they call Echo of the
 # same bytes: one attn-bench run (--sessions 64 --step_coding stub: its Steps, then its Echo),
 # `perf record -a -g` for a window inside each half, and a report per thread name and per
-# (thread name, symbol). Then the same load at each of STEP_LANES (default "2 4 8") lanes.
+# (thread name, symbol), once per set of attnd flags in PROFILE_VARIANTS (default "-": none).
+# Then the same load at each of STEP_LANES (default "2 4 8") lanes, for each set of flags in
+# STEP_VARIANTS (default "-"), the whole sweep STEP_ROUNDS (default 1) times, so that variants
+# alternate. A set of flags is comma-separated, e.g. "--step_poll_when_busy=true".
 #   . BUNDLE/env.sh && bench/step_cpu_profile.sh BUNDLE OUT_DIR
 # BUNDLE: a gpu-bundle of attnd, attnctl, attn-bench and perf (/usr/bin/perf). Writes
-# OUT_DIR/{steps,echo}-{comm,sym}.txt, OUT_DIR/profile-run.csv, OUT_DIR/lanes.csv.
+# OUT_DIR/{steps,echo}-VARIANT-{comm,sym}.txt, OUT_DIR/profile-VARIANT.csv, OUT_DIR/lanes.csv.
 set -uo pipefail
 bin=$(cd "$1" && pwd)/bin
 out=$2
@@ -31,29 +34,43 @@ stop_attnd() {  # waits until the port is free again, so that the next start can
   for _ in $(seq 100); do kill -0 "$attnd_pid" 2>/dev/null || return 0; sleep 0.1; done
 }
 
-# The run: prefill (~1 s), 0.5 s warm-up, 5 s of Steps, 0.5 s warm-up, 5 s of Echo.
-start_attnd || exit 1
-"$bin/attn-bench" "${c[@]}" --sessions 64 --step_coding stub --duration_s 5 \
-  --csv "$out/profile-run.csv" --label profile >"$out/profile-run.txt" 2>&1 &
-bench_pid=$!
-sleep 3
-"$bin/perf" record -a -g -o "$out/steps.data" -- sleep 1.5 >/dev/null 2>&1
-sleep 3
-"$bin/perf" record -a -g -o "$out/echo.data" -- sleep 1.5 >/dev/null 2>&1
-for _ in $(seq 100); do kill -0 "$bench_pid" 2>/dev/null || break; sleep 0.2; done
-stop_attnd
-for m in steps echo; do
-  "$bin/perf" report -i "$out/$m.data" --no-children --sort comm --stdio -g none 2>/dev/null |
-    grep "%" | head -30 >"$out/$m-comm.txt"
-  "$bin/perf" report -i "$out/$m.data" --no-children --sort comm,sym --stdio -g none 2>/dev/null |
-    grep "%" | head -150 >"$out/$m-sym.txt"
-  rm -f "$out/$m.data"
+# A variant's name in file names and labels: its flags with every other character dropped.
+tag_of() { [ "$1" = - ] && echo default || echo "$1" | tr -c 'a-z0-9\n' _; }
+flags_of() { [ "$1" = - ] || echo "$1" | tr , ' '; }
+
+# One run per profile variant: prefill (~1 s), 0.5 s warm-up, 5 s of Steps, 0.5 s warm-up, 5 s
+# of Echo.
+for variant in ${PROFILE_VARIANTS:--}; do
+  tag=$(tag_of "$variant")
+  # shellcheck disable=SC2046
+  start_attnd $(flags_of "$variant") || exit 1
+  "$bin/attn-bench" "${c[@]}" --sessions 64 --step_coding stub --duration_s 5 \
+    --csv "$out/profile-$tag.csv" --label "profile-$tag" >"$out/profile-$tag.txt" 2>&1 &
+  bench_pid=$!
+  sleep 3
+  "$bin/perf" record -a -g -o "$out/steps.data" -- sleep 1.5 >/dev/null 2>&1
+  sleep 3
+  "$bin/perf" record -a -g -o "$out/echo.data" -- sleep 1.5 >/dev/null 2>&1
+  for _ in $(seq 100); do kill -0 "$bench_pid" 2>/dev/null || break; sleep 0.2; done
+  stop_attnd
+  for m in steps echo; do
+    "$bin/perf" report -i "$out/$m.data" --no-children --sort comm --stdio -g none 2>/dev/null |
+      grep "%" | head -30 >"$out/$m-$tag-comm.txt"
+    "$bin/perf" report -i "$out/$m.data" --no-children --sort comm,sym --stdio -g none 2>/dev/null |
+      grep "%" | head -150 >"$out/$m-$tag-sym.txt"
+    rm -f "$out/$m.data"
+  done
 done
 
-for lanes in ${STEP_LANES:-2 4 8}; do
-  start_attnd --step_lanes="$lanes" || exit 1
-  "$bin/attn-bench" "${c[@]}" --sessions 64 --step_coding stub --duration_s 2 \
-    --csv "$out/lanes.csv" --label "lanes$lanes" >>"$out/lanes.txt" 2>&1
-  stop_attnd
+for round in $(seq "${STEP_ROUNDS:-1}"); do
+  for variant in ${STEP_VARIANTS:--}; do
+    for lanes in ${STEP_LANES:-2 4 8}; do
+      # shellcheck disable=SC2046
+      start_attnd --step_lanes="$lanes" $(flags_of "$variant") || exit 1
+      "$bin/attn-bench" "${c[@]}" --sessions 64 --step_coding stub --duration_s 2 \
+        --csv "$out/lanes.csv" --label "lanes$lanes-$(tag_of "$variant")-r$round" >>"$out/lanes.txt" 2>&1
+      stop_attnd
+    done
+  done
 done
-cat "$out/steps-comm.txt" "$out/echo-comm.txt"
+head -12 "$out"/steps-*-comm.txt "$out"/echo-*-comm.txt

@@ -57,6 +57,10 @@ ABSL_FLAG(int64_t, batch_step_chunk, kDefaults.batch_step_chunk,
 ABSL_FLAG(int64_t, step_idle_poll_us, kDefaults.step_idle_poll_us,
           "CUDA backend: how long a step lane that finished a launch looks for the next one, "
           "yielding its core, before it sleeps (microseconds; 0: sleeps at once)");
+ABSL_FLAG(bool, step_poll_when_busy, kDefaults.step_poll_when_busy,
+          "CUDA backend: step lanes poll for their next launch and for the device even while "
+          "other lanes are at work (false: only a lane alone at work polls, one idle lane at a "
+          "time; the others sleep, leaving the cores to the transport)");
 ABSL_FLAG(bool, step_append_in_kernel, kDefaults.step_append_in_kernel,
           "CUDA backend: a 16-bit decode step's new keys and values are written into their pages "
           "by the decode kernel itself (false: by a copy kernel launched before it)");
@@ -193,6 +197,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.step_append_in_kernel = absl::GetFlag(FLAGS_step_append_in_kernel);
   o.step_output_to_host = absl::GetFlag(FLAGS_step_output_to_host);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
+  o.step_poll_when_busy = absl::GetFlag(FLAGS_step_poll_when_busy);
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);

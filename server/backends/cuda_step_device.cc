@@ -28,11 +28,15 @@ constexpr size_t kHostOutputBytes = size_t{64} << 10;
 // Launches of at most this many steps are latency-bound: polled from the start.
 constexpr size_t kPolledLaunchSteps = 4;
 
-// A small launch (a decode launch is done well within 300 us) is polled at once; a large one
-// sleeps through 70% of its expected time first when that is worth a sleep.
-cudaError_t WaitForLaunch(cudaEvent_t event, size_t steps, double expected_us) {
+// A small launch (a decode launch is done well within 300 us) is polled at once where the
+// pipeline lets it poll (no other lane at work), else waited for asleep in the driver (the event
+// blocks): several lanes' polls would take cores the transport needs. A large one sleeps through
+// 70% of its expected time first when that is worth a sleep, and is polled for the rest.
+cudaError_t WaitForLaunch(cudaEvent_t event, size_t steps, double expected_us, bool poll) {
   using std::chrono::microseconds;
-  if (steps <= kPolledLaunchSteps) return PollEvent(event, 0, microseconds(300));
+  if (steps <= kPolledLaunchSteps) {
+    return poll ? PollEvent(event, 0, microseconds(300)) : cudaEventSynchronize(event);
+  }
   return PollEvent(event, expected_us > 50 ? 0.7 * expected_us : 0, microseconds(2000));
 }
 
@@ -483,10 +487,8 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
 absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepLaunch& l) {
   Lane& lane = *lanes_[lane_index];
   cudaEvent_t* ev = lane.events;
-  // A small launch (a lone step, latency-bound) is polled; a large one (many sessions at once)
-  // sleeps through most of its expected time first, leaving the core to the transport.
-  const cudaError_t e =
-      WaitForLaunch(ev[3], l.members.size(), lane.device_us_per_byte * lane.expected_bytes);
+  const cudaError_t e = WaitForLaunch(ev[3], l.members.size(),
+                                      lane.device_us_per_byte * lane.expected_bytes, l.poll_wait);
   if (e != cudaSuccess) {
     state_->NoteIfDeviceLost(lane.stream);
     return CudaError("step launch", e);

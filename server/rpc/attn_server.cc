@@ -332,6 +332,7 @@ absl::Status AttnServer::CreateSessions(const BackendInfo& info) {
   // A GPU launch is done in tens of microseconds: a lane looks for the next one a little before
   // it sleeps (the CPU backend's lane computes on every core and sleeps at once).
   if (backend_->HasGpu()) pipeline.idle_poll = std::chrono::microseconds(options_.step_idle_poll_us);
+  pipeline.poll_when_busy = options_.step_poll_when_busy;
   ASSIGN_OR_RETURN(step_pipeline_, StepPipeline::Create(pipeline, step_device_.get()));
   Log(absl::StrCat("replica ", mo.replica_id, ": KV cache of ", region.num_pages, " pages (",
                    2 * region.num_pages * region.page_bytes, " bytes, ",

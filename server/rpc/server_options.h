@@ -24,6 +24,10 @@ struct ServerOptions {
   int step_lanes = 4;  // CUDA streams (and staging) of session steps; 0: as many as streams
   int64_t batch_step_chunk = 32;  // a BatchStep's steps submitted in chunks of this many; 0: at once
   int64_t step_idle_poll_us = 200;  // a GPU step lane's look for the next launch before it sleeps
+  // GPU step lanes poll (for their next launch, and for the device) even while other lanes are
+  // at work; false: only a lane alone at work does, so that many callers' steps leave the cores
+  // to the transport.
+  bool step_poll_when_busy = false;
   // A 16-bit decode step's new rows written into their pages by the decode kernel itself (one
   // device operation fewer per launch); false: by a copy kernel before it.
   bool step_append_in_kernel = true;

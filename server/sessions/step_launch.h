@@ -47,6 +47,10 @@ struct StepLaunch {
   bool in_place = false;          // the device runs it over the member's regions, no copies
   bool any_lse = false;
   bool staged_out = false;        // some output comes back through `out`
+  // The device may poll (spin) for the launch's end: no other lane is at work, so a lone
+  // caller's latency is all that counts. Else it sleeps in the driver and leaves the core to the
+  // transport, whose CPU is what many callers' steps are bound by.
+  bool poll_wait = false;
   int32_t total_q = 0, max_q = 0, max_k = 0;
   int64_t page_entries = 0;  // entries of the CSR page table
   int64_t copy_rows = 0;     // copy-on-write rows

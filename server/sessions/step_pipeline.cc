@@ -117,14 +117,7 @@ void StepPipeline::LaneLoop(int lane) {
     Work work;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (options_.idle_poll.count() > 0 && queue_.empty() && !stop_) {
-        const auto until = Clock::now() + options_.idle_poll;
-        while (queue_.empty() && !stop_ && Clock::now() < until) {
-          lock.unlock();
-          std::this_thread::yield();
-          lock.lock();
-        }
-      }
+      PollForWork(lock);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping with nothing left
       work = std::move(queue_.front());
@@ -135,12 +128,26 @@ void StepPipeline::LaneLoop(int lane) {
   }
 }
 
+void StepPipeline::PollForWork(std::unique_lock<std::mutex>& lock) {
+  if (options_.idle_poll.count() <= 0 || !queue_.empty() || stop_) return;
+  const bool alone = busy_lanes_.load(std::memory_order_relaxed) == 0;
+  if (!options_.poll_when_busy && (!alone || idle_poller_.exchange(true))) return;
+  lock.unlock();  // the queue's size is read without the lock: RunBatch is never held up
+  const auto until = Clock::now() + options_.idle_poll;
+  while (queued_.load(std::memory_order_relaxed) == 0 && Clock::now() < until) {
+    std::this_thread::yield();
+  }
+  lock.lock();
+  if (!options_.poll_when_busy) idle_poller_.store(false);
+}
+
 void StepPipeline::RunOnLane(int lane, Work work) {
   const size_t n = work.batch.size();
   BatchReport report;
   report.requests = static_cast<int32_t>(n);
   report.decode = work.batch.front()->key.decode;
   std::vector<absl::Status> status(n);
+  busy_lanes_.fetch_add(1, std::memory_order_relaxed);
   if (absl::Status health = device_->Health(); !health.ok()) {
     std::fill(status.begin(), status.end(), health);
   } else {
@@ -152,6 +159,7 @@ void StepPipeline::RunOnLane(int lane, Work work) {
     job->batch_requests = static_cast<int32_t>(n);
     job->batch_tokens = report.tokens;
   }
+  busy_lanes_.fetch_sub(1, std::memory_order_relaxed);
   const auto finish_start = Clock::now();
   Finish(std::move(work.batch), std::move(status));
   report.finish_seconds += Seconds(Clock::now() - finish_start);
@@ -179,6 +187,8 @@ void StepPipeline::RunLaunches(int lane, std::span<std::unique_ptr<StepJob>> job
   if (launched.empty()) return;
 
   StepLaunch launch;
+  launch.poll_wait =
+      options_.poll_when_busy || busy_lanes_.load(std::memory_order_relaxed) <= 1;
   absl::Status st = PlanAndStage(lane, launched_jobs, &launch);
   const auto staged = Clock::now();
   const double stage_us = Micros(staged - stage_start);

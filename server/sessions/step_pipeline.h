@@ -48,6 +48,10 @@ class StepPipeline : public BatchRunner {
     // core) before it sleeps: a lone caller's next step, coming one network round trip later,
     // then starts without a thread's wake-up (tens of microseconds). 0: it sleeps at once.
     std::chrono::microseconds idle_poll{0};
+    // Lanes poll (for their next batch, and the device for their launch) even while other lanes
+    // are at work. false: only a lane alone at work polls, and one idle lane at a time; the
+    // others sleep, leaving the cores to the transport when many callers step at once.
+    bool poll_when_busy = false;
   };
   static absl::StatusOr<std::unique_ptr<StepPipeline>> Create(const Options& options,
                                                               StepDevice* device);
@@ -67,6 +71,9 @@ class StepPipeline : public BatchRunner {
 
   StepPipeline(const Options& options, StepDevice* device);
   void LaneLoop(int lane);
+  // Before a lane sleeps for work: whether it polls first (yielding its core), and if so polls
+  // until a batch is queued or idle_poll has passed. Called and returns with mu_ held.
+  void PollForWork(std::unique_lock<std::mutex>& lock);
   void RunOnLane(int lane, Work work);
   // Plans, stages, launches and waits for members (indices into jobs), splitting the launch
   // when the device has no room for it; fills status[i] of each member that failed.
@@ -89,6 +96,8 @@ class StepPipeline : public BatchRunner {
   std::condition_variable cv_;
   std::deque<Work> queue_;
   std::atomic<size_t> queued_{0};  // queue_.size(), read without the lock
+  std::atomic<int> busy_lanes_{0};   // lanes with a batch on the device (taken, not yet told)
+  std::atomic<bool> idle_poller_{false};  // an idle lane is polling for the next batch
   bool stop_ = false;
   std::vector<std::thread> lanes_;
 };

@@ -57,6 +57,7 @@ class BoundedDevice : public StepDevice {
     {
       std::unique_lock<std::mutex> lock(gate_mu_);
       lane_threads.insert(std::this_thread::get_id());
+      poll_waits.push_back(launch.poll_wait);
       gate_cv_.wait(lock, [&] { return open; });
     }
     launches.fetch_add(1);
@@ -81,6 +82,7 @@ class BoundedDevice : public StepDevice {
   }
   bool open = true;
   std::set<std::thread::id> lane_threads;  // under gate_mu_
+  std::vector<bool> poll_waits;            // each launch's, in the order they came; likewise
   std::mutex gate_mu_;
   std::condition_variable gate_cv_;
 
@@ -349,6 +351,52 @@ TEST_F(StepPipelineTest, ALaunchWithBatchesWaitingTellsItsCallersOffTheLane) {
   EXPECT_NE(threads[1], lane) << "the second launch ended with one batch waiting";
   EXPECT_EQ(threads[2], lane) << "the last launch ended with none waiting";
   for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), 1);
+}
+
+// A launch may be polled for only while no other lane is at work (a lone caller's latency);
+// one that starts beside another lane's is waited for asleep, unless the pipeline is told to
+// poll while busy.
+TEST_F(StepPipelineTest, OnlyALaunchAloneOnTheDeviceIsPolledFor) {
+  device_->lanes = 2;
+  for (const bool poll_when_busy : {false, true}) {
+    StepPipeline::Options options;
+    options.poll_when_busy = poll_when_busy;
+    pipeline_ = *StepPipeline::Create(options, device_.get());
+    std::vector<std::shared_ptr<Session>> sessions;
+    for (int i = 0; i < 3; ++i) sessions.push_back(NewSession());
+    std::vector<std::promise<std::thread::id>> told(3);
+    auto submit = [&](int i) {
+      JobBatch batch;
+      batch.push_back(ToldStep(sessions[i], 90 + i, &told[i]));
+      pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
+    };
+    auto launches_at_gate = [&](size_t n) {  // waits until n launches are held at the gate
+      for (;;) {
+        {
+          std::lock_guard<std::mutex> lock(device_->gate_mu_);
+          if (device_->poll_waits.size() >= n) return;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    };
+    {
+      std::lock_guard<std::mutex> lock(device_->gate_mu_);
+      device_->open = false;
+      device_->poll_waits.clear();
+    }
+    submit(0);
+    launches_at_gate(1);  // lane one is at work on it
+    submit(1);
+    launches_at_gate(2);
+    device_->Open();
+    told[0].get_future().wait();
+    told[1].get_future().wait();
+    submit(2);  // alone again
+    told[2].get_future().wait();
+    std::lock_guard<std::mutex> lock(device_->gate_mu_);
+    EXPECT_EQ(device_->poll_waits, (std::vector<bool>{true, poll_when_busy, true}))
+        << "poll_when_busy " << poll_when_busy;
+  }
 }
 
 // With no batch waiting, one call's steps are told on the lane, several calls' off it (their
