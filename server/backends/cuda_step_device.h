@@ -85,7 +85,8 @@ class CudaStepDevice : public StepDevice {
   };
   struct Lane {
     cudaStream_t stream = nullptr;
-    // start, inputs in, kernel done (recorded only when outputs are copied after it), end
+    // start (recorded only when inputs are copied), inputs in, kernel done (recorded only when
+    // outputs are copied after it), end
     cudaEvent_t events[4] = {};
     PinnedBuffer staging;        // input staging, grown on demand, reused launch after launch
     PinnedBuffer segments;       // the segment table's host side (CopySegment), likewise
@@ -104,6 +105,7 @@ class CudaStepDevice : public StepDevice {
     // least how long the next one will take.
     double device_us_per_byte = 0;
     double expected_bytes = 0;  // of the launch in flight
+    bool copies_in = true;      // the launch in flight copies inputs before its kernels
     bool copies_out = true;     // the launch in flight copies outputs after its kernel
   };
 
