@@ -62,8 +62,9 @@ int Log2IfPow2(int x) {
   return s;
 }
 
-FlashParams MakeParams(const AttentionArgs& a) {
-  FlashParams p;
+// The parameters every kernel reads, from the call's arguments.
+void MakeAttentionParams(const AttentionArgs& a, AttentionParams* out) {
+  AttentionParams& p = *out;
   p.q = a.q;
   p.k = a.k;
   p.v = a.v;
@@ -71,17 +72,17 @@ FlashParams MakeParams(const AttentionArgs& a) {
   p.lse = a.lse;
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
-  p.total_k = a.total_k;
   if (IsPaged(a)) {
     p.page_indptr = a.paged.page_indptr;
     p.page_indices = a.paged.page_indices;
     p.seqlens_k = a.paged.seqlens_k;
     p.page_size = a.paged.page_size;
     p.page_shift = Log2IfPow2(a.paged.page_size);
-    p.total_k = a.paged.num_pages * a.paged.page_size;  // < 2^31 (CanImplement)
   }
   p.batch = a.batch;
   p.total_q = a.total_q;
+  // Paged K/V: rows of each page pool, < 2^31 (CanImplement).
+  p.total_k = IsPaged(a) ? a.paged.num_pages * a.paged.page_size : a.total_k;
   p.max_seqlen_q = a.max_seqlen_q;
   p.max_seqlen_k = a.max_seqlen_k;
   p.num_heads = a.num_heads;
@@ -109,6 +110,13 @@ FlashParams MakeParams(const AttentionArgs& a) {
     p.has_right = true;
     p.right = static_cast<int32_t>(right);
   }
+  p.k_descale = a.kv_scales.k;
+  p.v_descale = a.kv_scales.v;
+}
+
+FlashParams MakeParams(const AttentionArgs& a) {
+  FlashParams p;
+  MakeAttentionParams(a, &p);
   return p;
 }
 
@@ -180,46 +188,16 @@ void PlanDecode(const AttentionArgs& a, int forced_splits, Plan* plan) {
 }
 
 DecodeParams MakeDecodeParams(const AttentionArgs& a, const Plan& plan, void* workspace) {
-  const FlashParams f = MakeParams(a);
   DecodeParams p;
-  p.q = a.q;
-  p.k = a.k;
-  p.v = a.v;
-  p.o = a.o;
-  p.lse = a.lse;
-  p.cu_seqlens_q = a.cu_seqlens_q;
-  p.cu_seqlens_k = a.cu_seqlens_k;
-  p.page_indptr = f.page_indptr;
-  p.page_indices = f.page_indices;
-  p.seqlens_k = f.seqlens_k;
-  p.page_size = f.page_size;
-  p.page_shift = f.page_shift;
+  MakeAttentionParams(a, &p);
   p.append_k = a.paged.append_k;
   p.append_v = a.paged.append_v;
-  p.batch = a.batch;
-  p.total_q = a.total_q;
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.group = a.num_heads / a.num_kv_heads;
   p.m_blocks = plan.decode_m_blocks;
   p.num_splits = plan.decode_splits;
-  p.q_row_stride = f.q_row_stride;
-  p.o_row_stride = f.o_row_stride;
-  p.kv_row_stride = f.k_row_stride;
-  p.scale = f.scale;
-  p.scale_log2 = f.scale_log2;
-  p.has_left = f.has_left;
-  p.has_right = f.has_right;
-  p.left = f.left;
-  p.right = f.right;
   if (plan.decode_splits > 1) {
     const size_t rows = size_t(a.total_q) * a.num_heads;
     p.part_o = static_cast<float*>(workspace);
     p.part_lse = p.part_o + size_t(plan.decode_splits) * rows * a.head_dim;
-  }
-  if (IsFp8Kv(a)) {
-    p.k_scale = a.kv_scales.k;
-    p.v_scale = a.kv_scales.v;
   }
   p.pdl = plan.decode_pdl;
   return p;
@@ -697,8 +675,6 @@ cudaError_t RunFp8TensorCores(const AttentionArgs& args, const Plan& plan, void*
   FlashParams p = MakeParams(args);
   p.q = qp.dst;
   p.q_descale = qp.scales;
-  p.k_descale = args.kv_scales.k;
-  p.v_descale = args.kv_scales.v;
   p.vt = ws + w.vt;
   if (IsPaged(args)) {
     auto* offsets = reinterpret_cast<int32_t*>(ws + w.offsets);
@@ -903,8 +879,6 @@ cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, vo
   if (!GetDeviceInfo(&info)) return cudaErrorInvalidValue;
   FlashParams p = MakeParams(args);
   p.q_descale = q_scales;
-  p.k_descale = args.kv_scales.k;
-  p.v_descale = args.kv_scales.v;
   p.vt = workspace;
   return args.dtype == DType::kFloat16 ? RunFp8AttentionTyped<__half>(p, args.head_dim, info.sms, stream)
                                        : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, info.sms, stream);

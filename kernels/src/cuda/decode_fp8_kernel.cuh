@@ -112,15 +112,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int G = p.group;
+  const int G = p.heads_per_kv;
 
   const int q_start = p.cu_seqlens_q[b];
   const int s_q = p.cu_seqlens_q[b + 1] - q_start;
   const int rows_valid = s_q * G;
   const int m0 = mb * Tr::kRows;
   if (m0 >= rows_valid) return;
-  const float k_scale = p.k_scale[int64_t(b) * p.num_kv_heads + hk];
-  const float v_scale = p.v_scale[int64_t(b) * p.num_kv_heads + hk];
+  const float k_scale = p.k_descale[int64_t(b) * p.num_kv_heads + hk];
+  const float v_scale = p.v_descale[int64_t(b) * p.num_kv_heads + hk];
   int s_k;
   int k_start = 0;
   const int32_t* pages = nullptr;
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const uint32_t sWarp = sRing + warp * Tr::kWarpRingBytes;
   const uint8_t* gk = static_cast<const uint8_t*>(p.k) + int64_t(hk) * D;
   const uint8_t* gv = static_cast<const uint8_t*>(p.v) + int64_t(hk) * D;
-  const int64_t kv_stride = p.kv_row_stride;  // elements = bytes
+  const int64_t kv_stride = p.k_row_stride;  // elements = bytes
 
   auto tile_start = [&](int k) { return tile0 + (warp + k * NW) * W; };
   auto key_ok = [&](int j) { return j >= c_lo && j < c_hi; };

@@ -14,7 +14,7 @@ template <typename T, int D>
 cudaError_t RunDecodeFp8(const DecodeParams& p, bool paged, cudaStream_t stream) {
   using Tr = decode::DecodeFp8Traits<D, T>;
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  if (p.k_scale == nullptr || p.v_scale == nullptr) return cudaErrorInvalidValue;
+  if (p.k_descale == nullptr || p.v_descale == nullptr) return cudaErrorInvalidValue;
   const cudaError_t err =
       paged ? decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, true>>(p, stream)
             : decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, false>>(p, stream);

@@ -102,8 +102,8 @@ __device__ __forceinline__ void AppendRows(const DecodeParams& p, const typename
     if (j < 0) continue;  // more new rows than keys (ValidatePageTable refuses it on the host)
     const int64_t row = int64_t(PageOf(pages, j, p.page_size, p.page_shift)) * p.page_size +
                         InPage(j, p.page_size, p.page_shift);
-    const int64_t dst = row * p.kv_row_stride + int64_t(hk) * D + c * 8;
-    const int64_t src = int64_t(q_start + i) * p.kv_row_stride + int64_t(hk) * D + c * 8;
+    const int64_t dst = row * p.k_row_stride + int64_t(hk) * D + c * 8;
+    const int64_t src = int64_t(q_start + i) * p.k_row_stride + int64_t(hk) * D + c * 8;
     *reinterpret_cast<uint4*>(k + dst) = *reinterpret_cast<const uint4*>(ak + src);
     *reinterpret_cast<uint4*>(v + dst) = *reinterpret_cast<const uint4*>(av + src);
   }
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int G = p.group;
+  const int G = p.heads_per_kv;
 
   const int q_start = p.cu_seqlens_q[b];
   const int s_q = p.cu_seqlens_q[b + 1] - q_start;
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const uint32_t sWarp = sRing + warp * Tr::kWarpRingBytes;
   const T* gk = reinterpret_cast<const T*>(p.k) + int64_t(hk) * D;
   const T* gv = reinterpret_cast<const T*>(p.v) + int64_t(hk) * D;
-  const int64_t kv_stride = p.kv_row_stride;
+  const int64_t kv_stride = p.k_row_stride;
   const T* ak_head = ak + int64_t(hk) * D;  // used only where ak is set
   const T* av_head = av + int64_t(hk) * D;
 

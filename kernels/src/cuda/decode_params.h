@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "attention_params.h"
+
 namespace attn::kernels::cuda {
 
 // One CTA = kDecodeWarps warps over kDecodeRows packed query rows of one (sequence, KV head, split).
@@ -52,49 +54,18 @@ constexpr int DecodeFp8SmemBytes(int d) {
 }
 constexpr int DecodeFp8MinBlocks(int d) { return d >= 256 ? 1 : 2; }
 
-struct DecodeParams {
-  const void* q = nullptr;  // [total_q, num_heads, head_dim]
-  const void* k = nullptr;  // contiguous [total_k, num_kv_heads, head_dim] or a page pool
-  const void* v = nullptr;
-  void* o = nullptr;        // [total_q, num_heads, head_dim]
-  float* lse = nullptr;     // [num_heads, total_q] or nullptr
-
-  const int32_t* cu_seqlens_q = nullptr;  // device, [batch + 1]
-  const int32_t* cu_seqlens_k = nullptr;  // contiguous K/V only
-
-  // Paged K/V (kernel template kPaged): see PagedKv in attention.h.
-  const int32_t* page_indptr = nullptr;
-  const int32_t* page_indices = nullptr;
-  const int32_t* seqlens_k = nullptr;
-  int32_t page_size = 0;
-  int32_t page_shift = -1;  // log2(page_size) when it is a power of two, else -1
+// The decode kernels' parameters: the common ones (k_row_stride serves k and v alike; FP8 K/V:
+// k_descale and v_descale) and what only they read.
+struct DecodeParams : AttentionParams {
   // Rows the call appends (PagedKv::append_k / append_v; 16-bit paged K/V only): key j >= s_k - s_q
   // of sequence b is read from row cu_seqlens_q[b] + j - (s_k - s_q) of these ([total_q,
-  // num_kv_heads, head_dim], row stride kv_row_stride), and CTA (0, KV head, b) writes those rows
+  // num_kv_heads, head_dim], row stride k_row_stride), and CTA (0, KV head, b) writes those rows
   // into their page rows.
   const void* append_k = nullptr;
   const void* append_v = nullptr;
 
-  int32_t batch = 0;
-  int32_t total_q = 0;
-  int32_t num_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t group = 1;       // num_heads / num_kv_heads
-  int32_t m_blocks = 1;    // ceil(max_seqlen_q * group / kDecodeRows)
+  int32_t m_blocks = 1;    // ceil(max_seqlen_q * heads_per_kv / kDecodeRows)
   int32_t num_splits = 1;  // KV splits per (sequence, KV head, row block); grid.x = m_blocks * splits
-
-  int64_t q_row_stride = 0;   // elements between tokens of q
-  int64_t o_row_stride = 0;
-  int64_t kv_row_stride = 0;  // elements between token rows of k and v (num_kv_heads * head_dim)
-
-  float scale = 0.0f;
-  float scale_log2 = 0.0f;
-
-  // Mask as in FlashParams (bottom-right aligned; causal folded into has_right / right).
-  bool has_left = false;
-  bool has_right = false;
-  int32_t left = 0;
-  int32_t right = 0;
 
   // Workspace when num_splits > 1: partial O (normalised, fp32) and partial LSE (log2 units) per
   // split, of the (token, head) row t * num_heads + h:
@@ -102,11 +73,6 @@ struct DecodeParams {
   //   part_lse [num_splits, total_q * num_heads]
   float* part_o = nullptr;
   float* part_lse = nullptr;
-
-  // FP8 K/V (RunDecodeFp8): k and v hold e4m3 codes, dequantized with these float32 scales of
-  // [batch, num_kv_heads] (KvScales in attention.h).
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
 
   // Host only: launch the combine kernel as a programmatic dependent of the split kernel (sm_90+),
   // so that its launch overlaps the split kernel's work.
