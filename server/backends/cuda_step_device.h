@@ -42,7 +42,7 @@ class CudaStepDevice : public StepDevice {
     // Small decode launches whose inputs are all staged, and launches in place: the kernels read
     // q, the new rows and the tables straight from the pinned (mapped) input staging, with no
     // copy before them.
-    bool input_from_host = true;
+    bool input_from_host = false;
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
@@ -132,7 +132,7 @@ class CudaStepDevice : public StepDevice {
   kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
   bool append_in_kernel_ = true;              // Options::append_in_kernel
   bool output_to_host_ = true;                // Options::output_to_host
-  bool input_from_host_ = true;               // Options::input_from_host
+  bool input_from_host_ = false;              // Options::input_from_host
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

@@ -26,8 +26,8 @@ struct ServerOptions {
   int64_t step_idle_poll_us = 200;  // a GPU step lane's look for the next launch before it sleeps
   // GPU step lanes poll (for their next launch, and for the device) even while other lanes are
   // at work; false: only a lane alone at work does, so that many callers' steps leave the cores
-  // to the transport.
-  bool step_poll_when_busy = false;
+  // to the transport (not yet measured on a GPU host: docs/PERF.md).
+  bool step_poll_when_busy = true;
   // A 16-bit decode step's new rows written into their pages by the decode kernel itself (one
   // device operation fewer per launch); false: by a copy kernel before it.
   bool step_append_in_kernel = true;
@@ -36,8 +36,9 @@ struct ServerOptions {
   bool step_output_to_host = true;
   // A small decode step launch's inputs (up to 64 KiB: q, the new rows, the page table), and a
   // launch in place's page table, read by the kernels straight from the pinned host memory they
-  // were staged in; false: copied to the device first.
-  bool step_input_from_host = true;
+  // were staged in; false: copied to the device first (not yet measured on a GPU host:
+  // docs/PERF.md).
+  bool step_input_from_host = false;
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
   // CUDA backend, FP8 attention of more than 16 queries per sequence (all-FP8 Attend, and steps

@@ -269,59 +269,63 @@ TEST_F(StepPipelineTest, AStepThatFitsNoLaunchFailsAloneAndChangesNothing) {
   EXPECT_EQ(s->CachedTokens(0), 8);
 }
 
-// Lanes that poll for work while idle (as GPU lanes do), one of them at a time: launches queued
-// from one caller after pauses longer than the poll (every lane asleep), then from several
-// callers at once, right after one another or after pauses, all run; none waits for a wake-up
-// that never comes.
+// Lanes that poll for work while idle (as GPU lanes do), every idle lane or one at a time while
+// no other is at work: launches queued from one caller after pauses longer than the poll (every
+// lane asleep), then from several callers at once, right after one another or after pauses, all
+// run; none waits for a wake-up that never comes.
 TEST_F(StepPipelineTest, IdleLanesThatPollTakeEveryLaunch) {
   device_->lanes = 3;
-  StepPipeline::Options options;
-  options.idle_poll = std::chrono::microseconds(200);
-  pipeline_ = *StepPipeline::Create(options, device_.get());
   constexpr int kSteps = 60;
-  for (const int callers : {1, 4}) {
-    std::vector<std::shared_ptr<Session>> sessions;
-    std::vector<std::vector<std::unique_ptr<StepJob>>> jobs(callers);
-    for (int c = 0; c < callers; ++c) {
-      sessions.push_back(NewSession());
-      for (int i = 0; i < kSteps; ++i) jobs[c].push_back(Step(sessions[c], 1, 1000 * c + i));
-    }
-    std::atomic<int> failed{0}, late{0};
-    std::vector<std::thread> threads;
-    for (int c = 0; c < callers; ++c) {
-      threads.emplace_back([&, c] {
-        std::mt19937 rng(c);
-        Session* session = sessions[c].get();
-        for (int i = 0; i < kSteps; ++i) {
-          // Shared with the job: a launch never run still finds it when the pipeline stops.
-          auto done = std::make_shared<std::promise<absl::Status>>();
-          std::unique_ptr<StepJob> job = std::move(jobs[c][i]);
-          job->done = [done, session](absl::Status st) {
-            session->ReleaseLayer(0);
-            done->set_value(std::move(st));
-          };
-          if (!session->AcquireLayer(0, [] {})) {
-            failed.fetch_add(1);
-            return;
+  for (const bool poll_when_busy : {true, false}) {
+    StepPipeline::Options options;
+    options.idle_poll = std::chrono::microseconds(200);
+    options.poll_when_busy = poll_when_busy;
+    pipeline_ = *StepPipeline::Create(options, device_.get());
+    for (const int callers : {1, 4}) {
+      std::vector<std::shared_ptr<Session>> sessions;
+      std::vector<std::vector<std::unique_ptr<StepJob>>> jobs(callers);
+      for (int c = 0; c < callers; ++c) {
+        sessions.push_back(NewSession());
+        for (int i = 0; i < kSteps; ++i) jobs[c].push_back(Step(sessions[c], 1, 1000 * c + i));
+      }
+      std::atomic<int> failed{0}, late{0};
+      std::vector<std::thread> threads;
+      for (int c = 0; c < callers; ++c) {
+        threads.emplace_back([&, c] {
+          std::mt19937 rng(c);
+          Session* session = sessions[c].get();
+          for (int i = 0; i < kSteps; ++i) {
+            // Shared with the job: a launch never run still finds it when the pipeline stops.
+            auto done = std::make_shared<std::promise<absl::Status>>();
+            std::unique_ptr<StepJob> job = std::move(jobs[c][i]);
+            job->done = [done, session](absl::Status st) {
+              session->ReleaseLayer(0);
+              done->set_value(std::move(st));
+            };
+            if (!session->AcquireLayer(0, [] {})) {
+              failed.fetch_add(1);
+              return;
+            }
+            JobBatch batch;
+            batch.push_back(std::move(job));
+            pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
+            std::future<absl::Status> f = done->get_future();
+            if (f.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+              late.fetch_add(1);
+              return;
+            }
+            if (!f.get().ok()) failed.fetch_add(1);
+            const int pause = callers == 1 ? 400 : std::array<int, 3>{0, 50, 400}[rng() % 3];
+            std::this_thread::sleep_for(std::chrono::microseconds(pause));
           }
-          JobBatch batch;
-          batch.push_back(std::move(job));
-          pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
-          std::future<absl::Status> f = done->get_future();
-          if (f.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
-            late.fetch_add(1);
-            return;
-          }
-          if (!f.get().ok()) failed.fetch_add(1);
-          const int pause = callers == 1 ? 400 : std::array<int, 3>{0, 50, 400}[rng() % 3];
-          std::this_thread::sleep_for(std::chrono::microseconds(pause));
-        }
-      });
+        });
+      }
+      for (auto& t : threads) t.join();
+      ASSERT_EQ(late.load(), 0) << callers << " callers, poll_when_busy " << poll_when_busy
+                                << ": a launch stayed queued, every lane asleep";
+      EXPECT_EQ(failed.load(), 0);
+      for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), kSteps);
     }
-    for (auto& t : threads) t.join();
-    ASSERT_EQ(late.load(), 0) << callers << " callers: a launch stayed queued, every lane asleep";
-    EXPECT_EQ(failed.load(), 0);
-    for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), kSteps);
   }
 }
 
