@@ -32,12 +32,21 @@ class CudaSessionTest : public ::testing::Test {
       GTEST_SKIP() << (err != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(err)
                                           : std::string("no CUDA device found"));
     }
+    Start(Options());
+  }
+  static ServerOptions Options() {
     ServerOptions o;
     o.backend = "cuda";
     o.metrics_listen = "";
     o.kv_cache_bytes = int64_t{8} << 30;
     o.kv_page_tokens = 4;  // 8 KiB pages: 16 tokens of a 512-byte row, 8 of a 1 KiB row
     o.kv_shuffle_seed = std::random_device{}() | 1;
+    return o;
+  }
+  // The server of the test (the one before it stops first, its device memory given back).
+  void Start(const ServerOptions& o) {
+    stub_ = nullptr;
+    server_ = {};
     server_ = testing::StartLoopbackServer(o);
     ASSERT_NE(server_.server, nullptr);
     stub_ = server_.client->stub();
@@ -76,6 +85,27 @@ TEST_F(CudaSessionTest, RandomInterleavingsMatchTheReference) {
   o.lse_tolerance = 4e-2;
   o.ops = 250;
   o.chunks = {1, 1, 1, 1, 2, 5, 15, 16, 17, 40, 100};
+  std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
+  EXPECT_EQ(FreePages(), total) << "pages leaked";
+}
+
+// Random interleavings with the step lanes' other ways: a small decode launch's staged inputs read
+// by the kernels from the pinned staging (no copy in), and the lanes polling only while alone at
+// work (several lanes' steps waited for asleep).
+TEST_F(CudaSessionTest, InputsReadFromTheStagingAndLanesPollingAloneMatchTheReference) {
+  ServerOptions so = Options();
+  so.step_input_from_host = true;
+  so.step_poll_when_busy = false;
+  ASSERT_NO_FATAL_FAILURE(Start(so));
+  const int64_t total = FreePages();
+  const std::vector<SessionSpec> specs = {
+      {3, 8, 2, 128, v1::DTYPE_BFLOAT16},
+      {2, 8, 4, 64, v1::DTYPE_FLOAT16},
+  };
+  testing::WorkloadOptions o = GpuTolerances();
+  o.lse_tolerance = 4e-2;
+  o.ops = 200;
+  o.chunks = {1, 1, 1, 1, 2, 5, 16, 17, 40};
   std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
