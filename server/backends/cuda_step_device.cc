@@ -450,19 +450,19 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   cudaEvent_t* ev = lane.events;
   // Nothing precedes the kernels when they read the staging: no copy to time, one record less.
   lane.copies_in = !host_in;
-  if (lane.copies_in) RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], stream));
-  if (host_in) {
-    // Nothing to copy: the kernels read the staging.
-  } else if (l.in_place) {  // the page table and row lists only
-    RETURN_IF_CUDA_ERROR("H2D copy",
-                         cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
-                                         cudaMemcpyHostToDevice, stream));
-  } else {
-    if (segments > 0) {
-      RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
-                                                       cudaMemcpyHostToDevice, stream));
+  if (lane.copies_in) {
+    RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], stream));
+    if (l.in_place) {  // the page table and row lists only
+      RETURN_IF_CUDA_ERROR("H2D copy",
+                           cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
+                                           cudaMemcpyHostToDevice, stream));
+    } else {
+      if (segments > 0) {
+        RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
+                                                         cudaMemcpyHostToDevice, stream));
+      }
+      RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
     }
-    RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
   }
   // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
   RETURN_IF_CUDA_ERROR(

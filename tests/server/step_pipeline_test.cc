@@ -161,6 +161,47 @@ class StepPipelineTest : public ::testing::Test {
     return job;
   }
 
+  // Steps of a caller whose answers did not come within 5 s (late) or were errors (failed).
+  struct CallerCounts {
+    std::atomic<int> failed{0}, late{0};
+  };
+  // A caller's steps (of one session), each a batch of its own, each sent once the one before is
+  // answered, after a pause of 400 us (longer than a lane's idle poll) or, with random_pauses,
+  // of 0, 50 or 400 us. Stops at the first step not answered in time.
+  void LoneStepsOneAfterAnother(std::vector<std::unique_ptr<StepJob>> jobs, bool random_pauses,
+                                int seed, CallerCounts* counts) {
+    std::mt19937 rng(seed);
+    for (std::unique_ptr<StepJob>& job : jobs) {
+      Session* session = job->session.get();
+      // Shared with the job: a launch never run still finds it when the pipeline stops.
+      auto done = std::make_shared<std::promise<absl::Status>>();
+      job->done = [done, session](absl::Status st) {
+        session->ReleaseLayer(0);
+        done->set_value(std::move(st));
+      };
+      if (!session->AcquireLayer(0, [] {})) {
+        counts->failed.fetch_add(1);
+        return;
+      }
+      RunAlone(std::move(job));
+      std::future<absl::Status> f = done->get_future();
+      if (f.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+        counts->late.fetch_add(1);
+        return;
+      }
+      if (!f.get().ok()) counts->failed.fetch_add(1);
+      const int pause = random_pauses ? std::array<int, 3>{0, 50, 400}[rng() % 3] : 400;
+      std::this_thread::sleep_for(std::chrono::microseconds(pause));
+    }
+  }
+
+  // One job as a batch of its own, into the pipeline.
+  void RunAlone(std::unique_ptr<StepJob> job) {
+    JobBatch batch;
+    batch.push_back(std::move(job));
+    pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
+  }
+
   // The one thread the device's launches ran on (a pipeline of one lane).
   std::thread::id LaneThread() {
     std::lock_guard<std::mutex> lock(device_->gate_mu_);
@@ -288,42 +329,18 @@ TEST_F(StepPipelineTest, IdleLanesThatPollTakeEveryLaunch) {
         sessions.push_back(NewSession());
         for (int i = 0; i < kSteps; ++i) jobs[c].push_back(Step(sessions[c], 1, 1000 * c + i));
       }
-      std::atomic<int> failed{0}, late{0};
+      CallerCounts counts;
       std::vector<std::thread> threads;
       for (int c = 0; c < callers; ++c) {
+        // One caller pauses longer than the poll; several pause at random, some not at all.
         threads.emplace_back([&, c] {
-          std::mt19937 rng(c);
-          Session* session = sessions[c].get();
-          for (int i = 0; i < kSteps; ++i) {
-            // Shared with the job: a launch never run still finds it when the pipeline stops.
-            auto done = std::make_shared<std::promise<absl::Status>>();
-            std::unique_ptr<StepJob> job = std::move(jobs[c][i]);
-            job->done = [done, session](absl::Status st) {
-              session->ReleaseLayer(0);
-              done->set_value(std::move(st));
-            };
-            if (!session->AcquireLayer(0, [] {})) {
-              failed.fetch_add(1);
-              return;
-            }
-            JobBatch batch;
-            batch.push_back(std::move(job));
-            pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
-            std::future<absl::Status> f = done->get_future();
-            if (f.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
-              late.fetch_add(1);
-              return;
-            }
-            if (!f.get().ok()) failed.fetch_add(1);
-            const int pause = callers == 1 ? 400 : std::array<int, 3>{0, 50, 400}[rng() % 3];
-            std::this_thread::sleep_for(std::chrono::microseconds(pause));
-          }
+          LoneStepsOneAfterAnother(std::move(jobs[c]), callers > 1, c, &counts);
         });
       }
       for (auto& t : threads) t.join();
-      ASSERT_EQ(late.load(), 0) << callers << " callers, poll_when_busy " << poll_when_busy
-                                << ": a launch stayed queued, every lane asleep";
-      EXPECT_EQ(failed.load(), 0);
+      ASSERT_EQ(counts.late.load(), 0) << callers << " callers, poll_when_busy " << poll_when_busy
+                                       << ": a launch stayed queued, every lane asleep";
+      EXPECT_EQ(counts.failed.load(), 0);
       for (const auto& s : sessions) EXPECT_EQ(s->CachedTokens(0), kSteps);
     }
   }
@@ -337,11 +354,7 @@ TEST_F(StepPipelineTest, ALaunchWithBatchesWaitingTellsItsCallersOffTheLane) {
   std::vector<std::shared_ptr<Session>> sessions;
   for (int i = 0; i < 3; ++i) sessions.push_back(NewSession());
   std::vector<std::promise<std::thread::id>> told(3);
-  auto submit = [&](int i) {
-    JobBatch batch;
-    batch.push_back(ToldStep(sessions[i], 50 + i, &told[i]));
-    pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
-  };
+  auto submit = [&](int i) { RunAlone(ToldStep(sessions[i], 50 + i, &told[i])); };
   {
     std::lock_guard<std::mutex> lock(device_->gate_mu_);
     device_->open = false;  // the first launch waits until the other two are queued
@@ -369,11 +382,7 @@ TEST_F(StepPipelineTest, OnlyALaunchAloneOnTheDeviceIsPolledFor) {
     std::vector<std::shared_ptr<Session>> sessions;
     for (int i = 0; i < 3; ++i) sessions.push_back(NewSession());
     std::vector<std::promise<std::thread::id>> told(3);
-    auto submit = [&](int i) {
-      JobBatch batch;
-      batch.push_back(ToldStep(sessions[i], 90 + i, &told[i]));
-      pipeline_->RunBatch(std::move(batch), [](const BatchReport&) {});
-    };
+    auto submit = [&](int i) { RunAlone(ToldStep(sessions[i], 90 + i, &told[i])); };
     auto launches_at_gate = [&](size_t n) {  // waits until n launches are held at the gate
       for (;;) {
         {
