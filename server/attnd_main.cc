@@ -68,11 +68,6 @@ ABSL_FLAG(bool, step_output_to_host, kDefaults.step_output_to_host,
           "CUDA backend: a small decode step launch's o and lse (up to 64 KiB) are written by the "
           "decode kernel straight into the pinned host memory they are answered from (false: "
           "copied there after it)");
-ABSL_FLAG(bool, step_input_from_host, kDefaults.step_input_from_host,
-          "CUDA backend: a small decode step launch's inputs (up to 64 KiB: q, the new keys and "
-          "values, the page table), and a step in GPU regions' page table, are read by the "
-          "kernels straight from the pinned host memory they were staged in (false: copied to "
-          "the device first)");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
@@ -201,7 +196,6 @@ attn::ServerOptions OptionsFromFlags() {
   o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
   o.step_append_in_kernel = absl::GetFlag(FLAGS_step_append_in_kernel);
   o.step_output_to_host = absl::GetFlag(FLAGS_step_output_to_host);
-  o.step_input_from_host = absl::GetFlag(FLAGS_step_input_from_host);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
   o.step_poll_when_busy = absl::GetFlag(FLAGS_step_poll_when_busy);
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);

@@ -25,12 +25,6 @@ constexpr size_t kDirectStepBytes = size_t{64} << 10;
 // about what the copy would take (H100: +58 us of kernel, -53 us of copy), so the copy stays.
 constexpr size_t kHostOutputBytes = size_t{64} << 10;
 
-// The kernels of a small decode launch whose inputs are all staged read them (q, the new rows,
-// the page table and row lists) straight from the pinned staging, up to this size: the copy in
-// and its place at the head of the launch's chain cost more than the kernels' reads over the
-// bus. A launch in place reads its tables from there at any size (they are all it stages).
-constexpr size_t kHostInputBytes = size_t{64} << 10;
-
 // Launches of at most this many steps are latency-bound: polled from the start.
 constexpr size_t kPolledLaunchSteps = 4;
 
@@ -99,12 +93,6 @@ void ForEachInput(const StepLaunch& l, Fn&& fn) {
     k_at += job.KvBytes();
     v_at += job.KvBytes();
   }
-}
-
-// Whether every input tensor of the launch is in its staging (none read from a region).
-bool AllInputsStaged(const StepLaunch& l) {
-  return std::none_of(l.routes.begin(), l.routes.end(),
-                      [](const StepRoute& r) { return r.q || r.k || r.v || r.device; });
 }
 
 // Whether every output of the launch comes back through its output staging (no region takes
@@ -254,7 +242,6 @@ absl::Status CudaStepDevice::Init(const Options& options) {
   plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
   append_in_kernel_ = options.append_in_kernel;
   output_to_host_ = options.output_to_host;
-  input_from_host_ = options.input_from_host;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
@@ -399,18 +386,11 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   const size_t dev_out_bytes = l.in_place || host_out
                                    ? 0
                                    : s.lse + (l.any_lse ? sizeof(float) * key.num_heads * tokens : 0);
-  // The kernels read the inputs from the pinned staging itself (mapped into the device's address
-  // space), with no copy in: a launch in place (only its tables are staged), and a small decode
-  // launch whose tensors are all staged.
-  const bool host_in =
-      input_from_host_ && !key.fp8_cache && kernels::cuda::UsesDecodeKernel(args) &&
-      (l.in_place || (s.in_bytes <= kHostInputBytes && AllInputsStaged(l)));
   // The segment table of the tensors in GPU regions rides behind the staging's device copy.
-  const int32_t segments = l.in_place || host_in ? 0 : CountSegments(l);
+  const int32_t segments = l.in_place ? 0 : CountSegments(l);
   const size_t table_at = (s.in_bytes + 15) / 16 * 16;
   const size_t table_bytes = sizeof(CopySegment) * size_t(segments);
-  ASSIGN_OR_RETURN(char* dev_in, lane.in.Get(pool, stream, host_in ? 0 : table_at + table_bytes));
-  char* in = host_in ? l.in : dev_in;  // where the kernels read the staged inputs
+  ASSIGN_OR_RETURN(char* in, lane.in.Get(pool, stream, table_at + table_bytes));
   ASSIGN_OR_RETURN(char* dev_out, lane.out.Get(pool, stream, dev_out_bytes));
   if (lane.segments.capacity() < table_bytes) {
     lane.segments = PinnedBuffer();
@@ -440,7 +420,7 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
   kernels::cuda::Plan plan;
   char* workspace = nullptr;
   RETURN_IF_ERROR(PlanLaunch(args, lane, &plan, &workspace));
-  if ((host_out || host_in) && plan.kernel != kernels::cuda::Plan::Kernel::kDecode) {
+  if (host_out && plan.kernel != kernels::cuda::Plan::Kernel::kDecode) {
     return absl::InternalError("a decode-shaped step launch was planned off the decode kernel");
   }
   const char* new_k = l.in_place ? first.k_bytes.data() : in + s.k;
@@ -448,21 +428,17 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
 
   SyncStreamUnlessDone sync_on_error(stream);  // before pages or staging go back on an error
   cudaEvent_t* ev = lane.events;
-  // Nothing precedes the kernels when they read the staging: no copy to time, one record less.
-  lane.copies_in = !host_in;
-  if (lane.copies_in) {
-    RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], stream));
-    if (l.in_place) {  // the page table and row lists only
-      RETURN_IF_CUDA_ERROR("H2D copy",
-                           cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
-                                           cudaMemcpyHostToDevice, stream));
-    } else {
-      if (segments > 0) {
-        RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
-                                                         cudaMemcpyHostToDevice, stream));
-      }
-      RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
+  RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[0], stream));
+  if (l.in_place) {  // the page table and row lists only
+    RETURN_IF_CUDA_ERROR("H2D copy",
+                         cudaMemcpyAsync(in + s.tables, l.in + s.tables, s.in_bytes - s.tables,
+                                         cudaMemcpyHostToDevice, stream));
+  } else {
+    if (segments > 0) {
+      RETURN_IF_CUDA_ERROR("H2D copy", cudaMemcpyAsync(dev_table, host_table, table_bytes,
+                                                       cudaMemcpyHostToDevice, stream));
     }
+    RETURN_IF_ERROR(CopyInputs(l, in, dev_table, input_segments, stream));
   }
   // Copy-on-write first (rows of shared pages into the step's copies), then the new rows.
   RETURN_IF_CUDA_ERROR(
@@ -521,7 +497,7 @@ absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepL
     return CudaError("step launch", e);
   }
   StepLaunchTimes t;
-  t.in_us = lane.copies_in ? ElapsedMs(ev[0], ev[1]) * 1e3 : 0;
+  t.in_us = ElapsedMs(ev[0], ev[1]) * 1e3;
   if (lane.copies_out) {
     t.kernel_us = ElapsedMs(ev[1], ev[2]) * 1e3;
     t.out_us = ElapsedMs(ev[2], ev[3]) * 1e3;

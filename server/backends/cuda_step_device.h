@@ -39,10 +39,6 @@ class CudaStepDevice : public StepDevice {
     // written by the decode kernel straight into that (pinned, mapped) staging, with no copy
     // after it.
     bool output_to_host = true;
-    // Small decode launches whose inputs are all staged, and launches in place: the kernels read
-    // q, the new rows and the tables straight from the pinned (mapped) input staging, with no
-    // copy before them.
-    bool input_from_host = false;
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
@@ -105,7 +101,6 @@ class CudaStepDevice : public StepDevice {
     // least how long the next one will take.
     double device_us_per_byte = 0;
     double expected_bytes = 0;  // of the launch in flight
-    bool copies_in = true;      // the launch in flight copies inputs before its kernels
     bool copies_out = true;     // the launch in flight copies outputs after its kernel
   };
 
@@ -132,7 +127,6 @@ class CudaStepDevice : public StepDevice {
   kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
   bool append_in_kernel_ = true;              // Options::append_in_kernel
   bool output_to_host_ = true;                // Options::output_to_host
-  bool input_from_host_ = false;              // Options::input_from_host
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

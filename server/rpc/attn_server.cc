@@ -81,7 +81,6 @@ absl::StatusOr<Backends> CreateBackends(const ServerOptions& options) {
       so.kv_page_bytes = page_bytes;
       so.append_in_kernel = options.step_append_in_kernel;
       so.output_to_host = options.step_output_to_host;
-      so.input_from_host = options.step_input_from_host;
       auto steps = (*cuda)->CreateStepDevice(so);
       if (steps.ok()) {
         b.steps = std::move(*steps);

@@ -34,11 +34,6 @@ struct ServerOptions {
   // A small decode step launch's o and lse (up to 64 KiB) written by the decode kernel straight
   // into the pinned host memory they are answered from; false: copied there after the kernel.
   bool step_output_to_host = true;
-  // A small decode step launch's inputs (up to 64 KiB: q, the new rows, the page table), and a
-  // launch in place's page table, read by the kernels straight from the pinned host memory they
-  // were staged in; false: copied to the device first (not yet measured on a GPU host:
-  // docs/PERF.md).
-  bool step_input_from_host = false;
   int64_t device_pool_bytes = 8ll << 30;         // CUDA backend transient tensors
   int64_t pinned_pool_bytes = 2ll << 30;         // CUDA backend staging
   // CUDA backend, FP8 attention of more than 16 queries per sequence (all-FP8 Attend, and steps

@@ -190,7 +190,6 @@ class CudaRegionTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status() << "\n" << attnd_->Log();
     regions_ = std::move(*r);
   }
-  void GpuRegionSteps(const std::vector<std::string>& flags);
   // GPU memory of kGpuBytes registered as region `name`; freed after attnd has exited.
   GpuBuffer& RegisterGpu(const std::string& name) {
     auto buffer = std::make_unique<MallocBuffer>();
@@ -277,10 +276,8 @@ v1::StepResponse ReadBack(const v1::StepRequest& region_step, v1::StepResponse r
   return response;
 }
 
-// Steps with every tensor in GPU regions (in place where all are aligned, else copied on the
-// device) against the reference, and a refused one that changes nothing; attnd run with flags.
-void CudaRegionTest::GpuRegionSteps(const std::vector<std::string>& flags) {
-  ASSERT_NO_FATAL_FAILURE(StartAttnd(flags));
+TEST_F(CudaRegionTest, StepsWithTensorsInGpuRegionsMatchTheReference) {
+  ASSERT_NO_FATAL_FAILURE(StartAttnd());
   GpuBuffer& in = RegisterGpu("gin");
   GpuBuffer& out = RegisterGpu("gout");
   ASSERT_FALSE(HasFailure());
@@ -332,14 +329,6 @@ void CudaRegionTest::GpuRegionSteps(const std::vector<std::string>& flags) {
   shadow.Append(step);
   EXPECT_EQ(response.cached_tokens(), shadow.Tokens(0));
   EXPECT_LT(shadow.Check(step, ReadBack(good, response, read)).o, kOTolerance);
-}
-
-TEST_F(CudaRegionTest, StepsWithTensorsInGpuRegionsMatchTheReference) { GpuRegionSteps({}); }
-
-// The same with a launch in place reading its page table, and a small launch its staged inputs,
-// from the pinned staging (no copy in).
-TEST_F(CudaRegionTest, StepsWithInputsReadFromTheStagingMatchTheReference) {
-  GpuRegionSteps({"--step_input_from_host"});
 }
 
 TEST_F(CudaRegionTest, OneLaunchMixesGpuRegionHostRegionAndInlineSteps) {

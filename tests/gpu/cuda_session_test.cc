@@ -89,12 +89,10 @@ TEST_F(CudaSessionTest, RandomInterleavingsMatchTheReference) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
-// Random interleavings with the step lanes' other ways: a small decode launch's staged inputs read
-// by the kernels from the pinned staging (no copy in), and the lanes polling only while alone at
-// work (several lanes' steps waited for asleep).
-TEST_F(CudaSessionTest, InputsReadFromTheStagingAndLanesPollingAloneMatchTheReference) {
+// Random interleavings with the lanes polling only while alone at work (several lanes' steps
+// waited for asleep in the driver).
+TEST_F(CudaSessionTest, LanesPollingAloneMatchTheReference) {
   ServerOptions so = Options();
-  so.step_input_from_host = true;
   so.step_poll_when_busy = false;
   ASSERT_NO_FATAL_FAILURE(Start(so));
   const int64_t total = FreePages();
