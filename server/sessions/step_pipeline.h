@@ -51,7 +51,7 @@ class StepPipeline : public BatchRunner {
     // Lanes poll (for their next batch, and the device for their launch) even while other lanes
     // are at work. false: only a lane alone at work polls, and one idle lane at a time; the
     // others sleep, leaving the cores to the transport when many callers step at once.
-    bool poll_when_busy = true;
+    bool poll_when_busy = false;
   };
   static absl::StatusOr<std::unique_ptr<StepPipeline>> Create(const Options& options,
                                                               StepDevice* device);

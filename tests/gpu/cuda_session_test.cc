@@ -89,11 +89,11 @@ TEST_F(CudaSessionTest, RandomInterleavingsMatchTheReference) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
-// Random interleavings with the lanes polling only while alone at work (several lanes' steps
-// waited for asleep in the driver).
-TEST_F(CudaSessionTest, LanesPollingAloneMatchTheReference) {
+// Random interleavings with every lane polling, even beside other lanes at work (the default
+// polls only a lane alone at work).
+TEST_F(CudaSessionTest, LanesPollingWhenBusyMatchTheReference) {
   ServerOptions so = Options();
-  so.step_poll_when_busy = false;
+  so.step_poll_when_busy = true;
   ASSERT_NO_FATAL_FAILURE(Start(so));
   const int64_t total = FreePages();
   const std::vector<SessionSpec> specs = {
