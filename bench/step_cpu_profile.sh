@@ -2,7 +2,7 @@
 # Where a GPU host's CPU goes while 64 sessions each call Step, and while they call Echo of the
 # same bytes: one attn-bench run (--sessions 64 --step_coding stub: its Steps, then its Echo),
 # `perf record -a -g` for a window inside each half, and a report per thread name and per
-# (thread name, symbol), once per set of attnd flags in PROFILE_VARIANTS (default "-": none).
+# (thread name, symbol), once per set of attnd flags in PROFILE_VARIANTS (default "-": none; " " for no profile).
 # Then the same load at each of STEP_LANES (default "2 4 8") lanes, for each set of flags in
 # STEP_VARIANTS (default "-"), the whole sweep STEP_ROUNDS (default 1) times, so that variants
 # alternate. A set of flags is comma-separated, e.g. "--step_poll_when_busy=true".
@@ -73,4 +73,4 @@ for round in $(seq "${STEP_ROUNDS:-1}"); do
     done
   done
 done
-head -12 "$out"/steps-*-comm.txt "$out"/echo-*-comm.txt
+head -12 "$out"/steps-*-comm.txt "$out"/echo-*-comm.txt 2>/dev/null || true  # none: no profile variant
