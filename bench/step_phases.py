@@ -3,7 +3,8 @@
 
   step_phases.py scrape http://HOST:PORT/metrics FILE      save one scrape
   step_phases.py diff BEFORE AFTER LABEL [--header]        print a table row of the means (us)
-                                                           of each phase between the scrapes
+                                                           of each phase between the scrapes,
+                                                           and the mean new tokens per launch
   step_phases.py diff BEFORE AFTER LABEL --less B2 A2      the same less what changed from B2
                                                            to A2 (a run with the same set-up,
                                                            e.g. the same prefill, and a tiny
@@ -15,6 +16,8 @@ import urllib.request
 
 PHASES = ["decode", "stage", "enqueue", "wait", "finish", "answer", "send"]
 LINE = re.compile(r'^attn_step_phase_duration_seconds_(sum|count)\{phase="(\w+)"\} (\S+)$')
+# The mean of its per-batch values: new tokens per launch (one query token a decode step).
+TOKENS = re.compile(r'^attn_step_tokens_per_launch_(sum|count) (\S+)$')
 
 
 def parse(path):
@@ -24,6 +27,9 @@ def parse(path):
             m = LINE.match(line.strip())
             if m:
                 values[(m.group(2), m.group(1))] = float(m.group(3))
+            m = TOKENS.match(line.strip())
+            if m:
+                values[("tokens", m.group(1))] = float(m.group(2))
     return values
 
 
@@ -48,9 +54,11 @@ def main():
     for p in PHASES:
         n, s = delta(p, "count"), delta(p, "sum")
         cells.append(f"{1e6 * s / n:.1f} ({int(n)})" if n > 0 else "-")
+    n, s = delta("tokens", "count"), delta("tokens", "sum")
+    cells.append(f"{s / n:.2f}" if n > 0 else "-")
     if header:
-        print("| level | " + " | ".join(f"{p} us (n)" for p in PHASES) + " |")
-        print("| --- " * (len(PHASES) + 1) + "|")
+        print("| level | " + " | ".join(f"{p} us (n)" for p in PHASES) + " | tokens per launch |")
+        print("| --- " * (len(PHASES) + 2) + "|")
     print(f"| {label} | " + " | ".join(cells) + " |")
 
 
