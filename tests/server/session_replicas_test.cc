@@ -656,20 +656,29 @@ TEST(SessionHandoff, ACallerIdleThroughTheDrainFindsItsSessionsOnThePeer) {
   EXPECT_EQ(KvCache(*b).free_pages(), KvCache(*b).total_pages());
 }
 
-// A free TCP port on 127.0.0.1 now (for a replica that must come back at the same address).
+// A free TCP port on 127.0.0.1 for a replica that must come back at the same address. It is drawn
+// below the kernel's ephemeral range: a port bound as 0 by a test running beside this one (or a
+// connection's local port) is drawn from that range, and could take this one between the
+// replica's exit and its restart.
 int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  constexpr int kLowest = 10000;
+  if (ephemeral_low <= kLowest + 100) return 0;
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> pick(kLowest, ephemeral_low - 1);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = pick(rng);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) return port;
   }
-  close(fd);
-  return port;
+  return 0;
 }
 
 // A rolling restart of two replicas under 64 decoding sessions: A drains (its sessions move to
