@@ -17,7 +17,7 @@ import pytest
 
 import attnd
 import attnd.aio
-from attnd import _core, _wire
+from attnd import _core, _tensors, _wire
 from attnd.regions import Registered, RegionTable
 from conftest import TOLERANCE, check_lse, make, reference, relative_error, values
 
@@ -311,6 +311,122 @@ def test_an_unexpected_answer_is_read_by_python():
                 _core.read_batch_step(bad, coded)
     finally:
         region.close()
+
+
+def inline_answer(items, rng, timing=True):
+    """A BatchStepResponse whose outputs the message holds (as for items outside regions): per
+    item o of q's shape and dtype, lse float32 [heads, tokens] where asked, random bytes."""
+    out = b""
+    for it in items:
+        q = it.q
+        shape = tuple(q.shape)
+        code = {"float32": 1, "float16": 2}.get(str(q.dtype).replace("torch.", ""), 3)
+        nbytes = _tensors.DTYPE_BYTES[code] * int(np.prod(shape))
+        o = (_wire._varint_field(1, code) + _wire._packed(2, shape) +
+             _wire._len_field(3, rng.integers(0, 256, size=nbytes, dtype=np.uint8).tobytes()))
+        body = _wire._len_field(1, o) + _wire._varint_field(3, 11)
+        if it.return_lse:
+            lse = rng.standard_normal(shape[1] * shape[0]).astype(np.float32).tobytes()
+            body += _wire._len_field(2, _wire._varint_field(1, 1) +
+                                     _wire._packed(2, (shape[1], shape[0])) +
+                                     _wire._len_field(3, lse))
+        if timing:
+            body += _wire._len_field(4, b"\x21" + np.float64(5.5).tobytes())
+        out += _wire._len_field(1, _wire._len_field(3, body))
+    return out
+
+
+def bits(x, lib):
+    """x's bytes as integers (a numpy array or CPU torch tensor)."""
+    if lib == "torch":
+        import torch
+
+        return x.contiguous().view({2: torch.int16, 4: torch.int32}[x.element_size()]).numpy()
+    return x.view({2: np.uint16, 4: np.uint32}[x.itemsize])
+
+
+def same_results(a, b, lib):
+    """Two readings' results: the same type, o and lse values (and the same out objects)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert type(x) is type(y) is _core.StepResult
+        assert x.cached_tokens == y.cached_tokens and x.timing == y.timing
+        for u, w in ((x.o, y.o), (x.lse, y.lse)):
+            assert (u is None) == (w is None)
+            if u is None:
+                continue
+            assert type(u) is type(w) and tuple(u.shape) == tuple(w.shape) and u.dtype == w.dtype
+            if lib == "numpy":
+                assert u.flags.writeable == w.flags.writeable
+            assert np.array_equal(bits(u, lib), bits(w, lib))  # random bytes: NaNs among them
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_outputs_the_answer_holds_are_read_in_one_pass_as_python_reads_them(lib):
+    """o and lse in the message: made over the answer (no out), or copied into out and lse_out
+    (host memory, writable, q's kind): the Python reading's results, in one pass; an out it
+    must convert or check is left to the Python reading, which says what is wrong."""
+    rng = np.random.default_rng(76)
+    torch = pytest.importorskip("torch") if lib == "torch" else None
+    table = RegionTable()
+
+    def as_lib(x):
+        if torch is None:
+            return x
+        if x.dtype == np.uint16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+
+    for trial in range(40):
+        items = []
+        for i in range(int(rng.integers(1, 6))):
+            dt = NP_DTYPES[["fp32", "fp16", "bf16"][rng.integers(3)]]
+            tokens = int(rng.integers(1, 3))
+            q = as_lib(np.zeros((tokens, HEADS, D), dt))
+            kv = as_lib(np.zeros((tokens, KV_HEADS, D), dt))
+            lse = bool(rng.integers(2))
+            out = as_lib(np.full((tokens, HEADS, D), 7, dt)) if rng.integers(2) else None
+            lse_out = as_lib(np.zeros((HEADS, tokens), np.float32)) if lse and rng.integers(2) \
+                else None
+            items.append(attnd.StepItem("ra.s%d" % i, 0, q, kv, kv, return_lse=lse, out=out,
+                                        lse_out=lse_out))
+        (_, coded), = _core.prepare_batch_steps(table, items, None)
+        assert type(coded) is _core.CodedBatch
+        answer = inline_answer(items, rng, timing=bool(trial % 2))
+        got = _core.read_batch_step(answer, coded)
+        # the one-pass reading took it (the Python reading is not called)
+        assert _core.FAST.read_batch_step(answer, coded.plan, _core.StepResult,
+                                          _wire.ServerTiming, _wire._EMPTY_TIMING,
+                                          _core._answer_output, np.ndarray) is not None
+        got_o = [None if r.o is None else (r.o.clone() if torch else r.o.copy()) for r in got]
+        want = python_reading(answer, coded.prepared())
+        same_results(got, want, lib)
+        for it, r, o in zip(items, got, got_o):
+            assert r.o is it.out if it.out is not None else r.o is not it.out
+            assert r.lse is it.lse_out if it.lse_out is not None else True
+            if it.out is not None:  # written by the one-pass reading, as Python writes it
+                same_results([r._replace(o=o)], [r], lib)
+
+    # outs it leaves to Python: read-only, another kind than q, another dtype or shape
+    q = np.zeros((1, HEADS, D), np.float16)
+    kv = np.zeros((1, KV_HEADS, D), np.float16)
+    ro = np.zeros((1, HEADS, D), np.float16)
+    ro.flags.writeable = False
+    for out, error in ((ro, "read-only"), (np.zeros((1, HEADS, D), np.float32), None),
+                       (np.zeros((2, HEADS, D), np.float16), "has shape")):
+        items = [attnd.StepItem("ra.a", 0, q, kv, kv, out=out)]
+        (_, coded), = _core.prepare_batch_steps(table, items, None)
+        answer = inline_answer(items, rng)
+        assert _core.FAST.read_batch_step(answer, coded.plan, _core.StepResult,
+                                          _wire.ServerTiming, _wire._EMPTY_TIMING,
+                                          _core._answer_output, np.ndarray) is None
+        if error is None:  # converted by the Python reading, as before
+            r, = _core.read_batch_step(answer, coded)
+            assert r.o is out and np.array_equal(out, python_reading(answer, coded)[0].o,
+                                                 equal_nan=True)
+        else:
+            with pytest.raises((ValueError, attnd.InvalidArgument), match=error):
+                _core.read_batch_step(answer, coded)
 
 
 def test_inline_numpy_steps_match_the_reference(client):

@@ -188,3 +188,19 @@ class TestCudaIpc:
         finally:
             client.unregister_region(region)
             region.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grpc_host_arrays_are_the_tensors_rows(dtype):
+    """The grpc transport's host copies: numpy views [batch, ...] of q, k, v in the session's
+    dtype (bfloat16 as its bits), each row contiguous; CUDA tensors go joined, in one copy (here
+    the same layout from CPU tensors, unpinned)."""
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3, 2, h, 16, generator=gen) for h in (4, 2, 2)]
+    xs[1] = xs[1].transpose(1, 2).contiguous().transpose(1, 2)  # strided, as a model's views are
+    for got in (at._host_arrays(xs, dtype), at._joined_to_host(xs, dtype, pin=False)):
+        for h, x in zip(got, xs):
+            want = x.to(dtype).contiguous()
+            want = want.view(torch.int16).numpy() if dtype == torch.bfloat16 else want.numpy()
+            assert h.shape == tuple(x.shape) and np.array_equal(h.view(want.dtype), want)
+            assert all(h[b].flags.c_contiguous for b in range(3))

@@ -26,7 +26,16 @@ def _load_fast() -> Any:
         from . import _fast  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return _fast if hasattr(_fast, "code_batch_step") else None
+    return _fast if fast_usable(_fast) else None
+
+
+# The layout of attnd._fast's BatchStep plan that this module reads (a stale binary is not used).
+FAST_PLAN = 2
+
+
+def fast_usable(fast: Any) -> bool:
+    """Whether attnd._fast codes and reads BatchSteps as this module expects."""
+    return hasattr(fast, "code_batch_step") and getattr(fast, "PLAN", 1) == FAST_PLAN
 
 
 # attnd._fast, or None. attnd._native sets it too when it finds the module beside its library.
@@ -406,8 +415,9 @@ def cut_by_size(items: Sequence[Any], size_of: Any, max_bytes: Optional[int],
 class CodedBatch:
     """The Prepared of a BatchStep's items that attnd._fast coded, as a sequence: made when first
     looked at (read_batch_step reads their answers from the plan, unless it must read it here).
-    plan: per item (q, out, lse_out, o in a region, lse in a region, CUDA device or None);
-    devices: the CUDA devices whose current stream is synchronized before the call."""
+    plan: per item (q, out, lse_out, o in a region, lse in a region, CUDA device or None, where
+    attnd._fast may copy an output the answer holds); devices: the CUDA devices whose current
+    stream is synchronized before the call."""
 
     __slots__ = ("plan", "devices", "_prepared")
 
@@ -419,7 +429,7 @@ class CodedBatch:
     def prepared(self) -> List[Prepared]:
         if self._prepared is None:
             self._prepared = [Prepared(b"", _tensors.OutputMaker(q), out, lse_out, o_in, lse_in, dev)
-                              for q, out, lse_out, o_in, lse_in, dev in self.plan]
+                              for q, out, lse_out, o_in, lse_in, dev, _ in self.plan]
         return self._prepared
 
     def __len__(self) -> int:
@@ -572,8 +582,8 @@ def read_batch_step(buf: bytes, prepared: Sequence[Prepared]) -> List[Any]:
     if type(prepared) is CodedBatch:
         if FAST is not None and type(buf) is bytes:
             done = FAST.read_batch_step(buf, prepared.plan, StepResult, ServerTiming,
-                                        _wire._EMPTY_TIMING)
-            if done is not None:  # every output in its region
+                                        _wire._EMPTY_TIMING, _answer_output, np.ndarray)
+            if done is not None:  # read in one pass (else some output needs the reading below)
                 results, failed = done
                 if failed:
                     for i, r in enumerate(results):
@@ -597,6 +607,12 @@ def read_batch_step(buf: bytes, prepared: Sequence[Prepared]) -> List[Any]:
     except _wire.Malformed as e:
         raise AttndError(f"the server's BatchStepResponse is malformed: {e}",
                          grpc.StatusCode.INTERNAL) from e
+
+
+def _answer_output(q: Any, code: int, shape: Tuple[int, ...], buf: bytes, start: int) -> Any:
+    """An output the answer holds, for an item without out (attnd._fast.read_batch_step): made
+    over buf as _output makes it."""
+    return _tensors.OutputMaker(q).tensor(code, shape, buf, start)
 
 
 def read_echo(buf: bytes) -> memoryview:

@@ -348,7 +348,19 @@ typedef struct {
   long long device; /* -1: host memory */
   int region;       /* index into the regions, or -1: the bytes go in the message */
   uint64_t offset;
+  int readonly;     /* a numpy array that may not be written (torch tensors: 0) */
 } Tensor;
+
+/* Where an answer's output held in the message is copied to: the host memory of an out (or
+ * lse_out) outside the regions. ptr 0: none (the output is made over the answer instead, or the
+ * Python reading copies it). Kept, per item, as the bytes of the plan's last element. */
+typedef struct {
+  uintptr_t ptr;
+  uint64_t nbytes;
+  int32_t dtype;
+  int32_t ndim;
+  uint64_t shape[kMaxDims];
+} Dest;
 
 typedef struct {
   PyObject* sid; /* owned: the session id (str) */
@@ -362,6 +374,8 @@ typedef struct {
   long long left, right;
   int o_region, lse_region; /* region index or -1 */
   uint64_t o_offset, o_bytes, lse_offset, lse_bytes;
+  int q_is_ndarray;
+  Dest dest[2]; /* o and lse: copied into out and lse_out when the answer holds them */
   size_t body;
 } CodedStep;
 
@@ -609,6 +623,7 @@ static int ReadTensor(const Types* ty, Held* h, PyObject* x, Tensor* t) {
       return 0;
     }
     ++h->views_held;
+    t->readonly = v->readonly;
     t->dtype = DTypeOfFormat(v->format);
     if (t->dtype == 0 || v->ndim > kMaxDims || v->ndim < 0) return 0;
     t->ndim = v->ndim;
@@ -625,6 +640,7 @@ static int ReadTensor(const Types* ty, Held* h, PyObject* x, Tensor* t) {
   PyObject* dtype = NULL;
   PyObject* shape = NULL;
   PyObject* r = NULL;
+  t->readonly = 0;
   dtype = PyObject_GetAttr(x, s_dtype);
   if (dtype == NULL) goto done;
   PyObject* code = PyDict_GetItemWithError(ty->torch_codes, dtype); /* borrowed */
@@ -767,6 +783,7 @@ static int ReadItem(const Types* ty, Held* h, const Region* regions, int nregion
   for (int i = 0; i < 3; ++i) {
     f = Field(item, names[i]);
     if (f == NULL) return -1;
+    if (i == 0) s->q_is_ndarray = (PyObject*)Py_TYPE(f) == ty->ndarray_type;
     const int got = ReadTensor(ty, h, f, &s->t[i]);
     Py_CLEAR(f);
     if (got <= 0) return got;
@@ -826,11 +843,23 @@ static int ReadItem(const Types* ty, Held* h, const Region* regions, int nregion
     if (f != Py_None) {
       Tensor t;
       const int got = ReadTensor(ty, h, f, &t);
+      const int out_is_ndarray = (PyObject*)Py_TYPE(f) == ty->ndarray_type;
       Py_CLEAR(f);
       if (got <= 0) return got;
       uint64_t offset = 0;
       const int at = nregions > 0 ? FindRegion(regions, nregions, &t, &offset) : -1;
       if (at < 0 && t.device >= 0) return 0; /* Python copies into a CUDA out */
+      /* An out in host memory, written as attnd/_core.py's copy would write it: bytes for
+       * bytes when it is writable and of q's kind (numpy or torch) and the answer's dtype and
+       * shape; otherwise Python copies (converting, or saying what is wrong). */
+      if (at < 0 && !t.readonly && out_is_ndarray == s->q_is_ndarray) {
+        Dest* d = &s->dest[i];
+        d->ptr = t.ptr;
+        d->nbytes = t.nbytes;
+        d->dtype = t.dtype;
+        d->ndim = t.ndim;
+        memcpy(d->shape, t.shape, sizeof t.shape);
+      }
       if (i == 0) {
         s->o_region = at;
         s->o_offset = offset;
@@ -860,8 +889,9 @@ error:
  * numpy.ndarray, torch.Tensor or None, {torch dtype: wire dtype}, as_step_item); max_bytes: the most bytes of steps one message may carry (-1: no
  * bound).
  * -> (message bytes, plan, devices): plan a list with, per item, (q, out, lse_out, o in a region,
- *    lse in a region, CUDA device of its GPU-region inputs or None); devices a tuple of those
- *    devices, each once;
+ *    lse in a region, CUDA device of its GPU-region inputs or None, where read_batch_step may
+ *    copy an o or lse held in the answer: the bytes of Dest[2], or None); devices a tuple of
+ *    those devices, each once;
  *    None where attnd/_core.py codes these items (see above), or they pass max_bytes. */
 static PyObject* CodeBatchStep(PyObject* self, PyObject* args) {
   (void)self;
@@ -931,10 +961,14 @@ static PyObject* CodeBatchStep(PyObject* self, PyObject* args) {
       Py_XDECREF(out);
       goto done;
     }
-    PyObject* entry = Py_BuildValue("(NNNOON)", q, out, lse_out,
+    PyObject* dest = s->dest[0].ptr == 0 && s->dest[1].ptr == 0
+                         ? Py_NewRef(Py_None)
+                         : PyBytes_FromStringAndSize((const char*)s->dest, sizeof s->dest);
+    PyObject* entry = Py_BuildValue("(NNNOONN)", q, out, lse_out,
                                     s->o_region >= 0 ? Py_True : Py_False,
                                     s->lse_region >= 0 ? Py_True : Py_False,
-                                    sync >= 0 ? PyLong_FromLongLong(sync) : Py_NewRef(Py_None));
+                                    sync >= 0 ? PyLong_FromLongLong(sync) : Py_NewRef(Py_None),
+                                    dest);
     if (entry == NULL) goto done;
     PyList_SetItem(plan, i, entry);
     if (sync >= 0) {
@@ -1061,6 +1095,112 @@ static int TensorInRegion(const uint8_t* b, size_t at, size_t end) {
   return named && dtype >= kFloat32 && dtype <= kFloat8;
 }
 
+/* A Tensor held in the answer (no region): its dtype, shape and data span. 1 when it is well
+ * formed as attnd/_wire.py's read_tensor takes it, else 0 (Python reads it, or says what is
+ * wrong). */
+typedef struct {
+  int32_t dtype;
+  int ndim;
+  uint64_t shape[kMaxDims];
+  size_t start, end;
+} Inline;
+
+static int InlineTensor(const uint8_t* b, size_t at, size_t end, Inline* t) {
+  uint64_t dtype = 0;
+  t->ndim = 0;
+  t->start = t->end = 0;
+  while (at < end) {
+    uint64_t key = 0, v = 0;
+    size_t s = 0, e = 0;
+    if (!GetVarint(b, &at, end, &key)) return 0;
+    const uint64_t number = key >> 3;
+    const int wt = (int)(key & 7);
+    if (!SkipValue(b, &at, end, wt, &v, &s, &e)) return 0;
+    if (wt == 0 && number == 1) {
+      dtype = v;
+    } else if (wt == 0 && number == 2) { /* unpacked: one more dimension */
+      if (v >= (1ull << 63) || t->ndim == kMaxDims) return 0;
+      t->shape[t->ndim++] = v;
+    } else if (wt == 2 && number == 2) { /* packed: the whole shape */
+      t->ndim = 0;
+      while (s < e) {
+        if (!GetVarint(b, &s, e, &v) || v >= (1ull << 63) || t->ndim == kMaxDims) return 0;
+        t->shape[t->ndim++] = v;
+      }
+    } else if (wt == 2 && number == 3) {
+      t->start = s;
+      t->end = e;
+    } else if (number == 4) {
+      return 0; /* a region: not this item's way */
+    }
+  }
+  const int element = dtype <= kFloat8 ? ElementBytes((int32_t)dtype) : 0;
+  if (element == 0) return 0;
+  t->dtype = (int32_t)dtype;
+  uint64_t need = (uint64_t)element;
+  for (int i = 0; i < t->ndim; ++i) {
+    if (t->shape[i] != 0 && need > UINT64_MAX / t->shape[i]) return 0;
+    need *= t->shape[i];
+  }
+  return t->end - t->start == need;
+}
+
+/* q's wire dtype where q is a numpy array (ndarray_type) whose outputs of that dtype come back
+ * in q's own dtype (attnd/_tensors.py's OutputMaker: float32, float16, and bfloat16 as uint16
+ * bits), else 0. */
+static int32_t SameAsNumpyQ(PyObject* q, PyObject* ndarray_type) {
+  if ((PyObject*)Py_TYPE(q) != ndarray_type) return 0;
+  Py_buffer v;
+  if (PyObject_GetBuffer(q, &v, PyBUF_FORMAT | PyBUF_ND) != 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  const int32_t code = DTypeOfFormat(v.format);
+  PyBuffer_Release(&v);
+  return code == kFloat8 ? 0 : code;
+}
+
+/* An output held in the answer, as read_batch_step gives it: copied into dst (the caller's out
+ * or lse_out, returned) where its Dest takes it; else, when dst is None, an array over the answer
+ * (numpy.ndarray(shape, q.dtype, buf, start), what make would make, where q is a numpy array of
+ * the output's dtype) or make(q, dtype, shape, buf, start); NULL with no error: Python reads
+ * it. */
+static PyObject* InlineOutput(const uint8_t* b, const Inline* t, const Dest* d, PyObject* dst,
+                              PyObject* make, PyObject* ndarray_type, PyObject* q,
+                              PyObject* buf) {
+  if (dst != Py_None) {
+    if (d == NULL || d->ptr == 0 || d->dtype != t->dtype || d->ndim != t->ndim ||
+        d->nbytes != t->end - t->start) {
+      return NULL;
+    }
+    for (int i = 0; i < t->ndim; ++i) {
+      if (d->shape[i] != t->shape[i]) return NULL;
+    }
+    memcpy((void*)d->ptr, b + t->start, t->end - t->start);
+    return Py_NewRef(dst);
+  }
+  PyObject* shape = PyTuple_New(t->ndim);
+  if (shape == NULL) return NULL;
+  for (int i = 0; i < t->ndim; ++i) {
+    PyObject* x = PyLong_FromUnsignedLongLong(t->shape[i]);
+    if (x == NULL) {
+      Py_DECREF(shape);
+      return NULL;
+    }
+    PyTuple_SetItem(shape, i, x);
+  }
+  if (t->end > t->start && SameAsNumpyQ(q, ndarray_type) == t->dtype) {
+    PyObject* dtype = PyObject_GetAttr(q, s_dtype);
+    if (dtype == NULL) {
+      Py_DECREF(shape);
+      return NULL;
+    }
+    return PyObject_CallFunction(ndarray_type, "NNOn", shape, dtype, buf, (Py_ssize_t)t->start);
+  }
+  return PyObject_CallFunction(make, "OiNOn", q, (int)t->dtype, shape, buf,
+                               (Py_ssize_t)t->start);
+}
+
 static PyObject* NewTiming(PyObject* timing_type, PyObject* buf, size_t start, size_t end) {
   PyObject* t = PyType_GenericNew((PyTypeObject*)timing_type, NULL, NULL);
   if (t == NULL) return NULL;
@@ -1079,11 +1219,16 @@ static PyObject* NewTiming(PyObject* timing_type, PyObject* buf, size_t start, s
   return t;
 }
 
-/* read_batch_step(buf, plan, StepResult, ServerTiming, empty timing)
- * -> (results, failed): per item a StepResult (o and lse the item's out and lse_out, written in
- *    their regions) or (code, message) of a failed item, and whether any failed;
- *    None where attnd/_core.py reads the answer: an output in the message, or an answer laid out
- *    otherwise than this code expects (a malformed one among them: Python says what is wrong). */
+/* read_batch_step(buf, plan, StepResult, ServerTiming, empty timing, make, numpy.ndarray)
+ * -> (results, failed): per item a StepResult or (code, message) of a failed item, and whether
+ *    any failed. o and lse are the item's out and lse_out where they were asked in a region (the
+ *    server wrote them there) or where the answer holds them and they can be copied bytes for
+ *    bytes (see ReadItem); an output held in the answer without an out is
+ *    make(q, dtype, shape, buf, start) (attnd._core makes it over the answer, as its reading
+ *    does);
+ *    None where attnd/_core.py reads the answer: an output it must convert or check, or an
+ *    answer laid out otherwise than this code expects (a malformed one among them: Python says
+ *    what is wrong). */
 static PyObject* ReadBatchStep(PyObject* self, PyObject* args) {
   (void)self;
   PyObject* buf_obj = NULL;
@@ -1091,8 +1236,10 @@ static PyObject* ReadBatchStep(PyObject* self, PyObject* args) {
   PyObject* result_type = NULL;
   PyObject* timing_type = NULL;
   PyObject* empty_timing = NULL;
-  if (!PyArg_ParseTuple(args, "SO!OOO", &buf_obj, &PyList_Type, &plan, &result_type,
-                        &timing_type, &empty_timing)) {
+  PyObject* make = NULL;
+  PyObject* ndarray_type = NULL;
+  if (!PyArg_ParseTuple(args, "SO!OOOOO", &buf_obj, &PyList_Type, &plan, &result_type,
+                        &timing_type, &empty_timing, &make, &ndarray_type)) {
     return NULL;
   }
   static newfunc tuple_new = NULL;
@@ -1136,11 +1283,18 @@ static PyObject* ReadBatchStep(PyObject* self, PyObject* args) {
       failed = 1;
     } else {
       if (!has_response) goto fallback;
-      PyObject* entry = PyList_GetItem(plan, seen); /* (q, out, lse_out, o_in, lse_in, device) */
-      if (entry == NULL || !PyTuple_Check(entry) || PyTuple_Size(entry) != 6) goto fallback;
+      /* (q, out, lse_out, o_in, lse_in, device, dest) */
+      PyObject* entry = PyList_GetItem(plan, seen);
+      if (entry == NULL || !PyTuple_Check(entry) || PyTuple_Size(entry) != 7) goto fallback;
       const int o_in = PyTuple_GetItem(entry, 3) == Py_True;
       const int lse_in = PyTuple_GetItem(entry, 4) == Py_True;
+      PyObject* dest = PyTuple_GetItem(entry, 6);
+      const Dest* dests = PyBytes_Check(dest) && PyBytes_Size(dest) == 2 * sizeof(Dest)
+                              ? (const Dest*)PyBytes_AsString(dest)
+                              : NULL;
       int has_o = 0, has_lse = 0, has_timing = 0;
+      Inline held[2]; /* o and lse when the answer holds them */
+      int inline_at[2] = {0, 0};
       int64_t cached = 0;
       size_t t_s = 0, t_e = 0;
       size_t ra = resp_s;
@@ -1151,12 +1305,17 @@ static PyObject* ReadBatchStep(PyObject* self, PyObject* args) {
         const int wt3 = (int)(k3 & 7);
         if (!SkipValue(b, &ra, resp_e, wt3, &v3, &s3, &e3)) goto fallback;
         const uint64_t num = k3 >> 3;
-        if (wt3 == 2 && num == 1) {
-          if (!o_in || !TensorInRegion(b, s3, e3)) goto fallback;
-          has_o = 1;
-        } else if (wt3 == 2 && num == 2) {
-          if (!lse_in || !TensorInRegion(b, s3, e3)) goto fallback;
-          has_lse = 1;
+        if (wt3 == 2 && (num == 1 || num == 2)) {
+          const int i = (int)num - 1;
+          if (i == 0 ? o_in : lse_in) {
+            if (!TensorInRegion(b, s3, e3)) goto fallback;
+            inline_at[i] = 0;
+          } else {
+            if (!InlineTensor(b, s3, e3, &held[i])) goto fallback;
+            inline_at[i] = 1;
+          }
+          if (i == 0) has_o = 1;
+          else has_lse = 1;
         } else if (wt3 == 2 && num == 4) {
           t_s = s3;
           t_e = e3;
@@ -1166,11 +1325,28 @@ static PyObject* ReadBatchStep(PyObject* self, PyObject* args) {
         }
       }
       if (!has_o) goto fallback;
+      PyObject* outputs[2] = {NULL, NULL};
+      for (int i = 0; i < 1 + has_lse; ++i) {
+        PyObject* dst = PyTuple_GetItem(entry, 1 + i);
+        outputs[i] = inline_at[i] ? InlineOutput(b, &held[i], dests ? &dests[i] : NULL, dst,
+                                                 make, ndarray_type, PyTuple_GetItem(entry, 0),
+                                                 buf_obj)
+                                  : Py_NewRef(dst);
+        if (outputs[i] == NULL) {
+          Py_XDECREF(outputs[0]);
+          if (PyErr_Occurred()) goto error;
+          goto fallback;
+        }
+      }
+      if (outputs[1] == NULL) outputs[1] = Py_NewRef(Py_None);
       PyObject* timing = has_timing ? NewTiming(timing_type, buf_obj, t_s, t_e)
                                     : Py_NewRef(empty_timing);
-      if (timing == NULL) goto error;
-      PyObject* fields = Py_BuildValue("(OONN)", PyTuple_GetItem(entry, 1),
-                                       has_lse ? PyTuple_GetItem(entry, 2) : Py_None,
+      if (timing == NULL) {
+        Py_DECREF(outputs[0]);
+        Py_DECREF(outputs[1]);
+        goto error;
+      }
+      PyObject* fields = Py_BuildValue("(NNNN)", outputs[0], outputs[1],
                                        PyLong_FromLongLong(cached), timing);
       if (fields == NULL) goto error;
       PyObject* targs = PyTuple_Pack(1, fields);
@@ -1316,7 +1492,14 @@ static struct PyModuleDef kModule = {
     PyModuleDef_HEAD_INIT, "_fast", NULL, -1, kMethods, NULL, NULL, NULL, NULL,
 };
 
+/* PLAN: the layout of code_batch_step's plan that read_batch_step reads (attnd/_core.py takes
+ * the module only where it is the one it knows: a stale binary beside newer Python would
+ * otherwise be handed plans of another layout). */
+enum { kPlanVersion = 2 };
+
 PyMODINIT_FUNC PyInit__fast(void) {
   if (InternNames() != 0) return NULL;
-  return PyModule_Create(&kModule);
+  PyObject* m = PyModule_Create(&kModule);
+  if (m != NULL && PyModule_AddIntConstant(m, "PLAN", kPlanVersion) != 0) Py_CLEAR(m);
+  return m;
 }

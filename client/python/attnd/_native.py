@@ -112,7 +112,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
     _fast = _load_fast(path)
     from . import _core
 
-    if _core.FAST is None and hasattr(_fast, "code_batch_step"):  # found beside the library
+    if _core.FAST is None and _core.fast_usable(_fast):  # found beside the library
         _core.FAST = _fast
     if _fast is not None:
         addresses = [ctypes.cast(f, ctypes.c_void_p).value

@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -197,18 +198,21 @@ class RemoteKVCache:
 
     def _step_grpc(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    scale: float, window: Optional[Tuple[int, int]]) -> torch.Tensor:
-        # One copy of each tensor to the host in the session's dtype (rows are views of it).
-        host = [x.detach().to(dtype=self.kv_dtype).contiguous().to("cpu") for x in (q, k, v)]
         if len(self.sessions) == 1:
+            # One copy of each tensor to the host in the session's dtype (rows are views of it).
+            host = [x.detach().to(dtype=self.kv_dtype).contiguous().to("cpu") for x in (q, k, v)]
             r = self.sessions[0].step(layer, host[0][0], host[1][0], host[2][0], scale=scale,
                                       window=window)
-            rows = [r.o]
-        else:
-            items = [StepItem(s, layer, host[0][b], host[1][b], host[2][b], scale=scale,
-                              window=window) for b, s in enumerate(self.sessions)]
-            rows = [r.o for r in self.client.batch_step(items)]
-        o = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
-        return o.to(device=q.device, dtype=q.dtype)
+            return r.o.unsqueeze(0).to(device=q.device, dtype=q.dtype)
+        hq, hk, hv = _host_arrays((q, k, v), self.kv_dtype)
+        # The answer's rows are copied straight into one tensor (attnd._fast: no tensor per row
+        # to make and stack); pinned for a CUDA model, so that its copy back does not block.
+        o = torch.empty(tuple(q.shape), dtype=self.kv_dtype, pin_memory=q.is_cuda)
+        ho = _as_array(o)
+        self.client.batch_step([StepItem(s, layer, hq[b], hk[b], hv[b], scale=scale,
+                                         window=window, out=ho[b])
+                                for b, s in enumerate(self.sessions)])
+        return o.to(device=q.device, dtype=q.dtype, non_blocking=True)
 
     def _arena_for(self, nbytes: int, device: torch.device) -> Any:
         """The region the steps' tensors go through (grown, and registered again, when a step
@@ -291,6 +295,40 @@ class RemoteKVCache:
         if oa.dtype != q.dtype:
             return oa.to(q.dtype)
         return oa.clone() if self.copy_outputs else oa
+
+
+def _as_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous CPU tensor of a session dtype (bfloat16 as its uint16 bits,
+    as attnd reads numpy arrays): numpy rows cost the items and their coding a fraction of
+    torch rows' (attribute calls into torch per row and per tensor)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _host_arrays(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> List[np.ndarray]:
+    """xs ([batch, ...] each) on the host in dtype, as numpy arrays: CPU tensors as they are
+    where they already are so (else one conversion each); CUDA ones joined on the device and
+    copied to pinned host memory at once (one synchronizing copy instead of one per tensor)."""
+    if not xs[0].is_cuda:
+        return [_as_array(x.detach().to(dtype=dtype).contiguous().to("cpu")) for x in xs]
+    return _joined_to_host(xs, dtype, pin=True)
+
+
+def _joined_to_host(xs: Sequence[torch.Tensor], dtype: torch.dtype, pin: bool) -> List[np.ndarray]:
+    """_host_arrays of CUDA tensors: joined row by row ([batch, all of a row's elements]), one
+    copy to the host, each x's part as a view [batch, ...] whose rows are contiguous."""
+    b = xs[0].shape[0]
+    joined = torch.cat([x.detach().reshape(b, -1).to(dtype) for x in xs], dim=1)
+    host = torch.empty(tuple(joined.shape), dtype=dtype, pin_memory=pin)
+    host.copy_(joined)
+    flat = _as_array(host)
+    out, at = [], 0
+    for x in xs:
+        n = x[0].numel() if b else 0
+        out.append(flat[:, at:at + n].reshape(tuple(x.shape)))  # rows stay contiguous views
+        at += n
+    return out
 
 
 class _Slots(NamedTuple):
