@@ -19,14 +19,34 @@ from .regions import RegionTable
 from ._wire import ServerTiming
 
 
+def fast_from_file(path: Union[str, os.PathLike]) -> Any:
+    """attnd._fast loaded from a file outside the package (a bundle that carries it beside the
+    native library), or None where it does not load."""
+    import importlib.machinery
+    import importlib.util
+
+    name = __package__ + "._fast"
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+        fast = importlib.util.module_from_spec(spec)
+        loader.exec_module(fast)
+        return fast
+    except (ImportError, OSError):
+        return None
+
+
 def _load_fast() -> Any:
     """attnd._fast where it loads and codes BatchSteps (attnd/_fast.c), else None: the items
-    are then coded and the answers read here, in Python."""
+    are then coded and the answers read here, in Python. Looked for in the package, then beside
+    $ATTND_NATIVE_LIB, so that a bundle's copy serves the grpcio transport too."""
     try:
         from . import _fast  # type: ignore[attr-defined]
     except ImportError:
-        return None
-    return _fast if fast_usable(_fast) else None
+        lib = os.environ.get("ATTND_NATIVE_LIB")
+        beside = os.path.join(os.path.dirname(lib), "_fast.abi3.so") if lib else ""
+        _fast = fast_from_file(beside) if beside and os.path.isfile(beside) else None
+    return _fast if _fast is not None and fast_usable(_fast) else None
 
 
 # The layout of attnd._fast's BatchStep plan that this module reads (a stale binary is not used).

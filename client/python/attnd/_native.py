@@ -131,8 +131,13 @@ _fast_single = False  # whether _fast starts single Step calls on a queue too
 
 
 def _load_fast(library: Path) -> Any:
-    """attnd._fast from the package, else from beside the library (a bundle that carries both);
-    None where neither loads (no binary for this interpreter: the step's work stays in Python)."""
+    """attnd._fast from the package (or as attnd._core found it), else from beside the library
+    (a bundle that carries both); None where neither loads (no binary for this interpreter: the
+    step's work stays in Python)."""
+    from . import _core
+
+    if _core.FAST is not None:
+        return _core.FAST
     try:
         from . import _fast as fast  # type: ignore[attr-defined]
 
@@ -140,20 +145,7 @@ def _load_fast(library: Path) -> Any:
     except ImportError:
         pass
     beside = library.parent / "_fast.abi3.so"
-    if not beside.is_file():
-        return None
-    import importlib.machinery
-    import importlib.util
-
-    try:
-        loader = importlib.machinery.ExtensionFileLoader(__package__ + "._fast", str(beside))
-        spec = importlib.util.spec_from_file_location(__package__ + "._fast", str(beside),
-                                                      loader=loader)
-        fast = importlib.util.module_from_spec(spec)
-        loader.exec_module(fast)
-        return fast
-    except ImportError:
-        return None
+    return _core.fast_from_file(beside) if beside.is_file() else None
 
 
 class CallError(Exception):
