@@ -33,7 +33,6 @@ import argparse
 import json
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -46,28 +45,12 @@ if not any(Path(p, "attnd", "__init__.py").is_file() for p in sys.path if p):  #
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 import attnd  # noqa: E402
 from attnd import _core  # noqa: E402
+from python_parts import Parts  # noqa: E402  (beside this file)
 
 try:
     import torch
 except ImportError:  # numpy ways only
     torch = None
-
-
-class Parts:
-    """Per-call durations (seconds) of named parts."""
-
-    def __init__(self) -> None:
-        self.times: Dict[str, List[float]] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        self.times.setdefault(name, []).append(seconds)
-
-    def row(self, name: str) -> Dict[str, float]:
-        xs = self.times.get(name, [])
-        if not xs:
-            return {"p50_us": float("nan"), "mean_us": float("nan"), "n": 0}
-        return {"p50_us": statistics.median(xs) * 1e6, "mean_us": statistics.fmean(xs) * 1e6,
-                "n": len(xs)}
 
 
 def bf16_bits(rng: np.random.Generator, shape: tuple) -> np.ndarray:

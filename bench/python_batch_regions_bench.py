@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,28 +44,12 @@ if not any(Path(p, "attnd", "__init__.py").is_file() for p in sys.path if p):  #
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 import attnd  # noqa: E402
 from attnd import _core  # noqa: E402
+from python_parts import Parts  # noqa: E402  (beside this file)
 
 try:
     import torch
 except ImportError:  # numpy arrays in a host region, and no torch rows
     torch = None
-
-
-class Parts:
-    """Per-call durations (seconds) of named parts."""
-
-    def __init__(self) -> None:
-        self.times: Dict[str, List[float]] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        self.times.setdefault(name, []).append(seconds)
-
-    def row(self, name: str) -> Dict[str, float]:
-        xs = self.times.get(name, [])
-        if not xs:
-            return {"p50_us": float("nan"), "mean_us": float("nan"), "n": 0}
-        return {"p50_us": statistics.median(xs) * 1e6, "mean_us": statistics.fmean(xs) * 1e6,
-                "n": len(xs)}
 
 
 class Bench:
