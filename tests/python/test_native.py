@@ -319,3 +319,34 @@ def test_a_missing_library_falls_back_or_is_refused(server, pair, tmp_path):
 def test_the_library_is_found_next_to_the_package(pair):
     path = _native.library_path()
     assert path is not None and Path(path).is_file()
+
+
+def test_fast_is_found_beside_the_library_of_a_bundle(server, tmp_path):
+    """A bundle: the package without attnd._fast, the module beside $ATTND_NATIVE_LIB. It codes
+    BatchSteps from import on (for grpcio too), and the native transport binds that same module."""
+    if _core.FAST is None:
+        pytest.skip("attnd._fast is not built here")
+    import shutil
+
+    package = Path(attnd.__file__).parent
+    shutil.copytree(package, tmp_path / "pkg" / "attnd",
+                    ignore=shutil.ignore_patterns("_fast*.so", "*.so", "__pycache__"))
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    shutil.copy(_core.FAST.__file__, lib / "_fast.abi3.so")
+    native = _native.library_path()
+    code = ("import attnd, attnd._core as c, attnd._native as n\n"
+            "print(c.FAST.__file__ if c.FAST else None)\n"
+            "x = attnd.Client(%r, transport='grpcio'); print(bytes(x.echo(b'ok')).decode())\n"
+            % server.target)
+    got = _run(code, PYTHONPATH=str(tmp_path / "pkg"), ATTND_NATIVE_LIB=str(lib / "libattn_client_c.so"))
+    assert got.splitlines() == [str(lib / "_fast.abi3.so"), "ok"]
+    got = _run("import attnd._core as c; print(c.FAST)", PYTHONPATH=str(tmp_path / "pkg"),
+               ATTND_NATIVE_LIB=str(tmp_path / "nowhere" / "libattn_client_c.so"))
+    assert got == "None"  # nothing beside a library that is not there: coded in Python
+    if native is not None:  # the library and the module side by side: one module, bound
+        shutil.copy(native, lib / "libattn_client_c.so")
+        got = _run(code + "y = attnd.Client(%r); print(y.transport, n._fast is c.FAST)\n"
+                   % server.target, PYTHONPATH=str(tmp_path / "pkg"),
+                   ATTND_NATIVE_LIB=str(lib / "libattn_client_c.so"))
+        assert got.splitlines()[-1] == "native True", got
