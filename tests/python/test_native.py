@@ -5,6 +5,7 @@ its settings, and a library that is missing or refuses the settings."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -326,8 +327,6 @@ def test_fast_is_found_beside_the_library_of_a_bundle(server, tmp_path):
     BatchSteps from import on (for grpcio too), and the native transport binds that same module."""
     if _core.FAST is None:
         pytest.skip("attnd._fast is not built here")
-    import shutil
-
     package = Path(attnd.__file__).parent
     shutil.copytree(package, tmp_path / "pkg" / "attnd",
                     ignore=shutil.ignore_patterns("_fast*.so", "*.so", "__pycache__"))

@@ -1057,11 +1057,21 @@ static int SkipValue(const uint8_t* b, size_t* at, size_t end, int wt, uint64_t*
   return 1;
 }
 
-/* A Tensor of an answer that should lie in a region: 1 when it is well formed and names a
- * region (all of whose bytes are ASCII), else 0. */
-static int TensorInRegion(const uint8_t* b, size_t at, size_t end) {
-  uint64_t dtype = 0;
-  int named = 0;
+/* An answer's Tensor message, walked once: its dtype, shape, data span and region. */
+typedef struct {
+  uint64_t dtype;
+  int ndim;
+  int too_many_dims; /* more dimensions than shape holds (kept once seen) */
+  uint64_t shape[kMaxDims];
+  size_t start, end; /* the data field's bytes (none: start == end) */
+  int has_region;    /* a field 4 of any wire type */
+  int region_named;  /* the last region message names a region, all of its bytes ASCII */
+} WireTensor;
+
+/* 1 when the Tensor in b[at, end) is well formed (varints in bounds, no negative dimension, a
+ * region message that parses), filling t; else 0. */
+static int ReadWireTensor(const uint8_t* b, size_t at, size_t end, WireTensor* t) {
+  memset(t, 0, sizeof *t);
   while (at < end) {
     uint64_t key = 0, v = 0;
     size_t s = 0, e = 0;
@@ -1069,15 +1079,25 @@ static int TensorInRegion(const uint8_t* b, size_t at, size_t end) {
     const uint64_t number = key >> 3;
     const int wt = (int)(key & 7);
     if (!SkipValue(b, &at, end, wt, &v, &s, &e)) return 0;
-    if (wt == 0) {
-      if (number == 1) dtype = v;
-      else if (number == 2 && v >= (1ull << 63)) return 0; /* a negative dimension */
-    } else if (wt == 2 && number == 2) {
+    if (number == 4) t->has_region = 1;
+    if (wt == 0 && number == 1) {
+      t->dtype = v;
+    } else if (wt == 0 && number == 2) { /* unpacked: one more dimension */
+      if (v >= (1ull << 63)) return 0;
+      if (t->ndim == kMaxDims) t->too_many_dims = 1;
+      else t->shape[t->ndim++] = v;
+    } else if (wt == 2 && number == 2) { /* packed: the whole shape */
+      t->ndim = 0; /* a dimension too many stays so: the shape is refused */
       while (s < e) {
         if (!GetVarint(b, &s, e, &v) || v >= (1ull << 63)) return 0;
+        if (t->ndim == kMaxDims) t->too_many_dims = 1;
+        else t->shape[t->ndim++] = v;
       }
+    } else if (wt == 2 && number == 3) {
+      t->start = s;
+      t->end = e;
     } else if (wt == 2 && number == 4) {
-      named = 0;
+      t->region_named = 0;
       while (s < e) {
         uint64_t k2 = 0, v2 = 0;
         size_t s2 = 0, e2 = 0;
@@ -1087,56 +1107,29 @@ static int TensorInRegion(const uint8_t* b, size_t at, size_t end) {
           for (size_t i = s2; i < e2; ++i) {
             if (b[i] >= 0x80) return 0;
           }
-          named = 1;
+          t->region_named = 1;
         }
       }
     }
   }
-  return named && dtype >= kFloat32 && dtype <= kFloat8;
+  return 1;
 }
 
-/* A Tensor held in the answer (no region): its dtype, shape and data span. 1 when it is well
- * formed as attnd/_wire.py's read_tensor takes it, else 0 (Python reads it, or says what is
- * wrong). */
-typedef struct {
-  int32_t dtype;
-  int ndim;
-  uint64_t shape[kMaxDims];
-  size_t start, end;
-} Inline;
+/* A Tensor of an answer that should lie in a region: 1 when it is well formed and names a
+ * region, else 0. */
+static int TensorInRegion(const uint8_t* b, size_t at, size_t end) {
+  WireTensor t;
+  return ReadWireTensor(b, at, end, &t) && t.region_named && t.dtype >= kFloat32 &&
+         t.dtype <= kFloat8;
+}
 
-static int InlineTensor(const uint8_t* b, size_t at, size_t end, Inline* t) {
-  uint64_t dtype = 0;
-  t->ndim = 0;
-  t->start = t->end = 0;
-  while (at < end) {
-    uint64_t key = 0, v = 0;
-    size_t s = 0, e = 0;
-    if (!GetVarint(b, &at, end, &key)) return 0;
-    const uint64_t number = key >> 3;
-    const int wt = (int)(key & 7);
-    if (!SkipValue(b, &at, end, wt, &v, &s, &e)) return 0;
-    if (wt == 0 && number == 1) {
-      dtype = v;
-    } else if (wt == 0 && number == 2) { /* unpacked: one more dimension */
-      if (v >= (1ull << 63) || t->ndim == kMaxDims) return 0;
-      t->shape[t->ndim++] = v;
-    } else if (wt == 2 && number == 2) { /* packed: the whole shape */
-      t->ndim = 0;
-      while (s < e) {
-        if (!GetVarint(b, &s, e, &v) || v >= (1ull << 63) || t->ndim == kMaxDims) return 0;
-        t->shape[t->ndim++] = v;
-      }
-    } else if (wt == 2 && number == 3) {
-      t->start = s;
-      t->end = e;
-    } else if (number == 4) {
-      return 0; /* a region: not this item's way */
-    }
-  }
-  const int element = dtype <= kFloat8 ? ElementBytes((int32_t)dtype) : 0;
+/* A Tensor held in the answer (no region): 1 when it is well formed as attnd/_wire.py's
+ * read_tensor takes it (its data as many bytes as dtype and shape say), else 0 (Python reads it,
+ * or says what is wrong). */
+static int InlineTensor(const uint8_t* b, size_t at, size_t end, WireTensor* t) {
+  if (!ReadWireTensor(b, at, end, t) || t->has_region || t->too_many_dims) return 0;
+  const int element = t->dtype <= kFloat8 ? ElementBytes((int32_t)t->dtype) : 0;
   if (element == 0) return 0;
-  t->dtype = (int32_t)dtype;
   uint64_t need = (uint64_t)element;
   for (int i = 0; i < t->ndim; ++i) {
     if (t->shape[i] != 0 && need > UINT64_MAX / t->shape[i]) return 0;
@@ -1165,11 +1158,11 @@ static int32_t SameAsNumpyQ(PyObject* q, PyObject* ndarray_type) {
  * (numpy.ndarray(shape, q.dtype, buf, start), what make would make, where q is a numpy array of
  * the output's dtype) or make(q, dtype, shape, buf, start); NULL with no error: Python reads
  * it. */
-static PyObject* InlineOutput(const uint8_t* b, const Inline* t, const Dest* d, PyObject* dst,
+static PyObject* InlineOutput(const uint8_t* b, const WireTensor* t, const Dest* d, PyObject* dst,
                               PyObject* make, PyObject* ndarray_type, PyObject* q,
                               PyObject* buf) {
   if (dst != Py_None) {
-    if (d == NULL || d->ptr == 0 || d->dtype != t->dtype || d->ndim != t->ndim ||
+    if (d == NULL || d->ptr == 0 || d->dtype != (int32_t)t->dtype || d->ndim != t->ndim ||
         d->nbytes != t->end - t->start) {
       return NULL;
     }
@@ -1189,7 +1182,7 @@ static PyObject* InlineOutput(const uint8_t* b, const Inline* t, const Dest* d, 
     }
     PyTuple_SetItem(shape, i, x);
   }
-  if (t->end > t->start && SameAsNumpyQ(q, ndarray_type) == t->dtype) {
+  if (t->end > t->start && SameAsNumpyQ(q, ndarray_type) == (int32_t)t->dtype) {
     PyObject* dtype = PyObject_GetAttr(q, s_dtype);
     if (dtype == NULL) {
       Py_DECREF(shape);
@@ -1293,7 +1286,7 @@ static PyObject* ReadBatchStep(PyObject* self, PyObject* args) {
                               ? (const Dest*)PyBytes_AsString(dest)
                               : NULL;
       int has_o = 0, has_lse = 0, has_timing = 0;
-      Inline held[2]; /* o and lse when the answer holds them */
+      WireTensor held[2]; /* o and lse when the answer holds them */
       int inline_at[2] = {0, 0};
       int64_t cached = 0;
       size_t t_s = 0, t_e = 0;
