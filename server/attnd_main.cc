@@ -126,6 +126,10 @@ ABSL_FLAG(int64_t, max_step_delay_us, kDefaults.max_step_delay_us,
           "Longest a session step waits for others to batch with while the step pipeline is "
           "busy, microseconds; 0: none, a step goes into the next launch the pipeline can take "
           "(an idle pipeline takes it at once either way)");
+ABSL_FLAG(int32_t, max_small_step_launches, kDefaults.max_small_step_launches,
+          "Most launches of a few session steps (8 tokens or fewer) in flight at once; more such "
+          "steps gather until one finishes and go as one launch, while larger launches (a "
+          "BatchStep's chunks, prefill) still take any free step lane. 0: as many as the lanes");
 ABSL_FLAG(bool, allow_shared_memory, kDefaults.allow_shared_memory,
           "Serve same-host clients through shared memory (the SharedMemory service and "
           "Tensor.region): a Unix socket (--shm_socket) takes their sealed memfds");
@@ -219,6 +223,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.session_ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
   o.replica_id = absl::GetFlag(FLAGS_replica_id);
   o.max_step_delay_us = absl::GetFlag(FLAGS_max_step_delay_us);
+  o.max_small_step_launches = absl::GetFlag(FLAGS_max_small_step_launches);
   o.grpc_args = GrpcArgsFromFlag();
   o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
   o.attend_wire_path = absl::GetFlag(FLAGS_attend_wire_path);

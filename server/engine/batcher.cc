@@ -12,6 +12,12 @@ namespace {
 // How often queued jobs are checked for cancellation while nothing else wakes the dispatcher.
 constexpr auto kSweepInterval = std::chrono::milliseconds(5);
 
+int64_t BatchTokens(const JobBatch& batch) {
+  int64_t tokens = 0;
+  for (const auto& job : batch) tokens += job->Tokens();
+  return tokens;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
@@ -25,6 +31,12 @@ absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
   }
   if (options.max_step_delay_us < 0) {
     return absl::InvalidArgumentError("max_step_delay_us must be >= 0");
+  }
+  if (options.max_small_step_launches < 0) {
+    return absl::InvalidArgumentError("max_small_step_launches must be >= 0");
+  }
+  if (options.small_step_tokens < 1) {
+    return absl::InvalidArgumentError("small_step_tokens must be >= 1");
   }
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("max_queue_size must be >= 1");
   if (options.max_inflight_bytes < 1) {
@@ -44,6 +56,8 @@ Batcher::Batcher(const Options& options, BatchRunner* attends, BatchRunner* step
   Queue& s = queues_[static_cast<int>(JobKind::kStep)];
   s.runner = steps;
   s.delay_us = options.max_step_delay_us;
+  s.max_small = options.max_small_step_launches;
+  s.small_tokens = options.small_step_tokens;
   dispatcher_ = std::thread([this] { DispatchLoop(); });
 }
 
@@ -109,7 +123,9 @@ void Batcher::Dispatch(Queue& q, JobBatch batch, Clock::time_point now) {
     job->queue_us = Micros(now - from);
     if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
   }
-  q.runner->RunBatch(std::move(batch), [this, &q](const BatchReport& r) { FinishBatch(q, r); });
+  const bool small = q.IsSmall(BatchTokens(batch));
+  q.runner->RunBatch(std::move(batch),
+                     [this, &q, small](const BatchReport& r) { FinishBatch(q, small, r); });
 }
 
 absl::Status Batcher::SubmitLocked(std::unique_ptr<Job>& job) {
@@ -222,7 +238,7 @@ JobBatch Batcher::TakeJobThatRunsAlone(Queue& queue) {
     batch.push_back(std::move(*it));
     q->erase(it);
     --queued_;
-    ++queue.in_flight;
+    TakeInFlight(queue, batch);
     return batch;
   }
   return {};
@@ -239,6 +255,11 @@ JobBatch Batcher::TakeReadyBatch(Queue& queue, Clock::time_point now, Clock::tim
     for (const auto& job : *q) {
       if (job->key == head.key) tokens += job->Tokens();
     }
+  }
+  // Small steps while as many small launches as allowed are in flight gather until one of them
+  // finishes (FinishBatch dispatches them then).
+  if (queue.IsSmall(tokens) && queue.small_in_flight >= queue.max_small && !flushing_) {
+    return TakeJobThatRunsAlone(queue);
   }
   // An idle runner takes the head at once: waiting would only delay it. A busy one's next batch
   // gathers what arrives meanwhile, for at most the kind's delay.
@@ -266,8 +287,13 @@ JobBatch Batcher::TakeReadyBatch(Queue& queue, Clock::time_point now, Clock::tim
       }
     }
   }
-  ++queue.in_flight;
+  TakeInFlight(queue, batch);
   return batch;
+}
+
+void Batcher::TakeInFlight(Queue& q, const JobBatch& batch) {
+  ++q.in_flight;
+  if (q.IsSmall(BatchTokens(batch))) ++q.small_in_flight;
 }
 
 void Batcher::DispatchLoop() {
@@ -304,11 +330,12 @@ void Batcher::DispatchLoop() {
   }
 }
 
-void Batcher::FinishBatch(Queue& q, const BatchReport& report) {
+void Batcher::FinishBatch(Queue& q, bool small, const BatchReport& report) {
   if (metrics_) metrics_->ObserveBatch(report);
   {
     std::lock_guard<std::mutex> lock(mu_);
     --q.in_flight;
+    if (small) --q.small_in_flight;
     ++finishing_;
   }
   // What gathered while the runner was busy goes now, from this thread (no hop to the

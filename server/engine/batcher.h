@@ -37,6 +37,12 @@ class Batcher {
     // The same for session steps. 0: a step goes into the next launch as soon as the pipeline
     // can take one; steps that arrive while it cannot gather.
     int64_t max_step_delay_us = 0;
+    // Session steps: at most this many launches of at most small_step_tokens tokens in flight
+    // at once (0: as many as the step runner takes). Small steps that arrive while they are
+    // gather until one finishes and go as one launch; larger batches (a BatchStep's chunks,
+    // prefill) still take any free lane.
+    int max_small_step_launches = 0;
+    int64_t small_step_tokens = 8;
     int64_t max_queue_size = 1024;
     // Bound on the tensor bytes (inputs and outputs) of all queued and running requests.
     int64_t max_inflight_bytes = int64_t{4} << 30;
@@ -85,7 +91,11 @@ class Batcher {
     std::deque<std::unique_ptr<Job>> high;
     std::deque<std::unique_ptr<Job>> normal;
     int in_flight = 0;  // batches the runner holds
+    int max_small = 0;           // Options::max_small_step_launches (steps only)
+    int64_t small_tokens = 0;    // Options::small_step_tokens
+    int small_in_flight = 0;     // batches of at most small_tokens the runner holds
     bool empty() const { return high.empty() && normal.empty(); }
+    bool IsSmall(int64_t tokens) const { return max_small > 0 && tokens <= small_tokens; }
   };
 
   Batcher(const Options& options, BatchRunner* attends, BatchRunner* steps, Metrics* metrics);
@@ -98,6 +108,8 @@ class Batcher {
   void WakeDispatcherIfQueued();
   // Hands batch to q's runner and records its queueing time (mu_ not held).
   void Dispatch(Queue& q, JobBatch batch, Clock::time_point now);
+  // Counts a batch taken from q as in flight.
+  void TakeInFlight(Queue& q, const JobBatch& batch);
   void DispatchLoop();
   // Pulls cancelled and expired jobs out of the queues; the caller completes them unlocked.
   void TakeDeadJobs(Clock::time_point now, JobBatch* dead_cancelled, JobBatch* dead_expired);
@@ -106,7 +118,7 @@ class Batcher {
   // q's next batch when it is ready and q's runner can take it (in_flight counted), else an
   // empty one; *wake says until when to wait at most.
   JobBatch TakeReadyBatch(Queue& q, Clock::time_point now, Clock::time_point* wake);
-  void FinishBatch(Queue& q, const BatchReport& report);
+  void FinishBatch(Queue& q, bool small, const BatchReport& report);
   void UpdatePendingLocked();
 
   const Options options_;

@@ -82,6 +82,9 @@ struct ServerOptions {
   // Session steps wait for company only while the step pipeline is busy, at most this long (us;
   // 0: not at all, a step goes into the next launch the pipeline can take).
   int64_t max_step_delay_us = 0;
+  // At most this many launches of a few decode steps (8 tokens or fewer) in flight at once (0:
+  // as many as there are step lanes); more such steps gather for the next one.
+  int max_small_step_launches = 0;
   // Tests: shuffles the KV cache's free list so that page tables are not contiguous (0: off).
   uint64_t kv_shuffle_seed = 0;
   // Same-host shared memory (transport/, the SharedMemory service): off unless allowed. The

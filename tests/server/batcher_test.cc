@@ -182,9 +182,9 @@ class BatcherTest : public ::testing::Test {
   }
 
   // Submits a session step of one token (the step runner's), id as its name.
-  absl::Status SubmitStep(uint64_t id) {
+  absl::Status SubmitStep(uint64_t id, int tokens = 1) {
     auto job = std::make_unique<StepJob>();
-    job->total_q = 1;
+    job->total_q = tokens;
     job->key.num_heads = 1;
     job->key.page_tokens = 16;
     job->key.decode = true;
@@ -329,6 +329,45 @@ TEST_F(BatcherTest, SessionStepsGoAtOnceAndGatherWhileTheRunnerIsBusy) {
   steps_->Hold(false);
   EXPECT_TRUE(ResultOf(5).ok());
   EXPECT_TRUE(ResultOf(6).ok());
+}
+
+// With max_small_step_launches, decode steps beyond that many small launches in flight gather
+// (even though the runner has free lanes) until one of them finishes; steps with more tokens
+// ready than a small launch holds take a free lane at once.
+TEST_F(BatcherTest, SmallStepLaunchesBeyondTheirCapGatherUntilOneFinishes) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 0, .max_small_step_launches = 1,
+        .small_step_tokens = 8, .max_queue_size = 100},
+       1, 3);
+  steps_->Hold(true);
+  ASSERT_TRUE(SubmitStep(1).ok());
+  ASSERT_TRUE(steps_->WaitForBatches(1, 2000ms)) << "a lone step waited";
+  ASSERT_TRUE(SubmitStep(2).ok());
+  EXPECT_FALSE(steps_->WaitForBatches(2, 200ms)) << "a second small launch went beside the first";
+  ASSERT_TRUE(SubmitStep(3, 16).ok());  // 17 tokens ready: not a small launch
+  ASSERT_TRUE(steps_->WaitForBatches(2, 2000ms)) << "a large launch waited for a small one";
+  ASSERT_TRUE(SubmitStep(4).ok());
+  ASSERT_TRUE(SubmitStep(5).ok());
+  EXPECT_FALSE(steps_->WaitForBatches(3, 200ms));
+  steps_->Hold(false);
+  for (uint64_t i = 1; i <= 5; ++i) EXPECT_TRUE(ResultOf(i).ok()) << i;
+  const auto batches = steps_->Batches();
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{1}));
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{2, 3}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{4, 5}));
+  // Off (0): each small step takes a free lane.
+  batcher_.reset();
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 0, .max_queue_size = 100}, 1, 3);
+  steps_->Hold(true);
+  for (uint64_t i = 6; i <= 8; ++i) {
+    ASSERT_TRUE(SubmitStep(i).ok());
+    ASSERT_TRUE(steps_->WaitForBatches(i - 5, 2000ms)) << "step " << i << " waited for a lane";
+  }
+  steps_->Hold(false);
+  for (uint64_t i = 6; i <= 8; ++i) EXPECT_TRUE(ResultOf(i).ok()) << i;
+  EXPECT_FALSE(Batcher::Create({.max_small_step_launches = -1}, backend_.get(), steps_.get(),
+                               nullptr)
+                   .ok());
 }
 
 // A job the backend runs by a launch of its own (runs_alone) neither waits for company (nor
