@@ -2,8 +2,9 @@
 // their runner (the backend for Attend requests, the step pipeline for session steps), up to
 // max_batch_tokens. A job goes at once while its runner is idle; while the runner is busy, jobs
 // gather for the next launch, each waiting at most its kind's delay (max_queue_delay_us,
-// max_step_delay_us) and never beyond the moment the runner goes idle. Owns the queued jobs;
-// hands each batch (and its jobs) to its runner.
+// max_step_delay_us) and never beyond the moment the runner goes idle; session steps of a few
+// tokens can be held to a number of launches in flight (max_small_step_launches). Owns the
+// queued jobs; hands each batch (and its jobs) to its runner.
 #pragma once
 
 #include <condition_variable>
@@ -38,9 +39,9 @@ class Batcher {
     // can take one; steps that arrive while it cannot gather.
     int64_t max_step_delay_us = 0;
     // Session steps: at most this many launches of at most small_step_tokens tokens in flight
-    // at once (0: as many as the step runner takes). Small steps that arrive while they are
-    // gather until one finishes and go as one launch; larger batches (a BatchStep's chunks,
-    // prefill) still take any free lane.
+    // at once (0: as many as the step runner takes). Small steps that arrive while that many are
+    // in flight gather until one of them finishes and go as one launch; batches with more tokens
+    // ready (a BatchStep's chunks, prefill) still take any free lane.
     int max_small_step_launches = 0;
     int64_t small_step_tokens = 8;
     int64_t max_queue_size = 1024;
