@@ -45,7 +45,7 @@ if not any(Path(p, "attnd", "__init__.py").is_file() for p in sys.path if p):  #
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 import attnd  # noqa: E402
 from attnd import _core  # noqa: E402
-from python_parts import Parts  # noqa: E402  (beside this file)
+from python_parts import Parts, add_batch_shape_args  # noqa: E402  (beside this file)
 
 try:
     import torch
@@ -195,15 +195,7 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[2:]))
     p.add_argument("--target", default="127.0.0.1:50051")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4, help="layers per session (calls cycle them)")
-    p.add_argument("--cache", type=int, default=8, help="tokens in each cache to start with")
-    p.add_argument("--window", type=int, default=8, help="tokens added before a truncate")
-    p.add_argument("--calls", type=int, default=200, help="calls per way per round")
-    p.add_argument("--rounds", type=int, default=3)
+    add_batch_shape_args(p, cache=8, calls_help="calls per way per round")
     p.add_argument("--attn-bench", default="", help="attn-bench binary ('' leaves its row out)")
     p.add_argument("--attn-bench-seconds", type=float, default=4.0)
     p.add_argument("--json", default=None)

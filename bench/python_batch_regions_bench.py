@@ -44,7 +44,7 @@ if not any(Path(p, "attnd", "__init__.py").is_file() for p in sys.path if p):  #
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 import attnd  # noqa: E402
 from attnd import _core  # noqa: E402
-from python_parts import Parts  # noqa: E402  (beside this file)
+from python_parts import Parts, add_batch_shape_args  # noqa: E402  (beside this file)
 
 try:
     import torch
@@ -225,16 +225,8 @@ def main() -> int:
     p.add_argument("--region", choices=("host", "cuda"), default="host")
     p.add_argument("--lib", choices=("torch", "numpy"), default="torch",
                    help="host region views as torch CPU tensors (as attnd.torch) or numpy arrays")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    add_batch_shape_args(p, cache=16, calls_help="calls per part per round")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--layers", type=int, default=4, help="layers per session (calls cycle them)")
-    p.add_argument("--cache", type=int, default=16, help="tokens in each cache to start with")
-    p.add_argument("--window", type=int, default=16, help="tokens added before a truncate")
-    p.add_argument("--calls", type=int, default=200, help="calls per part per round")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-torch-layers", action="store_true", help="leave out the torch rows")
     p.add_argument("--json", default=None)
     args = p.parse_args()
