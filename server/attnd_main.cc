@@ -130,6 +130,9 @@ ABSL_FLAG(int32_t, max_small_step_launches, kDefaults.max_small_step_launches,
           "Most launches of a few session steps (8 tokens or fewer) in flight at once; more such "
           "steps gather until one finishes and go as one launch, while larger launches (a "
           "BatchStep's chunks, prefill) still take any free step lane. 0: as many as the lanes");
+ABSL_FLAG(int64_t, small_step_cap_min_steps, kDefaults.small_step_cap_min_steps,
+          "--max_small_step_launches holds only while at least this many session steps are "
+          "queued or running (many callers stepping at once); 0: it always holds");
 ABSL_FLAG(bool, allow_shared_memory, kDefaults.allow_shared_memory,
           "Serve same-host clients through shared memory (the SharedMemory service and "
           "Tensor.region): a Unix socket (--shm_socket) takes their sealed memfds");
@@ -224,6 +227,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.replica_id = absl::GetFlag(FLAGS_replica_id);
   o.max_step_delay_us = absl::GetFlag(FLAGS_max_step_delay_us);
   o.max_small_step_launches = absl::GetFlag(FLAGS_max_small_step_launches);
+  o.small_step_cap_min_steps = absl::GetFlag(FLAGS_small_step_cap_min_steps);
   o.grpc_args = GrpcArgsFromFlag();
   o.tcp_read_chunk_bytes = absl::GetFlag(FLAGS_tcp_read_chunk_bytes);
   o.attend_wire_path = absl::GetFlag(FLAGS_attend_wire_path);

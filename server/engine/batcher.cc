@@ -38,6 +38,9 @@ absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
   if (options.small_step_tokens < 1) {
     return absl::InvalidArgumentError("small_step_tokens must be >= 1");
   }
+  if (options.small_step_cap_min_steps < 0) {
+    return absl::InvalidArgumentError("small_step_cap_min_steps must be >= 0");
+  }
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("max_queue_size must be >= 1");
   if (options.max_inflight_bytes < 1) {
     return absl::InvalidArgumentError("max_inflight_bytes must be >= 1");
@@ -58,6 +61,7 @@ Batcher::Batcher(const Options& options, BatchRunner* attends, BatchRunner* step
   s.delay_us = options.max_step_delay_us;
   s.max_small = options.max_small_step_launches;
   s.small_tokens = options.small_step_tokens;
+  s.cap_min_jobs = options.small_step_cap_min_steps;
   dispatcher_ = std::thread([this] { DispatchLoop(); });
 }
 
@@ -124,8 +128,10 @@ void Batcher::Dispatch(Queue& q, JobBatch batch, Clock::time_point now) {
     if (metrics_) metrics_->ObserveQueueSeconds(job->queue_us * 1e-6);
   }
   const bool small = q.IsSmall(BatchTokens(batch));
-  q.runner->RunBatch(std::move(batch),
-                     [this, &q, small](const BatchReport& r) { FinishBatch(q, small, r); });
+  const auto jobs = static_cast<int64_t>(batch.size());
+  q.runner->RunBatch(std::move(batch), [this, &q, small, jobs](const BatchReport& r) {
+    FinishBatch(q, small, jobs, r);
+  });
 }
 
 absl::Status Batcher::SubmitLocked(std::unique_ptr<Job>& job) {
@@ -258,7 +264,7 @@ JobBatch Batcher::TakeReadyBatch(Queue& queue, Clock::time_point now, Clock::tim
   }
   // Small steps while as many small launches as allowed are in flight gather until one of them
   // finishes (FinishBatch dispatches them then).
-  if (queue.IsSmall(tokens) && queue.small_in_flight >= queue.max_small && !flushing_) {
+  if (queue.SmallCapHolds(tokens) && !flushing_) {
     return TakeJobThatRunsAlone(queue);
   }
   // An idle runner takes the head at once: waiting would only delay it. A busy one's next batch
@@ -293,6 +299,7 @@ JobBatch Batcher::TakeReadyBatch(Queue& queue, Clock::time_point now, Clock::tim
 
 void Batcher::TakeInFlight(Queue& q, const JobBatch& batch) {
   ++q.in_flight;
+  q.jobs_in_flight += static_cast<int64_t>(batch.size());
   if (q.IsSmall(BatchTokens(batch))) ++q.small_in_flight;
 }
 
@@ -330,11 +337,12 @@ void Batcher::DispatchLoop() {
   }
 }
 
-void Batcher::FinishBatch(Queue& q, bool small, const BatchReport& report) {
+void Batcher::FinishBatch(Queue& q, bool small, int64_t jobs, const BatchReport& report) {
   if (metrics_) metrics_->ObserveBatch(report);
   {
     std::lock_guard<std::mutex> lock(mu_);
     --q.in_flight;
+    q.jobs_in_flight -= jobs;
     if (small) --q.small_in_flight;
     ++finishing_;
   }

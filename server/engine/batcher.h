@@ -44,6 +44,10 @@ class Batcher {
     // ready (a BatchStep's chunks, prefill) still take any free lane.
     int max_small_step_launches = 0;
     int64_t small_step_tokens = 8;
+    // The cap above holds only while at least this many session steps are in the batcher (queued
+    // or in its runner's launches): many callers stepping at once gain from fuller launches, a few
+    // lose the wait. 0: it always holds.
+    int64_t small_step_cap_min_steps = 0;
     int64_t max_queue_size = 1024;
     // Bound on the tensor bytes (inputs and outputs) of all queued and running requests.
     int64_t max_inflight_bytes = int64_t{4} << 30;
@@ -95,8 +99,15 @@ class Batcher {
     int max_small = 0;           // Options::max_small_step_launches (steps only)
     int64_t small_tokens = 0;    // Options::small_step_tokens
     int small_in_flight = 0;     // batches of at most small_tokens the runner holds
+    int64_t cap_min_jobs = 0;    // Options::small_step_cap_min_steps
+    int64_t jobs_in_flight = 0;  // jobs of the batches the runner holds
     bool empty() const { return high.empty() && normal.empty(); }
     bool IsSmall(int64_t tokens) const { return max_small > 0 && tokens <= small_tokens; }
+    // Whether a small batch of `tokens` must wait for one of the small launches in flight.
+    bool SmallCapHolds(int64_t tokens) const {
+      return IsSmall(tokens) && small_in_flight >= max_small &&
+             static_cast<int64_t>(high.size() + normal.size()) + jobs_in_flight >= cap_min_jobs;
+    }
   };
 
   Batcher(const Options& options, BatchRunner* attends, BatchRunner* steps, Metrics* metrics);
@@ -119,7 +130,7 @@ class Batcher {
   // q's next batch when it is ready and q's runner can take it (in_flight counted), else an
   // empty one; *wake says until when to wait at most.
   JobBatch TakeReadyBatch(Queue& q, Clock::time_point now, Clock::time_point* wake);
-  void FinishBatch(Queue& q, bool small, const BatchReport& report);
+  void FinishBatch(Queue& q, bool small, int64_t jobs, const BatchReport& report);
   void UpdatePendingLocked();
 
   const Options options_;

@@ -160,6 +160,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   Batcher::Options bo;
   bo.max_step_delay_us = options.max_step_delay_us;
   bo.max_small_step_launches = options.max_small_step_launches;
+  bo.small_step_cap_min_steps = options.small_step_cap_min_steps;
   bo.max_batch_tokens = options.max_batch_tokens;
   bo.max_queue_delay_us = options.max_queue_delay_us;
   bo.gather_when_idle = options.gather_when_idle;

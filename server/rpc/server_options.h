@@ -85,6 +85,8 @@ struct ServerOptions {
   // At most this many launches of a few decode steps (8 tokens or fewer) in flight at once (0:
   // as many as there are step lanes); more such steps gather for the next one.
   int max_small_step_launches = 0;
+  // ... only while at least this many session steps are queued or running (0: always).
+  int64_t small_step_cap_min_steps = 0;
   // Tests: shuffles the KV cache's free list so that page tables are not contiguous (0: off).
   uint64_t kv_shuffle_seed = 0;
   // Same-host shared memory (transport/, the SharedMemory service): off unless allowed. The

@@ -370,6 +370,33 @@ TEST_F(BatcherTest, SmallStepLaunchesBeyondTheirCapGatherUntilOneFinishes) {
                    .ok());
 }
 
+// With small_step_cap_min_steps, the cap on small launches holds only while that many steps are
+// queued or in launches: a few callers' steps take free lanes, many callers' gather.
+TEST_F(BatcherTest, SmallStepCapHoldsOnlyFromItsNumberOfSteps) {
+  Make({.max_batch_tokens = 1000, .max_queue_delay_us = 0, .max_small_step_launches = 1,
+        .small_step_tokens = 8, .small_step_cap_min_steps = 3, .max_queue_size = 100},
+       1, 4);
+  steps_->Hold(true);
+  ASSERT_TRUE(SubmitStep(1).ok());
+  ASSERT_TRUE(steps_->WaitForBatches(1, 2000ms));
+  ASSERT_TRUE(SubmitStep(2).ok());  // 2 steps in the batcher: below 3, the cap does not hold
+  ASSERT_TRUE(steps_->WaitForBatches(2, 2000ms)) << "a second small launch waited below the bound";
+  ASSERT_TRUE(SubmitStep(3).ok());  // 3 steps: it holds
+  EXPECT_FALSE(steps_->WaitForBatches(3, 200ms)) << "a small launch went beside two at the bound";
+  ASSERT_TRUE(SubmitStep(4).ok());
+  EXPECT_FALSE(steps_->WaitForBatches(3, 200ms));
+  steps_->Hold(false);
+  for (uint64_t i = 1; i <= 4; ++i) EXPECT_TRUE(ResultOf(i).ok()) << i;
+  const auto batches = steps_->Batches();
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{1}));
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{2}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{3, 4}));
+  EXPECT_FALSE(Batcher::Create({.small_step_cap_min_steps = -1}, backend_.get(), steps_.get(),
+                               nullptr)
+                   .ok());
+}
+
 // A job the backend runs by a launch of its own (runs_alone) neither waits for company (nor
 // behind a job that does) nor joins another's batch; the jobs around it still batch together.
 TEST_F(BatcherTest, JobThatRunsAloneGoesAtOnceByItself) {
