@@ -4,6 +4,8 @@ and the AttendStream item counter in /metrics."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -318,6 +320,119 @@ def test_batch_step_in_parts_fails_only_the_part_whose_call_fails():
             assert [s.step(0, *one).cached_tokens for s in sessions[:2]] == [1, 1]
             for s in sessions:
                 s.close()
+    finally:
+        server.stop()
+
+
+class _Overlap:
+    """Counts BatchStep calls in flight at once (each held a moment before it is sent)."""
+
+    def __init__(self):
+        self.now = self.most = self.calls = 0
+
+    def enter(self, method):
+        if method == "BatchStep":
+            self.calls += 1
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def leave(self, method):
+        if method == "BatchStep":
+            self.now -= 1
+
+
+def test_large_batch_step_spreads_over_connections_unless_a_session_repeats():
+    """With connections=3, a batch_step of 18 MiB of prefills goes as three calls at once (sync:
+    threads; asyncio: gathered), each item answered right; a batch in which one session has steps
+    in two of the parts goes one call after the other, its steps applied in order."""
+    server = Server()
+    rng = np.random.default_rng(39)
+    heads, d, t, n = 32, 128, 64, 12  # 1.5 MiB of tensors a step: parts of 5, 5 and 2 steps
+
+    def work(sessions):
+        items, refs = [], []
+        for s in sessions:
+            q, q64 = make(rng, (t, heads, d), "fp16")
+            k, k64 = make(rng, (t, heads, d), "fp16")
+            v, v64 = make(rng, (t, heads, d), "fp16")
+            items.append(attnd.StepItem(s, 0, q, k, v))
+            refs.append((q64, k64, v64))
+        return items, refs
+
+    def check(results, refs, repeated=None):
+        for i, (r, (q64, k64, v64)) in enumerate(zip(results, refs)):
+            if repeated is not None and i == repeated[1]:  # the session's second chunk
+                q0, k0, v0 = refs[repeated[0]]
+                full = reference(np.concatenate([q0, q64]), np.concatenate([k0, k64]),
+                                 np.concatenate([v0, v64]), causal=True)[0]
+                assert r.cached_tokens == 2 * t
+                assert relative_error(values(r.o, "fp16"), full[t:]) <= TOLERANCE["fp16"]
+                continue
+            assert r.cached_tokens == t
+            ref = reference(q64, k64, v64, causal=True)[0]
+            assert relative_error(values(r.o, "fp16"), ref) <= TOLERANCE["fp16"]
+
+    def repeat_first(sessions):
+        # The first session's second chunk last: in the third part, after its first in the first.
+        return sessions + [sessions[0]]
+
+    async def asyncio_part():
+        async with attnd.aio.Client(server.target, connections=3) as c:
+            overlap = _Overlap()
+            unary = c._unary
+
+            async def counted(method, *a, **kw):
+                overlap.enter(method)
+                await asyncio.sleep(0.2)
+                try:
+                    return await unary(method, *a, **kw)
+                finally:
+                    overlap.leave(method)
+
+            c._unary = counted
+            sessions = [await c.create_session(1, heads, d, "fp16") for _ in range(n - 1)]
+            items, refs = work(sessions + [await c.create_session(1, heads, d, "fp16")])
+            check(await c.batch_step(items), refs)
+            assert (overlap.calls, overlap.most) == (3, 3)
+            overlap.calls = overlap.most = 0
+            for s in sessions:
+                await c.truncate_session(s.id, t)
+            items, refs = work(repeat_first(sessions))
+            check(await c.batch_step(items), refs, repeated=(0, n - 1))
+            assert (overlap.calls, overlap.most) == (3, 1)
+
+    def sync_part(connections, expect):
+        with attnd.Client(server.target, connections=connections) as c:
+            overlap, lock = _Overlap(), threading.Lock()
+            unary = c._unary
+
+            def counted(method, *a, **kw):
+                with lock:
+                    overlap.enter(method)
+                time.sleep(0.2)
+                try:
+                    return unary(method, *a, **kw)
+                finally:
+                    with lock:
+                        overlap.leave(method)
+
+            c._unary = counted
+            sessions = [c.create_session(1, heads, d, "fp16") for _ in range(n)]
+            items, refs = work(sessions)
+            check(c.batch_step(items), refs)
+            assert (overlap.calls, overlap.most) == expect
+            if connections > 1:
+                overlap.calls = overlap.most = 0
+                for s in sessions[:n - 1]:
+                    c.truncate_session(s.id, t)
+                items, refs = work(repeat_first(sessions[:n - 1]))
+                check(c.batch_step(items), refs, repeated=(0, n - 1))
+                assert (overlap.calls, overlap.most) == (3, 1)
+
+    try:
+        asyncio.run(asyncio_part())
+        sync_part(3, (3, 3))
+        sync_part(1, (1, 1))  # one connection: one call of up to 128 MiB
     finally:
         server.stop()
 

@@ -482,13 +482,22 @@ def _coded_fast(regions: RegionTable, items: Sequence[Any],
     return r[0], CodedBatch(r[1], r[2])
 
 
-def prepare_batch_steps(regions: RegionTable, items: Sequence[Any],
-                        max_bytes: Optional[int]) -> List[Tuple[bytes, Any]]:
+# A batch whose tensors pass this is cut into parts for several connections, none smaller.
+MIN_SPREAD_PART_BYTES = 8 << 20
+
+
+def prepare_batch_steps(regions: RegionTable, items: Sequence[Any], max_bytes: Optional[int],
+                        spread: int = 1) -> List[Tuple[bytes, Any]]:
     """items as BatchStep messages in order, each of at most max_bytes of steps where it can be
     (cut_by_size; None: one message), with how to read each one's answer (a sequence of
-    Prepared)."""
+    Prepared). spread > 1: a batch of more than MIN_SPREAD_PART_BYTES is cut into about that
+    many parts of even size (not below MIN_SPREAD_PART_BYTES), to go over as many connections."""
+    fast_max = max_bytes
+    if spread > 1:
+        fast_max = MIN_SPREAD_PART_BYTES if max_bytes is None else min(max_bytes,
+                                                                       MIN_SPREAD_PART_BYTES)
     if FAST is not None and len(items) > 0:
-        coded = _coded_fast(regions, items, max_bytes)
+        coded = _coded_fast(regions, items, fast_max)
         if coded is not None:
             return [coded]
     coded = []
@@ -499,11 +508,28 @@ def prepare_batch_steps(regions: RegionTable, items: Sequence[Any],
                                                     it.out, it.lse_out, it.k_new_scales,
                                                     it.v_new_scales)
         coded.append((m, Prepared(b"", maker, it.out, it.lse_out, o_in, lse_in, sync)))
+    if spread > 1:
+        even = max(-(-sum(c[0].size for c in coded) // spread), MIN_SPREAD_PART_BYTES)
+        max_bytes = even if max_bytes is None else min(max_bytes, even)
     out = []
     for part in cut_by_size(coded, lambda c: c[0].size, max_bytes) or [[]]:
         m = _wire.batch_step_request([c[0] for c in part])
         out.append((_tensors.assemble(m.parts, m.size, m.cuda), [c[1] for c in part]))
     return out
+
+
+def parts_share_no_session(items: Sequence[Any], parts: Sequence[Tuple[bytes, Any]]) -> bool:
+    """Whether no session has steps in two of these parts (items cut in order into parts), so
+    that the parts may be sent at once: steps of one session keep their order only within a
+    call."""
+    owner: Dict[str, int] = {}
+    i = 0
+    for index, (_, prepared) in enumerate(parts):
+        for raw in items[i:i + len(prepared)]:
+            if owner.setdefault(session_id_of(as_step_item(raw).session), index) != index:
+                return False
+        i += len(prepared)
+    return True
 
 
 def synchronize_inputs(prepared: Sequence[Prepared]) -> None:

@@ -297,16 +297,24 @@ class Client(_ChannelSet):
     async def batch_step(self, items: Sequence[Any], *, timeout: Optional[float] = None,
                          return_exceptions: bool = False) -> List[Any]:
         """See attnd.Client.batch_step."""
-        parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2)
-        results: List[Any] = []
-        for message, prepared in parts:
+        spread = self.options.connections
+        parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2,
+                                          spread)
+        for _, prepared in parts:
             _core.synchronize_inputs(prepared)
+
+        async def send(part: Tuple[Any, Any]) -> List[Any]:
             try:
-                buf = await self._unary("BatchStep", message, self._timeout(timeout))
+                buf = await self._unary("BatchStep", part[0], self._timeout(timeout))
             except AttndError as e:
-                results += _core.part_failed(e, len(parts), prepared)
-                continue
-            results += _core.read_batch_step(buf, prepared)
+                return _core.part_failed(e, len(parts), part[1])
+            return _core.read_batch_step(buf, part[1])
+
+        if len(parts) > 1 and spread > 1 and _core.parts_share_no_session(items, parts):
+            answers = await asyncio.gather(*(send(part) for part in parts))
+        else:
+            answers = [await send(part) for part in parts]
+        results = [r for answer in answers for r in answer]
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results

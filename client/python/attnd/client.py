@@ -12,6 +12,7 @@ HTTP/2 connections).
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import itertools
 import threading
@@ -112,6 +113,7 @@ class Client(_ChannelSet):
             retry_backoff=retry_backoff, connections=connections,
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
             lb_policy=lb_policy, channel_options=tuple(channel_options), transport=transport)
+        self._senders: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._open(grpc.secure_channel, grpc.insecure_channel)
         self._native: Optional[_native.NativeChannel] = None
         self.transport, self.transport_note = self._open_native()
@@ -168,6 +170,9 @@ class Client(_ChannelSet):
             self._native.close()
         for ch in self._channels:
             ch.close()
+        if self._senders is not None:
+            self._senders.shutdown(wait=True)
+            self._senders = None
 
     def __enter__(self) -> "Client":
         return self
@@ -364,22 +369,40 @@ class Client(_ChannelSet):
         StepResult per item. Items succeed or fail on their own: a failed item raises
         BatchStepError (whose ``results`` hold every item's outcome) unless return_exceptions,
         in which case its AttndError takes its place in the list. Items whose tensors together
-        pass half of max_message_bytes go in several calls, one after the other, in order; a
-        call of those that fails fails its own items only (each gets the call's error).
+        pass half of max_message_bytes go in several calls; a call of those that fails fails its
+        own items only (each gets the call's error). With connections=N, a batch of more than
+        8 MiB of tensors is cut into about N calls sent at once over the N connections, where no
+        session has steps in two of them; otherwise the calls go one after the other, in order.
         """
-        parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2)
-        results: List[Any] = []
-        for message, prepared in parts:
+        spread = self.options.connections
+        parts = _core.prepare_batch_steps(self.regions, items, self.options.max_message_bytes // 2,
+                                          spread)
+        for _, prepared in parts:
             _core.synchronize_inputs(prepared)
+
+        def send(part: Tuple[Any, Any]) -> List[Any]:
             try:
-                buf = self._unary("BatchStep", message, self._timeout(timeout))
+                buf = self._unary("BatchStep", part[0], self._timeout(timeout))
             except AttndError as e:
-                results += _core.part_failed(e, len(parts), prepared)
-                continue
-            results += _core.read_batch_step(buf, prepared)
+                return _core.part_failed(e, len(parts), part[1])
+            return _core.read_batch_step(buf, part[1])
+
+        if len(parts) > 1 and spread > 1 and _core.parts_share_no_session(items, parts):
+            answers = list(self._part_senders().map(send, parts))
+        else:
+            answers = [send(part) for part in parts]
+        results = [r for answer in answers for r in answer]
         if not return_exceptions and any(isinstance(r, AttndError) for r in results):
             raise BatchStepError(results)
         return results
+
+    def _part_senders(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Threads that send the parts of a large BatchStep at once (one per connection)."""
+        with self._region_lock:
+            if self._senders is None:
+                self._senders = concurrent.futures.ThreadPoolExecutor(
+                    self.options.connections, thread_name_prefix="attnd-batch-step")
+            return self._senders
 
     def prepare_batch_step(self, items: Sequence[Any]) -> PreparedBatchStep:
         """A BatchStep of these items coded once, to send many times (a decode loop): each item's
