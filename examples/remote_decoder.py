@@ -603,6 +603,8 @@ def main() -> int:
                    "after this many decoded tokens (default: new_tokens / 2)")
     p.add_argument("--fork-tokens", type=int, default=None, help="second continuation's length")
     p.add_argument("--teacher-forced", action="store_true", default=None)
+    p.add_argument("--connections", type=int, default=4, help="HTTP/2 connections of the client: "
+                   "a large prefill BatchStep over gRPC is cut into that many calls at once")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
@@ -623,7 +625,7 @@ def main() -> int:
     dtype = torch.float32 if small else torch.bfloat16
     use_hf = args.model == "hf" or (args.model == "auto" and at.transformers_available())
 
-    client = attnd.Client(args.target, timeout=600)
+    client = attnd.Client(args.target, timeout=600, connections=args.connections)
     info = client.info()
     # Exact agreement is expected of attnd's CPU backend (float32 arithmetic throughout) in float32
     # mode; its CUDA kernels round the softmax weights to 16 bits, and bfloat16 models round
