@@ -686,6 +686,8 @@ def main() -> int:
                       f"accepted, rejected ones truncated) equals greedy: local "
                       f"{c['speculative_equals_greedy_local']}, remote "
                       f"{c['speculative_equals_greedy_remote']}")
+                print(f"  prefill: local {row['prefill_s_local']:.2f} s, remote "
+                      f"{row['prefill_s_remote']:.2f} s")
                 print(f"  decode: local {row['tokens_per_s_local']:.1f} tokens/s "
                       f"({row['step_ms_local']:.2f} ms a step), remote "
                       f"{row['tokens_per_s_remote']:.1f} tokens/s ({row['step_ms_remote']:.2f} ms); "
