@@ -81,8 +81,8 @@ class CudaStepDevice : public StepDevice {
   };
   struct Lane {
     cudaStream_t stream = nullptr;
-    // start (recorded only when inputs are copied), inputs in, kernel done (recorded only when
-    // outputs are copied after it), end
+    // start, inputs in (recorded only when outputs are copied after the kernel), kernel done
+    // (likewise), end
     cudaEvent_t events[4] = {};
     PinnedBuffer staging;        // input staging, grown on demand, reused launch after launch
     PinnedBuffer segments;       // the segment table's host side (CopySegment), likewise
@@ -101,7 +101,8 @@ class CudaStepDevice : public StepDevice {
     // least how long the next one will take.
     double device_us_per_byte = 0;
     double expected_bytes = 0;  // of the launch in flight
-    bool copies_out = true;     // the launch in flight copies outputs after its kernel
+    // The launch in flight copies outputs after its kernel (and times its inputs' copy apart).
+    bool copies_out = true;
   };
 
   CudaStepDevice(std::shared_ptr<CudaDeviceState> state) : state_(std::move(state)) {}
