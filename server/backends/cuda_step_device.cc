@@ -466,8 +466,9 @@ absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {
                                                        l.total_q, l.row_bytes, stream));
   }
   // Nothing follows the kernel when it writes the outputs where they go (in place, or straight
-  // to the host): the end event then times it, with the inputs' copy before it, and two event
-  // records (host time and links of the device's chain) are spent less on a lone step's path.
+  // to the host): the end event then times it together with the inputs' copy before it, and
+  // neither ev[1] nor ev[2] is recorded (each record is host time and a link of the device's
+  // chain on a lone step's path).
   lane.copies_out = !l.in_place && !host_out;
   if (lane.copies_out) {
     RETURN_IF_CUDA_ERROR("cudaEventRecord", cudaEventRecord(ev[1], stream));
