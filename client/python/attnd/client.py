@@ -114,6 +114,7 @@ class Client(_ChannelSet):
             max_message_bytes=max_message_bytes, wait_for_ready=wait_for_ready,
             lb_policy=lb_policy, channel_options=tuple(channel_options), transport=transport)
         self._senders: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._senders_lock = threading.Lock()
         self._open(grpc.secure_channel, grpc.insecure_channel)
         self._native: Optional[_native.NativeChannel] = None
         self.transport, self.transport_note = self._open_native()
@@ -398,7 +399,7 @@ class Client(_ChannelSet):
 
     def _part_senders(self) -> concurrent.futures.ThreadPoolExecutor:
         """Threads that send the parts of a large BatchStep at once (one per connection)."""
-        with self._region_lock:
+        with self._senders_lock:
             if self._senders is None:
                 self._senders = concurrent.futures.ThreadPoolExecutor(
                     self.options.connections, thread_name_prefix="attnd-batch-step")
