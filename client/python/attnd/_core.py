@@ -518,10 +518,13 @@ def prepare_batch_steps(regions: RegionTable, items: Sequence[Any], max_bytes: O
     return out
 
 
-def parts_share_no_session(items: Sequence[Any], parts: Sequence[Tuple[bytes, Any]]) -> bool:
-    """Whether no session has steps in two of these parts (items cut in order into parts), so
-    that the parts may be sent at once: steps of one session keep their order only within a
-    call."""
+def parts_go_at_once(items: Sequence[Any], parts: Sequence[Tuple[bytes, Any]],
+                     spread: int) -> bool:
+    """Whether a batch_step's parts (items cut in order into parts) are sent at once: there are
+    several, spread over several connections, and no session has steps in two of them (steps of
+    one session keep their order only within a call)."""
+    if len(parts) < 2 or spread < 2:
+        return False
     owner: Dict[str, int] = {}
     i = 0
     for index, (_, prepared) in enumerate(parts):

@@ -310,7 +310,7 @@ class Client(_ChannelSet):
                 return _core.part_failed(e, len(parts), part[1])
             return _core.read_batch_step(buf, part[1])
 
-        if len(parts) > 1 and spread > 1 and _core.parts_share_no_session(items, parts):
+        if _core.parts_go_at_once(items, parts, spread):
             answers = await asyncio.gather(*(send(part) for part in parts))
         else:
             answers = [await send(part) for part in parts]

@@ -388,7 +388,7 @@ class Client(_ChannelSet):
                 return _core.part_failed(e, len(parts), part[1])
             return _core.read_batch_step(buf, part[1])
 
-        if len(parts) > 1 and spread > 1 and _core.parts_share_no_session(items, parts):
+        if _core.parts_go_at_once(items, parts, spread):
             answers = list(self._part_senders().map(send, parts))
         else:
             answers = [send(part) for part in parts]
