@@ -387,6 +387,27 @@ TEST(AttndEndToEnd, BadFp8AttentionFailsStartUpWithAMessage) {
   EXPECT_TRUE(ClientFor(*attnd)->GetServerInfo().ok());
 }
 
+// A step-path flag out of its range stops attnd at start-up with a message naming the flag and
+// its range, on the CPU backend too (the flags are checked before a backend is chosen).
+TEST(AttndEndToEnd, StepFlagsOutOfRangeFailStartUpWithAMessage) {
+  const std::string path = AttndBinaryPath();
+  ASSERT_FALSE(path.empty());
+  const std::string base = "timeout 60 '" + path + "' --backend=cpu --listen=127.0.0.1:0 --metrics_listen= ";
+  const std::pair<const char*, const char*> cases[] = {
+      {"--step_wait_slice_us=-1", "--step_wait_slice_us must be in [0, 10000]"},
+      {"--step_wait_slice_us=10001", "--step_wait_slice_us must be in [0, 10000]"},
+      {"--step_idle_poll_us=-5", "--step_idle_poll_us must be in [0, 1000000]"},
+      {"--step_lanes=65", "--step_lanes must be in [0, 64]"},
+  };
+  for (const auto& [flag, message] : cases) {
+    const auto [status, out] = RunCommand(base + flag);
+    ASSERT_TRUE(WIFEXITED(status)) << flag << ": " << out;
+    EXPECT_NE(WEXITSTATUS(status), 0) << flag << ": " << out;
+    EXPECT_NE(WEXITSTATUS(status), 124) << "attnd started with " << flag << ":\n" << out;
+    EXPECT_NE(out.find(message), std::string::npos) << flag << ": " << out;
+  }
+}
+
 // gRPC server reflection (what grpcurl uses) lists attn.v1.Attention and grpc.health.v1.Health.
 // The request and response are built from the reflection proto's descriptors that
 // grpc++_reflection (linked into attnd's server library) registers, and sent on
