@@ -61,10 +61,6 @@ ABSL_FLAG(bool, step_poll_when_busy, kDefaults.step_poll_when_busy,
           "CUDA backend: step lanes poll for their next launch and for the device even while "
           "other lanes are at work (false: only a lane alone at work polls, one idle lane at a "
           "time; the others sleep, leaving the cores to the transport)");
-ABSL_FLAG(int64_t, step_wait_slice_us, kDefaults.step_wait_slice_us,
-          "CUDA backend: a step lane that does not poll its small launch (other lanes at work) "
-          "checks it every this many microseconds, asleep between checks, instead of sleeping "
-          "in the driver until the device is done (0)");
 ABSL_FLAG(bool, step_append_in_kernel, kDefaults.step_append_in_kernel,
           "CUDA backend: a 16-bit decode step's new keys and values are written into their pages "
           "by the decode kernel itself (false: by a copy kernel launched before it)");
@@ -209,7 +205,6 @@ attn::ServerOptions OptionsFromFlags() {
   o.step_output_to_host = absl::GetFlag(FLAGS_step_output_to_host);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
   o.step_poll_when_busy = absl::GetFlag(FLAGS_step_poll_when_busy);
-  o.step_wait_slice_us = absl::GetFlag(FLAGS_step_wait_slice_us);
   o.batch_step_chunk = absl::GetFlag(FLAGS_batch_step_chunk);
   o.device_pool_bytes = absl::GetFlag(FLAGS_device_pool_bytes);
   o.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);

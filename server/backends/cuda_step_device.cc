@@ -29,17 +29,13 @@ constexpr size_t kHostOutputBytes = size_t{64} << 10;
 constexpr size_t kPolledLaunchSteps = 4;
 
 // A small launch (a decode launch is done well within 300 us) is polled at once where the
-// pipeline lets it poll (no other lane at work), else waited for asleep: checked every slice
-// where one is set, else in the driver (the event blocks); several lanes' polls would take cores
-// the transport needs. A large one sleeps through 70% of its expected time first when that is
-// worth a sleep, and is polled for the rest.
-cudaError_t WaitForLaunch(cudaEvent_t event, size_t steps, double expected_us, bool poll,
-                          std::chrono::microseconds slice) {
+// pipeline lets it poll (no other lane at work), else waited for asleep in the driver (the event
+// blocks): several lanes' polls would take cores the transport needs. A large one sleeps through
+// 70% of its expected time first when that is worth a sleep, and is polled for the rest.
+cudaError_t WaitForLaunch(cudaEvent_t event, size_t steps, double expected_us, bool poll) {
   using std::chrono::microseconds;
   if (steps <= kPolledLaunchSteps) {
-    if (poll) return PollEvent(event, 0, microseconds(300));
-    return slice.count() > 0 ? SliceWaitEvent(event, slice, microseconds(2000))
-                             : cudaEventSynchronize(event);
+    return poll ? PollEvent(event, 0, microseconds(300)) : cudaEventSynchronize(event);
   }
   return PollEvent(event, expected_us > 50 ? 0.7 * expected_us : 0, microseconds(2000));
 }
@@ -246,7 +242,6 @@ absl::Status CudaStepDevice::Init(const Options& options) {
   plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
   append_in_kernel_ = options.append_in_kernel;
   output_to_host_ = options.output_to_host;
-  wait_slice_ = options.wait_slice;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
@@ -500,8 +495,7 @@ absl::StatusOr<StepLaunchTimes> CudaStepDevice::Wait(int lane_index, const StepL
   Lane& lane = *lanes_[lane_index];
   cudaEvent_t* ev = lane.events;
   const cudaError_t e = WaitForLaunch(ev[3], l.members.size(),
-                                      lane.device_us_per_byte * lane.expected_bytes, l.poll_wait,
-                                      wait_slice_);
+                                      lane.device_us_per_byte * lane.expected_bytes, l.poll_wait);
   if (e != cudaSuccess) {
     state_->NoteIfDeviceLost(lane.stream);
     return CudaError("step launch", e);

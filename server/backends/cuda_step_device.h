@@ -8,7 +8,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -40,10 +39,6 @@ class CudaStepDevice : public StepDevice {
     // written by the decode kernel straight into that (pinned, mapped) staging, with no copy
     // after it.
     bool output_to_host = true;
-    // A small launch the pipeline does not let its lane poll (StepLaunch::poll_wait false) is
-    // checked every wait_slice, the lane asleep between checks; zero: the lane sleeps in the
-    // driver until the launch ends, whose wake-up can take longer than a slice.
-    std::chrono::microseconds wait_slice{0};
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
@@ -133,7 +128,6 @@ class CudaStepDevice : public StepDevice {
   kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
   bool append_in_kernel_ = true;              // Options::append_in_kernel
   bool output_to_host_ = true;                // Options::output_to_host
-  std::chrono::microseconds wait_slice_{0};   // Options::wait_slice
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

@@ -1,7 +1,5 @@
 #include "backends/cuda_util.h"
 
-#include <sys/prctl.h>
-
 #include <thread>
 
 namespace attn {
@@ -32,20 +30,6 @@ cudaError_t PollEvent(cudaEvent_t event, double sleep_us, std::chrono::microseco
   while ((e = cudaEventQuery(event)) == cudaErrorNotReady &&
          std::chrono::steady_clock::now() < until) {
     std::this_thread::yield();
-  }
-  return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
-}
-
-cudaError_t SliceWaitEvent(cudaEvent_t event, std::chrono::microseconds slice,
-                           std::chrono::microseconds wait_for) {
-  // Linux's default slack (50 us) would stretch every short sleep by up to that much.
-  static thread_local const bool slack_lowered = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
-  (void)slack_lowered;
-  const auto until = std::chrono::steady_clock::now() + wait_for;
-  cudaError_t e;
-  while ((e = cudaEventQuery(event)) == cudaErrorNotReady &&
-         std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(slice);
   }
   return e == cudaErrorNotReady ? cudaEventSynchronize(event) : e;
 }

@@ -81,10 +81,5 @@ class SyncStreamUnlessDone {
 // microseconds: sleeps through sleep_us (most of a large launch's expected time, leaving the core
 // to the transport), then polls, yielding the core, for up to poll_for; then blocks.
 cudaError_t PollEvent(cudaEvent_t event, double sleep_us, std::chrono::microseconds poll_for);
-// Checks event every slice, the thread asleep in between (its timer slack lowered to a
-// microsecond, so that a sleep ends close to its slice), for at most wait_for; then sleeps in the
-// driver until the event.
-cudaError_t SliceWaitEvent(cudaEvent_t event, std::chrono::microseconds slice,
-                           std::chrono::microseconds wait_for);
 
 }  // namespace attn

@@ -81,7 +81,6 @@ absl::StatusOr<Backends> CreateBackends(const ServerOptions& options) {
       so.kv_page_bytes = page_bytes;
       so.append_in_kernel = options.step_append_in_kernel;
       so.output_to_host = options.step_output_to_host;
-      so.wait_slice = std::chrono::microseconds(options.step_wait_slice_us);
       auto steps = (*cuda)->CreateStepDevice(so);
       if (steps.ok()) {
         b.steps = std::move(*steps);
@@ -127,9 +126,6 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   }
   if (options.step_idle_poll_us < 0 || options.step_idle_poll_us > 1'000'000) {
     return absl::InvalidArgumentError("--step_idle_poll_us must be in [0, 1000000]");
-  }
-  if (options.step_wait_slice_us < 0 || options.step_wait_slice_us > 10'000) {
-    return absl::InvalidArgumentError("--step_wait_slice_us must be in [0, 10000]");
   }
   if (options.step_lanes < 0 || options.step_lanes > 64) {
     return absl::InvalidArgumentError("--step_lanes must be in [0, 64] (0: as many as --streams)");

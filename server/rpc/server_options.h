@@ -29,9 +29,6 @@ struct ServerOptions {
   // to the transport (64 callers' Steps 3-5% faster on an H100 host, the rest unchanged:
   // docs/PERF.md, 2026-12-06).
   bool step_poll_when_busy = false;
-  // A step lane that does not poll its small launch checks it every this many microseconds,
-  // asleep between checks, instead of sleeping in the driver until it ends (0).
-  int64_t step_wait_slice_us = 0;
   // A 16-bit decode step's new rows written into their pages by the decode kernel itself (one
   // device operation fewer per launch); false: by a copy kernel before it.
   bool step_append_in_kernel = true;
