@@ -17,7 +17,8 @@ TFLOP/s with FLOPs 4 * H * D * (keys each query sees). err: relative L2 against 
 The conversion path computes in 16 bits (no FP8 tensor-core math), so its FP8 / bf16 is expected a
 little under 1.0. FP8 Attend also runs the FP8 tensor-core kernel (attn_run_fp8_attention: e4m3
 wgmma for both products, V transposed first, both timed) and torch SDPA's cuDNN backend, bf16 and,
-where this torch accepts float8_e4m3fn inputs, FP8.
+where this torch accepts float8_e4m3fn inputs, FP8; where it does not, cuDNN's FP8 SDPA through
+cuDNN's Python frontend (the `cudnn` module) where the host has it.
 Times: CUDA events around N back-to-back launches (>= --min-ms), median of --reps.
 """
 import argparse
@@ -116,12 +117,77 @@ def sdpa_cudnn(q, k, v, s, fp8):
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=s.causal)
-    except (RuntimeError, TypeError, NotImplementedError):
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        print(f"torch SDPA cuDNN ({'fp8' if fp8 else 'bf16'}) refused: {str(e).splitlines()[0][:200]}",
+              flush=True)
         return None
     def call():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=s.causal)
     return call
+
+
+def cudnn_frontend_fp8(q, k, v, s):
+    """cuDNN's FP8 SDPA forward through cuDNN's Python frontend (the `cudnn` module), where this
+    host has it: q, k, v quantized per tensor (amax / 448, the descales the graph takes), P scaled
+    by 448 before its e4m3 rounding (descale 1/448 after P V), O written in e4m3 with unit scale
+    (the output type Hopper's engine writes). Returns (call, o, the values its codes stand for)
+    with o and the values [b*s, h, d], or (None, why, None)."""
+    try:
+        import cudnn
+    except ImportError as e:
+        return None, f"no cudnn frontend module ({e})", None
+    try:
+        dev = q.device
+        f32 = cudnn.data_type.FLOAT
+        e4m3 = cudnn.data_type.FP8_E4M3
+        handle = cudnn.create_handle()
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+
+        def per_tensor(x):
+            amax = x.float().abs().amax().clamp(min=1e-12)
+            codes = (x.float() * (448.0 / amax)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            return codes, (amax / 448.0).reshape(1, 1, 1, 1).float()
+
+        (qc, dq), (kc, dk), (vc, dv) = per_tensor(q), per_tensor(k), per_tensor(v)
+        o8 = torch.empty_like(qc)
+        one = lambda x: torch.full((1, 1, 1, 1), x, device=dev, dtype=torch.float32)  # noqa: E731
+        scalars = {"dq": dq, "dk": dk, "dv": dv, "ds": one(1.0 / 448.0), "ss": one(448.0),
+                   "so": one(1.0)}
+        amax_s, amax_o = one(0.0), one(0.0)
+        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32,
+                              compute_data_type=f32, handle=handle)
+        dims = (s.b, s.h, s.sq, s.d)
+        strides = (s.sq * s.h * s.d, s.d, s.h * s.d, 1)  # [b, s, h, d] in memory
+        tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3)
+                      for n in ("q", "k", "v"))
+        ts = {n: graph.tensor(name=n, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32)
+              for n in scalars}
+        to, _, tas, tao = graph.sdpa_fp8(q=tq, k=tk, v=tv, descale_q=ts["dq"], descale_k=ts["dk"],
+                                         descale_v=ts["dv"], descale_s=ts["ds"], scale_s=ts["ss"],
+                                         scale_o=ts["so"], is_inference=True,
+                                         attn_scale=1.0 / math.sqrt(s.d), use_causal_mask=s.causal)
+        to.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+        for t in (tas, tao):
+            t.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        workspace = torch.empty(max(1, graph.get_workspace_size()), device=dev, dtype=torch.uint8)
+        pack = {tq: qc, tk: kc, tv: vc, to: o8, tas: amax_s, tao: amax_o}
+        pack.update({ts[n]: x for n, x in scalars.items()})
+
+        def call():
+            graph.execute(pack, workspace, handle=handle)
+
+        call()
+        torch.cuda.synchronize()
+        values = tuple(c.float() * d.reshape(()) for c, d in ((qc, dq), (kc, dk), (vc, dv)))
+        return call, o8, values
+    except Exception as e:  # an engine missing for this shape, or an older frontend's API
+        return None, f"cudnn frontend: {type(e).__name__}: {e}", None
 
 
 def dequantize_q(lib, s, q_codes, q_scale, q_out, stream):
@@ -254,10 +320,25 @@ def attend_point(lib, d, sl, args, dev):
     for name, fp8 in (("cudnn_bf", False), ("cudnn_f8", True)):
         call = sdpa_cudnn(q, k, v, s, fp8)
         cudnn[name] = time_ms(call, args.warmup, args.reps, args.min_ms) if call else None
+    # Where torch's SDPA takes no float8 inputs: cuDNN's FP8 SDPA through its own frontend, its
+    # output checked against float32 SDPA on the values of its per-tensor codes.
+    f8_via, err_cudnn_f8 = ("torch SDPA" if cudnn["cudnn_f8"] else None), None
+    if cudnn["cudnn_f8"] is None:
+        call, o8, values = cudnn_frontend_fp8(q, k, v, s)
+        if call is None:
+            print(f"cuDNN FP8 not reached: {o8}", flush=True)
+        else:
+            cudnn["cudnn_f8"] = time_ms(call, args.warmup, args.reps, args.min_ms)
+            f8_via = "cudnn frontend"
+            o8.view(torch.uint8).fill_(0x7F)  # NaN in e4m3
+            call()
+            torch.cuda.synchronize()
+            err_cudnn_f8 = rel_err(o8, reference(s, *values), s)
     tf = lambda t: s.flops() / (t * 1e-3) / 1e12 if t else None
     row = dict(kind="attend", d=d, s=sl, b=b, h=h, bf=tf(t_bf), f8=tf(t_f8), tc=tf(t_tc),
                cudnn_bf=tf(cudnn["cudnn_bf"]), cudnn_f8=tf(cudnn["cudnn_f8"]), bf_us=t_bf * 1e3,
-               f8_us=t_f8 * 1e3, tc_us=t_tc * 1e3, err_bf=err_bf, err_f8=err_f8, err_tc=err_tc)
+               f8_us=t_f8 * 1e3, tc_us=t_tc * 1e3, err_bf=err_bf, err_f8=err_f8, err_tc=err_tc,
+               f8_via=f8_via, err_cudnn_f8=err_cudnn_f8)
     print(f"attend d={d} s={sl} ({b} x {h} heads): bf16 gen2 {row['bf']:.1f} TFLOP/s, fp8 via "
           f"conversion {row['f8']:.1f}, fp8 tensor cores {row['tc']:.1f} (x{row['tc'] / row['bf']:.3f} "
           f"bf16), cuDNN bf16 {fmt(row['cudnn_bf'])}, cuDNN fp8 {fmt(row['cudnn_f8'])}; err "
@@ -291,19 +372,22 @@ def write_table(rows, out, final):
         lines += ["## FP8 Attend (q, k, v e4m3; MHA, 16k tokens, non-causal) vs bf16 generation 2",
                   "",
                   "conv: the conversion path (16-bit kernel); TC: the FP8 tensor-core kernel; cuDNN: "
-                  "torch SDPA's cuDNN backend on the bf16 values and, where this torch takes "
-                  "float8_e4m3fn inputs, on the codes (n/a otherwise). err: relative L2 vs float32 "
-                  "SDPA on the values each computes with.", "",
+                  "torch SDPA's cuDNN backend on the bf16 values and, FP8, where this torch takes "
+                  "float8_e4m3fn inputs, on the codes, else cuDNN's FP8 SDPA through its Python "
+                  "frontend (per-tensor scales, O in e4m3; 'via' says which; n/a: neither). err: "
+                  "relative L2 vs float32 SDPA on the values each computes with.", "",
                   "| d | s | batch x heads | bf16 gen2 TFLOP/s | conv TFLOP/s | TC TFLOP/s | TC/bf16 | "
-                  "cuDNN bf16 | cuDNN fp8 | TC/cuDNN fp8 | TC us | err bf16 | err conv | err TC |",
-                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "cuDNN bf16 | cuDNN fp8 | via | TC/cuDNN fp8 | TC us | err bf16 | err conv | "
+                  "err TC | err cuDNN fp8 |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in att:
             ratio = f"{r['tc'] / r['cudnn_f8']:.3f}" if r["cudnn_f8"] else "n/a"
             lines.append(f"| {r['d']} | {r['s']} | {r['b']} x {r['h']} | {r['bf']:.1f} | "
                          f"{r['f8']:.1f} | {r['tc']:.1f} | {r['tc'] / r['bf']:.3f} | "
-                         f"{fmt(r['cudnn_bf'])} | {fmt(r['cudnn_f8'])} | {ratio} | "
-                         f"{r['tc_us']:.1f} | {r['err_bf']:.1e} | {r['err_f8']:.1e} | "
-                         f"{r['err_tc']:.1e} |")
+                         f"{fmt(r['cudnn_bf'])} | {fmt(r['cudnn_f8'])} | {r['f8_via'] or 'n/a'} | "
+                         f"{ratio} | {r['tc_us']:.1f} | {r['err_bf']:.1e} | {r['err_f8']:.1e} | "
+                         f"{r['err_tc']:.1e} | "
+                         f"{'n/a' if r['err_cudnn_f8'] is None else format(r['err_cudnn_f8'], '.1e')} |")
         lines.append("")
     text = "\n".join(lines)
     with open(out, "w") as f:
