@@ -394,11 +394,11 @@ TEST(AttndEndToEnd, StepFlagsOutOfRangeFailStartUpWithAMessage) {
   ASSERT_FALSE(path.empty());
   const std::string base = "timeout 60 '" + path + "' --backend=cpu --listen=127.0.0.1:0 --metrics_listen= ";
   const std::pair<const char*, const char*> cases[] = {
+      {"--step_idle_poll_us=-5", "--step_idle_poll_us must be in [0, 1000000]"},
       {"--step_idle_poll_us=1000001", "--step_idle_poll_us must be in [0, 1000000]"},
+      {"--step_lanes=65", "--step_lanes must be in [0, 64]"},
       {"--batch_step_chunk=-1", "--batch_step_chunk must be >= 0"},
       {"--max_small_step_launches=-1", "max_small_step_launches must be >= 0"},
-      {"--step_idle_poll_us=-5", "--step_idle_poll_us must be in [0, 1000000]"},
-      {"--step_lanes=65", "--step_lanes must be in [0, 64]"},
   };
   for (const auto& [flag, message] : cases) {
     const auto [status, out] = RunCommand(base + flag);
