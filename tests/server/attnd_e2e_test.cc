@@ -371,17 +371,23 @@ TEST(AttndEndToEnd, HelpListsAttndFlags) {
   }
 }
 
+// attnd on the CPU backend with `flag` exits at start-up (not by the 60 s timeout) with a message
+// holding `message`.
+void ExpectStartUpFails(const std::string& flag, const std::string& message) {
+  const std::string path = AttndBinaryPath();
+  ASSERT_FALSE(path.empty());
+  const auto [status, out] = RunCommand("timeout 60 '" + path +
+                                        "' --backend=cpu --listen=127.0.0.1:0 --metrics_listen= " + flag);
+  ASSERT_TRUE(WIFEXITED(status)) << flag << ": " << out;
+  EXPECT_NE(WEXITSTATUS(status), 0) << flag << ": " << out;
+  EXPECT_NE(WEXITSTATUS(status), 124) << "attnd started with " << flag << ":\n" << out;
+  EXPECT_NE(out.find(message), std::string::npos) << flag << ": " << out;
+}
+
 // A value --fp8_attention does not know stops attnd at start-up with a message naming the flag
 // (the CPU backend too, which has no FP8 kernel choice to make); tensor_cores starts it.
 TEST(AttndEndToEnd, BadFp8AttentionFailsStartUpWithAMessage) {
-  const std::string path = AttndBinaryPath();
-  ASSERT_FALSE(path.empty());
-  const std::string base = "'" + path + "' --backend=cpu --listen=127.0.0.1:0 --metrics_listen= ";
-  const auto [status, out] = RunCommand("timeout 60 " + base + "--fp8_attention=fast");
-  ASSERT_TRUE(WIFEXITED(status)) << out;
-  EXPECT_NE(WEXITSTATUS(status), 0) << out;
-  EXPECT_NE(WEXITSTATUS(status), 124) << "attnd started with --fp8_attention=fast:\n" << out;
-  EXPECT_NE(out.find("--fp8_attention must be auto, convert or tensor_cores"), std::string::npos) << out;
+  ExpectStartUpFails("--fp8_attention=fast", "--fp8_attention must be auto, convert or tensor_cores");
   auto attnd = AttndProcess::Start({"--fp8_attention=tensor_cores"});
   ASSERT_NE(attnd, nullptr);
   EXPECT_TRUE(ClientFor(*attnd)->GetServerInfo().ok());
@@ -390,23 +396,11 @@ TEST(AttndEndToEnd, BadFp8AttentionFailsStartUpWithAMessage) {
 // A step-path flag out of its range stops attnd at start-up with a message naming the flag and
 // its range, on the CPU backend too (the flags are checked before a backend is chosen).
 TEST(AttndEndToEnd, StepFlagsOutOfRangeFailStartUpWithAMessage) {
-  const std::string path = AttndBinaryPath();
-  ASSERT_FALSE(path.empty());
-  const std::string base = "timeout 60 '" + path + "' --backend=cpu --listen=127.0.0.1:0 --metrics_listen= ";
-  const std::pair<const char*, const char*> cases[] = {
-      {"--step_idle_poll_us=-5", "--step_idle_poll_us must be in [0, 1000000]"},
-      {"--step_idle_poll_us=1000001", "--step_idle_poll_us must be in [0, 1000000]"},
-      {"--step_lanes=65", "--step_lanes must be in [0, 64]"},
-      {"--batch_step_chunk=-1", "--batch_step_chunk must be >= 0"},
-      {"--max_small_step_launches=-1", "max_small_step_launches must be >= 0"},
-  };
-  for (const auto& [flag, message] : cases) {
-    const auto [status, out] = RunCommand(base + flag);
-    ASSERT_TRUE(WIFEXITED(status)) << flag << ": " << out;
-    EXPECT_NE(WEXITSTATUS(status), 0) << flag << ": " << out;
-    EXPECT_NE(WEXITSTATUS(status), 124) << "attnd started with " << flag << ":\n" << out;
-    EXPECT_NE(out.find(message), std::string::npos) << flag << ": " << out;
-  }
+  ExpectStartUpFails("--step_idle_poll_us=-5", "--step_idle_poll_us must be in [0, 1000000]");
+  ExpectStartUpFails("--step_idle_poll_us=1000001", "--step_idle_poll_us must be in [0, 1000000]");
+  ExpectStartUpFails("--step_lanes=65", "--step_lanes must be in [0, 64]");
+  ExpectStartUpFails("--batch_step_chunk=-1", "--batch_step_chunk must be >= 0");
+  ExpectStartUpFails("--max_small_step_launches=-1", "max_small_step_launches must be >= 0");
 }
 
 // gRPC server reflection (what grpcurl uses) lists attn.v1.Attention and grpc.health.v1.Health.
