@@ -3,7 +3,7 @@
 // elements per clock per SM. Which pipe an instruction shares with another shows as a mix's rate:
 // the sum of the two alone times where they share one, the larger where they do not.
 //
-//   softmax_pipe_rates [--iters N]
+//   softmax_pipe_rates [--iters N]   (built with -DATTN_SM90_VARIANTS=ON)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../../src/cuda/exp2_on_fma.cuh"
+#include "exp2_on_fma.cuh"
 
 namespace {
 
