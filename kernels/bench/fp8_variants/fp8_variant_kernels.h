@@ -1,7 +1,7 @@
 // The builds of the FP8 forward kernel that fp8_variants times against the shipped one (defined
 // in fp8_variant_launch.cuh, one translation unit per head dim: fp8_variant_kernels_d*.cu): shares of
 // the softmax's exp2 on the FMA pipe other than the shipped one, another count of consumer
-// warpgroups, the overlapped softmax, the softmax's exp2 on f16 pairs.
+// warpgroups, the overlapped softmax.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -20,9 +20,6 @@ enum class Fp8Variant {
   kFma8,  // every 8th (d=256's shipped split)
   kWg2,   // d=128: two consumer warpgroups (128-row tiles, 240 registers), the shipped split
   kOverlap,  // two warpgroups, the softmax of each key tile under the previous tile's P V
-  kHalf,      // exp2 on f16 pairs (Sm90Fp8SoftmaxHalf), every exp2 on the MUFU pipe
-  kHalfFma4,  // exp2 on f16 pairs, every 4th group of 8 keys on the FMA pipe
-  kHalfFma8,  // exp2 on f16 pairs, every 8th group on the FMA pipe
   kCount,
 };
 

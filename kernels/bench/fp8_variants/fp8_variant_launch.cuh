@@ -28,12 +28,6 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
       return cudaErrorNotSupported;
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2, true>>(p, sms, stream);
-    case Fp8Variant::kHalf:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 0, kWGs, false, true>>(p, sms, stream);
-    case Fp8Variant::kHalfFma4:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 4, kWGs, false, true>>(p, sms, stream);
-    case Fp8Variant::kHalfFma8:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 8, kWGs, false, true>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -190,9 +190,6 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kFma8: return "fma8";
     case Fp8Variant::kWg2: return "wg2";
     case Fp8Variant::kOverlap: return "overlap";
-    case Fp8Variant::kHalf: return "half";
-    case Fp8Variant::kHalfFma4: return "half_fma4";
-    case Fp8Variant::kHalfFma8: return "half_fma8";
     default: return "?";
   }
 }

@@ -35,14 +35,11 @@ namespace attn::kernels::cuda {
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
-// kHalfExpV: the softmax's exp2 on f16 pairs (Sm90Fp8SoftmaxHalf), P packed from them.
-template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
-          bool kHalfExpV = false>
+template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
-  static constexpr bool kHalfExp = kHalfExpV;
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = kConsumerWGsV;
   static constexpr int kBlockM = 64 * kConsumerWGs;
@@ -119,84 +116,6 @@ __device__ __forceinline__ void Sm90Fp8PackP(uint32_t (&pa)[BN / 32][4], const f
     for (int r = 0; r < 4; ++r) {
       pa[kk][r] = PackE4m3x4(s[Fp8PackSource(kk, r, 0)], s[Fp8PackSource(kk, r, 1)],
                              s[Fp8PackSource(kk, r, 2)], s[Fp8PackSource(kk, r, 3)]);
-    }
-}
-
-// f16 pair helpers of the half-precision softmax: cvt's first source lands in the upper half.
-__device__ __forceinline__ uint32_t F16x2Of(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(lo), "f"(hi));
-  return r;
-}
-__device__ __forceinline__ uint32_t Exp2F16x2(uint32_t x) {
-  uint32_t r;
-  asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(x));
-  return r;
-}
-__device__ __forceinline__ uint32_t AddF16x2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("add.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ float SumOfF16x2(uint32_t h) {
-  float lo, hi;
-  asm("{ .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-      : "=f"(lo), "=f"(hi) : "r"(h));
-  return lo + hi;
-}
-// Two e4m3 codes (low byte from the low half) of an f16 pair, rounded to nearest, saturated.
-__device__ __forceinline__ uint32_t E4m3x2OfF16x2(uint32_t h) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;\n" : "=h"(r) : "r"(h));
-  return r;
-}
-
-// Sm90Softmax with exp2 on f16 pairs: each pair of adjacent keys of a row (s[i], s[i + 1], i even)
-// becomes one f16 pair of p * 2^kBias, left in s[i]'s bits (s[i + 1] is dead), which is the pair
-// the e4m3 packing takes (Fp8PackSource: bytes 0-1 and 2-3 of a register are such pairs). p needs
-// 3 mantissa bits for P V; its row sum takes the f16 pairs summed in a tree per tile (16 pairs of
-// values <= 2^kBias) and then in f32. kFmaEvery: every kFmaEvery-th group of 8 keys on the FMA
-// pipe in f32, then paired.
-template <int BN, int kBias, int kFmaEvery>
-__device__ __forceinline__ void Sm90Fp8SoftmaxHalf(float (&s)[BN / 2], float (&row_max)[2],
-                                                   float (&row_sum)[2], float (&corr)[2], float sl2) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float mx = row_max[hf];
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float ms = mx == -INFINITY ? 0.0f : mx * sl2;
-    corr[hf] = exp2f(row_max[hf] * sl2 - ms);
-    row_max[hf] = mx;
-    uint32_t part[BN / 8];
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c) {
-      const float x0 = fmaf(s[4 * c + 2 * hf], sl2, float(kBias) - ms);
-      const float x1 = fmaf(s[4 * c + 2 * hf + 1], sl2, float(kBias) - ms);
-      const uint32_t e = ExpOnFma<kFmaEvery>(c) ? F16x2Of(Exp2OnFma<true>(x0), Exp2OnFma<true>(x1))
-                                                : Exp2F16x2(F16x2Of(x0, x1));
-      s[4 * c + 2 * hf] = __uint_as_float(e);
-      part[c] = e;
-    }
-#pragma unroll
-    for (int w = BN / 16; w >= 1; w /= 2)
-#pragma unroll
-      for (int i = 0; i < w; ++i) part[i] = AddF16x2(part[i], part[i + w]);
-    row_sum[hf] = row_sum[hf] * corr[hf] + SumOfF16x2(part[0]);
-  }
-}
-
-// Sm90Fp8PackP from the f16 pairs Sm90Fp8SoftmaxHalf leaves in s.
-template <int BN>
-__device__ __forceinline__ void Sm90Fp8PackPHalf(uint32_t (&pa)[BN / 32][4], const float (&s)[BN / 2]) {
-#pragma unroll
-  for (int kk = 0; kk < BN / 32; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      pa[kk][r] = E4m3x2OfF16x2(__float_as_uint(s[Fp8PackSource(kk, r, 0)])) |
-                  (E4m3x2OfF16x2(__float_as_uint(s[Fp8PackSource(kk, r, 2)])) << 16);
     }
 }
 
@@ -332,19 +251,11 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
       Sm90Mask<BN>(s, p, t, r0, n0, lane);
     }
     // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
-    if constexpr (Tr::kHalfExp) {
-      Sm90Fp8SoftmaxHalf<BN, kFp8PBias, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, sl2);
-    } else {
-      Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, sl2);
-    }
+    Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, sl2);
   };
   auto pack_p = [&] {
     Sm90Rescale<Tr>(o, corr);
-    if constexpr (Tr::kHalfExp) {
-      Sm90Fp8PackPHalf<BN>(pa, s);
-    } else {
-      Sm90Fp8PackP<BN>(pa, s);
-    }
+    Sm90Fp8PackP<BN>(pa, s);
   };
   // S of key tile nb (stage st) on its own, then its P; returns once the stage's V is loaded.
   auto s_to_p = [&](int nb, int st) {
