@@ -29,9 +29,10 @@
 
 namespace attn::kernels::cuda {
 
-// kExpFmaEveryV: Sm90Softmax's kFmaEvery. The softmax, not the tensor cores, bounds this kernel:
-// each 128-key tile's 8192 exp2 per warpgroup (and the e4m3 packing) queue on the MUFU pipe, so a
-// share of them on the FMA pipe shortens it (docs/PERF.md: a quarter, 4-8% faster on the H200).
+// kExpFmaEveryV: Sm90Softmax's kFmaEvery. Each warpgroup's softmax sits between its two products,
+// and its 8192 exp2 per 128-key tile take the MUFU pipe (16 a clock per SM; the e4m3 packs run
+// on another pipe: kernels/bench/pipe_rates), so a share of them on the FMA pipe shortens it
+// (docs/PERF.md: a quarter, 4-8% faster on the H200).
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
