@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <string>
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -58,7 +58,11 @@ class CudaSessionTest : public ::testing::Test {
   std::string UnservedHeadDim(const std::vector<SessionSpec>& specs) {
     grpc::ClientContext ctx;
     v1::GetServerInfoResponse info;
-    if (!stub_->GetServerInfo(&ctx, {}, &info).ok()) return "GetServerInfo failed";
+    const grpc::Status st = stub_->GetServerInfo(&ctx, {}, &info);
+    if (!st.ok()) {
+      ADD_FAILURE() << "GetServerInfo: " << st.error_message();
+      return "";
+    }
     for (const SessionSpec& spec : specs) {
       const auto& dims = info.head_dims();
       if (std::find(dims.begin(), dims.end(), spec.head_dim) == dims.end()) {

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, uint32_t se
       } else if constexpr (kOp == kHadd2) {
         u[c] = Hadd2(u[c], 0x3c003c00u);
       } else if constexpr (kOp == kLop) {
-        u[c] = (u[c] ^ 0x5a5a5a5au) | (u[c] >> 0);
+        u[c] = (u[c] ^ 0x5a5a5a5au) | u[c];
         asm volatile("" : "+r"(u[c]));
       } else if constexpr (kOp == kFfma) {
         f[c] = fmaf(f[c], 0.999f, g[c]);
