@@ -151,12 +151,16 @@ __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, uint32_t se
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
+// The median SM's rate over the last of three launches (the first two warm up); -1 on a CUDA error.
 template <int kOp>
 double Rate(int sms, int iters, long long* d_cycles, uint32_t* d_sink) {
-  std::vector<double> per_sm;
   for (int rep = 0; rep < 3; ++rep) {
     RateKernel<kOp><<<sms, kThreads>>>(iters, 12345u + rep, d_cycles, d_sink);
-    if (cudaDeviceSynchronize() != cudaSuccess) return -1;
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+      std::fprintf(stderr, "%s: %s\n", kNames[kOp], cudaGetErrorString(err));
+      return -1;
+    }
   }
   std::vector<long long> cyc(sms);
   cudaMemcpy(cyc.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost);
