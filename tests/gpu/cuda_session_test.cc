@@ -56,15 +56,13 @@ class CudaSessionTest : public ::testing::Test {
   // Why the server cannot serve every head dim of specs (empty where it can): a build with
   // -DATTN_HEAD_DIMS short of them answers CreateSession INVALID_ARGUMENT, and the test skips.
   std::string UnservedHeadDim(const std::vector<SessionSpec>& specs) {
-    grpc::ClientContext ctx;
-    v1::GetServerInfoResponse info;
-    const grpc::Status st = stub_->GetServerInfo(&ctx, {}, &info);
-    if (!st.ok()) {
-      ADD_FAILURE() << "GetServerInfo: " << st.error_message();
+    auto info = server_.client->GetServerInfo();
+    if (!info.ok()) {
+      ADD_FAILURE() << "GetServerInfo: " << info.status();
       return "";
     }
+    const auto& dims = info->head_dims();
     for (const SessionSpec& spec : specs) {
-      const auto& dims = info.head_dims();
       if (std::find(dims.begin(), dims.end(), spec.head_dim) == dims.end()) {
         return "this build serves no head dim " + std::to_string(spec.head_dim);
       }
