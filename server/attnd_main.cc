@@ -68,6 +68,9 @@ ABSL_FLAG(bool, step_output_to_host, kDefaults.step_output_to_host,
           "CUDA backend: a small decode step launch's o and lse (up to 64 KiB) are written by the "
           "decode kernel straight into the pinned host memory they are answered from (false: "
           "copied there after it)");
+ABSL_FLAG(bool, step_fused_combine, kDefaults.step_fused_combine,
+          "CUDA backend: a decode step launch with KV splits merges them in its split kernel (the "
+          "last CTA of each group of splits) instead of launching a combine kernel after it");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,
@@ -202,6 +205,7 @@ attn::ServerOptions OptionsFromFlags() {
   o.streams = absl::GetFlag(FLAGS_streams);
   o.step_lanes = absl::GetFlag(FLAGS_step_lanes);
   o.step_append_in_kernel = absl::GetFlag(FLAGS_step_append_in_kernel);
+  o.step_fused_combine = absl::GetFlag(FLAGS_step_fused_combine);
   o.step_output_to_host = absl::GetFlag(FLAGS_step_output_to_host);
   o.step_idle_poll_us = absl::GetFlag(FLAGS_step_idle_poll_us);
   o.step_poll_when_busy = absl::GetFlag(FLAGS_step_poll_when_busy);

@@ -16,6 +16,11 @@ Chunked prefill: a chunk of C queries over P cached keys plus the chunk (s_k = P
   TFLOP/s with FLOPs 4 * H * D * sum over queries of keys seen.
 Multi-token steps (--steps BxQxL): B sequences of Q queries over L cached keys, paged: the decode
   kernel (Run's choice for Q <= 16) against the generation-2 forward kernel forced.
+Merging the splits (--fused-combine, on by default): at the decode points with KV splits, the
+  plan's splits merged by a combine kernel after the split kernel (the library's default) against
+  the split kernel's last CTA of each group merging them (PlanOptions::decode_fused_combine, one
+  launch fewer), timed in alternation, contiguous and on the first page size; each one's error
+  against the combine kernel's result.
 Small-batch splits (--split-sweep S1,S2,...): at the decode points the GPU is not full at without
   splits (batch x KV heads < 90% of the SMs), ours with each forced KV
   split count beside the plan's own.
@@ -86,6 +91,21 @@ def time_ms(fn, warmup, reps, min_ms):
     events_ms(fn, n)
     times = [events_ms(fn, n) / n for _ in range(reps)]
     return statistics.median(times)
+
+
+def time_pair_ms(fa, fb, warmup, reps, min_ms):
+    """time_ms of fa and of fb with their timings alternated (one of each per round), so that a
+    drift of the host or the clocks meets both alike."""
+    for _ in range(warmup):
+        fa()
+        fb()
+    torch.cuda.synchronize()
+    n = [max(1, min(2000, math.ceil(min_ms / max(events_ms(f, 1), 1e-3)))) for f in (fa, fb)]
+    ta, tb = [], []
+    for _ in range(reps):
+        ta.append(events_ms(fa, n[0]) / n[0])
+        tb.append(events_ms(fb, n[1]) / n[1])
+    return statistics.median(ta), statistics.median(tb)
 
 
 class Rotor:
@@ -394,6 +414,8 @@ def main():
     ap.add_argument("--steps", default="", help="BATCHxQUERIESxCACHED list of multi-token steps")
     ap.add_argument("--steps-page", type=int, default=16)
     ap.add_argument("--split-sweep", default="", help="forced KV splits timed at small-batch points")
+    ap.add_argument("--fused-combine", type=int, default=1,
+                    help="1: time the splits merged in the split kernel against the combine kernel")
     ap.add_argument("--fp8", default="", help="BATCHxCACHED list of FP8 K/V decode points")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=15)
@@ -457,6 +479,18 @@ def main():
                          f" | {f2(r.get('flash'))} | {f2(r.get('cudnn'))} | {r3(r['ours'], r.get('cudnn'))} | " +
                          " | ".join(r3(r[f'page{ps}'], r['ours']) for ps in pages) +
                          f" | {r['us']['ours']:.1f} | {r['us'].get('cudnn', float('nan')):.1f} | {r['err']:.1e} |")
+        fused = [r for r in rows if r["kind"] == "decode" and r.get("fused")]
+        if fused:
+            lines += ["", "Merging the splits: combine kernel vs the split kernel's last CTA (decode_fused_combine), "
+                      "us per launch timed in alternation; errors against the combine kernel's contiguous result.", "",
+                      "| batch x cache | splits | layout | combine us | fused us | fused/combine | err combine | err fused |",
+                      "|---" * 8 + "|"]
+            for r in fused:
+                fr = r["fused"]
+                for name in [k[:-len("_comb_us")] for k in fr if k.endswith("_comb_us")]:
+                    c, fu = fr[f"{name}_comb_us"], fr[f"{name}_fused_us"]
+                    lines.append(f"| {r['b']} x {r['L'] // 1024}k | {r['splits']} | {name} | {c:.2f} | {fu:.2f} | "
+                                 f"{fu / c:.3f} | {fr[f'{name}_comb_err']:.1e} | {fr[f'{name}_fused_err']:.1e} |")
         sweeps = [r for r in rows if r["kind"] == "decode" and r.get("sweep")]
         if sweeps:
             sps = sorted({sp for r in sweeps for sp in r["sweep"]})
@@ -529,6 +563,53 @@ def main():
         with open(args.out, "w") as fh:
             fh.write(text)
 
+    def fused_point(b, L, splits, qs, ks, vs, o, cu_q, cu_k, ours_o, copies):
+        """The combine kernel against the merge in the split kernel at a decode point with splits
+        (contiguous, then pages of pages[0]): us of each, timed in alternation, and each one's
+        relative error against ours_o (the combine kernel's contiguous result). {} where the point
+        has no splits or the library lacks the option."""
+        if not args.fused_combine or splits <= 1 or not hasattr(lib, "attn_set_plan_option"):
+            return {}
+        res = {}
+        gen = torch.Generator().manual_seed(b * 13 + L)
+        layouts = [("contig", None)]
+        if pages:
+            pk = [paged_pool(x, b, L, pages[0], gen) for x in ks]
+            pv = []
+            for i, x in enumerate(vs):
+                pool = torch.empty_like(pk[i][0])
+                pool[pk[i][2].long()] = x.view(pool.shape)
+                pv.append((pool, pk[i]))
+            layouts.append((f"page{pages[0]}", pv))
+        for name, paged in layouts:
+            def call(i, paged=paged):
+                if paged is None:
+                    run_ours(qs[i], ks[i], vs[i], o, cu_q, cu_k, b, b, b * L, 1, L, False, None)
+                else:
+                    pool_v, (pool_k, indptr, indices, seqlens, npg) = paged[i]
+                    run_ours(qs[i], pool_k, pool_v, o, cu_q, None, b, b, 0, 1, L, False, None,
+                             (pages[0], npg, indptr, indices, seqlens))
+
+            def fused(i, call=call):
+                lib.attn_set_plan_option(b"decode_fused_combine", 1)
+                try:
+                    call(i)
+                finally:
+                    lib.attn_set_plan_option(b"decode_fused_combine", 0)
+
+            t_comb, t_fused = time_pair_ms(Rotor(call, copies), Rotor(fused, copies), args.warmup,
+                                           args.reps, args.min_ms)
+            for tag, fn in (("comb", call), ("fused", fused)):
+                o.fill_(float("nan"))
+                fn(0)
+                fn(0)  # twice: the second launch finds the counters the first left
+                torch.cuda.synchronize()
+                res[f"{name}_{tag}_err"] = ((o.float() - ours_o).norm() / ours_o.norm()).item()
+            res[f"{name}_comb_us"] = t_comb * 1e3
+            res[f"{name}_fused_us"] = t_fused * 1e3
+        torch.cuda.empty_cache()
+        return res
+
     # ---------------- decode ----------------
     for item in args.decode.split(","):
         if not item:
@@ -553,6 +634,7 @@ def main():
         ours_o = o.float().clone()
         if hasattr(lib, "attn_plan_decode_splits"):
             splits = lib.attn_plan_decode_splits(2, 0, b, 1, L, H, HKV, D)
+        fused = fused_point(b, L, splits, qs, ks, vs, o, cu_q, cu_k, ours_o, copies)
         sweep = {}
         if 10 * b * HKV < 9 * 132 and args.split_sweep and hasattr(lib, "attn_set_plan_option"):
             for sp in [int(x) for x in args.split_sweep.split(",") if x]:
@@ -609,7 +691,7 @@ def main():
             del pk, pv
             torch.cuda.empty_cache()
         tb = lambda t: kv_bytes / (t * 1e-3) / 1e12 if t else None
-        row = dict(kind="decode", b=b, L=L, splits=splits, copies=copies, err=err, sweep=sweep,
+        row = dict(kind="decode", b=b, L=L, splits=splits, copies=copies, err=err, sweep=sweep, fused=fused,
                    **{k2: (tb(v2) if not k2.endswith("_err") else v2) for k2, v2 in res.items()},
                    us={k2: v2 * 1e3 for k2, v2 in res.items() if not k2.endswith("_err") and v2})
         rows.append(row)

@@ -51,7 +51,9 @@ attn::kernels::cuda::PlanOptions g_options;
 
 // MakePlan with g_options and generation gen, then Run; a workspace of the plan's size from this
 // library when `workspace` is null and the plan needs one (grown on demand, outside any timed region
-// once warmed up).
+// once warmed up). That workspace keeps a decode plan's split counters zero as a step lane does:
+// set once when they grow past what is known to be zero (decode_fused_combine). A caller's
+// workspace with such a plan must hold zeroed counters.
 int PlanAndRun(const attn::kernels::AttentionArgs& a, int gen, void* workspace, cudaStream_t stream) {
   attn::kernels::cuda::PlanOptions o = g_options;
   o.generation = static_cast<attn::kernels::cuda::FwdGeneration>(gen);
@@ -60,16 +62,23 @@ int PlanAndRun(const attn::kernels::AttentionArgs& a, int gen, void* workspace, 
   if (!st.ok()) return -static_cast<int>(st.code());
   static void* own = nullptr;
   static size_t own_size = 0;
+  static size_t own_zeroed = 0;  // leading bytes of `own` that are zero
   if (workspace == nullptr && plan.workspace_bytes > 0) {
     if (plan.workspace_bytes > own_size) {
       if (own != nullptr) cudaFree(own);
       own = nullptr;
       own_size = 0;
+      own_zeroed = 0;
       const cudaError_t err = cudaMalloc(&own, plan.workspace_bytes);
       if (err != cudaSuccess) return static_cast<int>(err);
       own_size = plan.workspace_bytes;
     }
     workspace = own;
+    if (plan.decode_counter_bytes > own_zeroed) {
+      const cudaError_t err = cudaMemsetAsync(own, 0, plan.decode_counter_bytes, stream);
+      if (err != cudaSuccess) return static_cast<int>(err);
+    }
+    own_zeroed = plan.decode_counter_bytes;
   }
   return static_cast<int>(attn::kernels::cuda::Run(a, plan, workspace, stream));
 }
@@ -272,7 +281,7 @@ size_t attn_workspace_bytes(int dtype, int batch, int total_q, int total_k, int 
 }
 
 // Sets one plan option of every later run (attn::kernels::cuda::PlanOptions) by name: decode_splits,
-// tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o, fp8_tensor_cores; "reset"
+// decode_fused_combine, tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o, fp8_tensor_cores; "reset"
 // restores the defaults.
 // Returns 0, or -1 for an unknown name.
 int attn_set_plan_option(const char* name, int value) {
@@ -280,6 +289,7 @@ int attn_set_plan_option(const char* name, int value) {
   attn::kernels::cuda::PlanOptions& o = g_options;
   if (n == "reset") o = attn::kernels::cuda::PlanOptions{};
   else if (n == "decode_splits") o.decode_splits = value;
+  else if (n == "decode_fused_combine") o.decode_fused_combine = value != 0;
   else if (n == "tiling") o.gen2_tiling = value;
   else if (n == "row_cut") o.gen2_row_cut = value;
   else if (n == "l2_mib") o.gen2_l2_group_mib = value;

@@ -228,6 +228,14 @@ absl::StatusOr<char*> CudaStepDevice::LaneMemory::Get(DevicePool* pool, cudaStre
   return buffer_->get();
 }
 
+absl::Status CudaStepDevice::LaneMemory::PrepareForLaunch(size_t counter_bytes, cudaStream_t stream) {
+  if (counter_bytes > zero_prefix_) {
+    RETURN_IF_CUDA_ERROR("workspace counters", cudaMemsetAsync(buffer_->get(), 0, counter_bytes, stream));
+  }
+  zero_prefix_ = counter_bytes;  // the launch may write anywhere past them
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
     const Options& options, std::shared_ptr<CudaDeviceState> state) {
   if (options.lanes < 1 || options.lanes > 64) {
@@ -240,6 +248,7 @@ absl::StatusOr<std::unique_ptr<CudaStepDevice>> CudaStepDevice::Create(
 
 absl::Status CudaStepDevice::Init(const Options& options) {
   plan_options_.fp8_tensor_cores = options.fp8_tensor_cores;
+  plan_options_.decode_fused_combine = options.fused_combine;
   append_in_kernel_ = options.append_in_kernel;
   output_to_host_ = options.output_to_host;
   RETURN_IF_CUDA_ERROR("cudaSetDevice", cudaSetDevice(state_->device()));
@@ -367,7 +376,8 @@ absl::Status CudaStepDevice::PlanLaunch(const kernels::AttentionArgs& args, Lane
   }
   if (!got.ok()) return got.status();
   *workspace = *got;
-  return absl::OkStatus();
+  if (*workspace == nullptr) return absl::OkStatus();
+  return lane.workspace.PrepareForLaunch(plan->decode_counter_bytes, lane.stream);
 }
 
 absl::Status CudaStepDevice::Enqueue(Lane& lane, const StepLaunch& l) {

@@ -39,6 +39,10 @@ class CudaStepDevice : public StepDevice {
     // written by the decode kernel straight into that (pinned, mapped) staging, with no copy
     // after it.
     bool output_to_host = true;
+    // Decode launches with KV splits: merged by the split kernel's last CTA of each group, on
+    // counters at the start of the lane's workspace (kernels::cuda::PlanOptions::
+    // decode_fused_combine), not by a combine kernel after it.
+    bool fused_combine = true;
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(
@@ -69,15 +73,21 @@ class CudaStepDevice : public StepDevice {
    public:
     // At least `bytes` (null for none), valid for the lane's launches until the next call.
     absl::StatusOr<char*> Get(DevicePool* pool, cudaStream_t stream, size_t bytes);
+    // For a launch about to use the memory Get returned: its first `counter_bytes` zero (a decode
+    // plan's split counters, which the launch leaves zero), the rest the launch's to write. Sets
+    // them on the stream only where an earlier launch may have written there.
+    absl::Status PrepareForLaunch(size_t counter_bytes, cudaStream_t stream);
     void Release() {
       buffer_.reset();
       capacity_ = 0;
+      zero_prefix_ = 0;
     }
     size_t capacity() const { return capacity_; }
 
    private:
     std::unique_ptr<DeviceBuffer> buffer_;
     size_t capacity_ = 0;
+    size_t zero_prefix_ = 0;  // leading bytes known to be zero once the stream's work is done
   };
   struct Lane {
     cudaStream_t stream = nullptr;
@@ -125,7 +135,7 @@ class CudaStepDevice : public StepDevice {
                           char** workspace);
 
   std::shared_ptr<CudaDeviceState> state_;
-  kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores)
+  kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores, fused_combine)
   bool append_in_kernel_ = true;              // Options::append_in_kernel
   bool output_to_host_ = true;                // Options::output_to_host
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor

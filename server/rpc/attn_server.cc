@@ -81,6 +81,7 @@ absl::StatusOr<Backends> CreateBackends(const ServerOptions& options) {
       so.kv_page_bytes = page_bytes;
       so.append_in_kernel = options.step_append_in_kernel;
       so.output_to_host = options.step_output_to_host;
+      so.fused_combine = options.step_fused_combine;
       auto steps = (*cuda)->CreateStepDevice(so);
       if (steps.ok()) {
         b.steps = std::move(*steps);

@@ -65,6 +65,11 @@ struct Case {
   // > 0: planned with PlanOptions::decode_splits (MakePlan, then Run with the plan), which the plan
   // must take; 0: Run's own plan (Run(args, workspace, stream[, gen])).
   int decode_splits = 0;
+  // With decode_splits > 1: PlanOptions::decode_fused_combine (the split kernel's last CTA of each
+  // group merges). The workspace is poisoned but for its counters, which are zeroed; the case runs
+  // twice (o and lse poisoned again in between), the second launch on the counters the first left,
+  // which must be zero after each.
+  bool fused_combine = false;
   // K/V as FP8 (e4m3) codes with per-(sequence, KV head) scales (kv_dtype); the reference and the
   // CPU backend see the values the codes stand for. Pool rows no key covers hold NaN codes.
   bool fp8_kv = false;
@@ -99,7 +104,8 @@ std::string Describe(const Case& c) {
                   std::to_string(c.window_right) + ") page=" + std::to_string(c.page_size) +
                   (c.share_prefix ? " shared-prefix" : "") +
                   (c.gen == FwdGeneration::kGen2 ? " gen2" : "") + (c.fp8_kv ? " fp8-kv" : "") + (c.fp8_q ? " fp8-q" : "") +
-                  (c.no_workspace ? " no-workspace" : "") + (c.append ? " append" : "") + " seed=" + std::to_string(c.seed) +
+                  (c.no_workspace ? " no-workspace" : "") + (c.append ? " append" : "") +
+                  (c.fused_combine ? " fused-combine" : "") + " seed=" + std::to_string(c.seed) +
                   " lq=[";
   for (int l : c.len_q) s += std::to_string(l) + ",";
   s += "] lk=[";
@@ -420,6 +426,7 @@ void RunAndCheck(Case c) {
   attn::kernels::cuda::PlanOptions options;
   options.generation = c.gen;
   options.decode_splits = c.decode_splits;
+  options.decode_fused_combine = c.fused_combine;
   options.fp8_tensor_cores = c.fp8_tc_plan;
   if (c.fp8_tc_plan) {
     const attn::kernels::Status sn = attn::kernels::cuda::CanImplementFp8TensorCores(a);
@@ -436,6 +443,7 @@ void RunAndCheck(Case c) {
   if (c.decode_splits > 0) {
     ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
     EXPECT_EQ(plan.decode_splits, std::min(c.decode_splits, 64));
+    EXPECT_EQ(plan.decode_fused_combine, c.fused_combine && plan.decode_splits > 1);
   }
   if (c.fp8_native) {
     ASSERT_TRUE(c.fp8_q && ps == 0) << "the FP8 tensor-core kernel takes FP8 q and contiguous K/V";
@@ -453,19 +461,38 @@ void RunAndCheck(Case c) {
   DeviceBuffer dws(ws_bytes);
   ASSERT_TRUE(dws.ptr);
   ASSERT_EQ(cudaMemset(dws.ptr, 0xFF, ws_bytes == 0 ? 1 : ws_bytes), cudaSuccess);
+  if (plan.decode_fused_combine) {
+    ASSERT_GT(plan.decode_counter_bytes, 0u);
+    ASSERT_EQ(cudaMemset(dws.ptr, 0, plan.decode_counter_bytes), cudaSuccess);
+  }
   void* ws = ws_bytes > 0 && !c.no_workspace ? dws.ptr : nullptr;
   if (c.fp8_q && !c.fp8_native) {
     const cudaError_t qerr = attn::kernels::cuda::DequantizeFp8Q(
         a, dq_codes.ptr, static_cast<const float*>(dq_scales.ptr), dq.ptr, nullptr);
     ASSERT_EQ(qerr, cudaSuccess) << cudaGetErrorString(qerr);
   }
-  const cudaError_t err = c.fp8_native ? attn::kernels::cuda::RunFp8Attention(
-                                             a, static_cast<const float*>(dq_scales.ptr), ws, nullptr)
-                          : c.decode_splits > 0 || c.fp8_tc_plan ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
-                          : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
-                                                          : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
-  ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto run = [&] {
+    return c.fp8_native ? attn::kernels::cuda::RunFp8Attention(a, static_cast<const float*>(dq_scales.ptr), ws, nullptr)
+           : c.decode_splits > 0 || c.fp8_tc_plan ? attn::kernels::cuda::Run(a, plan, ws, nullptr)
+           : c.gen == FwdGeneration::kAuto ? attn::kernels::cuda::Run(a, ws, nullptr)
+                                           : attn::kernels::cuda::Run(a, ws, nullptr, c.gen);
+  };
+  const int runs = plan.decode_fused_combine ? 2 : 1;
+  for (int r = 0; r < runs; ++r) {
+    if (r > 0) {
+      ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, nq * es), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dlse.ptr, 0xFF, lse_bytes), cudaSuccess);
+    }
+    const cudaError_t err = run();
+    ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (plan.decode_fused_combine) {
+      std::vector<uint32_t> counters(plan.decode_counter_bytes / sizeof(uint32_t));
+      ASSERT_EQ(cudaMemcpy(counters.data(), dws.ptr, plan.decode_counter_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(std::count(counters.begin(), counters.end(), 0u), std::ptrdiff_t(counters.size()))
+          << "split counters left non-zero after run " << r;
+    }
+  }
 
   HostTensor out = HostTensor::Filled(c.dtype, nq, 0.0f);
   ASSERT_EQ(cudaMemcpy(out.data(), dout.ptr, nq * es, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -648,12 +675,15 @@ TEST_P(GpuFp8Decode, CachesStepsAndSplits) {
   c.len_k = {1000, 77};
   RunAndCheck(c);
   for (int splits : {3, 40}) {
-    c = Base();
-    c.causal = true;
-    c.len_q = {1, 2};
-    c.len_k = {4097, 1000};
-    c.decode_splits = splits;
-    RunAndCheck(c);
+    for (bool fused : {false, true}) {
+      c = Base();
+      c.causal = true;
+      c.len_q = {1, 2};
+      c.len_k = {4097, 1000};
+      c.decode_splits = splits;
+      c.fused_combine = fused;
+      RunAndCheck(c);
+    }
   }
 }
 
@@ -971,6 +1001,38 @@ TEST(GpuDecodeSplits, SplitsForcedByThePlanOptions) {
       c.decode_splits = splits;
       c.seed = NextSeed();
       RunAndCheck(c);
+    }
+  }
+}
+
+// The splits merged by the split kernel's last CTA of each (sequence, KV head, row block)
+// (PlanOptions::decode_fused_combine): every 16-bit head dim compiled, both dtypes, contiguous and
+// paged, one token and multi-token steps of several row blocks, causal and not, empty and short
+// caches (splits with no keys), a window, no LSE, and split counts from 2 to past the cap.
+TEST(GpuDecodeSplits, MergedByTheLastSplit) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kBFloat16, DType::kFloat16}) {
+    for (int d : {32, 64, 96, 128, 256}) {
+      if (!HeadDimCompiled(d)) continue;
+      for (int page : {0, 16}) {
+        for (int splits : {2, 7, 64, 100}) {
+          Case c;
+          c.dtype = t;
+          c.head_dim = d;
+          c.num_heads = 32;
+          c.num_kv_heads = 8;
+          c.page_size = page;
+          c.causal = splits != 2;  // an empty cache (paged) only where no query must see a key
+          c.len_q = {1, 16, 3, 1};
+          c.len_k = {4097, 700, 5, page > 0 && !c.causal ? 0 : 1};
+          c.with_lse = splits != 7;
+          if (splits == 64) c.window_left = 300;
+          c.decode_splits = splits;
+          c.fused_combine = true;
+          c.seed = NextSeed();
+          RunAndCheck(c);
+        }
+      }
     }
   }
 }

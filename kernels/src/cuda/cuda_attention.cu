@@ -153,16 +153,22 @@ bool GetDeviceInfo(DeviceInfo* out) {
   return true;
 }
 
+size_t AlignTo256(size_t n) { return (n + 255) / 256 * 256; }
+
 // The decode kernel's plan for args (max_seqlen_q <= kDecodeMaxSeqlenQ), from host-known values
 // only (batch, heads, max lengths, the SM count): its row blocks and KV splits (DecodeSplits, of
 // the 16-bit or the FP8 kernel's tiles and occupancy), and the workspace the splits need.
-// forced_splits > 0 (PlanOptions::decode_splits) overrides the rule.
-void PlanDecode(const AttentionArgs& a, int forced_splits, Plan* plan) {
+// PlanOptions::decode_splits > 0 overrides the rule; decode_fused_combine puts the split counters
+// at the workspace's start.
+void PlanDecode(const AttentionArgs& a, const PlanOptions& options, Plan* plan) {
+  const int forced_splits = options.decode_splits;
   plan->kernel = Plan::Kernel::kDecode;
   const int group = a.num_heads / a.num_kv_heads;
   plan->decode_m_blocks =
       static_cast<int>((int64_t(a.max_seqlen_q) * group + kDecodeRows - 1) / kDecodeRows);
   plan->decode_splits = 1;
+  plan->decode_fused_combine = false;
+  plan->decode_counter_bytes = 0;
   plan->workspace_bytes = 0;
   DeviceInfo info;
   if (!GetDeviceInfo(&info)) return;  // Run reports the device error at launch
@@ -183,7 +189,13 @@ void PlanDecode(const AttentionArgs& a, int forced_splits, Plan* plan) {
   plan->decode_splits = splits;
   if (splits > 1) {
     const size_t rows = size_t(a.total_q) * a.num_heads;
-    plan->workspace_bytes = size_t(splits) * rows * (size_t(a.head_dim) + 1) * sizeof(float);
+    if (options.decode_fused_combine) {
+      plan->decode_fused_combine = true;
+      const size_t groups = size_t(a.batch) * a.num_kv_heads * plan->decode_m_blocks;
+      plan->decode_counter_bytes = AlignTo256(groups * sizeof(uint32_t));
+    }
+    plan->workspace_bytes = plan->decode_counter_bytes +
+                            size_t(splits) * rows * (size_t(a.head_dim) + 1) * sizeof(float);
   }
 }
 
@@ -196,7 +208,9 @@ DecodeParams MakeDecodeParams(const AttentionArgs& a, const Plan& plan, void* wo
   p.num_splits = plan.decode_splits;
   if (plan.decode_splits > 1) {
     const size_t rows = size_t(a.total_q) * a.num_heads;
-    p.part_o = static_cast<float*>(workspace);
+    char* ws = static_cast<char*>(workspace);
+    if (plan.decode_fused_combine) p.split_counters = reinterpret_cast<uint32_t*>(ws);
+    p.part_o = reinterpret_cast<float*>(ws + plan.decode_counter_bytes);
     p.part_lse = p.part_o + size_t(plan.decode_splits) * rows * a.head_dim;
   }
   p.pdl = plan.decode_pdl;
@@ -344,8 +358,6 @@ cudaError_t RunDecodeTyped(const DecodeParams& p, int head_dim, bool paged, cuda
 struct Fp8Workspace {
   size_t offsets = 0, k = 0, v = 0, bytes = 0;
 };
-
-size_t AlignTo256(size_t n) { return (n + 255) / 256 * 256; }
 
 int64_t Fp8KvRows(const AttentionArgs& a) {
   return IsPaged(a) ? int64_t(a.batch) * a.max_seqlen_k : a.total_k;
@@ -534,7 +546,7 @@ Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* pla
   Plan p;
   p.paged = IsPaged(args);
   if (options.generation == FwdGeneration::kAuto && args.max_seqlen_q <= kDecodeMaxSeqlenQ) {
-    PlanDecode(args, options.decode_splits, &p);
+    PlanDecode(args, options, &p);
     *plan = p;
     return Status::Ok();
   }

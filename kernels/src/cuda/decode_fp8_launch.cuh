@@ -18,7 +18,7 @@ cudaError_t RunDecodeFp8(const DecodeParams& p, bool paged, cudaStream_t stream)
   const cudaError_t err =
       paged ? decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, true>>(p, stream)
             : decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, false>>(p, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return err;
   return decode::LaunchCombine<T, D>(p, stream);
 }
 

@@ -10,7 +10,9 @@
 //    the 16 rows with S = Q K^T and O += P V on mma.sync m16n8k16 (fp32 accumulation).
 //  - At the end the warps merge through shared memory (the ring's space) by their row maxima.
 //    With one split the CTA writes O and LSE; with several it writes a normalised fp32 partial O
-//    and its LSE (log2 units) to the workspace, and DecodeCombineKernel merges the splits.
+//    and its LSE (log2 units) to the workspace, and the splits are merged by LSE: by the last CTA
+//    of each (sequence, KV head, row block) to finish where the caller keeps zeroed counters
+//    (p.split_counters), else by DecodeCombineKernel (decode_combine.cuh).
 //  - Token rows are addressed through a per-tile row index that lane r computes for key r of the
 //    tile (contiguous: k_start + j; paged: page * page_size + j % page_size), shuffled to the
 //    lanes that copy that row. For paged K/V the page number of the next tile is loaded one
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "decode_combine.cuh"
 #include "decode_params.h"
 #include "ptx.cuh"
 #include "ptx_decode.cuh"
@@ -435,120 +438,47 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const bool any = l > 0.0f;
   const float inv = any ? 1.0f / l : 0.0f;
   const int pr = m0 + r;
-  if (pr > m_last) return;
-  const int i = pr / G;
-  const int h = hk * G + (pr - i * G);
-  const int t = q_start + i;
-  const float lse2 = any ? mx + __log2f(l) : -INFINITY;
-  if (p.num_splits == 1) {
-    T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
+  if (pr <= m_last) {
+    const int i = pr / G;
+    const int h = hk * G + (pr - i * G);
+    const int t = q_start + i;
+    const float lse2 = any ? mx + __log2f(l) : -INFINITY;
+    if (p.num_splits == 1) {
+      T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
 #pragma unroll
-    for (int c = 0; c < kCols; c += 2) {
-      float v0 = 0.0f, v1 = 0.0f;
+      for (int c = 0; c < kCols; c += 2) {
+        float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-        v0 += a[w] * x.x;
-        v1 += a[w] * x.y;
+        for (int w = 0; w < NW; ++w) {
+          const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+          v0 += a[w] * x.x;
+          v1 += a[w] * x.y;
+        }
+        *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
       }
-      *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
-    }
-    if (p.lse != nullptr && (tid % kTPR) == 0) {
-      p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
-    }
-  } else {
-    const int64_t row = int64_t(t) * p.num_heads + h;
-    const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
-    float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
-#pragma unroll
-    for (int c = 0; c < kCols; c += 2) {
-      float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-        v0 += a[w] * x.x;
-        v1 += a[w] * x.y;
+      if (p.lse != nullptr && (tid % kTPR) == 0) {
+        p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
       }
-      *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
-    }
-    if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
-  }
-}
-
-// Merges the num_splits partial results of each (token, head) row by their LSE: one CTA of
-// kCombineWarps warps per row, warp w summing splits w, w + kCombineWarps, ... with the loads of
-// several splits in flight at once (a one-warp loop over the splits waited for each partial in
-// turn), then the warps' sums through shared memory.
-constexpr int kCombineWarps = 4;
-
-template <typename T, int D>
-__global__ void __launch_bounds__(32 * kCombineWarps) DecodeCombineKernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kVecs = D / 4;                   // float4 columns of a row
-  constexpr int kPerLane = (kVecs + 31) / 32;    // of them per lane
-  __shared__ float4 red[kCombineWarps][kVecs];
-  // With programmatic dependent launch this grid may start before the split kernel has finished.
-  ptx::GridDependencyWait();
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
-  const int64_t row = blockIdx.x;
-  const int ns = p.num_splits;
-  const float l0 = lane < ns ? p.part_lse[int64_t(lane) * rows_all + row] : -INFINITY;
-  const float l1 = lane + 32 < ns ? p.part_lse[int64_t(lane + 32) * rows_all + row] : -INFINITY;
-  float mx = fmaxf(l0, l1);
+    } else {
+      const int64_t row = int64_t(t) * p.num_heads + h;
+      const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
+      float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const float w0 = (mx == -INFINITY || l0 == -INFINITY) ? 0.0f : exp2f(l0 - mx);
-  const float w1 = (mx == -INFINITY || l1 == -INFINITY) ? 0.0f : exp2f(l1 - mx);
-  float sum = w0 + w1;
+      for (int c = 0; c < kCols; c += 2) {
+        float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  float4 acc[kPerLane];
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  // Every split's partial is written (an empty split's is 0 with LSE -inf, weight 0), so each is
-  // read unconditionally: no branch between the loads of consecutive splits.
-#pragma unroll 4
-  for (int s = warp; s < ns; s += kCombineWarps) {
-    const float w = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31) * inv;
-    const float4* po = reinterpret_cast<const float4*>(p.part_o + (int64_t(s) * rows_all + row) * D);
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int c = lane + 32 * j;
-      if (c < kVecs) {
-        const float4 x = po[c];
-        acc[j].x += w * x.x;
-        acc[j].y += w * x.y;
-        acc[j].z += w * x.z;
-        acc[j].w += w * x.w;
+        for (int w = 0; w < NW; ++w) {
+          const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+          v0 += a[w] * x.x;
+          v1 += a[w] * x.y;
+        }
+        *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
       }
+      if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
     }
   }
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const int c = lane + 32 * j;
-    if (c < kVecs) red[warp][c] = acc[j];
-  }
-  __syncthreads();
-  const int64_t t = row / p.num_heads;
-  const int h = static_cast<int>(row - t * p.num_heads);
-  T* go = reinterpret_cast<T*>(p.o) + t * p.o_row_stride + int64_t(h) * D;
-  for (int c = threadIdx.x; c < kVecs; c += 32 * kCombineWarps) {
-    float4 v = red[0][c];
-#pragma unroll
-    for (int w = 1; w < kCombineWarps; ++w) {
-      v.x += red[w][c].x;
-      v.y += red[w][c].y;
-      v.z += red[w][c].z;
-      v.w += red[w][c].w;
-    }
-    // Two 4-byte stores: o rows need only the 4-byte alignment the split kernel's stores need.
-    *reinterpret_cast<uint32_t*>(go + 4 * c) = ptx::Pack2<T>(v.x, v.y);
-    *reinterpret_cast<uint32_t*>(go + 4 * c + 2) = ptx::Pack2<T>(v.z, v.w);
-  }
-  if (p.lse != nullptr && threadIdx.x == 0) {
-    p.lse[int64_t(h) * p.total_q + t] = sum > 0.0f ? (mx + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+  if (p.num_splits > 1 && p.split_counters != nullptr) {
+    MergeIfLastSplit<T, D, Tr::kThreads>(p, b, hk, mb, m0, m_last, q_start);
   }
 }
 

@@ -25,8 +25,9 @@ cudaError_t LaunchSplit(const DecodeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The combine of num_splits > 1 partials: one CTA per (token, head) row, a programmatic dependent
-// of the split kernel where p.pdl (the split kernel lets it launch early, GridDependency*).
+// The combine of num_splits > 1 partials where the split kernel does not merge them itself
+// (p.split_counters null): one CTA per (token, head) row, a programmatic dependent of the split
+// kernel where p.pdl (the split kernel lets it launch early, GridDependency*).
 template <typename T, int D>
 cudaError_t LaunchCombine(const DecodeParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.total_q) * p.num_heads;
@@ -52,7 +53,7 @@ cudaError_t RunDecode(const DecodeParams& p, bool paged, cudaStream_t stream) {
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
   const cudaError_t err = paged ? decode::LaunchSplit<Tr, &decode::DecodeKernel<Tr, true>>(p, stream)
                                 : decode::LaunchSplit<Tr, &decode::DecodeKernel<Tr, false>>(p, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return err;
   return decode::LaunchCombine<T, D>(p, stream);
 }
 

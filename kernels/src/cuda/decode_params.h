@@ -73,6 +73,11 @@ struct DecodeParams : AttentionParams {
   //   part_lse [num_splits, total_q * num_heads]
   float* part_o = nullptr;
   float* part_lse = nullptr;
+  // With splits, non-null: one word per (sequence, KV head, row block), zero at launch. Each CTA
+  // counts itself in after writing its partial; the group's last CTA merges the group's partials
+  // into o and lse and sets the word back to zero, so no combine kernel runs and the words are
+  // zero again for the next launch on the stream. Null: the combine kernel merges.
+  uint32_t* split_counters = nullptr;
 
   // Host only: launch the combine kernel as a programmatic dependent of the split kernel (sm_90+),
   // so that its launch overlaps the split kernel's work.

@@ -7,7 +7,8 @@
 //    tiles), so each K/V byte is read once per group; where the batch leaves SMs idle the keys of
 //    each sequence are split over enough CTAs to fill every CTA slot of the GPU (batch-1 decode
 //    included), and a combine kernel, launched as a programmatic dependent (sm_90), merges the
-//    splits by their LSE. The fp32 partials live in the caller's workspace
+//    splits by their LSE (or, with PlanOptions::decode_fused_combine, the last CTA of each group
+//    of splits does). The fp32 partials live in the caller's workspace
 //    (Plan::workspace_bytes). FP8 K/V (AttentionArgs::kv_dtype float8_e4m3, head dims 64, 128 and
 //    256) runs a kernel of the same structure that converts the e4m3 codes to fp16 in registers
 //    (the k scale folded into the softmax scale, the v scale into the normalisation).
@@ -56,6 +57,10 @@ enum class FwdGeneration : uint8_t { kAuto = 0, kGen1 = 1, kGen2 = 2 };
 struct PlanOptions {
   FwdGeneration generation = FwdGeneration::kAuto;
   int decode_splits = 0;  // decode kernels: > 0 forces that many KV splits (at most 64)
+  // Decode kernels with splits: the split kernel's last CTA of each (sequence, KV head, row block)
+  // merges the splits, on counters at the workspace's start that the caller keeps zeroed
+  // (Plan::decode_counter_bytes), instead of a combine kernel launched after it: one launch less.
+  bool decode_fused_combine = false;
   // Generation 2:
   int gen2_tiling = 0;          // 0 its estimate; 1 wide; 2 narrow; 3 narrow for causal <= 1k queries
   int gen2_row_cut = -1;        // -1 its rule; 0 plain, 1 narrow tail, 2 short head (3-warpgroup tilings)
@@ -91,6 +96,12 @@ struct Plan {
   int decode_m_blocks = 1;
   int decode_splits = 1;
   bool decode_pdl = false;
+  // PlanOptions::decode_fused_combine where the plan splits: the workspace's first
+  // decode_counter_bytes are counters that must be zero when Run is called, and Run's launch
+  // leaves them zero when it completes. A workspace kept for one stream's launches is zeroed once,
+  // when it is allocated.
+  bool decode_fused_combine = false;
+  size_t decode_counter_bytes = 0;
   // Generation 2: the tiling, the row cut, L2 groups and phases of the cost order, tiles from the
   // workspace's counter, O through TMA stores, and the SM count of the persistent grid.
   bool gen2_narrow = false;
