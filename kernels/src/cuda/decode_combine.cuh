@@ -22,16 +22,19 @@ namespace decode {
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // One row's split weights in a warp: lane l holds those of splits l and l + 32 (kDecodeMaxSplits
-// is 64), already divided by their sum; zero for an empty split or an empty row.
+// is 64); zero for an empty split or an empty row.
 struct SplitWeights {
   float w0 = 0.0f;
   float w1 = 0.0f;
+  float inv = 0.0f;      // 1 / sum, or 0 for an empty row
   float mx = -INFINITY;  // the largest LSE, log2 units
-  float sum = 0.0f;      // the weights' sum before the division
+  float sum = 0.0f;
 };
 
-// Every lane of the warp calls it. The LSE are read through L2 (__ldcg): in the split kernel they
-// were written by other CTAs.
+// Every lane of the warp calls it. The partials are read through L2 (__ldcg): other CTAs of the
+// running grid wrote them, and a line this SM's L1 holds from another group's merge may be older
+// than their writes. (The combine kernel below runs after the split kernel and reads them plainly;
+// its code is kept as it was measured.)
 __device__ __forceinline__ SplitWeights LoadSplitWeights(const DecodeParams& p, int64_t row, int lane) {
   const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
   const int ns = p.num_splits;
@@ -41,22 +44,20 @@ __device__ __forceinline__ SplitWeights LoadSplitWeights(const DecodeParams& p, 
   float mx = fmaxf(l0, l1);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
-  const float w0 = (mx == -INFINITY || l0 == -INFINITY) ? 0.0f : exp2f(l0 - mx);
-  const float w1 = (mx == -INFINITY || l1 == -INFINITY) ? 0.0f : exp2f(l1 - mx);
-  float sum = w0 + w1;
+  sw.w0 = (mx == -INFINITY || l0 == -INFINITY) ? 0.0f : exp2f(l0 - mx);
+  sw.w1 = (mx == -INFINITY || l1 == -INFINITY) ? 0.0f : exp2f(l1 - mx);
+  float sum = sw.w0 + sw.w1;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  sw.w0 = w0 * inv;
-  sw.w1 = w1 * inv;
+  sw.inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   sw.mx = mx;
   sw.sum = sum;
   return sw;
 }
 
-// Split s's weight, from the lane that holds it (s is the same in every lane).
+// Split s's normalised weight, from the lane that holds it (s is the same in every lane).
 __device__ __forceinline__ float SplitWeight(const SplitWeights& sw, int s) {
-  return __shfl_sync(kFullMask, s < 32 ? sw.w0 : sw.w1, s & 31);
+  return __shfl_sync(kFullMask, s < 32 ? sw.w0 : sw.w1, s & 31) * sw.inv;
 }
 
 // Where a merged row goes: o's row of token t = row / num_heads, head h = row % num_heads.
@@ -147,9 +148,10 @@ __device__ __forceinline__ void MergeIfLastSplit(const DecodeParams& p, int b, i
   }
 }
 
-// The combine kernel: one CTA of kCombineWarps warps per (token, head) row, warp w summing splits
-// w, w + kCombineWarps, ... (several splits' loads in flight in each warp), then the warps' sums
-// through shared memory.
+// Merges the num_splits partial results of each (token, head) row by their LSE: one CTA of
+// kCombineWarps warps per row, warp w summing splits w, w + kCombineWarps, ... with the loads of
+// several splits in flight at once (a one-warp loop over the splits waited for each partial in
+// turn), then the warps' sums through shared memory.
 constexpr int kCombineWarps = 4;
 
 template <typename T, int D>
@@ -163,15 +165,26 @@ __global__ void __launch_bounds__(32 * kCombineWarps) DecodeCombineKernel(const 
   const int warp = threadIdx.x >> 5;
   const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
   const int64_t row = blockIdx.x;
-  const SplitWeights sw = LoadSplitWeights(p, row, lane);
+  const int ns = p.num_splits;
+  const float l0 = lane < ns ? p.part_lse[int64_t(lane) * rows_all + row] : -INFINITY;
+  const float l1 = lane + 32 < ns ? p.part_lse[int64_t(lane + 32) * rows_all + row] : -INFINITY;
+  float mx = fmaxf(l0, l1);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float w0 = (mx == -INFINITY || l0 == -INFINITY) ? 0.0f : exp2f(l0 - mx);
+  const float w1 = (mx == -INFINITY || l1 == -INFINITY) ? 0.0f : exp2f(l1 - mx);
+  float sum = w0 + w1;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   float4 acc[kPerLane];
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   // Every split's partial is written (an empty split's is 0 with LSE -inf, weight 0), so each is
   // read unconditionally: no branch between the loads of consecutive splits.
 #pragma unroll 4
-  for (int s = warp; s < p.num_splits; s += kCombineWarps) {
-    const float w = SplitWeight(sw, s);
+  for (int s = warp; s < ns; s += kCombineWarps) {
+    const float w = __shfl_sync(0xffffffffu, s < 32 ? w0 : w1, s & 31) * inv;
     const float4* po = reinterpret_cast<const float4*>(p.part_o + (int64_t(s) * rows_all + row) * D);
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
@@ -191,7 +204,9 @@ __global__ void __launch_bounds__(32 * kCombineWarps) DecodeCombineKernel(const 
     if (c < kVecs) red[warp][c] = acc[j];
   }
   __syncthreads();
-  T* out = MergedRowOut<T, D>(p, row);
+  const int64_t t = row / p.num_heads;
+  const int h = static_cast<int>(row - t * p.num_heads);
+  T* go = reinterpret_cast<T*>(p.o) + t * p.o_row_stride + int64_t(h) * D;
   for (int c = threadIdx.x; c < kVecs; c += 32 * kCombineWarps) {
     float4 v = red[0][c];
 #pragma unroll
@@ -201,9 +216,13 @@ __global__ void __launch_bounds__(32 * kCombineWarps) DecodeCombineKernel(const 
       v.z += red[w][c].z;
       v.w += red[w][c].w;
     }
-    StoreMerged4(out, c, v);
+    // Two 4-byte stores: o rows need only the 4-byte alignment the split kernel's stores need.
+    *reinterpret_cast<uint32_t*>(go + 4 * c) = ptx::Pack2<T>(v.x, v.y);
+    *reinterpret_cast<uint32_t*>(go + 4 * c + 2) = ptx::Pack2<T>(v.z, v.w);
   }
-  if (threadIdx.x == 0) StoreMergedLse(p, row, sw);
+  if (p.lse != nullptr && threadIdx.x == 0) {
+    p.lse[int64_t(h) * p.total_q + t] = sum > 0.0f ? (mx + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+  }
 }
 
 }  // namespace decode

@@ -87,7 +87,7 @@ __device__ __forceinline__ void QuadToFloat(uint2 w, float (&f)[4]) {
   }
 }
 
-template <typename Tr, bool kPaged>
+template <typename Tr, bool kPaged, bool kLastSplitMerges>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     DecodeFp8Kernel(const __grid_constant__ DecodeParams p) {
   using T = typename Tr::T;
@@ -465,6 +465,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const bool any = l > 0.0f;
   const float inv = any ? v_scale / l : 0.0f;  // the v scale with the normalisation
   const int pr = m0 + r;
+  if constexpr (!kLastSplitMerges) {
+    if (pr > m_last) return;
+  }
   if (pr <= m_last) {
     const int i = pr / G;
     const int h = hk * G + (pr - i * G);
@@ -504,7 +507,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
       if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
     }
   }
-  if (p.num_splits > 1 && p.split_counters != nullptr) {
+  if constexpr (kLastSplitMerges) {
     MergeIfLastSplit<T, D, Tr::kThreads>(p, b, hk, mb, m0, m_last, q_start);
   }
 }

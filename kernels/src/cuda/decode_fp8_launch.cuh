@@ -10,16 +10,18 @@
 
 namespace attn::kernels::cuda {
 
+namespace decode {
+template <typename Tr, bool kPaged, bool kMerges>
+struct DecodeFp8KernelOf {
+  static constexpr auto kFn = &DecodeFp8Kernel<Tr, kPaged, kMerges>;
+};
+}  // namespace decode
+
 template <typename T, int D>
 cudaError_t RunDecodeFp8(const DecodeParams& p, bool paged, cudaStream_t stream) {
-  using Tr = decode::DecodeFp8Traits<D, T>;
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
   if (p.k_descale == nullptr || p.v_descale == nullptr) return cudaErrorInvalidValue;
-  const cudaError_t err =
-      paged ? decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, true>>(p, stream)
-            : decode::LaunchSplit<Tr, &decode::DecodeFp8Kernel<Tr, false>>(p, stream);
-  if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return err;
-  return decode::LaunchCombine<T, D>(p, stream);
+  return decode::LaunchSplitAndMerge<decode::DecodeFp8Traits<D, T>, decode::DecodeFp8KernelOf>(p, paged, stream);
 }
 
 }  // namespace attn::kernels::cuda

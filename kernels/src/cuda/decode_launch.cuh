@@ -47,14 +47,37 @@ cudaError_t LaunchCombine(const DecodeParams& p, cudaStream_t stream) {
 }
 }  // namespace decode
 
+namespace decode {
+// The split kernel Kernel<Tr, paged, merges> of the launch p asks for: the splits merged by the
+// last CTA of each group where p has splits and counters (DecodeParams::split_counters), else by
+// the combine kernel after it (launched here too). The instantiations without the merge compile
+// the split kernel as it was before the merge existed.
+template <typename Tr, template <typename, bool, bool> class Kernel>
+cudaError_t LaunchSplitAndMerge(const DecodeParams& p, bool paged, cudaStream_t stream) {
+  using T = typename Tr::T;
+  const bool merges = p.num_splits > 1 && p.split_counters != nullptr;
+  cudaError_t err;
+  if (merges) {
+    err = paged ? LaunchSplit<Tr, Kernel<Tr, true, true>::kFn>(p, stream)
+                : LaunchSplit<Tr, Kernel<Tr, false, true>::kFn>(p, stream);
+  } else {
+    err = paged ? LaunchSplit<Tr, Kernel<Tr, true, false>::kFn>(p, stream)
+                : LaunchSplit<Tr, Kernel<Tr, false, false>::kFn>(p, stream);
+  }
+  if (err != cudaSuccess || p.num_splits == 1 || merges) return err;
+  return LaunchCombine<T, Tr::kHeadDim>(p, stream);
+}
+
+template <typename Tr, bool kPaged, bool kMerges>
+struct DecodeKernelOf {
+  static constexpr auto kFn = &DecodeKernel<Tr, kPaged, kMerges>;
+};
+}  // namespace decode
+
 template <typename T, int D>
 cudaError_t RunDecode(const DecodeParams& p, bool paged, cudaStream_t stream) {
-  using Tr = decode::DecodeTraits<D, T>;
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  const cudaError_t err = paged ? decode::LaunchSplit<Tr, &decode::DecodeKernel<Tr, true>>(p, stream)
-                                : decode::LaunchSplit<Tr, &decode::DecodeKernel<Tr, false>>(p, stream);
-  if (err != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return err;
-  return decode::LaunchCombine<T, D>(p, stream);
+  return decode::LaunchSplitAndMerge<decode::DecodeTraits<D, T>, decode::DecodeKernelOf>(p, paged, stream);
 }
 
 }  // namespace attn::kernels::cuda
