@@ -190,6 +190,28 @@ TEST_F(CudaSessionTest, Fp8CacheRandomInterleavingsMatchTheReference) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
+// Random interleavings with the decode launches' KV splits merged by the split kernel's last CTA
+// (--step_fused_combine): the lanes keep the counters zero across launches of every kind (prefill
+// chunks on the forward kernel write the same workspace), so each answer must match throughout.
+TEST_F(CudaSessionTest, SplitsMergedInTheSplitKernelMatchTheReference) {
+  ServerOptions so = Options();
+  so.step_fused_combine = true;
+  ASSERT_NO_FATAL_FAILURE(Start(so));
+  const int64_t total = FreePages();
+  const std::vector<SessionSpec> specs = {
+      {3, 8, 2, 128, v1::DTYPE_BFLOAT16},
+      {2, 8, 4, 64, v1::DTYPE_FLOAT16},
+      Fp8({1, 32, 8, 128, v1::DTYPE_BFLOAT16}, rng_),  // the FP8 decode kernel's merge
+  };
+  if (const std::string why = UnservedHeadDim(specs); !why.empty()) GTEST_SKIP() << why;
+  testing::WorkloadOptions o = GpuTolerances();
+  o.lse_tolerance = 4e-2;
+  o.ops = 250;
+  o.chunks = {1, 1, 1, 1, 2, 5, 16, 17, 40, 100};
+  std::printf("%s\n", testing::RunRandomSessionWorkload(stub_, specs, o, rng_).c_str());
+  EXPECT_EQ(FreePages(), total) << "pages leaked";
+}
+
 // An FP8 cache prefilled by one step of 600 new tokens (the forward path over the converted
 // cache), then decoded (the FP8 decode kernel) and extended by chunks around the decode kernel's
 // 16 queries, every answer against the float64 reference over the dequantized cache; new tokens
