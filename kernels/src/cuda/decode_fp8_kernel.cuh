@@ -472,40 +472,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const int i = pr / G;
     const int h = hk * G + (pr - i * G);
     const int t = q_start + i;
-    const float lse2 = any ? mx + __log2f(l) : -INFINITY;
-    if (p.num_splits == 1) {
-      T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
-#pragma unroll
-      for (int c = 0; c < kCols; c += 2) {
-        float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-          const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-          v0 += a[w] * x.x;
-          v1 += a[w] * x.y;
-        }
-        *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
-      }
-      if (p.lse != nullptr && (tid % kTPR) == 0) {
-        p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
-      }
-    } else {
-      const int64_t row = int64_t(t) * p.num_heads + h;
-      const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
-      float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
-#pragma unroll
-      for (int c = 0; c < kCols; c += 2) {
-        float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-          const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-          v0 += a[w] * x.x;
-          v1 += a[w] * x.y;
-        }
-        *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
-      }
-      if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
-    }
+    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, split, h, t);
   }
   if constexpr (kLastSplitMerges) {
     MergeIfLastSplit<T, D, Tr::kThreads>(p, b, hk, mb, m0, m_last, q_start);

@@ -112,6 +112,56 @@ __device__ __forceinline__ void AppendRows(const DecodeParams& p, const typename
   }
 }
 
+// Row r of the CTA's 16, its warps' sums in sO weighted by a and normalised by inv (any: the row
+// saw a key; mx and l: its largest score and sum, log2 units): o and LSE (natural log) with one
+// split, else this split's partial and LSE (log2), for (token t, head h). kTPR threads per row,
+// from column col0.
+template <typename Tr>
+__device__ __forceinline__ void StoreWarpsMerged(const DecodeParams& p, const float* sO, const float (&a)[Tr::kWarps],
+                                                 float inv, bool any, float mx, float l, int r, int col0,
+                                                 int split, int h, int t) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::kHeadDim;
+  constexpr int NW = Tr::kWarps;
+  constexpr int kTPR = Tr::kThreads / Tr::kRows;
+  constexpr int kCols = D / kTPR;
+  const int tid = threadIdx.x;
+  const float lse2 = any ? mx + __log2f(l) : -INFINITY;
+  if (p.num_splits == 1) {
+    T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+        v0 += a[w] * x.x;
+        v1 += a[w] * x.y;
+      }
+      *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
+    }
+    if (p.lse != nullptr && (tid % kTPR) == 0) {
+      p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
+    }
+  } else {
+    const int64_t row = int64_t(t) * p.num_heads + h;
+    const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
+    float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
+        v0 += a[w] * x.x;
+        v1 += a[w] * x.y;
+      }
+      *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
+    }
+    if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
+  }
+}
+
 template <typename Tr, bool kPaged, bool kLastSplitMerges>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     DecodeKernel(const __grid_constant__ DecodeParams p) {
@@ -445,40 +495,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const int i = pr / G;
     const int h = hk * G + (pr - i * G);
     const int t = q_start + i;
-    const float lse2 = any ? mx + __log2f(l) : -INFINITY;
-    if (p.num_splits == 1) {
-      T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
-#pragma unroll
-      for (int c = 0; c < kCols; c += 2) {
-        float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-          const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-          v0 += a[w] * x.x;
-          v1 += a[w] * x.y;
-        }
-        *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
-      }
-      if (p.lse != nullptr && (tid % kTPR) == 0) {
-        p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
-      }
-    } else {
-      const int64_t row = int64_t(t) * p.num_heads + h;
-      const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
-      float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
-#pragma unroll
-      for (int c = 0; c < kCols; c += 2) {
-        float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-          const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-          v0 += a[w] * x.x;
-          v1 += a[w] * x.y;
-        }
-        *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
-      }
-      if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
-    }
+    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, split, h, t);
   }
   if constexpr (kLastSplitMerges) {
     MergeIfLastSplit<T, D, Tr::kThreads>(p, b, hk, mb, m0, m_last, q_start);
