@@ -281,8 +281,8 @@ size_t attn_workspace_bytes(int dtype, int batch, int total_q, int total_k, int 
 }
 
 // Sets one plan option of every later run (attn::kernels::cuda::PlanOptions) by name: decode_splits,
-// decode_fused_combine, tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o, fp8_tensor_cores; "reset"
-// restores the defaults.
+// decode_fused_combine, tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o,
+// fp8_tensor_cores; "reset" restores the defaults.
 // Returns 0, or -1 for an unknown name.
 int attn_set_plan_option(const char* name, int value) {
   const std::string n = name;

@@ -228,9 +228,11 @@ absl::StatusOr<char*> CudaStepDevice::LaneMemory::Get(DevicePool* pool, cudaStre
   return buffer_->get();
 }
 
-absl::Status CudaStepDevice::LaneMemory::PrepareForLaunch(size_t counter_bytes, cudaStream_t stream) {
+absl::Status CudaStepDevice::LaneMemory::PrepareForLaunch(size_t counter_bytes,
+                                                          cudaStream_t stream) {
   if (counter_bytes > zero_prefix_) {
-    RETURN_IF_CUDA_ERROR("workspace counters", cudaMemsetAsync(buffer_->get(), 0, counter_bytes, stream));
+    RETURN_IF_CUDA_ERROR("workspace counters",
+                         cudaMemsetAsync(buffer_->get(), 0, counter_bytes, stream));
   }
   zero_prefix_ = counter_bytes;  // the launch may write anywhere past them
   return absl::OkStatus();

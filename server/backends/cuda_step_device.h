@@ -135,7 +135,8 @@ class CudaStepDevice : public StepDevice {
                           char** workspace);
 
   std::shared_ptr<CudaDeviceState> state_;
-  kernels::cuda::PlanOptions plan_options_;  // every launch's (Options::fp8_tensor_cores, fused_combine)
+  // Every launch's (Options::fp8_tensor_cores, fused_combine).
+  kernels::cuda::PlanOptions plan_options_;
   bool append_in_kernel_ = true;              // Options::append_in_kernel
   bool output_to_host_ = true;                // Options::output_to_host
   KvRegion kv_;  // cudaMalloc'ed by AllocateKvRegion, freed by the destructor

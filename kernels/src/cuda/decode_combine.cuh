@@ -81,7 +81,8 @@ __device__ __forceinline__ void StoreMergedLse(const DecodeParams& p, int64_t ro
   if (p.lse == nullptr) return;
   const int64_t t = row / p.num_heads;
   const int h = static_cast<int>(row - t * p.num_heads);
-  p.lse[int64_t(h) * p.total_q + t] = sw.sum > 0.0f ? (sw.mx + __log2f(sw.sum)) * 0.6931471805599453f : -INFINITY;
+  p.lse[int64_t(h) * p.total_q + t] =
+      sw.sum > 0.0f ? (sw.mx + __log2f(sw.sum)) * 0.6931471805599453f : -INFINITY;
 }
 
 // One row merged by one warp: every lane keeps its float4 columns of the sum over the splits,

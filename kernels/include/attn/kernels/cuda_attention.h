@@ -98,8 +98,8 @@ struct Plan {
   bool decode_pdl = false;
   // PlanOptions::decode_fused_combine where the plan splits: the workspace's first
   // decode_counter_bytes are counters that must be zero when Run is called, and Run's launch
-  // leaves them zero when it completes. A workspace kept for one stream's launches is zeroed once,
-  // when it is allocated.
+  // leaves them zero when it completes: a workspace kept for one stream's launches needs zeroing
+  // only when it is allocated and after a launch of another plan that wrote there.
   bool decode_fused_combine = false;
   size_t decode_counter_bytes = 0;
   // Generation 2: the tiling, the row cut, L2 groups and phases of the cost order, tiles from the
