@@ -21,7 +21,8 @@ template <typename T, int D>
 cudaError_t RunDecodeFp8(const DecodeParams& p, bool paged, cudaStream_t stream) {
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
   if (p.k_descale == nullptr || p.v_descale == nullptr) return cudaErrorInvalidValue;
-  return decode::LaunchSplitAndMerge<decode::DecodeFp8Traits<D, T>, decode::DecodeFp8KernelOf>(p, paged, stream);
+  return decode::LaunchSplitAndMerge<decode::DecodeFp8Traits<D, T>, decode::DecodeFp8KernelOf>(
+      p, paged, stream);
 }
 
 }  // namespace attn::kernels::cuda

@@ -45,13 +45,11 @@ cudaError_t LaunchCombine(const DecodeParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
-}  // namespace decode
 
-namespace decode {
-// The split kernel Kernel<Tr, paged, merges> of the launch p asks for: the splits merged by the
-// last CTA of each group where p has splits and counters (DecodeParams::split_counters), else by
-// the combine kernel after it (launched here too). The instantiations without the merge compile
-// the split kernel as it was before the merge existed.
+// The split kernel Kernel<Tr, paged, merges>::kFn of the launch p asks for: the splits merged by
+// the last CTA of each group where p has splits and counters (DecodeParams::split_counters), else
+// by the combine kernel after it (launched here too). The instantiations without the merge hold no
+// code of it.
 template <typename Tr, template <typename, bool, bool> class Kernel>
 cudaError_t LaunchSplitAndMerge(const DecodeParams& p, bool paged, cudaStream_t stream) {
   using T = typename Tr::T;
@@ -77,7 +75,8 @@ struct DecodeKernelOf {
 template <typename T, int D>
 cudaError_t RunDecode(const DecodeParams& p, bool paged, cudaStream_t stream) {
   if (p.batch == 0 || p.m_blocks == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  return decode::LaunchSplitAndMerge<decode::DecodeTraits<D, T>, decode::DecodeKernelOf>(p, paged, stream);
+  return decode::LaunchSplitAndMerge<decode::DecodeTraits<D, T>, decode::DecodeKernelOf>(p, paged,
+                                                                                         stream);
 }
 
 }  // namespace attn::kernels::cuda
