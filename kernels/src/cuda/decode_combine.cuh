@@ -60,14 +60,6 @@ __device__ __forceinline__ float SplitWeight(const SplitWeights& sw, int s) {
   return __shfl_sync(kFullMask, s < 32 ? sw.w0 : sw.w1, s & 31) * sw.inv;
 }
 
-// Where a merged row goes: o's row of token t = row / num_heads, head h = row % num_heads.
-template <typename T, int D>
-__device__ __forceinline__ T* MergedRowOut(const DecodeParams& p, int64_t row) {
-  const int64_t t = row / p.num_heads;
-  const int h = static_cast<int>(row - t * p.num_heads);
-  return reinterpret_cast<T*>(p.o) + t * p.o_row_stride + int64_t(h) * D;
-}
-
 // Columns 4c .. 4c + 3 of a merged row, as two 4-byte stores: o rows need only the 4-byte alignment
 // the split kernel's own stores need.
 template <typename T>
@@ -76,21 +68,14 @@ __device__ __forceinline__ void StoreMerged4(T* out, int c, float4 v) {
   *reinterpret_cast<uint32_t*>(out + 4 * c + 2) = ptx::Pack2<T>(v.z, v.w);
 }
 
-// The merged row's LSE (natural log), where the caller asked for it.
-__device__ __forceinline__ void StoreMergedLse(const DecodeParams& p, int64_t row, const SplitWeights& sw) {
-  if (p.lse == nullptr) return;
-  const int64_t t = row / p.num_heads;
-  const int h = static_cast<int>(row - t * p.num_heads);
-  p.lse[int64_t(h) * p.total_q + t] =
-      sw.sum > 0.0f ? (sw.mx + __log2f(sw.sum)) * 0.6931471805599453f : -INFINITY;
-}
-
-// One row merged by one warp: every lane keeps its float4 columns of the sum over the splits,
-// with the loads of several splits in flight (unrolled; no branch between them).
+// The row of token t, head h merged by one warp: every lane keeps its float4 columns of the sum
+// over the splits, with the loads of several splits in flight (unrolled; no branch between them);
+// then o's row and, where asked for, its LSE (natural log).
 template <typename T, int D>
-__device__ __forceinline__ void MergeRowInWarp(const DecodeParams& p, int64_t row, int lane) {
+__device__ __forceinline__ void MergeRowInWarp(const DecodeParams& p, int t, int h, int lane) {
   constexpr int kVecs = D / 4;
   constexpr int kPerLane = (kVecs + 31) / 32;
+  const int64_t row = int64_t(t) * p.num_heads + h;
   const SplitWeights sw = LoadSplitWeights(p, row, lane);
   const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
   float4 acc[kPerLane];
@@ -112,13 +97,16 @@ __device__ __forceinline__ void MergeRowInWarp(const DecodeParams& p, int64_t ro
       }
     }
   }
-  T* out = MergedRowOut<T, D>(p, row);
+  T* out = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int c = lane + 32 * j;
     if (c < kVecs) StoreMerged4(out, c, acc[j]);
   }
-  if (lane == 0) StoreMergedLse(p, row, sw);
+  if (lane == 0 && p.lse != nullptr) {
+    p.lse[int64_t(h) * p.total_q + t] =
+        sw.sum > 0.0f ? (sw.mx + __log2f(sw.sum)) * 0.6931471805599453f : -INFINITY;
+  }
 }
 
 // The split kernel's merge, called by every thread of a CTA once its partial rows are written
@@ -145,7 +133,7 @@ __device__ __forceinline__ void MergeIfLastSplit(const DecodeParams& p, int b, i
   for (int pr = m0 + int(threadIdx.x >> 5); pr <= m_last; pr += kThreads / 32) {
     const int i = pr / G;
     const int h = hk * G + (pr - i * G);
-    MergeRowInWarp<T, D>(p, int64_t(q_start + i) * p.num_heads + h, int(threadIdx.x & 31));
+    MergeRowInWarp<T, D>(p, q_start + i, h, int(threadIdx.x & 31));
   }
 }
 
