@@ -132,6 +132,18 @@ def paged_pool(kc, b, L, ps, gen):
     return pool, indptr, indices, seqlens, npg
 
 
+def paged_pools(ks, vs, b, L, ps, gen):
+    """paged_pool of each K copy in ks, and each V copy of vs in the same page placement as its K:
+    (the K pools with their tables, the V pools)."""
+    pk = [paged_pool(x, b, L, ps, gen) for x in ks]
+    pv = []
+    for i, x in enumerate(vs):
+        pool = torch.empty_like(pk[i][0])
+        pool[pk[i][2].long()] = x.view(pool.shape)
+        pv.append(pool)
+    return pk, pv
+
+
 H, HKV = 32, 8
 
 
@@ -347,12 +359,7 @@ def fp8_point(lib, b, L, args, dev, dt, l2):
     torch.cuda.synchronize()
     o_f8 = o.float().clone()
     gen_p = torch.Generator().manual_seed(b * 13 + L)
-    pk = [paged_pool(x[0], b, L, 16, gen_p) for x in fk]
-    pv = []
-    for i, x in enumerate(fv):
-        pool = torch.empty_like(pk[i][0])
-        pool[pk[i][2].long()] = x[0].view(pool.shape)
-        pv.append(pool)
+    pk, pv = paged_pools([x[0] for x in fk], [x[0] for x in fv], b, L, 16, gen_p)
     f8p = lambda i: run_fp8(lib, qs[i], pk[i][0], pv[i], o, cu_q, None, b, b, 0, 1, L, D, fk[i][1],
                             fv[i][1], stream, (16, pk[i][4], pk[i][1], pk[i][2], pk[i][3]))
     res["fp8_page16"] = time_ms(Rotor(f8p, copies), args.warmup, args.reps, args.min_ms)
@@ -574,21 +581,15 @@ def main():
         gen = torch.Generator().manual_seed(b * 13 + L)
         layouts = [("contig", None)]
         if pages:
-            pk = [paged_pool(x, b, L, pages[0], gen) for x in ks]
-            pv = []
-            for i, x in enumerate(vs):
-                pool = torch.empty_like(pk[i][0])
-                pool[pk[i][2].long()] = x.view(pool.shape)
-                pv.append((pool, pk[i]))
-            layouts.append((f"page{pages[0]}", pv))
+            layouts.append((f"page{pages[0]}", paged_pools(ks, vs, b, L, pages[0], gen)))
         for name, paged in layouts:
             def call(i, paged=paged):
                 if paged is None:
                     run_ours(qs[i], ks[i], vs[i], o, cu_q, cu_k, b, b, b * L, 1, L, False, None)
                 else:
-                    pool_v, (pool_k, indptr, indices, seqlens, npg) = paged[i]
-                    run_ours(qs[i], pool_k, pool_v, o, cu_q, None, b, b, 0, 1, L, False, None,
-                             (pages[0], npg, indptr, indices, seqlens))
+                    pk, pv = paged
+                    run_ours(qs[i], pk[i][0], pv[i], o, cu_q, None, b, b, 0, 1, L, False, None,
+                             (pages[0], pk[i][4], pk[i][1], pk[i][2], pk[i][3]))
 
             def fused(i, call=call):
                 lib.attn_set_plan_option(b"decode_fused_combine", 1)
@@ -669,13 +670,7 @@ def main():
         err = ((ours_o - ref).norm() / ref.norm()).item() if ref is not None else float("nan")
         gen_p = torch.Generator().manual_seed(b * 7 + L)
         for ps in pages:
-            pk = [paged_pool(x, b, L, ps, gen_p) for x in ks]
-            pv = []
-            for i, x in enumerate(vs):
-                pool = torch.empty_like(pk[i][0])
-                npg = pk[i][4]
-                pool[pk[i][2].long()] = x.view(pool.shape)  # same page placement as K
-                pv.append(pool)
+            pk, pv = paged_pools(ks, vs, b, L, ps, gen_p)
             wsp, _ = workspace(b, b, 0, 1, L, ps, pk[0][4])
 
             def paged_call(i, ps=ps, pk=pk, pv=pv, wsp=wsp):
