@@ -1,11 +1,14 @@
 // The builds of the FP8 forward kernel that fp8_variants times against the shipped one (defined
 // in fp8_variant_launch.cuh, one translation unit per head dim: fp8_variant_kernels_d*.cu): shares of
 // the softmax's exp2 on the FMA pipe other than the shipped one, another count of consumer
-// warpgroups, the overlapped softmax.
+// warpgroups, the overlapped softmax; and the shipped kernel stamped with clocks per phase.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
+#include "flash_fwd_sm90_fp8_phases.h"
 #include "flash_params.h"
 
 namespace attn::kernels::cuda {
@@ -20,6 +23,7 @@ enum class Fp8Variant {
   kFma8,  // every 8th (d=256's shipped split)
   kWg2,   // d=128: two consumer warpgroups (128-row tiles, 240 registers), the shipped split
   kOverlap,  // two warpgroups, the softmax of each key tile under the previous tile's P V
+  kStamped,  // the shipped traits with clocks per phase (ReadFp8PhaseClocks)
   kCount,
 };
 
@@ -32,5 +36,13 @@ inline bool Fp8VariantBuiltFor(Fp8Variant v, int d) { return v != Fp8Variant::kW
 // (V transposed into params.vt first); cudaErrorNotSupported where v does not apply to D.
 template <int D>
 cudaError_t LaunchFp8Variant(const FlashParams& params, Fp8Variant v, int sms, cudaStream_t stream);
+
+// The stamped variant's counters of head dim D (kFp8PhaseSlots: SM clocks per phase, summed over
+// the launches since the last reset, then the consumers' and the producer's key tiles): zeroed,
+// and read after the launches have completed.
+template <int D>
+cudaError_t ResetFp8PhaseClocks();
+template <int D>
+cudaError_t ReadFp8PhaseClocks(uint64_t (&slots)[kFp8PhaseSlots]);
 
 }  // namespace attn::kernels::cuda

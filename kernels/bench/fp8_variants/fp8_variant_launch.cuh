@@ -9,6 +9,37 @@
 namespace attn::kernels::cuda {
 
 template <int D>
+__device__ unsigned long long gFp8PhaseClocks[kFp8PhaseSlots];
+
+// The shipped traits, stamped: thread 0 of each consumer warpgroup and the producer thread add
+// their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
+template <int D>
+struct Fp8StampedTraits
+    : Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ShippedExpFmaEvery<D>, kSm90Fp8ShippedWGs<D>> {
+  static constexpr bool kStamps = true;
+  __device__ static void AddClocks(const uint32_t (&sums)[kFp8Phases], uint32_t key_tiles,
+                                   bool producer) {
+#pragma unroll
+    for (int i = 0; i < kFp8Phases; ++i)
+      if (sums[i] != 0) atomicAdd(&gFp8PhaseClocks<D>[i], sums[i]);
+    atomicAdd(&gFp8PhaseClocks<D>[producer ? kFp8ProducerTilesSlot : kFp8ConsumerTilesSlot],
+              key_tiles);
+  }
+};
+
+template <int D>
+cudaError_t ResetFp8PhaseClocks() {
+  const unsigned long long zeros[kFp8PhaseSlots] = {};
+  return cudaMemcpyToSymbol(gFp8PhaseClocks<D>, zeros, sizeof(zeros));
+}
+
+template <int D>
+cudaError_t ReadFp8PhaseClocks(uint64_t (&slots)[kFp8PhaseSlots]) {
+  static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+  return cudaMemcpyFromSymbol(slots, gFp8PhaseClocks<D>, sizeof(slots));
+}
+
+template <int D>
 cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaStream_t stream) {
   using T = __nv_bfloat16;
   constexpr int kWGs = kSm90Fp8ShippedWGs<D>;
@@ -28,6 +59,7 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
       return cudaErrorNotSupported;
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2, true>>(p, sms, stream);
+    case Fp8Variant::kStamped: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -2,7 +2,8 @@
 // shipped one on the standard sweep's shapes (B*S = 16k tokens, H*D = 2048, MHA, o in bf16):
 // single launches (V's transposition and the kernel, as RunFlashFwdSm90Fp8 runs them) in
 // alternating order on the same random e4m3 inputs, then the outputs compared. Prints one table;
-// exits 1 when a variant's output disagrees with the shipped kernel's.
+// exits 1 when a variant's output disagrees with the shipped kernel's. The variant "stamped" (the
+// shipped kernel with clocks per phase) adds a second table: where each warpgroup's key tile goes.
 //
 //   fp8_variants [--d 128|256]... [--s N]... [--causal] [--reps 20] [--variant NAME]...
 #include <cuda_bf16.h>
@@ -99,8 +100,32 @@ std::vector<uint16_t> OutputOf(const FlashParams& p, size_t elems, Launch&& laun
   return h;
 }
 
+// One launch of the stamped variant: clocks per key tile in each phase, one row of the second table.
+template <int D, typename Launch>
+std::string PhaseRow(int s, bool causal, Launch&& launch) {
+  namespace k = attn::kernels::cuda;
+  uint64_t slots[k::kFp8PhaseSlots];
+  CHECK_CUDA(k::ResetFp8PhaseClocks<D>());
+  CHECK_CUDA(launch());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(k::ReadFp8PhaseClocks<D>(slots));
+  const double ct = std::max<double>(1, double(slots[k::kFp8ConsumerTilesSlot]));
+  const double pt = std::max<double>(1, double(slots[k::kFp8ProducerTilesSlot]));
+  std::string row = "| " + std::to_string(D) + " | " + std::to_string(s) + " | " + (causal ? "yes" : "no") + " |";
+  char cell[64];
+  double total = 0;
+  for (int i = k::kFp8WaitQ; i <= k::kFp8Epilogue; ++i) {
+    total += double(slots[i]) / ct;
+    std::snprintf(cell, sizeof(cell), " %.0f |", double(slots[i]) / ct);
+    row += cell;
+  }
+  std::snprintf(cell, sizeof(cell), " %.0f | %.0f | %.0f |", total, double(slots[k::kFp8WaitEmpty]) / pt,
+                double(slots[k::kFp8Issue]) / pt);
+  return row + cell;
+}
+
 // One shape: every variant against the shipped kernel. Returns the number of disagreeing variants.
-int RunShape(const Options& o, int d, int s, int sms) {
+int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* phase_rows) {
   const int heads = 2048 / d, batch = std::max(1, 16384 / s), total = batch * s;
   const size_t elems = size_t(total) * heads * d;
   std::mt19937 rng(1234 + d + s);
@@ -169,6 +194,9 @@ int RunShape(const Options& o, int d, int s, int sms) {
                 flop / pv / 1e9, t.ratio.Pct(0.5), t.ratio.Pct(0.1), t.ratio.Pct(0.9), rel,
                 100.0 * double(identical) / double(elems), agrees ? "agrees" : "DISAGREES");
     std::fflush(stdout);
+    if (v == Fp8Variant::kStamped) {
+      phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, variant) : PhaseRow<256>(s, o.causal, variant));
+    }
   }
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o), static_cast<const void*>(dcu),
                           static_cast<const void*>(ddesc), static_cast<const void*>(vt)})
@@ -190,6 +218,7 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kFma8: return "fma8";
     case Fp8Variant::kWg2: return "wg2";
     case Fp8Variant::kOverlap: return "overlap";
+    case Fp8Variant::kStamped: return "stamped";
     default: return "?";
   }
 }
@@ -205,7 +234,16 @@ int main(int argc, char** argv) {
               "shipped/variant per round: median (p10 - p90) | rel L2 vs shipped | identical | |\n"
               "|---:|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|\n");
   int disagreeing = 0;
+  std::vector<std::string> phase_rows;
   for (int d : o.dims)
-    for (int s : o.seqs) disagreeing += RunShape(o, d, s, sms);
+    for (int s : o.seqs) disagreeing += RunShape(o, d, s, sms, &phase_rows);
+  if (!phase_rows.empty()) {
+    std::printf("\nThe stamped kernel, one launch: SM clocks per key tile of one consumer warpgroup (its "
+                "thread 0) in each phase, and of the producer thread\n\n"
+                "| d | s | causal | wait Q | wait K | S | softmax | pack P | wait V | P V | epilogue | "
+                "consumer total | producer: wait for a free stage | producer: issue |\n"
+                "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const std::string& row : phase_rows) std::printf("%s\n", row.c_str());
+  }
   return disagreeing == 0 ? 0 : 1;
 }

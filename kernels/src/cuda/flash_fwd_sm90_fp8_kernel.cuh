@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "flash_fwd_sm90_fp8_layout.h"
+#include "flash_fwd_sm90_fp8_phases.h"
 #include "flash_fwd_sm90_kernel.cuh"
 #include "flash_params.h"
 #include "ptx.cuh"
@@ -36,11 +37,14 @@ namespace attn::kernels::cuda {
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
+// kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
+// AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks).
 template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
+  static constexpr bool kStamps = false;
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = kConsumerWGsV;
   static constexpr int kBlockM = 64 * kConsumerWGs;
@@ -95,6 +99,30 @@ struct Sm90Fp8Params {
   CUtensorMap tq;
   CUtensorMap tk;
   CUtensorMap tvt;
+};
+
+// SM clocks per phase (flash_fwd_sm90_fp8_phases.h) of the calling thread, for the stamped build;
+// without stamps every call compiles to nothing.
+template <bool kOn>
+struct Sm90Fp8Clocks {
+  __device__ __forceinline__ void Start() {}
+  __device__ __forceinline__ void Mark(int) {}
+};
+template <>
+struct Sm90Fp8Clocks<true> {
+  uint32_t last = 0;
+  uint32_t sum[kFp8Phases] = {};
+  __device__ __forceinline__ static uint32_t Now() {
+    uint32_t c;
+    asm volatile("mov.u32 %0, %%clock;\n" : "=r"(c));
+    return c;
+  }
+  __device__ __forceinline__ void Start() { last = Now(); }
+  __device__ __forceinline__ void Mark(int phase) {
+    const uint32_t now = Now();
+    sum[phase] += now - last;
+    last = now;
+  }
 };
 
 // Four floats -> one register of four e4m3 codes (a in the low byte), rounded to nearest and
@@ -162,21 +190,28 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
                                                Sm90Ring<Tr::kStages>& ring, const Sm90QSlot& q) {
   const int hk = h / P.p.heads_per_kv;
   const int vt0 = int(Fp8VtSeqStart(t.k_start, b));
+  Sm90Fp8Clocks<Tr::kStamps> clk;
+  clk.Start();
   ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
   ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
                  bars.FullQ(q.buf));
   for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
     const int st = ring.st;
     ptx::MbarWait(bars.EmptyK(st), ring.phase ^ 1);
+    clk.Mark(kFp8WaitEmpty);
     ptx::MbarArriveExpectTx(bars.FullK(st), Tr::kKBytes);
     ptx::TmaLoad4d(smem + Tr::kKOff + st * Tr::kKBytes, &P.tk, 0, t.k_start + nb * Tr::kBlockN, 0, hk,
                    bars.FullK(st));
+    clk.Mark(kFp8Issue);
     ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
+    clk.Mark(kFp8WaitEmpty);
     ptx::MbarArriveExpectTx(bars.FullV(st), Tr::kVBytes);
     ptx::TmaLoad3d(smem + Tr::kVOff + st * Tr::kVBytes, &P.tvt, vt0 + nb * Tr::kBlockN, 0, hk,
                    bars.FullV(st));
+    clk.Mark(kFp8Issue);
     ring.Advance();
   }
+  if constexpr (Tr::kStamps) Tr::AddClocks(clk.sum, uint32_t(t.nb_max - t.nb_min), true);
 }
 
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the tile, one key tile at a
@@ -213,6 +248,8 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   float corr[2];
   float s[BN / 2];
   uint32_t pa[BN / 32][4];
+  Sm90Fp8Clocks<Tr::kStamps> clk;  // (the stamped build's non-overlapped loop only)
+  clk.Start();
 
   // S of key tile stage st into s; P V of stage st into o (not committed or waited for).
   auto issue_s = [&](int st) {
@@ -261,14 +298,19 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   // S of key tile nb (stage st) on its own, then its P; returns once the stage's V is loaded.
   auto s_to_p = [&](int nb, int st) {
     ptx::MbarWait(bars.FullK(st), ring.phase);
+    clk.Mark(kFp8WaitK);
     ptx::WgmmaFence();
     issue_s(st);
     ptx::WgmmaCommit();
     ptx::WgmmaWait<0>();
     ptx::RegFence(s);
+    clk.Mark(kFp8S);
     softmax(nb, st);
+    clk.Mark(kFp8Softmax);
     pack_p();
+    clk.Mark(kFp8Pack);
     ptx::MbarWait(bars.FullV(st), ring.phase);
+    clk.Mark(kFp8WaitV);
   };
   // P V of stage st on its own, waited for; then the stage's V released.
   auto pv_alone = [&](int st) {
@@ -278,9 +320,11 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     ptx::WgmmaWait<0>();
     fence_o();
     if (lane == 0) ptx::MbarArrive(bars.EmptyV(st));
+    clk.Mark(kFp8Pv);
   };
   if (t.nb_max > t.nb_min) {  // else no key tile: Q is not loaded, O = 0 and LSE = -inf
     ptx::MbarWait(bars.FullQ(q.buf), q.phase);
+    clk.Mark(kFp8WaitQ);
     if constexpr (Tr::kOverlap) {
       // As generation 2's kOverlap loop: each tile's V is waited for right after its softmax,
       // before the wait for the previous P V (an mbarrier poll ends a basic block; ptxas hoists a
@@ -322,6 +366,10 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   }
   Sm90Fp8Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum, __ldg(p.v_descale + di),
                       p.scale * qk_descale);
+  clk.Mark(kFp8Epilogue);
+  if constexpr (Tr::kStamps) {
+    if (tid == 0) Tr::AddClocks(clk.sum, uint32_t(t.nb_max - t.nb_min), false);
+  }
 }
 
 template <typename Tr>
