@@ -282,7 +282,7 @@ size_t attn_workspace_bytes(int dtype, int batch, int total_q, int total_k, int 
 
 // Sets one plan option of every later run (attn::kernels::cuda::PlanOptions) by name: decode_splits,
 // decode_fused_combine, tiling, row_cut, l2_mib, l2_phases, tile_counter, dynamic, tma_o,
-// fp8_tensor_cores; "reset" restores the defaults.
+// fp8_tensor_cores, fp8_tile_rows; "reset" restores the defaults.
 // Returns 0, or -1 for an unknown name.
 int attn_set_plan_option(const char* name, int value) {
   const std::string n = name;
@@ -298,6 +298,7 @@ int attn_set_plan_option(const char* name, int value) {
   else if (n == "dynamic") o.gen2_dynamic = value != 0;
   else if (n == "tma_o") o.gen2_tma_store_o = value != 0;
   else if (n == "fp8_tensor_cores") o.fp8_tensor_cores = value != 0;
+  else if (n == "fp8_tile_rows") o.fp8_tile_rows = value;
   else return -1;
   return 0;
 }

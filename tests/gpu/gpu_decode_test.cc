@@ -88,6 +88,7 @@ struct Case {
   // skipped as fp8_native is. O is held to 1e-1 against the exact reference (q's rounding) and
   // as fp8_native's against the model, which sees q's quantized values.
   bool fp8_tc_plan = false;
+  int fp8_tile_rows = 0;  // fp8_tc_plan: PlanOptions::fp8_tile_rows (0: the plan's rule)
   // Paged, 16-bit: the last len_q keys of each sequence come through paged.append_k / append_v;
   // their pool rows are NaN before the run and must hold them after it, every other pool byte
   // unchanged.
@@ -428,6 +429,7 @@ void RunAndCheck(Case c) {
   options.decode_splits = c.decode_splits;
   options.decode_fused_combine = c.fused_combine;
   options.fp8_tensor_cores = c.fp8_tc_plan;
+  options.fp8_tile_rows = c.fp8_tile_rows;
   if (c.fp8_tc_plan) {
     const attn::kernels::Status sn = attn::kernels::cuda::CanImplementFp8TensorCores(a);
     if (!sn.ok()) {
@@ -439,7 +441,10 @@ void RunAndCheck(Case c) {
   attn::kernels::cuda::Plan plan;
   const attn::kernels::Status ps_st = attn::kernels::cuda::MakePlan(a, options, &plan);
   ASSERT_TRUE(ps_st.ok()) << ps_st.message();
-  if (c.fp8_tc_plan) ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kFp8TensorCores);
+  if (c.fp8_tc_plan) {
+    ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kFp8TensorCores);
+    if (c.fp8_tile_rows != 0) EXPECT_EQ(plan.fp8_tile_rows, c.fp8_tile_rows);
+  }
   if (c.decode_splits > 0) {
     ASSERT_EQ(plan.kernel, attn::kernels::cuda::Plan::Kernel::kDecode);
     EXPECT_EQ(plan.decode_splits, std::min(c.decode_splits, 64));
@@ -887,23 +892,61 @@ TEST_P(GpuFp8Forward, Fp8TensorCoreKernel) {
 
 // FP8 K/V with 16-bit q planned with PlanOptions::fp8_tensor_cores: q quantized on the device,
 // paged K/V gathered, then the FP8 tensor-core kernel (head dims 128 and 256; contiguous and
-// shuffled pages of 16 and 64): chunks over caches as chunked prefill sends them, causal.
+// shuffled pages of 16 and 64): chunks over caches as chunked prefill sends them, causal; on the
+// plan's query tiles and on each size forced (128, and 192 at d=128).
 TEST_P(GpuFp8Forward, Fp8TensorCorePlanOverCaches) {
   SKIP_WITHOUT_GPU();
-  if (GetParam().head_dim != 128 && GetParam().head_dim != 256) {
-    GTEST_SKIP() << "the FP8 tensor-core kernel serves head dims 128 and 256";
+  const int d = GetParam().head_dim;
+  if (d != 128 && d != 256) GTEST_SKIP() << "the FP8 tensor-core kernel serves head dims 128 and 256";
+  for (int rows : {0, 128, 192}) {
+    if (rows == 192 && d != 128) continue;
+    SCOPED_TRACE("fp8_tile_rows " + std::to_string(rows));
+    Case c = Base(false);
+    c.fp8_tc_plan = true;
+    c.fp8_tile_rows = rows;
+    c.causal = true;
+    c.len_q = {512, 17, 200};
+    c.len_k = {1536, 17, 900};
+    RunAndCheck(c);
+    c = Base(false);
+    c.fp8_tc_plan = true;
+    c.fp8_tile_rows = rows;
+    c.len_q = {129, 40, 385};
+    c.len_k = {511, 65, 385};
+    RunAndCheck(c);
   }
-  Case c = Base(false);
-  c.fp8_tc_plan = true;
-  c.causal = true;
-  c.len_q = {512, 17, 200};
-  c.len_k = {1536, 17, 900};
-  RunAndCheck(c);
-  c = Base(false);
-  c.fp8_tc_plan = true;
-  c.len_q = {129, 40};
-  c.len_k = {511, 65};
-  RunAndCheck(c);
+}
+
+// A tile size the FP8 kernel does not have is refused by the plan, naming the option. (MakePlan
+// reads no memory behind the pointers: an aligned host buffer stands in for every tensor.)
+TEST(GpuFp8TileRows, UnknownTileRowsRefused) {
+  SKIP_WITHOUT_GPU();
+  alignas(256) static char stand_in[256];
+  const float scale = 1.0f;
+  for (int d : {128, 256}) {
+    for (int rows : {64, 100, 256, d == 256 ? 192 : -1}) {
+      attn::kernels::AttentionArgs a;
+      a.dtype = DType::kBFloat16;
+      a.kv_dtype = DType::kFloat8E4M3;
+      a.kv_scales.k = a.kv_scales.v = &scale;
+      a.q = a.k = a.v = a.o = stand_in;
+      a.cu_seqlens_q = a.cu_seqlens_k = reinterpret_cast<const int32_t*>(stand_in);
+      a.total_q = a.total_k = a.max_seqlen_q = a.max_seqlen_k = 300;
+      a.num_heads = 8;
+      a.num_kv_heads = 2;
+      a.head_dim = d;
+      attn::kernels::cuda::PlanOptions options;
+      options.fp8_tensor_cores = true;
+      options.fp8_tile_rows = rows;
+      if (!attn::kernels::cuda::CanImplementFp8TensorCores(a).ok()) {
+        GTEST_SKIP() << attn::kernels::cuda::CanImplementFp8TensorCores(a).message();
+      }
+      attn::kernels::cuda::Plan plan;
+      const attn::kernels::Status st = attn::kernels::cuda::MakePlan(a, options, &plan);
+      EXPECT_EQ(st.code(), attn::kernels::StatusCode::kInvalidArgument) << d << " " << rows;
+      EXPECT_NE(st.message().find("fp8_tile_rows"), std::string::npos) << st.message();
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GpuFp8Forward, ::testing::ValuesIn(AllFp8()), Fp8Name);

@@ -114,5 +114,23 @@ TEST(Fp8Layout, SequencesVtRangesHoldTheirTilesApart) {
   }
 }
 
+// The FP8 tile rules on the GPU's 132 SMs: 192-row tiles where launches fill several rounds of
+// the grid, 128-row tiles where a launch has fewer tiles than SMs on them (and d=256 always).
+TEST(Fp8TileRules, FewTilesTakeNarrowRows) {
+  // The standard sweep (16k tokens, 16 heads at d=128): 192.
+  for (int s : {1024, 4096, 8192, 16384}) EXPECT_EQ(Fp8TileRows(128, s, 16, 16384 / s, 132), 192) << s;
+  // A prefill chunk of 512 at batch 1, 32 heads: 96 tiles of 192 rows or 128 of 128, one round
+  // each.
+  EXPECT_EQ(Fp8TileRows(128, 512, 32, 1, 132), 128);
+  EXPECT_EQ(Fp8TileRounds(192, 512, 32, 1, 132), 1);
+  EXPECT_EQ(Fp8TileRounds(128, 512, 32, 1, 132), 1);
+  // A chunk of 2048: 352 tiles in 3 rounds (396) against 512 in 4 (400).
+  EXPECT_EQ(Fp8TileRows(128, 2048, 32, 1, 132), 192);
+  // 129 rows at batch 2, 8 heads: 16 tiles of 192 rows and 32 of 128, one round either way.
+  EXPECT_EQ(Fp8TileRows(128, 129, 8, 2, 132), 128);
+  for (int s : {128, 512, 4096}) EXPECT_EQ(Fp8TileRows(256, s, 8, 4, 132), 128) << s;
+  EXPECT_EQ(Fp8TileRows(128, 4096, 16, 4, 0), 128);  // no SM count: the tile both head dims have
+}
+
 }  // namespace
 }  // namespace attn::kernels::cuda

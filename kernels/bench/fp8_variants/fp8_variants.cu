@@ -158,9 +158,10 @@ int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* 
   p.q_descale = p.k_descale = p.v_descale = ddesc;
   p.vt = vt;
   const double flop = 4.0 * batch * heads * double(s) * s * d * (o.causal ? 0.5 : 1.0);
+  const int rows = attn::kernels::cuda::Fp8TileRows(d, s, heads, batch, sms);
   auto shipped = [&] {
-    return d == 128 ? attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(p, sms, nullptr)
-                    : attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 256>(p, sms, nullptr);
+    return d == 128 ? attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(p, rows, sms, nullptr)
+                    : attn::kernels::cuda::RunFlashFwdSm90Fp8<__nv_bfloat16, 256>(p, rows, sms, nullptr);
   };
   const std::vector<uint16_t> want = OutputOf(p, elems, shipped);
   int disagreeing = 0;

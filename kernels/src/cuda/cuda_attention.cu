@@ -434,13 +434,14 @@ bool Fp8ForwardHeadDimCompiled(int d) {
 }
 
 template <typename T>
-cudaError_t RunFp8AttentionTyped(const FlashParams& p, int head_dim, int sms, cudaStream_t stream) {
+cudaError_t RunFp8AttentionTyped(const FlashParams& p, int head_dim, int tile_rows, int sms,
+                                 cudaStream_t stream) {
   switch (head_dim) {
 #ifdef ATTN_SM90_FP8_FWD_HDIM_128
-    case 128: return RunFlashFwdSm90Fp8<T, 128>(p, sms, stream);
+    case 128: return RunFlashFwdSm90Fp8<T, 128>(p, tile_rows, sms, stream);
 #endif
 #ifdef ATTN_SM90_FP8_FWD_HDIM_256
-    case 256: return RunFlashFwdSm90Fp8<T, 256>(p, sms, stream);
+    case 256: return RunFlashFwdSm90Fp8<T, 256>(p, tile_rows, sms, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
@@ -540,6 +541,26 @@ Status CanImplementGen2(const AttentionArgs& args) {
 // Generation 2's workspace: its tile counter (FlashParams), where its plan takes tiles from one.
 constexpr size_t kFwdWorkspaceBytes = 16;
 
+// The FP8 tensor-core kernel's query tile rows: `forced` (PlanOptions::fp8_tile_rows) where the
+// head dim has such tiles, else the FP8 tile rules (Fp8TileRows) for this device.
+Status PlanFp8TileRows(const AttentionArgs& args, int forced, int* tile_rows) {
+  if (forced != 0) {
+    if (forced != 128 && !(forced == 192 && args.head_dim == 128)) {
+      return {StatusCode::kInvalidArgument,
+              "CUDA FP8 attention kernel: fp8_tile_rows " + std::to_string(forced) +
+                  " (128, or 192 at head_dim 128)"};
+    }
+    *tile_rows = forced;
+    return Status::Ok();
+  }
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info)) {
+    return {StatusCode::kInternal, "CUDA backend: cannot read the device's properties"};
+  }
+  *tile_rows = Fp8TileRows(args.head_dim, args.max_seqlen_q, args.num_heads, args.batch, info.sms);
+  return Status::Ok();
+}
+
 Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* plan) {
   Status s = CanImplement(args);
   if (!s.ok()) return s;
@@ -554,6 +575,8 @@ Status MakePlan(const AttentionArgs& args, const PlanOptions& options, Plan* pla
     p.kernel = Plan::Kernel::kFp8TensorCores;
     p.fp8_kv_rows = Fp8KvRows(args);
     p.workspace_bytes = Fp8TcWorkspaceLayout(args).bytes;
+    s = PlanFp8TileRows(args, options.fp8_tile_rows, &p.fp8_tile_rows);
+    if (!s.ok()) return s;
     *plan = p;
     return Status::Ok();
   }
@@ -715,8 +738,10 @@ cudaError_t RunFp8TensorCores(const AttentionArgs& args, const Plan& plan, void*
     p.page_size = 0;
     p.page_shift = -1;
   }
-  return args.dtype == DType::kFloat16 ? RunFp8AttentionTyped<__half>(p, args.head_dim, info.sms, stream)
-                                       : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, info.sms, stream);
+  const int rows = plan.fp8_tile_rows;
+  return args.dtype == DType::kFloat16
+             ? RunFp8AttentionTyped<__half>(p, args.head_dim, rows, info.sms, stream)
+             : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, rows, info.sms, stream);
 }
 
 }  // namespace
@@ -892,8 +917,10 @@ cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, vo
   FlashParams p = MakeParams(args);
   p.q_descale = q_scales;
   p.vt = workspace;
-  return args.dtype == DType::kFloat16 ? RunFp8AttentionTyped<__half>(p, args.head_dim, info.sms, stream)
-                                       : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, info.sms, stream);
+  const int rows = Fp8TileRows(args.head_dim, args.max_seqlen_q, args.num_heads, args.batch, info.sms);
+  return args.dtype == DType::kFloat16
+             ? RunFp8AttentionTyped<__half>(p, args.head_dim, rows, info.sms, stream)
+             : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, rows, info.sms, stream);
 }
 
 const int* CompiledHeadDims(int* n) {

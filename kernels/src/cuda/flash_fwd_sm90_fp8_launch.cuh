@@ -88,8 +88,13 @@ cudaError_t RunFlashFwdSm90Fp8With(const FlashParams& params, int sms, cudaStrea
 }
 
 template <typename T, int D>
-cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t stream) {
-  return RunFlashFwdSm90Fp8With<Sm90Fp8Shipped<D, T>>(params, sms, stream);
+cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int tile_rows, int sms, cudaStream_t stream) {
+  using Wide = Sm90Fp8Shipped<D, T>;
+  if (tile_rows == Wide::kBlockM) return RunFlashFwdSm90Fp8With<Wide>(params, sms, stream);
+  if constexpr (Wide::kBlockM != 128) {
+    if (tile_rows == 128) return RunFlashFwdSm90Fp8With<Sm90Fp8ShippedNarrow<D, T>>(params, sms, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace attn::kernels::cuda

@@ -65,4 +65,21 @@ constexpr int64_t Fp8VtBytes(int64_t total_k, int batch, int num_kv_heads, int h
   return Fp8VtColumns(total_k, batch) * num_kv_heads * head_dim;
 }
 
+// Query rows of the kernel's tiles for a launch (FP8 tile rules): d=256 has 128 (two consumer
+// warpgroups; three do not fit); d=128 has 192 (three warpgroups, each row 1.13-1.14x faster than
+// with two at s = 4k-8k, so a tile takes ~1.32x a 128-row tile's time) or 128. The persistent
+// grid takes the tiles in rounds of `sms`, so a launch of few tiles (a prefill chunk of 512 at
+// batch 1: 96 tiles of 192 rows against 128 of 128, one round either way) is quicker on 128-row
+// tiles: the rows whose rounds times tile time is the smaller, 192 on a tie.
+constexpr int64_t Fp8TileRounds(int64_t tile_rows, int max_seqlen_q, int heads, int batch, int sms) {
+  const int64_t tiles = (max_seqlen_q + tile_rows - 1) / tile_rows * heads * batch;
+  return (tiles + sms - 1) / sms;
+}
+constexpr int Fp8TileRows(int head_dim, int max_seqlen_q, int heads, int batch, int sms) {
+  if (head_dim != 128 || sms < 1) return 128;
+  const int64_t wide = 132 * Fp8TileRounds(192, max_seqlen_q, heads, batch, sms);
+  const int64_t narrow = 100 * Fp8TileRounds(128, max_seqlen_q, heads, batch, sms);
+  return narrow < wide ? 128 : 192;
+}
+
 }  // namespace attn::kernels::cuda

@@ -71,8 +71,9 @@ cudaError_t RunFlashFwdSm90Paged(const FlashParams& params, const Sm90Launch& la
 
 // The FP8 forward kernel (instantiations/flash_fwd_sm90_fp8_*.cu; T is o's type), head dims 128
 // and 256, contiguous K/V, rows 16-byte aligned: V transposed into params.vt, then the kernel on a
-// persistent grid of `sms` CTAs.
+// persistent grid of `sms` CTAs, in query tiles of tile_rows (128, or at d=128 192: FP8 tile rules,
+// Fp8TileRows; cudaErrorInvalidValue for others).
 template <typename T, int D>
-cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int sms, cudaStream_t stream);
+cudaError_t RunFlashFwdSm90Fp8(const FlashParams& params, int tile_rows, int sms, cudaStream_t stream);
 
 }  // namespace attn::kernels::cuda

@@ -74,6 +74,9 @@ struct PlanOptions {
   // (RunFp8Attention's), where it serves the launch (CanImplementFp8TensorCores); false, or where
   // it does not: the conversion to 16 bits. Adds q's and P's e4m3 rounding to the result.
   bool fp8_tensor_cores = false;
+  // The FP8 tensor-core kernel's query tile rows: 0 its rule (192 at head dim 128 where the launch
+  // takes as few rounds of the GPU's SMs as on 128-row tiles, else 128); 128; 192 (head dim 128).
+  int fp8_tile_rows = 0;
 };
 
 // What Run launches for one batch shape (MakePlan). Plain values; valid for the device it was made
@@ -118,6 +121,8 @@ struct Plan {
   bool fp8_dequant = false;
   int64_t fp8_kv_rows = 0;
   size_t fp8_inner_workspace_bytes = 0;
+  // kFp8TensorCores: the kernel's query tile rows (PlanOptions::fp8_tile_rows).
+  int fp8_tile_rows = 0;
 };
 
 // The plan for args (CanImplement must hold; a forced generation 2 needs CanImplementGen2). Reads

@@ -2,5 +2,5 @@
 #include "../flash_fwd_sm90_fp8_launch.cuh"
 
 namespace attn::kernels::cuda {
-template cudaError_t RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(const FlashParams&, int, cudaStream_t);
+template cudaError_t RunFlashFwdSm90Fp8<__nv_bfloat16, 128>(const FlashParams&, int, int, cudaStream_t);
 }  // namespace attn::kernels::cuda
