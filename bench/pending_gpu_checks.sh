@@ -3,14 +3,15 @@
 # first, each part under its own timeout, OUT/pending.tgz rewritten after each part:
 #  1. the decode split merge (gpu_decode_test GpuDecodeSplits.*, the FP8 kernel's forced splits)
 #     and the FP8 tensor-core plan on both query tile sizes (Fp8TensorCorePlanOverCaches,
-#     GpuFp8TileRows.*), in 8 shards; cuda_session_test's random interleavings with the merge on;
+#     GpuFp8TileRows.*), in 8 shards; cuda_session_test's random interleavings (the merge on, as
+#     attnd's default, and off);
 #  2. where an FP8 tile's time goes: fp8_variants --variant stamped (d 128 and 256, s=8k);
 #  3. kernels/bench/bench_decode.py's "Merging the splits" table and the decode targets
 #     (1 x 4k, 1 x 32k, 16 x 4k, 64 x 4k);
 #  4. kernels/bench/bench_fp8_forward.py: FP8 paged prefill (the plan's tiles against 192-row
 #     ones) and the FP8 forward at d=128 s=4k and d=256 s=8k;
-#  5. the step targets (bench/gpu_verify_h200.sh steps) with attnd's split merge off and on,
-#     alternated in two rounds.
+#  5. the step targets (bench/gpu_verify_h200.sh steps) with attnd's split merge on (the
+#     default) and off, alternated in two rounds.
 #   . BUNDLE/env.sh && bench/pending_gpu_checks.sh BUNDLE VARIANTS_BUNDLE OUT
 # BUNDLE: a gpu-bundle of attnd, attn-bench, gpu_decode_test and cuda_session_test with
 # lib/libattn_kernels_capi.so; VARIANTS_BUNDLE: one of fp8_variants (-DATTN_SM90_VARIANTS=ON).
@@ -36,7 +37,7 @@ for i in 0 1 2 3 4 5 6 7; do
 done
 wait
 stamp "kernel tests: $(grep -h -E '^\[  (PASSED|FAILED)  \]' "$out"/kernel-tests*.txt | sort | uniq -c | tr '\n' ' ')"
-ATTND_BIN=$bin/attnd timeout 50 "$bin/cuda_session_test" --gtest_filter='*SplitsMergedInTheSplitKernel*' \
+ATTND_BIN=$bin/attnd timeout 90 "$bin/cuda_session_test" --gtest_filter='*SplitsMerged*:*RandomInterleavings*' \
   >"$out/session-test.txt" 2>&1
 stamp "session test rc=$?: $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/session-test.txt" | tr '\n' ' ')"
 pack
@@ -56,7 +57,7 @@ timeout 100 "$py" kernels/bench/bench_fp8_forward.py --lib "$lib" --out "$out/fp
 stamp "fp8 forward rc=$?"
 pack
 
-LEVEL_S=2 STEPS_TIMEOUT=200 STEP_ROUNDS=2 STEP_VARIANTS="- --step_fused_combine=true" \
+LEVEL_S=2 STEPS_TIMEOUT=200 STEP_ROUNDS=2 STEP_VARIANTS="- --step_fused_combine=false" \
   bench/gpu_verify_h200.sh "$bundle" "$out/verify" steps >"$out/steps.log" 2>&1
 stamp "steps rc=$?"
 rm -rf "$out"/verify/steps/m[0-3]

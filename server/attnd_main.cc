@@ -70,7 +70,8 @@ ABSL_FLAG(bool, step_output_to_host, kDefaults.step_output_to_host,
           "copied there after it)");
 ABSL_FLAG(bool, step_fused_combine, kDefaults.step_fused_combine,
           "CUDA backend: a decode step launch with KV splits merges them in its split kernel (the "
-          "last CTA of each group of splits) instead of launching a combine kernel after it");
+          "last CTA of each group of splits) instead of launching a combine kernel after it "
+          "(false: the combine kernel)");
 ABSL_FLAG(int64_t, device_pool_bytes, kDefaults.device_pool_bytes,
           "Device memory pool bound, bytes (CUDA backend)");
 ABSL_FLAG(int64_t, pinned_pool_bytes, kDefaults.pinned_pool_bytes,

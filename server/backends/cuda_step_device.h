@@ -42,7 +42,7 @@ class CudaStepDevice : public StepDevice {
     // Decode launches with KV splits: merged by the split kernel's last CTA of each group, on
     // counters at the start of the lane's workspace (kernels::cuda::PlanOptions::
     // decode_fused_combine), not by a combine kernel after it.
-    bool fused_combine = false;
+    bool fused_combine = true;
   };
   // A region of no pages (the device has no room for one) gives FAILED_PRECONDITION.
   static absl::StatusOr<std::unique_ptr<CudaStepDevice>> Create(

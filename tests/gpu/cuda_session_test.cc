@@ -190,12 +190,12 @@ TEST_F(CudaSessionTest, Fp8CacheRandomInterleavingsMatchTheReference) {
   EXPECT_EQ(FreePages(), total) << "pages leaked";
 }
 
-// Random interleavings with the decode launches' KV splits merged by the split kernel's last CTA
-// (--step_fused_combine): the lanes keep the counters zero across launches of every kind (prefill
-// chunks on the forward kernel write the same workspace), so each answer must match throughout.
-TEST_F(CudaSessionTest, SplitsMergedInTheSplitKernelMatchTheReference) {
+// Random interleavings with the decode launches' KV splits merged by a combine kernel
+// (--step_fused_combine=false; the other tests run the default, the split kernel's last CTA
+// merging them on counters the lanes keep zero across launches of every kind).
+TEST_F(CudaSessionTest, SplitsMergedByTheCombineKernelMatchTheReference) {
   ServerOptions so = Options();
-  so.step_fused_combine = true;
+  so.step_fused_combine = false;
   ASSERT_NO_FATAL_FAILURE(Start(so));
   const int64_t total = FreePages();
   const std::vector<SessionSpec> specs = {
