@@ -74,8 +74,9 @@ struct PlanOptions {
   // (RunFp8Attention's), where it serves the launch (CanImplementFp8TensorCores); false, or where
   // it does not: the conversion to 16 bits. Adds q's and P's e4m3 rounding to the result.
   bool fp8_tensor_cores = false;
-  // The FP8 tensor-core kernel's query tile rows: 0 its rule (192 at head dim 128 where the launch
-  // takes as few rounds of the GPU's SMs as on 128-row tiles, else 128); 128; 192 (head dim 128).
+  // The FP8 tensor-core kernel's query tile rows: 0 its rule (at head dim 128, 192 unless 128-row
+  // tiles finish the launch sooner, counted in rounds of the GPU's SMs; else 128); 128; 192 (head
+  // dim 128).
   int fp8_tile_rows = 0;
 };
 
