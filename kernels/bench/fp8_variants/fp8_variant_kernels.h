@@ -21,7 +21,7 @@ enum class Fp8Variant {
   kFma5,  // every 5th
   kFma6,  // every 6th
   kFma8,  // every 8th (d=256's shipped split)
-  kWg2,   // d=128: two consumer warpgroups (128-row tiles, 240 registers), the shipped split
+  kWg2,   // d=128: two consumer warpgroups (128-row tiles, 240 registers; shipped for launches of few tiles)
   kOverlap,  // two warpgroups, the softmax of each key tile under the previous tile's P V
   kStamped,  // the shipped traits with clocks per phase (ReadFp8PhaseClocks)
   kCount,

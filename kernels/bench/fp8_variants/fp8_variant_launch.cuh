@@ -11,11 +11,10 @@ namespace attn::kernels::cuda {
 template <int D>
 __device__ unsigned long long gFp8PhaseClocks[kFp8PhaseSlots];
 
-// The shipped traits, stamped: thread 0 of each consumer warpgroup and the producer thread add
-// their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
+// The shipped (wide) traits, stamped: thread 0 of each consumer warpgroup and the producer thread
+// add their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
 template <int D>
-struct Fp8StampedTraits
-    : Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ShippedExpFmaEvery<D>, kSm90Fp8ShippedWGs<D>> {
+struct Fp8StampedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
   static constexpr bool kStamps = true;
   __device__ static void AddClocks(const uint32_t (&sums)[kFp8Phases], uint32_t key_tiles,
                                    bool producer) {
@@ -53,9 +52,7 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kFma6: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 6, kWGs>>(p, sms, stream);
     case Fp8Variant::kFma8: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 8, kWGs>>(p, sms, stream);
     case Fp8Variant::kWg2:  // Fp8VariantBuiltFor
-      if constexpr (D == 128) {
-        return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2>>(p, sms, stream);
-      }
+      if constexpr (D == 128) return RunFlashFwdSm90Fp8With<Sm90Fp8ShippedNarrow<D, T>>(p, sms, stream);
       return cudaErrorNotSupported;
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2, true>>(p, sms, stream);
