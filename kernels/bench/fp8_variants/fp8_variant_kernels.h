@@ -44,5 +44,9 @@ template <int D>
 cudaError_t ResetFp8PhaseClocks();
 template <int D>
 cudaError_t ReadFp8PhaseClocks(uint64_t (&slots)[kFp8PhaseSlots]);
+// The stamped variant's timeline of CTA 0's first Q tile since the last reset (phase, SM clock per
+// mark and role; phase 0 and clock 0 past a role's last mark).
+template <int D>
+cudaError_t ReadFp8Timeline(uint32_t (&marks)[kFp8TraceRoles][kFp8TraceMarks][2]);
 
 }  // namespace attn::kernels::cuda

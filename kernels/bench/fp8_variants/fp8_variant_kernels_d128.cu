@@ -6,5 +6,6 @@ namespace attn::kernels::cuda {
 template cudaError_t LaunchFp8Variant<128>(const FlashParams&, Fp8Variant, int, cudaStream_t);
 template cudaError_t ResetFp8PhaseClocks<128>();
 template cudaError_t ReadFp8PhaseClocks<128>(uint64_t (&)[kFp8PhaseSlots]);
+template cudaError_t ReadFp8Timeline<128>(uint32_t (&)[kFp8TraceRoles][kFp8TraceMarks][2]);
 
 }  // namespace attn::kernels::cuda

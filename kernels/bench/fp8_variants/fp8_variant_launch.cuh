@@ -10,6 +10,10 @@ namespace attn::kernels::cuda {
 
 template <int D>
 __device__ unsigned long long gFp8PhaseClocks[kFp8PhaseSlots];
+template <int D>
+__device__ uint32_t gFp8Timeline[kFp8TraceRoles][kFp8TraceMarks][2];
+template <int D>
+__device__ int gFp8TimelineTaken[kFp8TraceRoles];
 
 // The shipped (wide) traits, stamped: thread 0 of each consumer warpgroup and the producer thread
 // add their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
@@ -24,12 +28,27 @@ struct Fp8StampedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
     atomicAdd(&gFp8PhaseClocks<D>[producer ? kFp8ProducerTilesSlot : kFp8ConsumerTilesSlot],
               key_tiles);
   }
+  // CTA 0's first Q tile of each role (consumer warpgroup 0.., then the producer) is traced.
+  __device__ static uint32_t* TraceSlot(int role) {
+    if (blockIdx.x != 0 || atomicCAS(&gFp8TimelineTaken<D>[role], 0, 1) != 0) return nullptr;
+    return &gFp8Timeline<D>[role][0][0];
+  }
 };
 
 template <int D>
 cudaError_t ResetFp8PhaseClocks() {
   const unsigned long long zeros[kFp8PhaseSlots] = {};
-  return cudaMemcpyToSymbol(gFp8PhaseClocks<D>, zeros, sizeof(zeros));
+  const int untaken[kFp8TraceRoles] = {};
+  static const uint32_t kNoMarks[kFp8TraceRoles][kFp8TraceMarks][2] = {};
+  cudaError_t e = cudaMemcpyToSymbol(gFp8PhaseClocks<D>, zeros, sizeof(zeros));
+  if (e == cudaSuccess) e = cudaMemcpyToSymbol(gFp8TimelineTaken<D>, untaken, sizeof(untaken));
+  if (e == cudaSuccess) e = cudaMemcpyToSymbol(gFp8Timeline<D>, kNoMarks, sizeof(kNoMarks));
+  return e;
+}
+
+template <int D>
+cudaError_t ReadFp8Timeline(uint32_t (&marks)[kFp8TraceRoles][kFp8TraceMarks][2]) {
+  return cudaMemcpyFromSymbol(marks, gFp8Timeline<D>, sizeof(marks));
 }
 
 template <int D>

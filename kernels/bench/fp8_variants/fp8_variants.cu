@@ -3,7 +3,8 @@
 // single launches (V's transposition and the kernel, as RunFlashFwdSm90Fp8 runs them) in
 // alternating order on the same random e4m3 inputs, then the outputs compared. Prints one table;
 // exits 1 when a variant's output disagrees with the shipped kernel's. The variant "stamped" (the
-// shipped kernel with clocks per phase) adds a second table: where each warpgroup's key tile goes.
+// shipped kernel with clocks per phase) adds a second table, where each warpgroup's key tile goes,
+// and one CTA's timeline: whether its warpgroups' softmaxes run in step or in turns.
 //
 //   fp8_variants [--d 128|256]... [--s N]... [--causal] [--reps 20] [--variant NAME]...
 #include <cuda_bf16.h>
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flash_fwd_sm90_fp8_layout.h"
@@ -100,15 +102,105 @@ std::vector<uint16_t> OutputOf(const FlashParams& p, size_t elems, Launch&& laun
   return h;
 }
 
-// One launch of the stamped variant: clocks per key tile in each phase, one row of the second table.
+// One role's marks of the stamped kernel's timeline: phase and SM clock.
+struct Mark {
+  int phase;
+  uint32_t clock;
+};
+
+// The intervals [start, end) that a consumer's marks give to phase `phase` (the time since the
+// previous mark), in clocks after t0.
+std::vector<std::pair<double, double>> PhaseIntervals(const std::vector<Mark>& marks, int phase, uint32_t t0) {
+  std::vector<std::pair<double, double>> out;
+  for (size_t i = 1; i < marks.size(); ++i)
+    if (marks[i].phase == phase)
+      out.emplace_back(double(marks[i - 1].clock - t0), double(marks[i].clock - t0));
+  return out;
+}
+
+// Clocks of `a` covered by any interval of `b`.
+double Covered(const std::vector<std::pair<double, double>>& a, const std::vector<std::pair<double, double>>& b) {
+  double sum = 0;
+  for (const auto& x : a)
+    for (const auto& y : b) sum += std::max(0.0, std::min(x.second, y.second) - std::max(x.first, y.first));
+  return sum;
+}
+
+// CTA 0's timeline of its first Q tile (the stamped kernel): per consumer warpgroup and key tile,
+// when S was issued, its softmax began and ended and its P V completed (clocks after the first
+// role's start); then how much of each warpgroup's softmax ran beside another's softmax and beside
+// another's products (S, P V), which tells whether the warpgroups take turns or run in step.
+template <int D>
+std::string TimelineTable(int s) {
+  namespace k = attn::kernels::cuda;
+  static uint32_t raw[k::kFp8TraceRoles][k::kFp8TraceMarks][2];
+  CHECK_CUDA(k::ReadFp8Timeline<D>(raw));
+  std::vector<std::vector<Mark>> roles;
+  uint32_t t0 = 0;
+  bool any = false;
+  for (int r = 0; r < k::kFp8TraceRoles; ++r) {
+    std::vector<Mark> m;
+    for (int i = 0; i < k::kFp8TraceMarks && (raw[r][i][0] != 0 || raw[r][i][1] != 0); ++i)
+      m.push_back({int(raw[r][i][0]), raw[r][i][1]});
+    if (!m.empty() && (!any || int32_t(m[0].clock - t0) < 0)) t0 = m[0].clock, any = true;
+    roles.push_back(std::move(m));
+  }
+  const int consumers = D == 128 ? 3 : 2;  // the shipped warpgroups (kSm90Fp8ShippedWGs)
+  std::string out = "\nd=" + std::to_string(D) + " s=" + std::to_string(s) +
+                    ": CTA 0's first Q tile, clocks after its first role's start; per consumer warpgroup "
+                    "and key tile: S issued / softmax begins / softmax ends / P V complete\n\n| key tile |";
+  for (int c = 0; c < consumers; ++c) out += " WG" + std::to_string(c) + " |";
+  out += "\n|---:|";
+  for (int c = 0; c < consumers; ++c) out += "---|";
+  out += "\n";
+  std::vector<std::vector<std::pair<double, double>>> soft(consumers), mma(consumers);
+  for (int c = 0; c < consumers; ++c) {
+    soft[c] = PhaseIntervals(roles[c], k::kFp8Softmax, t0);
+    mma[c] = PhaseIntervals(roles[c], k::kFp8S, t0);
+    for (const auto& x : PhaseIntervals(roles[c], k::kFp8Pv, t0)) mma[c].push_back(x);
+  }
+  const size_t tiles = soft.empty() ? 0 : soft[0].size();
+  for (size_t j = 0; j < std::min<size_t>(tiles, 12); ++j) {
+    out += "| " + std::to_string(j) + " |";
+    for (int c = 0; c < consumers; ++c) {
+      const auto s_iv = PhaseIntervals(roles[c], k::kFp8S, t0);
+      const auto pv_iv = PhaseIntervals(roles[c], k::kFp8Pv, t0);
+      char cell[96];
+      if (j < s_iv.size() && j < soft[c].size() && j < pv_iv.size())
+        std::snprintf(cell, sizeof(cell), " %.0f / %.0f / %.0f / %.0f |", s_iv[j].first, soft[c][j].first,
+                      soft[c][j].second, pv_iv[j].second);
+      else
+        std::snprintf(cell, sizeof(cell), " - |");
+      out += cell;
+    }
+    out += "\n";
+  }
+  out += "\n| warpgroup | key tiles traced | softmax clocks | of it beside another's softmax | beside another's S or P V |\n"
+         "|---:|---:|---:|---:|---:|\n";
+  for (int c = 0; c < consumers; ++c) {
+    double total = 0, with_soft = 0, with_mma = 0;
+    for (const auto& x : soft[c]) total += x.second - x.first;
+    for (int o = 0; o < consumers; ++o)
+      if (o != c) with_soft += Covered(soft[c], soft[o]), with_mma += Covered(soft[c], mma[o]);
+    char row[160];
+    std::snprintf(row, sizeof(row), "| %d | %zu | %.0f | %.0f%% | %.0f%% |\n", c, soft[c].size(), total,
+                  total > 0 ? 100.0 * with_soft / total : 0.0, total > 0 ? 100.0 * with_mma / total : 0.0);
+    out += row;
+  }
+  return out;
+}
+
+// One launch of the stamped variant: clocks per key tile in each phase, one row of the second table;
+// the launch's timeline into *timeline.
 template <int D, typename Launch>
-std::string PhaseRow(int s, bool causal, Launch&& launch) {
+std::string PhaseRow(int s, bool causal, Launch&& launch, std::string* timeline) {
   namespace k = attn::kernels::cuda;
   uint64_t slots[k::kFp8PhaseSlots];
   CHECK_CUDA(k::ResetFp8PhaseClocks<D>());
   CHECK_CUDA(launch());
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(k::ReadFp8PhaseClocks<D>(slots));
+  *timeline += TimelineTable<D>(s);
   const double ct = std::max<double>(1, double(slots[k::kFp8ConsumerTilesSlot]));
   const double pt = std::max<double>(1, double(slots[k::kFp8ProducerTilesSlot]));
   std::string row = "| " + std::to_string(D) + " | " + std::to_string(s) + " | " + (causal ? "yes" : "no") + " |";
@@ -125,7 +217,8 @@ std::string PhaseRow(int s, bool causal, Launch&& launch) {
 }
 
 // One shape: every variant against the shipped kernel. Returns the number of disagreeing variants.
-int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* phase_rows) {
+int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* phase_rows,
+             std::string* timelines) {
   const int heads = 2048 / d, batch = std::max(1, 16384 / s), total = batch * s;
   const size_t elems = size_t(total) * heads * d;
   std::mt19937 rng(1234 + d + s);
@@ -196,7 +289,8 @@ int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* 
                 100.0 * double(identical) / double(elems), agrees ? "agrees" : "DISAGREES");
     std::fflush(stdout);
     if (v == Fp8Variant::kStamped) {
-      phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, variant) : PhaseRow<256>(s, o.causal, variant));
+      phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, variant, timelines)
+                                     : PhaseRow<256>(s, o.causal, variant, timelines));
     }
   }
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o), static_cast<const void*>(dcu),
@@ -236,8 +330,9 @@ int main(int argc, char** argv) {
               "|---:|---:|---|---|---:|---:|---:|---:|---|---:|---:|---|\n");
   int disagreeing = 0;
   std::vector<std::string> phase_rows;
+  std::string timelines;
   for (int d : o.dims)
-    for (int s : o.seqs) disagreeing += RunShape(o, d, s, sms, &phase_rows);
+    for (int s : o.seqs) disagreeing += RunShape(o, d, s, sms, &phase_rows, &timelines);
   if (!phase_rows.empty()) {
     std::printf("\nThe stamped kernel, one launch: SM clocks per key tile of one consumer warpgroup (its "
                 "thread 0) in each phase, and of the producer thread\n\n"
@@ -245,6 +340,7 @@ int main(int argc, char** argv) {
                 "consumer total | producer: wait for a free stage | producer: issue |\n"
                 "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const std::string& row : phase_rows) std::printf("%s\n", row.c_str());
+    std::printf("%s", timelines.c_str());
   }
   return disagreeing == 0 ? 0 : 1;
 }

@@ -38,7 +38,8 @@ namespace attn::kernels::cuda {
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
-// AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks).
+// AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
+// where one CTA's roles write their timeline.
 template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
@@ -111,20 +112,35 @@ struct Sm90Fp8Clocks {
   __device__ __forceinline__ void Start() {}
   __device__ __forceinline__ void Mark(int) {}
 };
+// With trace set (one thread of each role in one CTA: the traits' TraceSlot), each mark's phase
+// and clock are also written there in order, kFp8TraceMarks at most: a timeline of the roles.
 template <>
 struct Sm90Fp8Clocks<true> {
   uint32_t last = 0;
   uint32_t sum[kFp8Phases] = {};
+  uint32_t* trace = nullptr;
+  int marks = 0;
   __device__ __forceinline__ static uint32_t Now() {
     uint32_t c;
     asm volatile("mov.u32 %0, %%clock;\n" : "=r"(c));
     return c;
   }
-  __device__ __forceinline__ void Start() { last = Now(); }
+  __device__ __forceinline__ void Record(int phase, uint32_t now) {
+    if (trace != nullptr && marks < kFp8TraceMarks) {
+      trace[2 * marks] = uint32_t(phase);
+      trace[2 * marks + 1] = now;
+      ++marks;
+    }
+  }
+  __device__ __forceinline__ void Start() {
+    last = Now();
+    Record(kFp8Phases, last);
+  }
   __device__ __forceinline__ void Mark(int phase) {
     const uint32_t now = Now();
     sum[phase] += now - last;
     last = now;
+    Record(phase, now);
   }
 };
 
@@ -194,6 +210,7 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
   const int hk = h / P.p.heads_per_kv;
   const int vt0 = int(Fp8VtSeqStart(t.k_start, b));
   Sm90Fp8Clocks<Tr::kStamps> clk;
+  if constexpr (Tr::kStamps) clk.trace = Tr::TraceSlot(Tr::kConsumerWGs);
   clk.Start();
   ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
   ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
@@ -252,6 +269,9 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   float s[BN / 2];
   uint32_t pa[BN / 32][4];
   Sm90Fp8Clocks<Tr::kStamps> clk;  // (the stamped build's non-overlapped loop only)
+  if constexpr (Tr::kStamps) {
+    if (tid == 0) clk.trace = Tr::TraceSlot(cw);
+  }
   clk.Start();
 
   // S of key tile stage st into s; P V of stage st into o (not committed or waited for).

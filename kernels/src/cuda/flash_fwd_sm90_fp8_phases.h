@@ -25,4 +25,9 @@ constexpr int kFp8ConsumerTilesSlot = kFp8Phases;
 constexpr int kFp8ProducerTilesSlot = kFp8Phases + 1;
 constexpr int kFp8PhaseSlots = kFp8Phases + 2;
 
+// The timeline of one CTA's first Q tile: per role (the consumer warpgroups, then the producer),
+// up to kFp8TraceMarks (phase, SM clock) pairs, phase kFp8Phases marking the role's start.
+constexpr int kFp8TraceRoles = 4;
+constexpr int kFp8TraceMarks = 128;
+
 }  // namespace attn::kernels::cuda
