@@ -37,14 +37,17 @@ namespace attn::kernels::cuda {
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
+// kTurnsV: the order of the consumer warpgroups' S products (Sm90Fp8Turns; 0, the free order).
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
-template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false>
+template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
+          int kTurnsV = 0>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
+  static constexpr int kTurns = kTurnsV;
   static constexpr bool kStamps = false;
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = kConsumerWGsV;
@@ -76,6 +79,7 @@ struct Sm90Fp8Traits {
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
                 "register split above the launch allocation");
   static_assert(D == 128 || D == 256, "FP8 head dims: whole 128-code slabs, P V in 128-column products");
+  static_assert(kTurns == 0 || !kOverlap, "turns are taken in the plain loop only");
   static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "tiles keep 1024-byte alignment");
@@ -142,6 +146,49 @@ struct Sm90Fp8Clocks<true> {
     last = now;
     Record(phase, now);
   }
+};
+
+// The order in which the consumer warpgroups issue their S products, kept across a CTA's Q tiles
+// (one per consumer thread). kMode 0: free (each as soon as its K is loaded; the warpgroups then
+// tend to run S, softmax and P V at the same times). 1: in turns, every key tile: warpgroup c
+// issues S after c - 1 has issued its own (warpgroup 0 after the last, from its second S on),
+// so the products complete one after another and the softmaxes start apart. 2: staggered once:
+// each warpgroup's first S waits for the previous warpgroup's first S to complete, then the order
+// is free. Named barriers kFp8TurnBar + c pair warpgroup c - 1's arrive with c's sync.
+constexpr int kFp8TurnBar = 8;
+template <int kMode, int kWGs>
+struct Sm90Fp8Turns {
+  __device__ __forceinline__ void BeforeS(int) {}
+  __device__ __forceinline__ void AfterSIssue(int) {}
+  __device__ __forceinline__ void AfterSDone(int) {}
+  __device__ __forceinline__ void Finish(int) {}
+};
+template <int kWGs>
+struct Sm90Fp8Turns<1, kWGs> {
+  bool started = false;
+  __device__ __forceinline__ void BeforeS(int cw) {
+    if (cw != 0 || started) ptx::NamedBarSync(kFp8TurnBar + cw, 256);
+    started = true;
+  }
+  __device__ __forceinline__ void AfterSIssue(int cw) { ptx::NamedBarArrive(kFp8TurnBar + (cw + 1) % kWGs, 256); }
+  __device__ __forceinline__ void AfterSDone(int) {}
+  // Warpgroup 0 takes the last warpgroup's final turn, which no S waits for.
+  __device__ __forceinline__ void Finish(int cw) {
+    if (cw == 0 && started) ptx::NamedBarSync(kFp8TurnBar, 256);
+  }
+};
+template <int kWGs>
+struct Sm90Fp8Turns<2, kWGs> {
+  bool started = false;
+  __device__ __forceinline__ void BeforeS(int cw) {
+    if (cw != 0 && !started) ptx::NamedBarSync(kFp8TurnBar + cw, 256);
+  }
+  __device__ __forceinline__ void AfterSIssue(int) {}
+  __device__ __forceinline__ void AfterSDone(int cw) {
+    if (cw + 1 < kWGs && !started) ptx::NamedBarArrive(kFp8TurnBar + cw + 1, 256);
+    started = true;
+  }
+  __device__ __forceinline__ void Finish(int) {}
 };
 
 // Four floats -> one register of four e4m3 codes (a in the low byte), rounded to nearest and
@@ -239,10 +286,10 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
 // keeps the tensor cores busy during each one's softmax; turns imposed between them by named
 // barriers, or P V issued with the next S and both waited for, measured slower: docs/PERF.md), or,
 // with Tr::kOverlap, the softmax of each tile under the previous tile's P V.
-template <typename Tr>
+template <typename Tr, typename Turns>
 __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
                                                int cw, uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                               Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
+                                               Sm90Ring<Tr::kStages>& ring, uint32_t q_loads, Turns& turns) {
   constexpr int D = Tr::kHeadDim;
   constexpr int BN = Tr::kBlockN;
   const FlashParams& p = P.p;
@@ -320,13 +367,16 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   };
   // S of key tile nb (stage st) on its own, then its P; returns once the stage's V is loaded.
   auto s_to_p = [&](int nb, int st) {
+    turns.BeforeS(cw);
     ptx::MbarWait(bars.FullK(st), ring.phase);
     clk.Mark(kFp8WaitK);
     ptx::WgmmaFence();
     issue_s(st);
     ptx::WgmmaCommit();
+    turns.AfterSIssue(cw);
     ptx::WgmmaWait<0>();
     ptx::RegFence(s);
+    turns.AfterSDone(cw);
     clk.Mark(kFp8S);
     softmax(nb, st);
     clk.Mark(kFp8Softmax);
@@ -441,9 +491,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
     }
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
+    Sm90Fp8Turns<Tr::kTurns, Tr::kConsumerWGs> turns;
     for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
-      Sm90Fp8Consume<Tr>(P, t, b, h, wg - 1, smem, bars, ring, q_loads);
+      Sm90Fp8Consume<Tr>(P, t, b, h, wg - 1, smem, bars, ring, q_loads, turns);
     });
+    turns.Finish(wg - 1);
   }
 #endif
 }
