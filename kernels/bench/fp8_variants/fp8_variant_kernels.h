@@ -25,6 +25,7 @@ enum class Fp8Variant {
   kOverlap,  // two warpgroups, the softmax of each key tile under the previous tile's P V
   kTurns,    // the shipped warpgroups issuing S in turns, every key tile (Sm90Fp8Turns mode 1)
   kStagger,  // the shipped warpgroups, each one's first S after the previous one's (mode 2)
+  kVtInKernel,  // the shipped traits with V transposed by the producer warpgroup, no pass before
   kStamped,  // the shipped traits with clocks per phase (ReadFp8PhaseClocks)
   kStampedTurns,  // kTurns with clocks per phase
   kCount,

@@ -80,6 +80,8 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, kWGs, false, 1>>(p, sms, stream);
     case Fp8Variant::kStagger:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, kWGs, false, 2>>(p, sms, stream);
+    case Fp8Variant::kVtInKernel:
+      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, kWGs, false, 0, true>>(p, sms, stream);
     case Fp8Variant::kStamped: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D>>(p, sms, stream);
     case Fp8Variant::kStampedTurns: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D, 1>>(p, sms, stream);
     default: return cudaErrorNotSupported;

@@ -317,6 +317,7 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kOverlap: return "overlap";
     case Fp8Variant::kTurns: return "turns";
     case Fp8Variant::kStagger: return "stagger";
+    case Fp8Variant::kVtInKernel: return "vt_in_kernel";
     case Fp8Variant::kStamped: return "stamped";
     case Fp8Variant::kStampedTurns: return "stamped_turns";
     default: return "?";

@@ -38,16 +38,20 @@ namespace attn::kernels::cuda {
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
 // kTurnsV: the order of the consumer warpgroups' S products (Sm90Fp8Turns; 0, the free order).
+// kVtInKernelV: V read as it lies ([keys, D] rows, by TMA into a staging ring of kStagingBufs
+// tiles) and transposed into each stage's Vt tile by the producer warpgroup
+// (Sm90Fp8ProduceTransposing), instead of by a pass over all of V before the launch.
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
 template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
-          int kTurnsV = 0>
+          int kTurnsV = 0, bool kVtInKernelV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
   static constexpr int kTurns = kTurnsV;
+  static constexpr bool kVtInKernel = kVtInKernelV;
   static constexpr bool kStamps = false;
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = kConsumerWGsV;
@@ -62,24 +66,30 @@ struct Sm90Fp8Traits {
   static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D;
   static constexpr uint32_t kKBytes = uint32_t(kBlockN) * D;
   static constexpr uint32_t kVBytes = uint32_t(D) * kBlockN;  // D rows of 128 key codes
-  // Q full/empty per Q buffer, then per stage K full, V full, K empty, V empty (Sm90Bars).
-  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages);
-  static constexpr int kQBufs =
-      2 * kQBytes + kStages * (kKBytes + kVBytes) + kBarBytes + 1024 <= 227 * 1024 ? 2 : 1;
+  static constexpr int kStagingBufs = kVtInKernel ? 2 : 0;        // V tiles as they lie
+  static constexpr uint32_t kStagingBytes = uint32_t(kBlockN) * D;
+  // Q full/empty per Q buffer, then per stage K full, V full, K empty, V empty (Sm90Bars), then
+  // per staging buffer full and empty.
+  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages + 2 * kStagingBufs);
+  static constexpr int kQBufs = 2 * kQBytes + kStages * (kKBytes + kVBytes) + kStagingBufs * kStagingBytes +
+                                            kBarBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kQOff = 0;
   static constexpr uint32_t kKOff = kQBufs * kQBytes;
   static constexpr uint32_t kVOff = kKOff + kStages * kKBytes;
-  static constexpr uint32_t kBarOff = kVOff + kStages * kVBytes;
+  static constexpr uint32_t kStagingOff = kVOff + kStages * kVBytes;
+  static constexpr uint32_t kBarOff = kStagingOff + kStagingBufs * kStagingBytes;
   static constexpr uint32_t kSmemBytes = kBarOff + kBarBytes;
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
 
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  // The transposing producer needs more than 24 registers; three consumer warpgroups keep 160.
+  static constexpr int kProducerRegs = kVtInKernel ? 32 : 24;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kVtInKernel ? 232 : 240) : 160;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
                 "register split above the launch allocation");
   static_assert(D == 128 || D == 256, "FP8 head dims: whole 128-code slabs, P V in 128-column products");
   static_assert(kTurns == 0 || !kOverlap, "turns are taken in the plain loop only");
+  static_assert(!kVtInKernel || !kStamps, "the stamped producer is the plain one");
   static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "tiles keep 1024-byte alignment");
@@ -101,7 +111,8 @@ template <int D, typename T>
 using Sm90Fp8ShippedNarrow = Sm90Fp8Traits<D, T, kSm90Fp8ShippedExpFmaEvery<D>, 2>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
-// D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.
+// D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}, or
+// with Tr::kVtInKernel V as it lies, {D, rows, num_kv_heads}.
 struct Sm90Fp8Params {
   FlashParams p;
   CUtensorMap tq;
@@ -281,6 +292,111 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
   if constexpr (Tr::kStamps) Tr::AddClocks(clk.sum, uint32_t(t.nb_max - t.nb_min), true);
 }
 
+// The staging ring of the transposing producer (Tr::kVtInKernel): buffer and parity, per key tile.
+template <int B>
+struct Sm90Fp8StagingRing {
+  int sb = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void Advance() {
+    if (++sb == B) {
+      sb = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// Key tile `staging` (128 keys of D codes, rows as they lie in V, no swizzle) -> the stage's Vt
+// tile (D rows of 128 key codes, 128-byte swizzled as a TMA box of Vt is, keys in the order of
+// Fp8VtKeyOfColumn), keys from `kmax` on as zeros (the next sequence's rows may hold NaN codes).
+// Thread ptid of the producer warpgroup moves 4x4-byte blocks: four 4-byte words of four keys at
+// head-dim quad dq, byte-permuted into four words of those keys at each head dim. A warp's lanes
+// take distinct dq and key words that rotate with the lane, so neither its loads (one bank per dq)
+// nor its stores (the swizzle's bank per key word and row) collide.
+template <int D>
+__device__ __forceinline__ void Sm90Fp8TransposeV(const uint8_t* staging, uint8_t* vt, int kmax, int ptid) {
+  const int lane = ptid % 32, w = ptid / 32;
+  constexpr int kIters = (D / 4) * 32 / 128;  // blocks per thread: (D / 4) quads x 32 key words
+#pragma unroll 1
+  for (int it = 0; it < kIters; ++it) {
+    const int dq = lane + 32 * (it / 8);
+    const int kw = (lane + w + 4 * (it % 8)) % 32;  // 4-column word of the Vt row
+    const int k0 = 32 * (kw >> 3) + 16 * ((kw >> 2) & 1) + 2 * (kw & 3);
+    const int keys[4] = {k0, k0 + 1, k0 + 8, k0 + 9};  // Fp8VtKeyOfColumn of its four columns
+    uint32_t a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      a[i] = keys[i] < kmax ? *reinterpret_cast<const uint32_t*>(staging + keys[i] * D + 4 * dq) : 0u;
+    const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
+    const uint32_t t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
+    const uint32_t out[4] = {__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632),
+                             __byte_perm(t1, t3, 0x5410), __byte_perm(t1, t3, 0x7632)};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = 4 * dq + e;
+      const int off = d * 128 + ((((kw >> 2) ^ d) & 7) << 4) + ((kw & 3) << 2);
+      *reinterpret_cast<uint32_t*>(vt + off) = out[e];
+    }
+  }
+}
+
+// Producer warpgroup of Tr::kVtInKernel, one tile of sequence b (thread 0 holding Q buffer q's
+// "empty" phase): thread 0 loads Q, each key tile's K into the stage ring and its V rows into the
+// staging ring, one key tile ahead; all 128 threads then transpose each staged V tile into its
+// stage's Vt and arrive (a warp each) on the stage's "V full" and the staging buffer's "empty".
+template <typename Tr>
+__device__ __forceinline__ void Sm90Fp8ProduceTransposing(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
+                                                          uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
+                                                          Sm90Ring<Tr::kStages>& ring,
+                                                          Sm90Fp8StagingRing<Tr::kStagingBufs>& staged,
+                                                          const Sm90QSlot& q) {
+  constexpr int BN = Tr::kBlockN;
+  constexpr int SB = Tr::kStagingBufs;
+  const int ptid = threadIdx.x % 128;
+  const bool issuer = ptid == 0;
+  const int hk = h / P.p.heads_per_kv;
+  uint64_t* const staging_full = bars.base + 4 + 4 * Tr::kStages;
+  uint64_t* const staging_empty = staging_full + SB;
+  if (issuer) {
+    ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
+    ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
+                   bars.FullQ(q.buf));
+  }
+  // Loads of key tile nb into the stage and staging buffer `ahead` and `ahead_v` point at.
+  Sm90Ring<Tr::kStages> ahead = ring;
+  Sm90Fp8StagingRing<SB> ahead_v = staged;
+  auto issue = [&](int nb) {
+    if (issuer) {
+      ptx::MbarWait(bars.EmptyK(ahead.st), ahead.phase ^ 1);
+      ptx::MbarArriveExpectTx(bars.FullK(ahead.st), Tr::kKBytes);
+      ptx::TmaLoad4d(smem + Tr::kKOff + ahead.st * Tr::kKBytes, &P.tk, 0, t.k_start + nb * BN, 0, hk,
+                     bars.FullK(ahead.st));
+      ptx::MbarWait(staging_empty + ahead_v.sb, ahead_v.phase ^ 1);
+      ptx::MbarArriveExpectTx(staging_full + ahead_v.sb, Tr::kStagingBytes);
+      ptx::TmaLoad3d(smem + Tr::kStagingOff + ahead_v.sb * Tr::kStagingBytes, &P.tvt, 0, t.k_start + nb * BN,
+                     hk, staging_full + ahead_v.sb);
+    }
+    ahead.Advance();
+    ahead_v.Advance();
+  };
+  issue(t.nb_max - 1);
+  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
+    if (nb > t.nb_min) issue(nb - 1);
+    const int st = ring.st;
+    ptx::MbarWait(staging_full + staged.sb, staged.phase);
+    ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
+    Sm90Fp8TransposeV<Tr::kHeadDim>(smem + Tr::kStagingOff + staged.sb * Tr::kStagingBytes,
+                                    smem + Tr::kVOff + st * Tr::kVBytes, t.s_k - nb * BN, ptid);
+    ptx::FenceProxyAsyncShared();  // the Vt writes, before P V reads them through the async proxy
+    __syncwarp();
+    if (ptid % 32 == 0) {
+      ptx::MbarArrive(bars.FullV(st));
+      ptx::MbarArrive(staging_empty + staged.sb);
+    }
+    ring.Advance();
+    staged.Advance();
+  }
+}
+
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the tile, one key tile at a
 // time (S, mask, softmax, P V, each product waited for at once: the two warpgroups' interleaving
 // keeps the tensor cores busy during each one's softmax; turns imposed between them by named
@@ -456,6 +572,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
 
   if (threadIdx.x == 0) {
     bars.Init(kConsumerWarps);
+    if constexpr (Tr::kVtInKernel) {
+      // Vt is written by the producer's four warps; the staging buffers take a TMA (full) and
+      // the four warps' release (empty).
+      for (int i = 0; i < S; ++i) ptx::MbarInit(bars.FullV(i), 4);
+      for (int i = 0; i < Tr::kStagingBufs; ++i) {
+        ptx::MbarInit(bars.base + 4 + 4 * S + i, 1);
+        ptx::MbarInit(bars.base + 4 + 4 * S + Tr::kStagingBufs + i, 4);
+      }
+    }
     ptx::FenceMbarInit();
   }
   __syncthreads();
@@ -481,7 +606,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (wg == 0) {
     ptx::SetMaxNRegDec<Tr::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    if constexpr (Tr::kVtInKernel) {
+      Sm90Fp8StagingRing<Tr::kStagingBufs> staged;
+      for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
+        if (t.nb_max == t.nb_min) return;
+        const Sm90QSlot q(q_loads, Tr::kQBufs);
+        if (threadIdx.x == 0) ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);
+        Sm90Fp8ProduceTransposing<Tr>(P, t, b, h, smem, bars, ring, staged, q);
+      });
+    } else if (threadIdx.x == 0) {
       for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
         if (t.nb_max == t.nb_min) return;
         const Sm90QSlot q(q_loads, Tr::kQBufs);
