@@ -308,34 +308,28 @@ struct Sm90Fp8StagingRing {
 // Key tile `staging` (128 keys of D codes, rows as they lie in V, no swizzle) -> the stage's Vt
 // tile (D rows of 128 key codes, 128-byte swizzled as a TMA box of Vt is, keys in the order of
 // Fp8VtKeyOfColumn), keys from `kmax` on as zeros (the next sequence's rows may hold NaN codes).
-// Thread ptid of the producer warpgroup moves 4x4-byte blocks: four 4-byte words of four keys at
-// head-dim quad dq, byte-permuted into four words of those keys at each head dim. A warp's lanes
-// take distinct dq and key words that rotate with the lane, so neither its loads (one bank per dq)
-// nor its stores (the swizzle's bank per key word and row) collide.
+// Thread ptid of the producer warpgroup moves 4x4-byte blocks (Fp8VtBlockQuad/Word): four 4-byte
+// words of four keys at one head-dim quad, byte-permuted into four words of those keys at each of
+// its head dims.
 template <int D>
 __device__ __forceinline__ void Sm90Fp8TransposeV(const uint8_t* staging, uint8_t* vt, int kmax, int ptid) {
-  const int lane = ptid % 32, w = ptid / 32;
   constexpr int kIters = (D / 4) * 32 / 128;  // blocks per thread: (D / 4) quads x 32 key words
 #pragma unroll 1
   for (int it = 0; it < kIters; ++it) {
-    const int dq = lane + 32 * (it / 8);
-    const int kw = (lane + w + 4 * (it % 8)) % 32;  // 4-column word of the Vt row
-    const int k0 = 32 * (kw >> 3) + 16 * ((kw >> 2) & 1) + 2 * (kw & 3);
-    const int keys[4] = {k0, k0 + 1, k0 + 8, k0 + 9};  // Fp8VtKeyOfColumn of its four columns
+    const int dq = Fp8VtBlockQuad(ptid, it);
+    const int kw = Fp8VtBlockWord(ptid, it);
     uint32_t a[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      a[i] = keys[i] < kmax ? *reinterpret_cast<const uint32_t*>(staging + keys[i] * D + 4 * dq) : 0u;
+    for (int i = 0; i < 4; ++i) {
+      const int key = Fp8VtWordKey(kw, i);
+      a[i] = key < kmax ? *reinterpret_cast<const uint32_t*>(staging + key * D + 4 * dq) : 0u;
+    }
     const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
     const uint32_t t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
     const uint32_t out[4] = {__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632),
                              __byte_perm(t1, t3, 0x5410), __byte_perm(t1, t3, 0x7632)};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int d = 4 * dq + e;
-      const int off = d * 128 + ((((kw >> 2) ^ d) & 7) << 4) + ((kw & 3) << 2);
-      *reinterpret_cast<uint32_t*>(vt + off) = out[e];
-    }
+    for (int e = 0; e < 4; ++e) *reinterpret_cast<uint32_t*>(vt + Fp8VtByteOffset(4 * dq + e, kw)) = out[e];
   }
 }
 
