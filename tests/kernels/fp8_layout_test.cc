@@ -75,6 +75,9 @@ TEST(Fp8Layout, InKernelTranspositionFillsTheVtTileWithoutBankConflicts) {
           const int ptid = 32 * warp + lane;
           const int dq = Fp8VtBlockQuad(ptid, it), w = Fp8VtBlockWord(ptid, it);
           ASSERT_LT(4 * dq, d_head);
+          // The device loop's stepping: the word's low bits fixed, its 16-key group one further a step.
+          ASSERT_EQ(w & 3, Fp8VtBlockWord(ptid, 0) & 3);
+          ASSERT_EQ(w >> 2, ((Fp8VtBlockWord(ptid, 0) >> 2) + it) & 7);
           for (int j = 0; j < 4; ++j) {
             const int key = Fp8VtWordKey(w, j);
             load_banks[j].insert((key * d_head + 4 * dq) / 4 % 32);

@@ -308,28 +308,54 @@ struct Sm90Fp8StagingRing {
 // Key tile `staging` (128 keys of D codes, rows as they lie in V, no swizzle) -> the stage's Vt
 // tile (D rows of 128 key codes, 128-byte swizzled as a TMA box of Vt is, keys in the order of
 // Fp8VtKeyOfColumn), keys from `kmax` on as zeros (the next sequence's rows may hold NaN codes).
-// Thread ptid of the producer warpgroup moves 4x4-byte blocks (Fp8VtBlockQuad/Word): four 4-byte
-// words of four keys at one head-dim quad, byte-permuted into four words of those keys at each of
-// its head dims.
-template <int D>
-__device__ __forceinline__ void Sm90Fp8TransposeV(const uint8_t* staging, uint8_t* vt, int kmax, int ptid) {
-  constexpr int kIters = (D / 4) * 32 / 128;  // blocks per thread: (D / 4) quads x 32 key words
+// Both are shared-memory addresses. Thread ptid of the producer warpgroup moves the 4x4-byte
+// blocks of Fp8VtBlockQuad/Word: four 4-byte words of four keys at one head-dim quad,
+// byte-permuted into four words of those keys at each of its head dims. The word's key group
+// advances by one a step (Fp8VtBlockKey0), so the addresses are a base plus constants.
+template <int D, bool kTail>
+__device__ __forceinline__ void Sm90Fp8TransposeVSteps(uint32_t staging, uint32_t vt, int kmax, int ptid) {
+  const int lane = ptid % 32;
+  const int lo = Fp8VtBlockWord(ptid, 0) & 3, g0 = Fp8VtBlockWord(ptid, 0) >> 2;
 #pragma unroll 1
-  for (int it = 0; it < kIters; ++it) {
-    const int dq = Fp8VtBlockQuad(ptid, it);
-    const int kw = Fp8VtBlockWord(ptid, it);
-    uint32_t a[4];
+  for (int half = 0; half < D / 128; ++half) {
+    const int dq = lane + 32 * half;
+    const uint32_t src = staging + 4 * dq;
+    const uint32_t dst = vt + 4 * dq * 128 + (lo << 2);
+    const int dlow = (4 * dq) & 7;
+#pragma unroll 1
+    for (int it = 0; it < 8; ++it) {
+      const int g = (g0 + it) & 7;  // the word's 16-key group: Fp8VtBlockWord(ptid, it) >> 2
+      const int k0 = 16 * g + 2 * lo;
+      const uint32_t row = src + uint32_t(k0) * D;
+      uint32_t a[4];
+      constexpr int kKeyOffset[4] = {0, 1, 8, 9};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int key = Fp8VtWordKey(kw, i);
-      a[i] = key < kmax ? *reinterpret_cast<const uint32_t*>(staging + key * D + 4 * dq) : 0u;
+      for (int i = 0; i < 4; ++i) {
+        a[i] = 0;
+        if (!kTail || k0 + kKeyOffset[i] < kmax) {
+          asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a[i]) : "r"(row + kKeyOffset[i] * D));
+        }
+      }
+      const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
+      const uint32_t t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
+      const uint32_t out[4] = {__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632),
+                               __byte_perm(t1, t3, 0x5410), __byte_perm(t1, t3, 0x7632)};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        // Fp8VtByteOffset(4 dq + e, word): row 4 dq + e, chunk g XOR the row's low bits.
+        const uint32_t addr = dst + e * 128 + (((g ^ (dlow + e)) & 7) << 4);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(out[e]) : "memory");
+      }
     }
-    const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
-    const uint32_t t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
-    const uint32_t out[4] = {__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632),
-                             __byte_perm(t1, t3, 0x5410), __byte_perm(t1, t3, 0x7632)};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) *reinterpret_cast<uint32_t*>(vt + Fp8VtByteOffset(4 * dq + e, kw)) = out[e];
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void Sm90Fp8TransposeV(uint32_t staging, uint32_t vt, int kmax, int ptid) {
+  if (kmax >= kFp8BlockN) {
+    Sm90Fp8TransposeVSteps<D, false>(staging, vt, kmax, ptid);
+  } else {
+    Sm90Fp8TransposeVSteps<D, true>(staging, vt, kmax, ptid);
   }
 }
 
@@ -378,8 +404,8 @@ __device__ __forceinline__ void Sm90Fp8ProduceTransposing(const Sm90Fp8Params& P
     const int st = ring.st;
     ptx::MbarWait(staging_full + staged.sb, staged.phase);
     ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
-    Sm90Fp8TransposeV<Tr::kHeadDim>(smem + Tr::kStagingOff + staged.sb * Tr::kStagingBytes,
-                                    smem + Tr::kVOff + st * Tr::kVBytes, t.s_k - nb * BN, ptid);
+    Sm90Fp8TransposeV<Tr::kHeadDim>(ptx::SmemAddr(smem + Tr::kStagingOff + staged.sb * Tr::kStagingBytes),
+                                    ptx::SmemAddr(smem + Tr::kVOff + st * Tr::kVBytes), t.s_k - nb * BN, ptid);
     ptx::FenceProxyAsyncShared();  // the Vt writes, before P V reads them through the async proxy
     __syncwarp();
     if (ptid % 32 == 0) {
