@@ -14,10 +14,10 @@
 namespace attn::kernels::cuda {
 
 enum class Fp8Variant {
-  kMufu,  // every exp2 on the MUFU pipe (the shipped warpgroups)
+  kMufu,  // every exp2 on the MUFU pipe (the shipped warpgroups; d=128's shipped split)
   kFma2,  // every 2nd group of 8 keys' exp2 on the FMA pipe (the shipped warpgroups)
   kFma3,  // every 3rd
-  kFma4,  // every 4th (d=128's shipped split; d=256's until it moved to every 8th)
+  kFma4,  // every 4th (d=128's until its third warpgroup gave MUFU the edge; its narrow tiles')
   kFma5,  // every 5th
   kFma6,  // every 6th
   kFma8,  // every 8th (d=256's shipped split)

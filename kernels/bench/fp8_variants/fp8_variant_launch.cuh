@@ -19,7 +19,8 @@ __device__ int gFp8TimelineTaken[kFp8TraceRoles];
 // add their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
 template <int D, int kTurnsV = 0>
 struct Fp8StampedTraits
-    : Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ShippedExpFmaEvery<D>, kSm90Fp8ShippedWGs<D>, false, kTurnsV> {
+    : Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ExpFmaEveryOf<D, kSm90Fp8ShippedWGs<D>>, kSm90Fp8ShippedWGs<D>,
+                    false, kTurnsV> {
   static constexpr bool kStamps = true;
   __device__ static void AddClocks(const uint32_t (&sums)[kFp8Phases], uint32_t key_tiles,
                                    bool producer) {
@@ -62,7 +63,7 @@ template <int D>
 cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaStream_t stream) {
   using T = __nv_bfloat16;
   constexpr int kWGs = kSm90Fp8ShippedWGs<D>;
-  constexpr int kExp = kSm90Fp8ShippedExpFmaEvery<D>;
+  constexpr int kExp = kSm90Fp8ExpFmaEveryOf<D, kWGs>;
   switch (v) {
     case Fp8Variant::kMufu: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 0, kWGs>>(p, sms, stream);
     case Fp8Variant::kFma2: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 2, kWGs>>(p, sms, stream);
@@ -75,7 +76,7 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
       if constexpr (D == 128) return RunFlashFwdSm90Fp8With<Sm90Fp8ShippedNarrow<D, T>>(p, sms, stream);
       return cudaErrorNotSupported;
     case Fp8Variant::kOverlap:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, 2, true>>(p, sms, stream);
+      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2, true>>(p, sms, stream);
     case Fp8Variant::kTurns:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, kWGs, false, 1>>(p, sms, stream);
     case Fp8Variant::kStagger:

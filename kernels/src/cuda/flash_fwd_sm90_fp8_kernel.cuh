@@ -96,19 +96,21 @@ struct Sm90Fp8Traits {
 };
 
 // The traits RunFlashFwdSm90Fp8 launches (kernels/bench/fp8_variants times the others). d=128:
-// three consumer warpgroups (192-row tiles) with every 4th exp2 group on the FMA pipe, 1.13-1.14x
-// two warpgroups at s=4k/8k although ptxas spills 84 bytes under the 160-register split, and two
-// (128-row tiles) where they take fewer rounds of the grid (Fp8TileRows); d=256: two warpgroups
-// (their registers do not fit three), every 8th group on FMA, 1.05x every 4th.
+// three consumer warpgroups (192-row tiles), 1.13-1.14x two warpgroups at s=4k/8k although ptxas
+// spills 84 bytes under the 160-register split, every exp2 on the MUFU pipe (with three
+// warpgroups the FMA pipe's share no longer pays: every exp2 on MUFU 1.010-1.016x every 4th group
+// on FMA, H100), and two (128-row tiles) where they take fewer rounds of the grid (Fp8TileRows),
+// with every 4th group on FMA (4-8% on the H200); d=256: two warpgroups (their registers do not
+// fit three), every 8th group on FMA, 1.05x every 4th.
 template <int D>
 inline constexpr int kSm90Fp8ShippedWGs = D == 128 ? 3 : 2;
-template <int D>
-inline constexpr int kSm90Fp8ShippedExpFmaEvery = D == 128 ? 4 : 8;
+template <int D, int kWGs>
+inline constexpr int kSm90Fp8ExpFmaEveryOf = D == 128 ? (kWGs == 3 ? 0 : 4) : 8;
 template <int D, typename T>
 using Sm90Fp8Shipped =
-    Sm90Fp8Traits<D, T, kSm90Fp8ShippedExpFmaEvery<D>, kSm90Fp8ShippedWGs<D>>;
+    Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, kSm90Fp8ShippedWGs<D>>, kSm90Fp8ShippedWGs<D>>;
 template <int D, typename T>
-using Sm90Fp8ShippedNarrow = Sm90Fp8Traits<D, T, kSm90Fp8ShippedExpFmaEvery<D>, 2>;
+using Sm90Fp8ShippedNarrow = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
 // D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}, or
