@@ -57,54 +57,6 @@ TEST(Fp8Layout, PackedPMeetsTheVRowOfItsKey) {
   }
 }
 
-// The producer's transposition of a V tile (Fp8VtBlock*, Fp8VtWordKey, Fp8VtByteOffset): every
-// byte of the stage's Vt tile is written once, with the code TMA would have read from the
-// transposed Vt (the key Fp8VtKeyOfColumn puts in its column, at its head dim, swizzled); and the
-// 32 lanes of a warp load from 32 banks and store into 32 banks at each step.
-TEST(Fp8Layout, InKernelTranspositionFillsTheVtTileWithoutBankConflicts) {
-  for (int d_head : {128, 256}) {
-    std::mt19937 rng(7 + d_head);
-    std::vector<int> v(size_t(kFp8BlockN) * d_head);
-    for (int& c : v) c = int(rng() % 256);
-    std::vector<int> vt(size_t(kFp8BlockN) * d_head, -1);
-    const int iters = (d_head / 4) * 32 / 128;
-    for (int it = 0; it < iters; ++it) {
-      for (int warp = 0; warp < 4; ++warp) {
-        std::set<int> load_banks[4], store_banks[4];
-        for (int lane = 0; lane < 32; ++lane) {
-          const int ptid = 32 * warp + lane;
-          const int dq = Fp8VtBlockQuad(ptid, it), w = Fp8VtBlockWord(ptid, it);
-          ASSERT_LT(4 * dq, d_head);
-          // The device loop's stepping: the word's low bits fixed, its 16-key group one further a step.
-          ASSERT_EQ(w & 3, Fp8VtBlockWord(ptid, 0) & 3);
-          ASSERT_EQ(w >> 2, ((Fp8VtBlockWord(ptid, 0) >> 2) + it) & 7);
-          for (int j = 0; j < 4; ++j) {
-            const int key = Fp8VtWordKey(w, j);
-            load_banks[j].insert((key * d_head + 4 * dq) / 4 % 32);
-            for (int e = 0; e < 4; ++e) {
-              const int off = Fp8VtByteOffset(4 * dq + e, w) + j;
-              ASSERT_EQ(vt[off], -1) << "byte written twice: " << off;
-              vt[off] = v[size_t(key) * d_head + 4 * dq + e];
-            }
-          }
-          for (int e = 0; e < 4; ++e) store_banks[e].insert(Fp8VtByteOffset(4 * dq + e, w) / 4 % 32);
-        }
-        for (int j = 0; j < 4; ++j) {
-          EXPECT_EQ(load_banks[j].size(), 32u) << "d " << d_head << " step " << it << " warp " << warp;
-          EXPECT_EQ(store_banks[j].size(), 32u) << "d " << d_head << " step " << it << " warp " << warp;
-        }
-      }
-    }
-    for (int d = 0; d < d_head; ++d) {
-      for (int c = 0; c < kFp8BlockN; ++c) {
-        const int swizzled = d * 128 + (((c / 16) ^ (d % 8)) * 16) + c % 16;
-        const int key = 32 * (c / 32) + Fp8VtKeyOfColumn(c % 32);
-        ASSERT_EQ(vt[swizzled], v[size_t(key) * d_head + d]) << "d " << d_head << " row " << d << " column " << c;
-      }
-    }
-  }
-}
-
 // A product computed through the layouts equals P V: a lane-level simulation of one 16-row slice
 // of the tile with random P and V.
 TEST(Fp8Layout, SimulatedPvEqualsTheDirectProduct) {

@@ -23,11 +23,7 @@ enum class Fp8Variant {
   kFma8,  // every 8th (d=256's shipped split)
   kWg2,   // d=128: two consumer warpgroups (128-row tiles, 240 registers; shipped for launches of few tiles)
   kOverlap,  // two warpgroups, the softmax of each key tile under the previous tile's P V
-  kTurns,    // the shipped warpgroups issuing S in turns, every key tile (Sm90Fp8Turns mode 1)
-  kStagger,  // the shipped warpgroups, each one's first S after the previous one's (mode 2)
-  kVtInKernel,  // the shipped traits with V transposed by the producer warpgroup, no pass before
   kStamped,  // the shipped traits with clocks per phase (ReadFp8PhaseClocks)
-  kStampedTurns,  // kTurns with clocks per phase
   kCount,
 };
 

@@ -15,12 +15,10 @@ __device__ uint32_t gFp8Timeline[kFp8TraceRoles][kFp8TraceMarks][2];
 template <int D>
 __device__ int gFp8TimelineTaken[kFp8TraceRoles];
 
-// The shipped (wide) traits, stamped (S in the free order or, kTurnsV, in turns): thread 0 of each consumer warpgroup and the producer thread
+// The shipped (wide) traits, stamped: thread 0 of each consumer warpgroup and the producer thread
 // add their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
-template <int D, int kTurnsV = 0>
-struct Fp8StampedTraits
-    : Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ExpFmaEveryOf<D, kSm90Fp8ShippedWGs<D>>, kSm90Fp8ShippedWGs<D>,
-                    false, kTurnsV> {
+template <int D>
+struct Fp8StampedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
   static constexpr bool kStamps = true;
   __device__ static void AddClocks(const uint32_t (&sums)[kFp8Phases], uint32_t key_tiles,
                                    bool producer) {
@@ -77,14 +75,7 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
       return cudaErrorNotSupported;
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2, true>>(p, sms, stream);
-    case Fp8Variant::kTurns:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, kWGs, false, 1>>(p, sms, stream);
-    case Fp8Variant::kStagger:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, kWGs, false, 2>>(p, sms, stream);
-    case Fp8Variant::kVtInKernel:
-      return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kExp, kWGs, false, 0, true>>(p, sms, stream);
     case Fp8Variant::kStamped: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D>>(p, sms, stream);
-    case Fp8Variant::kStampedTurns: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D, 1>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -131,7 +131,7 @@ double Covered(const std::vector<std::pair<double, double>>& a, const std::vecto
 // role's start); then how much of each warpgroup's softmax ran beside another's softmax and beside
 // another's products (S, P V), which tells whether the warpgroups take turns or run in step.
 template <int D>
-std::string TimelineTable(int s, const char* variant) {
+std::string TimelineTable(int s) {
   namespace k = attn::kernels::cuda;
   static uint32_t raw[k::kFp8TraceRoles][k::kFp8TraceMarks][2];
   CHECK_CUDA(k::ReadFp8Timeline<D>(raw));
@@ -146,7 +146,7 @@ std::string TimelineTable(int s, const char* variant) {
     roles.push_back(std::move(m));
   }
   const int consumers = D == 128 ? 3 : 2;  // the shipped warpgroups (kSm90Fp8ShippedWGs)
-  std::string out = "\n" + std::string(variant) + ", d=" + std::to_string(D) + " s=" + std::to_string(s) +
+  std::string out = "\nd=" + std::to_string(D) + " s=" + std::to_string(s) +
                     ": CTA 0's first Q tile, clocks after its first role's start; per consumer warpgroup "
                     "and key tile: S issued / softmax begins / softmax ends / P V complete\n\n| key tile |";
   for (int c = 0; c < consumers; ++c) out += " WG" + std::to_string(c) + " |";
@@ -193,18 +193,17 @@ std::string TimelineTable(int s, const char* variant) {
 // One launch of the stamped variant: clocks per key tile in each phase, one row of the second table;
 // the launch's timeline into *timeline.
 template <int D, typename Launch>
-std::string PhaseRow(int s, bool causal, const char* variant, Launch&& launch, std::string* timeline) {
+std::string PhaseRow(int s, bool causal, Launch&& launch, std::string* timeline) {
   namespace k = attn::kernels::cuda;
   uint64_t slots[k::kFp8PhaseSlots];
   CHECK_CUDA(k::ResetFp8PhaseClocks<D>());
   CHECK_CUDA(launch());
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(k::ReadFp8PhaseClocks<D>(slots));
-  *timeline += TimelineTable<D>(s, variant);
+  *timeline += TimelineTable<D>(s);
   const double ct = std::max<double>(1, double(slots[k::kFp8ConsumerTilesSlot]));
   const double pt = std::max<double>(1, double(slots[k::kFp8ProducerTilesSlot]));
-  std::string row = "| " + std::string(variant) + " | " + std::to_string(D) + " | " + std::to_string(s) + " | " +
-                    (causal ? "yes" : "no") + " |";
+  std::string row = "| " + std::to_string(D) + " | " + std::to_string(s) + " | " + (causal ? "yes" : "no") + " |";
   char cell[64];
   double total = 0;
   for (int i = k::kFp8WaitQ; i <= k::kFp8Epilogue; ++i) {
@@ -289,10 +288,9 @@ int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* 
                 flop / pv / 1e9, t.ratio.Pct(0.5), t.ratio.Pct(0.1), t.ratio.Pct(0.9), rel,
                 100.0 * double(identical) / double(elems), agrees ? "agrees" : "DISAGREES");
     std::fflush(stdout);
-    if (v == Fp8Variant::kStamped || v == Fp8Variant::kStampedTurns) {
-      const char* name = attn::kernels::cuda::Fp8VariantName(v);
-      phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, name, variant, timelines)
-                                     : PhaseRow<256>(s, o.causal, name, variant, timelines));
+    if (v == Fp8Variant::kStamped) {
+      phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, variant, timelines)
+                                     : PhaseRow<256>(s, o.causal, variant, timelines));
     }
   }
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o), static_cast<const void*>(dcu),
@@ -315,11 +313,7 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kFma8: return "fma8";
     case Fp8Variant::kWg2: return "wg2";
     case Fp8Variant::kOverlap: return "overlap";
-    case Fp8Variant::kTurns: return "turns";
-    case Fp8Variant::kStagger: return "stagger";
-    case Fp8Variant::kVtInKernel: return "vt_in_kernel";
     case Fp8Variant::kStamped: return "stamped";
-    case Fp8Variant::kStampedTurns: return "stamped_turns";
     default: return "?";
   }
 }
@@ -342,9 +336,9 @@ int main(int argc, char** argv) {
   if (!phase_rows.empty()) {
     std::printf("\nThe stamped kernel, one launch: SM clocks per key tile of one consumer warpgroup (its "
                 "thread 0) in each phase, and of the producer thread\n\n"
-                "| variant | d | s | causal | wait Q | wait K | S | softmax | pack P | wait V | P V | epilogue | "
+                "| d | s | causal | wait Q | wait K | S | softmax | pack P | wait V | P V | epilogue | "
                 "consumer total | producer: wait for a free stage | producer: issue |\n"
-                "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+                "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const std::string& row : phase_rows) std::printf("%s\n", row.c_str());
     std::printf("%s", timelines.c_str());
   }

@@ -37,21 +37,14 @@ namespace attn::kernels::cuda {
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
-// kTurnsV: the order of the consumer warpgroups' S products (Sm90Fp8Turns; 0, the free order).
-// kVtInKernelV: V read as it lies ([keys, D] rows, by TMA into a staging ring of kStagingBufs
-// tiles) and transposed into each stage's Vt tile by the producer warpgroup
-// (Sm90Fp8ProduceTransposing), instead of by a pass over all of V before the launch.
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
-template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
-          int kTurnsV = 0, bool kVtInKernelV = false>
+template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
-  static constexpr int kTurns = kTurnsV;
-  static constexpr bool kVtInKernel = kVtInKernelV;
   static constexpr bool kStamps = false;
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = kConsumerWGsV;
@@ -66,30 +59,23 @@ struct Sm90Fp8Traits {
   static constexpr uint32_t kQBytes = uint32_t(kBlockM) * D;
   static constexpr uint32_t kKBytes = uint32_t(kBlockN) * D;
   static constexpr uint32_t kVBytes = uint32_t(D) * kBlockN;  // D rows of 128 key codes
-  static constexpr int kStagingBufs = kVtInKernel ? 2 : 0;        // V tiles as they lie
-  static constexpr uint32_t kStagingBytes = uint32_t(kBlockN) * D;
-  // Q full/empty per Q buffer, then per stage K full, V full, K empty, V empty (Sm90Bars), then
-  // per staging buffer full and empty.
-  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages + 2 * kStagingBufs);
-  static constexpr int kQBufs = 2 * kQBytes + kStages * (kKBytes + kVBytes) + kStagingBufs * kStagingBytes +
-                                            kBarBytes + 1024 <= 227 * 1024 ? 2 : 1;
+  // Q full/empty per Q buffer, then per stage K full, V full, K empty, V empty (Sm90Bars).
+  static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages);
+  static constexpr int kQBufs =
+      2 * kQBytes + kStages * (kKBytes + kVBytes) + kBarBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kQOff = 0;
   static constexpr uint32_t kKOff = kQBufs * kQBytes;
   static constexpr uint32_t kVOff = kKOff + kStages * kKBytes;
-  static constexpr uint32_t kStagingOff = kVOff + kStages * kVBytes;
-  static constexpr uint32_t kBarOff = kStagingOff + kStagingBufs * kStagingBytes;
+  static constexpr uint32_t kBarOff = kVOff + kStages * kVBytes;
   static constexpr uint32_t kSmemBytes = kBarOff + kBarBytes;
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
 
-  // The transposing producer needs more than 24 registers; three consumer warpgroups keep 160.
-  static constexpr int kProducerRegs = kVtInKernel ? 32 : 24;
-  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kVtInKernel ? 232 : 240) : 160;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
                 "register split above the launch allocation");
   static_assert(D == 128 || D == 256, "FP8 head dims: whole 128-code slabs, P V in 128-column products");
-  static_assert(kTurns == 0 || !kOverlap, "turns are taken in the plain loop only");
-  static_assert(!kVtInKernel || !kStamps, "the stamped producer is the plain one");
   static_assert(kSmemAlloc <= 227 * 1024, "shared memory per block");
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "tiles keep 1024-byte alignment");
@@ -98,7 +84,7 @@ struct Sm90Fp8Traits {
 // The traits RunFlashFwdSm90Fp8 launches (kernels/bench/fp8_variants times the others). d=128:
 // three consumer warpgroups (192-row tiles), 1.13-1.14x two warpgroups at s=4k/8k although ptxas
 // spills 84 bytes under the 160-register split, every exp2 on the MUFU pipe (with three
-// warpgroups the FMA pipe's share no longer pays: every exp2 on MUFU 1.010-1.016x every 4th group
+// warpgroups the FMA pipe's share no longer pays: every exp2 on MUFU 1.007-1.016x every 4th group
 // on FMA, H100), and two (128-row tiles) where they take fewer rounds of the grid (Fp8TileRows),
 // with every 4th group on FMA (4-8% on the H200); d=256: two warpgroups (their registers do not
 // fit three), every 8th group on FMA, 1.05x every 4th.
@@ -113,8 +99,7 @@ template <int D, typename T>
 using Sm90Fp8ShippedNarrow = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
-// D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}, or
-// with Tr::kVtInKernel V as it lies, {D, rows, num_kv_heads}.
+// D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.
 struct Sm90Fp8Params {
   FlashParams p;
   CUtensorMap tq;
@@ -159,49 +144,6 @@ struct Sm90Fp8Clocks<true> {
     last = now;
     Record(phase, now);
   }
-};
-
-// The order in which the consumer warpgroups issue their S products, kept across a CTA's Q tiles
-// (one per consumer thread). kMode 0: free (each as soon as its K is loaded; the warpgroups then
-// tend to run S, softmax and P V at the same times). 1: in turns, every key tile: warpgroup c
-// issues S after c - 1 has issued its own (warpgroup 0 after the last, from its second S on),
-// so the products complete one after another and the softmaxes start apart. 2: staggered once:
-// each warpgroup's first S waits for the previous warpgroup's first S to complete, then the order
-// is free. Named barriers kFp8TurnBar + c pair warpgroup c - 1's arrive with c's sync.
-constexpr int kFp8TurnBar = 8;
-template <int kMode, int kWGs>
-struct Sm90Fp8Turns {
-  __device__ __forceinline__ void BeforeS(int) {}
-  __device__ __forceinline__ void AfterSIssue(int) {}
-  __device__ __forceinline__ void AfterSDone(int) {}
-  __device__ __forceinline__ void Finish(int) {}
-};
-template <int kWGs>
-struct Sm90Fp8Turns<1, kWGs> {
-  bool started = false;
-  __device__ __forceinline__ void BeforeS(int cw) {
-    if (cw != 0 || started) ptx::NamedBarSync(kFp8TurnBar + cw, 256);
-    started = true;
-  }
-  __device__ __forceinline__ void AfterSIssue(int cw) { ptx::NamedBarArrive(kFp8TurnBar + (cw + 1) % kWGs, 256); }
-  __device__ __forceinline__ void AfterSDone(int) {}
-  // Warpgroup 0 takes the last warpgroup's final turn, which no S waits for.
-  __device__ __forceinline__ void Finish(int cw) {
-    if (cw == 0 && started) ptx::NamedBarSync(kFp8TurnBar, 256);
-  }
-};
-template <int kWGs>
-struct Sm90Fp8Turns<2, kWGs> {
-  bool started = false;
-  __device__ __forceinline__ void BeforeS(int cw) {
-    if (cw != 0 && !started) ptx::NamedBarSync(kFp8TurnBar + cw, 256);
-  }
-  __device__ __forceinline__ void AfterSIssue(int) {}
-  __device__ __forceinline__ void AfterSDone(int cw) {
-    if (cw + 1 < kWGs && !started) ptx::NamedBarArrive(kFp8TurnBar + cw + 1, 256);
-    started = true;
-  }
-  __device__ __forceinline__ void Finish(int) {}
 };
 
 // Four floats -> one register of four e4m3 codes (a in the low byte), rounded to nearest and
@@ -294,140 +236,15 @@ __device__ __forceinline__ void Sm90Fp8Produce(const Sm90Fp8Params& P, const Sm9
   if constexpr (Tr::kStamps) Tr::AddClocks(clk.sum, uint32_t(t.nb_max - t.nb_min), true);
 }
 
-// The staging ring of the transposing producer (Tr::kVtInKernel): buffer and parity, per key tile.
-template <int B>
-struct Sm90Fp8StagingRing {
-  int sb = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void Advance() {
-    if (++sb == B) {
-      sb = 0;
-      phase ^= 1;
-    }
-  }
-};
-
-// Key tile `staging` (128 keys of D codes, rows as they lie in V, no swizzle) -> the stage's Vt
-// tile (D rows of 128 key codes, 128-byte swizzled as a TMA box of Vt is, keys in the order of
-// Fp8VtKeyOfColumn), keys from `kmax` on as zeros (the next sequence's rows may hold NaN codes).
-// Both are shared-memory addresses. Thread ptid of the producer warpgroup moves the 4x4-byte
-// blocks of Fp8VtBlockQuad/Word: four 4-byte words of four keys at one head-dim quad,
-// byte-permuted into four words of those keys at each of its head dims. The word's key group
-// advances by one a step (Fp8VtBlockKey0), so the addresses are a base plus constants.
-template <int D, bool kTail>
-__device__ __forceinline__ void Sm90Fp8TransposeVSteps(uint32_t staging, uint32_t vt, int kmax, int ptid) {
-  const int lane = ptid % 32;
-  const int lo = Fp8VtBlockWord(ptid, 0) & 3, g0 = Fp8VtBlockWord(ptid, 0) >> 2;
-#pragma unroll 1
-  for (int half = 0; half < D / 128; ++half) {
-    const int dq = lane + 32 * half;
-    const uint32_t src = staging + 4 * dq;
-    const uint32_t dst = vt + 4 * dq * 128 + (lo << 2);
-    const int dlow = (4 * dq) & 7;
-#pragma unroll 1
-    for (int it = 0; it < 8; ++it) {
-      const int g = (g0 + it) & 7;  // the word's 16-key group: Fp8VtBlockWord(ptid, it) >> 2
-      const int k0 = 16 * g + 2 * lo;
-      const uint32_t row = src + uint32_t(k0) * D;
-      uint32_t a[4];
-      constexpr int kKeyOffset[4] = {0, 1, 8, 9};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        a[i] = 0;
-        if (!kTail || k0 + kKeyOffset[i] < kmax) {
-          asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a[i]) : "r"(row + kKeyOffset[i] * D));
-        }
-      }
-      const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
-      const uint32_t t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
-      const uint32_t out[4] = {__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632),
-                               __byte_perm(t1, t3, 0x5410), __byte_perm(t1, t3, 0x7632)};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        // Fp8VtByteOffset(4 dq + e, word): row 4 dq + e, chunk g XOR the row's low bits.
-        const uint32_t addr = dst + e * 128 + (((g ^ (dlow + e)) & 7) << 4);
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(out[e]) : "memory");
-      }
-    }
-  }
-}
-
-template <int D>
-__device__ __forceinline__ void Sm90Fp8TransposeV(uint32_t staging, uint32_t vt, int kmax, int ptid) {
-  if (kmax >= kFp8BlockN) {
-    Sm90Fp8TransposeVSteps<D, false>(staging, vt, kmax, ptid);
-  } else {
-    Sm90Fp8TransposeVSteps<D, true>(staging, vt, kmax, ptid);
-  }
-}
-
-// Producer warpgroup of Tr::kVtInKernel, one tile of sequence b (thread 0 holding Q buffer q's
-// "empty" phase): thread 0 loads Q, each key tile's K into the stage ring and its V rows into the
-// staging ring, one key tile ahead; all 128 threads then transpose each staged V tile into its
-// stage's Vt and arrive (a warp each) on the stage's "V full" and the staging buffer's "empty".
-template <typename Tr>
-__device__ __forceinline__ void Sm90Fp8ProduceTransposing(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
-                                                          uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                                          Sm90Ring<Tr::kStages>& ring,
-                                                          Sm90Fp8StagingRing<Tr::kStagingBufs>& staged,
-                                                          const Sm90QSlot& q) {
-  constexpr int BN = Tr::kBlockN;
-  constexpr int SB = Tr::kStagingBufs;
-  const int ptid = threadIdx.x % 128;
-  const bool issuer = ptid == 0;
-  const int hk = h / P.p.heads_per_kv;
-  uint64_t* const staging_full = bars.base + 4 + 4 * Tr::kStages;
-  uint64_t* const staging_empty = staging_full + SB;
-  if (issuer) {
-    ptx::MbarArriveExpectTx(bars.FullQ(q.buf), Tr::kQBytes);
-    ptx::TmaLoad4d(smem + Tr::kQOff + q.buf * Tr::kQBytes, &P.tq, 0, t.q_start + t.m0, 0, h,
-                   bars.FullQ(q.buf));
-  }
-  // Loads of key tile nb into the stage and staging buffer `ahead` and `ahead_v` point at.
-  Sm90Ring<Tr::kStages> ahead = ring;
-  Sm90Fp8StagingRing<SB> ahead_v = staged;
-  auto issue = [&](int nb) {
-    if (issuer) {
-      ptx::MbarWait(bars.EmptyK(ahead.st), ahead.phase ^ 1);
-      ptx::MbarArriveExpectTx(bars.FullK(ahead.st), Tr::kKBytes);
-      ptx::TmaLoad4d(smem + Tr::kKOff + ahead.st * Tr::kKBytes, &P.tk, 0, t.k_start + nb * BN, 0, hk,
-                     bars.FullK(ahead.st));
-      ptx::MbarWait(staging_empty + ahead_v.sb, ahead_v.phase ^ 1);
-      ptx::MbarArriveExpectTx(staging_full + ahead_v.sb, Tr::kStagingBytes);
-      ptx::TmaLoad3d(smem + Tr::kStagingOff + ahead_v.sb * Tr::kStagingBytes, &P.tvt, 0, t.k_start + nb * BN,
-                     hk, staging_full + ahead_v.sb);
-    }
-    ahead.Advance();
-    ahead_v.Advance();
-  };
-  issue(t.nb_max - 1);
-  for (int nb = t.nb_max - 1; nb >= t.nb_min; --nb) {
-    if (nb > t.nb_min) issue(nb - 1);
-    const int st = ring.st;
-    ptx::MbarWait(staging_full + staged.sb, staged.phase);
-    ptx::MbarWait(bars.EmptyV(st), ring.phase ^ 1);
-    Sm90Fp8TransposeV<Tr::kHeadDim>(ptx::SmemAddr(smem + Tr::kStagingOff + staged.sb * Tr::kStagingBytes),
-                                    ptx::SmemAddr(smem + Tr::kVOff + st * Tr::kVBytes), t.s_k - nb * BN, ptid);
-    ptx::FenceProxyAsyncShared();  // the Vt writes, before P V reads them through the async proxy
-    __syncwarp();
-    if (ptid % 32 == 0) {
-      ptx::MbarArrive(bars.FullV(st));
-      ptx::MbarArrive(staging_empty + staged.sb);
-    }
-    ring.Advance();
-    staged.Advance();
-  }
-}
-
 // Consumer warpgroup `cw` (0-based): rows m0 + 64 * cw .. + 63 of the tile, one key tile at a
 // time (S, mask, softmax, P V, each product waited for at once: the two warpgroups' interleaving
 // keeps the tensor cores busy during each one's softmax; turns imposed between them by named
 // barriers, or P V issued with the next S and both waited for, measured slower: docs/PERF.md), or,
 // with Tr::kOverlap, the softmax of each tile under the previous tile's P V.
-template <typename Tr, typename Turns>
+template <typename Tr>
 __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm90Tile& t, int b, int h,
                                                int cw, uint8_t* smem, const Sm90Bars<Tr::kStages>& bars,
-                                               Sm90Ring<Tr::kStages>& ring, uint32_t q_loads, Turns& turns) {
+                                               Sm90Ring<Tr::kStages>& ring, uint32_t q_loads) {
   constexpr int D = Tr::kHeadDim;
   constexpr int BN = Tr::kBlockN;
   const FlashParams& p = P.p;
@@ -505,16 +322,13 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   };
   // S of key tile nb (stage st) on its own, then its P; returns once the stage's V is loaded.
   auto s_to_p = [&](int nb, int st) {
-    turns.BeforeS(cw);
     ptx::MbarWait(bars.FullK(st), ring.phase);
     clk.Mark(kFp8WaitK);
     ptx::WgmmaFence();
     issue_s(st);
     ptx::WgmmaCommit();
-    turns.AfterSIssue(cw);
     ptx::WgmmaWait<0>();
     ptx::RegFence(s);
-    turns.AfterSDone(cw);
     clk.Mark(kFp8S);
     softmax(nb, st);
     clk.Mark(kFp8Softmax);
@@ -594,15 +408,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
 
   if (threadIdx.x == 0) {
     bars.Init(kConsumerWarps);
-    if constexpr (Tr::kVtInKernel) {
-      // Vt is written by the producer's four warps; the staging buffers take a TMA (full) and
-      // the four warps' release (empty).
-      for (int i = 0; i < S; ++i) ptx::MbarInit(bars.FullV(i), 4);
-      for (int i = 0; i < Tr::kStagingBufs; ++i) {
-        ptx::MbarInit(bars.base + 4 + 4 * S + i, 1);
-        ptx::MbarInit(bars.base + 4 + 4 * S + Tr::kStagingBufs + i, 4);
-      }
-    }
     ptx::FenceMbarInit();
   }
   __syncthreads();
@@ -628,15 +433,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (wg == 0) {
     ptx::SetMaxNRegDec<Tr::kProducerRegs>();
-    if constexpr (Tr::kVtInKernel) {
-      Sm90Fp8StagingRing<Tr::kStagingBufs> staged;
-      for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
-        if (t.nb_max == t.nb_min) return;
-        const Sm90QSlot q(q_loads, Tr::kQBufs);
-        if (threadIdx.x == 0) ptx::MbarWait(bars.EmptyQ(q.buf), q.phase ^ 1);
-        Sm90Fp8ProduceTransposing<Tr>(P, t, b, h, smem, bars, ring, staged, q);
-      });
-    } else if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
       for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
         if (t.nb_max == t.nb_min) return;
         const Sm90QSlot q(q_loads, Tr::kQBufs);
@@ -646,11 +443,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
     }
   } else {
     ptx::SetMaxNRegInc<Tr::kConsumerRegs>();
-    Sm90Fp8Turns<Tr::kTurns, Tr::kConsumerWGs> turns;
     for_each_tile([&](const Sm90Tile& t, int b, int h, uint32_t q_loads) {
-      Sm90Fp8Consume<Tr>(P, t, b, h, wg - 1, smem, bars, ring, q_loads, turns);
+      Sm90Fp8Consume<Tr>(P, t, b, h, wg - 1, smem, bars, ring, q_loads);
     });
-    turns.Finish(wg - 1);
   }
 #endif
 }

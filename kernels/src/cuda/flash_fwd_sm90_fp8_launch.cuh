@@ -46,27 +46,12 @@ bool EncodeFp8VtMap(CUtensorMap* map, const void* vt, int64_t cols, int kv_heads
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Map of V [rows, heads, D] e4m3 as it lies, {D, rows, heads}, boxes of {D, 128 keys, 1} with no
-// swizzle (the transposing producer's staging tiles: Tr::kVtInKernel).
-template <int D>
-bool EncodeFp8VRowsMap(CUtensorMap* map, const void* v, int rows, int heads, int64_t row_stride) {
-  const TensorMapEncodeTiledFn encode = TensorMapEncoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[3] = {D, cuuint64_t(std::max(rows, 1)), cuuint64_t(heads)};
-  const cuuint64_t strides[2] = {cuuint64_t(row_stride), cuuint64_t(D)};
-  const cuuint32_t box[3] = {D, kFp8BlockN, 1};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(v), dims, strides, box, elem,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 // The kernel of traits Tr (kernels/bench/fp8_variants times others against the shipped one).
 template <typename Tr>
 cudaError_t RunFlashFwdSm90Fp8With(const FlashParams& params, int sms, cudaStream_t stream) {
   constexpr int D = Tr::kHeadDim;
-  if ((!Tr::kVtInKernel && params.vt == nullptr) || params.q_descale == nullptr ||
-      params.k_descale == nullptr || params.v_descale == nullptr || params.batch < 1 || sms < 1) {
+  if (params.vt == nullptr || params.q_descale == nullptr || params.k_descale == nullptr ||
+      params.v_descale == nullptr || params.batch < 1 || sms < 1) {
     return cudaErrorInvalidValue;
   }
   if ((reinterpret_cast<uintptr_t>(params.vt) & 255) != 0) return cudaErrorInvalidValue;
@@ -76,28 +61,21 @@ cudaError_t RunFlashFwdSm90Fp8With(const FlashParams& params, int sms, cudaStrea
   if (!EncodeFp8RowsMap<D>(&P.tq, params.q, params.total_q, params.num_heads, Tr::kBlockM,
                            params.q_row_stride) ||
       !EncodeFp8RowsMap<D>(&P.tk, params.k, params.total_k, params.num_kv_heads, Tr::kBlockN,
-                           params.k_row_stride)) {
+                           params.k_row_stride) ||
+      !EncodeFp8VtMap<D>(&P.tvt, params.vt, vt_cols, params.num_kv_heads)) {
     return cudaErrorInvalidValue;
   }
-  cudaError_t err = cudaSuccess;
-  if constexpr (Tr::kVtInKernel) {
-    if (!EncodeFp8VRowsMap<D>(&P.tvt, params.v, params.total_k, params.num_kv_heads, params.v_row_stride)) {
-      return cudaErrorInvalidValue;
-    }
-  } else {
-    if (!EncodeFp8VtMap<D>(&P.tvt, params.vt, vt_cols, params.num_kv_heads)) return cudaErrorInvalidValue;
-    // V transposed first. Every block of the transposition holds 128 columns; a sequence's range
-    // spans at most its keys rounded up plus two alignments (Fp8VtSeqStart), its keys at most
-    // max_seqlen_k (the bound AttentionArgs promises).
-    const dim3 tgrid((params.max_seqlen_k + 2 * kFp8VtAlign - 1) / kFp8VtAlign + 1, params.num_kv_heads,
-                     params.batch);
-    Fp8TransposeVKernel<D><<<tgrid, 256, 0, stream>>>(static_cast<const uint8_t*>(params.v),
-                                                      params.v_row_stride, params.cu_seqlens_k,
-                                                      params.batch, static_cast<uint8_t*>(params.vt),
-                                                      vt_cols);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
+  // V transposed first. Every block of the transposition holds 128 columns; a sequence's range
+  // spans at most its keys rounded up plus two alignments (Fp8VtSeqStart), its keys at most
+  // max_seqlen_k (the bound AttentionArgs promises).
+  const dim3 tgrid((params.max_seqlen_k + 2 * kFp8VtAlign - 1) / kFp8VtAlign + 1, params.num_kv_heads,
+                   params.batch);
+  Fp8TransposeVKernel<D><<<tgrid, 256, 0, stream>>>(static_cast<const uint8_t*>(params.v),
+                                                    params.v_row_stride, params.cu_seqlens_k,
+                                                    params.batch, static_cast<uint8_t*>(params.vt),
+                                                    vt_cols);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   constexpr auto kernel = &FlashFwdSm90Fp8Kernel<Tr>;
   err = SetSharedMemoryOnce<kernel>(Tr::kSmemAlloc, false);
   if (err != cudaSuccess) return err;

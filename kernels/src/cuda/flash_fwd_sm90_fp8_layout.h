@@ -40,22 +40,6 @@ ATTN_FP8_HD constexpr int Fp8VtKeyOfColumn(int c) {
   return half + 2 * quad + (byte & 1) + 8 * (byte >> 1);
 }
 
-// The in-kernel transposition of a V tile (the producer warpgroup of kVtInKernel traits): thread
-// ptid (0..127) moves, in step `it` of (D / 4) * 32 / 128, the 4x4-byte block of head-dim quad
-// Fp8VtBlockQuad and 4-column word Fp8VtBlockWord of the Vt tile (four keys, Fp8VtWordKey) into
-// its four Vt rows at Fp8VtByteOffset. The word rotates with the lane, so a warp's 32 loads (one
-// 4-byte word of a staged [keys, D] row each) fall in 32 banks, and so do its stores into the
-// 128-byte swizzled Vt rows.
-ATTN_FP8_HD constexpr int Fp8VtBlockQuad(int ptid, int it) { return ptid % 32 + 32 * (it / 8); }
-ATTN_FP8_HD constexpr int Fp8VtBlockWord(int ptid, int it) { return (ptid % 32 + ptid / 32 + 4 * (it % 8)) % 32; }
-// Key (of the 128-key tile) of byte j (0..3) of 4-column word w: Fp8VtKeyOfColumn's order.
-ATTN_FP8_HD constexpr int Fp8VtWordKey(int w, int j) {
-  return 32 * (w >> 3) + Fp8VtKeyOfColumn(4 * (w & 7) + j);
-}
-// Byte offset of word w of Vt row d in a stage's Vt tile, as a TMA box of 128 columns with the
-// 128-byte swizzle lays it (16-byte chunk index XOR the row's low three bits).
-ATTN_FP8_HD constexpr int Fp8VtByteOffset(int d, int w) { return d * 128 + ((((w >> 2) ^ d) & 7) << 4) + ((w & 3) << 2); }
-
 // The S accumulator index (of a thread's BN / 2 scores: index i is row half (i >> 1) & 1, key
 // 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)) whose p goes into byte `byte` of A register `reg` of
 // the 32-key group kk (register reg: rows g (even) or g + 8 (odd), columns 4t.. (reg < 2) or
