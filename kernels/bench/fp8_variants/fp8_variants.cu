@@ -153,22 +153,23 @@ std::string TimelineTable(int s) {
   out += "\n|---:|";
   for (int c = 0; c < consumers; ++c) out += "---|";
   out += "\n";
-  std::vector<std::vector<std::pair<double, double>>> soft(consumers), mma(consumers);
+  std::vector<std::vector<std::pair<double, double>>> soft(consumers), s_iv(consumers), pv_iv(consumers),
+      mma(consumers);
   for (int c = 0; c < consumers; ++c) {
     soft[c] = PhaseIntervals(roles[c], k::kFp8Softmax, t0);
-    mma[c] = PhaseIntervals(roles[c], k::kFp8S, t0);
-    for (const auto& x : PhaseIntervals(roles[c], k::kFp8Pv, t0)) mma[c].push_back(x);
+    s_iv[c] = PhaseIntervals(roles[c], k::kFp8S, t0);
+    pv_iv[c] = PhaseIntervals(roles[c], k::kFp8Pv, t0);
+    mma[c] = s_iv[c];
+    mma[c].insert(mma[c].end(), pv_iv[c].begin(), pv_iv[c].end());
   }
   const size_t tiles = soft.empty() ? 0 : soft[0].size();
   for (size_t j = 0; j < std::min<size_t>(tiles, 12); ++j) {
     out += "| " + std::to_string(j) + " |";
     for (int c = 0; c < consumers; ++c) {
-      const auto s_iv = PhaseIntervals(roles[c], k::kFp8S, t0);
-      const auto pv_iv = PhaseIntervals(roles[c], k::kFp8Pv, t0);
       char cell[96];
-      if (j < s_iv.size() && j < soft[c].size() && j < pv_iv.size())
-        std::snprintf(cell, sizeof(cell), " %.0f / %.0f / %.0f / %.0f |", s_iv[j].first, soft[c][j].first,
-                      soft[c][j].second, pv_iv[j].second);
+      if (j < s_iv[c].size() && j < soft[c].size() && j < pv_iv[c].size())
+        std::snprintf(cell, sizeof(cell), " %.0f / %.0f / %.0f / %.0f |", s_iv[c][j].first, soft[c][j].first,
+                      soft[c][j].second, pv_iv[c][j].second);
       else
         std::snprintf(cell, sizeof(cell), " - |");
       out += cell;
