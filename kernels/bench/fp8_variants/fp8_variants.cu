@@ -145,7 +145,9 @@ std::string TimelineTable(int s) {
     if (!m.empty() && (!any || int32_t(m[0].clock - t0) < 0)) t0 = m[0].clock, any = true;
     roles.push_back(std::move(m));
   }
-  const int consumers = D == 128 ? 3 : 2;  // the shipped warpgroups (kSm90Fp8ShippedWGs)
+  // The consumer warpgroups write roles 0.., the producer the role after them.
+  int consumers = 0;
+  while (consumers + 1 < k::kFp8TraceRoles && !roles[consumers + 1].empty()) ++consumers;
   std::string out = "\nd=" + std::to_string(D) + " s=" + std::to_string(s) +
                     ": CTA 0's first Q tile, clocks after its first role's start; per consumer warpgroup "
                     "and key tile: S issued / softmax begins / softmax ends / P V complete\n\n| key tile |";
