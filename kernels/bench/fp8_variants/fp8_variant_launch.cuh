@@ -35,6 +35,18 @@ struct Fp8StampedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
   }
 };
 
+// The shipped traits with the softmax's row max and sum in kChains partials.
+template <int D, int kChains>
+struct Fp8ChainsTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
+  static constexpr int kSoftmaxChains = kChains;
+};
+
+// The shipped traits, O's rescale skipped by a warp whose rows' maxima all stayed.
+template <int D>
+struct Fp8SkipRescaleTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
+  static constexpr bool kSkipUnitRescale = true;
+};
+
 template <int D>
 cudaError_t ResetFp8PhaseClocks() {
   const unsigned long long zeros[kFp8PhaseSlots] = {};
@@ -61,7 +73,6 @@ template <int D>
 cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaStream_t stream) {
   using T = __nv_bfloat16;
   constexpr int kWGs = kSm90Fp8ShippedWGs<D>;
-  constexpr int kExp = kSm90Fp8ExpFmaEveryOf<D, kWGs>;
   switch (v) {
     case Fp8Variant::kMufu: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 0, kWGs>>(p, sms, stream);
     case Fp8Variant::kFma2: return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, 2, kWGs>>(p, sms, stream);
@@ -76,6 +87,9 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2, true>>(p, sms, stream);
     case Fp8Variant::kStamped: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D>>(p, sms, stream);
+    case Fp8Variant::kChains2: return RunFlashFwdSm90Fp8With<Fp8ChainsTraits<D, 2>>(p, sms, stream);
+    case Fp8Variant::kChains4: return RunFlashFwdSm90Fp8With<Fp8ChainsTraits<D, 4>>(p, sms, stream);
+    case Fp8Variant::kSkipRescale: return RunFlashFwdSm90Fp8With<Fp8SkipRescaleTraits<D>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

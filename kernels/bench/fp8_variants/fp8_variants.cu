@@ -317,6 +317,9 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kWg2: return "wg2";
     case Fp8Variant::kOverlap: return "overlap";
     case Fp8Variant::kStamped: return "stamped";
+    case Fp8Variant::kChains2: return "chains2";
+    case Fp8Variant::kChains4: return "chains4";
+    case Fp8Variant::kSkipRescale: return "skip_rescale";
     default: return "?";
   }
 }

@@ -46,6 +46,8 @@ struct Sm90Fp8Traits {
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
   static constexpr bool kStamps = false;
+  static constexpr int kSoftmaxChains = 1;  // Sm90Softmax's kChains
+  static constexpr bool kSkipUnitRescale = false;  // O left as it is where no row max of the warp moved
   static constexpr int kHeadDim = D;
   static constexpr int kConsumerWGs = kConsumerWGsV;
   static constexpr int kBlockM = 64 * kConsumerWGs;
@@ -314,10 +316,14 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
       Sm90Mask<BN>(s, p, t, r0, n0, lane);
     }
     // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
-    Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, sl2);
+    Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery, Tr::kSoftmaxChains>(s, row_max, row_sum, corr, sl2);
   };
   auto pack_p = [&] {
-    Sm90Rescale<Tr>(o, corr);
+    if constexpr (Tr::kSkipUnitRescale) {
+      if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) Sm90Rescale<Tr>(o, corr);
+    } else {
+      Sm90Rescale<Tr>(o, corr);
+    }
     Sm90Fp8PackP<BN>(pa, s);
   };
   // S of key tile nb (stage st) on its own, then its P; returns once the stage's V is loaded.
