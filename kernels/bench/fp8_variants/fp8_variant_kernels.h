@@ -24,9 +24,7 @@ enum class Fp8Variant {
   kWg2,   // d=128: two consumer warpgroups (128-row tiles, 240 registers; shipped for launches of few tiles)
   kOverlap,  // two warpgroups, the softmax of each key tile under the previous tile's P V
   kStamped,  // the shipped traits with clocks per phase (ReadFp8PhaseClocks)
-  kChains2,  // the shipped traits, each row's max and sum kept in 2 partials (Sm90Softmax's kChains)
-  kChains4,  // in 4 partials
-  kSkipRescale,  // the shipped traits, O's rescale skipped where no row max of the warp moved
+  kMaskFlipped,  // the shipped traits with kHoistedMask flipped (per-Q-tile mask bounds or the per-tile test)
   kCount,
 };
 

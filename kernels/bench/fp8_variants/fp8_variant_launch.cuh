@@ -35,16 +35,9 @@ struct Fp8StampedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
   }
 };
 
-// The shipped traits with the softmax's row max and sum in kChains partials.
-template <int D, int kChains>
-struct Fp8ChainsTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
-  static constexpr int kSoftmaxChains = kChains;
-};
-
-// The shipped traits, O's rescale skipped by a warp whose rows' maxima all stayed.
 template <int D>
-struct Fp8SkipRescaleTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
-  static constexpr bool kSkipUnitRescale = true;
+struct Fp8MaskFlippedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
+  static constexpr bool kHoistedMask = !Sm90Fp8Shipped<D, __nv_bfloat16>::kHoistedMask;
 };
 
 template <int D>
@@ -87,9 +80,7 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2, true>>(p, sms, stream);
     case Fp8Variant::kStamped: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D>>(p, sms, stream);
-    case Fp8Variant::kChains2: return RunFlashFwdSm90Fp8With<Fp8ChainsTraits<D, 2>>(p, sms, stream);
-    case Fp8Variant::kChains4: return RunFlashFwdSm90Fp8With<Fp8ChainsTraits<D, 4>>(p, sms, stream);
-    case Fp8Variant::kSkipRescale: return RunFlashFwdSm90Fp8With<Fp8SkipRescaleTraits<D>>(p, sms, stream);
+    case Fp8Variant::kMaskFlipped: return RunFlashFwdSm90Fp8With<Fp8MaskFlippedTraits<D>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

@@ -317,9 +317,7 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kWg2: return "wg2";
     case Fp8Variant::kOverlap: return "overlap";
     case Fp8Variant::kStamped: return "stamped";
-    case Fp8Variant::kChains2: return "chains2";
-    case Fp8Variant::kChains4: return "chains4";
-    case Fp8Variant::kSkipRescale: return "skip_rescale";
+    case Fp8Variant::kMaskFlipped: return "mask_flipped";
     default: return "?";
   }
 }

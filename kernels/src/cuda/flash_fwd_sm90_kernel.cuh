@@ -363,35 +363,20 @@ __device__ __forceinline__ constexpr bool ExpOnFma(int c) {
 // FP8 kernel's, which rounds P to e4m3) scales P by 2^kBias; the normalisation takes it back.
 // kFmaEvery > 0: every kFmaEvery-th group of 8 keys takes its exp2 on the FMA pipe (Exp2OnFma),
 // which lightens the MUFU pipe the FP8 kernel's softmax is bound by.
-// kChains: the row max and sum each kept in that many independent partials (groups c, c +
-// kChains, ...), joined at the end: shorter dependent chains at the cost of registers.
-template <int BN, int kBias = 0, int kFmaEvery = 0, int kChains = 1>
+template <int BN, int kBias = 0, int kFmaEvery = 0>
 __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
-  static_assert(kChains >= 1 && (BN / 8) % kChains == 0, "groups of 8 keys split evenly");
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    float mxs[kChains];
-    mxs[0] = row_max[hf];
+    float mx = row_max[hf];
 #pragma unroll
-    for (int j = 1; j < kChains; ++j) mxs[j] = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c)
-      mxs[c % kChains] = fmaxf(mxs[c % kChains], fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
-#pragma unroll
-    for (int w = 1; w < kChains; w *= 2)
-#pragma unroll
-      for (int j = 0; j + w < kChains; j += 2 * w) mxs[j] = fmaxf(mxs[j], mxs[j + w]);
-    float mx = mxs[0];
+    for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float ms = mx == -INFINITY ? 0.0f : mx * sl2;
     corr[hf] = exp2f(row_max[hf] * sl2 - ms);
     row_max[hf] = mx;
-    float sums[kChains];
-    sums[0] = row_sum[hf] * corr[hf];
-#pragma unroll
-    for (int j = 1; j < kChains; ++j) sums[j] = 0.0f;
+    float sum = row_sum[hf] * corr[hf];
 #pragma unroll
     for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
@@ -400,13 +385,9 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
                                    : fmaf(s[4 * c + 2 * hf + e], sl2, float(kBias) - ms);
         const float pe = ExpOnFma<kFmaEvery>(c) ? Exp2OnFma<kBias == 0>(x) : exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
-        sums[c % kChains] += pe;
+        sum += pe;
       }
-#pragma unroll
-    for (int w = 1; w < kChains; w *= 2)
-#pragma unroll
-      for (int j = 0; j + w < kChains; j += 2 * w) sums[j] += sums[j + w];
-    row_sum[hf] = sums[0];
+    row_sum[hf] = sum;
   }
 }
 
