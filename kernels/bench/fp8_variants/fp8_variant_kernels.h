@@ -24,6 +24,8 @@ enum class Fp8Variant {
   kWg2,   // d=128: two consumer warpgroups (128-row tiles, 240 registers; shipped for launches of few tiles)
   kOverlap,  // two warpgroups, the softmax of each key tile under the previous tile's P V
   kStamped,  // the shipped traits with clocks per phase (ReadFp8PhaseClocks)
+  kStampedAlone,  // d=128: one consumer warpgroup (64-row tiles, one CTA per SM: a lone consumer
+                  // warp per SM sub-partition), every exp2 on MUFU, stamped: its phases unshared
   kMaskFlipped,  // the shipped traits with kHoistedMask flipped (per-Q-tile mask bounds or the per-tile test)
   kCount,
 };
@@ -31,7 +33,9 @@ enum class Fp8Variant {
 const char* Fp8VariantName(Fp8Variant v);
 
 // Whether variant v is built for head dim d (LaunchFp8Variant's cudaErrorNotSupported otherwise).
-inline bool Fp8VariantBuiltFor(Fp8Variant v, int d) { return v != Fp8Variant::kWg2 || d == 128; }
+inline bool Fp8VariantBuiltFor(Fp8Variant v, int d) {
+  return (v != Fp8Variant::kWg2 && v != Fp8Variant::kStampedAlone) || d == 128;
+}
 
 // Launches variant v of head dim D (o in bf16) as RunFlashFwdSm90Fp8 launches the shipped one
 // (V transposed into params.vt first); cudaErrorNotSupported where v does not apply to D.

@@ -15,10 +15,10 @@ __device__ uint32_t gFp8Timeline[kFp8TraceRoles][kFp8TraceMarks][2];
 template <int D>
 __device__ int gFp8TimelineTaken[kFp8TraceRoles];
 
-// The shipped (wide) traits, stamped: thread 0 of each consumer warpgroup and the producer thread
-// add their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
-template <int D>
-struct Fp8StampedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
+// The shipped (wide) traits (or Base), stamped: thread 0 of each consumer warpgroup and the
+// producer thread add their clocks per phase and key tiles to gFp8PhaseClocks<D> once per Q tile.
+template <int D, typename Base = Sm90Fp8Shipped<D, __nv_bfloat16>>
+struct Fp8StampedTraits : Base {
   static constexpr bool kStamps = true;
   __device__ static void AddClocks(const uint32_t (&sums)[kFp8Phases], uint32_t key_tiles,
                                    bool producer) {
@@ -38,6 +38,13 @@ struct Fp8StampedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
 template <int D>
 struct Fp8MaskFlippedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
   static constexpr bool kHoistedMask = !Sm90Fp8Shipped<D, __nv_bfloat16>::kHoistedMask;
+};
+
+// One consumer warpgroup with the registers two have (the 160 of three would spill more than
+// the shipped kernel does).
+template <int D>
+struct Fp8AloneTraits : Sm90Fp8Traits<D, __nv_bfloat16, 0, 1> {
+  static constexpr int kConsumerRegs = 240;
 };
 
 template <int D>
@@ -80,6 +87,11 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kOverlap:
       return RunFlashFwdSm90Fp8With<Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2, true>>(p, sms, stream);
     case Fp8Variant::kStamped: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D>>(p, sms, stream);
+    case Fp8Variant::kStampedAlone:  // Fp8VariantBuiltFor
+      if constexpr (D == 128) {
+        return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D, Fp8AloneTraits<D>>>(p, sms, stream);
+      }
+      return cudaErrorNotSupported;
     case Fp8Variant::kMaskFlipped: return RunFlashFwdSm90Fp8With<Fp8MaskFlippedTraits<D>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }

@@ -131,7 +131,7 @@ double Covered(const std::vector<std::pair<double, double>>& a, const std::vecto
 // role's start); then how much of each warpgroup's softmax ran beside another's softmax and beside
 // another's products (S, P V), which tells whether the warpgroups take turns or run in step.
 template <int D>
-std::string TimelineTable(int s) {
+std::string TimelineTable(int s, const char* variant) {
   namespace k = attn::kernels::cuda;
   static uint32_t raw[k::kFp8TraceRoles][k::kFp8TraceMarks][2];
   CHECK_CUDA(k::ReadFp8Timeline<D>(raw));
@@ -148,7 +148,7 @@ std::string TimelineTable(int s) {
   // The consumer warpgroups write roles 0.., the producer the role after them.
   int consumers = 0;
   while (consumers + 1 < k::kFp8TraceRoles && !roles[consumers + 1].empty()) ++consumers;
-  std::string out = "\nd=" + std::to_string(D) + " s=" + std::to_string(s) +
+  std::string out = "\nd=" + std::to_string(D) + " s=" + std::to_string(s) + " " + variant +
                     ": CTA 0's first Q tile, clocks after its first role's start; per consumer warpgroup "
                     "and key tile: S issued / softmax begins / softmax ends / P V complete\n\n| key tile |";
   for (int c = 0; c < consumers; ++c) out += " WG" + std::to_string(c) + " |";
@@ -196,17 +196,18 @@ std::string TimelineTable(int s) {
 // One launch of the stamped variant: clocks per key tile in each phase, one row of the second table;
 // the launch's timeline into *timeline.
 template <int D, typename Launch>
-std::string PhaseRow(int s, bool causal, Launch&& launch, std::string* timeline) {
+std::string PhaseRow(int s, bool causal, const char* variant, Launch&& launch, std::string* timeline) {
   namespace k = attn::kernels::cuda;
   uint64_t slots[k::kFp8PhaseSlots];
   CHECK_CUDA(k::ResetFp8PhaseClocks<D>());
   CHECK_CUDA(launch());
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(k::ReadFp8PhaseClocks<D>(slots));
-  *timeline += TimelineTable<D>(s);
+  *timeline += TimelineTable<D>(s, variant);
   const double ct = std::max<double>(1, double(slots[k::kFp8ConsumerTilesSlot]));
   const double pt = std::max<double>(1, double(slots[k::kFp8ProducerTilesSlot]));
-  std::string row = "| " + std::to_string(D) + " | " + std::to_string(s) + " | " + (causal ? "yes" : "no") + " |";
+  std::string row = "| " + std::to_string(D) + " | " + std::to_string(s) + " | " + (causal ? "yes" : "no") +
+                    " | " + variant + " |";
   char cell[64];
   double total = 0;
   for (int i = k::kFp8WaitQ; i <= k::kFp8Epilogue; ++i) {
@@ -291,9 +292,10 @@ int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* 
                 flop / pv / 1e9, t.ratio.Pct(0.5), t.ratio.Pct(0.1), t.ratio.Pct(0.9), rel,
                 100.0 * double(identical) / double(elems), agrees ? "agrees" : "DISAGREES");
     std::fflush(stdout);
-    if (v == Fp8Variant::kStamped) {
-      phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, variant, timelines)
-                                     : PhaseRow<256>(s, o.causal, variant, timelines));
+    if (v == Fp8Variant::kStamped || v == Fp8Variant::kStampedAlone) {
+      const char* name = attn::kernels::cuda::Fp8VariantName(v);
+      phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, name, variant, timelines)
+                                     : PhaseRow<256>(s, o.causal, name, variant, timelines));
     }
   }
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o), static_cast<const void*>(dcu),
@@ -317,6 +319,7 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kWg2: return "wg2";
     case Fp8Variant::kOverlap: return "overlap";
     case Fp8Variant::kStamped: return "stamped";
+    case Fp8Variant::kStampedAlone: return "stamped_alone";
     case Fp8Variant::kMaskFlipped: return "mask_flipped";
     default: return "?";
   }
@@ -340,9 +343,9 @@ int main(int argc, char** argv) {
   if (!phase_rows.empty()) {
     std::printf("\nThe stamped kernel, one launch: SM clocks per key tile of one consumer warpgroup (its "
                 "thread 0) in each phase, and of the producer thread\n\n"
-                "| d | s | causal | wait Q | wait K | S | softmax | pack P | wait V | P V | epilogue | "
+                "| d | s | causal | variant | wait Q | wait K | S | softmax | pack P | wait V | P V | epilogue | "
                 "consumer total | producer: wait for a free stage | producer: issue |\n"
-                "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+                "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const std::string& row : phase_rows) std::printf("%s\n", row.c_str());
     std::printf("%s", timelines.c_str());
   }
