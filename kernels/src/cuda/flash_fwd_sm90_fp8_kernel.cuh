@@ -266,16 +266,8 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   const float qk_descale = __ldg(p.q_descale + di) * __ldg(p.k_descale + di);
   const float sl2 = p.scale_log2 * qk_descale;
   const int m_last = t.m_end - 1;
-  // With kHoistedMask: the key tiles [nb_plain_lo, nb_plain_hi] need no mask (every key inside
-  // the sequence, the right window edge and the left one), the conditions below per tile solved
-  // for nb.
-  int nb_plain_lo = INT_MIN, nb_plain_hi = INT_MAX;
-  if constexpr (Tr::kHoistedMask) {
-    auto floor_div = [](int a) { return a >= 0 ? a / BN : -((-a + BN - 1) / BN); };
-    nb_plain_hi = t.s_k / BN - 1;  // n0 + BN <= s_k
-    if (p.has_right) nb_plain_hi = min(nb_plain_hi, floor_div(t.m0 + t.off + p.right - BN + 1));
-    if (p.has_left) nb_plain_lo = -floor_div(-(m_last + t.off - p.left));  // n0 >= the edge
-  }
+  int nb_plain_lo = INT_MIN, nb_plain_hi = INT_MAX;  // Tr::kHoistedMask: Sm90PlainKeyTiles
+  if constexpr (Tr::kHoistedMask) Sm90PlainKeyTiles<BN>(p, t, &nb_plain_lo, &nb_plain_hi);
 
   float o[Tr::kPvChunks][Tr::kPvN / 2];
 #pragma unroll
