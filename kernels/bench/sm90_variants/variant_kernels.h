@@ -22,12 +22,6 @@ struct Sm90SplitMask : Tr {
   static constexpr bool kSplitMaskLoop = true;
 };
 
-// Whether a key tile needs its mask from per-tile bounds (Sm90TraitsBase::kMaskBounds).
-template <typename Tr>
-struct Sm90MaskBounds : Tr {
-  static constexpr bool kMaskBounds = true;
-};
-
 // Each warpgroup's edge key tiles trimmed (Sm90TraitsBase::kTrimEdgeTiles).
 template <typename Tr>
 struct Sm90TrimEdges : Tr {
@@ -48,7 +42,6 @@ enum class Sm90Variant {
   kSplitMask,       // the production tiling (wide or narrow) with kSplitMaskLoop
   kTrimEdges,       // the production tiling (wide or narrow) with kTrimEdgeTiles (d=64/128)
   kExpFma4,         // the production tiling (wide or narrow) with kExpFmaEvery = 4
-  kMaskBounds,      // the production tiling (wide or narrow) with kMaskBounds
 };
 
 // Launches variant v of head dim D (bf16) with the launch rules of its tiling (Sm90LaunchOf, the

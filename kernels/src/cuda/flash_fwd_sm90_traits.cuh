@@ -29,9 +29,6 @@ struct Sm90TraitsBase {
   // Key tiles that need no mask run in a loop of their own, compiled without it (the d=64 tilings
   // set it; see Sm90WideTraits).
   static constexpr bool kSplitMaskLoop = false;
-  // Whether a key tile needs its mask from two bounds computed once per Q tile
-  // (Sm90PlainKeyTiles) instead of the three conditions after each S; sm90_variants times it.
-  static constexpr bool kMaskBounds = false;
   // Causal and right-windowed launches with a tile counter (FlashParams) deal their tiles to the
   // CTAs as they finish (Sm90ProduceDynamic) instead of in a fixed order. The code for it changes
   // how ptxas compiles the consumers' loop, for better or worse by head dim (H200, against the
