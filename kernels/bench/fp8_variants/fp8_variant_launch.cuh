@@ -40,13 +40,6 @@ struct Fp8MaskFlippedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
   static constexpr bool kHoistedMask = !Sm90Fp8Shipped<D, __nv_bfloat16>::kHoistedMask;
 };
 
-// One consumer warpgroup with the registers two have (the 160 of three would spill more than
-// the shipped kernel does).
-template <int D>
-struct Fp8AloneTraits : Sm90Fp8Traits<D, __nv_bfloat16, 0, 1> {
-  static constexpr int kConsumerRegs = 240;
-};
-
 template <int D>
 cudaError_t ResetFp8PhaseClocks() {
   const unsigned long long zeros[kFp8PhaseSlots] = {};
@@ -89,7 +82,7 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kStamped: return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D>>(p, sms, stream);
     case Fp8Variant::kStampedAlone:  // Fp8VariantBuiltFor
       if constexpr (D == 128) {
-        return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D, Fp8AloneTraits<D>>>(p, sms, stream);
+        return RunFlashFwdSm90Fp8With<Fp8StampedTraits<D, Sm90Fp8Traits<D, T, 0, 1>>>(p, sms, stream);
       }
       return cudaErrorNotSupported;
     case Fp8Variant::kMaskFlipped: return RunFlashFwdSm90Fp8With<Fp8MaskFlippedTraits<D>>(p, sms, stream);

@@ -78,7 +78,7 @@ struct Sm90Fp8Traits {
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
 
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kThreads * kLaunchRegs,
                 "register split above the launch allocation");

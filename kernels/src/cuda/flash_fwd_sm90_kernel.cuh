@@ -594,8 +594,8 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
   const Sm90Mma<Tr> mma{ptx::SmemAddr(smem + Tr::kQOff + q.buf * Tr::kQBytes) + cw * 64 * 128,
                         ptx::SmemAddr(smem + Tr::kKOff), ptx::SmemAddr(smem + Tr::kVOff)};
   const int m_last = t.m_end - 1;
-  // s: the scores of the tile's first 2 * extent(s) keys (all BN, or half of them). (The test
-  // from per-tile bounds, Sm90PlainKeyTiles, measured 0.93-1.02x here: sm90_variants, 2026-12-07.)
+  // s: the scores of the tile's first 2 * extent(s) keys (all BN, or half of them). (The FP8
+  // kernel's per-tile bounds, Sm90PlainKeyTiles, measured slower here: docs/PERF.md.)
   auto mask = [&](auto& s, int nb) {
     constexpr int kKeys = 2 * int(std::extent_v<std::remove_reference_t<decltype(s)>>);
     const int n0 = nb * BN;
