@@ -27,6 +27,10 @@ enum class Fp8Variant {
   kStampedAlone,  // d=128: one consumer warpgroup (64-row tiles, one CTA per SM: a lone consumer
                   // warp per SM sub-partition), every exp2 on MUFU, stamped: its phases unshared
   kMaskFlipped,  // the shipped traits with kHoistedMask flipped (per-Q-tile mask bounds or the per-tile test)
+  kTcSum,  // the shipped traits with each row's sum of P on the tensor cores (kTcRowSum)
+  kStampedTcSum,  // the same, stamped
+  kTcSumFma4,  // kTcSum with every 4th group of 8 keys' exp2 on the FMA pipe
+  kTcSumFma8,  // kTcSum with every 8th
   kCount,
 };
 

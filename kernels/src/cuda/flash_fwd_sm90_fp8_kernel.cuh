@@ -37,14 +37,19 @@ namespace attn::kernels::cuda {
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
+// kTcRowSumV: each row's sum of P taken on the tensor cores, as P times a block of e4m3 ones
+// (one m64n8k32 product beside each 32 keys' P V, 4 accumulators a thread) instead of 64 FADDs a
+// thread and key tile in the softmax's chain; the sum is then of the e4m3 P that P V used.
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
-template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false>
+template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
+          bool kTcRowSumV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
+  static constexpr bool kTcRowSum = kTcRowSumV;
   static constexpr bool kStamps = false;
   // Whether a key tile needs its mask is read off bounds computed once per Q tile (two integer
   // compares) rather than worked out again after each S product (~20 uniform instructions and
@@ -68,13 +73,15 @@ struct Sm90Fp8Traits {
   static constexpr uint32_t kVBytes = uint32_t(D) * kBlockN;  // D rows of 128 key codes
   // Q full/empty per Q buffer, then per stage K full, V full, K empty, V empty (Sm90Bars).
   static constexpr uint32_t kBarBytes = 8 * (2 * 2 + 4 * kStages);
+  static constexpr uint32_t kOnesBytes = kTcRowSum ? 1024 : 0;  // 8 rows of 128 e4m3 ones
   static constexpr int kQBufs =
-      2 * kQBytes + kStages * (kKBytes + kVBytes) + kBarBytes + 1024 <= 227 * 1024 ? 2 : 1;
+      2 * kQBytes + kStages * (kKBytes + kVBytes) + kBarBytes + kOnesBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kQOff = 0;
   static constexpr uint32_t kKOff = kQBufs * kQBytes;
   static constexpr uint32_t kVOff = kKOff + kStages * kKBytes;
   static constexpr uint32_t kBarOff = kVOff + kStages * kVBytes;
-  static constexpr uint32_t kSmemBytes = kBarOff + kBarBytes;
+  static constexpr uint32_t kOnesOff = (kBarOff + kBarBytes + 1023) / 1024 * 1024;
+  static constexpr uint32_t kSmemBytes = kTcRowSum ? kOnesOff + kOnesBytes : kBarOff + kBarBytes;
   static constexpr uint32_t kSmemAlloc = kSmemBytes + 1024;
 
   static constexpr int kProducerRegs = 24;
@@ -189,8 +196,10 @@ __device__ __forceinline__ void Sm90Fp8Epilogue(const FlashParams& p, const Sm90
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float sum = row_sum[hf];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if constexpr (!Tr::kTcRowSum) {  // this thread's share of the row's keys
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    }
     const bool any = sum > 0.0f;
     const float inv = any ? v_descale / sum : 0.0f;
     const int row = r0 + 8 * hf;
@@ -262,6 +271,7 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   const uint32_t sq = ptx::SmemAddr(smem + Tr::kQOff + q.buf * Tr::kQBytes) + cw * 64 * 128;
   const uint32_t sk = ptx::SmemAddr(smem + Tr::kKOff);
   const uint32_t sv = ptx::SmemAddr(smem + Tr::kVOff);
+  const uint32_t sones = ptx::SmemAddr(smem + Tr::kOnesOff);
   const int di = b * p.num_kv_heads + h / p.heads_per_kv;
   const float qk_descale = __ldg(p.q_descale + di) * __ldg(p.k_descale + di);
   const float sl2 = p.scale_log2 * qk_descale;
@@ -276,6 +286,7 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
+  float lsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // Tr::kTcRowSum: P times ones (rows r0, r0 + 8)
   float corr[2];
   float s[BN / 2];
   uint32_t pa[BN / 32][4];
@@ -304,10 +315,15 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
         const uint32_t addr = sv + st * Tr::kVBytes + nc * Tr::kPvN * 128 + kk * 32;
         ptx::WgmmaRSFp8<Tr::kPvN>(o[nc], pa[kk], ptx::SmemDesc(addr, 16));
       }
+    if constexpr (Tr::kTcRowSum) {
+#pragma unroll
+      for (int kk = 0; kk < BN / 32; ++kk) ptx::WgmmaRSFp8<8>(lsum, pa[kk], ptx::SmemDesc(sones + kk * 32, 16));
+    }
   };
   auto fence_o = [&] {
 #pragma unroll
     for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
+    if constexpr (Tr::kTcRowSum) ptx::RegFence(lsum);
   };
   // Scores of tile nb (complete, in s) -> the tile's p in s and O's factor in corr; K's stage
   // (and Q, after the last S) released. Then (pack_p, once no P V is in flight) O rescaled and P
@@ -327,10 +343,14 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     }
     if (masked) Sm90Mask<BN>(s, p, t, r0, n0, lane);
     // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
-    Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, sl2);
+    Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery, !Tr::kTcRowSum>(s, row_max, row_sum, corr, sl2);
   };
   auto pack_p = [&] {
     Sm90Rescale<Tr>(o, corr);
+    if constexpr (Tr::kTcRowSum) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) lsum[i] *= corr[i >> 1];
+    }
     Sm90Fp8PackP<BN>(pa, s);
   };
   // S of key tile nb (stage st) on its own, then its P; returns once the stage's V is loaded.
@@ -402,6 +422,10 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
       }
     }
   }
+  if constexpr (Tr::kTcRowSum) {  // every column of P times ones holds its row's whole sum
+    row_sum[0] = lsum[0];
+    row_sum[1] = lsum[2];
+  }
   Sm90Fp8Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum, __ldg(p.v_descale + di),
                       p.scale * qk_descale);
   clk.Mark(kFp8Epilogue);
@@ -422,6 +446,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) FlashFwdSm90Fp8Kernel(const _
   if (threadIdx.x == 0) {
     bars.Init(kConsumerWarps);
     ptx::FenceMbarInit();
+  }
+  if constexpr (Tr::kTcRowSum) {  // the B operand of the row sums' products: e4m3 1.0 everywhere
+    if (threadIdx.x < 256) {
+      reinterpret_cast<uint32_t*>(smem + Tr::kOnesOff)[threadIdx.x] = 0x38383838u;
+      ptx::FenceProxyAsyncShared();
+    }
   }
   __syncthreads();
 

@@ -373,8 +373,9 @@ __device__ __forceinline__ constexpr bool ExpOnFma(int c) {
 // rescaled by in corr (applied separately, once no product writing O is in flight). kBias (the
 // FP8 kernel's, which rounds P to e4m3) scales P by 2^kBias; the normalisation takes it back.
 // kFmaEvery > 0: every kFmaEvery-th group of 8 keys takes its exp2 on the FMA pipe (Exp2OnFma),
-// which lightens the MUFU pipe the FP8 kernel's softmax is bound by.
-template <int BN, int kBias = 0, int kFmaEvery = 0>
+// which lightens the MUFU pipe the FP8 kernel's softmax is bound by. !kSum: row_sum is left alone
+// (the FP8 kernel's kTcRowSum sums P on the tensor cores).
+template <int BN, int kBias = 0, int kFmaEvery = 0, bool kSum = true>
 __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
 #pragma unroll
@@ -387,7 +388,7 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
     const float ms = mx == -INFINITY ? 0.0f : mx * sl2;
     corr[hf] = exp2f(row_max[hf] * sl2 - ms);
     row_max[hf] = mx;
-    float sum = row_sum[hf] * corr[hf];
+    float sum = kSum ? row_sum[hf] * corr[hf] : 0.0f;
 #pragma unroll
     for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
@@ -396,9 +397,9 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
                                    : fmaf(s[4 * c + 2 * hf + e], sl2, float(kBias) - ms);
         const float pe = ExpOnFma<kFmaEvery>(c) ? Exp2OnFma<kBias == 0>(x) : exp2f(x);
         s[4 * c + 2 * hf + e] = pe;
-        sum += pe;
+        if constexpr (kSum) sum += pe;
       }
-    row_sum[hf] = sum;
+    if constexpr (kSum) row_sum[hf] = sum;
   }
 }
 

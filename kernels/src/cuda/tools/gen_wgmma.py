@@ -14,6 +14,9 @@ TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 # FP8 (e4m3 x e4m3, m64nNk32) for the FP8 forward kernel: S = Q K^T of 128-key tiles, and P V in
 # products of 128 output columns. 8-bit operands are K-major only (no transpose immediates).
 FP8_SHAPES = (128,)
+# P times a block of ones (m64n8k32): each row's sum of P on the tensor cores (Sm90Fp8Traits'
+# kTcRowSum).
+FP8_RS_ONLY_SHAPES = (8,)
 
 
 def acc_list(n, first=0):
@@ -127,6 +130,8 @@ def main():
             out.append(emit_rs(n, ctype, ptype))
     for n in FP8_SHAPES:
         out.append(emit_ss_fp8(n))
+        out.append(emit_rs_fp8(n))
+    for n in FP8_RS_ONLY_SHAPES:
         out.append(emit_rs_fp8(n))
     out += ["#endif  // __CUDA_ARCH_FEAT_SM90_ALL", "", "}  // namespace attn::kernels::cuda::ptx", ""]
     with open("wgmma_ops.cuh", "w") as f:
