@@ -283,9 +283,8 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::v
       for (double& x : acc) x *= corr;
       for (int64_t j = j0; j < j1; ++j) {
         if (s[j] == kNegInf) continue;
-        const double pj = std::exp(s[j] - mt) * kBias;
-        sum += pj;
-        const double pr = RoundToE4m3(pj);
+        const double pr = RoundToE4m3(std::exp(s[j] - mt) * kBias);
+        sum += pr;
         for (int c = 0; c < d; ++c) acc[c] += pr * v[((k0 + j) * h_kv + hk) * d + c];
       }
       m = mt;

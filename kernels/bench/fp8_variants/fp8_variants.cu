@@ -303,7 +303,7 @@ int RunShape(const Options& o, int d, int s, int sms, std::vector<std::string>* 
                 flop / pv / 1e9, t.ratio.Pct(0.5), t.ratio.Pct(0.1), t.ratio.Pct(0.9), rel, lse_diff,
                 100.0 * double(identical) / double(elems), agrees ? "agrees" : "DISAGREES");
     std::fflush(stdout);
-    if (v == Fp8Variant::kStamped || v == Fp8Variant::kStampedAlone || v == Fp8Variant::kStampedTcSum) {
+    if (v == Fp8Variant::kStamped || v == Fp8Variant::kStampedAlone) {
       const char* name = attn::kernels::cuda::Fp8VariantName(v);
       phase_rows->push_back(d == 128 ? PhaseRow<128>(s, o.causal, name, variant, timelines)
                                      : PhaseRow<256>(s, o.causal, name, variant, timelines));
@@ -333,10 +333,8 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kStamped: return "stamped";
     case Fp8Variant::kStampedAlone: return "stamped_alone";
     case Fp8Variant::kMaskFlipped: return "mask_flipped";
-    case Fp8Variant::kTcSum: return "tc_sum";
-    case Fp8Variant::kStampedTcSum: return "stamped_tc_sum";
-    case Fp8Variant::kTcSumFma4: return "tc_sum_fma4";
-    case Fp8Variant::kTcSumFma8: return "tc_sum_fma8";
+    case Fp8Variant::kFloatSum: return "float_sum";
+    case Fp8Variant::kWg2FloatSum: return "wg2_float_sum";
     default: return "?";
   }
 }

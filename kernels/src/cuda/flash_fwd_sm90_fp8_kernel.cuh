@@ -37,14 +37,18 @@ namespace attn::kernels::cuda {
 // kConsumerWGsV: consumer warpgroups of 64 query rows (3 only where their registers fit 160).
 // kOverlapV: S of the next key tile issued with P V of this one, its softmax run while that P V is
 // on the tensor cores (generation 2's kOverlap; Sm90Fp8Consume).
-// kTcRowSumV: each row's sum of P taken on the tensor cores, as P times a block of e4m3 ones
-// (one m64n8k32 product beside each 32 keys' P V, 4 accumulators a thread) instead of 64 FADDs a
-// thread and key tile in the softmax's chain; the sum is then of the e4m3 P that P V used.
+// kTcRowSumV: each row's sum of a key tile's P taken on the tensor cores, as P times a block of
+// e4m3 ones (one m64n8k32 product beside each 32 keys' P V, 4 accumulators a thread), added to
+// the row's float sum once P V is complete, instead of 64 FADDs a thread and key tile in the
+// softmax's chain; the sum is then of the e4m3 P that P V used. A tile's products start from zero:
+// accumulated over the whole row on the tensor cores, whose FP8 sums keep ~13 bits, the sums of
+// positive terms lost so much that O moved 6-15% (relative L2) from the float sums' at s = 4k-8k.
+// fp8_variants' float_sum builds the float sums in the softmax.
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
 template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
-          bool kTcRowSumV = false>
+          bool kTcRowSumV = true>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
@@ -196,7 +200,7 @@ __device__ __forceinline__ void Sm90Fp8Epilogue(const FlashParams& p, const Sm90
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float sum = row_sum[hf];
-    if constexpr (!Tr::kTcRowSum) {  // this thread's share of the row's keys
+    if constexpr (!Tr::kTcRowSum) {  // this thread's share of the row's keys (else the whole row's)
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     }
@@ -286,7 +290,7 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
-  float lsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // Tr::kTcRowSum: P times ones (rows r0, r0 + 8)
+  float lsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // Tr::kTcRowSum: a key tile's P times ones (rows r0, r0 + 8 in lsum[0], lsum[2])
   float corr[2];
   float s[BN / 2];
   uint32_t pa[BN / 32][4];
@@ -317,13 +321,20 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
       }
     if constexpr (Tr::kTcRowSum) {
 #pragma unroll
-      for (int kk = 0; kk < BN / 32; ++kk) ptx::WgmmaRSFp8<8>(lsum, pa[kk], ptx::SmemDesc(sones + kk * 32, 16));
+      for (int kk = 0; kk < BN / 32; ++kk) {
+        ptx::WgmmaRSFp8Scaled<8>(lsum, pa[kk], ptx::SmemDesc(sones + kk * 32, 16), kk > 0);
+      }
     }
   };
+  // P V waited for: O complete (and, Tr::kTcRowSum, the tile's row sums added).
   auto fence_o = [&] {
 #pragma unroll
     for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
-    if constexpr (Tr::kTcRowSum) ptx::RegFence(lsum);
+    if constexpr (Tr::kTcRowSum) {
+      ptx::RegFence(lsum);
+      row_sum[0] += lsum[0];
+      row_sum[1] += lsum[2];
+    }
   };
   // Scores of tile nb (complete, in s) -> the tile's p in s and O's factor in corr; K's stage
   // (and Q, after the last S) released. Then (pack_p, once no P V is in flight) O rescaled and P
@@ -348,8 +359,8 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   auto pack_p = [&] {
     Sm90Rescale<Tr>(o, corr);
     if constexpr (Tr::kTcRowSum) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) lsum[i] *= corr[i >> 1];
+      row_sum[0] *= corr[0];
+      row_sum[1] *= corr[1];
     }
     Sm90Fp8PackP<BN>(pa, s);
   };
@@ -421,10 +432,6 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
         ring.Advance();
       }
     }
-  }
-  if constexpr (Tr::kTcRowSum) {  // every column of P times ones holds its row's whole sum
-    row_sum[0] = lsum[0];
-    row_sum[1] = lsum[2];
   }
   Sm90Fp8Epilogue<Tr>(p, t, h, r0, lane, o, row_max, row_sum, __ldg(p.v_descale + di),
                       p.scale * qk_descale);

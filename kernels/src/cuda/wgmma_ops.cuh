@@ -6,6 +6,7 @@
 //   WgmmaSSFp8 / WgmmaRSFp8: the same with e4m3 operands, m64nNk32, B K-major (8-bit
 //            operands have no transpose); the A fragment of RS is 4 registers of 4 codes
 //            each (rows g and g + 8, key columns 4t..4t+3 and 16 + 4t..16 + 4t+3 per warp).
+//            WgmmaRSFp8Scaled: RS with scale_d (0 overwrites d).
 // Every call is .sync.aligned: all 128 threads of the warpgroup issue it together.
 #pragma once
 
@@ -24,6 +25,8 @@ template <int N>
 __device__ void WgmmaSSFp8(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);
 template <int N>
 __device__ void WgmmaRSFp8(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db);
+template <int N>
+__device__ void WgmmaRSFp8Scaled(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d);
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <>
@@ -357,14 +360,15 @@ __device__ __forceinline__ void WgmmaRSFp8<128>(float (&d)[64], const uint32_t (
 }
 
 template <>
-__device__ __forceinline__ void WgmmaRSFp8<8>(float (&d)[4], const uint32_t (&a)[4], uint64_t db) {
+__device__ __forceinline__ void WgmmaRSFp8Scaled<8>(float (&d)[4], const uint32_t (&a)[4], uint64_t db,
+                                                 int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3},\n"
       " {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
