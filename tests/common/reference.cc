@@ -283,8 +283,9 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::v
       for (double& x : acc) x *= corr;
       for (int64_t j = j0; j < j1; ++j) {
         if (s[j] == kNegInf) continue;
-        const double pr = RoundToE4m3(std::exp(s[j] - mt) * kBias);
-        sum += pr;
+        const double pj = std::exp(s[j] - mt) * kBias;
+        sum += pj;
+        const double pr = RoundToE4m3(pj);
         for (int c = 0; c < d; ++c) acc[c] += pr * v[((k0 + j) * h_kv + hk) * d + c];
       }
       m = mt;

@@ -45,9 +45,8 @@ ReferenceResult ReferenceAttention(const kernels::AttentionArgs& shape_and_flags
 // Attention as the FP8 tensor-core kernel (kernels::cuda::RunFp8Attention) computes it, in
 // float64 on the values its codes stand for (q, k, v = code * descale): per query row, key tiles
 // of key_tile keys from the sequence's first key, visited from the last, with a running max m;
-// each key's p = exp(s - m) * 256 is rounded to the nearest e4m3 value, which enters both the P V
-// product and the row sum (the kernel sums P on the tensor cores); o = (P V) / sum,
-// lse = m + log(sum / 256). The rounding is written here
+// each key's p = exp(s - m) * 256 enters the row sum as it is and the P V product rounded to the
+// nearest e4m3 value; o = (P V) / sum, lse = m + log(sum / 256). The rounding is written here
 // apart from the kernels library's.
 ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& shape_and_flags,
                                    const std::vector<double>& q, const std::vector<double>& k,

@@ -27,8 +27,8 @@ enum class Fp8Variant {
   kStampedAlone,  // d=128: one consumer warpgroup (64-row tiles, one CTA per SM: a lone consumer
                   // warp per SM sub-partition), every exp2 on MUFU, stamped: its phases unshared
   kMaskFlipped,  // the shipped traits with kHoistedMask flipped (per-Q-tile mask bounds or the per-tile test)
-  kFloatSum,  // the shipped traits with each row's sum of P in float in the softmax (kTcRowSum off)
-  kWg2FloatSum,  // d=128: kWg2 with the float sums
+  kTcSum,  // the shipped traits with each key tile's row sums of P on the tensor cores (kTcRowSum)
+  kWg2TcSum,  // d=128: kWg2 with the row sums on the tensor cores
   kCount,
 };
 
@@ -36,7 +36,7 @@ const char* Fp8VariantName(Fp8Variant v);
 
 // Whether variant v is built for head dim d (LaunchFp8Variant's cudaErrorNotSupported otherwise).
 inline bool Fp8VariantBuiltFor(Fp8Variant v, int d) {
-  return (v != Fp8Variant::kWg2 && v != Fp8Variant::kStampedAlone && v != Fp8Variant::kWg2FloatSum) || d == 128;
+  return (v != Fp8Variant::kWg2 && v != Fp8Variant::kStampedAlone && v != Fp8Variant::kWg2TcSum) || d == 128;
 }
 
 // Launches variant v of head dim D (o in bf16) as RunFlashFwdSm90Fp8 launches the shipped one

@@ -41,7 +41,7 @@ struct Fp8MaskFlippedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
 };
 
 template <int D, int kWGs = kSm90Fp8ShippedWGs<D>>
-using Fp8FloatSumTraits = Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ExpFmaEveryOf<D, kWGs>, kWGs, false, false>;
+using Fp8TcSumTraits = Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ExpFmaEveryOf<D, kWGs>, kWGs, false, true>;
 
 template <int D>
 cudaError_t ResetFp8PhaseClocks() {
@@ -89,9 +89,9 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
       }
       return cudaErrorNotSupported;
     case Fp8Variant::kMaskFlipped: return RunFlashFwdSm90Fp8With<Fp8MaskFlippedTraits<D>>(p, sms, stream);
-    case Fp8Variant::kFloatSum: return RunFlashFwdSm90Fp8With<Fp8FloatSumTraits<D>>(p, sms, stream);
-    case Fp8Variant::kWg2FloatSum:  // Fp8VariantBuiltFor
-      if constexpr (D == 128) return RunFlashFwdSm90Fp8With<Fp8FloatSumTraits<D, 2>>(p, sms, stream);
+    case Fp8Variant::kTcSum: return RunFlashFwdSm90Fp8With<Fp8TcSumTraits<D>>(p, sms, stream);
+    case Fp8Variant::kWg2TcSum:  // Fp8VariantBuiltFor
+      if constexpr (D == 128) return RunFlashFwdSm90Fp8With<Fp8TcSumTraits<D, 2>>(p, sms, stream);
       return cudaErrorNotSupported;
     default: return cudaErrorNotSupported;
   }

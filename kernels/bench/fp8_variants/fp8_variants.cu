@@ -333,8 +333,8 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kStamped: return "stamped";
     case Fp8Variant::kStampedAlone: return "stamped_alone";
     case Fp8Variant::kMaskFlipped: return "mask_flipped";
-    case Fp8Variant::kFloatSum: return "float_sum";
-    case Fp8Variant::kWg2FloatSum: return "wg2_float_sum";
+    case Fp8Variant::kTcSum: return "tc_sum";
+    case Fp8Variant::kWg2TcSum: return "wg2_tc_sum";
     default: return "?";
   }
 }

@@ -40,15 +40,18 @@ namespace attn::kernels::cuda {
 // kTcRowSumV: each row's sum of a key tile's P taken on the tensor cores, as P times a block of
 // e4m3 ones (one m64n8k32 product beside each 32 keys' P V, 4 accumulators a thread), added to
 // the row's float sum once P V is complete, instead of 64 FADDs a thread and key tile in the
-// softmax's chain; the sum is then of the e4m3 P that P V used. A tile's products start from zero:
-// accumulated over the whole row on the tensor cores, whose FP8 sums keep ~13 bits, the sums of
-// positive terms lost so much that O moved 6-15% (relative L2) from the float sums' at s = 4k-8k.
-// fp8_variants' float_sum builds the float sums in the softmax.
+// softmax's chain (fp8_variants tc_sum, wg2_tc_sum; docs/PERF.md, eleventh session). The sum is
+// then of the e4m3 P that P V used, not of the unrounded p: 1.04-1.05x at d=128 with three
+// warpgroups (H100), but a row whose weight sits on a few keys moves its LSE by a share of an
+// e4m3 step (up to 0.04 in the GPU tests, beyond their bound for unrounded sums), and d=256 and
+// the 128-row tiles ran 1-6% slower, so it is off. A tile's products start from zero: summed on
+// the tensor cores over the whole row, whose FP8 sums keep ~13 bits, the sums of positive terms
+// lost so much that O moved 6-15% (relative L2) at s = 4k-8k.
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
 template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
-          bool kTcRowSumV = true>
+          bool kTcRowSumV = false>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
@@ -290,7 +293,8 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     for (int i = 0; i < Tr::kPvN / 2; ++i) o[nc][i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
-  float lsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // Tr::kTcRowSum: a key tile's P times ones (rows r0, r0 + 8 in lsum[0], lsum[2])
+  // Tr::kTcRowSum: a key tile's P times ones (the sums of rows r0 and r0 + 8 in lsum[0], lsum[2]).
+  float lsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   float corr[2];
   float s[BN / 2];
   uint32_t pa[BN / 32][4];
