@@ -77,33 +77,24 @@ __device__ __forceinline__ void WgmmaSSFp8<{n}>(float (&d)[{na}], uint64_t da, u
 '''
 
 
-def emit_rs_fp8(n):
+def emit_rs_fp8(n, scaled=False):
+    """WgmmaRSFp8<n> (accumulating), or with scaled WgmmaRSFp8Scaled<n> taking scale_d."""
     na = n // 2
+    if scaled:
+        head = (f"WgmmaRSFp8Scaled<{n}>(float (&d)[{na}], const uint32_t (&a)[4], uint64_t db,\n"
+                f"                                                 int scale_d)")
+    else:
+        head = f"WgmmaRSFp8<{n}>(float (&d)[{na}], const uint32_t (&a)[4], uint64_t db)"
+    scale = "scale_d" if scaled else "1"
     return f'''template <>
-__device__ __forceinline__ void WgmmaRSFp8<{n}>(float (&d)[{na}], const uint32_t (&a)[4], uint64_t db) {{
+__device__ __forceinline__ void {head} {{
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{na + 5}, 0;\\n"
       "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
       "{acc_list(n)},\\n"
       " {{%{na}, %{na + 1}, %{na + 2}, %{na + 3}}}, %{na + 4}, p, 1, 1;\\n}}\\n"
       : {acc_operands(n)}
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}}
-'''
-
-
-def emit_rs_fp8_scaled(n):
-    na = n // 2
-    return f'''template <>
-__device__ __forceinline__ void WgmmaRSFp8Scaled<{n}>(float (&d)[{na}], const uint32_t (&a)[4], uint64_t db,
-                                                 int scale_d) {{
-  asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{na + 5}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
-      "{acc_list(n)},\\n"
-      " {{%{na}, %{na + 1}, %{na + 2}, %{na + 3}}}, %{na + 4}, p, 1, 1;\\n}}\\n"
-      : {acc_operands(n)}
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"({scale}));
 }}
 '''
 
@@ -151,7 +142,7 @@ def main():
         out.append(emit_ss_fp8(n))
         out.append(emit_rs_fp8(n))
     for n in FP8_RS_SCALED_SHAPES:
-        out.append(emit_rs_fp8_scaled(n))
+        out.append(emit_rs_fp8(n, scaled=True))
     out += ["#endif  // __CUDA_ARCH_FEAT_SM90_ALL", "", "}  // namespace attn::kernels::cuda::ptx", ""]
     with open("wgmma_ops.cuh", "w") as f:
         f.write("\n".join(out))
