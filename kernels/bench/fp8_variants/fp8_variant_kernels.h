@@ -36,7 +36,8 @@ const char* Fp8VariantName(Fp8Variant v);
 
 // Whether variant v is built for head dim d (LaunchFp8Variant's cudaErrorNotSupported otherwise).
 inline bool Fp8VariantBuiltFor(Fp8Variant v, int d) {
-  return (v != Fp8Variant::kWg2 && v != Fp8Variant::kStampedAlone && v != Fp8Variant::kWg2TcSum) || d == 128;
+  const bool d128_only = v == Fp8Variant::kWg2 || v == Fp8Variant::kStampedAlone || v == Fp8Variant::kWg2TcSum;
+  return !d128_only || d == 128;
 }
 
 // Launches variant v of head dim D (o in bf16) as RunFlashFwdSm90Fp8 launches the shipped one
