@@ -337,6 +337,8 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kMaskFlipped: return "mask_flipped";
     case Fp8Variant::kTcSum: return "tc_sum";
     case Fp8Variant::kWg2TcSum: return "wg2_tc_sum";
+    case Fp8Variant::kLazy: return "lazy";
+    case Fp8Variant::kLazyTcSum: return "lazy_tc_sum";
     default: return "?";
   }
 }

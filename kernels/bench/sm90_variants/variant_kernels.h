@@ -34,6 +34,12 @@ struct Sm90ExpFma4 : Tr {
   static constexpr int kExpFmaEvery = 4;
 };
 
+// A lazy rescale: a row's max is kept until it grows by more than 8 (log2 units; P below 256).
+template <typename Tr>
+struct Sm90LazyRescale : Tr {
+  static constexpr int kRescaleSlack8 = 64;
+};
+
 enum class Sm90Variant {
   kKeys176,         // d=128: two consumer warpgroups on 128 x 176 tiles, one Q buffer
   kKeys80,          // d=256: two consumer warpgroups on 128 x 80 tiles
@@ -42,6 +48,7 @@ enum class Sm90Variant {
   kSplitMask,       // the production tiling (wide or narrow) with kSplitMaskLoop
   kTrimEdges,       // the production tiling (wide or narrow) with kTrimEdgeTiles (d=64/128)
   kExpFma4,         // the production tiling (wide or narrow) with kExpFmaEvery = 4
+  kLazyRescale,     // the production tiling (wide or narrow) with kRescaleSlack8 = 64
 };
 
 // Launches variant v of head dim D (bf16) with the launch rules of its tiling (Sm90LaunchOf, the

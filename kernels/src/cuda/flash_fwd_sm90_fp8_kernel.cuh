@@ -58,6 +58,9 @@ struct Sm90Fp8Traits {
   static constexpr bool kOverlap = kOverlapV;
   static constexpr bool kTcRowSum = kTcRowSumV;
   static constexpr bool kStamps = false;
+  // Sm90Softmax's kSlack8 (a lazy rescale; fp8_variants times it). P's codes are p * 2^kFp8PBias,
+  // so a slack s keeps them below 2^(8 + s), inside e4m3's 448 for s <= 0.8 (kSlack8 <= 6).
+  static constexpr int kRescaleSlack8 = 0;
   // Whether a key tile needs its mask is read off bounds computed once per Q tile (two integer
   // compares) rather than worked out again after each S product (~20 uniform instructions and
   // two branches, ~5% of a d=128 warp's stall samples under ncu). The bounds against the per-tile
@@ -296,6 +299,8 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
   // Tr::kTcRowSum: a key tile's P times ones (the sums of rows r0 and r0 + 8 in lsum[0], lsum[2]).
   float lsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   float corr[2];
+  bool moved = true;  // whether O needs corr (Tr::kRescaleSlack8)
+  static_assert(Tr::kRescaleSlack8 >= 0 && Tr::kRescaleSlack8 <= 6, "P's codes stay below e4m3's 448");
   float s[BN / 2];
   uint32_t pa[BN / 32][4];
   Sm90Fp8Clocks<Tr::kStamps> clk;  // (the stamped build's non-overlapped loop only)
@@ -358,13 +363,16 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     }
     if (masked) Sm90Mask<BN>(s, p, t, r0, n0, lane);
     // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
-    Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery, !Tr::kTcRowSum>(s, row_max, row_sum, corr, sl2);
+    moved = Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery, !Tr::kTcRowSum, Tr::kRescaleSlack8>(s, row_max, row_sum,
+                                                                                            corr, sl2);
   };
   auto pack_p = [&] {
-    Sm90Rescale<Tr>(o, corr);
-    if constexpr (Tr::kTcRowSum) {
-      row_sum[0] *= corr[0];
-      row_sum[1] *= corr[1];
+    if (moved) {
+      Sm90Rescale<Tr>(o, corr);
+      if constexpr (Tr::kTcRowSum) {
+        row_sum[0] *= corr[0];
+        row_sum[1] *= corr[1];
+      }
     }
     Sm90Fp8PackP<BN>(pa, s);
   };

@@ -375,16 +375,22 @@ __device__ __forceinline__ constexpr bool ExpOnFma(int c) {
 // kFmaEvery > 0: every kFmaEvery-th group of 8 keys takes its exp2 on the FMA pipe (Exp2OnFma),
 // which lightens the MUFU pipe the FP8 kernel's softmax is bound by. !kSum: row_sum is left alone
 // (the FP8 kernel's kTcRowSum sums P on the tensor cores).
-template <int BN, int kBias = 0, int kFmaEvery = 0, bool kSum = true>
-__device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
+// kSlack8 > 0 (a lazy rescale): the warp's rows keep the max they are scaled to unless one of them
+// grew past it by more than kSlack8 / 8 (log2 units), so P stays below 2^(kBias + kSlack8 / 8) and
+// O's rescale can be skipped. Returns whether the max moved (warp-uniform; always with kSlack8 = 0),
+// i.e. whether corr differs from 1.
+template <int BN, int kBias = 0, int kFmaEvery = 0, bool kSum = true, int kSlack8 = 0>
+__device__ __forceinline__ bool Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
                                             float (&corr)[2], float sl2) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
+  auto tile_max = [&](int hf) {
     float mx = row_max[hf];
 #pragma unroll
     for (int c = 0; c < BN / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  };
+  // Row half hf's p scaled to max mx, its corr and its sum.
+  auto exp_row = [&](int hf, float mx) {
     const float ms = mx == -INFINITY ? 0.0f : mx * sl2;
     corr[hf] = exp2f(row_max[hf] * sl2 - ms);
     row_max[hf] = mx;
@@ -400,6 +406,20 @@ __device__ __forceinline__ void Sm90Softmax(float (&s)[BN / 2], float (&row_max)
         if constexpr (kSum) sum += pe;
       }
     if constexpr (kSum) row_sum[hf] = sum;
+  };
+  if constexpr (kSlack8 == 0) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) exp_row(hf, tile_max(hf));
+    return true;
+  } else {
+    const float mx[2] = {tile_max(0), tile_max(1)};
+    // (-inf - -inf is NaN, not above: a row that has seen no key keeps -inf.)
+    constexpr float kSlack = float(kSlack8) / 8.0f;
+    const bool grew = (mx[0] - row_max[0]) * sl2 > kSlack || (mx[1] - row_max[1]) * sl2 > kSlack;
+    const bool moved = __any_sync(0xffffffffu, grew);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) exp_row(hf, moved ? mx[hf] : row_max[hf]);
+    return moved;
   }
 }
 
@@ -644,10 +664,12 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
       // waited for right after its softmax, before the wait for the previous P V: the mbarrier
       // poll loop ends a basic block, and ptxas hoists a wgmma wait to the top of its block (with
       // the two waits in one block it ran the whole softmax after the P V wait).
+      bool moved = true;  // whether O needs corr (Tr::kRescaleSlack8)
       auto softmax = [&](int nb) {
         if (nb == t.nb_min) release_q();
         mask(s, nb);
-        Sm90Softmax<BN, 0, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, p.scale_log2);
+        moved = Sm90Softmax<BN, 0, Tr::kExpFmaEvery, true, Tr::kRescaleSlack8>(s, row_max, row_sum, corr,
+                                                                               p.scale_log2);
       };
       int st = ring.st;
       int nb = t.nb_max - 1;
@@ -683,7 +705,7 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
 #pragma unroll
         for (int nc = 0; nc < Tr::kPvChunks; ++nc) ptx::RegFence(o[nc]);
         release(bars.EmptyV(st_prev));
-        Sm90Rescale<Tr>(o, corr);
+        if (moved) Sm90Rescale<Tr>(o, corr);
         Sm90PackP<T, BN>(pa, s);
       }
     } else {
@@ -727,8 +749,10 @@ __device__ __forceinline__ void Sm90Consume(const Sm90Params& P, const Sm90Tile&
         if constexpr (decltype(masked)::value) {
           mask(s, nb);
         }
-        Sm90Softmax<kKeys, 0, Tr::kExpFmaEvery>(s, row_max, row_sum, corr, p.scale_log2);
-        Sm90Rescale<Tr>(o, corr);
+        if (Sm90Softmax<kKeys, 0, Tr::kExpFmaEvery, true, Tr::kRescaleSlack8>(s, row_max, row_sum, corr,
+                                                                              p.scale_log2)) {
+          Sm90Rescale<Tr>(o, corr);
+        }
         Sm90PackP<T, kKeys>(pa, s);
         ptx::MbarWait(bars.FullV(st), ring.phase);
         mma.template IssuePV<kKeys>(o, pa, st);

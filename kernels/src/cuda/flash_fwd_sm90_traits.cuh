@@ -46,6 +46,9 @@ struct Sm90TraitsBase {
   // Every kExpFmaEvery-th group of 8 keys takes its exp2 on the FMA pipe (Sm90Softmax); 0: all on
   // MUFU. The FP8 kernel, which the MUFU pipe bounds, ships 4; here sm90_variants times it.
   static constexpr int kExpFmaEvery = 0;
+  // Sm90Softmax's kSlack8: > 0 keeps a row's max (and skips O's rescale) until it grows by more
+  // than kRescaleSlack8 / 8 in log2 units; sm90_variants times it.
+  static constexpr int kRescaleSlack8 = 0;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kSlabs = D / 64;  // 64-column slabs per row
   // P V is issued as products of at most 128 output columns (the wgmma shapes generated).
