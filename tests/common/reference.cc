@@ -167,10 +167,10 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// Calls row(out_row, lse_at, k0, scores, hk) for every query row and head of the batch:
-// scores[j] is the scaled score of the sequence's key j (-inf where the mask hides it), out_row
-// the row's d outputs in o, lse_at its index in lse, k0 the sequence's first key row and hk the
-// KV head the query head reads.
+// Calls row(out_row, lse_at, k0, scores, hk, row_index) for every query row and head of the
+// batch: scores[j] is the scaled score of the sequence's key j (-inf where the mask hides it),
+// out_row the row's d outputs in o, lse_at its element of lse (at row_index), k0 the sequence's
+// first key row and hk the KV head the query head reads.
 template <typename RowFn>
 ATTN_TEST_THREAD_PRIVATE ReferenceResult ForEachScoreRow(const kernels::AttentionArgs& a,
                                                          const std::vector<double>& q,
@@ -203,7 +203,8 @@ ATTN_TEST_THREAD_PRIVATE ReferenceResult ForEachScoreRow(const kernels::Attentio
             dot += q[((q0 + i) * h_q + h) * d + c] * k[((k0 + j) * h_kv + hk) * d + c];
           s[j] = dot * scale;
         }
-        row(&r.o[((q0 + i) * h_q + h) * d], &r.lse[h * total_q + q0 + i], k0, s, hk);
+        const int64_t at = h * total_q + q0 + i;
+        row(&r.o[((q0 + i) * h_q + h) * d], &r.lse[at], k0, s, hk, at);
       }
     }
   }
@@ -220,7 +221,7 @@ ReferenceResult ReferenceAttention(const kernels::AttentionArgs& a, const std::v
   const int h_kv = a.num_kv_heads, d = a.head_dim;
   return ForEachScoreRow(a, q, k, cu_q, cu_k,
                          [&](double* o, double* lse, int64_t k0, const std::vector<double>& s,
-                             int hk) ATTN_TEST_THREAD_PRIVATE {
+                             int hk, int64_t) ATTN_TEST_THREAD_PRIVATE {
     double mx = kNegInf;
     for (double x : s) mx = std::max(mx, x);
     if (mx == kNegInf) return;
@@ -242,8 +243,8 @@ std::vector<double> ScoreMagnitudes(const kernels::AttentionArgs& a, const std::
   for (size_t i = 0; i < q.size(); ++i) q_abs[i] = std::fabs(q[i]);
   for (size_t i = 0; i < k.size(); ++i) k_abs[i] = std::fabs(k[i]);
   return ForEachScoreRow(a, q_abs, k_abs, cu_q, cu_k,
-                         [](double*, double* lse, int64_t, const std::vector<double>& s,
-                            int) ATTN_TEST_THREAD_PRIVATE {
+                         [](double*, double* lse, int64_t, const std::vector<double>& s, int,
+                            int64_t) ATTN_TEST_THREAD_PRIVATE {
                            for (double x : s) *lse = std::max(*lse, x);
                          })
       .lse;
@@ -263,13 +264,13 @@ double RoundToE4m3(double x) {
 ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::vector<double>& q,
                                    const std::vector<double>& k, const std::vector<double>& v,
                                    const std::vector<int32_t>& cu_q,
-                                   const std::vector<int32_t>& cu_k, int key_tile) {
+                                   const std::vector<int32_t>& cu_k, int key_tile, bool sum_rounded) {
   const int h_kv = a.num_kv_heads, d = a.head_dim;
   constexpr double kBias = 256.0;
   std::vector<double> acc(d);
   return ForEachScoreRow(a, q, k, cu_q, cu_k,
                          [&](double* o, double* lse, int64_t k0, const std::vector<double>& s,
-                             int hk) ATTN_TEST_THREAD_PRIVATE {
+                             int hk, int64_t) ATTN_TEST_THREAD_PRIVATE {
     const int64_t sk = static_cast<int64_t>(s.size());
     double m = kNegInf, sum = 0;
     std::fill(acc.begin(), acc.end(), 0.0);
@@ -284,8 +285,8 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::v
       for (int64_t j = j0; j < j1; ++j) {
         if (s[j] == kNegInf) continue;
         const double pj = std::exp(s[j] - mt) * kBias;
-        sum += pj;
         const double pr = RoundToE4m3(pj);
+        sum += sum_rounded ? pr : pj;
         for (int c = 0; c < d; ++c) acc[c] += pr * v[((k0 + j) * h_kv + hk) * d + c];
       }
       m = mt;
@@ -294,6 +295,43 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::v
     for (int c = 0; c < d; ++c) o[c] = acc[c] / sum;
     *lse = m + std::log(sum / kBias);
   });
+}
+
+LseBounds Fp8RoundedSumLseBounds(const kernels::AttentionArgs& a, const std::vector<double>& q,
+                                 const std::vector<double>& k, const std::vector<int32_t>& cu_q,
+                                 const std::vector<int32_t>& cu_k, const std::vector<double>& score_err,
+                                 int key_tile) {
+  constexpr double kBias = 256.0;
+  LseBounds b;
+  b.hi.assign(score_err.size(), kNegInf);
+  b.lo = ForEachScoreRow(a, q, k, cu_q, cu_k,
+                         [&](double*, double* lse, int64_t, const std::vector<double>& s, int,
+                             int64_t row) ATTN_TEST_THREAD_PRIVATE {
+    // The kernel's scores s' lie within e of s, so its running max within e of the exact one
+    // and each exponent s' - max' within 2e of s - max (and <= 0); rounding is monotone.
+    const double e = score_err[row];
+    const int64_t sk = static_cast<int64_t>(s.size());
+    double m = kNegInf, lo = 0, hi = 0;  // the sums' bounds in units of exp(m) / kBias
+    for (int64_t t = (sk + key_tile - 1) / key_tile - 1; t >= 0; --t) {
+      const int64_t j0 = t * key_tile, j1 = std::min(sk, j0 + key_tile);
+      double mt = m;
+      for (int64_t j = j0; j < j1; ++j) mt = std::max(mt, s[j]);
+      if (mt == kNegInf) continue;
+      const double corr = m == kNegInf ? 0.0 : std::exp(m - mt);
+      lo *= corr;
+      hi *= corr;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (s[j] == kNegInf) continue;
+        lo += RoundToE4m3(kBias * std::exp(s[j] - mt - 2 * e));
+        hi += RoundToE4m3(kBias * std::exp(std::min(0.0, s[j] - mt + 2 * e)));
+      }
+      m = mt;
+    }
+    if (m == kNegInf) return;
+    *lse = lo > 0 ? m - e + std::log(lo / kBias) : kNegInf;
+    b.hi[row] = m + e + std::log(hi / kBias);
+  }).lse;
+  return b;
 }
 
 ErrorStats CompareTo(const std::vector<double>& ref, const HostTensor& got) {

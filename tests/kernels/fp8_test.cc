@@ -300,6 +300,61 @@ TEST(Fp8TensorCoreModel, RoundsOnlyP) {
   EXPECT_LT(lse_err, 1e-9);  // the row sum is of unrounded p
 }
 
+// The LSE interval of the kernel whose row sums are of the rounded P: the model's own LSE (its
+// scores exact) lies inside, and so does the model's on q perturbed by up to 2^-10 per element
+// (each score then moves by at most 2^-10 of its row's magnitude, the error allowed). The interval
+// is e either side for the max plus, per key whose p may round either way, one e4m3 step; with
+// exact scores it closes on the model's LSE.
+TEST(Fp8TensorCoreModel, RoundedSumLseBounds) {
+  AttentionArgs a;
+  a.batch = 2;
+  a.num_heads = 4;
+  a.num_kv_heads = 2;
+  a.head_dim = 16;
+  a.causal = true;
+  const std::vector<int32_t> cu_q = testing::CuSeqlens({7, 60}), cu_k = testing::CuSeqlens({300, 60});
+  a.total_q = cu_q.back();
+  a.total_k = cu_k.back();
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> unit(-1.0, 1.0);
+  std::vector<double> q(size_t(a.total_q) * 4 * 16), k(size_t(a.total_k) * 2 * 16), v(k.size());
+  for (double& x : q) x = 3.0 * normal(rng);  // sharp rows: a few keys hold most weight
+  for (double& x : k) x = normal(rng);
+  for (double& x : v) x = normal(rng);
+  constexpr double kRel = 1.0 / 1024;
+  std::vector<double> err = testing::ScoreMagnitudes(a, q, k, cu_q, cu_k);
+  for (double& e : err) e = std::isinf(e) ? 0.0 : kRel * e;
+  const testing::LseBounds b = testing::Fp8RoundedSumLseBounds(a, q, k, cu_q, cu_k, err);
+  const auto model = testing::Fp8TensorCoreModel(a, q, k, v, cu_q, cu_k, 128, true);
+  ASSERT_EQ(b.lo.size(), model.lse.size());
+  int64_t outside = 0, moved = 0;
+  for (int trial = 0; trial < 4; ++trial) {
+    std::vector<double> qp = q;
+    for (double& x : qp) x *= 1.0 + kRel * unit(rng);
+    const auto perturbed = testing::Fp8TensorCoreModel(a, qp, k, v, cu_q, cu_k, 128, true);
+    for (size_t i = 0; i < b.lo.size(); ++i) {
+      outside += perturbed.lse[i] < b.lo[i] - 1e-12 || perturbed.lse[i] > b.hi[i] + 1e-12;
+      moved += std::fabs(perturbed.lse[i] - model.lse[i]) > 1e-6;
+    }
+  }
+  EXPECT_EQ(outside, 0);
+  EXPECT_GT(moved, 0);  // the perturbation did move the rounded sums
+  for (size_t i = 0; i < b.lo.size(); ++i) {
+    EXPECT_LE(b.lo[i], model.lse[i] + 1e-12) << i;
+    EXPECT_GE(b.hi[i], model.lse[i] - 1e-12) << i;
+    // 2e for the max, up to 2e more on the sum's smooth part and an e4m3 step (1/8) per key.
+    EXPECT_LT(b.hi[i] - b.lo[i], 6 * err[i] + 0.125) << i;
+  }
+  const testing::LseBounds b0 =
+      testing::Fp8RoundedSumLseBounds(a, q, k, cu_q, cu_k, std::vector<double>(err.size(), 0.0));
+  for (size_t i = 0; i < b0.lo.size(); ++i) {
+    if (std::isinf(model.lse[i])) continue;
+    EXPECT_NEAR(b0.lo[i], model.lse[i], 1e-12) << i;
+    EXPECT_NEAR(b0.hi[i], model.lse[i], 1e-12) << i;
+  }
+}
+
 TEST(CpuFp8Kv, DecodeAndPrefillContiguousAndPaged) {
   uint64_t seed = 900;
   for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {

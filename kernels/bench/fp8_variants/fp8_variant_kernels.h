@@ -29,8 +29,10 @@ enum class Fp8Variant {
   kMaskFlipped,  // the shipped traits with kHoistedMask flipped (per-Q-tile mask bounds or the per-tile test)
   kTcSum,  // the shipped traits with each key tile's row sums of P on the tensor cores (kTcRowSum)
   kWg2TcSum,  // d=128: kWg2 with the row sums on the tensor cores
+  kFloatSum,  // the shipped traits with the row sums in the softmax (kTcRowSum off)
   kLazy,  // the shipped traits with a lazy rescale (kRescaleSlack8 = 6: a row's max kept until it grows by 0.75)
   kLazyTcSum,  // kTcSum with the lazy rescale
+  kLazyFloatSum,  // kFloatSum with the lazy rescale
   kCount,
 };
 

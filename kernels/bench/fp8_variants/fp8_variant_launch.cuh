@@ -42,6 +42,9 @@ struct Fp8MaskFlippedTraits : Sm90Fp8Shipped<D, __nv_bfloat16> {
 
 template <int D, int kWGs = kSm90Fp8ShippedWGs<D>>
 using Fp8TcSumTraits = Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ExpFmaEveryOf<D, kWGs>, kWGs, false, true>;
+template <int D>
+using Fp8FloatSumTraits =
+    Sm90Fp8Traits<D, __nv_bfloat16, kSm90Fp8ExpFmaEveryOf<D, kSm90Fp8ShippedWGs<D>>, kSm90Fp8ShippedWGs<D>>;
 
 // Base with a lazy rescale: rows keep their max until it grows by more than 6/8 (log2 units).
 template <typename Base>
@@ -99,9 +102,12 @@ cudaError_t LaunchFp8Variant(const FlashParams& p, Fp8Variant v, int sms, cudaSt
     case Fp8Variant::kWg2TcSum:  // Fp8VariantBuiltFor
       if constexpr (D == 128) return RunFlashFwdSm90Fp8With<Fp8TcSumTraits<D, 2>>(p, sms, stream);
       return cudaErrorNotSupported;
+    case Fp8Variant::kFloatSum: return RunFlashFwdSm90Fp8With<Fp8FloatSumTraits<D>>(p, sms, stream);
     case Fp8Variant::kLazy:
       return RunFlashFwdSm90Fp8With<Fp8LazyTraits<Sm90Fp8Shipped<D, T>>>(p, sms, stream);
     case Fp8Variant::kLazyTcSum: return RunFlashFwdSm90Fp8With<Fp8LazyTraits<Fp8TcSumTraits<D>>>(p, sms, stream);
+    case Fp8Variant::kLazyFloatSum:
+      return RunFlashFwdSm90Fp8With<Fp8LazyTraits<Fp8FloatSumTraits<D>>>(p, sms, stream);
     default: return cudaErrorNotSupported;
   }
 }

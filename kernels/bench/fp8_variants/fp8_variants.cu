@@ -337,8 +337,10 @@ const char* Fp8VariantName(Fp8Variant v) {
     case Fp8Variant::kMaskFlipped: return "mask_flipped";
     case Fp8Variant::kTcSum: return "tc_sum";
     case Fp8Variant::kWg2TcSum: return "wg2_tc_sum";
+    case Fp8Variant::kFloatSum: return "float_sum";
     case Fp8Variant::kLazy: return "lazy";
     case Fp8Variant::kLazyTcSum: return "lazy_tc_sum";
+    case Fp8Variant::kLazyFloatSum: return "lazy_float_sum";
     default: return "?";
   }
 }

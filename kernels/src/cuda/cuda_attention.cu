@@ -917,11 +917,19 @@ cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, vo
   FlashParams p = MakeParams(args);
   p.q_descale = q_scales;
   p.vt = workspace;
-  const int rows = Fp8TileRows(args.head_dim, args.max_seqlen_q, args.num_heads, args.batch, info.sms);
+  const int rows = Fp8AttentionTileRows(args);
   return args.dtype == DType::kFloat16
              ? RunFp8AttentionTyped<__half>(p, args.head_dim, rows, info.sms, stream)
              : RunFp8AttentionTyped<__nv_bfloat16>(p, args.head_dim, rows, info.sms, stream);
 }
+
+int Fp8AttentionTileRows(const AttentionArgs& args) {
+  DeviceInfo info;
+  if (!GetDeviceInfo(&info)) return 0;
+  return Fp8TileRows(args.head_dim, args.max_seqlen_q, args.num_heads, args.batch, info.sms);
+}
+
+bool Fp8TensorCoreSumsRoundedP(int head_dim, int tile_rows) { return Fp8SumsRoundedP(head_dim, tile_rows); }
 
 const int* CompiledHeadDims(int* n) {
   if (n != nullptr) *n = kNumCompiledHeadDims;

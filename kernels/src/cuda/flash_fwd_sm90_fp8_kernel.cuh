@@ -40,13 +40,14 @@ namespace attn::kernels::cuda {
 // kTcRowSumV: each row's sum of a key tile's P taken on the tensor cores, as P times a block of
 // e4m3 ones (one m64n8k32 product beside each 32 keys' P V, 4 accumulators a thread), added to
 // the row's float sum once P V is complete, instead of 64 FADDs a thread and key tile in the
-// softmax's chain (fp8_variants tc_sum, wg2_tc_sum; docs/PERF.md, eleventh session). The sum is
-// then of the e4m3 P that P V used, not of the unrounded p: 1.04-1.05x at d=128 with three
-// warpgroups (H100), but a row whose weight sits on a few keys moves its LSE by a share of an
-// e4m3 step (up to 0.04 in the GPU tests, beyond their bound for unrounded sums), and d=256 and
-// the 128-row tiles ran 1-6% slower, so it is off. A tile's products start from zero: summed on
-// the tensor cores over the whole row, whose FP8 sums keep ~13 bits, the sums of positive terms
-// lost so much that O moved 6-15% (relative L2) at s = 4k-8k.
+// softmax's chain (fp8_variants float_sum, tc_sum, wg2_tc_sum; docs/PERF.md). The sum is then of
+// the e4m3 P that P V used, not of the unrounded p, so O is normalised by its own weights and LSE
+// is the log of their sum: a row whose weight sits on a few keys moves its LSE by a share of an
+// e4m3 step (up to 0.04 in the GPU tests) against the unrounded sums'. 1.04-1.05x at d=128 with
+// three warpgroups (H100), shipped there (Fp8SumsRoundedP); d=256 and the 128-row tiles ran 1-6%
+// slower. A tile's products start from zero: summed on the tensor cores over the whole row, whose
+// FP8 sums keep ~13 bits, the sums of positive terms lost so much that O moved 6-15% (relative
+// L2) at s = 4k-8k.
 // kStamps: false here; kernels/bench/fp8_variants derives traits that set it and give
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
@@ -117,10 +118,10 @@ inline constexpr int kSm90Fp8ShippedWGs = D == 128 ? 3 : 2;
 template <int D, int kWGs>
 inline constexpr int kSm90Fp8ExpFmaEveryOf = D == 128 ? (kWGs == 3 ? 0 : 4) : 8;
 template <int D, typename T>
-using Sm90Fp8Shipped =
-    Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, kSm90Fp8ShippedWGs<D>>, kSm90Fp8ShippedWGs<D>>;
+using Sm90Fp8Shipped = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, kSm90Fp8ShippedWGs<D>>, kSm90Fp8ShippedWGs<D>,
+                                     false, Fp8SumsRoundedP(D, 64 * kSm90Fp8ShippedWGs<D>)>;
 template <int D, typename T>
-using Sm90Fp8ShippedNarrow = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2>;
+using Sm90Fp8ShippedNarrow = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2, false, Fp8SumsRoundedP(D, 128)>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
 // D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.

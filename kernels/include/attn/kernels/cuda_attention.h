@@ -186,6 +186,13 @@ Status CanImplementFp8TensorCores(const AttentionArgs& args);
 size_t Fp8AttentionWorkspaceBytes(const AttentionArgs& args);
 cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, void* workspace,
                             cudaStream_t stream);
+// The query tile rows RunFp8Attention takes for args on the current device (0 without one).
+int Fp8AttentionTileRows(const AttentionArgs& args);
+// Whether the FP8 tensor-core kernel of head_dim on tile_rows-row query tiles (Plan::fp8_tile_rows,
+// Fp8AttentionTileRows) sums each row's P after its rounding to e4m3. Its LSE is then the log of
+// the sum of the weights O is normalised by, which differs from the sum of the unrounded p by up to
+// an e4m3 step (1/16 relative) on rows whose weight sits on a few keys (docs/FP8.md).
+bool Fp8TensorCoreSumsRoundedP(int head_dim, int tile_rows);
 
 // Head dims compiled into this build, ascending; count written to *n.
 const int* CompiledHeadDims(int* n);
