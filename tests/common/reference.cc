@@ -6,14 +6,7 @@
 #include <limits>
 
 #include "attn/kernels/dtype_convert.h"
-
-// The reference runs on one test thread over data that thread owns; under TSan its loops are
-// left uninstrumented (they made the sanitized end-to-end tests minutes long, for nothing).
-#if defined(__SANITIZE_THREAD__)
-#define ATTN_TEST_THREAD_PRIVATE __attribute__((no_sanitize("thread")))
-#else
-#define ATTN_TEST_THREAD_PRIVATE
-#endif
+#include "common/score_rows.h"
 
 namespace attn::testing {
 namespace {
@@ -163,56 +156,6 @@ std::vector<double> HostTensor::ToDouble() const {
   return out;
 }
 
-namespace {
-
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-// Calls row(out_row, lse_at, k0, scores, hk, row_index) for every query row and head of the
-// batch: scores[j] is the scaled score of the sequence's key j (-inf where the mask hides it),
-// out_row the row's d outputs in o, lse_at its element of lse (at row_index), k0 the sequence's
-// first key row and hk the KV head the query head reads.
-template <typename RowFn>
-ATTN_TEST_THREAD_PRIVATE ReferenceResult ForEachScoreRow(const kernels::AttentionArgs& a,
-                                                         const std::vector<double>& q,
-                                                         const std::vector<double>& k,
-                                                         const std::vector<int32_t>& cu_q,
-                                                         const std::vector<int32_t>& cu_k,
-                                                         RowFn&& row) {
-  const int h_q = a.num_heads, h_kv = a.num_kv_heads, d = a.head_dim;
-  const int group = h_q / h_kv;
-  const double scale = a.softmax_scale != 0.0f ? a.softmax_scale : 1.0 / std::sqrt(double(d));
-  const int64_t total_q = cu_q.back();
-  ReferenceResult r;
-  r.o.assign(total_q * h_q * d, 0.0);
-  r.lse.assign(h_q * total_q, kNegInf);
-  std::vector<double> s;
-  for (size_t b = 0; b + 1 < cu_q.size(); ++b) {
-    const int64_t q0 = cu_q[b], sq = cu_q[b + 1] - cu_q[b];
-    const int64_t k0 = cu_k[b], sk = cu_k[b + 1] - cu_k[b];
-    for (int h = 0; h < h_q; ++h) {
-      const int hk = h / group;
-      for (int64_t i = 0; i < sq; ++i) {
-        const int64_t p = i + sk - sq;
-        s.assign(sk, kNegInf);
-        for (int64_t j = 0; j < sk; ++j) {
-          if (a.causal && j > p) continue;
-          if (a.window_left >= 0 && j < p - a.window_left) continue;
-          if (a.window_right >= 0 && j > p + a.window_right) continue;
-          double dot = 0;
-          for (int c = 0; c < d; ++c)
-            dot += q[((q0 + i) * h_q + h) * d + c] * k[((k0 + j) * h_kv + hk) * d + c];
-          s[j] = dot * scale;
-        }
-        const int64_t at = h * total_q + q0 + i;
-        row(&r.o[((q0 + i) * h_q + h) * d], &r.lse[at], k0, s, hk, at);
-      }
-    }
-  }
-  return r;
-}
-
-}  // namespace
-
 ATTN_TEST_THREAD_PRIVATE
 ReferenceResult ReferenceAttention(const kernels::AttentionArgs& a, const std::vector<double>& q,
                                    const std::vector<double>& k, const std::vector<double>& v,
@@ -259,79 +202,6 @@ double RoundToE4m3(double x) {
   const double quantum = e - 1 < -6 ? std::ldexp(1.0, -9) : std::ldexp(1.0, e - 1 - 3);
   const double r = std::min(std::nearbyint(a / quantum) * quantum, 448.0);
   return x < 0 ? -r : r;
-}
-
-ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::vector<double>& q,
-                                   const std::vector<double>& k, const std::vector<double>& v,
-                                   const std::vector<int32_t>& cu_q,
-                                   const std::vector<int32_t>& cu_k, int key_tile, bool sum_rounded) {
-  const int h_kv = a.num_kv_heads, d = a.head_dim;
-  constexpr double kBias = 256.0;
-  std::vector<double> acc(d);
-  return ForEachScoreRow(a, q, k, cu_q, cu_k,
-                         [&](double* o, double* lse, int64_t k0, const std::vector<double>& s,
-                             int hk, int64_t) ATTN_TEST_THREAD_PRIVATE {
-    const int64_t sk = static_cast<int64_t>(s.size());
-    double m = kNegInf, sum = 0;
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (int64_t t = (sk + key_tile - 1) / key_tile - 1; t >= 0; --t) {
-      const int64_t j0 = t * key_tile, j1 = std::min(sk, j0 + key_tile);
-      double mt = m;
-      for (int64_t j = j0; j < j1; ++j) mt = std::max(mt, s[j]);
-      if (mt == kNegInf) continue;
-      const double corr = m == kNegInf ? 0.0 : std::exp(m - mt);
-      sum *= corr;
-      for (double& x : acc) x *= corr;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (s[j] == kNegInf) continue;
-        const double pj = std::exp(s[j] - mt) * kBias;
-        const double pr = RoundToE4m3(pj);
-        sum += sum_rounded ? pr : pj;
-        for (int c = 0; c < d; ++c) acc[c] += pr * v[((k0 + j) * h_kv + hk) * d + c];
-      }
-      m = mt;
-    }
-    if (m == kNegInf) return;
-    for (int c = 0; c < d; ++c) o[c] = acc[c] / sum;
-    *lse = m + std::log(sum / kBias);
-  });
-}
-
-LseBounds Fp8RoundedSumLseBounds(const kernels::AttentionArgs& a, const std::vector<double>& q,
-                                 const std::vector<double>& k, const std::vector<int32_t>& cu_q,
-                                 const std::vector<int32_t>& cu_k, const std::vector<double>& score_err,
-                                 int key_tile) {
-  constexpr double kBias = 256.0;
-  LseBounds b;
-  b.hi.assign(score_err.size(), kNegInf);
-  b.lo = ForEachScoreRow(a, q, k, cu_q, cu_k,
-                         [&](double*, double* lse, int64_t, const std::vector<double>& s, int,
-                             int64_t row) ATTN_TEST_THREAD_PRIVATE {
-    // The kernel's scores s' lie within e of s, so its running max within e of the exact one
-    // and each exponent s' - max' within 2e of s - max (and <= 0); rounding is monotone.
-    const double e = score_err[row];
-    const int64_t sk = static_cast<int64_t>(s.size());
-    double m = kNegInf, lo = 0, hi = 0;  // the sums' bounds in units of exp(m) / kBias
-    for (int64_t t = (sk + key_tile - 1) / key_tile - 1; t >= 0; --t) {
-      const int64_t j0 = t * key_tile, j1 = std::min(sk, j0 + key_tile);
-      double mt = m;
-      for (int64_t j = j0; j < j1; ++j) mt = std::max(mt, s[j]);
-      if (mt == kNegInf) continue;
-      const double corr = m == kNegInf ? 0.0 : std::exp(m - mt);
-      lo *= corr;
-      hi *= corr;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (s[j] == kNegInf) continue;
-        lo += RoundToE4m3(kBias * std::exp(s[j] - mt - 2 * e));
-        hi += RoundToE4m3(kBias * std::exp(std::min(0.0, s[j] - mt + 2 * e)));
-      }
-      m = mt;
-    }
-    if (m == kNegInf) return;
-    *lse = lo > 0 ? m - e + std::log(lo / kBias) : kNegInf;
-    b.hi[row] = m + e + std::log(hi / kBias);
-  }).lse;
-  return b;
 }
 
 ErrorStats CompareTo(const std::vector<double>& ref, const HostTensor& got) {

@@ -42,34 +42,6 @@ ReferenceResult ReferenceAttention(const kernels::AttentionArgs& shape_and_flags
                                    const std::vector<int32_t>& cu_seqlens_q,
                                    const std::vector<int32_t>& cu_seqlens_k);
 
-// Attention as the FP8 tensor-core kernel (kernels::cuda::RunFp8Attention) computes it, in
-// float64 on the values its codes stand for (q, k, v = code * descale): per query row, key tiles
-// of key_tile keys from the sequence's first key, visited from the last, with a running max m;
-// each key's p = exp(s - m) * 256 enters the P V product rounded to the nearest e4m3 value and
-// the row sum as it is (sum_rounded: rounded too, as the kernel's row sums on the tensor cores
-// take it); o = (P V) / sum, lse = m + log(sum / 256). The rounding is written here apart from the
-// kernels library's.
-ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& shape_and_flags,
-                                   const std::vector<double>& q, const std::vector<double>& k,
-                                   const std::vector<double>& v,
-                                   const std::vector<int32_t>& cu_seqlens_q,
-                                   const std::vector<int32_t>& cu_seqlens_k, int key_tile = 128,
-                                   bool sum_rounded = false);
-
-// Where the FP8 tensor-core kernel sums each row's P after its rounding to e4m3 (its row sums on
-// the tensor cores): per query row (indexed as ReferenceResult::lse), the interval of LSE that the
-// model's arithmetic (Fp8TensorCoreModel with sum_rounded) gives when every score may be off the
-// exact one by up to score_err of its row (the tensor cores' accumulation). A score's error moves
-// its p across e4m3 rounding boundaries (steps of 1/8), which a bound on unrounded sums does not
-// allow for. lo is -inf for rows that see no key (and where every p may round to zero).
-struct LseBounds {
-  std::vector<double> lo, hi;
-};
-LseBounds Fp8RoundedSumLseBounds(const kernels::AttentionArgs& shape_and_flags, const std::vector<double>& q,
-                                 const std::vector<double>& k, const std::vector<int32_t>& cu_seqlens_q,
-                                 const std::vector<int32_t>& cu_seqlens_k, const std::vector<double>& score_err,
-                                 int key_tile = 128);
-
 // Per query row (indexed as ReferenceResult::lse), the largest over the keys the row sees of
 // scale * sum_c |q_c k_c|: the magnitude a tensor core's sum of the row's products is aligned to,
 // against which its accumulation error is bounded. -inf for rows that see no key.

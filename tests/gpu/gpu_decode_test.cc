@@ -30,6 +30,7 @@
 #include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/cuda_attention.h"
 #include "attn/kernels/dtype_convert.h"
+#include "common/fp8_model.h"
 #include "common/reference.h"
 #include "gpu/gpu_test_util.h"
 
@@ -164,25 +165,29 @@ std::vector<double> Rounded16(DType t, const std::vector<double>& x) {
   return r;
 }
 
-// The FP8 tensor cores' LSE against the model's (the exact row sums of the scores the kernel
-// sees). FP8 wgmma sums its products with fewer bits than float32 (on the H200 a score's error
-// reached 2^-11.8 of scale * sum |q_c k_c|), so a row's LSE is held to 2^-10 of that magnitude
-// (ScoreMagnitudes) on top of the 1e-2 the 16-bit kernels meet. The error measured, relative to
-// the magnitude, is printed (in bits) for the record.
+// The FP8 tensor cores' LSE against the model's (the kernel's arithmetic on exact scores). FP8
+// wgmma sums its products with fewer bits than float32 (on the H200 a score's error reached
+// 2^-11.8 of scale * sum |q_c k_c|), so where the row sums are of the unrounded p a row's LSE is
+// held to 2^-10 of that magnitude (ScoreMagnitudes) on top of the 1e-2 the 16-bit kernels meet;
+// where they are of the rounded P (softmax.sums_rounded_p), to the interval that score error
+// allows through the roundings and the lazy rescale's choices (Fp8TensorCoreLseBounds). The error
+// measured, relative to the magnitude, is printed (in bits) for the record.
 void CheckFp8TensorCoreLse(const AttentionArgs& shape, const std::vector<double>& model_lse,
                            const std::vector<float>& lse, const std::vector<double>& q,
                            const std::vector<double>& k, const std::vector<int32_t>& cu_q,
-                           const std::vector<int32_t>& cu_k, bool sums_rounded) {
+                           const std::vector<int32_t>& cu_k, const attn::testing::Fp8SoftmaxModel& softmax) {
+  const bool sums_rounded = softmax.sums_rounded_p;
   constexpr double kMmaRel = 1.0 / 1024;
   const std::vector<double> mag = attn::testing::ScoreMagnitudes(shape, q, k, cu_q, cu_k);
   // Row sums of the rounded P: LSE inside the interval a score error of kMmaRel * mag allows
-  // (each p may then round to a neighbouring e4m3 value), within the float and tensor-core sums'
-  // rounding; and, since those roundings fall either way, near the model on average.
+  // (each p may then round to a neighbouring e4m3 value, a group may rescale or not), within the
+  // float and tensor-core sums' rounding; and, since those roundings fall either way, near the
+  // model on average.
   attn::testing::LseBounds bounds;
   if (sums_rounded) {
     std::vector<double> err(mag.size());
     for (size_t i = 0; i < mag.size(); ++i) err[i] = std::isinf(mag[i]) ? 0.0 : kMmaRel * mag[i];
-    bounds = attn::testing::Fp8RoundedSumLseBounds(shape, q, k, cu_q, cu_k, err);
+    bounds = attn::testing::Fp8TensorCoreLseBounds(shape, q, k, cu_q, cu_k, err, softmax);
   }
   constexpr double kSumSlack = 2e-3;
   int64_t bad = 0, worst = -1, non_finite = 0, rows = 0;
@@ -215,8 +220,9 @@ void CheckFp8TensorCoreLse(const AttentionArgs& shape, const std::vector<double>
                                                    : std::string());
   const double mean_err = rows > 0 ? sum_err / double(rows) : 0.0;
   if (sums_rounded) EXPECT_LE(mean_err, 5e-3) << "mean LSE error against the model";
-  std::printf("  FP8 tensor cores (%s sums): LSE error up to 2^%.1f of the score magnitude, mean %.2e\n",
-              sums_rounded ? "rounded" : "unrounded", worst_rel > 0 ? std::log2(worst_rel) : -INFINITY, mean_err);
+  std::printf("  FP8 tensor cores (%s sums, lazy rescale %d/8): LSE error up to 2^%.1f of the score magnitude, mean %.2e\n",
+              sums_rounded ? "rounded" : "unrounded", softmax.lazy_rescale_eighths,
+              worst_rel > 0 ? std::log2(worst_rel) : -INFINITY, mean_err);
 }
 
 void RunAndCheck(Case c) {
@@ -556,13 +562,15 @@ void RunAndCheck(Case c) {
   const bool tensor_cores = c.fp8_native || c.fp8_tc_plan;
   attn::testing::ReferenceResult model;
   std::vector<double> q_model;
-  bool sums_rounded = false;  // the kernel's row sums are of the e4m3-rounded P
+  attn::testing::Fp8SoftmaxModel softmax;  // the kernel's, as the library reports it
   if (tensor_cores) {
     q_model = c.fp8_tc_plan ? attn::testing::QuantizeE4m3(q.ToDouble(), cu_q, Hkv, a.num_heads / Hkv * D).values
                             : q_ref;
     const int tile_rows = c.fp8_tc_plan ? plan.fp8_tile_rows : attn::kernels::cuda::Fp8AttentionTileRows(a);
-    sums_rounded = attn::kernels::cuda::Fp8TensorCoreSumsRoundedP(D, tile_rows);
-    model = attn::testing::Fp8TensorCoreModel(shape, q_model, kq.values, vq.values, cu_q, cu_k, 128, sums_rounded);
+    const attn::kernels::cuda::Fp8SoftmaxRule rule = attn::kernels::cuda::Fp8TensorCoreSoftmaxRule(D, tile_rows);
+    softmax.sums_rounded_p = rule.sums_rounded_p;
+    softmax.lazy_rescale_eighths = rule.lazy_rescale_eighths;
+    model = attn::testing::Fp8TensorCoreModel(shape, q_model, kq.values, vq.values, cu_q, cu_k, softmax);
     const attn::testing::ErrorStats em = attn::testing::CompareTo(model.o, out);
     EXPECT_LE(em.rel_l2, 2e-2)
         << "O rel L2 vs the FP8 tensor-core model " << em.rel_l2 << " (vs exact " << eo.rel_l2 << ")";
@@ -574,7 +582,7 @@ void RunAndCheck(Case c) {
     EXPECT_LE(Distance(out, cpu), 2 * tol) << "GPU vs CPU backend";
   }
   if (c.with_lse && tensor_cores) {
-    CheckFp8TensorCoreLse(shape, model.lse, lse, q_model, kq.values, cu_q, cu_k, sums_rounded);
+    CheckFp8TensorCoreLse(shape, model.lse, lse, q_model, kq.values, cu_q, cu_k, softmax);
   } else if (c.with_lse) {
     // The forward path converts FP8 values (codes times scales) to the 16-bit type before its
     // kernel, so its LSE is that of the rounded values (bf16: up to ~0.05 off the exact one at

@@ -22,6 +22,7 @@
 #include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/cpu_thread_pool.h"
 #include "attn/kernels/dtype_convert.h"
+#include "common/fp8_model.h"
 #include "common/reference.h"
 
 namespace attn {

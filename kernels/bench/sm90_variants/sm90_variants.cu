@@ -4,7 +4,7 @@
 // do not agree. Without --variant, times the production kernel alone.
 //
 //   sm90_variants --d 128 --s 16384 [--causal] [--narrow] [--reps 20]
-//                 [--variant keys176|keys80|overlap|overlap_keys64|split_mask|trim_edges|exp_fma4|lazy_rescale
+//                 [--variant keys176|keys80|overlap|overlap_keys64|split_mask|trim_edges|exp_fma4|lazy_rescale|eager_rescale
 //                  [--production wide|narrow]]
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -64,7 +64,7 @@ Options Parse(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: sm90_variants --d 64|128|256 --s N [--causal] [--narrow] [--reps N]\n"
-                   "         [--variant keys176|keys80|overlap|overlap_keys64|split_mask|trim_edges|exp_fma4|lazy_rescale\n"
+                   "         [--variant keys176|keys80|overlap|overlap_keys64|split_mask|trim_edges|exp_fma4|lazy_rescale|eager_rescale\n"
                    "                    [--production wide|narrow]]\n");
       std::exit(2);
     }
@@ -162,6 +162,7 @@ int RunVariant(const Options& o, FlashParams p, int sms, size_t elems, double fl
   else if (o.variant == "trim_edges") v = Sm90Variant::kTrimEdges;
   else if (o.variant == "exp_fma4") v = Sm90Variant::kExpFma4;
   else if (o.variant == "lazy_rescale") v = Sm90Variant::kLazyRescale;
+  else if (o.variant == "eager_rescale") v = Sm90Variant::kEagerRescale;
   else {
     std::fprintf(stderr, "unknown --variant %s\n", o.variant.c_str());
     return 2;

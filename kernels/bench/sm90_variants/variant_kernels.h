@@ -34,10 +34,15 @@ struct Sm90ExpFma4 : Tr {
   static constexpr int kExpFmaEvery = 4;
 };
 
-// A lazy rescale: a row's max is kept until it grows by more than 8 (log2 units; P below 256).
+// A lazy rescale: a row's max is kept until it grows by more than 8 (log2 units; P below 256), or
+// O rescaled on every key tile (d=128's wide tiling ships the lazy one).
 template <typename Tr>
 struct Sm90LazyRescale : Tr {
   static constexpr int kRescaleSlack8 = 64;
+};
+template <typename Tr>
+struct Sm90EagerRescale : Tr {
+  static constexpr int kRescaleSlack8 = 0;
 };
 
 enum class Sm90Variant {
@@ -49,6 +54,7 @@ enum class Sm90Variant {
   kTrimEdges,       // the production tiling (wide or narrow) with kTrimEdgeTiles (d=64/128)
   kExpFma4,         // the production tiling (wide or narrow) with kExpFmaEvery = 4
   kLazyRescale,     // the production tiling (wide or narrow) with kRescaleSlack8 = 64
+  kEagerRescale,    // the production tiling (wide or narrow) with kRescaleSlack8 = 0
 };
 
 // Launches variant v of head dim D (bf16) with the launch rules of its tiling (Sm90LaunchOf, the

@@ -45,6 +45,8 @@ cudaError_t LaunchVariantSm90(const FlashParams& params, Sm90Variant v, bool nar
       return LaunchTilingSm90<D, Sm90ExpFma4>(params, narrow, sms, stream);
     case Sm90Variant::kLazyRescale:
       return LaunchTilingSm90<D, Sm90LazyRescale>(params, narrow, sms, stream);
+    case Sm90Variant::kEagerRescale:
+      return LaunchTilingSm90<D, Sm90EagerRescale>(params, narrow, sms, stream);
     case Sm90Variant::kTrimEdges:
       if constexpr (D == 256) return cudaErrorNotSupported;  // 64- and 80-key tiles
       else return LaunchTilingSm90<D, Sm90TrimEdges>(params, narrow, sms, stream);

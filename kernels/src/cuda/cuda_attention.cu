@@ -929,7 +929,12 @@ int Fp8AttentionTileRows(const AttentionArgs& args) {
   return Fp8TileRows(args.head_dim, args.max_seqlen_q, args.num_heads, args.batch, info.sms);
 }
 
-bool Fp8TensorCoreSumsRoundedP(int head_dim, int tile_rows) { return Fp8SumsRoundedP(head_dim, tile_rows); }
+Fp8SoftmaxRule Fp8TensorCoreSoftmaxRule(int head_dim, int tile_rows) {
+  Fp8SoftmaxRule r;
+  r.sums_rounded_p = Fp8SumsRoundedP(head_dim, tile_rows);
+  r.lazy_rescale_eighths = Fp8RescaleSlack8(head_dim, tile_rows);
+  return r;
+}
 
 const int* CompiledHeadDims(int* n) {
   if (n != nullptr) *n = kNumCompiledHeadDims;

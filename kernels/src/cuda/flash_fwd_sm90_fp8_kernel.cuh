@@ -52,16 +52,16 @@ namespace attn::kernels::cuda {
 // AddClocks(sums, key_tiles, producer), to time each phase (Sm90Fp8Clocks), and TraceSlot(role),
 // where one CTA's roles write their timeline.
 template <int D, typename TO, int kExpFmaEveryV, int kConsumerWGsV = 2, bool kOverlapV = false,
-          bool kTcRowSumV = false>
+          bool kTcRowSumV = false, int kRescaleSlack8V = 0>
 struct Sm90Fp8Traits {
   using T = TO;  // o's type
   static constexpr int kExpFmaEvery = kExpFmaEveryV;
   static constexpr bool kOverlap = kOverlapV;
   static constexpr bool kTcRowSum = kTcRowSumV;
   static constexpr bool kStamps = false;
-  // Sm90Softmax's kSlack8 (a lazy rescale; fp8_variants times it). P's codes are p * 2^kFp8PBias,
-  // so a slack s keeps them below 2^(8 + s), inside e4m3's 448 for s <= 0.8 (kSlack8 <= 6).
-  static constexpr int kRescaleSlack8 = 0;
+  // Sm90Softmax's kSlack8 (a lazy rescale: Fp8RescaleSlack8). P's codes are p * 2^kFp8PBias, so
+  // a slack s keeps them below 2^(8 + s), inside e4m3's 448 for s <= 0.8 (kSlack8 <= 6).
+  static constexpr int kRescaleSlack8 = kRescaleSlack8V;
   // Whether a key tile needs its mask is read off bounds computed once per Q tile (two integer
   // compares) rather than worked out again after each S product (~20 uniform instructions and
   // two branches, ~5% of a d=128 warp's stall samples under ncu). The bounds against the per-tile
@@ -117,11 +117,13 @@ template <int D>
 inline constexpr int kSm90Fp8ShippedWGs = D == 128 ? 3 : 2;
 template <int D, int kWGs>
 inline constexpr int kSm90Fp8ExpFmaEveryOf = D == 128 ? (kWGs == 3 ? 0 : 4) : 8;
+template <int D, typename T, int kWGs>
+using Sm90Fp8ShippedWith = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, kWGs>, kWGs, false, Fp8SumsRoundedP(D, 64 * kWGs),
+                                         Fp8RescaleSlack8(D, 64 * kWGs)>;
 template <int D, typename T>
-using Sm90Fp8Shipped = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, kSm90Fp8ShippedWGs<D>>, kSm90Fp8ShippedWGs<D>,
-                                     false, Fp8SumsRoundedP(D, 64 * kSm90Fp8ShippedWGs<D>)>;
+using Sm90Fp8Shipped = Sm90Fp8ShippedWith<D, T, kSm90Fp8ShippedWGs<D>>;
 template <int D, typename T>
-using Sm90Fp8ShippedNarrow = Sm90Fp8Traits<D, T, kSm90Fp8ExpFmaEveryOf<D, 2>, 2, false, Fp8SumsRoundedP(D, 128)>;
+using Sm90Fp8ShippedNarrow = Sm90Fp8ShippedWith<D, T, 2>;
 
 // Kernel parameters: the plain ones plus the TMA maps. tq and tk view their tensors [rows, heads,
 // D] as {128 codes, rows, D/128 slabs, heads}; tvt views Vt as {columns, D, num_kv_heads}.
@@ -364,8 +366,9 @@ __device__ __forceinline__ void Sm90Fp8Consume(const Sm90Fp8Params& P, const Sm9
     }
     if (masked) Sm90Mask<BN>(s, p, t, r0, n0, lane);
     // Scores in code units: sl2 = softmax scale * q descale * k descale * log2 e.
-    moved = Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery, !Tr::kTcRowSum, Tr::kRescaleSlack8>(s, row_max, row_sum,
-                                                                                            corr, sl2);
+    // (The lazy rescale's vote: the rows inside the sequence, which the tests' model can follow.)
+    moved = Sm90Softmax<BN, kFp8PBias, Tr::kExpFmaEvery, !Tr::kTcRowSum, Tr::kRescaleSlack8>(
+        s, row_max, row_sum, corr, sl2, r0 < t.s_q, r0 + 8 < t.s_q);
   };
   auto pack_p = [&] {
     if (moved) {

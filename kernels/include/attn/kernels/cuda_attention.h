@@ -188,11 +188,19 @@ cudaError_t RunFp8Attention(const AttentionArgs& args, const float* q_scales, vo
                             cudaStream_t stream);
 // The query tile rows RunFp8Attention takes for args on the current device (0 without one).
 int Fp8AttentionTileRows(const AttentionArgs& args);
-// Whether the FP8 tensor-core kernel of head_dim on tile_rows-row query tiles (Plan::fp8_tile_rows,
-// Fp8AttentionTileRows) sums each row's P after its rounding to e4m3. Its LSE is then the log of
-// the sum of the weights O is normalised by, which differs from the sum of the unrounded p by up to
-// an e4m3 step (1/16 relative) on rows whose weight sits on a few keys (docs/FP8.md).
-bool Fp8TensorCoreSumsRoundedP(int head_dim, int tile_rows);
+// How the FP8 tensor-core kernel of head_dim on tile_rows-row query tiles (Plan::fp8_tile_rows,
+// Fp8AttentionTileRows) scales and sums P (docs/FP8.md), which decides P's rounding to e4m3.
+struct Fp8SoftmaxRule {
+  // Each row's P is summed after its rounding: LSE is then the log of the sum of the weights O is
+  // normalised by, which differs from the sum of the unrounded p by up to an e4m3 step (1/16
+  // relative) on rows whose weight sits on a few keys.
+  bool sums_rounded_p = false;
+  // > 0: the 16 rows of a warp (query rows 16i.. of the sequence) keep the max their P is scaled to
+  // until one of them grows past it by more than lazy_rescale_eighths / 8 (log2 units), so P
+  // reaches 2^(lazy_rescale_eighths / 8) of the row's max weight before its rounding.
+  int lazy_rescale_eighths = 0;
+};
+Fp8SoftmaxRule Fp8TensorCoreSoftmaxRule(int head_dim, int tile_rows);
 
 // Head dims compiled into this build, ascending; count written to *n.
 const int* CompiledHeadDims(int* n);
