@@ -13,10 +13,11 @@ constexpr int kGroupRows = 16;   // a warp's rows
 constexpr double kLog2e = 1.4426950408889634;
 
 // Whether a group whose rows moved from max m to mt (per row) rescales: always without a lazy
-// rescale, else where one row grew past its max by more than the slack (log2 units). A row that
-// sees its first key always grows; -inf to -inf is no growth.
+// rescale or where the group is cut short by the sequence's end (its warp holds rows past it),
+// else where one row grew past its max by more than the slack (log2 units). A row that sees its
+// first key always grows; -inf to -inf is no growth.
 bool GroupRescales(const std::vector<double>& m, const std::vector<double>& mt, double slack) {
-  if (slack <= 0) return true;
+  if (slack <= 0 || m.size() < size_t(kGroupRows)) return true;
   for (size_t r = 0; r < m.size(); ++r) {
     if (mt[r] == kNegInf) continue;
     if (m[r] == kNegInf || (mt[r] - m[r]) * kLog2e > slack) return true;

@@ -25,7 +25,8 @@ struct Fp8SoftmaxModel {
 // row sum as it is (sums_rounded_p: rounded too); o = (P V) / sum, lse = m + log(sum / 256).
 // m is the running max, or, with lazy_rescale_eighths, the max of a previous tile: the rows of a
 // group (16 consecutive rows of the sequence from row 0, as a warp holds them) keep theirs until
-// one of the group grows past its own by more than lazy_rescale_eighths / 8 in log2 units.
+// one of the group grows past its own by more than lazy_rescale_eighths / 8 in log2 units; a
+// group cut short by the sequence's end rescales on every tile.
 ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& shape_and_flags,
                                    const std::vector<double>& q, const std::vector<double>& k,
                                    const std::vector<double>& v,

@@ -376,14 +376,12 @@ __device__ __forceinline__ constexpr bool ExpOnFma(int c) {
 // which lightens the MUFU pipe the FP8 kernel's softmax is bound by. !kSum: row_sum is left alone
 // (the FP8 kernel's kTcRowSum sums P on the tensor cores).
 // kSlack8 > 0 (a lazy rescale): the warp's rows keep the max they are scaled to unless one of them
-// (of those that vote: rows r0 and r0 + 8 where vote_lo and vote_hi) grew past it by more than
-// kSlack8 / 8 (log2 units), so P stays below 2^(kBias + kSlack8 / 8) and O's rescale can be
-// skipped. Returns whether the max moved (warp-uniform; always with kSlack8 = 0), i.e. whether corr
-// differs from 1.
+// grew past it by more than kSlack8 / 8 (log2 units), or the warp is `eager` (warp-uniform), so P
+// stays below 2^(kBias + kSlack8 / 8) and O's rescale can be skipped. Returns whether the max moved
+// (warp-uniform; always with kSlack8 = 0), i.e. whether corr differs from 1.
 template <int BN, int kBias = 0, int kFmaEvery = 0, bool kSum = true, int kSlack8 = 0>
 __device__ __forceinline__ bool Sm90Softmax(float (&s)[BN / 2], float (&row_max)[2], float (&row_sum)[2],
-                                            float (&corr)[2], float sl2, bool vote_lo = true,
-                                            bool vote_hi = true) {
+                                            float (&corr)[2], float sl2, bool eager = false) {
   auto tile_max = [&](int hf) {
     float mx = row_max[hf];
 #pragma unroll
@@ -417,8 +415,8 @@ __device__ __forceinline__ bool Sm90Softmax(float (&s)[BN / 2], float (&row_max)
     const float mx[2] = {tile_max(0), tile_max(1)};
     // (-inf - -inf is NaN, not above: a row that has seen no key keeps -inf.)
     constexpr float kSlack = float(kSlack8) / 8.0f;
-    const bool grew = (vote_lo && (mx[0] - row_max[0]) * sl2 > kSlack) || (vote_hi && (mx[1] - row_max[1]) * sl2 > kSlack);
-    const bool moved = __any_sync(0xffffffffu, grew);
+    const bool grew = (mx[0] - row_max[0]) * sl2 > kSlack || (mx[1] - row_max[1]) * sl2 > kSlack;
+    const bool moved = __any_sync(0xffffffffu, grew) || eager;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) exp_row(hf, moved ? mx[hf] : row_max[hf]);
     return moved;

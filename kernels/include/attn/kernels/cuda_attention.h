@@ -197,7 +197,8 @@ struct Fp8SoftmaxRule {
   bool sums_rounded_p = false;
   // > 0: the 16 rows of a warp (query rows 16i.. of the sequence) keep the max their P is scaled to
   // until one of them grows past it by more than lazy_rescale_eighths / 8 (log2 units), so P
-  // reaches 2^(lazy_rescale_eighths / 8) of the row's max weight before its rounding.
+  // reaches 2^(lazy_rescale_eighths / 8) of the row's max weight before its rounding; a warp
+  // holding rows past the sequence's end rescales on every key tile.
   int lazy_rescale_eighths = 0;
 };
 Fp8SoftmaxRule Fp8TensorCoreSoftmaxRule(int head_dim, int tile_rows);
