@@ -25,6 +25,15 @@ bool GroupRescales(const std::vector<double>& m, const std::vector<double>& mt, 
   return false;
 }
 
+// Each row's running max mt over keys [j0, j1) of its scores s, from the max m it had.
+void TileMaxima(const std::vector<std::vector<double>>& s, const std::vector<double>& m, int64_t j0, int64_t j1,
+                std::vector<double>* mt) {
+  for (size_t r = 0; r < m.size(); ++r) {
+    (*mt)[r] = m[r];
+    for (int64_t j = j0; j < j1; ++j) (*mt)[r] = std::max((*mt)[r], s[r][j]);
+  }
+}
+
 // The e4m3 step at x >= 0 (an e4m3 value or not): 2^-9 below 2^-6, else 1/8 of x's binade.
 double E4m3Step(double x) {
   if (x < 0.015625) return 1.0 / 512;
@@ -73,10 +82,7 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::v
         acc.assign(n, std::vector<double>(d, 0.0));
         for (int64_t t = (sk + tile - 1) / tile - 1; t >= 0; --t) {
           const int64_t j0 = t * tile, j1 = std::min(sk, j0 + tile);
-          for (size_t r = 0; r < n; ++r) {
-            mt[r] = m[r];
-            for (int64_t j = j0; j < j1; ++j) mt[r] = std::max(mt[r], s[r][j]);
-          }
+          TileMaxima(s, m, j0, j1, &mt);
           const bool rescale = GroupRescales(m, mt, slack);
           for (size_t r = 0; r < n; ++r) {
             const double mr = rescale ? mt[r] : m[r];
@@ -130,10 +136,7 @@ LseBounds Fp8TensorCoreLseBounds(const kernels::AttentionArgs& a, const std::vec
                bool certain = true;
                for (int64_t t = (sk + tile - 1) / tile - 1; t >= 0; --t) {
                  const int64_t j0 = t * tile, j1 = std::min(sk, j0 + tile);
-                 for (size_t r = 0; r < n; ++r) {
-                   mt[r] = m[r];
-                   for (int64_t j = j0; j < j1; ++j) mt[r] = std::max(mt[r], s[r][j]);
-                 }
+                 TileMaxima(s, m, j0, j1, &mt);
                  const bool rescale = GroupRescales(m, mt, slack);
                  if (slack > 0 && certain) {
                    for (size_t r = 0; r < n; ++r) {

@@ -271,19 +271,25 @@ double Rel(const std::vector<double>& x, const std::vector<double>& y) {
   return std::sqrt(num / den);
 }
 
-// The model of the FP8 tensor-core kernel: exact where every p is an e4m3 value (equal scores:
-// p = 256 for each key), and close to, but not equal to, the exact attention on random scores
-// (the rounding of P is a few per cent per element; o's error averages out over the keys).
-TEST(Fp8TensorCoreModel, RoundsOnlyP) {
+// A causal GQA shape (4 query heads on 2 KV heads, d=16) over the given sequences.
+AttentionArgs SmallCausalShape(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k) {
   AttentionArgs a;
-  a.batch = 2;
+  a.batch = static_cast<int>(cu_q.size()) - 1;
   a.num_heads = 4;
   a.num_kv_heads = 2;
   a.head_dim = 16;
   a.causal = true;
-  const std::vector<int32_t> cu_q = testing::CuSeqlens({5, 40}), cu_k = testing::CuSeqlens({300, 40});
   a.total_q = cu_q.back();
   a.total_k = cu_k.back();
+  return a;
+}
+
+// The model of the FP8 tensor-core kernel: exact where every p is an e4m3 value (equal scores:
+// p = 256 for each key), and close to, but not equal to, the exact attention on random scores
+// (the rounding of P is a few per cent per element; o's error averages out over the keys).
+TEST(Fp8TensorCoreModel, RoundsOnlyP) {
+  const std::vector<int32_t> cu_q = testing::CuSeqlens({5, 40}), cu_k = testing::CuSeqlens({300, 40});
+  const AttentionArgs a = SmallCausalShape(cu_q, cu_k);
   std::mt19937_64 rng(5);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<double> q(size_t(a.total_q) * 4 * 16, 0.0), k(size_t(a.total_k) * 2 * 16), v(k.size());
@@ -308,16 +314,9 @@ TEST(Fp8TensorCoreModel, RoundsOnlyP) {
 // magnitude, the error allowed; with the lazy rescale that flips some groups' choices to
 // rescale). With exact scores the interval closes on the model's LSE.
 TEST(Fp8TensorCoreModel, RoundedSumLseBounds) {
-  AttentionArgs a;
-  a.batch = 3;
-  a.num_heads = 4;
-  a.num_kv_heads = 2;
-  a.head_dim = 16;
-  a.causal = true;
   // Groups of 16 rows over several key tiles (the third sequence), cut short (7 rows), one tile.
   const std::vector<int32_t> cu_q = testing::CuSeqlens({7, 60, 40}), cu_k = testing::CuSeqlens({600, 60, 700});
-  a.total_q = cu_q.back();
-  a.total_k = cu_k.back();
+  const AttentionArgs a = SmallCausalShape(cu_q, cu_k);
   std::mt19937_64 rng(11);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::uniform_real_distribution<double> unit(-1.0, 1.0);
