@@ -84,7 +84,7 @@ constexpr int Fp8TileRows(int head_dim, int max_seqlen_q, int heads, int batch, 
 
 // Whether the shipped kernel on tile_rows-row query tiles takes each key tile's row sums of P on
 // the tensor cores (Sm90Fp8Traits' kTcRowSumV), i.e. sums P after its rounding to e4m3: d=128's
-// three warpgroups (192 rows), 1.04-1.05x there; d=256 and the 128-row tiles ran 1-6% slower.
+// three warpgroups (192 rows), 1.03-1.06x there (H100); d=256 and the 128-row tiles ran 1-6% slower.
 constexpr bool Fp8SumsRoundedP(int head_dim, int tile_rows) { return head_dim == 128 && tile_rows == 192; }
 // The lazy rescale of the shipped kernel on tile_rows-row query tiles (Sm90Softmax's kSlack8, in
 // eighths of log2 units; 0: none): a warp's 16 rows would keep the max P is scaled to until one

@@ -116,7 +116,8 @@ template <typename T>
 struct Sm90WideTraits<128, T> : Sm90TraitsBase<128, T, 128, 2, 3> {
   static constexpr bool kDynamicSchedule = true;
   // A lazy rescale (P below 2^8 of its row's max weight; bf16 and fp16 hold it): 1.02-1.03x at
-  // s = 4k-8k, level at 512 (H100, sm90_variants lazy_rescale); d=64 and d=256 ran 0.97-0.99x.
+  // s = 1k-16k, level at 512 (H100, sm90_variants lazy_rescale / eager_rescale); d=64 and d=256
+  // ran 0.97-1.00x with it.
   static constexpr int kRescaleSlack8 = 64;
 };
 template <typename T>
