@@ -108,6 +108,12 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& a, const std::v
       });
 }
 
+std::vector<double> ScoreErrors(const std::vector<double>& magnitudes, double rel) {
+  std::vector<double> err(magnitudes.size());
+  for (size_t i = 0; i < magnitudes.size(); ++i) err[i] = std::isinf(magnitudes[i]) ? 0.0 : rel * magnitudes[i];
+  return err;
+}
+
 LseBounds Fp8TensorCoreLseBounds(const kernels::AttentionArgs& a, const std::vector<double>& q,
                                  const std::vector<double>& k, const std::vector<int32_t>& cu_q,
                                  const std::vector<int32_t>& cu_k, const std::vector<double>& score_err,

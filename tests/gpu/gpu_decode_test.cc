@@ -185,9 +185,8 @@ void CheckFp8TensorCoreLse(const AttentionArgs& shape, const std::vector<double>
   // model on average.
   attn::testing::LseBounds bounds;
   if (sums_rounded) {
-    std::vector<double> err(mag.size());
-    for (size_t i = 0; i < mag.size(); ++i) err[i] = std::isinf(mag[i]) ? 0.0 : kMmaRel * mag[i];
-    bounds = attn::testing::Fp8TensorCoreLseBounds(shape, q, k, cu_q, cu_k, err, softmax);
+    bounds = attn::testing::Fp8TensorCoreLseBounds(shape, q, k, cu_q, cu_k, attn::testing::ScoreErrors(mag, kMmaRel),
+                                                   softmax);
   }
   constexpr double kSumSlack = 2e-3;
   int64_t bad = 0, worst = -1, non_finite = 0, rows = 0;

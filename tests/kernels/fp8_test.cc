@@ -325,47 +325,48 @@ TEST(Fp8TensorCoreModel, RoundedSumLseBounds) {
   for (double& x : v) x = normal(rng);
   // Sharp rows (a few keys hold most weight; their max grows past the slack on most tiles) and
   // mild ones (it seldom does: the lazy rescale keeps most maxima).
-  for (const double q_scale : {3.0, 0.5})
-  // The tensor cores' bound, and one 16x larger, under which growths near the slack flip.
-  for (const double rel : {1.0 / 1024, 1.0 / 64})
-  for (int lazy : {0, 6}) {
-    SCOPED_TRACE(::testing::Message() << "q scale " << q_scale << " lazy " << lazy << " rel " << rel);
+  for (const double q_scale : {3.0, 0.5}) {
     std::mt19937_64 q_rng(17);
     for (double& x : q) x = q_scale * normal(q_rng);
     const std::vector<double> mag = testing::ScoreMagnitudes(a, q, k, cu_q, cu_k);
-    std::vector<double> err(mag.size());
-    for (size_t i = 0; i < mag.size(); ++i) err[i] = std::isinf(mag[i]) ? 0.0 : rel * mag[i];
-    testing::Fp8SoftmaxModel rule;
-    rule.sums_rounded_p = true;
-    rule.lazy_rescale_eighths = lazy;
-    const testing::LseBounds b = testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, err, rule);
-    const auto model = testing::Fp8TensorCoreModel(a, q, k, v, cu_q, cu_k, rule);
-    ASSERT_EQ(b.lo.size(), model.lse.size());
-    int64_t outside = 0, moved = 0;
-    for (int trial = 0; trial < 6; ++trial) {
-      std::vector<double> qp = q;
-      for (double& x : qp) x *= 1.0 + rel * unit(rng);
-      const auto perturbed = testing::Fp8TensorCoreModel(a, qp, k, v, cu_q, cu_k, rule);
-      for (size_t i = 0; i < b.lo.size(); ++i) {
-        outside += perturbed.lse[i] < b.lo[i] - 1e-12 || perturbed.lse[i] > b.hi[i] + 1e-12;
-        moved += std::fabs(perturbed.lse[i] - model.lse[i]) > 1e-6;
+    // The tensor cores' bound, and one 16x larger, under which growths near the slack flip.
+    for (const double rel : {1.0 / 1024, 1.0 / 64}) {
+      for (int lazy : {0, 6}) {
+        SCOPED_TRACE(::testing::Message() << "q scale " << q_scale << " lazy " << lazy << " rel " << rel);
+        const std::vector<double> err = testing::ScoreErrors(mag, rel);
+        testing::Fp8SoftmaxModel rule;
+        rule.sums_rounded_p = true;
+        rule.lazy_rescale_eighths = lazy;
+        const testing::LseBounds b = testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, err, rule);
+        const auto model = testing::Fp8TensorCoreModel(a, q, k, v, cu_q, cu_k, rule);
+        ASSERT_EQ(b.lo.size(), model.lse.size());
+        int64_t outside = 0, moved = 0;
+        for (int trial = 0; trial < 6; ++trial) {
+          std::vector<double> qp = q;
+          for (double& x : qp) x *= 1.0 + rel * unit(rng);
+          const auto perturbed = testing::Fp8TensorCoreModel(a, qp, k, v, cu_q, cu_k, rule);
+          for (size_t i = 0; i < b.lo.size(); ++i) {
+            outside += perturbed.lse[i] < b.lo[i] - 1e-12 || perturbed.lse[i] > b.hi[i] + 1e-12;
+            moved += std::fabs(perturbed.lse[i] - model.lse[i]) > 1e-6;
+          }
+        }
+        EXPECT_EQ(outside, 0);
+        EXPECT_GT(moved, 0);  // the perturbation did move the rounded sums
+        for (size_t i = 0; i < b.lo.size(); ++i) {
+          EXPECT_LE(b.lo[i], model.lse[i] + 1e-12) << i;
+          EXPECT_GE(b.hi[i], model.lse[i] - 1e-12) << i;
+          // 2e for the max, up to 4e more on each term and an e4m3 step's share (R(y) / y within
+          // 15/16..17/16; subnormal p, which could stretch it, weigh nothing here).
+          if (!std::isinf(model.lse[i])) EXPECT_LT(b.hi[i] - b.lo[i], 6 * err[i] + 0.13) << i;
+        }
+        const testing::LseBounds b0 =
+            testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, std::vector<double>(err.size(), 0.0), rule);
+        for (size_t i = 0; i < b0.lo.size(); ++i) {
+          if (std::isinf(model.lse[i])) continue;
+          EXPECT_NEAR(b0.lo[i], model.lse[i], 1e-12) << i;
+          EXPECT_NEAR(b0.hi[i], model.lse[i], 1e-12) << i;
+        }
       }
-    }
-    EXPECT_EQ(outside, 0);
-    EXPECT_GT(moved, 0);  // the perturbation did move the rounded sums
-    for (size_t i = 0; i < b.lo.size(); ++i) {
-      EXPECT_LE(b.lo[i], model.lse[i] + 1e-12) << i;
-      EXPECT_GE(b.hi[i], model.lse[i] - 1e-12) << i;
-      // 2e for the max, up to 4e more on each term and an e4m3 step's share (R(y) / y within
-      // 15/16..17/16; subnormal p, which could stretch it, weigh nothing here).
-      if (!std::isinf(model.lse[i])) EXPECT_LT(b.hi[i] - b.lo[i], 6 * err[i] + 0.13) << i;
-    }
-    const testing::LseBounds b0 =
-        testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, std::vector<double>(err.size(), 0.0), rule);
-    for (size_t i = 0; i < b0.lo.size(); ++i) {
-      if (std::isinf(model.lse[i])) continue;
-      EXPECT_NEAR(b0.lo[i], model.lse[i], 1e-12) << i;
-      EXPECT_NEAR(b0.hi[i], model.lse[i], 1e-12) << i;
     }
   }
   // The lazy rescale changes P's roundings (a different max), not what o and LSE estimate.
