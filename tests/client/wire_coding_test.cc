@@ -30,6 +30,9 @@
 namespace attn::client {
 namespace {
 
+using attn::testing::AppendLen;
+using attn::testing::AppendTag;
+using attn::testing::AppendVarint;
 using attn::testing::Flatten;
 using attn::testing::RandomBytes;
 using attn::testing::RandomCuts;
@@ -357,20 +360,6 @@ TEST(AttendResponseDecoder, FieldsInAnyOrderAndRepeatedMerge) {
     for (const std::string& p : parts) bytes += p;
     ASSERT_NO_FATAL_FAILURE(ExpectAgreesWithProtobuf(bytes, RandomCuts(rng, bytes.size()), "merged"));
   }
-}
-
-void AppendVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
-void AppendTag(uint64_t number, int type, std::string* out) { AppendVarint(number << 3 | type, out); }
-void AppendLen(uint64_t number, const std::string& body, std::string* out) {
-  AppendTag(number, 2, out);
-  AppendVarint(body.size(), out);
-  *out += body;
 }
 
 // Unknown fields of every wire type (a group with nested fields too) at the top level and inside

@@ -15,6 +15,21 @@
 
 namespace attn::testing {
 
+// The protobuf wire format by hand, for encodings protobuf's serializer never writes.
+inline void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+inline void AppendTag(uint64_t number, int type, std::string* out) { AppendVarint(number << 3 | type, out); }
+inline void AppendLen(uint64_t number, const std::string& body, std::string* out) {
+  AppendTag(number, 2, out);
+  AppendVarint(body.size(), out);
+  *out += body;
+}
+
 // A generator with a fresh seed, printed so that a failure can be replayed.
 inline std::mt19937_64 SeededRng() {
   const uint64_t seed =

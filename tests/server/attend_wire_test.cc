@@ -25,6 +25,9 @@
 namespace attn {
 namespace {
 
+using attn::testing::AppendLen;
+using attn::testing::AppendTag;
+using attn::testing::AppendVarint;
 using attn::testing::RandomBytes;
 using attn::testing::RandomSplit;
 using attn::testing::Split;
@@ -209,20 +212,6 @@ TEST(AttendRequestDecoder, FieldsInAnyOrderAndRepeatedMerge) {
     for (const std::string& p : parts) bytes += p;
     ASSERT_NO_FATAL_FAILURE(ExpectAgreesWithProtobuf(bytes, RandomSplit(rng, bytes), "merged"));
   }
-}
-
-void AppendVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
-void AppendTag(uint64_t number, int type, std::string* out) { AppendVarint(number << 3 | type, out); }
-void AppendLen(uint64_t number, const std::string& body, std::string* out) {
-  AppendTag(number, 2, out);
-  AppendVarint(body.size(), out);
-  *out += body;
 }
 
 // Unknown fields of every wire type (a group with nested fields too) at the top level and inside

@@ -21,6 +21,7 @@
 #include <grpcpp/generic/generic_stub.h>
 
 #include "common/reference.h"
+#include "common/wire_test_util.h"
 #include "rpc/step_validation.h"
 #include "session_util.h"
 #include "sessions/crc32c.h"
@@ -538,18 +539,8 @@ TEST_F(BadInputMatrixTest, OversizeStreamItemEndsThatStreamOnly) {
 // Malformed wire input: bytes no protobuf encoder would write, sent to Attend as they are
 // (a generic stub). Attend reads its request off the wire itself (rpc/attend_request_decoder.h),
 // so each gets INVALID_ARGUMENT with a message naming the field, and the server goes on.
-void AppendVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
-void AppendLen(uint64_t number, const std::string& body, std::string* out) {
-  AppendVarint(number << 3 | 2, out);
-  AppendVarint(body.size(), out);
-  *out += body;
-}
+using attn::testing::AppendLen;
+using attn::testing::AppendVarint;
 
 struct WireCase {
   std::string name;
