@@ -33,28 +33,7 @@ class AttendWirePathTest : public ::testing::Test {
     delete proto_;
   }
 
-  // Random shape: dtype, heads (GQA), head dim, batch, lengths, mask, window, lse.
-  testing::RandomRequest RandomRequest() {
-    RequestShape s;
-    const client::DType dtypes[] = {client::DType::kBFloat16, client::DType::kFloat16,
-                                    client::DType::kFloat32};
-    s.dtype = dtypes[rng_() % 3];
-    s.kv_heads = 1 + static_cast<int>(rng_() % 3);
-    s.heads = s.kv_heads * (1 + static_cast<int>(rng_() % 3));
-    const int dims[] = {32, 64, 128};
-    s.head_dim = dims[rng_() % 3];
-    s.batch = 1 + static_cast<int>(rng_() % 3);
-    s.seq_q = 1 + static_cast<int>(rng_() % 70);
-    s.seq_k = 1 + static_cast<int>(rng_() % 70);
-    s.causal = rng_() % 2;
-    testing::RandomRequest r = MakeRandomRequest(s, rng_);
-    r.options.return_lse = rng_() % 2;
-    if (rng_() % 4 == 0) {
-      r.options.window_left = static_cast<int32_t>(rng_() % 16);
-      r.options.window_right = static_cast<int32_t>(rng_() % 16) - 1;
-    }
-    return r;
-  }
+  testing::RandomRequest RandomRequest() { return testing::MakeRandomShapedRequest(rng_, 70); }
 
   // Sends r to both servers and checks the answers against each other and the reference.
   void ExpectSameAnswers(const testing::RandomRequest& r, const std::string& what) {

@@ -72,28 +72,12 @@ class ClientWireTest : public ::testing::Test {
            (server == 0 ? "wire server" : "protobuf server");
   }
 
-  // Random shape: dtype, heads (GQA), head dim, batch, lengths, mask, window, lse, priority.
+  // A random request (testing::MakeRandomShapedRequest) with a priority and, on one in three, a
+  // softmax scale.
   testing::RandomRequest RandomRequest() {
-    RequestShape s;
-    const client::DType dtypes[] = {client::DType::kBFloat16, client::DType::kFloat16,
-                                    client::DType::kFloat32};
-    s.dtype = dtypes[rng_() % 3];
-    s.kv_heads = 1 + static_cast<int>(rng_() % 3);
-    s.heads = s.kv_heads * (1 + static_cast<int>(rng_() % 3));
-    const int dims[] = {32, 64, 128};
-    s.head_dim = dims[rng_() % 3];
-    s.batch = 1 + static_cast<int>(rng_() % 3);
-    s.seq_q = 1 + static_cast<int>(rng_() % 60);
-    s.seq_k = 1 + static_cast<int>(rng_() % 60);
-    s.causal = rng_() % 2;
-    testing::RandomRequest r = MakeRandomRequest(s, rng_);
-    r.options.return_lse = rng_() % 2;
+    testing::RandomRequest r = testing::MakeRandomShapedRequest(rng_, 60);
     r.options.high_priority = rng_() % 2;
     if (rng_() % 3 == 0) r.options.softmax_scale = 0.05f + 0.1f * static_cast<float>(rng_() % 10);
-    if (rng_() % 4 == 0) {
-      r.options.window_left = static_cast<int32_t>(rng_() % 16);
-      r.options.window_right = static_cast<int32_t>(rng_() % 16) - 1;
-    }
     return r;
   }
 

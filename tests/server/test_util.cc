@@ -111,6 +111,27 @@ RandomRequest MakeRandomRequest(const RequestShape& s, std::mt19937_64& rng) {
   return r;
 }
 
+RandomRequest MakeRandomShapedRequest(std::mt19937_64& rng, int max_len) {
+  RequestShape s;
+  const client::DType dtypes[] = {client::DType::kBFloat16, client::DType::kFloat16, client::DType::kFloat32};
+  s.dtype = dtypes[rng() % 3];
+  s.kv_heads = 1 + static_cast<int>(rng() % 3);
+  s.heads = s.kv_heads * (1 + static_cast<int>(rng() % 3));
+  const int dims[] = {32, 64, 128};
+  s.head_dim = dims[rng() % 3];
+  s.batch = 1 + static_cast<int>(rng() % 3);
+  s.seq_q = 1 + static_cast<int>(rng() % max_len);
+  s.seq_k = 1 + static_cast<int>(rng() % max_len);
+  s.causal = rng() % 2;
+  RandomRequest r = MakeRandomRequest(s, rng);
+  r.options.return_lse = rng() % 2;
+  if (rng() % 4 == 0) {
+    r.options.window_left = static_cast<int32_t>(rng() % 16);
+    r.options.window_right = static_cast<int32_t>(rng() % 16) - 1;
+  }
+  return r;
+}
+
 double ToleranceFor(client::DType dtype) {
   switch (dtype) {
     case client::DType::kFloat32: return 1e-5;

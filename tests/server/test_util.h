@@ -48,6 +48,9 @@ struct RandomRequest {
   client::AttendOptions options;
 };
 RandomRequest MakeRandomRequest(const RequestShape& shape, std::mt19937_64& rng);
+// A request of random shape (dtype, GQA heads, head dim 32/64/128, batch up to 3, lengths up to
+// max_len, causal or not) and random options: LSE asked or not, a window on one in four.
+RandomRequest MakeRandomShapedRequest(std::mt19937_64& rng, int max_len);
 
 // The float64 reference (o and lse) of a request, with its mask, window and scale.
 ReferenceResult ReferenceFor(const RandomRequest& r);
