@@ -41,8 +41,10 @@ using attn::kernels::AttentionArgs;
 using attn::kernels::DType;
 using attn::kernels::cuda::FwdGeneration;
 using attn::testing::DeviceBuffer;
+using attn::testing::Distance;
 using attn::testing::HeadDimCompiled;
 using attn::testing::HostTensor;
+using attn::testing::RunOnCpu;
 
 struct Case {
   DType dtype = DType::kBFloat16;
@@ -85,37 +87,6 @@ std::string Describe(const Case& c) {
   s += "] lk=[";
   for (int l : (c.len_k.empty() ? c.len_q : c.len_k)) s += std::to_string(l) + ",";
   return s + "]";
-}
-
-// The same problem on the CPU backend (host copies of the inputs), for a second opinion.
-HostTensor RunOnCpu(AttentionArgs a, const HostTensor& q, const HostTensor& k, const HostTensor& v,
-                    const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k) {
-  HostTensor o = HostTensor::Filled(a.dtype, q.elements, std::numeric_limits<float>::quiet_NaN());
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.o = o.data();
-  a.lse = nullptr;
-  a.cu_seqlens_q = cu_q.data();
-  a.cu_seqlens_k = cu_k.data();
-  static auto pool = attn::kernels::cpu::CpuThreadPool::Create(0);
-  std::vector<char> ws(attn::kernels::cpu::WorkspaceBytes(a, pool->NumWorkers()) + 64);
-  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) & ~63ull);
-  const attn::kernels::Status st = attn::kernels::cpu::Run(a, aligned, pool.get());
-  EXPECT_TRUE(st.ok()) << st.message();
-  return o;
-}
-
-// Relative L2 distance between two outputs of the same dtype.
-double Distance(const HostTensor& x, const HostTensor& y) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < x.elements; ++i) {
-    const double a = x.At(i), b = y.At(i);
-    if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
-    num += (a - b) * (a - b);
-    den += b * b;
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 
@@ -216,7 +187,7 @@ void RunAndCheck(Case c) {
   EXPECT_EQ(eo.non_finite, 0) << "unwritten or non-finite O elements";
   EXPECT_LE(eo.rel_l2, tol) << "O rel L2 " << eo.rel_l2 << " max abs " << eo.max_abs;
   // Both backends round to the same dtype: they agree to within two roundings.
-  EXPECT_LE(Distance(out, RunOnCpu(a, q, k, v, cu_q, cu_k)), 2 * tol) << "GPU vs CPU backend";
+  EXPECT_LE(Distance(out, RunOnCpu(a, q, k.data(), v.data(), cu_q, cu_k)), 2 * tol) << "GPU vs CPU backend";
   if (c.with_lse) {
     const attn::testing::ErrorStats el = attn::testing::CompareLse(ref.lse, lse);
     EXPECT_EQ(el.non_finite, 0) << "unwritten, non-finite or wrongly -inf LSE elements";

@@ -40,8 +40,10 @@ using attn::kernels::AttentionArgs;
 using attn::kernels::DType;
 using attn::kernels::cuda::FwdGeneration;
 using attn::testing::DeviceBuffer;
+using attn::testing::Distance;
 using attn::testing::HeadDimCompiled;
 using attn::testing::HostTensor;
+using attn::testing::RunOnCpu;
 
 struct Case {
   DType dtype = DType::kBFloat16;
@@ -113,40 +115,6 @@ std::string Describe(const Case& c) {
   s += "] lk=[";
   for (int l : c.len_k) s += std::to_string(l) + ",";
   return s + "]";
-}
-
-// The CPU backend on contiguous K/V (k and v of a.kv_dtype; FP8: with host scales).
-HostTensor RunOnCpu(AttentionArgs a, const HostTensor& q, const void* k, const void* v,
-                    const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
-                    const float* k_scales = nullptr, const float* v_scales = nullptr) {
-  HostTensor o = HostTensor::Filled(a.dtype, q.elements, std::numeric_limits<float>::quiet_NaN());
-  a.q = q.data();
-  a.k = k;
-  a.v = v;
-  a.kv_scales = {k_scales, v_scales};
-  a.o = o.data();
-  a.lse = nullptr;
-  a.cu_seqlens_q = cu_q.data();
-  a.cu_seqlens_k = cu_k.data();
-  a.total_k = cu_k.back();
-  a.paged = {};
-  static auto pool = attn::kernels::cpu::CpuThreadPool::Create(0);
-  std::vector<char> ws(attn::kernels::cpu::WorkspaceBytes(a, pool->NumWorkers()) + 64);
-  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) & ~63ull);
-  const attn::kernels::Status st = attn::kernels::cpu::Run(a, aligned, pool.get());
-  EXPECT_TRUE(st.ok()) << st.message();
-  return o;
-}
-
-double Distance(const HostTensor& x, const HostTensor& y) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < x.elements; ++i) {
-    const double a = x.At(i), b = y.At(i);
-    if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
-    num += (a - b) * (a - b);
-    den += b * b;
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 uint64_t NextSeed() {
