@@ -105,52 +105,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const uint32_t sRing = sQ + Tr::kQBytes;
 
   ptx::GridDependencyLaunchDependents();  // as DecodeKernel
-  const int split = blockIdx.x % p.num_splits;
-  const int mb = blockIdx.x / p.num_splits;
-  const int hk = blockIdx.y;
-  const int b = blockIdx.z;
+  DecodeBlock blk = DecodeBlockOf(p);
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int G = p.heads_per_kv;
-
-  const int q_start = p.cu_seqlens_q[b];
-  const int s_q = p.cu_seqlens_q[b + 1] - q_start;
-  const int rows_valid = s_q * G;
-  const int m0 = mb * Tr::kRows;
-  if (m0 >= rows_valid) return;
-  const float k_scale = p.k_descale[int64_t(b) * p.num_kv_heads + hk];
-  const float v_scale = p.v_descale[int64_t(b) * p.num_kv_heads + hk];
-  int s_k;
-  int k_start = 0;
-  const int32_t* pages = nullptr;
-  if constexpr (kPaged) {
-    s_k = p.seqlens_k[b];
-    pages = p.page_indices + p.page_indptr[b];
-  } else {
-    k_start = p.cu_seqlens_k[b];
-    s_k = p.cu_seqlens_k[b + 1] - k_start;
-  }
-  const int off = s_k - s_q;
-  const int m_last = min(m0 + Tr::kRows, rows_valid) - 1;
-
-  // Keys any row of this block sees, then this split's whole tiles of them (as DecodeKernel).
-  const int n_lo = p.has_left ? max(0, m0 / G + off - p.left) : 0;
-  const int n_hi = p.has_right ? min(s_k, m_last / G + off + p.right + 1) : s_k;
-  int c_lo = 0, c_hi = 0, ntiles = 0, tile0 = 0;
-  if (n_hi > n_lo) {
-    const int a_lo = (n_lo / W) * W;
-    const int total_tiles = (n_hi - a_lo + W - 1) / W;
-    const int tps = (total_tiles + p.num_splits - 1) / p.num_splits;
-    const int t_begin = split * tps;
-    const int t_end = min(total_tiles, t_begin + tps);
-    if (t_end > t_begin) {
-      ntiles = t_end - t_begin;
-      tile0 = a_lo + t_begin * W;
-      c_lo = max(n_lo, tile0);
-      c_hi = min(n_hi, a_lo + t_end * W);
-    }
-  }
+  if (!LocateDecodeRows<Tr>(p, blk)) return;
+  const float k_scale = p.k_descale[int64_t(blk.b) * p.num_kv_heads + blk.hk];
+  const float v_scale = p.v_descale[int64_t(blk.b) * p.num_kv_heads + blk.hk];
+  LocateDecodeKeys<Tr, kPaged>(p, blk);
 
   // Q: 16 packed rows of D 16-bit values, rows padded to kQRowBytes, zero past the valid rows.
   const T* gq = reinterpret_cast<const T*>(p.q);
@@ -158,36 +121,36 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   for (int idx = tid; idx < Tr::kRows * kQChunks; idx += Tr::kThreads) {
     const int r = idx / kQChunks;
     const int c = idx % kQChunks;
-    const int pr = m0 + r;
-    const bool ok = pr < rows_valid;
+    const int pr = blk.m0 + r;
+    const bool ok = pr < blk.rows_valid;
     const int i = pr / G;
-    const int h = hk * G + (pr - i * G);
-    const T* src = ok ? gq + int64_t(q_start + i) * p.q_row_stride + int64_t(h) * D + c * 8 : gq;
+    const int h = blk.hk * G + (pr - i * G);
+    const T* src = ok ? gq + int64_t(blk.q_start + i) * p.q_row_stride + int64_t(h) * D + c * 8 : gq;
     ptx::CpAsync16(sQ + r * Tr::kQRowBytes + c * 16, src, ok);
   }
   ptx::CpAsyncCommit();
 
-  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  const int my_tiles = blk.ntiles > warp ? (blk.ntiles - warp + NW - 1) / NW : 0;
   const uint32_t sWarp = sRing + warp * Tr::kWarpRingBytes;
-  const uint8_t* gk = static_cast<const uint8_t*>(p.k) + int64_t(hk) * D;
-  const uint8_t* gv = static_cast<const uint8_t*>(p.v) + int64_t(hk) * D;
+  const uint8_t* gk = static_cast<const uint8_t*>(p.k) + int64_t(blk.hk) * D;
+  const uint8_t* gv = static_cast<const uint8_t*>(p.v) + int64_t(blk.hk) * D;
   const int64_t kv_stride = p.k_row_stride;  // elements = bytes
 
-  auto tile_start = [&](int k) { return tile0 + (warp + k * NW) * W; };
-  auto key_ok = [&](int j) { return j >= c_lo && j < c_hi; };
+  auto tile_start = [&](int k) { return blk.tile0 + (warp + k * NW) * W; };
+  auto key_ok = [&](int j) { return j >= blk.c_lo && j < blk.c_hi; };
   auto row_index = [&](int k, int page) -> int {
     const int j = tile_start(k) + lane;
     if (!key_ok(j)) return -1;
     if constexpr (kPaged) {
       return page * p.page_size + InPage(j, p.page_size, p.page_shift);
     } else {
-      return k_start + j;
+      return blk.k_start + j;
     }
   };
   auto page_of = [&](int k) -> int {
     if constexpr (kPaged) {
       const int j = tile_start(k) + lane;
-      return key_ok(j) ? PageOf(pages, j, p.page_size, p.page_shift) : 0;
+      return key_ok(j) ? PageOf(blk.pages, j, p.page_size, p.page_shift) : 0;
     } else {
       return 0;
     }
@@ -220,10 +183,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   int lo[2], hi[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const int pr = min(m0 + (lane >> 2) + 8 * hf, rows_valid - 1);
-    const int pos = pr / G + off;
-    lo[hf] = p.has_left ? max(c_lo, pos - p.left) : c_lo;
-    hi[hf] = p.has_right ? min(c_hi - 1, pos + p.right) : c_hi - 1;
+    const int pr = min(blk.m0 + (lane >> 2) + 8 * hf, blk.rows_valid - 1);
+    const int pos = pr / G + blk.off;
+    lo[hf] = p.has_left ? max(blk.c_lo, pos - p.left) : blk.c_lo;
+    hi[hf] = p.has_right ? min(blk.c_hi - 1, pos + p.right) : blk.c_hi - 1;
   }
 
   ptx::CpAsyncWait<S - 1>();
@@ -464,18 +427,18 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   }
   const bool any = l > 0.0f;
   const float inv = any ? v_scale / l : 0.0f;  // the v scale with the normalisation
-  const int pr = m0 + r;
+  const int pr = blk.m0 + r;
   if constexpr (!kLastSplitMerges) {
-    if (pr > m_last) return;
+    if (pr > blk.m_last) return;
   }
-  if (pr <= m_last) {
+  if (pr <= blk.m_last) {
     const int i = pr / G;
-    const int h = hk * G + (pr - i * G);
-    const int t = q_start + i;
-    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, split, h, t);
+    const int h = blk.hk * G + (pr - i * G);
+    const int t = blk.q_start + i;
+    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, blk.split, h, t);
   }
   if constexpr (kLastSplitMerges) {
-    MergeIfLastSplit<T, D, Tr::kThreads>(p, b, hk, mb, m0, m_last, q_start);
+    MergeIfLastSplit<T, D, Tr::kThreads>(p, blk.b, blk.hk, blk.mb, blk.m0, blk.m_last, blk.q_start);
   }
 }
 

@@ -162,6 +162,71 @@ __device__ __forceinline__ void StoreWarpsMerged(const DecodeParams& p, const fl
   }
 }
 
+// A CTA's share of a decode grid: its (split, row block, KV head, sequence), the block's query
+// rows (16 packed rows from m0, of rows_valid), the keys they see and this split's whole tiles of
+// kWarpN keys among them (ntiles from tile0; keys [c_lo, c_hi) of them in range).
+struct DecodeBlock {
+  int split, mb, hk, b;
+  int q_start, s_q, rows_valid, m0, m_last;
+  int s_k, k_start, off;
+  const int32_t* pages;
+  int c_lo, c_hi, ntiles, tile0;
+};
+
+// The CTA's place in the grid (split, row block, KV head, sequence).
+__device__ __forceinline__ DecodeBlock DecodeBlockOf(const DecodeParams& p) {
+  DecodeBlock blk;
+  blk.split = blockIdx.x % p.num_splits;
+  blk.mb = blockIdx.x / p.num_splits;
+  blk.hk = blockIdx.y;
+  blk.b = blockIdx.z;
+  return blk;
+}
+
+// The block's query rows; false when the row block lies past the sequence's rows.
+template <typename Tr>
+__device__ __forceinline__ bool LocateDecodeRows(const DecodeParams& p, DecodeBlock& blk) {
+  blk.q_start = p.cu_seqlens_q[blk.b];
+  blk.s_q = p.cu_seqlens_q[blk.b + 1] - blk.q_start;
+  blk.rows_valid = blk.s_q * p.heads_per_kv;
+  blk.m0 = blk.mb * Tr::kRows;
+  return blk.m0 < blk.rows_valid;
+}
+
+// The block's keys: those any of its rows sees (window), then this split's whole tiles of them.
+template <typename Tr, bool kPaged>
+__device__ __forceinline__ void LocateDecodeKeys(const DecodeParams& p, DecodeBlock& blk) {
+  constexpr int W = Tr::kWarpN;
+  const int G = p.heads_per_kv;
+  blk.k_start = 0;
+  blk.pages = nullptr;
+  if constexpr (kPaged) {
+    blk.s_k = p.seqlens_k[blk.b];
+    blk.pages = p.page_indices + p.page_indptr[blk.b];
+  } else {
+    blk.k_start = p.cu_seqlens_k[blk.b];
+    blk.s_k = p.cu_seqlens_k[blk.b + 1] - blk.k_start;
+  }
+  blk.off = blk.s_k - blk.s_q;
+  blk.m_last = min(blk.m0 + Tr::kRows, blk.rows_valid) - 1;
+  const int n_lo = p.has_left ? max(0, blk.m0 / G + blk.off - p.left) : 0;
+  const int n_hi = p.has_right ? min(blk.s_k, blk.m_last / G + blk.off + p.right + 1) : blk.s_k;
+  blk.c_lo = blk.c_hi = blk.ntiles = blk.tile0 = 0;
+  if (n_hi > n_lo) {
+    const int a_lo = (n_lo / W) * W;
+    const int total_tiles = (n_hi - a_lo + W - 1) / W;
+    const int tps = (total_tiles + p.num_splits - 1) / p.num_splits;
+    const int t_begin = blk.split * tps;
+    const int t_end = min(total_tiles, t_begin + tps);
+    if (t_end > t_begin) {
+      blk.ntiles = t_end - t_begin;
+      blk.tile0 = a_lo + t_begin * W;
+      blk.c_lo = max(n_lo, blk.tile0);
+      blk.c_hi = min(n_hi, a_lo + t_end * W);
+    }
+  }
+}
+
 template <typename Tr, bool kPaged, bool kLastSplitMerges>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     DecodeKernel(const __grid_constant__ DecodeParams p) {
@@ -184,50 +249,13 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   // as every CTA of this grid is running: its launch then overlaps this grid's work, and it waits
   // for this grid's completion before it reads the partials.
   ptx::GridDependencyLaunchDependents();
-  const int split = blockIdx.x % p.num_splits;
-  const int mb = blockIdx.x / p.num_splits;
-  const int hk = blockIdx.y;
-  const int b = blockIdx.z;
+  DecodeBlock blk = DecodeBlockOf(p);
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int G = p.heads_per_kv;
-
-  const int q_start = p.cu_seqlens_q[b];
-  const int s_q = p.cu_seqlens_q[b + 1] - q_start;
-  const int rows_valid = s_q * G;
-  const int m0 = mb * Tr::kRows;
-  if (m0 >= rows_valid) return;
-  int s_k;
-  int k_start = 0;
-  const int32_t* pages = nullptr;
-  if constexpr (kPaged) {
-    s_k = p.seqlens_k[b];
-    pages = p.page_indices + p.page_indptr[b];
-  } else {
-    k_start = p.cu_seqlens_k[b];
-    s_k = p.cu_seqlens_k[b + 1] - k_start;
-  }
-  const int off = s_k - s_q;
-  const int m_last = min(m0 + Tr::kRows, rows_valid) - 1;
-
-  // Keys any row of this block sees, then this split's whole tiles of them.
-  const int n_lo = p.has_left ? max(0, m0 / G + off - p.left) : 0;
-  const int n_hi = p.has_right ? min(s_k, m_last / G + off + p.right + 1) : s_k;
-  int c_lo = 0, c_hi = 0, ntiles = 0, tile0 = 0;
-  if (n_hi > n_lo) {
-    const int a_lo = (n_lo / W) * W;
-    const int total_tiles = (n_hi - a_lo + W - 1) / W;
-    const int tps = (total_tiles + p.num_splits - 1) / p.num_splits;
-    const int t_begin = split * tps;
-    const int t_end = min(total_tiles, t_begin + tps);
-    if (t_end > t_begin) {
-      ntiles = t_end - t_begin;
-      tile0 = a_lo + t_begin * W;
-      c_lo = max(n_lo, tile0);
-      c_hi = min(n_hi, a_lo + t_end * W);
-    }
-  }
+  if (!LocateDecodeRows<Tr>(p, blk)) return;
+  LocateDecodeKeys<Tr, kPaged>(p, blk);
 
   // Rows this call appends (p.append_k): keys j >= off come from them, and the first CTA of the
   // (sequence, KV head) writes them into their page rows. No CTA of this grid reads those page
@@ -235,7 +263,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   const T* ak = reinterpret_cast<const T*>(p.append_k);
   const T* av = reinterpret_cast<const T*>(p.append_v);
   if constexpr (kPaged) {
-    if (ak != nullptr && split == 0 && mb == 0) AppendRows<Tr>(p, ak, av, pages, q_start, s_q, off, hk);
+    if (ak != nullptr && blk.split == 0 && blk.mb == 0) AppendRows<Tr>(p, ak, av, blk.pages, blk.q_start, blk.s_q, blk.off, blk.hk);
   }
 
   // Q: 16 packed rows (zero-filled past the block's valid rows), one cp.async group.
@@ -243,43 +271,43 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   for (int idx = tid; idx < Tr::kRows * CPR; idx += Tr::kThreads) {
     const int r = idx / CPR;
     const int c = idx % CPR;
-    const int pr = m0 + r;
-    const bool ok = pr < rows_valid;
+    const int pr = blk.m0 + r;
+    const bool ok = pr < blk.rows_valid;
     const int i = pr / G;
-    const int h = hk * G + (pr - i * G);
-    const T* src = ok ? gq + int64_t(q_start + i) * p.q_row_stride + int64_t(h) * D + c * 8 : gq;
+    const int h = blk.hk * G + (pr - i * G);
+    const T* src = ok ? gq + int64_t(blk.q_start + i) * p.q_row_stride + int64_t(h) * D + c * 8 : gq;
     ptx::CpAsync16(sQ + Tr::Offset(r, c), src, ok);
   }
   ptx::CpAsyncCommit();
 
   // This warp's tiles: w, w + NW, ... of the split's ntiles.
-  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  const int my_tiles = blk.ntiles > warp ? (blk.ntiles - warp + NW - 1) / NW : 0;
   const uint32_t sWarp = sRing + warp * Tr::kWarpRingBytes;
-  const T* gk = reinterpret_cast<const T*>(p.k) + int64_t(hk) * D;
-  const T* gv = reinterpret_cast<const T*>(p.v) + int64_t(hk) * D;
+  const T* gk = reinterpret_cast<const T*>(p.k) + int64_t(blk.hk) * D;
+  const T* gv = reinterpret_cast<const T*>(p.v) + int64_t(blk.hk) * D;
   const int64_t kv_stride = p.k_row_stride;
-  const T* ak_head = ak + int64_t(hk) * D;  // used only where ak is set
-  const T* av_head = av + int64_t(hk) * D;
+  const T* ak_head = ak + int64_t(blk.hk) * D;  // used only where ak is set
+  const T* av_head = av + int64_t(blk.hk) * D;
 
-  auto tile_start = [&](int k) { return tile0 + (warp + k * NW) * W; };
+  auto tile_start = [&](int k) { return blk.tile0 + (warp + k * NW) * W; };
   // Lane r's key of tile k, if it is in [c_lo, c_hi).
-  auto key_ok = [&](int j) { return j >= c_lo && j < c_hi; };
+  auto key_ok = [&](int j) { return j >= blk.c_lo && j < blk.c_hi; };
   // Row index of lane's key of tile k (-1: not loaded, zero-filled; -2 - t: row t of the
   // appended rows).
   auto row_index = [&](int k, int page) -> int {
     const int j = tile_start(k) + lane;
     if (lane >= W || !key_ok(j)) return -1;
     if constexpr (kPaged) {
-      if (ak != nullptr && j >= off) return -2 - (q_start + j - off);
+      if (ak != nullptr && j >= blk.off) return -2 - (blk.q_start + j - blk.off);
       return page * p.page_size + InPage(j, p.page_size, p.page_shift);
     } else {
-      return k_start + j;
+      return blk.k_start + j;
     }
   };
   auto page_of = [&](int k) -> int {
     if constexpr (kPaged) {
       const int j = tile_start(k) + lane;
-      return (lane < W && key_ok(j)) ? PageOf(pages, j, p.page_size, p.page_shift) : 0;
+      return (lane < W && key_ok(j)) ? PageOf(blk.pages, j, p.page_size, p.page_shift) : 0;
     } else {
       return 0;
     }
@@ -317,10 +345,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   int lo[2], hi[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const int pr = min(m0 + (lane >> 2) + 8 * hf, rows_valid - 1);  // padding rows copy a real one
-    const int pos = pr / G + off;
-    lo[hf] = p.has_left ? max(c_lo, pos - p.left) : c_lo;
-    hi[hf] = p.has_right ? min(c_hi - 1, pos + p.right) : c_hi - 1;
+    const int pr = min(blk.m0 + (lane >> 2) + 8 * hf, blk.rows_valid - 1);  // padding rows copy a real one
+    const int pos = pr / G + blk.off;
+    lo[hf] = p.has_left ? max(blk.c_lo, pos - p.left) : blk.c_lo;
+    hi[hf] = p.has_right ? min(blk.c_hi - 1, pos + p.right) : blk.c_hi - 1;
   }
 
   // Q fragments (after the Q group and the prologue groups: wait for all but the S-1 newest).
@@ -487,18 +515,18 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   }
   const bool any = l > 0.0f;
   const float inv = any ? 1.0f / l : 0.0f;
-  const int pr = m0 + r;
+  const int pr = blk.m0 + r;
   if constexpr (!kLastSplitMerges) {
-    if (pr > m_last) return;
+    if (pr > blk.m_last) return;
   }
-  if (pr <= m_last) {
+  if (pr <= blk.m_last) {
     const int i = pr / G;
-    const int h = hk * G + (pr - i * G);
-    const int t = q_start + i;
-    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, split, h, t);
+    const int h = blk.hk * G + (pr - i * G);
+    const int t = blk.q_start + i;
+    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, blk.split, h, t);
   }
   if constexpr (kLastSplitMerges) {
-    MergeIfLastSplit<T, D, Tr::kThreads>(p, b, hk, mb, m0, m_last, q_start);
+    MergeIfLastSplit<T, D, Tr::kThreads>(p, blk.b, blk.hk, blk.mb, blk.m0, blk.m_last, blk.q_start);
   }
 }
 
