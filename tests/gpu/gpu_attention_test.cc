@@ -28,6 +28,7 @@
 #include "attn/kernels/cpu_attention.h"
 #include "attn/kernels/cuda_attention.h"
 #include "common/reference.h"
+#include "gpu/cpu_second_opinion.h"
 #include "gpu/gpu_test_util.h"
 
 namespace attn::kernels {

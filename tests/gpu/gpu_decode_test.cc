@@ -32,6 +32,7 @@
 #include "attn/kernels/dtype_convert.h"
 #include "common/fp8_model.h"
 #include "common/reference.h"
+#include "gpu/cpu_second_opinion.h"
 #include "gpu/gpu_test_util.h"
 
 namespace {

@@ -27,10 +27,10 @@ enum class Fp8Variant {
   kStampedAlone,  // d=128: one consumer warpgroup (64-row tiles, one CTA per SM: a lone consumer
                   // warp per SM sub-partition), every exp2 on MUFU, stamped: its phases unshared
   kMaskFlipped,  // the shipped traits with kHoistedMask flipped (per-Q-tile mask bounds or the per-tile test)
-  kTcSum,  // each key tile's row sums of P on the tensor cores (kTcRowSum), no lazy rescale
+  kTcSum,  // each key tile's row sums of P on the tensor cores (kTcRowSum), no lazy rescale (d=128: the shipped kernel before its lazy rescale)
   kWg2TcSum,  // d=128: kWg2 with the row sums on the tensor cores
   kFloatSum,  // the row sums in the softmax (kTcRowSum off), no lazy rescale
-  kLazy,  // the shipped traits with a lazy rescale (kRescaleSlack8 = 6: a row's max kept until it grows by 0.75)
+  kLazy,  // the shipped traits with a lazy rescale (kRescaleSlack8 = 6: a row's max kept until it grows by 0.75; d=128: the shipped kernel)
   kLazyTcSum,  // kTcSum with the lazy rescale
   kLazyFloatSum,  // kFloatSum with the lazy rescale
   kCount,
