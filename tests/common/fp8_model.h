@@ -41,10 +41,6 @@ ReferenceResult Fp8TensorCoreModel(const kernels::AttentionArgs& shape_and_flags
 // rescale (where a growth lies within the errors of the slack), after which the group's rows are
 // bounded over every max they may be scaled to. lo is -inf for rows that see no key (and where
 // every p may round to zero).
-// Per row, the error score_err that Fp8TensorCoreLseBounds takes: rel times the row's score
-// magnitude (ScoreMagnitudes), 0 for rows that see no key.
-std::vector<double> ScoreErrors(const std::vector<double>& magnitudes, double rel);
-
 struct LseBounds {
   std::vector<double> lo, hi;
 };
@@ -52,5 +48,9 @@ LseBounds Fp8TensorCoreLseBounds(const kernels::AttentionArgs& shape_and_flags, 
                                  const std::vector<double>& k, const std::vector<int32_t>& cu_seqlens_q,
                                  const std::vector<int32_t>& cu_seqlens_k, const std::vector<double>& score_err,
                                  const Fp8SoftmaxModel& model);
+
+// Per row, the error score_err that Fp8TensorCoreLseBounds takes: rel times the row's score
+// magnitude (ScoreMagnitudes), 0 for rows that see no key.
+std::vector<double> ScoreErrors(const std::vector<double>& magnitudes, double rel);
 
 }  // namespace attn::testing

@@ -308,6 +308,48 @@ TEST(Fp8TensorCoreModel, RoundsOnlyP) {
   EXPECT_LT(lse_err, 1e-9);  // the row sum is of unrounded p
 }
 
+// RoundedSumLseBounds' check of one rule (rounded sums, lazy rescale of `lazy` eighths) and score
+// error err (rel of each row's magnitude): the model inside its interval, q perturbed by rel
+// inside too, and the interval closed on the model where the scores are exact.
+void ExpectRoundedSumLseBounds(const AttentionArgs& a, const std::vector<double>& q, const std::vector<double>& k,
+                               const std::vector<double>& v, const std::vector<int32_t>& cu_q,
+                               const std::vector<int32_t>& cu_k, const std::vector<double>& err, double rel,
+                               int lazy, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> unit(-1.0, 1.0);
+  testing::Fp8SoftmaxModel rule;
+  rule.sums_rounded_p = true;
+  rule.lazy_rescale_eighths = lazy;
+  const testing::LseBounds b = testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, err, rule);
+  const auto model = testing::Fp8TensorCoreModel(a, q, k, v, cu_q, cu_k, rule);
+  ASSERT_EQ(b.lo.size(), model.lse.size());
+  int64_t outside = 0, moved = 0;
+  for (int trial = 0; trial < 6; ++trial) {
+    std::vector<double> qp = q;
+    for (double& x : qp) x *= 1.0 + rel * unit(rng);
+    const auto perturbed = testing::Fp8TensorCoreModel(a, qp, k, v, cu_q, cu_k, rule);
+    for (size_t i = 0; i < b.lo.size(); ++i) {
+      outside += perturbed.lse[i] < b.lo[i] - 1e-12 || perturbed.lse[i] > b.hi[i] + 1e-12;
+      moved += std::fabs(perturbed.lse[i] - model.lse[i]) > 1e-6;
+    }
+  }
+  EXPECT_EQ(outside, 0);
+  EXPECT_GT(moved, 0);  // the perturbation did move the rounded sums
+  for (size_t i = 0; i < b.lo.size(); ++i) {
+    EXPECT_LE(b.lo[i], model.lse[i] + 1e-12) << i;
+    EXPECT_GE(b.hi[i], model.lse[i] - 1e-12) << i;
+    // 2e for the max, up to 4e more on each term and an e4m3 step's share (R(y) / y within
+    // 15/16..17/16; subnormal p, which could stretch it, weigh nothing here).
+    if (!std::isinf(model.lse[i])) EXPECT_LT(b.hi[i] - b.lo[i], 6 * err[i] + 0.13) << i;
+  }
+  const testing::LseBounds b0 =
+      testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, std::vector<double>(err.size(), 0.0), rule);
+  for (size_t i = 0; i < b0.lo.size(); ++i) {
+    if (std::isinf(model.lse[i])) continue;
+    EXPECT_NEAR(b0.lo[i], model.lse[i], 1e-12) << i;
+    EXPECT_NEAR(b0.hi[i], model.lse[i], 1e-12) << i;
+  }
+}
+
 // The LSE interval of the kernel whose row sums are of the rounded P, with and without the lazy
 // rescale: the model's own LSE (its scores exact) lies inside, and so does the model's on q
 // perturbed by up to 2^-10 per element (each score then moves by at most 2^-10 of its row's
@@ -319,7 +361,6 @@ TEST(Fp8TensorCoreModel, RoundedSumLseBounds) {
   const AttentionArgs a = SmallCausalShape(cu_q, cu_k);
   std::mt19937_64 rng(11);
   std::normal_distribution<double> normal(0.0, 1.0);
-  std::uniform_real_distribution<double> unit(-1.0, 1.0);
   std::vector<double> q(size_t(a.total_q) * 4 * 16), k(size_t(a.total_k) * 2 * 16), v(k.size());
   for (double& x : k) x = normal(rng);
   for (double& x : v) x = normal(rng);
@@ -333,39 +374,7 @@ TEST(Fp8TensorCoreModel, RoundedSumLseBounds) {
     for (const double rel : {1.0 / 1024, 1.0 / 64}) {
       for (int lazy : {0, 6}) {
         SCOPED_TRACE(::testing::Message() << "q scale " << q_scale << " lazy " << lazy << " rel " << rel);
-        const std::vector<double> err = testing::ScoreErrors(mag, rel);
-        testing::Fp8SoftmaxModel rule;
-        rule.sums_rounded_p = true;
-        rule.lazy_rescale_eighths = lazy;
-        const testing::LseBounds b = testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, err, rule);
-        const auto model = testing::Fp8TensorCoreModel(a, q, k, v, cu_q, cu_k, rule);
-        ASSERT_EQ(b.lo.size(), model.lse.size());
-        int64_t outside = 0, moved = 0;
-        for (int trial = 0; trial < 6; ++trial) {
-          std::vector<double> qp = q;
-          for (double& x : qp) x *= 1.0 + rel * unit(rng);
-          const auto perturbed = testing::Fp8TensorCoreModel(a, qp, k, v, cu_q, cu_k, rule);
-          for (size_t i = 0; i < b.lo.size(); ++i) {
-            outside += perturbed.lse[i] < b.lo[i] - 1e-12 || perturbed.lse[i] > b.hi[i] + 1e-12;
-            moved += std::fabs(perturbed.lse[i] - model.lse[i]) > 1e-6;
-          }
-        }
-        EXPECT_EQ(outside, 0);
-        EXPECT_GT(moved, 0);  // the perturbation did move the rounded sums
-        for (size_t i = 0; i < b.lo.size(); ++i) {
-          EXPECT_LE(b.lo[i], model.lse[i] + 1e-12) << i;
-          EXPECT_GE(b.hi[i], model.lse[i] - 1e-12) << i;
-          // 2e for the max, up to 4e more on each term and an e4m3 step's share (R(y) / y within
-          // 15/16..17/16; subnormal p, which could stretch it, weigh nothing here).
-          if (!std::isinf(model.lse[i])) EXPECT_LT(b.hi[i] - b.lo[i], 6 * err[i] + 0.13) << i;
-        }
-        const testing::LseBounds b0 =
-            testing::Fp8TensorCoreLseBounds(a, q, k, cu_q, cu_k, std::vector<double>(err.size(), 0.0), rule);
-        for (size_t i = 0; i < b0.lo.size(); ++i) {
-          if (std::isinf(model.lse[i])) continue;
-          EXPECT_NEAR(b0.lo[i], model.lse[i], 1e-12) << i;
-          EXPECT_NEAR(b0.hi[i], model.lse[i], 1e-12) << i;
-        }
+        ExpectRoundedSumLseBounds(a, q, k, v, cu_q, cu_k, testing::ScoreErrors(mag, rel), rel, lazy, rng);
       }
     }
   }
