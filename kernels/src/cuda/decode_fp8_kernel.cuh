@@ -1,6 +1,7 @@
 // Split-KV decode over FP8 K/V (e4m3 codes with a float32 scale per (sequence, KV head)), device
-// code. The CTA, warp and split structure is the 16-bit kernel's (decode_kernel.cuh, whose combine
-// kernel merges the splits); what differs is how the bytes reach the tensor cores:
+// code. The CTA, warp and split structure is the 16-bit kernel's (decode_kernel.cuh), through the
+// same device functions (decode_block.cuh) and combine kernel; what differs is how the bytes reach
+// the tensor cores:
 //  - K and V tiles stream into shared memory as e4m3 codes (half the bytes of a 16-bit tile of as
 //    many keys, so tiles have twice the keys: the same bytes in flight per warp).
 //  - The products run in fp16 with fp32 accumulation (mma.sync m16n8k16): every e4m3 value is an
@@ -25,7 +26,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "decode_kernel.cuh"
+#include "decode_block.cuh"
 #include "decode_params.h"
 #include "ptx.cuh"
 #include "ptx_decode.cuh"
@@ -170,24 +171,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     }
   };
 
-  int first_pages[S];
-#pragma unroll
-  for (int st = 0; st < S; ++st) first_pages[st] = (kPaged && st < my_tiles) ? page_of(st) : 0;
-#pragma unroll
-  for (int st = 0; st < S - 1; ++st) {
-    if (st < my_tiles) issue(st, first_pages[st], sWarp + st * Tr::kStageBytes);
-    ptx::CpAsyncCommit();
-  }
-  int next_page = first_pages[S - 1];
-
+  int next_page = RingPrologue<Tr, kPaged>(my_tiles, sWarp, page_of, issue);
   int lo[2], hi[2];
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int pr = min(blk.m0 + (lane >> 2) + 8 * hf, blk.rows_valid - 1);
-    const int pos = pr / G + blk.off;
-    lo[hf] = p.has_left ? max(blk.c_lo, pos - p.left) : blk.c_lo;
-    hi[hf] = p.has_right ? min(blk.c_hi - 1, pos + p.right) : blk.c_hi - 1;
-  }
+  RowKeyBounds(p, blk, lane, lo, hi);
 
   ptx::CpAsyncWait<S - 1>();
   __syncthreads();
@@ -276,17 +262,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
   uint32_t stage = 0;
   for (int k = 0; k < my_tiles; ++k) {
-    ptx::CpAsyncWait<S - 2>();
-    __syncwarp();
-    {
-      const int kn = k + S - 1;
-      const uint32_t refill = stage == 0 ? (S - 1) * Tr::kStageBytes : stage - Tr::kStageBytes;
-      if (kn < my_tiles) issue(kn, next_page, sWarp + refill);
-      ptx::CpAsyncCommit();
-      if constexpr (kPaged) {
-        if (kn + 1 < my_tiles) next_page = page_of(kn + 1);
-      }
-    }
+    RingAwaitAndRefill<Tr, kPaged>(k, my_tiles, sWarp, stage, next_page, page_of, issue);
     const uint32_t sK = sWarp + stage;
     const uint32_t sV = sK + Tr::kTileBytes;
     const int t0 = tile_start(k);
@@ -318,39 +294,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     }
 
     // Mask, then the online softmax in log2 units (per-row scale sl2).
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int col = t0 + nt * 8 + 2 * (lane & 3) + i;
-          if (col < lo[hf] || col > hi[hf]) acc_s[nt][2 * hf + i] = -INFINITY;
-        }
-      float mx = row_max[hf];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hf], acc_s[nt][2 * hf + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float ms = (mx == -INFINITY) ? 0.0f : mx * sl2[hf];
-      const float corr = exp2f(row_max[hf] * sl2[hf] - ms);
-      row_max[hf] = mx;
-      float sum = row_sum[hf] * corr;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        acc_o[dt][2 * hf] *= corr;
-        acc_o[dt][2 * hf + 1] *= corr;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float pe = exp2f(fmaf(acc_s[nt][2 * hf + i], sl2[hf], -ms));
-          acc_s[nt][2 * hf + i] = pe;
-          sum += pe;
-        }
-      row_sum[hf] = sum;
-    }
+    SoftmaxTile(acc_s, acc_o, row_max, row_sum, sl2, lo, hi, t0, lane);
 
     // O += P V: per k16 step and pair of 16-dim chunks one ldmatrix.x4.trans, giving the B
     // fragments of four n8 tiles (even and odd dims of each chunk).
@@ -379,67 +323,29 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                               ptx::E4m3x2ToHalf2(uint16_t(hi_keys1 >> 16)));
       }
     }
-    stage = stage == (S - 1) * Tr::kStageBytes ? 0 : stage + Tr::kStageBytes;
+    stage = RingNextStage<Tr>(stage);
   }
 
   // Merge the warps as DecodeKernel does; O's columns back in order: tiles 2j and 2j + 1 of a
   // thread hold dims 16j + c4 + {0, 2} and 16j + c4 + {1, 3} of its rows.
   ptx::CpAsyncWait<0>();
   __syncthreads();
-  float* sO = reinterpret_cast<float*>(smem_raw + Tr::kQBytes);
-  float* sMax = sO + NW * Tr::kRows * Tr::kMergeStride;
-  float* sSum = sMax + NW * Tr::kRows;
-  float* sOw = sO + warp * Tr::kRows * Tr::kMergeStride;
+  const MergeSmem sm = MergeSmemOf<Tr>(smem_raw);
+  float* sOw = sm.o + warp * Tr::kRows * Tr::kMergeStride;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = g + 8 * hf;
-    float sum = row_sum[hf];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
 #pragma unroll
     for (int j = 0; j < CPR; ++j) {
       *reinterpret_cast<float4*>(sOw + r * Tr::kMergeStride + 16 * j + c4) =
           make_float4(acc_o[2 * j][2 * hf], acc_o[2 * j + 1][2 * hf], acc_o[2 * j][2 * hf + 1],
                       acc_o[2 * j + 1][2 * hf + 1]);
     }
-    if ((lane & 3) == 0) {
-      sMax[warp * Tr::kRows + r] = row_max[hf] == -INFINITY ? -INFINITY : row_max[hf] * sl2[hf];
-      sSum[warp * Tr::kRows + r] = sum;
-    }
+    StoreWarpRowStats<Tr>(sm, warp, lane, r, row_max[hf], sl2[hf], row_sum[hf]);
   }
   __syncthreads();
-
-  constexpr int kTPR = Tr::kThreads / Tr::kRows;
-  constexpr int kCols = D / kTPR;
-  static_assert(kCols % 2 == 0, "");
-  const int r = tid / kTPR;
-  const int col0 = (tid % kTPR) * kCols;
-  float mx = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sMax[w * Tr::kRows + r]);
-  float a[NW];
-  float l = 0.0f;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) {
-    const float m = sMax[w * Tr::kRows + r];
-    a[w] = m == -INFINITY ? 0.0f : exp2f(m - mx);
-    l += a[w] * sSum[w * Tr::kRows + r];
-  }
-  const bool any = l > 0.0f;
-  const float inv = any ? v_scale / l : 0.0f;  // the v scale with the normalisation
-  const int pr = blk.m0 + r;
-  if constexpr (!kLastSplitMerges) {
-    if (pr > blk.m_last) return;
-  }
-  if (pr <= blk.m_last) {
-    const int i = pr / G;
-    const int h = blk.hk * G + (pr - i * G);
-    const int t = blk.q_start + i;
-    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, blk.split, h, t);
-  }
-  if constexpr (kLastSplitMerges) {
-    MergeIfLastSplit<T, D, Tr::kThreads>(p, blk.b, blk.hk, blk.mb, blk.m0, blk.m_last, blk.q_start);
-  }
+  // The v scale with the normalisation.
+  MergeWarpsAndStore<Tr, kLastSplitMerges>(p, blk, sm, [v_scale](float l) { return v_scale / l; });
 }
 
 }  // namespace decode

@@ -27,7 +27,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "decode_combine.cuh"
+#include "decode_block.cuh"
 #include "decode_params.h"
 #include "ptx.cuh"
 #include "ptx_decode.cuh"
@@ -79,14 +79,6 @@ __device__ __forceinline__ int SwzChunk(int c_even, int y) {
   return (c_even & ~kMask) | ((c_even & kMask) ^ y);
 }
 
-// Page of key j (paged K/V), through the sequence's page list.
-__device__ __forceinline__ int PageOf(const int32_t* pages, int j, int page_size, int shift) {
-  return ptx::LdgEarly(pages + (shift >= 0 ? (j >> shift) : (j / page_size)));
-}
-__device__ __forceinline__ int InPage(int j, int page_size, int shift) {
-  return shift >= 0 ? (j & (page_size - 1)) : (j % page_size);
-}
-
 // The rows sequence (q_start, s_q) appends, KV head hk: row i of ak / av (16-byte chunks) into the
 // page row of key off + i, by the CTA's threads.
 template <typename Tr>
@@ -109,121 +101,6 @@ __device__ __forceinline__ void AppendRows(const DecodeParams& p, const typename
     const int64_t src = int64_t(q_start + i) * p.k_row_stride + int64_t(hk) * D + c * 8;
     *reinterpret_cast<uint4*>(k + dst) = *reinterpret_cast<const uint4*>(ak + src);
     *reinterpret_cast<uint4*>(v + dst) = *reinterpret_cast<const uint4*>(av + src);
-  }
-}
-
-// Row r of the CTA's 16, its warps' sums in sO weighted by a and normalised by inv (any: the row
-// saw a key; mx and l: its largest score and sum, log2 units): o and LSE (natural log) with one
-// split, else this split's partial and LSE (log2), for (token t, head h). kTPR threads per row,
-// from column col0.
-template <typename Tr>
-__device__ __forceinline__ void StoreWarpsMerged(const DecodeParams& p, const float* sO, const float (&a)[Tr::kWarps],
-                                                 float inv, bool any, float mx, float l, int r, int col0,
-                                                 int split, int h, int t) {
-  using T = typename Tr::T;
-  constexpr int D = Tr::kHeadDim;
-  constexpr int NW = Tr::kWarps;
-  constexpr int kTPR = Tr::kThreads / Tr::kRows;
-  constexpr int kCols = D / kTPR;
-  const int tid = threadIdx.x;
-  const float lse2 = any ? mx + __log2f(l) : -INFINITY;
-  if (p.num_splits == 1) {
-    T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
-#pragma unroll
-    for (int c = 0; c < kCols; c += 2) {
-      float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-        v0 += a[w] * x.x;
-        v1 += a[w] * x.y;
-      }
-      *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
-    }
-    if (p.lse != nullptr && (tid % kTPR) == 0) {
-      p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
-    }
-  } else {
-    const int64_t row = int64_t(t) * p.num_heads + h;
-    const int64_t rows_all = int64_t(p.total_q) * p.num_heads;
-    float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
-#pragma unroll
-    for (int c = 0; c < kCols; c += 2) {
-      float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-        v0 += a[w] * x.x;
-        v1 += a[w] * x.y;
-      }
-      *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
-    }
-    if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
-  }
-}
-
-// A CTA's share of a decode grid: its (split, row block, KV head, sequence), the block's query
-// rows (16 packed rows from m0, of rows_valid), the keys they see and this split's whole tiles of
-// kWarpN keys among them (ntiles from tile0; keys [c_lo, c_hi) of them in range).
-struct DecodeBlock {
-  int split, mb, hk, b;
-  int q_start, s_q, rows_valid, m0, m_last;
-  int s_k, k_start, off;
-  const int32_t* pages;
-  int c_lo, c_hi, ntiles, tile0;
-};
-
-// The CTA's place in the grid (split, row block, KV head, sequence).
-__device__ __forceinline__ DecodeBlock DecodeBlockOf(const DecodeParams& p) {
-  DecodeBlock blk;
-  blk.split = blockIdx.x % p.num_splits;
-  blk.mb = blockIdx.x / p.num_splits;
-  blk.hk = blockIdx.y;
-  blk.b = blockIdx.z;
-  return blk;
-}
-
-// The block's query rows; false when the row block lies past the sequence's rows.
-template <typename Tr>
-__device__ __forceinline__ bool LocateDecodeRows(const DecodeParams& p, DecodeBlock& blk) {
-  blk.q_start = p.cu_seqlens_q[blk.b];
-  blk.s_q = p.cu_seqlens_q[blk.b + 1] - blk.q_start;
-  blk.rows_valid = blk.s_q * p.heads_per_kv;
-  blk.m0 = blk.mb * Tr::kRows;
-  return blk.m0 < blk.rows_valid;
-}
-
-// The block's keys: those any of its rows sees (window), then this split's whole tiles of them.
-template <typename Tr, bool kPaged>
-__device__ __forceinline__ void LocateDecodeKeys(const DecodeParams& p, DecodeBlock& blk) {
-  constexpr int W = Tr::kWarpN;
-  const int G = p.heads_per_kv;
-  blk.k_start = 0;
-  blk.pages = nullptr;
-  if constexpr (kPaged) {
-    blk.s_k = p.seqlens_k[blk.b];
-    blk.pages = p.page_indices + p.page_indptr[blk.b];
-  } else {
-    blk.k_start = p.cu_seqlens_k[blk.b];
-    blk.s_k = p.cu_seqlens_k[blk.b + 1] - blk.k_start;
-  }
-  blk.off = blk.s_k - blk.s_q;
-  blk.m_last = min(blk.m0 + Tr::kRows, blk.rows_valid) - 1;
-  const int n_lo = p.has_left ? max(0, blk.m0 / G + blk.off - p.left) : 0;
-  const int n_hi = p.has_right ? min(blk.s_k, blk.m_last / G + blk.off + p.right + 1) : blk.s_k;
-  blk.c_lo = blk.c_hi = blk.ntiles = blk.tile0 = 0;
-  if (n_hi > n_lo) {
-    const int a_lo = (n_lo / W) * W;
-    const int total_tiles = (n_hi - a_lo + W - 1) / W;
-    const int tps = (total_tiles + p.num_splits - 1) / p.num_splits;
-    const int t_begin = blk.split * tps;
-    const int t_end = min(total_tiles, t_begin + tps);
-    if (t_end > t_begin) {
-      blk.ntiles = t_end - t_begin;
-      blk.tile0 = a_lo + t_begin * W;
-      blk.c_lo = max(n_lo, blk.tile0);
-      blk.c_hi = min(n_hi, a_lo + t_end * W);
-    }
   }
 }
 
@@ -329,27 +206,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     }
   };
 
-  // Prologue: the first S-1 tiles, one group each (empty groups keep the counts fixed). The page
-  // numbers of the first S tiles are read together first (one page-table latency, not S).
-  int first_pages[S];
-#pragma unroll
-  for (int st = 0; st < S; ++st) first_pages[st] = (kPaged && st < my_tiles) ? page_of(st) : 0;
-#pragma unroll
-  for (int st = 0; st < S - 1; ++st) {
-    if (st < my_tiles) issue(st, first_pages[st], sWarp + st * Tr::kStageBytes);
-    ptx::CpAsyncCommit();
-  }
-  int next_page = first_pages[S - 1];
-
-  // Per-thread rows (lane/4 and lane/4 + 8) and the keys they see: [lo, hi].
+  int next_page = RingPrologue<Tr, kPaged>(my_tiles, sWarp, page_of, issue);
   int lo[2], hi[2];
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int pr = min(blk.m0 + (lane >> 2) + 8 * hf, blk.rows_valid - 1);  // padding rows copy a real one
-    const int pos = pr / G + blk.off;
-    lo[hf] = p.has_left ? max(blk.c_lo, pos - p.left) : blk.c_lo;
-    hi[hf] = p.has_right ? min(blk.c_hi - 1, pos + p.right) : blk.c_hi - 1;
-  }
+  RowKeyBounds(p, blk, lane, lo, hi);
 
   // Q fragments (after the Q group and the prologue groups: wait for all but the S-1 newest).
   ptx::CpAsyncWait<S - 1>();
@@ -375,20 +234,11 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
   const float sl2 = p.scale_log2;
+  const float row_sl2[2] = {sl2, sl2};
 
   uint32_t stage = 0;  // byte offset of tile k's stage in this warp's ring
   for (int k = 0; k < my_tiles; ++k) {
-    ptx::CpAsyncWait<S - 2>();
-    __syncwarp();  // tile k visible to the whole warp; the warp is done with tile k-1's stage
-    {
-      const int kn = k + S - 1;
-      const uint32_t refill = stage == 0 ? (S - 1) * Tr::kStageBytes : stage - Tr::kStageBytes;
-      if (kn < my_tiles) issue(kn, next_page, sWarp + refill);
-      ptx::CpAsyncCommit();
-      if constexpr (kPaged) {
-        if (kn + 1 < my_tiles) next_page = page_of(kn + 1);
-      }
-    }
+    RingAwaitAndRefill<Tr, kPaged>(k, my_tiles, sWarp, stage, next_page, page_of, issue);
     const uint32_t sK = sWarp + stage;
     const uint32_t sV = sK + Tr::kTileBytes;
     const int t0 = tile_start(k);
@@ -418,39 +268,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     }
 
     // Mask (split range, sequence end, causal/window), then the online softmax in log2 units.
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = t0 + nt * 8 + 2 * (lane & 3) + e;
-          if (col < lo[hf] || col > hi[hf]) acc_s[nt][2 * hf + e] = -INFINITY;
-        }
-      float mx = row_max[hf];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hf], acc_s[nt][2 * hf + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float ms = (mx == -INFINITY) ? 0.0f : mx * sl2;
-      const float corr = exp2f(row_max[hf] * sl2 - ms);
-      row_max[hf] = mx;
-      float sum = row_sum[hf] * corr;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        acc_o[dt][2 * hf] *= corr;
-        acc_o[dt][2 * hf + 1] *= corr;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(fmaf(acc_s[nt][2 * hf + e], sl2, -ms));
-          acc_s[nt][2 * hf + e] = pe;
-          sum += pe;
-        }
-      row_sum[hf] = sum;
-    }
+    SoftmaxTile(acc_s, acc_o, row_max, row_sum, row_sl2, lo, hi, t0, lane);
 
     // O += P V.
 #pragma unroll
@@ -468,66 +286,26 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
         ptx::Mma16816<T>(acc_o[2 * nd2 + 1], pa, vb[2], vb[3]);
       }
     }
-    stage = stage == (S - 1) * Tr::kStageBytes ? 0 : stage + Tr::kStageBytes;
+    stage = RingNextStage<Tr>(stage);
   }
 
-  // Merge the warps: unnormalised O, row max (log2 units) and row sum of each warp through shared
-  // memory (the ring's space, free once every warp has drained its copies).
+  // Merge the warps through shared memory.
   ptx::CpAsyncWait<0>();
   __syncthreads();
-  float* sO = reinterpret_cast<float*>(smem_raw + Tr::kQBytes);
-  float* sMax = sO + NW * Tr::kRows * Tr::kMergeStride;
-  float* sSum = sMax + NW * Tr::kRows;
-  float* sOw = sO + warp * Tr::kRows * Tr::kMergeStride;
+  const MergeSmem sm = MergeSmemOf<Tr>(smem_raw);
+  float* sOw = sm.o + warp * Tr::kRows * Tr::kMergeStride;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = (lane >> 2) + 8 * hf;
-    float sum = row_sum[hf];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       *reinterpret_cast<float2*>(sOw + r * Tr::kMergeStride + dt * 8 + 2 * (lane & 3)) =
           make_float2(acc_o[dt][2 * hf], acc_o[dt][2 * hf + 1]);
     }
-    if ((lane & 3) == 0) {
-      sMax[warp * Tr::kRows + r] = row_max[hf] == -INFINITY ? -INFINITY : row_max[hf] * sl2;
-      sSum[warp * Tr::kRows + r] = sum;
-    }
+    StoreWarpRowStats<Tr>(sm, warp, lane, r, row_max[hf], sl2, row_sum[hf]);
   }
   __syncthreads();
-
-  constexpr int kTPR = Tr::kThreads / Tr::kRows;  // threads per row
-  constexpr int kCols = D / kTPR;                 // columns per thread
-  static_assert(kCols % 2 == 0, "");
-  const int r = tid / kTPR;
-  const int col0 = (tid % kTPR) * kCols;
-  float mx = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sMax[w * Tr::kRows + r]);
-  float a[NW];
-  float l = 0.0f;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) {
-    const float m = sMax[w * Tr::kRows + r];
-    a[w] = m == -INFINITY ? 0.0f : exp2f(m - mx);
-    l += a[w] * sSum[w * Tr::kRows + r];
-  }
-  const bool any = l > 0.0f;
-  const float inv = any ? 1.0f / l : 0.0f;
-  const int pr = blk.m0 + r;
-  if constexpr (!kLastSplitMerges) {
-    if (pr > blk.m_last) return;
-  }
-  if (pr <= blk.m_last) {
-    const int i = pr / G;
-    const int h = blk.hk * G + (pr - i * G);
-    const int t = blk.q_start + i;
-    StoreWarpsMerged<Tr>(p, sO, a, inv, any, mx, l, r, col0, blk.split, h, t);
-  }
-  if constexpr (kLastSplitMerges) {
-    MergeIfLastSplit<T, D, Tr::kThreads>(p, blk.b, blk.hk, blk.mb, blk.m0, blk.m_last, blk.q_start);
-  }
+  MergeWarpsAndStore<Tr, kLastSplitMerges>(p, blk, sm, [](float l) { return 1.0f / l; });
 }
 
 }  // namespace decode
