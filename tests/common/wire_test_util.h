@@ -44,6 +44,25 @@ inline std::string RandomBytes(std::mt19937_64& rng, size_t n) {
   return s;
 }
 
+// A field no message of ours declares, of a random wire type (varint, fixed64, length-delimited,
+// fixed32, or a group holding two fields), numbered 100 and up: decoders must skip it.
+inline void AppendRandomUnknownField(std::mt19937_64& rng, std::string* out) {
+  const uint64_t number = 100 + rng() % 100000;
+  switch (rng() % 5) {
+    case 0: AppendTag(number, 0, out); AppendVarint(rng(), out); break;
+    case 1: AppendTag(number, 1, out); *out += RandomBytes(rng, 8); break;
+    case 2: AppendLen(number, RandomBytes(rng, rng() % 50), out); break;
+    case 3: AppendTag(number, 5, out); *out += RandomBytes(rng, 4); break;
+    case 4:
+      AppendTag(number, 3, out);
+      AppendTag(7, 0, out);
+      AppendVarint(rng(), out);
+      AppendLen(8, RandomBytes(rng, 5), out);
+      AppendTag(number, 4, out);
+      break;
+  }
+}
+
 // Up to 11 cut points within [0, size], unsorted, repeats allowed.
 inline std::vector<size_t> RandomCuts(std::mt19937_64& rng, size_t size) {
   std::vector<size_t> cuts(rng() % 12);

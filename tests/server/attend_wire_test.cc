@@ -26,6 +26,7 @@ namespace attn {
 namespace {
 
 using attn::testing::AppendLen;
+using attn::testing::AppendRandomUnknownField;
 using attn::testing::AppendTag;
 using attn::testing::AppendVarint;
 using attn::testing::RandomBytes;
@@ -218,22 +219,7 @@ TEST(AttendRequestDecoder, FieldsInAnyOrderAndRepeatedMerge) {
 // the tensors, between the known ones; repeated ints unpacked.
 TEST(AttendRequestDecoder, UnknownFieldsAndUnpackedRepeatedInts) {
   std::mt19937_64 rng(std::random_device{}());
-  const auto unknown = [&](std::string* out) {
-    const uint64_t number = 100 + rng() % 100000;
-    switch (rng() % 5) {
-      case 0: AppendTag(number, 0, out); AppendVarint(rng(), out); break;
-      case 1: AppendTag(number, 1, out); *out += RandomBytes(rng, 8); break;
-      case 2: AppendLen(number, RandomBytes(rng, rng() % 50), out); break;
-      case 3: AppendTag(number, 5, out); *out += RandomBytes(rng, 4); break;
-      case 4:
-        AppendTag(number, 3, out);
-        AppendTag(7, 0, out);
-        AppendVarint(rng(), out);
-        AppendLen(8, RandomBytes(rng, 5), out);
-        AppendTag(number, 4, out);
-        break;
-    }
-  };
+  const auto unknown = [&](std::string* out) { AppendRandomUnknownField(rng, out); };
   for (int i = 0; i < 500; ++i) {
     std::string bytes;
     unknown(&bytes);
