@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -326,6 +326,34 @@ def _group(items: Sequence[Any], route: Any) -> Tuple[List[Any], List[Tuple[Any,
     return results, groups
 
 
+class _Placement:
+    """A CreateSession's tries over ranked replicas: a replica that refuses for want of room or
+    reach is passed over (any other error is raised at once); the replica that creates the
+    session has its id learnt; when every replica refused, the error names each refusal."""
+
+    def __init__(self, routing: "_Routing"):
+        self._routing = routing
+        self._last: AttndError = Unavailable("CreateSession: no replica is known")
+        self._tried: List[str] = []
+
+    def failed(self, name: str, e: AttndError) -> None:
+        self._last = e
+        self._tried.append(f"{name}: {e.code.name}: {e.message}")
+        if e.code not in _PASS_OVER:
+            raise e
+
+    def placed(self, replica: "_Replica", session: Any) -> None:
+        if session.info.replica_id:
+            with self._routing.lock:
+                replica.info.replica_id = session.info.replica_id
+
+    def raise_exhausted(self) -> NoReturn:
+        if len(self._tried) <= 1:
+            raise self._last
+        raise type(self._last)(
+            f"CreateSession failed on every replica: {'; '.join(self._tried)}", self._last.code)
+
+
 class _FollowingClient:
     """What the Session objects of a SessionClient call: every call goes to the replica that
     holds the session now, following it when it moves (SessionClient._on_session)."""
@@ -476,27 +504,19 @@ class SessionClient:
         with self._routing.lock:
             replicas = list(self._routing.replicas)
         ranked = self._routing.rank(replicas, self._ask_all([r.client for r in replicas]))
-        last: AttndError = Unavailable("CreateSession: no replica is known")
-        tried: List[str] = []
+        attempts = _Placement(self._routing)
         for r, name in ranked:
             try:
                 s = r.client.create_session(num_layers, num_kv_heads, head_dim, dtype, max_tokens,
                                             timeout, cache_dtype=cache_dtype,
                                             k_scales=k_scales, v_scales=v_scales)
             except AttndError as e:
-                last = e
-                tried.append(f"{name}: {e.code.name}: {e.message}")
-                if e.code not in _PASS_OVER:
-                    raise
+                attempts.failed(name, e)
                 continue
-            if s.info.replica_id:
-                with self._routing.lock:
-                    r.info.replica_id = s.info.replica_id
+            attempts.placed(r, s)
             s.client = _FollowingClient(self, s.id)
             return s
-        if len(tried) <= 1:
-            raise last
-        raise type(last)(f"CreateSession failed on every replica: {'; '.join(tried)}", last.code)
+        attempts.raise_exhausted()
 
     def session(self, session_id: str) -> Session:
         """A Session object for an id; its calls go to the replica that holds it, following it
@@ -687,26 +707,18 @@ class AsyncSessionClient:
         with self._routing.lock:
             replicas = list(self._routing.replicas)
         ranked = self._routing.rank(replicas, await self._ask_all([r.client for r in replicas]))
-        last: AttndError = Unavailable("CreateSession: no replica is known")
-        tried: List[str] = []
+        attempts = _Placement(self._routing)
         for r, name in ranked:
             try:
                 s = await r.client.create_session(num_layers, num_kv_heads, head_dim, dtype,
                                                   max_tokens, timeout, cache_dtype=cache_dtype,
                                                   k_scales=k_scales, v_scales=v_scales)
             except AttndError as e:
-                last = e
-                tried.append(f"{name}: {e.code.name}: {e.message}")
-                if e.code not in _PASS_OVER:
-                    raise
+                attempts.failed(name, e)
                 continue
-            if s.info.replica_id:
-                with self._routing.lock:
-                    r.info.replica_id = s.info.replica_id
+            attempts.placed(r, s)
             return s
-        if len(tried) <= 1:
-            raise last
-        raise type(last)(f"CreateSession failed on every replica: {'; '.join(tried)}", last.code)
+        attempts.raise_exhausted()
 
     async def session(self, session_id: str) -> Any:
         return (await self._route(session_id)).client.session(session_id)
