@@ -192,6 +192,42 @@ def test_session_client_places_and_routes(replicas):
         second.close()
 
 
+def test_session_placement_passes_over_full_replicas_and_names_every_refusal():
+    """Two replicas that hold one session each: the second session passes over the replica that
+    refuses it (RESOURCE_EXHAUSTED) to the other; a third is refused by both, and the error names
+    each refusal. The same through the asyncio client."""
+    import asyncio
+
+    a = Server("--replica_id=one-a", "--max_sessions=1")
+    b = Server("--replica_id=one-b", "--max_sessions=1")
+    try:
+        with attnd.SessionClient([a.target, b.target]) as sc:
+            s1 = sc.create_session(1, 2, 64, "fp16")
+            s2 = sc.create_session(1, 2, 64, "fp16")
+            assert {s1.info.replica_id, s2.info.replica_id} == {"one-a", "one-b"}
+            with pytest.raises(attnd.ResourceExhausted) as e:
+                sc.create_session(1, 2, 64, "fp16")
+            assert "failed on every replica" in e.value.message
+            assert "one-a" in e.value.message and "one-b" in e.value.message
+            s1.close()
+
+            async def from_async_client():
+                ac = await attnd.AsyncSessionClient.create([a.target, b.target])
+                try:
+                    s3 = await ac.create_session(1, 2, 64, "fp16")  # where s1 was
+                    assert s3.info.replica_id == s1.info.replica_id
+                    with pytest.raises(attnd.ResourceExhausted, match="failed on every replica"):
+                        await ac.create_session(1, 2, 64, "fp16")
+                    await s3.close()
+                finally:
+                    await ac.close()
+            asyncio.run(from_async_client())
+            s2.close()
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_session_client_reports_unreachable_targets():
     with pytest.raises(attnd.Unavailable, match="no attnd answered GetServerInfo"):
         attnd.SessionClient("ipv4:127.0.0.1:1", info_timeout=0.5, retries=0)
