@@ -4,19 +4,15 @@
 
 #include "backends/cuda_backend.h"
 #include "backends/cuda_util.h"
+#include "common/status_util.h"
 
 namespace attn {
 absl::Status CudaBackend::StartLanes() {
   for (int i = 0; i < options_.streams; ++i) {
     auto lane = std::make_unique<Lane>();
-    RETURN_IF_CUDA_ERROR("cudaStreamCreate",
-                         cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking));
-    for (cudaEvent_t& e : lane->events) {
-      // The lane waits on the last one: block in the driver instead of spinning on a busy host.
-      const unsigned flags = &e == &lane->events[3] ? cudaEventBlockingSync : cudaEventDefault;
-      RETURN_IF_CUDA_ERROR("cudaEventCreate", cudaEventCreateWithFlags(&e, flags));
-    }
-    lanes_.push_back(std::move(lane));
+    const absl::Status created = CreateLaneStream(&lane->stream, lane->events);
+    lanes_.push_back(std::move(lane));  // StopLanes destroys what was created
+    RETURN_IF_ERROR(created);
   }
   for (auto& lane : lanes_) lane->thread = std::thread([this, l = lane.get()] { LaneLoop(l); });
   return absl::OkStatus();
@@ -31,12 +27,7 @@ void CudaBackend::StopLanes() {
   for (auto& lane : lanes_) {
     if (lane->thread.joinable()) lane->thread.join();
   }
-  for (auto& lane : lanes_) {
-    for (cudaEvent_t e : lane->events) {
-      if (e) cudaEventDestroy(e);
-    }
-    if (lane->stream) cudaStreamDestroy(lane->stream);
-  }
+  for (auto& lane : lanes_) DestroyLaneStream(lane->stream, lane->events);
 }
 
 void CudaBackend::RunBatch(JobBatch batch, std::function<void(const BatchReport&)> on_finished) {

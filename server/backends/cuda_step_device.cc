@@ -257,15 +257,9 @@ absl::Status CudaStepDevice::Init(const Options& options) {
   RETURN_IF_ERROR(AllocateKvRegion(options));
   for (int i = 0; i < options.lanes; ++i) {
     auto lane = std::make_unique<Lane>();
-    RETURN_IF_CUDA_ERROR("cudaStreamCreate",
-                         cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking));
-    for (cudaEvent_t& e : lane->events) {
-      // The lane waits on the last one: where it does not poll, it sleeps in the driver until
-      // the device is done (a default event would spin there).
-      const unsigned flags = &e == &lane->events[3] ? cudaEventBlockingSync : cudaEventDefault;
-      RETURN_IF_CUDA_ERROR("cudaEventCreate", cudaEventCreateWithFlags(&e, flags));
-    }
-    lanes_.push_back(std::move(lane));
+    const absl::Status created = CreateLaneStream(&lane->stream, lane->events);
+    lanes_.push_back(std::move(lane));  // the destructor destroys what was created
+    RETURN_IF_ERROR(created);
   }
   return absl::OkStatus();
 }
@@ -307,10 +301,7 @@ CudaStepDevice::~CudaStepDevice() {
     lane->in.Release();
     lane->out.Release();
     lane->workspace.Release();
-    for (cudaEvent_t e : lane->events) {
-      if (e) cudaEventDestroy(e);
-    }
-    if (lane->stream) cudaStreamDestroy(lane->stream);
+    DestroyLaneStream(lane->stream, lane->events);
   }
   if (kv_.k) cudaFree(kv_.k);
 }

@@ -4,6 +4,22 @@
 
 namespace attn {
 
+absl::Status CreateLaneStream(cudaStream_t* stream, cudaEvent_t (&events)[4]) {
+  RETURN_IF_CUDA_ERROR("cudaStreamCreate", cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
+  for (cudaEvent_t& e : events) {
+    const unsigned flags = &e == &events[3] ? cudaEventBlockingSync : cudaEventDefault;
+    RETURN_IF_CUDA_ERROR("cudaEventCreate", cudaEventCreateWithFlags(&e, flags));
+  }
+  return absl::OkStatus();
+}
+
+void DestroyLaneStream(cudaStream_t stream, cudaEvent_t (&events)[4]) {
+  for (cudaEvent_t e : events) {
+    if (e) cudaEventDestroy(e);
+  }
+  if (stream) cudaStreamDestroy(stream);
+}
+
 bool IsStickyCudaError(cudaError_t e) {
   switch (e) {
     case cudaErrorIllegalAddress:

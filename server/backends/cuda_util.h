@@ -25,6 +25,11 @@ inline absl::Status CudaError(const char* what, cudaError_t err) {
     if (cudaError_t _e = (expr); _e != cudaSuccess) return CudaError(what, _e); \
   } while (0)
 
+// A lane's stream and its four timing events. The lane waits on the last: that one blocks in the
+// driver until the device is done (a default event would spin there on a busy host).
+absl::Status CreateLaneStream(cudaStream_t* stream, cudaEvent_t (&events)[4]);
+void DestroyLaneStream(cudaStream_t stream, cudaEvent_t (&events)[4]);
+
 // Errors after which every later call in the context fails: only a new process recovers.
 bool IsStickyCudaError(cudaError_t e);
 
