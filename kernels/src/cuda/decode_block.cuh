@@ -26,6 +26,19 @@ __device__ __forceinline__ int InPage(int j, int page_size, int shift) {
   return shift >= 0 ? (j & (page_size - 1)) : (j % page_size);
 }
 
+// Columns (c, c + 1) of row r, summed over the warps' rows in sO with weights a.
+template <typename Tr>
+__device__ __forceinline__ float2 WarpsWeighted(const float* sO, const float (&a)[Tr::kWarps], int r, int c) {
+  float2 v = make_float2(0.0f, 0.0f);
+#pragma unroll
+  for (int w = 0; w < Tr::kWarps; ++w) {
+    const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + c);
+    v.x += a[w] * x.x;
+    v.y += a[w] * x.y;
+  }
+  return v;
+}
+
 // Row r of the CTA's 16, its warps' sums in sO weighted by a and normalised by inv (any: the row
 // saw a key; mx and l: its largest score and sum, log2 units): o and LSE (natural log) with one
 // split, else this split's partial and LSE (log2), for (token t, head h). kTPR threads per row,
@@ -36,7 +49,6 @@ __device__ __forceinline__ void StoreWarpsMerged(const DecodeParams& p, const fl
                                                  int split, int h, int t) {
   using T = typename Tr::T;
   constexpr int D = Tr::kHeadDim;
-  constexpr int NW = Tr::kWarps;
   constexpr int kTPR = Tr::kThreads / Tr::kRows;
   constexpr int kCols = D / kTPR;
   const int tid = threadIdx.x;
@@ -45,14 +57,8 @@ __device__ __forceinline__ void StoreWarpsMerged(const DecodeParams& p, const fl
     T* go = reinterpret_cast<T*>(p.o) + int64_t(t) * p.o_row_stride + int64_t(h) * D + col0;
 #pragma unroll
     for (int c = 0; c < kCols; c += 2) {
-      float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-        v0 += a[w] * x.x;
-        v1 += a[w] * x.y;
-      }
-      *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v0 * inv, v1 * inv);
+      const float2 v = WarpsWeighted<Tr>(sO, a, r, col0 + c);
+      *reinterpret_cast<uint32_t*>(go + c) = ptx::Pack2<T>(v.x * inv, v.y * inv);
     }
     if (p.lse != nullptr && (tid % kTPR) == 0) {
       p.lse[int64_t(h) * p.total_q + t] = any ? lse2 * 0.6931471805599453f : -INFINITY;
@@ -63,14 +69,8 @@ __device__ __forceinline__ void StoreWarpsMerged(const DecodeParams& p, const fl
     float* po = p.part_o + (int64_t(split) * rows_all + row) * D + col0;
 #pragma unroll
     for (int c = 0; c < kCols; c += 2) {
-      float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float2 x = *reinterpret_cast<const float2*>(sO + (w * Tr::kRows + r) * Tr::kMergeStride + col0 + c);
-        v0 += a[w] * x.x;
-        v1 += a[w] * x.y;
-      }
-      *reinterpret_cast<float2*>(po + c) = make_float2(v0 * inv, v1 * inv);
+      const float2 v = WarpsWeighted<Tr>(sO, a, r, col0 + c);
+      *reinterpret_cast<float2*>(po + c) = make_float2(v.x * inv, v.y * inv);
     }
     if ((tid % kTPR) == 0) p.part_lse[int64_t(split) * rows_all + row] = lse2;
   }
