@@ -300,9 +300,7 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
     job->max_seqlen_k = job->total_k;
   }
 
-  if (!std::isfinite(r.softmax_scale())) {
-    return Invalid(absl::StrCat("softmax_scale must be finite, got ", r.softmax_scale()));
-  }
+  RETURN_IF_ERROR(CheckScaleAndWindow(r));
   BatchKey& key = job->key;
   key.wire_dtype = ToKernelDType(r.q().dtype());
   key.num_heads = static_cast<int32_t>(r.q().shape(1));
@@ -310,18 +308,7 @@ absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(const v1::Atten
   key.head_dim = static_cast<int32_t>(r.q().shape(2));
   key.causal = r.causal();
   RETURN_IF_ERROR(CheckFp8(r, limits, job.get()));
-  if (r.has_window()) {
-    if (r.window().left() < -1 || r.window().right() < -1) {
-      return Invalid(absl::StrCat("window.left and window.right must be >= -1 (-1: unbounded), ",
-                                  "got ", r.window().left(), " and ", r.window().right()));
-    }
-    key.window_left = r.window().left();
-    key.window_right = r.window().right();
-  }
-  kernels::AttentionArgs scale_args;
-  scale_args.head_dim = key.head_dim;
-  scale_args.softmax_scale = r.softmax_scale();
-  key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
+  SetScaleAndWindow(r, &key);
   job->return_lse = r.return_lse();
   // o is as large as q; lse adds 4 bytes per (head, query token). A request that fits can still
   // ask for an answer that would not: refuse it before any work rather than fail to send it.

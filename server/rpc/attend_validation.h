@@ -1,11 +1,13 @@
 // Validation and decoding of AttendRequest: every check happens here, before any work.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "engine/attend_job.h"
 #include "attn/v1/attention.pb.h"
 
@@ -41,6 +43,34 @@ struct TensorDataSizes {
 // for Backend::StageWireInputs to point at the copied bytes.
 absl::StatusOr<std::unique_ptr<AttendJob>> ValidateAttendRequest(
     const v1::AttendRequest& request, const RequestLimits& limits, const TensorDataSizes& sizes);
+
+// softmax_scale finite and a window's bounds >= -1 (-1: unbounded), as Attend and Step both take
+// them; INVALID_ARGUMENT names the field.
+template <typename Request>
+absl::Status CheckScaleAndWindow(const Request& r) {
+  if (!std::isfinite(r.softmax_scale())) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax_scale must be finite, got ", r.softmax_scale()));
+  }
+  if (r.has_window() && (r.window().left() < -1 || r.window().right() < -1)) {
+    return absl::InvalidArgumentError(absl::StrCat("window.left and window.right must be >= -1 (-1: unbounded), ",
+                                                   "got ", r.window().left(), " and ", r.window().right()));
+  }
+  return absl::OkStatus();
+}
+
+// key's window (where the request sets one) and softmax scale (0: 1/sqrt(head_dim)), after
+// CheckScaleAndWindow and with key->head_dim set.
+template <typename Request>
+void SetScaleAndWindow(const Request& r, BatchKey* key) {
+  if (r.has_window()) {
+    key->window_left = r.window().left();
+    key->window_right = r.window().right();
+  }
+  kernels::AttentionArgs scale_args;
+  scale_args.head_dim = key->head_dim;
+  scale_args.softmax_scale = r.softmax_scale();
+  key->softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
+}
 
 // The o (and lse) tensors of an Attend or step response without their data: q's dtype and shape,
 // lse as [num_heads, total_q] float32, and the region slice of an output written into a region.

@@ -141,17 +141,6 @@ absl::Status CheckStepShapes(const v1::StepRequest& r, const Session& s,
   return absl::OkStatus();
 }
 
-absl::Status CheckOptions(const v1::StepRequest& r) {
-  if (!std::isfinite(r.softmax_scale())) {
-    return Invalid(absl::StrCat("softmax_scale must be finite, got ", r.softmax_scale()));
-  }
-  if (r.has_window() && (r.window().left() < -1 || r.window().right() < -1)) {
-    return Invalid(absl::StrCat("window.left and window.right must be >= -1 (-1: unbounded), ",
-                                "got ", r.window().left(), " and ", r.window().right()));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::Status SessionCacheParams(const v1::CreateSessionRequest& r, const Fp8Features& fp8,
@@ -216,7 +205,7 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
   }
   const TensorDataSizes data = DataSizes(r, wire);
   RETURN_IF_ERROR(CheckStepShapes(r, *session, limits, data));
-  RETURN_IF_ERROR(CheckOptions(r));
+  RETURN_IF_ERROR(CheckScaleAndWindow(r));
   auto job = std::make_unique<StepJob>();
   job->total_q = static_cast<int32_t>(r.q().shape(0));
   job->return_lse = r.return_lse();
@@ -226,14 +215,7 @@ absl::StatusOr<std::unique_ptr<StepJob>> ValidateStepRequest(const v1::StepReque
   key.num_kv_heads = shape.num_kv_heads;
   key.head_dim = shape.head_dim;
   key.causal = true;
-  if (r.has_window()) {
-    key.window_left = r.window().left();
-    key.window_right = r.window().right();
-  }
-  kernels::AttentionArgs scale_args;
-  scale_args.head_dim = key.head_dim;
-  scale_args.softmax_scale = r.softmax_scale();
-  key.softmax_scale = kernels::EffectiveSoftmaxScale(scale_args);
+  SetScaleAndWindow(r, &key);
   key.page_tokens = shape.page_tokens;
   key.decode = job->total_q == 1;
   key.fp8_cache = shape.Fp8Cache();
