@@ -69,7 +69,7 @@ class Shape:
 
 SIZES = {
     "small": Shape(vocab=512, hidden=128, intermediate=256, layers=3, heads=4, kv_heads=2,
-                   head_dim=32),
+                   head_dim=64),
     "8b": Shape(vocab=32000, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                 head_dim=128),
 }

@@ -21,7 +21,7 @@ from attnd import _core, _tensors, _wire
 from attnd.regions import Registered, RegionTable
 from conftest import TOLERANCE, check_lse, make, reference, relative_error, values
 
-HEADS, KV_HEADS, D = 4, 2, 32
+HEADS, KV_HEADS, D = 4, 2, 64
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
 
 pytestmark = pytest.mark.skipif(_core.FAST is None, reason="attnd._fast is not loaded: "

@@ -35,9 +35,13 @@ def clients(server, **kw):
 def native_or_skip(server):
     if os.environ.get("ATTND_TRANSPORT", "auto") == "grpcio":
         pytest.skip("ATTND_TRANSPORT=grpcio: this run tests grpc.aio only")
-    c = attnd.aio.Client(server.target)
-    transport, note = c.transport, c.transport_note
-    run(c.close())
+    async def probe():  # grpc.aio channels belong to a running loop
+        c = attnd.aio.Client(server.target)
+        try:
+            return c.transport, c.transport_note
+        finally:
+            await c.close()
+    transport, note = run(probe())
     if transport != "native":
         if NATIVE_REQUIRED:
             pytest.fail(f"the native transport did not load: {note}")

@@ -26,7 +26,7 @@ def model(client):
     at.register_transformers(client)
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
                                       num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=32,
+                                      num_key_value_heads=2, head_dim=64,
                                       max_position_embeddings=512, tie_word_embeddings=False)
     torch.manual_seed(61)
     return transformers.LlamaForCausalLM(config).eval()
