@@ -194,6 +194,7 @@ __device__ __forceinline__ void RingAwaitAndRefill(int k, int my_tiles, uint32_t
   }
 }
 
+// The byte offset of the stage after `stage`, wrapping at the ring's end.
 template <typename Tr>
 __device__ __forceinline__ uint32_t RingNextStage(uint32_t stage) {
   return stage == (Tr::kStages - 1) * Tr::kStageBytes ? 0 : stage + Tr::kStageBytes;
